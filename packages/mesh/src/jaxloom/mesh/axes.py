@@ -1,0 +1,145 @@
+"""`PartitionAxis`: which mesh axes each logical role is sharded over.
+
+Models name the dimensions of their parameters and activations with logical names (`"batch"`,
+`"embed"`, `"heads"`, ...). `PartitionAxis` is the one place that maps them to mesh axes, with a
+separate mapping for parameters, activations and decoding (levanter's compute vs parameter mapping).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Union
+
+from jax.sharding import PartitionSpec
+
+AxisSpec = Union[str, tuple[str, ...], None]
+Kind = Literal["param", "activation", "decode"]
+
+# Logical dimension names used by jaxloom models.
+LOGICAL_NAMES: tuple[str, ...] = (
+    "batch", "length", "query_length", "key_length", "embed", "heads", "kv_heads", "head_dim",
+    "kv_head_dim", "mlp", "vocab", "expert", "expert_gate", "bias_heads", "bias_key_length", "norm",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionAxis:
+    """Logical role → mesh axis (or tuple of axes, or None for replicated).
+
+    Field names and defaults follow EasyDeL's `PartitionAxis`, so configs written for it load here.
+    """
+
+    data_parallel_axis: AxisSpec = "dp"
+    fully_sharded_data_parallel_axis: AxisSpec = "fsdp"
+    tensor_parallel_axis: AxisSpec = "tp"
+    sequence_parallel_axis: AxisSpec = "sp"
+    expert_parallel_axis: AxisSpec = "ep"
+    batch_axis: AxisSpec = ("fsdp", "dp")
+    sequence_axis: AxisSpec = "sp"
+    query_sequence_axis: AxisSpec = "sp"
+    head_axis: AxisSpec = "tp"
+    kv_head_axis: AxisSpec = "tp"
+    key_sequence_axis: AxisSpec = "sp"
+    hidden_state_axis: AxisSpec = "tp"
+    mlp_intermediate_axis: AxisSpec = "tp"
+    vocab_axis: AxisSpec = "tp"
+    expert_axis: AxisSpec = "ep"
+    expert_gate_axis: AxisSpec = None
+    attention_dim_axis: AxisSpec = None
+    attention_kv_dim_axis: AxisSpec = None
+    bias_head_sequence_axis: AxisSpec = None
+    bias_key_sequence_axis: AxisSpec = None
+    decode_batch_axis: AxisSpec = ("fsdp", "dp")
+    decode_query_sequence_axis: AxisSpec = None
+    decode_head_axis: AxisSpec = "tp"
+    decode_kv_head_axis: AxisSpec = "tp"
+    decode_key_sequence_axis: AxisSpec = "sp"
+    decode_attention_dim_axis: AxisSpec = None
+    decode_attention_kv_dim_axis: AxisSpec = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _normalise(getattr(self, f.name), f.name))
+
+    # ---- serialisation ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: tuples become lists; `from_dict(to_dict())` is the same object."""
+        return {f.name: (list(v) if isinstance(v, tuple) else v)
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PartitionAxis:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ValueError(f"PartitionAxis: unknown field(s) {unknown}; expected some of {sorted(fields)}")
+        return cls(**dict(data))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PartitionAxis:
+        return cls.from_dict(json.loads(text))
+
+    # ---- logical names → mesh axes --------------------------------------------------------------
+    def rules(self, kind: Kind = "activation") -> dict[str, AxisSpec]:
+        """The mapping from every logical name to mesh axes, for parameters, activations or decoding."""
+        if kind == "param":
+            # Parameters: the model dimension over fsdp (ZeRO-3 style), the parallel dims over tp/ep.
+            return {
+                "embed": self.fully_sharded_data_parallel_axis, "heads": self.head_axis,
+                "kv_heads": self.kv_head_axis, "head_dim": None, "kv_head_dim": None,
+                "mlp": self.mlp_intermediate_axis, "vocab": self.vocab_axis, "expert": self.expert_axis,
+                "expert_gate": self.expert_gate_axis, "norm": None, "batch": None, "length": None,
+                "query_length": None, "key_length": None, "bias_heads": None, "bias_key_length": None,
+            }
+        decode = kind == "decode"
+        if kind not in ("activation", "decode"):
+            raise ValueError(f"PartitionAxis.rules: kind {kind!r}; expected 'param', 'activation' or 'decode'")
+        return {
+            "batch": self.decode_batch_axis if decode else self.batch_axis,
+            "length": self.decode_query_sequence_axis if decode else self.sequence_axis,
+            "query_length": self.decode_query_sequence_axis if decode else self.query_sequence_axis,
+            "key_length": self.decode_key_sequence_axis if decode else self.key_sequence_axis,
+            "embed": self.hidden_state_axis,
+            "heads": self.decode_head_axis if decode else self.head_axis,
+            "kv_heads": self.decode_kv_head_axis if decode else self.kv_head_axis,
+            "head_dim": self.decode_attention_dim_axis if decode else self.attention_dim_axis,
+            "kv_head_dim": self.decode_attention_kv_dim_axis if decode else self.attention_kv_dim_axis,
+            "mlp": self.mlp_intermediate_axis, "vocab": self.vocab_axis, "expert": self.expert_axis,
+            "expert_gate": self.expert_gate_axis, "norm": None,
+            "bias_heads": self.bias_head_sequence_axis, "bias_key_length": self.bias_key_sequence_axis,
+        }
+
+    def spec(self, names: Sequence[str | None], kind: Kind = "activation", mesh=None) -> PartitionSpec:
+        """`PartitionSpec` for a tensor whose dims carry these logical names (None = replicated).
+
+        With `mesh`, mesh axes the mesh lacks are dropped, and a mesh axis already used by an earlier
+        dim is not used twice (a dim gets it only once), so one `PartitionAxis` serves every mesh.
+        """
+        table = self.rules(kind)
+        used: set[str] = set()
+        out: list[AxisSpec] = []
+        for name in names:
+            if name is None:
+                out.append(None)
+                continue
+            if name not in table:
+                raise ValueError(f"unknown logical axis name {name!r}; expected one of {sorted(table)}")
+            axes = table[name]
+            axes = (axes,) if isinstance(axes, str) else (axes or ())
+            keep = tuple(a for a in axes if a not in used and (mesh is None or a in mesh.shape))
+            used.update(keep)
+            out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+        return PartitionSpec(*out)
+
+
+def _normalise(value: Any, name: str) -> AxisSpec:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(f"PartitionAxis.{name}: {value!r}; expected a mesh axis name, a tuple of names, or None")
