@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import glob
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,10 @@ TEST_ENV = {
     "PYTHONHASHSEED": "0",
 }
 TARGETS = (*parts.PARTS, parts.META)
+# Parts whose tests compare against transformers' PyTorch models. Torch is installed from a local CPU
+# wheel only: a plain `torch` requirement would download a multi-GB CUDA build.
+NEEDS_TORCH = {"models"}
+TORCH_WHEELS = "/opt/wheels/torch-2.13.0+cpu-*.whl"
 
 
 def install_parts(session: nox.Session, names: list[str], extra: str = "test") -> None:
@@ -45,6 +50,12 @@ def tests(session: nox.Session, target: str) -> None:
     The `jaxloom` target installs everything and also runs the cross-package tests in tests/."""
     start = time.perf_counter()
     install_parts(session, parts.closure(target) if target != parts.META else [*parts.PARTS, parts.META])
+    if target in NEEDS_TORCH:
+        wheels = sorted(glob.glob(TORCH_WHEELS))
+        if wheels:
+            session.install(wheels[-1])
+        else:
+            session.warn(f"no local CPU torch wheel ({TORCH_WHEELS}): parity tests against transformers will skip")
     paths = [f"packages/{target}/tests"]
     if target == parts.META:
         session.install("uv")  # the namespace tests build throwaway venvs

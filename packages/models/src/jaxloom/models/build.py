@@ -1,0 +1,81 @@
+"""Creating models: abstract (no memory), on one device, or directly sharded on a mesh; sizes and FLOPs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from .configs import LlamaConfig, MixtralConfig
+from .registry import TaskType, get_model_class
+from .runtime import RuntimeConfig
+
+
+def is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_specs(state: Any, runtime: RuntimeConfig, mesh=None) -> Any:
+    """The state with each Variable's value replaced by its `PartitionSpec` (from `logical_axes`)."""
+    pa = runtime.partition_axis
+
+    def spec(v):
+        names = v.get_metadata().get("logical_axes", (None,) * len(v.shape))
+        return v.replace(value=pa.spec(names, "param", mesh=mesh))
+
+    return jax.tree_util.tree_map(spec, state, is_leaf=is_variable)
+
+
+def param_shardings(state: Any, runtime: RuntimeConfig, mesh) -> Any:
+    """Like `param_specs`, with `NamedSharding`s on `mesh`; checks that every shape divides."""
+    from jaxloom.mesh import validate_specs
+
+    specs = param_specs(state, runtime, mesh)
+    validate_specs(specs, state, mesh)
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def create_model(config: LlamaConfig, runtime: RuntimeConfig | None = None, *, seed: int = 0, mesh=None,
+                 lazy: bool = False, model_class: type | None = None, task: TaskType = TaskType.CAUSAL_LM):
+    """A model for `config`. `lazy=True`: abstract (ShapeDtypeStructs, no memory). With `mesh`: every
+    parameter is created directly on its shard (never whole on one device). Same values for the same
+    seed whatever the mesh."""
+    runtime = runtime or RuntimeConfig()
+    cls = model_class or get_model_class(config.model_type, task)
+
+    def make():
+        return cls(config, runtime, rngs=nnx.Rngs(seed))
+
+    if lazy:
+        return nnx.eval_shape(make)
+    if mesh is None:
+        return make()
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    shardings = param_shardings(abstract, runtime, mesh)
+    state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def count_params(model_or_state: Any) -> int:
+    """Number of parameters (`nnx.Param` only) of a model, abstract or not, or of a state."""
+    state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(state)))
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int, *, training: bool = True) -> float:
+    """Model FLOPs per token (PaLM appendix B): `2·N_active + 2·L·T·H_q·d_head` for a forward pass with
+    causal attention counted whole, tripled for training (forward + backward). Embedding lookups
+    are excluded, the output projection included."""
+    d, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    n_q, n_kv, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    attn = d * (n_q * h) * 2 + d * (n_kv * h) * 2
+    if isinstance(config, MixtralConfig):
+        mlp = 3 * d * f * config.num_experts_per_tok + d * config.num_local_experts
+    else:
+        mlp = 3 * d * f
+    matmul_params = layers * (attn + mlp) + d * config.vocab_size
+    forward = 2 * matmul_params + 2 * layers * seq_len * n_q * h * 2  # QK^T and AV
+    return float(3 * forward if training else forward)

@@ -1,0 +1,205 @@
+"""Architecture configs with Hugging Face field names. No dtypes, meshes or kernels here: see `RuntimeConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+# HF config.json keys that carry no architecture and are accepted and dropped on load.
+_IGNORED_HF_KEYS = {
+    "architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout", "pretraining_tp", "output_router_logits",
+    "router_jitter_noise", "return_dict", "output_hidden_states", "output_attentions", "torchscript",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "is_encoder_decoder", "chunk_size_feed_forward",
+    "tie_encoder_decoder", "task_specific_params", "prefix", "sep_token_id", "decoder_start_token_id",
+    "layer_types", "max_window_layers", "use_sliding_window", "model_type", "rope_parameters",
+}
+
+
+class FrozenDict(dict):
+    """A dict that can be hashed (its values must be hashable); used for `rope_scaling`."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+    def _readonly(self, *a, **k):
+        raise TypeError("this dict is frozen")
+
+    __setitem__ = __delitem__ = update = pop = clear = setdefault = _readonly  # type: ignore[assignment]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Llama architecture. Field names are those of `transformers.LlamaConfig`."""
+
+    model_type: ClassVar[str] = "llama"
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        # Hashable forms: configs are static data under jit.
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{type(self).__name__}.{name} = {value!r}; expected a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{type(self).__name__}: num_attention_heads {self.num_attention_heads} is not a "
+                             f"multiple of num_key_value_heads {self.num_key_value_heads}")
+        if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
+            raise ValueError(f"hidden_act {self.hidden_act!r}; expected silu, gelu, gelu_pytorch_tanh or relu")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
+                raise ValueError(f"rope_scaling type {kind!r}; expected default, linear, dynamic, llama3 or yarn")
+
+    # Which projections carry a bias, per family.
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes)
+
+    # ---- Hugging Face config.json ------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, data: Mapping[str, Any]):
+        """From a `config.json` dict (transformers 4 or 5 layout). Unknown keys are an error."""
+        data = dict(data)
+        rope = data.pop("rope_parameters", None)
+        if rope:  # transformers 5: theta and scaling live together
+            data.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+            if rope.get("rope_type", "default") != "default":
+                data.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+        scaling = data.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            data["rope_scaling"] = None
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in data if k not in fields and k not in _IGNORED_HF_KEYS)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown config key(s) {unknown}; expected some of {sorted(fields)}")
+        data = cls.family_adjust(data)
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+    @classmethod
+    def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:
+        return data
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = {k: dict(v) if isinstance(v, dict) else list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+        out["model_type"] = self.model_type
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling:
+            rope.update(dict(self.rope_scaling))
+            rope["rope_type"] = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+        out["rope_parameters"] = rope
+        return {k: v for k, v in out.items() if v is not None}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path):
+        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json at {file}")
+        return cls.from_hf_dict(json.loads(file.read_text()))
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        file = Path(path) / "config.json"
+        file.write_text(json.dumps(self.to_hf_dict(), indent=2, sort_keys=True))
+        return file
+
+
+@dataclasses.dataclass(frozen=True)
+class MistralConfig(LlamaConfig):
+    """Mistral: Llama with sliding-window attention."""
+
+    model_type: ClassVar[str] = "mistral"
+    sliding_window: int | None = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config(LlamaConfig):
+    """Qwen2: Llama with biases on q, k and v (not o)."""
+
+    model_type: ClassVar[str] = "qwen2"
+    attention_bias: bool = True
+
+    @property
+    def o_bias(self) -> bool:
+        return False
+
+    @classmethod
+    def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:
+        if not data.get("use_sliding_window", False):
+            data["sliding_window"] = None
+        data.setdefault("attention_bias", True)
+        return data
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtralConfig(LlamaConfig):
+    """Mixtral: sparse MoE feed-forward (top-k routing over `num_local_experts`)."""
+
+    model_type: ClassVar[str] = "mixtral"
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    router_aux_loss_coef: float = 0.001
+    rms_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
+            raise ValueError(f"MixtralConfig: num_experts_per_tok {self.num_experts_per_tok} must be in "
+                             f"[1, num_local_experts={self.num_local_experts}]")
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_local_experts
+
+
+CONFIG_CLASSES: dict[str, type[LlamaConfig]] = {
+    c.model_type: c for c in (LlamaConfig, MistralConfig, Qwen2Config, MixtralConfig)
+}
+
+
+def config_from_hf_dict(data: Mapping[str, Any]) -> LlamaConfig:
+    """The right config class for `data["model_type"]`."""
+    kind = data.get("model_type")
+    if kind not in CONFIG_CLASSES:
+        raise ValueError(f"model_type {kind!r} is not supported; known: {sorted(CONFIG_CLASSES)}")
+    return CONFIG_CLASSES[kind].from_hf_dict(data)

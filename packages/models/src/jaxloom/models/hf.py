@@ -1,0 +1,190 @@
+"""Hugging Face checkpoints: read a model directory into a (sharded) model, and write one back."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from . import safetensors_io
+from .build import is_variable, param_specs
+from .configs import LlamaConfig, MixtralConfig, config_from_hf_dict
+from .registry import TaskType, get_model_class
+from .runtime import RuntimeConfig
+
+_EXPERT_FILES = {"w_gate": "w1", "w_down": "w2", "w_up": "w3"}
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def _names(path) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+
+
+def hf_sources(names: list[str], config: LlamaConfig) -> list[tuple[str, bool]]:
+    """HF tensor names for one of our parameters, and whether each is stored transposed."""
+    *module, leaf = names
+    if isinstance(config, MixtralConfig) and "mlp" in module:
+        module = ["block_sparse_moe" if m == "mlp" else m for m in module]
+        if leaf in _EXPERT_FILES:
+            base = ".".join(module)
+            return [(f"{base}.experts.{e}.{_EXPERT_FILES[leaf]}.weight", True) for e in range(config.num_local_experts)]
+    base = ".".join(module)
+    if leaf == "kernel":
+        return [(f"{base}.weight", True)]
+    if leaf == "embedding":
+        return [(f"{base}.weight", False)]
+    return [(f"{base}.{leaf}", False)]
+
+
+def _open_checkpoint(path: Path) -> dict[str, np.ndarray]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        tensors: dict[str, np.ndarray] = {}
+        for file in sorted(set(weight_map.values())):
+            tensors.update(safetensors_io.load(path / file))
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise ValueError(f"{index}: names tensors that no shard holds: {missing[:10]}")
+        return tensors
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                                f"(found {sorted(p.name for p in path.iterdir())})")
+    return safetensors_io.load(single)
+
+
+def from_pretrained(path: str | Path, runtime: RuntimeConfig | None = None, *, mesh=None,
+                    task: TaskType = TaskType.CAUSAL_LM, config_overrides: dict[str, Any] | None = None):
+    """Read an HF model directory (`config.json` + safetensors, sharded or not) into a model. With
+    `mesh`, each process reads only the slices its devices hold, placed directly on their shards.
+    Weights are cast to `runtime.param_dtype`. Missing or unexpected weights are an error naming them."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
+    config = config_from_hf_dict(json.loads((path / "config.json").read_text()))
+    if config_overrides:
+        config = config.replace(**config_overrides)
+    runtime = runtime or RuntimeConfig()
+    cls = get_model_class(config.model_type, task)
+    tensors = _open_checkpoint(path)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, runtime, rngs=nnx.Rngs(0))))
+    specs = param_specs(abstract, runtime, mesh) if mesh is not None else None
+    used, missing = set(), []
+
+    def load(path_keys, var):
+        names = _names(path_keys)
+        sources = hf_sources(names, config)
+        absent = [s for s, _ in sources if s not in tensors]
+        if absent:
+            missing.extend(absent)
+            return var
+        parts = [tensors[s].T if t else tensors[s] for s, t in sources]
+        used.update(s for s, _ in sources)
+        src = parts[0] if len(parts) == 1 else _Stacked(parts)
+        if tuple(src.shape) != tuple(var.shape):
+            raise ValueError(f"weight {sources[0][0]} has shape {tuple(src.shape)}, but parameter "
+                             f"{'/'.join(names)} of {cls.__name__} expects {tuple(var.shape)}")
+        dtype = var.get_value().dtype
+        if mesh is None:
+            return var.replace(value=jnp.asarray(np.asarray(src[...]).astype(dtype)))
+        spec = _lookup(specs, path_keys)
+        sharding = NamedSharding(mesh, spec)
+        value = jax.make_array_from_callback(tuple(var.shape), sharding,
+                                             lambda idx: np.asarray(src[idx]).astype(dtype))
+        return var.replace(value=value)
+
+    state = jax.tree_util.tree_map_with_path(load, abstract, is_leaf=is_variable)
+    unexpected = sorted(k for k in tensors if k not in used and not _IGNORED.search(k)
+                        and not (config.tie_word_embeddings and k == "lm_head.weight"))
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match {cls.__name__}: missing weights {sorted(missing)[:20]}"
+                         f"{' …' if len(missing) > 20 else ''}; unexpected weights {unexpected[:20]}"
+                         f"{' …' if len(unexpected) > 20 else ''}")
+    return nnx.merge(graphdef, state)
+
+
+def _lookup(tree, path_keys):
+    node = tree
+    for k in path_keys:
+        node = node[getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))]
+    return node.get_value() if is_variable(node) else node
+
+
+class _Stacked:
+    """Lazy `np.stack(parts)`: indexing reads only the experts asked for."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.shape = (len(parts), *parts[0].shape)
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if not idx or idx[0] is Ellipsis:
+            return np.stack([p[...] for p in self.parts])
+        rest = idx[1:]
+        return np.stack([p[rest] if rest else p[...] for p in self.parts[idx[0]]])
+
+
+def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
+    """Our parameters under HF names and layouts, as host numpy arrays (gathered across processes)."""
+    from jaxloom.mesh import gather
+
+    config = model.config
+    out: dict[str, np.ndarray] = {}
+    state = nnx.state(model, nnx.Param)
+    for path_keys, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]:
+        value = gather(var.get_value())
+        sources = hf_sources(_names(path_keys), config)
+        if len(sources) == 1:
+            name, transposed = sources[0]
+            out[name] = value.T if transposed else value
+        else:
+            for e, (name, transposed) in enumerate(sources):
+                out[name] = value[e].T if transposed else value[e]
+    return out
+
+
+def save_pretrained(model: nnx.Module, path: str | Path, *, max_shard_bytes: int = 5 * 2**30,
+                    dtype: Any = None) -> Path:
+    """Write `config.json` and `model.safetensors` (sharded with an index past `max_shard_bytes`),
+    loadable by `transformers` and by `from_pretrained`. Only process 0 writes."""
+    path = Path(path)
+    tensors = to_hf_state_dict(model)
+    if dtype is not None:
+        tensors = {k: v.astype(jnp.dtype(dtype)) if np.issubdtype(v.dtype, np.floating) or v.dtype == jnp.bfloat16
+                   else v for k, v in tensors.items()}
+    if jax.process_index() != 0:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_hf_dict()
+    config["architectures"] = [type(model).__name__]
+    config["dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        if shards[-1] and size + tensors[name].nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += tensors[name].nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        safetensors_io.save(shards[0], path / "model.safetensors", meta)
+        return path
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        safetensors_io.save(shard, path / file, meta)
+        weight_map.update({k: file for k in shard})
+    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    return path

@@ -1,0 +1,130 @@
+"""Building blocks whose parameters carry logical axis names (`logical_axes` metadata)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .runtime import RuntimeConfig
+
+
+def constrain(x: jax.Array, names: Sequence[str | None], runtime: RuntimeConfig, kind: str = "activation"):
+    """Shard an activation by logical names when a mesh is set (`with jax.set_mesh(mesh)`); else a no-op."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, runtime.partition_axis.spec(names, kind, mesh=mesh))
+
+
+def _precision(runtime: RuntimeConfig):
+    return None if runtime.precision is None else jax.lax.Precision[runtime.precision.upper()]
+
+
+class Linear(nnx.Module):
+    """`y = x @ kernel (+ bias)`, kernel `[in, out]` named by `axes`."""
+
+    def __init__(self, din: int, dout: int, axes: tuple[str | None, str | None], runtime: RuntimeConfig, *,
+                 use_bias: bool = False, std: float = 0.02, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(std)
+        self.kernel = nnx.Param(init(rngs.params(), (din, dout), runtime.param_dtype), logical_axes=axes)
+        self.bias = nnx.Param(jnp.zeros((dout,), runtime.param_dtype), logical_axes=(axes[1],)) if use_bias else None
+        self.dtype, self.precision = runtime.dtype, _precision(runtime)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), precision=self.precision)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, runtime: RuntimeConfig, *, std: float = 0.02, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(std)
+        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), runtime.param_dtype),
+                                   logical_axes=("vocab", "embed"))
+        self.dtype, self.precision = runtime.dtype, _precision(runtime)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Tied output projection: `x @ embedding.T`."""
+        return jnp.dot(x.astype(self.dtype), self.embedding[...].astype(self.dtype).T, precision=self.precision)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, runtime: RuntimeConfig):
+        self.weight = nnx.Param(jnp.ones((dim,), runtime.param_dtype), logical_axes=("norm",))
+        self.eps, self.dtype = eps, runtime.dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.dtype) * h.astype(self.dtype)
+
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu, "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+# ---- rotary position embeddings --------------------------------------------------------------------
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int,
+                     seq_len: int | None = None) -> tuple[jax.Array, float]:
+    """`(inv_freq [head_dim/2], attention_scaling)` for the rope types transformers knows:
+    default, linear, dynamic (NTK), llama3 and yarn."""
+    exps = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv = 1.0 / (theta ** exps)
+    if not scaling:
+        return inv, 1.0
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv / factor, 1.0
+    if kind == "dynamic":
+        original = scaling.get("original_max_position_embeddings", max_positions)
+        if seq_len is not None and seq_len > original:
+            base = theta * ((factor * seq_len / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+            inv = 1.0 / (base ** exps)
+        return inv, 1.0
+    if kind == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv / factor + smooth * inv
+        out = jnp.where(wavelen > original / low, inv / factor, inv)
+        mid = (wavelen <= original / low) & (wavelen >= original / high)
+        return jnp.where(mid, smoothed, out), 1.0
+    if kind == "yarn":
+        original = scaling.get("original_max_position_embeddings", max_positions)
+        beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+        def dim_for(rot):
+            return head_dim * math.log(original / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo = max(math.floor(dim_for(beta_fast)), 0)
+        hi = min(math.ceil(dim_for(beta_slow)), head_dim - 1)
+        ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - lo) / max(hi - lo, 1e-3), 0, 1)
+        extrapolation = 1 - ramp
+        return (inv / factor) * (1 - extrapolation) + inv * extrapolation, float(mscale)
+    return inv, 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
+    """Rotate `x [B, T, N, H]` by `positions [B, T]` (the rotate-half convention of HF Llama)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    cos = (jnp.cos(angles) * scale)[:, :, None, :]
+    sin = (jnp.sin(angles) * scale)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)

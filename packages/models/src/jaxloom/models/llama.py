@@ -1,0 +1,128 @@
+"""Llama, Mistral and Qwen2 for causal LM in Flax NNX: one implementation, configured by family."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .attention import Attention, make_attention_mask
+from .configs import LlamaConfig, MistralConfig, Qwen2Config
+from .layers import ACTIVATIONS, Embed, Linear, RMSNorm, constrain
+from .registry import TaskType, register
+from .runtime import RuntimeConfig
+
+REMAT_POLICIES = {
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CausalLMOutput:
+    logits: jax.Array                # [B, T, V]
+    aux_loss: jax.Array | None = None  # MoE load-balancing loss (unscaled), None for dense models
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
+        d, f, std, bias = config.hidden_size, config.intermediate_size, config.initializer_range, config.mlp_bias
+        self.gate_proj = Linear(d, f, ("embed", "mlp"), runtime, use_bias=bias, std=std, rngs=rngs)
+        self.up_proj = Linear(d, f, ("embed", "mlp"), runtime, use_bias=bias, std=std, rngs=rngs)
+        self.down_proj = Linear(f, d, ("mlp", "embed"), runtime, use_bias=bias, std=std, rngs=rngs)
+        self.act, self.runtime = ACTIVATIONS[config.hidden_act], runtime
+
+    def __call__(self, x, token_mask=None):
+        h = self.act(self.gate_proj(x)) * self.up_proj(x)
+        h = constrain(h, ("batch", "length", "mlp"), self.runtime)
+        return self.down_proj(h), None
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, runtime: RuntimeConfig, mlp_factory, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime)
+        self.self_attn = Attention(config, runtime, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime)
+        self.mlp = mlp_factory(config, runtime, rngs=rngs)
+        self.runtime = runtime
+
+    def __call__(self, x, positions, mask, token_mask):
+        x = x + self.self_attn(self.input_layernorm(x), positions, mask)
+        out, aux = self.mlp(self.post_attention_layernorm(x), token_mask)
+        x = constrain(x + out, ("batch", "length", "embed"), self.runtime)
+        return x, aux
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only causal LM. Parameter names follow HF (`model.layers.N.self_attn.q_proj`), so the
+    checkpoint adapter in `hf.py` is a rename plus transposes.
+
+    Call with `input_ids [B, T]` and optionally `attention_mask [B, T]` (1 = token, 0 = padding),
+    `positions [B, T]` (default: count of real tokens before each one, so left padding works), and
+    `segment_ids [B, T]` for packed rows (ids > 0 per document, 0 = padding; attention never crosses
+    documents). Returns `CausalLMOutput`.
+    """
+
+    config_class: type[LlamaConfig] = LlamaConfig
+    mlp_factory: Any = MLP
+
+    def __init__(self, config: LlamaConfig, runtime: RuntimeConfig | None = None, *, rngs: nnx.Rngs):
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}")
+        runtime = runtime or RuntimeConfig()
+        self.config, self.runtime = config, runtime
+        self.model = nnx.Module()
+        self.model.embed_tokens = Embed(config.vocab_size, config.hidden_size, runtime,
+                                        std=config.initializer_range, rngs=rngs)
+        self.model.layers = nnx.List([DecoderLayer(config, runtime, type(self).mlp_factory, rngs=rngs)
+                                      for _ in range(config.num_hidden_layers)])
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, ("embed", "vocab"), runtime, std=config.initializer_range, rngs=rngs)
+
+    def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None) -> CausalLMOutput:
+        b, t = input_ids.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+        token_mask = segment_ids != 0
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(token_mask, axis=-1) - 1, 0)
+        mask = make_attention_mask(segment_ids, positions, positions, self.config.sliding_window)
+        x = constrain(self.model.embed_tokens(input_ids), ("batch", "length", "embed"), self.runtime)
+
+        def run(layer, x, positions, mask, token_mask):
+            return layer(x, positions, mask, token_mask)
+
+        if self.runtime.remat != "none":
+            run = nnx.remat(run, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=True)
+        aux_total = None
+        for layer in self.model.layers:
+            x, aux = run(layer, x, positions, mask, token_mask)
+            if aux is not None:
+                aux_total = aux if aux_total is None else aux_total + aux
+        x = self.model.norm(x)
+        logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        logits = constrain(logits, ("batch", "length", "vocab"), self.runtime)
+        if aux_total is not None:
+            aux_total = aux_total / len(self.model.layers)
+        return CausalLMOutput(logits=logits, aux_loss=aux_total)
+
+
+@register("llama", TaskType.CAUSAL_LM)
+class LlamaForCausalLM(CausalLM):
+    config_class = LlamaConfig
+
+
+@register("mistral", TaskType.CAUSAL_LM)
+class MistralForCausalLM(CausalLM):
+    config_class = MistralConfig
+
+
+@register("qwen2", TaskType.CAUSAL_LM)
+class Qwen2ForCausalLM(CausalLM):
+    config_class = Qwen2Config
