@@ -18,8 +18,8 @@ def is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def param_specs(state: Any, runtime: RuntimeConfig, mesh=None) -> Any:
-    """The state with each Variable's value replaced by its `PartitionSpec` (from `logical_axes`)."""
+def variable_specs(state: Any, runtime: RuntimeConfig, mesh=None) -> Any:
+    """An `nnx.State` with each Variable's value replaced by its `PartitionSpec` (from `logical_axes`)."""
     pa = runtime.partition_axis
 
     def spec(v):
@@ -29,13 +29,25 @@ def param_specs(state: Any, runtime: RuntimeConfig, mesh=None) -> Any:
     return jax.tree_util.tree_map(spec, state, is_leaf=is_variable)
 
 
-def param_shardings(state: Any, runtime: RuntimeConfig, mesh) -> Any:
-    """Like `param_specs`, with `NamedSharding`s on `mesh`; checks that every shape divides."""
+def _variable_shardings(state: Any, runtime: RuntimeConfig, mesh) -> Any:
     from jaxloom.mesh import validate_specs
 
-    specs = param_specs(state, runtime, mesh)
+    specs = variable_specs(state, runtime, mesh)
     validate_specs(specs, state, mesh)
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def param_specs(model: nnx.Module, mesh=None, runtime: RuntimeConfig | None = None) -> dict:
+    """`PartitionSpec` of every parameter of `model` (abstract or not), as a plain nested dict shaped like
+    `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (and like `TrainState.params`)."""
+    runtime = runtime or model.runtime
+    return nnx.to_pure_dict(variable_specs(nnx.state(model, nnx.Param), runtime, mesh))
+
+
+def param_shardings(model: nnx.Module, mesh, runtime: RuntimeConfig | None = None) -> dict:
+    """Like `param_specs`, as `NamedSharding`s on `mesh`; checks that every shape divides."""
+    runtime = runtime or model.runtime
+    return nnx.to_pure_dict(_variable_shardings(nnx.state(model, nnx.Param), runtime, mesh))
 
 
 def create_model(config: LlamaConfig, runtime: RuntimeConfig | None = None, *, seed: int = 0, mesh=None,
@@ -54,7 +66,7 @@ def create_model(config: LlamaConfig, runtime: RuntimeConfig | None = None, *, s
     if mesh is None:
         return make()
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
-    shardings = param_shardings(abstract, runtime, mesh)
+    shardings = _variable_shardings(abstract, runtime, mesh)
     state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
     return nnx.merge(graphdef, state)
 

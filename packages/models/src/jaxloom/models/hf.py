@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from . import safetensors_io
-from .build import is_variable, param_specs
+from .build import is_variable, variable_specs
 from .configs import LlamaConfig, MixtralConfig, config_from_hf_dict
 from .registry import TaskType, get_model_class
 from .runtime import RuntimeConfig
@@ -76,7 +76,7 @@ def from_pretrained(path: str | Path, runtime: RuntimeConfig | None = None, *, m
     cls = get_model_class(config.model_type, task)
     tensors = _open_checkpoint(path)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, runtime, rngs=nnx.Rngs(0))))
-    specs = param_specs(abstract, runtime, mesh) if mesh is not None else None
+    specs = variable_specs(abstract, runtime, mesh) if mesh is not None else None
     used, missing = set(), []
 
     def load(path_keys, var):

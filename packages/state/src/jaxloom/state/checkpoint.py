@@ -1,0 +1,313 @@
+"""`CheckpointManager`: orbax checkpoints that are async, atomic, verified and restorable onto any mesh.
+
+A checkpoint `DIR/<step>/` holds three items: `params`, `opt_state` (orbax arrays) and `meta` (JSON:
+step, rng, the data iterator's state, run metadata, versions). Orbax makes a step visible only once
+complete; after it is finalised, process 0 adds `jaxloom_checksums.json` (size and SHA-256 of every
+file), which `restore` verifies before reading, falling back to older steps when asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from .train_state import TrainState
+
+log = logging.getLogger(__name__)
+CHECKSUMS = "jaxloom_checksums.json"
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint's files do not match what was written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Args:
+      directory: where checkpoints live (local path, or any path orbax/etils supports).
+      save_steps: save when `step % save_steps == 0`. save_minutes: also when this long passed since the last.
+      save_total_limit: keep the newest K. keep_period: also keep every step divisible by M.
+      async_save: write in the background; training continues once arrays are copied to host.
+      float_dtype: store floating parameters in this dtype (e.g. 'bfloat16'); restored to the target's.
+      verify: check checksums before restoring.
+    """
+
+    directory: str
+    save_steps: int | None = None
+    save_minutes: float | None = None
+    save_total_limit: int | None = 3
+    keep_period: int | None = None
+    async_save: bool = True
+    float_dtype: str | None = None
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("save_steps", "save_total_limit", "keep_period"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ValueError(f"CheckpointConfig.{name} = {v!r}; expected a positive integer or None")
+        if self.save_minutes is not None and self.save_minutes <= 0:
+            raise ValueError(f"CheckpointConfig.save_minutes = {self.save_minutes!r}; expected > 0 or None")
+
+
+@dataclasses.dataclass
+class Restored:
+    state: TrainState
+    step: int
+    data_state: Any
+    metadata: dict
+
+
+class CheckpointManager:
+    def __init__(self, config: CheckpointConfig | str, **overrides: Any):
+        if isinstance(config, str | Path):
+            config = CheckpointConfig(directory=str(config), **overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        self.directory = Path(config.directory).absolute()
+        self._manager: ocp.CheckpointManager | None = None
+        self._last_save_time = time.monotonic()
+        self._lock = threading.Lock()
+        if self.directory.is_dir():
+            self._open()
+
+    # ---- orbax ------------------------------------------------------------------------------------
+    def _open(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            c = self.config
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=c.save_total_limit, keep_period=c.keep_period, enable_async_checkpointing=c.async_save,
+                cleanup_tmp_directories=True, create=True,
+                async_options=ocp.AsyncOptions(post_finalization_callback=self._write_checksums) if c.async_save
+                else None)
+            handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+                        "meta": ocp.JsonCheckpointHandler()}
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        return self._manager
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step (partial writes are never counted)."""
+        return None if self._manager is None else self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return [] if self._manager is None else sorted(self._manager.all_steps())
+
+    # ---- saving -----------------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether `step` is due, by step count or wall time. Time is decided by process 0 and shared,
+        so all processes always agree (they must all call `save` together)."""
+        c = self.config
+        due = bool(c.save_steps and step > 0 and step % c.save_steps == 0)
+        if c.save_minutes and not due:
+            late = time.monotonic() - self._last_save_time >= 60 * c.save_minutes
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+                late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
+            due = late
+        return due
+
+    def save(self, step: int, state: TrainState, *, data_state: Any = None, metadata: dict | None = None) -> None:
+        """Save `state` as checkpoint `step` (all processes call this). Returns once arrays are on the
+        host; the write continues in the background when `async_save`."""
+        manager = self._open()
+        params = state.params
+        if self.config.float_dtype:
+            dtype = np.dtype(jax.numpy.dtype(self.config.float_dtype))
+            params = jax.tree_util.tree_map(
+                lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params)
+        meta = {"step": int(step), "rng": np.asarray(jax.device_get(state.rng)).tolist(), "data": data_state,
+                "metadata": metadata or {}, "versions": _versions(),
+                "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+        items = {"params": ocp.args.StandardSave(params), "meta": ocp.args.JsonSave(meta)}
+        if jax.tree_util.tree_leaves(state.opt_state):  # orbax refuses empty trees (e.g. optax.identity)
+            items["opt_state"] = ocp.args.StandardSave(state.opt_state)
+        manager.save(int(step), args=ocp.args.Composite(**items), force=True)
+        self._last_save_time = time.monotonic()
+        if not self.config.async_save:
+            self._write_checksums()
+
+    def wait_until_finished(self) -> None:
+        """Block until background writes are done; raises if one failed (errors are never swallowed)."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._write_checksums()
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self.wait_until_finished()
+            self._manager.close()
+            self._manager = None
+
+    def _write_checksums(self) -> None:
+        if jax.process_index() != 0 or self._manager is None:
+            return
+        with self._lock:
+            for step in self._manager.all_steps():
+                folder = self.directory / str(step)
+                if (folder / CHECKSUMS).exists():
+                    continue
+                try:
+                    sums = _checksums(folder)
+                    tmp = folder / (CHECKSUMS + ".tmp")
+                    tmp.write_text(json.dumps(sums, sort_keys=True))
+                    tmp.replace(folder / CHECKSUMS)
+                except FileNotFoundError:  # deleted by keep-N meanwhile
+                    continue
+
+    # ---- restoring --------------------------------------------------------------------------------
+    def verify(self, step: int) -> None:
+        """Raise `CheckpointCorruptError` if any file of checkpoint `step` differs from its checksum."""
+        folder = self.directory / str(step)
+        manifest = folder / CHECKSUMS
+        if not manifest.exists():
+            log.warning("checkpoint %s has no checksums (written before finalisation ended); not verified", folder)
+            return
+        expected = json.loads(manifest.read_text())
+        actual = _checksums(folder)
+        for name, (size, digest) in sorted(expected.items()):
+            if name not in actual:
+                raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is missing")
+            if actual[name] != [size, digest]:
+                raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is corrupt "
+                                             f"(size {actual[name][0]} vs {size} written, checksum differs)")
+
+    def restore(self, target: TrainState, step: int | None = None, *, params_only: bool = False,
+                fallback: bool = True) -> Restored:
+        """Restore onto `target`'s shapes, dtypes and shardings (an abstract `TrainState`, e.g. from
+        `jax.eval_shape`, whose leaves carry `.sharding`): any mesh, any number of processes.
+
+        `step=None` takes the newest; with `fallback`, a corrupt newest is reported and the next older
+        complete one is used. `params_only` keeps `target.opt_state` and step 0 (fine-tuning)."""
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}"
+                                    + ("" if self.directory.is_dir() else " (the directory does not exist)"))
+        if step is not None and step not in steps:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; available: {steps}")
+        candidates = [step] if step is not None else sorted(steps, reverse=True)
+        errors = []
+        for s in candidates:
+            try:
+                return self._restore_one(target, s, params_only)
+            except CheckpointCorruptError as e:
+                errors.append(str(e))
+                if not fallback or step is not None:
+                    raise
+                log.error("%s; falling back to an older checkpoint", e)
+        raise CheckpointCorruptError("every checkpoint is corrupt: " + " | ".join(errors))
+
+    def _restore_one(self, target: TrainState, step: int, params_only: bool) -> Restored:
+        if self.config.verify:
+            self.verify(step)
+        self._check_target(target, step, params_only)
+        items = {"params": ocp.args.StandardRestore(_as_abstract(target.params)), "meta": ocp.args.JsonRestore()}
+        if not params_only and jax.tree_util.tree_leaves(target.opt_state):
+            items["opt_state"] = ocp.args.StandardRestore(_as_abstract(target.opt_state))
+        try:
+            out = self._open().restore(step, args=ocp.args.Composite(**items))
+        except (ValueError, OSError, RuntimeError) as e:
+            raise CheckpointCorruptError(f"checkpoint {self.directory / str(step)} could not be read: "
+                                         f"{type(e).__name__}: {str(e)[:500]}") from e
+        meta = out.meta
+        rng_sharding = getattr(target.rng, "sharding", None)
+        rng = np.asarray(meta["rng"], dtype=np.uint32)
+        rng = jax.device_put(rng, rng_sharding) if rng_sharding is not None else jax.numpy.asarray(rng)
+        if params_only:
+            state = target.replace(params=out.params)
+            return Restored(state=state, step=0, data_state=None, metadata=meta.get("metadata", {}))
+        step_sharding = getattr(target.step, "sharding", None)
+        step_arr = np.asarray(meta["step"], np.int32)
+        step_arr = jax.device_put(step_arr, step_sharding) if step_sharding is not None else jax.numpy.asarray(step_arr)
+        opt_state = out.opt_state if "opt_state" in items else target.opt_state
+        state = target.replace(step=step_arr, params=out.params, opt_state=opt_state, rng=rng)
+        log.info("restored checkpoint %s (step %d)", self.directory / str(step), meta["step"])
+        return Restored(state=state, step=int(meta["step"]), data_state=meta.get("data"),
+                        metadata=meta.get("metadata", {}))
+
+    def restore_shapes(self, step: int | None = None) -> Any:
+        """The stored parameters' shapes and dtypes (`jax.ShapeDtypeStruct` tree) without reading weights."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        tree = self._open().item_metadata(step)["params"]
+        tree = getattr(tree, "tree", tree)
+        return jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree,
+                                      is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+
+    def read_meta(self, step: int | None = None) -> dict:
+        step = self.latest_step() if step is None else step
+        file = self.directory / str(step) / "meta" / "metadata"
+        return json.loads(file.read_text())
+
+    def _check_target(self, target: TrainState, step: int, params_only: bool) -> None:
+        """Compare shapes before reading anything, and that the target's shardings divide them."""
+        try:
+            stored = {k: v.shape for k, v in _flat(self.restore_shapes(step)).items()}
+        except (ValueError, OSError, UnicodeDecodeError, KeyError) as e:
+            raise CheckpointCorruptError(f"checkpoint {self.directory / str(step)}: metadata unreadable "
+                                         f"({type(e).__name__}: {str(e)[:200]})") from e
+        wanted = {k: v.shape for k, v in _flat(target.params).items()}
+        problems = [f"{k}: stored {stored.get(k)} vs target {wanted.get(k)}"
+                    for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k)]
+        if problems:
+            raise ValueError(f"checkpoint {self.directory / str(step)} was written for another model shape: "
+                             + "; ".join(problems[:10]) + (" …" if len(problems) > 10 else ""))
+        for name, leaf in _flat(target.params).items():
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is None:
+                raise ValueError(f"restore target parameter {name} has no sharding; build the target with "
+                                 "jax.eval_shape and attach shardings (see state_shardings)")
+            if hasattr(sharding, "spec"):
+                from jaxloom.mesh import validate_specs
+                try:
+                    validate_specs({name: sharding.spec}, {name: leaf}, sharding.mesh)
+                except ValueError as e:
+                    raise ValueError(f"parameter {name} with shape {tuple(leaf.shape)} cannot be placed on the "
+                                     f"target mesh: {e}") from None
+
+
+def _as_abstract(tree: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    from jaxloom.mesh import named_leaves
+
+    return dict(named_leaves(tree))
+
+
+def _checksums(folder: Path) -> dict[str, list]:
+    out = {}
+    for f in sorted(folder.rglob("*")):
+        if f.is_file() and not f.name.startswith(CHECKSUMS):
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+            out[str(f.relative_to(folder))] = [f.stat().st_size, h.hexdigest()]
+    return out
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("jax", "flax", "optax", "orbax-checkpoint", "jaxloom-mesh", "jaxloom-models", "jaxloom-state"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out

@@ -1,0 +1,32 @@
+"""`save_pretrained`: a train state out as a Hugging Face model directory (or our own checkpoint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .train_state import TrainState
+
+
+def save_pretrained(state: TrainState, path: str | Path, *, to_hf: bool = True, tokenizer: Any = None,
+                    dtype: Any = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """`to_hf=True`: `config.json` + safetensors (sharded with an index past `max_shard_bytes`) and the
+    tokenizer if given — a directory `transformers.AutoModelForCausalLM.from_pretrained` loads.
+    Sharded params are gathered one array at a time; only process 0 writes.
+    `to_hf=False`: an orbax checkpoint of the whole state at `path/<step>`."""
+    import jax
+
+    path = Path(path)
+    if not to_hf:
+        from .checkpoint import CheckpointManager
+
+        manager = CheckpointManager(str(path), async_save=False)
+        manager.save(int(jax.device_get(state.step)), state)
+        manager.close()
+        return path
+    from jaxloom.models import save_pretrained as save_hf
+
+    save_hf(state.model, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    if tokenizer is not None and jax.process_index() == 0:
+        tokenizer.save_pretrained(str(path))
+    return path

@@ -1,0 +1,86 @@
+"""JSON for configs: dataclasses, pydantic models, JAX dtypes, enums, tuples and `PartitionAxis`.
+
+`to_jsonable` turns a value into plain JSON data with markers where a type must come back;
+`from_jsonable` turns it back. No pickle, and no arbitrary imports: only the types listed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxloom.mesh import PartitionAxis
+
+_DTYPE, _TUPLE, _PA = "__dtype__", "__tuple__", "__partition_axis__"
+
+
+def _is_dtype(value: Any) -> bool:
+    if isinstance(value, np.dtype):
+        return True
+    try:
+        return isinstance(value, type) and issubclass(value, np.generic) or value in (jnp.bfloat16,)
+    except TypeError:
+        return False
+
+
+def to_jsonable(value: Any) -> Any:
+    if isinstance(value, PartitionAxis):
+        return {_PA: value.to_dict()}
+    if _is_dtype(value) or type(value).__name__ == "_ScalarMeta":
+        return {_DTYPE: jnp.dtype(value).name}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if hasattr(value, "model_dump"):  # pydantic
+        return {k: to_jsonable(getattr(value, k)) for k in type(value).model_fields}
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return {_TUPLE: [to_jsonable(v) for v in value]}
+    if isinstance(value, list):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise TypeError(f"cannot store {type(value).__name__} {value!r} in a JSON config")
+
+
+def from_jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {_DTYPE}:
+            return jnp.dtype(value[_DTYPE])
+        if set(value) == {_TUPLE}:
+            return tuple(from_jsonable(v) for v in value[_TUPLE])
+        if set(value) == {_PA}:
+            return PartitionAxis.from_dict(value[_PA])
+        return {k: from_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_jsonable(v) for v in value]
+    return value
+
+
+def save_json(value: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(to_jsonable(value), indent=2, sort_keys=True))
+    tmp.replace(path)  # atomic: a reader never sees half a file
+    return path
+
+
+def load_json(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no JSON file at {path}")
+    try:
+        return from_jsonable(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None

@@ -1,0 +1,71 @@
+"""`TrainState`: step, params, optimizer state and RNG as one pytree; the model's structure and the
+optimizer ride along as static data, so the whole state goes through `jax.jit` with donation."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    step: jax.Array               # int32 scalar
+    params: Any                   # nested dict of arrays (the model's nnx.Param values)
+    opt_state: Any                # optax state over `params`
+    rng: jax.Array                # PRNG key for dropout-like randomness inside the step
+    model_state: Any = None       # non-parameter variables of the model (usually empty)
+    graphdef: Any = None          # static: the model's structure (nnx.GraphDef)
+    tx: Any = None                # static: the optax GradientTransformation
+
+    @classmethod
+    def create(cls, model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0) -> TrainState:
+        """From a model (abstract or concrete) and an optimizer. No sharding: that is the trainer's job;
+        jit this under out_shardings (see `state_shardings`) to create it sharded."""
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                   rng=jax.random.PRNGKey(seed), model_state=nnx.to_pure_dict(rest), graphdef=graphdef, tx=tx)
+
+    @property
+    def model(self) -> nnx.Module:
+        """The model with these parameters (cheap: no copy)."""
+        return nnx.merge(self.graphdef, self.params, self.model_state or {})
+
+    def apply_gradients(self, grads: Any, **changes: Any) -> TrainState:
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        params = optax.apply_updates(self.params, updates)
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **changes)
+
+    def replace(self, **changes: Any) -> TrainState:
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(TrainState, data_fields=["step", "params", "opt_state", "rng", "model_state"],
+                                 meta_fields=["graphdef", "tx"])
+
+
+def convert_model_to_state(model: nnx.Module, tx: optax.GradientTransformation | None = None, *,
+                           seed: int = 0) -> TrainState:
+    """EasyDeL's `convert_model_to_state`: a state without sharding (default optimizer: identity)."""
+    return TrainState.create(model, tx or optax.identity(), seed=seed)
+
+
+def state_shardings(state: TrainState, param_shardings: Any, mesh) -> TrainState:
+    """Shardings for a whole (abstract) state: params as given (a dict tree like `state.params`), the
+    optimizer's per-parameter leaves (Adam moments, ...) like their parameter, the rest replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt = optax.tree_map_params(state.tx, lambda _, s: s, state.opt_state, param_shardings,
+                                transform_non_params=lambda _: replicated)
+    return state.replace(step=replicated, params=param_shardings, opt_state=opt, rng=replicated,
+                         model_state=jax.tree_util.tree_map(lambda _: replicated, state.model_state))
+
+
+def abstract_state(state_fn, *args, **kwargs) -> TrainState:
+    """`jax.eval_shape` of a state-building function: the state's shapes and dtypes, no memory."""
+    return jax.eval_shape(state_fn, *args, **kwargs)
