@@ -42,7 +42,7 @@ def test_export_loads_in_transformers_and_back_bitwise(tmp_path):
 
     make_hf("qwen2", tmp_path / "src")
     model = jm.from_pretrained(tmp_path / "src")
-    jm.save_pretrained(model, tmp_path / "out", max_shard_bytes=60_000)  # forces a sharded index
+    jm.save_hf_model(model, tmp_path / "out", max_shard_bytes=60_000)  # forces a sharded index
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids, mask, pos = batch("right")

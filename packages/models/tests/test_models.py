@@ -86,7 +86,7 @@ def test_sliding_window_mask():
 
 def test_bad_checkpoints_are_clear_errors(tmp_path):
     model = jm.create_model(jm.LlamaConfig(**TINY))
-    jm.save_pretrained(model, tmp_path / "ok")
+    jm.save_hf_model(model, tmp_path / "ok")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         jm.from_pretrained(tmp_path / "nothing")
     # missing and unexpected weights
@@ -110,7 +110,7 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
 
 def test_bfloat16_params_load_and_cast(tmp_path):
     model = jm.create_model(jm.LlamaConfig(**TINY))
-    jm.save_pretrained(model, tmp_path, dtype="bfloat16")
+    jm.save_hf_model(model, tmp_path, dtype="bfloat16")
     back = jm.from_pretrained(tmp_path, jm.RuntimeConfig(param_dtype="bfloat16", dtype="bfloat16"))
     kernel = back.model.layers[0].mlp.down_proj.kernel[...]
     assert kernel.dtype == jnp.bfloat16

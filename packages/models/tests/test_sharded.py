@@ -62,7 +62,7 @@ def test_sharded_forward_equals_one_device(config, axes):
 
 def test_from_pretrained_places_weights_on_their_shards(tmp_path):
     model = jm.create_model(LLAMA, seed=1)
-    jm.save_pretrained(model, tmp_path)
+    jm.save_hf_model(model, tmp_path)
     mesh = MeshConfig.from_axes(fsdp=4, tp=2).build()
     sharded = jm.from_pretrained(tmp_path, mesh=mesh)
     kernel = sharded.model.layers[1].self_attn.q_proj.kernel[...]

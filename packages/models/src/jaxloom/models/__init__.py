@@ -4,7 +4,7 @@ from .__about__ import __version__
 from .attention import make_attention_mask
 from .build import count_params, create_model, flops_per_token, param_shardings, param_specs
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
-from .hf import from_pretrained, save_pretrained, to_hf_state_dict
+from .hf import from_pretrained, save_hf_model, to_hf_state_dict
 from .llama import CausalLMOutput, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from .mixtral import MixtralForCausalLM
 from .registry import TaskType, get_model_class, register, registered
@@ -15,5 +15,5 @@ __all__ = [
     "MixtralConfig", "MixtralForCausalLM", "Qwen2Config", "Qwen2ForCausalLM", "RuntimeConfig", "TaskType",
     "__version__", "make_attention_mask", "config_from_hf_dict", "count_params", "create_model", "flops_per_token",
     "from_pretrained", "get_model_class", "param_shardings", "param_specs", "register", "registered",
-    "save_pretrained", "to_hf_state_dict",
+    "save_hf_model", "to_hf_state_dict",
 ]

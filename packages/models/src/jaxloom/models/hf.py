@@ -152,7 +152,7 @@ def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
     return out
 
 
-def save_pretrained(model: nnx.Module, path: str | Path, *, max_shard_bytes: int = 5 * 2**30,
+def save_hf_model(model: nnx.Module, path: str | Path, *, max_shard_bytes: int = 5 * 2**30,
                     dtype: Any = None) -> Path:
     """Write `config.json` and `model.safetensors` (sharded with an index past `max_shard_bytes`),
     loadable by `transformers` and by `from_pretrained`. Only process 0 writes."""

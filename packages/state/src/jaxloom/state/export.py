@@ -24,7 +24,7 @@ def save_pretrained(state: TrainState, path: str | Path, *, to_hf: bool = True, 
         manager.save(int(jax.device_get(state.step)), state)
         manager.close()
         return path
-    from jaxloom.models import save_pretrained as save_hf
+    from jaxloom.models import save_hf_model as save_hf
 
     save_hf(state.model, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
     if tokenizer is not None and jax.process_index() == 0:
