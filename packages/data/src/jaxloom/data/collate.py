@@ -1,0 +1,76 @@
+"""Helpers named as in EasyDeL: collate functions, single-sample processing, column names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+
+def extract_column_names(dataset: Any) -> list[str] | None:
+    """Column names of a `datasets` dataset (or a list of dicts); None when they cannot be known."""
+    names = getattr(dataset, "column_names", None)
+    if isinstance(names, dict):  # DatasetDict
+        names = next(iter(names.values()), None)
+    if names is not None:
+        return list(names)
+    if isinstance(dataset, Sequence) and dataset and isinstance(dataset[0], dict):
+        return list(dataset[0])
+    return None
+
+
+def create_collect_function(max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end",
+                            pad_token_id: int = 0, padding_side: Literal["left", "right"] = "right") -> Callable:
+    """A collate function: a list of `{"input_ids": [...], ...}` → numpy arrays of fixed length,
+    truncated by `truncation_mode` and padded on `padding_side`; `attention_mask` marks real tokens."""
+    if truncation_mode not in ("keep_end", "keep_start"):
+        raise ValueError(f"truncation_mode {truncation_mode!r}; expected 'keep_end' or 'keep_start'")
+
+    def collate(examples: list[dict]) -> dict[str, np.ndarray]:
+        out: dict[str, list] = {}
+        for ex in examples:
+            ids = list(ex["input_ids"])
+            keep = slice(max(0, len(ids) - max_sequence_length), None) if truncation_mode == "keep_end" \
+                else slice(0, max_sequence_length)
+            for key, value in ex.items():
+                value = list(value)[keep]
+                pad = [pad_token_id if key == "input_ids" else 0] * (max_sequence_length - len(value))
+                out.setdefault(key, []).append(pad + value if padding_side == "left" else value + pad)
+            if "attention_mask" not in ex:
+                n = len(ids[keep])
+                pad = [0] * (max_sequence_length - n)
+                out.setdefault("attention_mask", []).append(pad + [1] * n if padding_side == "left" else [1] * n + pad)
+        return {k: np.asarray(v, np.int32) for k, v in out.items()}
+
+    return collate
+
+
+def process_sample_data(tokenizer, sample: str | dict, max_length: int, padding_side: str = "left",
+                        text_column: str = "text") -> dict[str, np.ndarray]:
+    """One text (or record with `text_column`) → `input_ids`, `attention_mask` of shape `[max_length]`."""
+    text = sample[text_column] if isinstance(sample, dict) else sample
+    enc = tokenizer(text, max_length=max_length, truncation=True, padding="max_length",
+                    padding_side=padding_side, return_tensors="np")
+    return {k: np.asarray(v).reshape(-1) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+
+
+def process_messages_data(tokenizer, messages: list[dict], max_length: int, padding_side: str = "left",
+                          add_generation_prompt: bool = True) -> dict[str, np.ndarray]:
+    """Chat messages → the chat template applied, tokenized and padded to `max_length` (flattened)."""
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                        max_length=max_length, truncation=True, padding="max_length",
+                                        padding_side=padding_side, return_dict=True, return_tensors="np")
+    return {k: np.asarray(v).reshape(-1) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+
+
+def to_global(batch: dict[str, np.ndarray], mesh, global_batch_size: int) -> dict:
+    """This process's rows (from `DataLoader.for_mesh`) → global `jax.Array`s on the mesh's batch axes."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from jaxloom.mesh import batch_spec
+
+    sharding = NamedSharding(mesh, batch_spec(mesh))
+    return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch_size, *v.shape[1:]))
+            for k, v in batch.items()}

@@ -1,0 +1,58 @@
+"""Records → token ids and loss masks (text, prompt/completion, chat messages)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def column_error(record: dict, config) -> ValueError:
+    return ValueError(f"record has none of the columns {config.text_column!r}, {config.messages_column!r} or "
+                      f"{config.prompt_column!r}+{config.completion_column!r}; columns present: {sorted(record)}")
+
+
+def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray, np.ndarray]:
+    """`(ids, loss_mask)` for one record; `loss_mask[t] = 1` when token t is a training target.
+    Text: every token. Prompt/completion: the completion (and eos). Messages: assistant turns."""
+    bos = [tokenizer.bos_token_id] if config.add_bos and tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if config.add_eos and tokenizer.eos_token_id is not None else []
+    if config.messages_column in record:
+        return _chat(record[config.messages_column], tokenizer)
+    if config.prompt_column in record and config.completion_column in record:
+        p = tokenizer.encode(record[config.prompt_column], add_special_tokens=False)
+        c = tokenizer.encode(record[config.completion_column], add_special_tokens=False)
+        ids = bos + p + c + eos
+        mask = [0] * (len(bos) + len(p)) + [1] * (len(c) + len(eos))
+        return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+    if config.text_column in record:
+        text = record[config.text_column]
+        if not isinstance(text, str):
+            raise ValueError(f"column {config.text_column!r} holds {type(text).__name__}, expected text")
+        ids = bos + tokenizer.encode(text, add_special_tokens=False) + eos
+        return np.asarray(ids, np.int32), np.ones(len(ids), np.int32)
+    raise column_error(record, config)
+
+
+def _chat(messages: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Render the chat template turn by turn; tokens added by an assistant turn are targets."""
+    if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, m in enumerate(messages):
+        text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        full = tokenizer.encode(text, add_special_tokens=False)
+        if full[: len(ids)] != ids:  # template not prefix-stable: fall back to whole-turn diff by length
+            full = ids + full[len(ids):]
+        new = full[len(ids):]
+        header = 0
+        if m["role"] == "assistant":  # the role header is prompt: what add_generation_prompt would add
+            prompt = tokenizer.encode(tokenizer.apply_chat_template(messages[:i], tokenize=False,
+                                                                    add_generation_prompt=True),
+                                      add_special_tokens=False) if i else []
+            if prompt[: len(ids)] == ids:
+                header = min(len(prompt) - len(ids), len(new))
+        ids += new
+        mask += [0] * header + [1 if m["role"] == "assistant" else 0] * (len(new) - header)
+    return np.asarray(ids, np.int32), np.asarray(mask, np.int32)

@@ -1,0 +1,64 @@
+import jax
+import numpy as np
+import pytest
+
+import jaxloom.data as jd
+from jaxloom.mesh import MeshConfig
+
+TOK = jd.load_processor()
+
+
+def test_bundled_assets_and_tokenizer():
+    assert jd.bundled_corpus_path().stat().st_size > 2_000_000
+    lines = jd.JsonlSource(jd.bundled_corpus_path()).read_shard(str(jd.bundled_corpus_path()))
+    assert len(lines) > 500 and all("text" in r and "source" in r for r in lines)
+    assert (jd.bundled_corpus_path().parent / "SOURCE.md").is_file()
+    ids = TOK.encode("The interpreter prints an error message.")
+    assert TOK.decode(ids) == "The interpreter prints an error message." and len(ids) < 12
+    assert TOK.chat_template and len(TOK) == 4096
+
+
+def test_hf_and_parquet_sources(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"text": f"row {i}"} for i in range(10)])
+    src = jd.HFDatasetSource(ds, num_shards=3)
+    assert sum(len(src.read_shard(n)) for n in src.shard_names) == 10
+    it = jd.as_source(ds.to_iterable_dataset(num_shards=2))
+    assert sorted(r["text"] for n in it.shard_names for r in it.read_shard(n)) == sorted(ds["text"])
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    assert len(jd.as_source(str(tmp_path / "d.parquet")).read_shard(str(tmp_path / "d.parquet"))) == 10
+    (tmp_path / "t.txt").write_text("one\n\ntwo\n")
+    text = jd.as_source(str(tmp_path / "t.txt"))
+    assert text.read_shard(str(tmp_path / "t.txt")) == [{"text": "one"}, {"text": "two"}]
+    assert jd.extract_column_names(ds) == ["text"] and jd.extract_column_names(object()) is None
+
+
+def test_loader_for_mesh_builds_global_arrays():
+    mesh = MeshConfig.from_axes(fsdp=4, tp=2).build()
+    loader = jd.DataLoader.for_mesh(jd.bundled_corpus_path(), TOK, jd.DataConfig(max_sequence_length=32), mesh, 8)
+    assert (loader.rank, loader.ranks, loader.config.batch_size) == (0, 1, 8)
+    batch = jd.to_global(next(loader), mesh, 8)
+    assert batch["input_ids"].shape == (8, 32)
+    assert batch["input_ids"].sharding.spec == jax.sharding.PartitionSpec(("dp", "fsdp"))
+    with pytest.raises(ValueError, match="global batch size 6 is not divisible by the data-parallel size 4"):
+        jd.DataLoader.for_mesh([], TOK, jd.DataConfig(), mesh, 6)
+
+
+def test_easydel_helpers():
+    collate = jd.create_collect_function(5, "keep_end", pad_token_id=0)
+    out = collate([{"input_ids": [1, 2, 3, 4, 5, 6, 7]}, {"input_ids": [9]}])
+    assert out["input_ids"].tolist() == [[3, 4, 5, 6, 7], [9, 0, 0, 0, 0]]
+    assert out["attention_mask"].tolist() == [[1] * 5, [1, 0, 0, 0, 0]]
+    s = jd.process_sample_data(TOK, "hello world", 16, padding_side="left")
+    assert s["input_ids"].shape == (16,) and s["attention_mask"][-1] == 1 and s["attention_mask"][0] == 0
+    m = jd.process_messages_data(TOK, [{"role": "user", "content": "hi"}], 24, padding_side="right")
+    assert m["input_ids"].shape == (24,) and m["attention_mask"][0] == 1
+
+
+def test_synthetic_task():
+    recs = jd.addition_records(50, seed=1)
+    assert all(int(r["completion"]) == sum(map(int, r["prompt"][:-1].split("+"))) for r in recs)
+    assert jd.exact_match([r["completion"] for r in recs], recs) == 1.0
+    assert jd.exact_match(["0"] * 50, recs) < 0.1
+    assert np.all(np.array([len(r["prompt"]) for r in recs]) <= 6)
