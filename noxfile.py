@@ -1,5 +1,7 @@
-"""Sessions: `tests` (each part in its own venv, then the meta-package and cross-package tests), `lint`.
+"""Sessions: `demo` (the main job), `tests` (each part in its own venv, then the meta-package and
+cross-package tests), `lint`.
 
+    python3 -m pip install nox uv && python3 -m nox -s demo
     python3 -m pip install nox uv && python3 -m nox -s tests
 """
 
@@ -67,6 +69,17 @@ def tests(session: nox.Session, target: str) -> None:
         # Exit code 5 (no tests collected) is not a failure for a placeholder part.
         session.run("pytest", *paths, *session.posargs, env=TEST_ENV, success_codes=[0, 5])
     session.log(f"tests({target}) took {time.perf_counter() - start:.1f} s")
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """The main job: a small Llama trained on the bundled corpus with the bundled tokenizer, on CPU.
+    Extra arguments are `key=value` overrides: `nox -s demo -- max_training_steps=50`."""
+    install_parts(session, parts.closure("trainer"), extra="test")
+    out = "jaxloom-runs/demo"
+    session.run("jaxloom", "train", f"save_directory={out}", *session.posargs,
+                env={"JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    session.log(f"outputs in {out}/: report.md, loss.png, metrics.jsonl, tensorboard/, checkpoints/")
 
 
 @nox.session(python="3.11")

@@ -1,0 +1,278 @@
+"""`TrainingArguments`: EasyDeL's flat argument names, kept as small frozen, validated groups."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
+SCHEDULERS = ("linear", "cosine", "constant")
+
+
+def _positive(obj, *names, allow_none=False, allow_zero=False):
+    for n in names:
+        v = getattr(obj, n)
+        if v is None and allow_none:
+            continue
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and (v >= 0 if allow_zero else v > 0)
+        if not ok:
+            raise ValueError(f"{n} = {v!r}; expected a {'non-negative' if allow_zero else 'positive'} number"
+                             + (" or None" if allow_none else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerArgs:
+    learning_rate: float = 3e-4
+    optimizer: Literal["adamw", "adafactor", "lion", "sgd"] = "adamw"
+    scheduler: Literal["linear", "cosine", "constant"] = "cosine"
+    warmup_steps: int | None = None
+    warmup_ratio: float = 0.0
+    init_learning_rate: float = 0.0
+    end_learning_rate: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_epsilon: float = 1e-8
+    momentum: float = 0.0
+
+    def __post_init__(self):
+        _positive(self, "learning_rate")
+        _positive(self, "weight_decay", "warmup_ratio", "init_learning_rate", "end_learning_rate", allow_zero=True)
+        _positive(self, "max_grad_norm", allow_none=True)
+        _positive(self, "warmup_steps", allow_none=True, allow_zero=True)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r}; expected one of {OPTIMIZERS}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler {self.scheduler!r}; expected one of {SCHEDULERS}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio {self.warmup_ratio}; expected a value in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopArgs:
+    total_batch_size: int = 8                 # global rows per micro-batch
+    gradient_accumulation_steps: int = 1
+    max_training_steps: int | None = None     # optimizer steps; None: from num_train_epochs
+    num_train_epochs: int = 1
+    evaluation_steps: int | None = None
+    eval_batches: int = 8
+    evaluation_batch_size: int | None = None  # default: total_batch_size
+    logging_steps: int = 10
+    training_time_limit: float | None = None  # seconds; then save and stop cleanly
+    seed: int = 42
+    nan_policy: Literal["stop", "skip"] = "stop"
+    z_loss: float = 0.0
+
+    def __post_init__(self):
+        _positive(self, "total_batch_size", "gradient_accumulation_steps", "num_train_epochs", "logging_steps",
+                  "eval_batches")
+        _positive(self, "max_training_steps", "evaluation_steps", "evaluation_batch_size", "training_time_limit",
+                  allow_none=True)
+        _positive(self, "z_loss", allow_zero=True)
+        if self.nan_policy not in ("stop", "skip"):
+            raise ValueError(f"nan_policy {self.nan_policy!r}; expected 'stop' or 'skip'")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointArgs:
+    save_directory: str = "jaxloom-runs/run"
+    save_steps: int | None = None
+    save_minutes: float | None = None
+    save_total_limit: int | None = 3
+    resume_if_possible: bool = True
+    async_checkpointing: bool = True
+
+    def __post_init__(self):
+        _positive(self, "save_steps", "save_minutes", "save_total_limit", allow_none=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataArgs:
+    max_sequence_length: int = 512
+    truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+    packing: bool = True
+    shuffle_train_dataset: bool = True
+
+    def __post_init__(self):
+        _positive(self, "max_sequence_length")
+        if self.truncation_mode not in ("keep_end", "keep_start"):
+            raise ValueError(f"truncation_mode {self.truncation_mode!r}; expected 'keep_end' or 'keep_start'")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeArgs:
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    attn_mechanism: str = "auto"
+    remat: str = "none"
+    sharding_axis_dims: tuple[int, ...] = (1, -1, 1, 1, 1)
+    sharding_axis_names: tuple[str, ...] = ("dp", "fsdp", "ep", "tp", "sp")
+    sharding_dcn_axis_dims: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "sharding_axis_dims", tuple(self.sharding_axis_dims))
+        object.__setattr__(self, "sharding_axis_names", tuple(self.sharding_axis_names))
+        if self.sharding_dcn_axis_dims is not None:
+            object.__setattr__(self, "sharding_dcn_axis_dims", tuple(self.sharding_dcn_axis_dims))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingArgs:
+    use_tensorboard: bool = True
+    use_wandb: bool = False
+    wandb_project: str | None = None
+    progress_bar: bool = True
+    log_weight_distribution: bool = False
+    peak_flops_per_device: float | None = None  # override the table used for MFU
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationArgs:
+    generation_interval: int | None = None
+    generation_prompts: tuple[str, ...] = ()
+    generation_max_new_tokens: int = 32
+    generation_num_samples: int = 1
+    generation_temperature: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "generation_prompts", tuple(self.generation_prompts))
+
+
+GROUPS = {"optim": OptimizerArgs, "loop": LoopArgs, "checkpoint": CheckpointArgs, "data": DataArgs,
+          "runtime": RuntimeArgs, "logging": LoggingArgs, "generation": GenerationArgs}
+_OWNER = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+
+
+class TrainingArguments:
+    """All training arguments, written flat as EasyDeL users write them:
+
+        TrainingArguments(learning_rate=1e-4, total_batch_size=8, max_training_steps=100, save_directory="out")
+
+    Inside, each argument lives in one frozen group (`args.optim`, `args.loop`, `args.checkpoint`,
+    `args.data`, `args.runtime`, `args.logging`, `args.generation`), validated on creation; reading
+    `args.learning_rate` works too. Unknown names are rejected with the closest known one.
+    """
+
+    def __init__(self, **kwargs: Any):
+        unknown = [k for k in kwargs if k not in _OWNER]
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, list(_OWNER), n=1) for k in unknown}
+            text = "; ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
+            raise ValueError(f"unknown training argument(s): {text}")
+        for group, cls in GROUPS.items():
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            values = {k: _coerce(v, fields[k]) for k, v in kwargs.items() if k in fields}
+            object.__setattr__(self, group, cls(**values))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _OWNER:
+            return getattr(object.__getattribute__(self, _OWNER[name]), name)
+        raise AttributeError(f"TrainingArguments has no argument {name!r}")
+
+    def __setattr__(self, name, value):
+        raise AttributeError("TrainingArguments is frozen; use .replace(**changes)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(getattr(self, g), f.name) for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+
+    def replace(self, **changes: Any) -> TrainingArguments:
+        return TrainingArguments(**{**self.to_dict(), **changes})
+
+    def __eq__(self, other):
+        return isinstance(other, TrainingArguments) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        default = TrainingArguments.__new__(TrainingArguments)
+        for g, cls in GROUPS.items():
+            object.__setattr__(default, g, cls())
+        changed = {k: v for k, v in self.to_dict().items() if getattr(default, k) != v}
+        return f"TrainingArguments({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
+
+    # ---- derived --------------------------------------------------------------------------------------
+    @property
+    def training_batch_size(self) -> int:
+        """Rows per optimizer step: `total_batch_size × gradient_accumulation_steps`."""
+        return self.total_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.evaluation_batch_size or self.total_batch_size
+
+    # ---- files ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str | Path, overrides: list[str] | None = None) -> TrainingArguments:
+        return cls(**apply_overrides(load_config_file(path), overrides or []))
+
+
+def _coerce(value: Any, field: dataclasses.Field) -> Any:
+    """Strings from the command line or YAML → the field's type; anything else must already fit."""
+    kind = str(field.type)
+    if isinstance(value, list) and "tuple" in kind:
+        return tuple(value)
+    if not isinstance(value, str) or kind.startswith("str") or "Literal" in kind:
+        return value
+    if value.lower() in ("none", "null") and "None" in kind:
+        return None
+    try:
+        if kind.startswith("bool"):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return value.lower() in ("true", "1")
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+        if "tuple" in kind:
+            return tuple(json.loads(value))
+    except ValueError:
+        raise ValueError(f"argument {field.name} = {value!r}; expected {kind}") from None
+    return value
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML or JSON mapping; malformed files are an error naming the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)  # safe_load: no arbitrary Python objects
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            raise ValueError(f"{path}: malformed YAML" + (f" at line {mark.line + 1}" if mark else "")
+                             + f": {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`["max_training_steps=20", "model.hidden_size=64"]` applied onto `data` (dots reach into sections)."""
+    import yaml
+
+    data = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}; expected key=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw else raw
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {p!r} is not a section")
+        node[leaf] = value
+    return data

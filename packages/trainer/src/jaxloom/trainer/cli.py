@@ -1,0 +1,137 @@
+"""The `jaxloom` command: `train`, `eval`, `plan`, `convert`.
+
+    jaxloom train [CONFIG.yaml] [key=value ...]     # no CONFIG: the bundled demo config
+    jaxloom eval CONFIG.yaml [key=value ...]         # evaluate the newest checkpoint of the run
+    jaxloom plan CONFIG.yaml [key=value ...]         # params, FLOPs/token, memory per device, from an AOT compile
+    jaxloom convert --to-hf SAVE_DIRECTORY OUT       # newest checkpoint → Hugging Face directory
+                                                     # (model from SAVE_DIRECTORY/run_config.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+DEMO_CONFIG = Path(__file__).with_name("configs") / "demo.yaml"
+RUN_CONFIG = "run_config.json"
+
+
+def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]:
+    """Config file + overrides → (Trainer, info). Sections `model` and `data`; the rest are arguments."""
+    from .arguments import TrainingArguments, apply_overrides, load_config_file
+
+    data = apply_overrides(load_config_file(config_path or DEMO_CONFIG), overrides)
+    resolved = json.loads(json.dumps(data))
+    model_cfg, data_cfg = dict(data.pop("model", {}) or {}), dict(data.pop("data", {}) or {})
+    unknown = sorted(set(data_cfg) - {"train", "eval", "eval_fraction", "tokenizer"})
+    if unknown:
+        raise ValueError(f"unknown key(s) in section data: {unknown}; expected train, eval, eval_fraction, tokenizer")
+    args = TrainingArguments(**data)
+
+    import jaxloom.data as jd
+    import jaxloom.models as jm
+    from .trainer import Trainer
+
+    tokenizer = jd.load_processor(None if data_cfg.get("tokenizer", "bundled") == "bundled" else data_cfg["tokenizer"])
+    train, evaluation = data_cfg.get("train", "bundled"), data_cfg.get("eval")
+    if train == "bundled":
+        records = jd.JsonlSource(jd.bundled_corpus_path()).read_shard(str(jd.bundled_corpus_path()))
+        held = max(1, int(len(records) * float(data_cfg.get("eval_fraction", 0.05))))
+        train, evaluation = records[:-held], evaluation or records[-held:]
+    runtime = jm.RuntimeConfig(dtype=args.dtype, param_dtype=args.param_dtype, attn_mechanism=args.attn_mechanism,
+                               remat=args.remat)
+    pretrained = model_cfg.pop("from_pretrained", None)
+    if pretrained:
+        model = jm.from_pretrained(pretrained, runtime, config_overrides=model_cfg or None)
+    else:
+        kind = model_cfg.pop("model_type", "llama")
+        if kind not in jm.CONFIG_CLASSES:
+            raise ValueError(f"model_type {kind!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
+        model_cfg.setdefault("vocab_size", len(tokenizer))
+        model = jm.create_model(jm.CONFIG_CLASSES[kind].from_hf_dict(model_cfg), runtime, lazy=True)
+    trainer = Trainer(args, model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
+    return trainer, resolved
+
+
+def write_run_config(trainer, resolved: dict) -> Path:
+    """The resolved config beside the run, so `eval` and `convert` rebuild the same model."""
+    path = Path(trainer.arguments.save_directory) / RUN_CONFIG
+    if trainer.is_process_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(resolved, indent=2))
+    return path
+
+
+def _plan(trainer) -> dict[str, Any]:
+    import jax
+
+    import jaxloom.models as jm
+
+    a = trainer.arguments
+    compiled = trainer.compile_aot()
+    mem = compiled.memory_analysis()
+    per_device = {}
+    if mem is not None:
+        per_device = {"arguments_gb": mem.argument_size_in_bytes / 2**30,
+                      "outputs_gb": mem.output_size_in_bytes / 2**30,
+                      "temporaries_gb": mem.temp_size_in_bytes / 2**30,
+                      "generated_code_gb": mem.generated_code_size_in_bytes / 2**30}
+        per_device["total_gb"] = sum(per_device.values()) - per_device["outputs_gb"]  # outputs alias donated args
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    capacity = stats.get("bytes_limit")
+    out = {"parameters": trainer.n_params, "flops_per_token": jm.flops_per_token(trainer.config, a.max_sequence_length),
+           "mesh": dict(trainer.mesh.shape), "devices": f"{trainer.mesh.devices.size} × {device.device_kind}",
+           "memory_per_device": per_device}
+    if capacity and per_device:
+        out["fits"] = per_device["total_gb"] * 2**30 <= capacity
+        out["device_capacity_gb"] = capacity / 2**30
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxloom", description="Train, evaluate, plan and convert jaxloom runs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("train", "eval", "plan"):
+        p = sub.add_parser(name)
+        p.add_argument("items", nargs="*", help="[CONFIG.yaml] then key=value overrides")
+    conv = sub.add_parser("convert")
+    conv.add_argument("--to-hf", nargs=2, metavar=("SAVE_DIRECTORY", "OUT"), required=True)
+    conv.add_argument("--config", default=None)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    try:
+        if ns.command == "convert":
+            config = ns.config or Path(ns.to_hf[0]) / RUN_CONFIG
+            trainer, _ = build_run(str(config), [f"save_directory={ns.to_hf[0]}", "resume_if_possible=true"])
+            if trainer.resumed_from is None:
+                raise FileNotFoundError(f"no checkpoint under {ns.to_hf[0]}/checkpoints")
+            print(trainer.save_pretrained(ns.to_hf[1]))
+            return 0
+        items = list(ns.items)
+        config = items.pop(0) if items and "=" not in items[0] else None
+        trainer, resolved = build_run(config, items)
+        if ns.command == "plan":
+            print(json.dumps(_plan(trainer), indent=2))
+        elif ns.command == "eval":
+            print(json.dumps(trainer.evaluate(), indent=2))
+        else:
+            write_run_config(trainer, resolved)
+            out = trainer.train()
+            print(json.dumps({"stop_reason": out.stop_reason, "resumed_from": out.resumed_from,
+                              "final": out.metrics, "report": out.report_path, "plot": out.plot_path,
+                              "checkpoints": out.checkpoint_dir}, indent=2, default=str))
+            trainer.finish()
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"jaxloom: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

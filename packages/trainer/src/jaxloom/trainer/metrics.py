@@ -1,0 +1,107 @@
+"""Metrics out of the loop: console / progress bar, JSONL file, TensorBoard, wandb. Process 0 only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+
+log = logging.getLogger("jaxloom.trainer")
+
+# Dense bf16 peak FLOP/s per device, for MFU. CPUs have no meaningful entry.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12, "V100": 125e12,
+              "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}
+
+
+def peak_flops(device=None, override: float | None = None) -> float | None:
+    if override:
+        return override
+    kind = (device or jax.devices()[0]).device_kind
+    return next((v for k, v in PEAK_FLOPS.items() if k.lower() in kind.lower()), None)
+
+
+def memory_in_use() -> dict[str, float]:
+    """Device memory in use (GB) where the backend reports it, and this process's peak host RSS."""
+    out = {"host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_in_use" in stats:
+        out["device_memory_gb"] = stats["bytes_in_use"] / 2**30
+    return out
+
+
+class MetricsWriter:
+    def __init__(self, directory: str | Path, *, tensorboard: bool = True, wandb_project: str | None = None,
+                 use_wandb: bool = False, progress_total: int | None = None, progress_bar: bool = True,
+                 initial: int = 0):
+        self.enabled = jax.process_index() == 0
+        self.directory = Path(directory)
+        self.history: list[dict[str, Any]] = []
+        self._tb = self._wandb = self._bar = None
+        if not self.enabled:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.directory / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.directory / "tensorboard"))
+        if use_wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("use_wandb=True, but wandb is not installed (pip install wandb)") from None
+            self._wandb = wandb.init(project=wandb_project or "jaxloom", dir=str(self.directory))
+        if progress_bar and progress_total:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=progress_total, initial=initial, desc="train", dynamic_ncols=True,
+                             disable=not sys.stderr.isatty())
+
+    def write(self, step: int, metrics: dict[str, Any], prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{f"{prefix}/{k}": v for k, v in metrics.items()}}
+        self.history.append(row)
+        self._jsonl.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, int | float):
+                    self._tb.add_scalar(f"{prefix}/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.log(row, step=step)
+        text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        line = f"[{prefix}] step {step}: {text}"
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def text(self, step: int, tag: str, value: str) -> None:
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, value, step)
+
+    def advance(self, n: int = 1, **postfix: Any) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+            if postfix:
+                self._bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in postfix.items()})
+
+    def histogram(self, step: int, name: str, values) -> None:
+        if self.enabled and self._tb is not None:
+            self._tb.add_histogram(name, values, step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._jsonl.close()

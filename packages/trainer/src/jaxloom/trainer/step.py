@@ -1,0 +1,76 @@
+"""The train and eval steps: pure functions of (state, batch), jitted once by the trainer.
+
+Batches carry a leading accumulation axis: `input_ids [A, B, L]` etc. Losses are summed over all
+target tokens of all micro-batches and divided once, so A micro-batches of B rows give the same
+update as one batch of A·B rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxloom.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    z_loss: float = 0.0
+    aux_loss_coef: float = 0.0       # MoE load balancing (router_aux_loss_coef)
+    skip_nonfinite: bool = False     # nan_policy="skip": keep the old params when loss/grads are not finite
+    schedule: Callable | None = None
+
+
+def token_loss(state: TrainState, params, batch, cfg: StepConfig):
+    """Sum of masked next-token cross entropy over one micro-batch, and its counts."""
+    ids, seg = batch["input_ids"], batch["segment_ids"]
+    out = state.replace(params=params).model(ids, positions=batch["positions"], segment_ids=seg)
+    logits = out.logits[:, :-1].astype(jnp.float32)
+    targets = ids[:, 1:]
+    valid = (batch["loss_mask"][:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    if cfg.z_loss:
+        ce = ce + cfg.z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+    weight = valid.astype(jnp.float32)
+    n = weight.sum()
+    loss_sum = jnp.sum(ce * weight)
+    if out.aux_loss is not None and cfg.aux_loss_coef:
+        loss_sum = loss_sum + cfg.aux_loss_coef * out.aux_loss * n
+    correct = jnp.sum((jnp.argmax(logits, -1) == targets) * weight)
+    return loss_sum, (n, correct)
+
+
+def train_step(state: TrainState, batch, cfg: StepConfig):
+    grad_fn = jax.value_and_grad(lambda p, mb: token_loss(state, p, mb, cfg), has_aux=True)
+
+    def micro(carry, mb):
+        grads, loss, n, correct = carry
+        (part, (k, c)), g = grad_fn(state.params, mb)
+        return (jax.tree_util.tree_map(jnp.add, grads, g), loss + part, n + k, correct + c), None
+
+    zero = jnp.zeros((), jnp.float32)
+    init = (jax.tree_util.tree_map(jnp.zeros_like, state.params), zero, zero, zero)
+    (grads, loss_sum, n, correct), _ = jax.lax.scan(micro, init, batch)
+    denom = jnp.maximum(n, 1.0)
+    grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
+    loss = loss_sum / denom
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new = state.apply_gradients(grads)
+    if cfg.skip_nonfinite:
+        kept = jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), (new.params, new.opt_state),
+                                      (state.params, state.opt_state))
+        new = new.replace(params=kept[0], opt_state=kept[1])
+    metrics = {"loss": loss, "accuracy": correct / denom, "grad_norm": grad_norm, "tokens": n,
+               "finite": finite, "learning_rate": cfg.schedule(state.step) if cfg.schedule else zero}
+    return new, metrics
+
+
+def eval_step(state: TrainState, batch, cfg: StepConfig):
+    """Loss sum, token count and correct count of one eval batch `[B, L]` (no accumulation axis)."""
+    loss_sum, (n, correct) = token_loss(state, state.params, batch, dataclasses.replace(cfg, aux_loss_coef=0.0))
+    return {"loss_sum": loss_sum, "tokens": n, "correct": correct}

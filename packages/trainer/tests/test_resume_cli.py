@@ -1,0 +1,79 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxloom.trainer.cli import DEMO_CONFIG, build_run, main
+
+WORKER = Path(__file__).with_name("run_worker.py")
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+def run(out, kill_after=None, mode="sync"):
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(out), mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if kill_after and line.strip() == f"STEP {kill_after}":
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=300)
+    return proc, lines, proc.stderr.read()
+
+
+@pytest.mark.parametrize("kill_after, mode", [(7, "sync"), (11, "async")])
+def test_sigkill_then_resume_ends_bitwise_equal(tmp_path, kill_after, mode):
+    ref, _, err = run(tmp_path / "ref", mode=mode)
+    assert ref.returncode == 0, err[-3000:]
+    killed, _, _ = run(tmp_path / "run", kill_after=kill_after, mode=mode)
+    assert killed.returncode == -signal.SIGKILL
+    again, lines, err = run(tmp_path / "run", mode=mode)
+    assert again.returncode == 0, err[-3000:]
+    resumed = [line for line in lines if line.startswith("RESUMED_FROM")][0]
+    step = int(resumed.rsplit("/", 1)[-1]) if "checkpoints/" in resumed else None
+    if mode == "sync":  # a synchronous save is complete when save() returns: step 4 must be there
+        assert step is not None and step % 4 == 0 and 0 < step <= kill_after, resumed
+    if step is None:  # async: the kill may beat the first finalisation; then the log must say so
+        assert "no complete checkpoint" in err and "starting from scratch" in err
+    else:
+        assert f"resumed from checkpoint {tmp_path / 'run'}/checkpoints/{step}" in err
+    a, b = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "run" / "final.npz")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_shipped_configs_parse():
+    configs = sorted(DEMO_CONFIG.parent.glob("*.yaml"))
+    assert configs
+    for c in configs:
+        trainer, _ = build_run(str(c), ["max_training_steps=1", "model.num_hidden_layers=1", "model.hidden_size=32",
+                                        "model.intermediate_size=64", "save_directory=/tmp/jaxloom-parse-test",
+                                        "resume_if_possible=false"])
+        assert trainer.total_steps == 1
+
+
+def test_cli_train_plan_convert_and_errors(tmp_path, capsys):
+    tiny = [f"save_directory={tmp_path}", "max_training_steps=4", "model.hidden_size=32", "model.intermediate_size=64",
+            "model.num_hidden_layers=1", "max_sequence_length=32", "total_batch_size=8", "progress_bar=false",
+            "eval_batches=2", "evaluation_steps=null"]
+    assert main(["train", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{\n"):])["stop_reason"] == "max_training_steps reached"
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "checkpoints" / "4").is_dir()
+    assert main(["plan", *tiny]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out[out.index("{\n"):])
+    assert plan["parameters"] > 0 and plan["flops_per_token"] > 0 and plan["memory_per_device"]["total_gb"] > 0
+    assert main(["convert", "--to-hf", str(tmp_path), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert main(["train", *tiny, "learnig_rate=1"]) == 2
+    assert "did you mean 'learning_rate'" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert main(["train", *tiny, "model.model_type=gpt9"]) == 2

@@ -1,0 +1,104 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from util import losses, mesh, params_of, tiny, trainer
+
+import jaxloom.models as jm
+import jaxloom.state as js
+from jaxloom.trainer import NonFiniteLossError, StepConfig, TrainerProtocol, train_step
+
+
+def test_eval_loss_falls_on_the_corpus(tmp_path):
+    t = trainer(tmp_path, max_training_steps=60, logging_steps=20, learning_rate=1e-2, total_batch_size=16,
+                evaluation_steps=60)
+    assert isinstance(t, TrainerProtocol)
+    before = t.evaluate()["loss"]
+    out = t.train()
+    assert out.stop_reason == "max_training_steps reached"
+    after = out.metrics["eval_loss"]
+    print(f"eval loss {before:.3f} -> {after:.3f}")
+    assert after < before - 1.5
+    assert "| eval_loss |" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert jm.count_params(t.model) == t.n_params
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    a = trainer(tmp_path / "a", total_batch_size=8, gradient_accumulation_steps=1, max_training_steps=3).train()
+    b = trainer(tmp_path / "b", total_batch_size=4, gradient_accumulation_steps=2, max_training_steps=3).train()
+    pa, pb = params_of(a.state), params_of(b.state)
+    for k in pa:
+        np.testing.assert_allclose(pa[k], pb[k], rtol=2e-4, atol=2e-6, err_msg=k)
+    np.testing.assert_allclose(losses(tmp_path / "a"), losses(tmp_path / "b"), rtol=1e-5)
+
+
+def test_same_curve_on_one_device_and_on_a_mesh(tmp_path):
+    trainer(tmp_path / "one", max_training_steps=5).train()
+    t = trainer(tmp_path / "eight", mesh_=mesh(8, fsdp=4, tp=2), max_training_steps=5)
+    kernel = t.state.params["model"]["layers"][0]["mlp"]["up_proj"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tp")
+    t.train()
+    np.testing.assert_allclose(losses(tmp_path / "one"), losses(tmp_path / "eight"), rtol=1e-4)
+
+
+class Poison:
+    """A hook that puts NaN into the parameters before step 3."""
+
+    def on_step_start(self, trainer, step):
+        if step == 3:
+            trainer.state = trainer.state.replace(
+                params=jax.tree_util.tree_map(lambda p: p * jnp.nan, trainer.state.params))
+
+
+def test_nan_loss_stops_naming_the_step(tmp_path):
+    t = trainer(tmp_path, hooks=[Poison()], save_steps=2, max_training_steps=8)
+    with pytest.raises(NonFiniteLossError, match="loss is nan .* at step 3"):
+        t.train()
+    assert t.checkpoints.all_steps() == [2]  # the earlier checkpoint is untouched
+
+
+def test_skip_policy_keeps_the_old_parameters():
+    model = jm.create_model(tiny(), seed=0)
+    state = js.TrainState.create(model, __import__("optax").adamw(1e-3))
+    batch = {k: jnp.ones((1, 2, 8), jnp.int32) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
+    bad = StepConfig(z_loss=float("nan"))
+    new, m = jax.jit(lambda s, b: train_step(s, b, dataclasses.replace(bad, skip_nonfinite=True)))(state, batch)
+    assert not bool(m["finite"])
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(new.params),
+                                                     jax.tree_util.tree_leaves(state.params), strict=True))
+    new2, _ = jax.jit(lambda s, b: train_step(s, b, bad))(state, batch)
+    assert np.isnan(np.asarray(new2.params["lm_head"]["kernel"])).all()
+
+
+def test_time_limit_saves_and_stops(tmp_path):
+    out = trainer(tmp_path, max_training_steps=100000, training_time_limit=3.0, logging_steps=50).train()
+    assert out.stop_reason == "training_time_limit of 3.0 s reached"
+    step = int(out.state.step)
+    assert 0 < step < 100000 and js.CheckpointManager(out.checkpoint_dir).latest_step() == step
+
+
+def test_bad_setups_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="the dataset is empty"):
+        trainer(tmp_path / "a", train=[]).train()
+    with pytest.raises(ValueError, match="dataset_train is empty"):
+        trainer(tmp_path / "b", train=[], max_training_steps=None)
+    with pytest.raises(ValueError, match="global batch size 4 is not divisible by the data-parallel size 8"):
+        trainer(tmp_path / "c", mesh_=mesh(8), total_batch_size=4)
+    with pytest.raises(ValueError, match="no dataset_eval was given"):
+        trainer(tmp_path / "d", evaluation=None).evaluate()
+
+
+def test_sft_trains_only_on_completions(tmp_path):
+    import jaxloom.data as jd
+
+    records = jd.addition_records(400, seed=0)
+    t = trainer(tmp_path, train=records, evaluation=records[:64], packing=False, max_sequence_length=16,
+                total_batch_size=32, max_training_steps=400, learning_rate=1e-2, logging_steps=100,
+                evaluation_steps=400, config=tiny(hidden=64))
+    before = t.evaluate()["accuracy"]
+    out = t.train()
+    print("addition: token accuracy on completions", before, "->", out.metrics["eval_accuracy"])
+    assert before < 0.2 and out.metrics["eval_accuracy"] > 0.5
