@@ -83,6 +83,14 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Benchmarks as ratios against bare JAX measured in the same run (tools/bench/run.py).
+    CPU by default; the GPU rows run when JAX sees a GPU (install jax[cuda] into the session)."""
+    install_parts(session, parts.closure("trainer"), extra="test")
+    session.run("python", "tools/bench/run.py", env={"TF_CPP_MIN_LOG_LEVEL": "3", **session.env})
+
+
+@nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")

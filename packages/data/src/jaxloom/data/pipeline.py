@@ -110,13 +110,18 @@ class DataLoader:
     def __iter__(self):
         return self
 
+    def start(self) -> DataLoader:
+        """Start making batches in the background now (otherwise at the first `next()`)."""
+        if self.config.prefetch > 0 and self._queue is None:
+            self._queue = queue.Queue(maxsize=self.config.prefetch)
+            threading.Thread(target=self._worker, args=(dict(self._state),), daemon=True).start()
+        return self
+
     def __next__(self) -> dict[str, np.ndarray]:
         if self.config.prefetch <= 0:
             batch, self._state = self._produce(self._state)
             return batch
-        if self._queue is None:
-            self._queue = queue.Queue(maxsize=self.config.prefetch)
-            threading.Thread(target=self._worker, args=(dict(self._state),), daemon=True).start()
+        self.start()
         item = self._queue.get()
         if isinstance(item, BaseException):
             self._queue = None

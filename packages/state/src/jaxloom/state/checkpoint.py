@@ -20,7 +20,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from .train_state import TrainState
 
@@ -77,15 +76,16 @@ class CheckpointManager:
             config = dataclasses.replace(config, **overrides)
         self.config = config
         self.directory = Path(config.directory).absolute()
-        self._manager: ocp.CheckpointManager | None = None
+        self._manager = None  # orbax.checkpoint.CheckpointManager, opened on first use
         self._last_save_time = time.monotonic()
         self._lock = threading.Lock()
         if self.directory.is_dir():
             self._open()
 
     # ---- orbax ------------------------------------------------------------------------------------
-    def _open(self) -> ocp.CheckpointManager:
+    def _open(self):
         if self._manager is None:
+            ocp = _ocp()
             c = self.config
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=c.save_total_limit, keep_period=c.keep_period, enable_async_checkpointing=c.async_save,
@@ -121,7 +121,7 @@ class CheckpointManager:
     def save(self, step: int, state: TrainState, *, data_state: Any = None, metadata: dict | None = None) -> None:
         """Save `state` as checkpoint `step` (all processes call this). Returns once arrays are on the
         host; the write continues in the background when `async_save`."""
-        manager = self._open()
+        manager, ocp = self._open(), _ocp()
         params = state.params
         if self.config.float_dtype:
             dtype = np.dtype(jax.numpy.dtype(self.config.float_dtype))
@@ -212,6 +212,7 @@ class CheckpointManager:
         if self.config.verify:
             self.verify(step)
         self._check_target(target, step, params_only)
+        ocp = _ocp()
         items = {"params": ocp.args.StandardRestore(_as_abstract(target.params)), "meta": ocp.args.JsonRestore()}
         if not params_only and jax.tree_util.tree_leaves(target.opt_state):
             items["opt_state"] = ocp.args.StandardRestore(_as_abstract(target.opt_state))
@@ -276,6 +277,13 @@ class CheckpointManager:
                 except ValueError as e:
                     raise ValueError(f"parameter {name} with shape {tuple(leaf.shape)} cannot be placed on the "
                                      f"target mesh: {e}") from None
+
+
+def _ocp():
+    """orbax, imported on first use: it costs ~0.4 s, and a run that neither saves nor restores needs none."""
+    import orbax.checkpoint as ocp
+
+    return ocp
 
 
 def _as_abstract(tree: Any) -> Any:

@@ -72,7 +72,7 @@ def _plan(trainer) -> dict[str, Any]:
     import jaxloom.models as jm
 
     a = trainer.arguments
-    compiled = trainer.compile_aot()
+    compiled = trainer.compile_aot()  # for the exact shapes; also what train() runs
     mem = compiled.memory_analysis()
     per_device = {}
     if mem is not None:

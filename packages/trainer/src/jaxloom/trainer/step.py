@@ -53,8 +53,11 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
         return (jax.tree_util.tree_map(jnp.add, grads, g), loss + part, n + k, correct + c), None
 
     zero = jnp.zeros((), jnp.float32)
-    init = (jax.tree_util.tree_map(jnp.zeros_like, state.params), zero, zero, zero)
-    (grads, loss_sum, n, correct), _ = jax.lax.scan(micro, init, batch)
+    if jax.tree_util.tree_leaves(batch)[0].shape[0] == 1:  # one micro-batch: no loop for XLA to see through
+        (loss_sum, (n, correct)), grads = grad_fn(state.params, jax.tree_util.tree_map(lambda x: x[0], batch))
+    else:
+        init = (jax.tree_util.tree_map(jnp.zeros_like, state.params), zero, zero, zero)
+        (grads, loss_sum, n, correct), _ = jax.lax.scan(micro, init, batch)
     denom = jnp.maximum(n, 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
     loss = loss_sum / denom

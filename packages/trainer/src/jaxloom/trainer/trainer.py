@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from concurrent.futures import Future, ThreadPoolExecutor
 import logging
 import math
 import signal
@@ -63,7 +64,8 @@ class BaseTrainer:
         if model is None and model_state is None:
             raise ValueError("give a model (concrete or lazy) or a model_state")
         self.dataset_train, self.dataset_eval = dataset_train, dataset_eval
-        self.tokenizer = processing_class if processing_class is not None else jd.load_processor()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxloom-setup")
+        self._tokenizer = processing_class if processing_class is not None else self._pool.submit(jd.load_processor)
         self.hooks = list(hooks or [])
         self._model_in = model if model is not None else model_state.model
         self._state_in = model_state
@@ -72,7 +74,12 @@ class BaseTrainer:
         self._stop_requested = False
         self.configure_model()
         self.configure_dataloaders()
-        self.configure_functions()
+
+    @property
+    def tokenizer(self):
+        if isinstance(self._tokenizer, Future):  # loaded in the background during setup
+            self._tokenizer = self._tokenizer.result()
+        return self._tokenizer
 
     # ---- protocol properties -------------------------------------------------------------------------
     mesh = property(lambda self: self._mesh)
@@ -100,6 +107,8 @@ class BaseTrainer:
         self._abstract_state = jax.eval_shape(build[0], *build[1])
         self.state_shardings = js.state_shardings(
             self._abstract_state, jmod.param_shardings(abstract_model, self._mesh), self._mesh)
+        self._batch_sharding, self._eval_sharding = self._batch_shardings()
+        self.configure_functions()  # starts compiling the train step in the background
         ckpt_dir = Path(a.save_directory) / "checkpoints"
         self.checkpoints = js.CheckpointManager(js.CheckpointConfig(
             directory=str(ckpt_dir), save_steps=a.save_steps, save_minutes=a.save_minutes,
@@ -148,11 +157,13 @@ class BaseTrainer:
         return jd.DataLoader(data, self.tokenizer, cfg, data_rank=rows.start // n, data_ranks=global_rows // n,
                              state=state)
 
+    def _batch_shardings(self):
+        axes = tuple(x for x in DATA_AXES if x in self._mesh.shape) or None
+        return NamedSharding(self._mesh, PartitionSpec(None, axes)), NamedSharding(self._mesh, PartitionSpec(axes))
+
     def configure_dataloaders(self) -> None:
         self.train_loader = self._loader(self.dataset_train, state=self._data_state)
-        axes = tuple(x for x in DATA_AXES if x in self._mesh.shape)
-        self._batch_sharding = NamedSharding(self._mesh, PartitionSpec(None, axes or None))
-        self._eval_sharding = NamedSharding(self._mesh, PartitionSpec(axes or None))
+        self.train_loader.start()  # the first batches are made while the step compiles
 
     def configure_functions(self) -> None:
         a = self.arguments
@@ -165,7 +176,7 @@ class BaseTrainer:
                                   out_shardings=(self.state_shardings, repl), donate_argnums=0)
         self._eval_jit = jax.jit(functools.partial(eval_step, cfg=self.step_config),
                                  in_shardings=(self.state_shardings, self._eval_sharding), out_shardings=repl)
-        self._train_fn = None
+        self._train_fn = self._pool.submit(self.compile_aot)
 
     def compile_aot(self):
         """Compile the train step for the exact shapes and shardings before the first batch."""
@@ -176,8 +187,7 @@ class BaseTrainer:
         state = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                        self._abstract_state, self.state_shardings)
         with jax.set_mesh(self._mesh):
-            self._train_fn = self._train_jit.lower(state, batch).compile()
-        return self._train_fn
+            return self._train_jit.lower(state, batch).compile()
 
     # ---- the loop -------------------------------------------------------------------------------------
     def _global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -207,8 +217,8 @@ class BaseTrainer:
     def train(self) -> TrainerOutput:
         a = self.arguments
         self._t0, self._skipped, self._last_eval = time.monotonic(), 0, (None, {})
-        if self._train_fn is None:
-            self.compile_aot()
+        if isinstance(self._train_fn, Future):
+            self._train_fn = self._train_fn.result()
         step = int(jax.device_get(self.state.step))
         writer = MetricsWriter(a.save_directory, tensorboard=a.use_tensorboard, use_wandb=a.use_wandb,
                                wandb_project=a.wandb_project, progress_total=self.total_steps,
@@ -345,6 +355,7 @@ class BaseTrainer:
     def finish(self) -> None:
         self.checkpoints.close()
         self.train_loader.close()
+        self._pool.shutdown(wait=False)
 
 
 class Trainer(BaseTrainer):

@@ -1,0 +1,165 @@
+"""`nox -s bench`: jaxloom against the limit, measured in one run. Prints a table, writes bench-results.json.
+
+Every ratio compares against a reference measured in the same run; training runs alternate
+trainer / bare loop (A B A B ...) in fresh processes and report medians.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+CPU_MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+                 num_key_value_heads=4, max_position_embeddings=512)
+GPU_MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=18,
+                 num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192)  # ~1B
+
+
+def run_process(args: list[str], env: dict | None = None) -> dict:
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
+                         timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{args[:2]} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def training(reps: int, steps: int, cfg: dict, env: dict | None = None) -> dict:
+    runs = {"trainer": [], "bare": []}
+    for _ in range(reps):
+        for kind in ("trainer", "bare"):
+            with tempfile.TemporaryDirectory() as d:
+                runs[kind].append(run_process([str(HERE / "train_run.py"), kind, str(steps),
+                                               json.dumps({**cfg, "out": d})], env))
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("tokens_per_second", "first_step_s", "peak_rss_gb")}
+           for k, v in runs.items()}
+    return {"trainer": med["trainer"], "bare": med["bare"],
+            "throughput_ratio": med["trainer"]["tokens_per_second"] / med["bare"]["tokens_per_second"],
+            "first_step_ratio": med["trainer"]["first_step_s"] / med["bare"]["first_step_s"],
+            "memory_ratio": med["trainer"]["peak_rss_gb"] / med["bare"]["peak_rss_gb"],
+            "platform": runs["trainer"][0]["platform"], "devices": runs["trainer"][0]["devices"]}
+
+
+def import_times() -> dict:
+    out = {}
+    for name, code in (("import jaxloom", "import jaxloom"), ("import jax", "import jax"),
+                       ("import jaxloom.trainer", "import jaxloom.trainer")):
+        samples = []
+        for _ in range(3):
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+            samples.append(time.perf_counter() - t)
+        out[name] = statistics.median(samples)
+    return out
+
+
+def data_pipeline(training_tokens_per_second: float) -> dict:
+    import jaxloom.data as jd
+
+    loader = jd.DataLoader(jd.bundled_corpus_path(), jd.load_processor(),
+                           jd.DataConfig(max_sequence_length=128, batch_size=8, prefetch=0))
+    next(loader)
+    t, n = time.perf_counter(), 0
+    while time.perf_counter() - t < 5:
+        n += next(loader)["input_ids"].size
+    rate = n / (time.perf_counter() - t)
+    return {"tokens_per_second": rate, "ratio_to_training": rate / training_tokens_per_second}
+
+
+def checkpoints(step_seconds: float) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxloom.state as js
+
+    params = {f"w{i}": jnp.asarray(np.random.default_rng(i).standard_normal((1024, 1024), np.float32))
+              for i in range(25)}
+    state = js.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
+    mb = sum(x.nbytes for x in params.values()) / 2**20
+    with tempfile.TemporaryDirectory() as d:
+        m = js.CheckpointManager(d + "/c", async_save=True)
+        t0 = time.perf_counter()
+        m.save(1, state)
+        blocked = time.perf_counter() - t0
+        m.wait_until_finished()
+        save = time.perf_counter() - t0
+        target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        t0 = time.perf_counter()
+        jax.block_until_ready(js.CheckpointManager(d + "/c").restore(target).state.params)
+        restore = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for k, v in params.items():
+            np.save(f"{d}/{k}.npy", np.asarray(v))
+        np_save = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for k in params:
+            np.load(f"{d}/{k}.npy")
+        np_load = time.perf_counter() - t0
+    return {"state_mb": mb, "save_mb_s": mb / save, "restore_mb_s": mb / restore, "numpy_save_mb_s": mb / np_save,
+            "numpy_load_mb_s": mb / np_load, "async_block_s": blocked,
+            "async_block_fraction_of_step": blocked / step_seconds}
+
+
+def main() -> None:
+    import jax
+
+    gpu = jax.devices()[0].platform == "gpu"
+    reps = int(os.environ.get("BENCH_REPS", "3"))
+    results = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind}
+    cpu_cfg = {"model": CPU_MODEL, "batch": 8, "seq": 128, "lr": 1e-3, "dtype": "float32", "warmup": 5}
+    results["train_cpu"] = training(reps, 30, cpu_cfg, {"JAX_PLATFORMS": "cpu"})
+    if gpu:
+        for seq in (2048, 8192):
+            g = {"model": GPU_MODEL, "batch": max(1, 16384 // seq), "seq": seq, "lr": 1e-4, "dtype": "bfloat16",
+                 "warmup": 5}
+            results[f"train_gpu_{seq}"] = training(1, 20, g)
+    results["imports_s"] = import_times()
+    t = results["train_cpu"]["trainer"]["tokens_per_second"]
+    results["data"] = data_pipeline(t)
+    results["checkpoint"] = checkpoints(8 * 128 / t)
+    Path("bench-results.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+
+
+def table(r: dict) -> str:
+    tc = r["train_cpu"]
+    rows = [
+        ("train tokens/s (trainer vs bare loop)", f"{tc['trainer']['tokens_per_second']:.0f} vs "
+         f"{tc['bare']['tokens_per_second']:.0f}", f"{tc['throughput_ratio']:.3f}", ">= 0.97"),
+        ("start to end of first step (s)", f"{tc['trainer']['first_step_s']:.2f} vs {tc['bare']['first_step_s']:.2f}",
+         f"{tc['first_step_ratio']:.3f}", "<= 1.3"),
+        ("peak host memory (GB)", f"{tc['trainer']['peak_rss_gb']:.2f} vs {tc['bare']['peak_rss_gb']:.2f}",
+         f"{tc['memory_ratio']:.3f}", "<= 1.1"),
+        ("import jaxloom (s)", f"{r['imports_s']['import jaxloom']:.3f}", "", "<= 1.5 s"),
+        ("import jaxloom.trainer (s) / import jax", f"{r['imports_s']['import jaxloom.trainer']:.2f} / "
+         f"{r['imports_s']['import jax']:.2f}", "", ""),
+        ("data pipeline tokens/s vs training", f"{r['data']['tokens_per_second']:.0f}",
+         f"{r['data']['ratio_to_training']:.1f}", ">= 10"),
+        ("checkpoint save MB/s vs numpy.save", f"{r['checkpoint']['save_mb_s']:.0f} vs "
+         f"{r['checkpoint']['numpy_save_mb_s']:.0f}",
+         f"{r['checkpoint']['save_mb_s'] / r['checkpoint']['numpy_save_mb_s']:.2f}", ""),
+        ("checkpoint restore MB/s vs numpy.load", f"{r['checkpoint']['restore_mb_s']:.0f} vs "
+         f"{r['checkpoint']['numpy_load_mb_s']:.0f}",
+         f"{r['checkpoint']['restore_mb_s'] / r['checkpoint']['numpy_load_mb_s']:.2f}", ""),
+        ("async save blocks the loop (fraction of a step)", f"{r['checkpoint']['async_block_s'] * 1000:.0f} ms",
+         f"{r['checkpoint']['async_block_fraction_of_step']:.2f}", "< 0.10"),
+    ]
+    for key in ("train_gpu_2048", "train_gpu_8192"):
+        if key in r:
+            rows.append((f"{key} tokens/s (ratio to bare)", f"{r[key]['trainer']['tokens_per_second']:.0f}",
+                         f"{r[key]['throughput_ratio']:.3f}", ""))
+    w = max(len(x[0]) for x in rows)
+    head = f"{'measure'.ljust(w)} | value | ratio | target\n{'-' * w}-|-------|-------|-------"
+    return head + "\n" + "\n".join(f"{a.ljust(w)} | {b} | {c} | {d}" for a, b, c, d in rows) + \
+        f"\n({r['device']}, jax {r['jax']}, {r['date']}; medians of interleaved runs)"
+
+
+if __name__ == "__main__":
+    main()
