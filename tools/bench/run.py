@@ -84,7 +84,11 @@ def checkpoints(step_seconds: float) -> dict:
     state = js.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
     mb = sum(x.nbytes for x in params.values()) / 2**20
     with tempfile.TemporaryDirectory() as d:
-        m = js.CheckpointManager(d + "/c", async_save=True)
+        m = js.CheckpointManager(d + "/c", async_save=True, save_total_limit=None)
+        t0 = time.perf_counter()
+        m.save(0, state)  # the first save also opens the manager
+        first_block = time.perf_counter() - t0
+        m.wait_until_finished()
         t0 = time.perf_counter()
         m.save(1, state)
         blocked = time.perf_counter() - t0
@@ -103,7 +107,7 @@ def checkpoints(step_seconds: float) -> dict:
             np.load(f"{d}/{k}.npy")
         np_load = time.perf_counter() - t0
     return {"state_mb": mb, "save_mb_s": mb / save, "restore_mb_s": mb / restore, "numpy_save_mb_s": mb / np_save,
-            "numpy_load_mb_s": mb / np_load, "async_block_s": blocked,
+            "numpy_load_mb_s": mb / np_load, "async_block_s": blocked, "first_save_block_s": first_block,
             "async_block_fraction_of_step": blocked / step_seconds}
 
 
@@ -148,7 +152,8 @@ def table(r: dict) -> str:
         ("checkpoint restore MB/s vs numpy.load", f"{r['checkpoint']['restore_mb_s']:.0f} vs "
          f"{r['checkpoint']['numpy_load_mb_s']:.0f}",
          f"{r['checkpoint']['restore_mb_s'] / r['checkpoint']['numpy_load_mb_s']:.2f}", ""),
-        ("async save blocks the loop (fraction of a step)", f"{r['checkpoint']['async_block_s'] * 1000:.0f} ms",
+        ("async save blocks the loop (fraction of a step)", f"{r['checkpoint']['async_block_s'] * 1000:.0f} ms "
+         f"(first save {r['checkpoint']['first_save_block_s'] * 1000:.0f} ms)",
          f"{r['checkpoint']['async_block_fraction_of_step']:.2f}", "< 0.10"),
     ]
     for key in ("train_gpu_2048", "train_gpu_8192"):

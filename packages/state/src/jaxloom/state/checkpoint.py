@@ -83,6 +83,11 @@ class CheckpointManager:
             self._open()
 
     # ---- orbax ------------------------------------------------------------------------------------
+    @staticmethod
+    def prepare() -> None:
+        """Import orbax now (about 0.4 s), e.g. in a background thread, so the first save does not pay it."""
+        _ocp()
+
     def _open(self):
         if self._manager is None:
             ocp = _ocp()

@@ -66,6 +66,7 @@ class BaseTrainer:
         self.dataset_train, self.dataset_eval = dataset_train, dataset_eval
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxloom-setup")
         self._tokenizer = processing_class if processing_class is not None else self._pool.submit(jd.load_processor)
+        self._pool.submit(js.CheckpointManager.prepare)
         self.hooks = list(hooks or [])
         self._model_in = model if model is not None else model_state.model
         self._state_in = model_state
