@@ -52,7 +52,9 @@ class Attention(nnx.Module):
         self.config, self.runtime = config, runtime
         self.impl = vanilla_attention if runtime.attn_mechanism == "vanilla" else fast_attention
 
-    def __call__(self, x, positions, mask):
+    def __call__(self, x, positions, mask, cache=None, cache_index=None):
+        """With `cache=(k, v)` (`[B, S, KV, H]` each), this call's keys and values are written at
+        `cache_index` and attention runs over the whole cache; returns `(out, new_cache)`."""
         b, t, _ = x.shape
         rt = self.runtime
         q = self.q_proj(x).reshape(b, t, self.n, self.h)
@@ -61,8 +63,13 @@ class Attention(nnx.Module):
         inv_freq, scale = rope_frequencies(self.h, self.config.rope_theta, self.config.rope_scaling,
                                            self.config.max_position_embeddings, seq_len=t)
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
+        if cache is not None:
+            at = (0, cache_index, 0, 0)
+            cache = (jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), at),
+                     jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), at))
+            k, v = cache[0].astype(q.dtype), cache[1].astype(q.dtype)
         q = constrain(q, ("batch", "query_length", "heads", "head_dim"), rt)
         k = constrain(k, ("batch", "key_length", "kv_heads", "kv_head_dim"), rt)
         v = constrain(v, ("batch", "key_length", "kv_heads", "kv_head_dim"), rt)
         out = self.impl(q, k, v, mask, rt.dtype)
-        return self.o_proj(out.reshape(b, t, self.n * self.h))
+        return self.o_proj(out.reshape(b, t, self.n * self.h)), cache

@@ -27,6 +27,7 @@ REMAT_POLICIES = {
 class CausalLMOutput:
     logits: jax.Array                # [B, T, V]
     aux_loss: jax.Array | None = None  # MoE load-balancing loss (unscaled), None for dense models
+    cache: list | None = None          # per layer (k, v) `[B, S, KV, H]` when called with a cache
 
 
 class MLP(nnx.Module):
@@ -51,11 +52,12 @@ class DecoderLayer(nnx.Module):
         self.mlp = mlp_factory(config, runtime, rngs=rngs)
         self.runtime = runtime
 
-    def __call__(self, x, positions, mask, token_mask):
-        x = x + self.self_attn(self.input_layernorm(x), positions, mask)
+    def __call__(self, x, positions, mask, token_mask, cache=None, cache_index=None):
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index)
+        x = x + attn
         out, aux = self.mlp(self.post_attention_layernorm(x), token_mask)
         x = constrain(x + out, ("batch", "length", "embed"), self.runtime)
-        return x, aux
+        return x, aux, cache
 
 
 class CausalLM(nnx.Module):
@@ -85,24 +87,34 @@ class CausalLM(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, ("embed", "vocab"), runtime, std=config.initializer_range, rngs=rngs)
 
-    def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None) -> CausalLMOutput:
+    def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *, cache=None,
+                 cache_index=None, kv_positions=None, kv_segment_ids=None) -> CausalLMOutput:
+        """Decoding: pass `cache` (from `init_cache`), the write offset `cache_index`, and the cache's
+        `kv_positions` / `kv_segment_ids` `[B, S]` already holding this call's tokens (segment 0 = empty)."""
         b, t = input_ids.shape
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
         token_mask = segment_ids != 0
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(token_mask, axis=-1) - 1, 0)
-        mask = make_attention_mask(segment_ids, positions, positions, self.config.sliding_window)
+        if cache is None:
+            mask = make_attention_mask(segment_ids, positions, positions, self.config.sliding_window)
+        else:
+            mask = make_attention_mask(segment_ids, positions, kv_positions, self.config.sliding_window, kv_segment_ids)
         x = constrain(self.model.embed_tokens(input_ids), ("batch", "length", "embed"), self.runtime)
 
         def run(layer, x, positions, mask, token_mask):
-            return layer(x, positions, mask, token_mask)
+            return layer(x, positions, mask, token_mask)[:2]
 
-        if self.runtime.remat != "none":
+        if self.runtime.remat != "none" and cache is None:
             run = nnx.remat(run, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=True)
-        aux_total = None
-        for layer in self.model.layers:
-            x, aux = run(layer, x, positions, mask, token_mask)
+        aux_total, new_cache = None, []
+        for i, layer in enumerate(self.model.layers):
+            if cache is None:
+                x, aux = run(layer, x, positions, mask, token_mask)
+            else:
+                x, aux, layer_cache = layer(x, positions, mask, token_mask, cache[i], cache_index)
+                new_cache.append(layer_cache)
             if aux is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
         x = self.model.norm(x)
@@ -110,7 +122,14 @@ class CausalLM(nnx.Module):
         logits = constrain(logits, ("batch", "length", "vocab"), self.runtime)
         if aux_total is not None:
             aux_total = aux_total / len(self.model.layers)
-        return CausalLMOutput(logits=logits, aux_loss=aux_total)
+        return CausalLMOutput(logits=logits, aux_loss=aux_total, cache=new_cache if cache is not None else None)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> list:
+        """Zeroed per-layer key/value buffers `[B, S, KV, H]` in the compute dtype."""
+        c = self.config
+        shape = (batch_size, max_length, c.num_key_value_heads, c.head_dim)
+        dtype = dtype or self.runtime.dtype
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_hidden_layers)]
 
 
 @register("llama", TaskType.CAUSAL_LM)

@@ -1,0 +1,49 @@
+"""`GenerationConfig`: decoding settings with `transformers.GenerationConfig` names."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 32
+    do_sample: bool = False          # False: greedy
+    temperature: float = 1.0         # 0 also means greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens = {self.max_new_tokens!r}; expected a positive integer")
+        if self.temperature < 0:
+            raise ValueError(f"temperature = {self.temperature}; expected >= 0")
+        if self.top_k is not None and self.top_k <= 0:
+            raise ValueError(f"top_k = {self.top_k}; expected a positive integer or None")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p}; expected a value in (0, 1] or None")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        return () if e is None else (e,) if isinstance(e, int) else tuple(e)
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, **overrides: Any) -> GenerationConfig:
+        """From a `transformers.GenerationConfig` (or any object with those attribute names)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        values = {n: getattr(hf_config, n) for n in names if getattr(hf_config, n, None) is not None}
+        return cls(**{**values, **overrides})

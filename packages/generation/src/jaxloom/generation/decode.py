@@ -1,0 +1,134 @@
+"""Prefill + KV-cache decoding inside one jitted function, and a naive reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import GenerationConfig
+from .sampling import next_token
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Generated:
+    sequences: jax.Array        # [B, P + N]: the (left-padded) prompt then the completion
+    completion_ids: jax.Array   # [B, N], right-padded with pad_token_id after EOS
+    completion_mask: jax.Array  # [B, N], 1 for generated tokens (EOS included)
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Prompt lengths are padded up to a power of two so each bucket compiles once."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationConfig):
+    model = nnx.merge(graphdef, state)
+    b, p = input_ids.shape
+    n = config.max_new_tokens
+    total = p + n
+    mask = attention_mask.astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+    kv_seg = jnp.zeros((b, total), jnp.int32).at[:, :p].set(mask)
+    kv_pos = jnp.zeros((b, total), jnp.int32).at[:, :p].set(positions)
+    out = model(input_ids, positions=positions, segment_ids=mask, cache=model.init_cache(b, total), cache_index=0,
+                kv_positions=kv_pos, kv_segment_ids=kv_seg)
+    eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
+    last_pos = positions[:, -1]
+    rng, sub = jax.random.split(rng)
+    token = next_token(out.logits[:, -1], sub, config)
+    done = jnp.isin(token, eos)
+    completion = jnp.full((b, n), config.pad_token_id, jnp.int32).at[:, 0].set(token)
+    comp_mask = jnp.zeros((b, n), jnp.int32).at[:, 0].set(1)
+
+    def cond(carry):
+        i, *_, done = carry
+        return (i < n) & ~jnp.all(done)
+
+    def body(carry):
+        i, cache, token, pos, kv_seg, kv_pos, completion, comp_mask, rng, done = carry
+        pos = pos + 1
+        at = p + i - 1
+        kv_seg = jax.lax.dynamic_update_slice(kv_seg, jnp.ones((b, 1), jnp.int32), (0, at))
+        kv_pos = jax.lax.dynamic_update_slice(kv_pos, pos[:, None], (0, at))
+        out = model(token[:, None], positions=pos[:, None], segment_ids=jnp.ones((b, 1), jnp.int32), cache=cache,
+                    cache_index=at, kv_positions=kv_pos, kv_segment_ids=kv_seg)
+        rng, sub = jax.random.split(rng)
+        new = next_token(out.logits[:, -1], sub, config)
+        new = jnp.where(done, config.pad_token_id, new)
+        completion = jax.lax.dynamic_update_slice(completion, new[:, None], (0, i))
+        comp_mask = jax.lax.dynamic_update_slice(comp_mask, (~done).astype(jnp.int32)[:, None], (0, i))
+        done = done | jnp.isin(new, eos)
+        return i + 1, out.cache, new, pos, kv_seg, kv_pos, completion, comp_mask, rng, done
+
+    carry = (jnp.int32(1), out.cache, token, last_pos, kv_seg, kv_pos, completion, comp_mask, rng, done)
+    *_, completion, comp_mask, _, _ = jax.lax.while_loop(cond, body, carry)
+    return Generated(jnp.concatenate([input_ids, completion], axis=1), completion, comp_mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(graphdef, config: GenerationConfig):
+    return jax.jit(functools.partial(_decode, graphdef, config=config))
+
+
+def generate(model: nnx.Module, input_ids, attention_mask=None, config: GenerationConfig | None = None, *,
+             mesh=None) -> Generated:
+    """Decode `config.max_new_tokens` tokens after left-padded prompts `input_ids [B, P]`.
+    One jitted function per (model structure, config, prompt bucket); prompts are padded to the bucket."""
+    config = config or GenerationConfig()
+    ids = np.asarray(input_ids, np.int32)
+    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [batch, length] array, got shape {ids.shape}")
+    mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int32)
+    limit = model.config.max_position_embeddings
+    longest = int(mask.sum(-1).max())
+    if longest + config.max_new_tokens > limit:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {config.max_new_tokens} exceeds the model's "
+                         f"context of {limit} (max_position_embeddings)")
+    p = bucket(ids.shape[1])
+    pad = p - ids.shape[1]
+    ids = np.pad(ids, ((0, 0), (pad, 0)), constant_values=config.pad_token_id)
+    mask = np.pad(mask, ((0, 0), (pad, 0)))
+    graphdef, state = nnx.split(model)
+    fn = _compiled(graphdef, config)
+    rng = jax.random.PRNGKey(config.seed)
+    if mesh is not None:
+        with jax.set_mesh(mesh):
+            out = fn(state, ids, mask, rng)
+    else:
+        out = fn(state, ids, mask, rng)
+    return Generated(out.sequences[:, pad:], out.completion_ids, out.completion_mask)
+
+
+def naive_greedy(model: nnx.Module, input_ids, attention_mask, max_new_tokens: int) -> np.ndarray:
+    """Reference: recompute the full forward for every new token and take the argmax. Slow; for tests."""
+    ids = np.asarray(input_ids, np.int32)
+    mask = np.asarray(attention_mask, np.int32)
+    new = []
+    for _ in range(max_new_tokens):
+        logits = model(ids, attention_mask=mask).logits
+        token = np.asarray(jnp.argmax(logits[:, -1], axis=-1), np.int32)
+        new.append(token)
+        ids = np.concatenate([ids, token[:, None]], axis=1)
+        mask = np.concatenate([mask, np.ones_like(token)[:, None]], axis=1)
+    return np.stack(new, axis=1)
+
+
+def create_generate_function(generation_config: GenerationConfig | None = None, *, shard_inputs: bool = True,
+                             config_overrides: dict[str, Any] | None = None, mesh=None):
+    """EasyDeL's `create_generate_function`: `fn(state_or_model, input_ids, attention_mask)` →
+    `(sequences, completion_ids, completion_mask)`."""
+    config = (generation_config or GenerationConfig()).replace(**(config_overrides or {}))
+
+    def fn(state_or_model, input_ids, attention_mask):
+        model = state_or_model.model if hasattr(state_or_model, "graphdef") else state_or_model
+        out = generate(model, input_ids, attention_mask, config, mesh=mesh if shard_inputs else None)
+        return out.sequences, out.completion_ids, out.completion_mask
+
+    return fn

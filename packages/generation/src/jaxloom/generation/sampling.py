@@ -1,0 +1,34 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import GenerationConfig
+
+
+def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
+    """Set logits outside the top-k and outside the smallest set with probability >= top_p to -inf."""
+    neg = jnp.finfo(logits.dtype).min
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, neg, logits)
+    if top_p is not None and top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+        keep_sorted = before < top_p                 # always keeps the most likely token
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        logits = jnp.where(keep, logits, neg)
+    return logits
+
+
+def next_token(logits: jax.Array, rng: jax.Array, config: GenerationConfig) -> jax.Array:
+    """`logits [B, V]` → token ids `[B]`."""
+    logits = logits.astype(jnp.float32)
+    if config.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = filter_logits(logits / config.temperature, config.top_k, config.top_p)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)

@@ -1,0 +1,106 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxloom.data as jd
+import jaxloom.generation as jg
+import jaxloom.models as jm
+from jaxloom.mesh import MeshConfig
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+
+
+def prompts(lengths=(5, 9, 1, 12), width=12, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(lengths), width), np.int32)
+    mask = np.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = rng.integers(1, 97, n)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("config", [jm.LlamaConfig(**TINY), jm.MistralConfig(**TINY, sliding_window=6),
+                                    jm.MixtralConfig(**TINY, num_local_experts=4)], ids=["llama", "mistral", "mixtral"])
+def test_cached_greedy_equals_naive_recomputation(config):
+    model = jm.create_model(config, seed=1)
+    ids, mask = prompts()
+    out = jg.generate(model, ids, mask, jg.GenerationConfig(max_new_tokens=10))
+    expected = jg.naive_greedy(model, ids, mask, 10)
+    np.testing.assert_array_equal(np.asarray(out.completion_ids), expected)
+    np.testing.assert_array_equal(np.asarray(out.sequences)[:, :12], ids)
+
+
+def test_on_a_mesh_equals_one_device():
+    config = jm.LlamaConfig(**{**TINY, "vocab_size": 96})  # tp=2 must divide the vocabulary
+    ids, mask = prompts()
+    ref = jg.generate(jm.create_model(config, seed=2), ids, mask, jg.GenerationConfig(max_new_tokens=8))
+    mesh = MeshConfig.from_axes(fsdp=2, tp=2).build(jax.devices()[:4])
+    sharded = jm.create_model(config, seed=2, mesh=mesh)
+    out = jg.generate(sharded, ids, mask, jg.GenerationConfig(max_new_tokens=8), mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(out.completion_ids), np.asarray(ref.completion_ids))
+
+
+def test_eos_stops_each_sequence():
+    model = jm.create_model(jm.LlamaConfig(**TINY), seed=1)
+    ids, mask = prompts()
+    free = np.asarray(jg.generate(model, ids, mask, jg.GenerationConfig(max_new_tokens=10)).completion_ids)
+    eos = int(free[0, 3])  # the 4th token sequence 0 would emit
+    out = jg.generate(model, ids, mask, jg.GenerationConfig(max_new_tokens=10, eos_token_id=eos, pad_token_id=0))
+    comp, cm = np.asarray(out.completion_ids), np.asarray(out.completion_mask)
+    for row in range(len(ids)):
+        hits = np.where(free[row] == eos)[0]
+        stop = hits[0] + 1 if len(hits) else 10
+        np.testing.assert_array_equal(comp[row, :stop], free[row, :stop])
+        assert cm[row].sum() == stop and (comp[row, stop:] == 0).all()
+
+
+def test_sampling_repeats_with_a_seed_and_respects_top_k_top_p():
+    model = jm.create_model(jm.LlamaConfig(**TINY), seed=1)
+    ids, mask = prompts()
+    cfg = jg.GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.0, top_k=5, seed=3)
+    a, b = (np.asarray(jg.generate(model, ids, mask, cfg).completion_ids) for _ in range(2))
+    np.testing.assert_array_equal(a, b)
+    c = np.asarray(jg.generate(model, ids, mask, cfg.replace(seed=4)).completion_ids)
+    assert not np.array_equal(a, c)
+    greedy = np.asarray(jg.generate(model, ids, mask, jg.GenerationConfig(max_new_tokens=6)).completion_ids)
+    zero_t = np.asarray(jg.generate(model, ids, mask, cfg.replace(temperature=0.0)).completion_ids)
+    np.testing.assert_array_equal(greedy, zero_t)
+    # a crafted distribution: probabilities .5 .3 .15 .05 over 4 tokens
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
+    for top_k, top_p, allowed in [(2, None, {0, 1}), (None, 0.7, {0, 1}), (None, 0.5, {0}), (3, 0.9, {0, 1, 2})]:
+        cfg = jg.GenerationConfig(do_sample=True, top_k=top_k, top_p=top_p)
+        tokens = np.asarray(jg.next_token(logits, jax.random.PRNGKey(0), cfg))
+        assert set(tokens.tolist()) == allowed, (top_k, top_p)
+
+
+def test_unified_with_text_and_chat():
+    tok = jd.load_processor()
+    model = jm.create_model(jm.LlamaConfig(**{**TINY, "vocab_size": len(tok)}), seed=0)
+    res = jg.generate_unified(model, tok, prompts=["The interpreter", "A list"], max_new_tokens=5)
+    assert len(res.generation_results) == 2 and res.prompt_ids.shape[0] == 2
+    assert res.prompt_mask[0, -1] == 1 and res.completion_ids.shape == (2, 5)
+    assert res.decoded_prompts[0] == "The interpreter"
+    assert res.completion_prompts[1].startswith("A list")
+    chat = jg.generate_unified(model, tok, prompts=[[{"role": "user", "content": "hi"}]], apply_chat_template=True,
+                               max_new_tokens=3)
+    assert "hi" in tok.decode(chat.prompt_ids[0][chat.prompt_mask[0] > 0])
+    seqs, comp, cm = jg.create_generate_function(jg.GenerationConfig(max_new_tokens=4))(
+        model, res.prompt_ids, res.prompt_mask)
+    assert comp.shape == (2, 4)
+
+
+def test_bad_inputs():
+    model = jm.create_model(jm.LlamaConfig(**TINY))
+    with pytest.raises(ValueError, match="max_new_tokens = 0; expected a positive integer"):
+        jg.GenerationConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"non-empty \[batch, length\] array, got shape \(0, 3\)"):
+        jg.generate(model, np.zeros((0, 3), np.int32))
+    with pytest.raises(ValueError, match="exceeds the model's context of 128"):
+        jg.generate(model, np.ones((1, 120), np.int32), config=jg.GenerationConfig(max_new_tokens=20))
+    with pytest.raises(ValueError, match="the prompt list is empty"):
+        jg.generate_unified(model, jd.load_processor(), prompts=[])
+    with pytest.raises(ValueError, match="top_p = 1.5"):
+        jg.GenerationConfig(top_p=1.5)
