@@ -73,6 +73,11 @@ def test_cli_train_plan_convert_and_errors(tmp_path, capsys):
     assert plan["parameters"] > 0 and plan["flops_per_token"] > 0 and plan["memory_per_device"]["total_gb"] > 0
     assert main(["convert", "--to-hf", str(tmp_path), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
+    capsys.readouterr()
+    for source in (str(tmp_path), str(tmp_path / "hf")):  # a run directory and an HF directory
+        assert main(["generate", source, "--prompt", "The list", "--max-new-tokens", "4"]) == 0
+        assert capsys.readouterr().out.startswith("The list")
+    assert main(["generate", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert main(["train", *tiny, "learnig_rate=1"]) == 2
     assert "did you mean 'learning_rate'" in capsys.readouterr().err
     assert main(["train", str(tmp_path / "missing.yaml")]) == 2

@@ -13,7 +13,8 @@ from jaxloom.trainer import NonFiniteLossError, StepConfig, TrainerProtocol, tra
 
 def test_eval_loss_falls_on_the_corpus(tmp_path):
     t = trainer(tmp_path, max_training_steps=60, logging_steps=20, learning_rate=1e-2, total_batch_size=16,
-                evaluation_steps=60)
+                evaluation_steps=60, generation_interval=30, generation_prompts=("The interpreter",),
+                generation_max_new_tokens=6)
     assert isinstance(t, TrainerProtocol)
     before = t.evaluate()["loss"]
     out = t.train()
@@ -22,6 +23,10 @@ def test_eval_loss_falls_on_the_corpus(tmp_path):
     print(f"eval loss {before:.3f} -> {after:.3f}")
     assert after < before - 1.5
     assert "| eval_loss |" in (tmp_path / "report.md").read_text()
+    previews = [r for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+                if "samples" in r]
+    assert [r["step"] for r in previews] == [30, 60, 60]  # every 30 steps, and the final sample
+    assert out.samples and out.samples[0].startswith("The interpreter")
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert jm.count_params(t.model) == t.n_params
 

@@ -3,6 +3,8 @@
     jaxloom train [CONFIG.yaml] [key=value ...]     # no CONFIG: the bundled demo config
     jaxloom eval CONFIG.yaml [key=value ...]         # evaluate the newest checkpoint of the run
     jaxloom plan CONFIG.yaml [key=value ...]         # params, FLOPs/token, memory per device, from an AOT compile
+    jaxloom generate PATH --prompt TEXT [--max-new-tokens N] [--temperature T --top-k K --top-p P] [--chat]
+                                                     # PATH: an HF model directory or a run's save_directory
     jaxloom convert --to-hf SAVE_DIRECTORY OUT       # newest checkpoint → Hugging Face directory
                                                      # (model from SAVE_DIRECTORY/run_config.json)
 """
@@ -93,12 +95,51 @@ def _plan(trainer) -> dict[str, Any]:
     return out
 
 
+def _generate(ns) -> int:
+    """`jaxloom generate`: from an HF directory (with its tokenizer if it has one) or a run directory."""
+    import jaxloom.data as jd
+    import jaxloom.generation as jg
+    import jaxloom.models as jm
+
+    path = Path(ns.path)
+    if (path / RUN_CONFIG).is_file():
+        trainer, _ = build_run(str(path / RUN_CONFIG), [f"save_directory={path}", "resume_if_possible=true"])
+        if trainer.resumed_from is None:
+            raise FileNotFoundError(f"no checkpoint under {path}/checkpoints")
+        model, tokenizer = trainer.state.model, trainer.tokenizer
+    elif (path / "config.json").is_file():
+        model = jm.from_pretrained(path)
+        has_tok = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+        tokenizer = jd.load_processor(path if has_tok else None)
+    else:
+        raise FileNotFoundError(f"{path} is neither a Hugging Face model directory (config.json) nor a jaxloom run "
+                                f"directory ({RUN_CONFIG})")
+    prompts = [[{"role": "user", "content": p}] for p in ns.prompt] if ns.chat else ns.prompt
+    sample = not ns.greedy and ns.temperature > 0
+    res = jg.generate_unified(model, tokenizer, prompts=prompts, apply_chat_template=ns.chat,
+                              max_new_tokens=ns.max_new_tokens, do_sample=sample, temperature=ns.temperature or 1.0,
+                              top_k=ns.top_k, top_p=ns.top_p, seed=ns.seed)
+    for prompt, completion in zip(res.decoded_prompts, res.generation_results, strict=True):
+        print(f"{prompt}{completion}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxloom", description="Train, evaluate, plan and convert jaxloom runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("train", "eval", "plan"):
         p = sub.add_parser(name)
         p.add_argument("items", nargs="*", help="[CONFIG.yaml] then key=value overrides")
+    gen = sub.add_parser("generate")
+    gen.add_argument("path")
+    gen.add_argument("--prompt", action="append", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--greedy", action="store_true")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each prompt")
     conv = sub.add_parser("convert")
     conv.add_argument("--to-hf", nargs=2, metavar=("SAVE_DIRECTORY", "OUT"), required=True)
     conv.add_argument("--config", default=None)
@@ -106,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
     try:
+        if ns.command == "generate":
+            return _generate(ns)
         if ns.command == "convert":
             config = ns.config or Path(ns.to_hf[0]) / RUN_CONFIG
             trainer, _ = build_run(str(config), [f"save_directory={ns.to_hf[0]}", "resume_if_possible=true"])

@@ -81,6 +81,17 @@ class MetricsWriter:
         else:
             print(line, flush=True)
 
+    def samples(self, step: int, prompts: list[str], completions: list[str]) -> None:
+        """Generated previews: console, TensorBoard text and the JSONL file."""
+        if not self.enabled:
+            return
+        pairs = [{"prompt": p, "completion": c} for p, c in zip(prompts, completions, strict=True)]
+        self._jsonl.write(json.dumps({"step": step, "samples": pairs}) + "\n")
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            line = f"[sample] step {step}: {p!r} → {c!r}"
+            self._bar.write(line) if self._bar is not None else print(line, flush=True)
+            self.text(step, f"samples/{i}", f"**{p}**{c}")
+
     def text(self, step: int, tag: str, value: str) -> None:
         if self.enabled and self._tb is not None:
             self._tb.add_text(tag, value, step)

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxloom.data as jd
+import jaxloom.generation as jg
 import jaxloom.models as jmod
 import jaxloom.state as js
 from jaxloom.mesh import DATA_AXES, MeshConfig, local_batch_slice, named_leaves
@@ -46,6 +47,7 @@ class TrainerOutput:
     checkpoint_dir: str | None
     report_path: str | None
     plot_path: str | None
+    samples: list[str] = dataclasses.field(default_factory=list)
 
 
 class BaseTrainer:
@@ -266,6 +268,8 @@ class BaseTrainer:
                 if a.evaluation_steps and step % a.evaluation_steps == 0 and self.dataset_eval is not None:
                     self._last_eval = (step, self.evaluate())
                     writer.write(step, self._last_eval[1], prefix="eval")
+                if a.generation_interval and a.generation_prompts and step % a.generation_interval == 0:
+                    self.preview(step)
                 if self.checkpoints.should_save(step):
                     self._save(step)
                 if reason:
@@ -292,6 +296,7 @@ class BaseTrainer:
         if train_rows:
             final = {**{k.split("/", 1)[1]: v for k, v in train_rows[-1].items() if k != "step"},
                      **{f"eval_{k}": v for k, v in final.items()}}
+        samples = self.preview(step) if a.generation_prompts else []
         plot = report = None
         if self.is_process_zero:
             plot = plot_history(writer.history, Path(a.save_directory) / "loss.png")
@@ -299,7 +304,18 @@ class BaseTrainer:
         writer.close()
         log.info("training stopped at step %d: %s", step, stop_reason)
         return TrainerOutput(self.state, final, stop_reason, self.resumed_from, str(self.checkpoints.directory),
-                             str(report) if report else None, str(plot) if plot else None)
+                             str(report) if report else None, str(plot) if plot else None, samples)
+
+    def preview(self, step: int) -> list[str]:
+        """Generate from `generation_prompts` with the current parameters and log the samples. Every
+        process runs the (sharded) decode together; process 0 writes."""
+        a = self.arguments
+        prompts = [p for p in a.generation_prompts for _ in range(a.generation_num_samples)]
+        res = jg.generate_unified(self.state.model, self.tokenizer, prompts=prompts, mesh=self._mesh,
+                                  max_new_tokens=a.generation_max_new_tokens, seed=step,
+                                  do_sample=a.generation_temperature > 0, temperature=a.generation_temperature)
+        self.writer.samples(step, res.decoded_prompts, res.generation_results)
+        return res.completion_prompts
 
     def _save(self, step: int) -> None:
         self.checkpoints.save(step, self.state, data_state=self.train_loader.state_dict(),
