@@ -124,6 +124,11 @@ def main() -> None:
             g = {"model": GPU_MODEL, "batch": max(1, 16384 // seq), "seq": seq, "lr": 1e-4, "dtype": "bfloat16",
                  "warmup": 5}
             results[f"train_gpu_{seq}"] = training(1, 20, g)
+    dec = {"model": CPU_MODEL, "batch": 4, "prompt": 64, "new": 64, "dtype": "float32"}
+    d = run_process([str(HERE / "decode_run.py"), json.dumps(dec)], {"JAX_PLATFORMS": "cpu"})
+    d["ratio_to_bare"] = d["cached_tokens_per_second"] / d["bare_tokens_per_second"]
+    d["speedup_over_naive"] = d["cached_tokens_per_second"] / d["naive_tokens_per_second"]
+    results["decode_cpu"] = d
     results["imports_s"] = import_times()
     t = results["train_cpu"]["trainer"]["tokens_per_second"]
     results["data"] = data_pipeline(t)
@@ -156,6 +161,11 @@ def table(r: dict) -> str:
          f"(first save {r['checkpoint']['first_save_block_s'] * 1000:.0f} ms)",
          f"{r['checkpoint']['async_block_fraction_of_step']:.2f}", "< 0.10"),
     ]
+    d = r["decode_cpu"]
+    rows.insert(3, ("decode tokens/s: KV cache vs bare decode loop", f"{d['cached_tokens_per_second']:.0f} vs "
+                    f"{d['bare_tokens_per_second']:.0f}", f"{d['ratio_to_bare']:.3f}", ">= 0.9"))
+    rows.insert(4, ("decode tokens/s: KV cache vs naive recomputation", f"{d['cached_tokens_per_second']:.0f} vs "
+                    f"{d['naive_tokens_per_second']:.0f}", f"{d['speedup_over_naive']:.1f}", ""))
     for key in ("train_gpu_2048", "train_gpu_8192"):
         if key in r:
             rows.append((f"{key} tokens/s (ratio to bare)", f"{r[key]['trainer']['tokens_per_second']:.0f}",
