@@ -92,6 +92,16 @@ def test_unified_with_text_and_chat():
     assert comp.shape == (2, 4)
 
 
+def test_stream_yields_the_same_tokens_as_generate():
+    model = jm.create_model(jm.LlamaConfig(**TINY), seed=1)
+    ids = np.random.default_rng(5).integers(1, 97, 7).astype(np.int32)
+    for cfg in (jg.GenerationConfig(max_new_tokens=9, do_sample=True, seed=2), jg.GenerationConfig(max_new_tokens=9)):
+        batch = np.asarray(jg.generate(model, ids[None], None, cfg).completion_ids)[0]
+        assert list(jg.stream(model, ids, cfg)) == batch.tolist()
+    eos = int(batch[2])  # from the greedy run
+    assert list(jg.stream(model, ids, jg.GenerationConfig(max_new_tokens=9, eos_token_id=eos)))[-1] == eos
+
+
 def test_bad_inputs():
     model = jm.create_model(jm.LlamaConfig(**TINY))
     with pytest.raises(ValueError, match="max_new_tokens = 0; expected a positive integer"):

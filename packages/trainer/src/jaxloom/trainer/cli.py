@@ -114,13 +114,26 @@ def _generate(ns) -> int:
     else:
         raise FileNotFoundError(f"{path} is neither a Hugging Face model directory (config.json) nor a jaxloom run "
                                 f"directory ({RUN_CONFIG})")
-    prompts = [[{"role": "user", "content": p}] for p in ns.prompt] if ns.chat else ns.prompt
     sample = not ns.greedy and ns.temperature > 0
-    res = jg.generate_unified(model, tokenizer, prompts=prompts, apply_chat_template=ns.chat,
-                              max_new_tokens=ns.max_new_tokens, do_sample=sample, temperature=ns.temperature or 1.0,
-                              top_k=ns.top_k, top_p=ns.top_p, seed=ns.seed)
-    for prompt, completion in zip(res.decoded_prompts, res.generation_results, strict=True):
-        print(f"{prompt}{completion}", flush=True)
+    config = jg.GenerationConfig(max_new_tokens=ns.max_new_tokens, do_sample=sample, temperature=ns.temperature or 1.0,
+                                 top_k=ns.top_k, top_p=ns.top_p, seed=ns.seed, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id or 0)
+    for prompt in ns.prompt:  # streamed: each token is printed as soon as it is decoded
+        if ns.chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + \
+                tokenizer.encode(prompt, add_special_tokens=False)
+        print(prompt, end="", flush=True)
+        shown, new = "", []
+        for token in jg.stream(model, ids, config):
+            new.append(token)
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+        print(flush=True)
     return 0
 
 
