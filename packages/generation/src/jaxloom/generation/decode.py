@@ -28,21 +28,38 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationConfig):
-    model = nnx.merge(graphdef, state)
+def prefill(model, input_ids, attention_mask, total: int, rng, config: GenerationConfig):
+    """Run the prompts `[B, P]` into a fresh cache of `total` slots; returns the first new token and the
+    decoding state `(cache, last_position, kv_segment_ids, kv_positions)`."""
     b, p = input_ids.shape
-    n = config.max_new_tokens
-    total = p + n
     mask = attention_mask.astype(jnp.int32)
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
     kv_seg = jnp.zeros((b, total), jnp.int32).at[:, :p].set(mask)
     kv_pos = jnp.zeros((b, total), jnp.int32).at[:, :p].set(positions)
     out = model(input_ids, positions=positions, segment_ids=mask, cache=model.init_cache(b, total), cache_index=0,
                 kv_positions=kv_pos, kv_segment_ids=kv_seg)
-    eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
-    last_pos = positions[:, -1]
+    return next_token(out.logits[:, -1], rng, config), (out.cache, positions[:, -1], kv_seg, kv_pos)
+
+
+def decode_one(model, token, decoding, at, rng, config: GenerationConfig):
+    """Feed `token [B]` at cache slot `at`; returns the next token and the updated decoding state."""
+    cache, pos, kv_seg, kv_pos = decoding
+    b = token.shape[0]
+    pos = pos + 1
+    kv_seg = jax.lax.dynamic_update_slice(kv_seg, jnp.ones((b, 1), jnp.int32), (0, at))
+    kv_pos = jax.lax.dynamic_update_slice(kv_pos, pos[:, None], (0, at))
+    out = model(token[:, None], positions=pos[:, None], segment_ids=jnp.ones((b, 1), jnp.int32), cache=cache,
+                cache_index=at, kv_positions=kv_pos, kv_segment_ids=kv_seg)
+    return next_token(out.logits[:, -1], rng, config), (out.cache, pos, kv_seg, kv_pos)
+
+
+def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationConfig):
+    model = nnx.merge(graphdef, state)
+    b, p = input_ids.shape
+    n = config.max_new_tokens
     rng, sub = jax.random.split(rng)
-    token = next_token(out.logits[:, -1], sub, config)
+    token, decoding = prefill(model, input_ids, attention_mask, p + n, sub, config)
+    eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
     done = jnp.isin(token, eos)
     completion = jnp.full((b, n), config.pad_token_id, jnp.int32).at[:, 0].set(token)
     comp_mask = jnp.zeros((b, n), jnp.int32).at[:, 0].set(1)
@@ -52,23 +69,16 @@ def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationC
         return (i < n) & ~jnp.all(done)
 
     def body(carry):
-        i, cache, token, pos, kv_seg, kv_pos, completion, comp_mask, rng, done = carry
-        pos = pos + 1
-        at = p + i - 1
-        kv_seg = jax.lax.dynamic_update_slice(kv_seg, jnp.ones((b, 1), jnp.int32), (0, at))
-        kv_pos = jax.lax.dynamic_update_slice(kv_pos, pos[:, None], (0, at))
-        out = model(token[:, None], positions=pos[:, None], segment_ids=jnp.ones((b, 1), jnp.int32), cache=cache,
-                    cache_index=at, kv_positions=kv_pos, kv_segment_ids=kv_seg)
+        i, decoding, token, completion, comp_mask, rng, done = carry
         rng, sub = jax.random.split(rng)
-        new = next_token(out.logits[:, -1], sub, config)
+        new, decoding = decode_one(model, token, decoding, p + i - 1, sub, config)
         new = jnp.where(done, config.pad_token_id, new)
         completion = jax.lax.dynamic_update_slice(completion, new[:, None], (0, i))
         comp_mask = jax.lax.dynamic_update_slice(comp_mask, (~done).astype(jnp.int32)[:, None], (0, i))
-        done = done | jnp.isin(new, eos)
-        return i + 1, out.cache, new, pos, kv_seg, kv_pos, completion, comp_mask, rng, done
+        return i + 1, decoding, new, completion, comp_mask, rng, done | jnp.isin(new, eos)
 
-    carry = (jnp.int32(1), out.cache, token, last_pos, kv_seg, kv_pos, completion, comp_mask, rng, done)
-    *_, completion, comp_mask, _, _ = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(1), decoding, token, completion, comp_mask, rng, done)
+    _, _, _, completion, comp_mask, _, _ = jax.lax.while_loop(cond, body, carry)
     return Generated(jnp.concatenate([input_ids, completion], axis=1), completion, comp_mask)
 
 
