@@ -84,6 +84,7 @@ class DataLoader:
         self._state = dict(START if state is None else self._check_state(state))
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
+        self._shard_memo: tuple = (None, None, None, None, None)
 
     @classmethod
     def for_mesh(cls, data, tokenizer, config: DataConfig, mesh, global_batch_size: int, **kw) -> DataLoader:
@@ -189,12 +190,27 @@ class DataLoader:
         cursor.consume(len(cursor.current()[0]) - cursor.state["token_offset"])
 
 
+def _batch_tokenize(rows: list[dict], tokenizer, config: DataConfig) -> list[np.ndarray] | None:
+    """Plain-text shards are tokenized in one batched call when loaded (in the prefetch thread), so
+    training-time data work is slicing. Other record kinds go record by record."""
+    column = config.text_column
+    if not rows or not all(set(r) & {column} and not (set(r) & {config.messages_column, config.prompt_column})
+                           and isinstance(r[column], str) for r in rows):
+        return None
+    bos = [tokenizer.bos_token_id] if config.add_bos and tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if config.add_eos and tokenizer.eos_token_id is not None else []
+    encoded = tokenizer([r[column] for r in rows], add_special_tokens=False)["input_ids"]
+    return [np.asarray(bos + ids + eos, np.int32) for ids in encoded]
+
+
 class _Cursor:
     """Walks records from a state; caches the current shard's records and order and the current record's tokens."""
 
     def __init__(self, loader: DataLoader, state: dict):
         self.loader, self.state = loader, dict(state)
-        self._shard_key = None
+        # The current shard (records, order, tokens) is kept on the loader across batches: reading and
+        # tokenizing a shard happens once per shard, not once per batch.
+        self._shard_key, self._rows, self._perm, self._name, self._tokens = loader._shard_memo
         self._tokens_key = None
 
     def _order(self, epoch: int) -> list[str]:
@@ -216,6 +232,8 @@ class _Cursor:
                 rng = np.random.default_rng([self.loader.config.seed, self.state["epoch"], idx + 1])
                 order = rng.permutation(len(rows))
             self._rows, self._perm, self._name, self._shard_key = rows, order, name, key
+            self._tokens = _batch_tokenize(rows, self.loader.tokenizer, self.loader.config)
+            self.loader._shard_memo = (key, rows, order, name, self._tokens)
         return self._rows
 
     def current(self) -> tuple[np.ndarray, np.ndarray, int]:
@@ -238,8 +256,12 @@ class _Cursor:
                                  f"for data rank {self.loader.rank} of {self.loader.ranks}")
         key = (self._shard_key, self.state["row_pos"])
         if key != self._tokens_key:
-            record = rows[int(self._perm[self.state["row_pos"]])]
-            self._ids, self._mask = tokenize_record(record, self.loader.tokenizer, self.loader.config)
+            index = int(self._perm[self.state["row_pos"]])
+            if self._tokens is not None:
+                self._ids = self._tokens[index]
+                self._mask = np.ones(len(self._ids), np.int32)
+            else:
+                self._ids, self._mask = tokenize_record(rows[index], self.loader.tokenizer, self.loader.config)
             self._tokens_key = key
         if len(self._ids) == 0:
             self.state.update(row_pos=self.state["row_pos"] + 1, token_offset=0)
