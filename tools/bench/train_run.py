@@ -38,20 +38,22 @@ def main():
         seg = np.ones((b, length), np.int32)
         pos = np.broadcast_to(np.arange(length, dtype=np.int32), (b, length))
 
-        def loss_fn(p, ids):  # the same masked next-token loss the trainer computes
+        # segment ids and positions are arguments, as in any loop over packed data: captured as
+        # constants, XLA would fold the attention mask and RoPE tables into the program.
+        def loss_fn(p, ids, seg, pos):  # the same masked next-token loss the trainer computes
             logits = nnx.merge(graphdef, p)(ids, positions=pos, segment_ids=seg).logits[:, :-1]
             ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jax.numpy.float32), ids[:, 1:])
             valid = (seg[:, 1:] == seg[:, :-1]).astype(jax.numpy.float32)
             return (ce * valid).sum() / valid.sum()
 
         @jax.jit
-        def step(p, o, ids):
-            loss, g = jax.value_and_grad(loss_fn)(p, ids)
+        def step(p, o, ids, seg, pos):
+            loss, g = jax.value_and_grad(loss_fn)(p, ids, seg, pos)
             u, o = tx.update(g, o, p)
             return optax.apply_updates(p, u), o, loss
 
         for i in range(steps):
-            params, opt, loss = step(params, opt, data[i])
+            params, opt, loss = step(params, opt, data[i], seg, pos)
             float(loss)  # same one-value sync per step as the trainer's NaN check
             times.append(time.perf_counter())
     else:
