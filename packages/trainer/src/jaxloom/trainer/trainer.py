@@ -219,7 +219,7 @@ class BaseTrainer:
 
     def train(self) -> TrainerOutput:
         a = self.arguments
-        self._t0, self._skipped, self._last_eval = time.monotonic(), 0, (None, {})
+        self._t0, self._skipped, self._last_eval, self._last_preview = time.monotonic(), 0, (None, {}), (None, [])
         if isinstance(self._train_fn, Future):
             self._train_fn = self._train_fn.result()
         step = int(jax.device_get(self.state.step))
@@ -296,7 +296,9 @@ class BaseTrainer:
         if train_rows:
             final = {**{k.split("/", 1)[1]: v for k, v in train_rows[-1].items() if k != "step"},
                      **{f"eval_{k}": v for k, v in final.items()}}
-        samples = self.preview(step) if a.generation_prompts else []
+        samples = []
+        if a.generation_prompts:  # the final sample, unless the last step already made one
+            samples = self._last_preview[1] if self._last_preview[0] == step else self.preview(step)
         plot = report = None
         if self.is_process_zero:
             plot = plot_history(writer.history, Path(a.save_directory) / "loss.png")
@@ -315,6 +317,7 @@ class BaseTrainer:
                                   max_new_tokens=a.generation_max_new_tokens, seed=step,
                                   do_sample=a.generation_temperature > 0, temperature=a.generation_temperature)
         self.writer.samples(step, res.decoded_prompts, res.generation_results)
+        self._last_preview = (step, res.completion_prompts)
         return res.completion_prompts
 
     def _save(self, step: int) -> None:
