@@ -67,6 +67,9 @@ def test_cli_train_plan_convert_and_errors(tmp_path, capsys):
     out = capsys.readouterr().out
     assert json.loads(out[out.index("{\n"):])["stop_reason"] == "max_training_steps reached"
     assert (tmp_path / "report.md").is_file() and (tmp_path / "checkpoints" / "4").is_dir()
+    assert main(["eval", *tiny]) == 0  # the run's newest checkpoint, evaluated
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{\n"):])["loss"] > 0
     assert main(["plan", *tiny]) == 0
     out = capsys.readouterr().out
     plan = json.loads(out[out.index("{\n"):])
