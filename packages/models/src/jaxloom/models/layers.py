@@ -16,7 +16,7 @@ from .runtime import RuntimeConfig
 def constrain(x: jax.Array, names: Sequence[str | None], runtime: RuntimeConfig, kind: str = "activation"):
     """Shard an activation by logical names when a mesh is set (`with jax.set_mesh(mesh)`); else a no-op."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or mesh.size == 1:  # nothing to place; a constraint would only restrict XLA's fusions
         return x
     return jax.lax.with_sharding_constraint(x, runtime.partition_axis.spec(names, kind, mesh=mesh))
 
