@@ -102,6 +102,15 @@ def test_stream_yields_the_same_tokens_as_generate():
     assert list(jg.stream(model, ids, jg.GenerationConfig(max_new_tokens=9, eos_token_id=eos)))[-1] == eos
 
 
+def test_config_from_transformers_generation_config():
+    import transformers
+
+    hf = transformers.GenerationConfig(max_new_tokens=7, do_sample=True, top_k=3, eos_token_id=[2, 5], pad_token_id=1)
+    cfg = jg.GenerationConfig.from_hf(hf, seed=9)
+    assert (cfg.max_new_tokens, cfg.do_sample, cfg.top_k, cfg.eos_ids, cfg.pad_token_id, cfg.seed) == \
+        (7, True, 3, (2, 5), 1, 9)
+
+
 def test_bad_inputs():
     model = jm.create_model(jm.LlamaConfig(**TINY))
     with pytest.raises(ValueError, match="max_new_tokens = 0; expected a positive integer"):

@@ -160,3 +160,18 @@ def test_state_without_optimizer_state_round_trips(tmp_path):
     restored = manager.restore(jax.tree_util.tree_map(
         lambda a, x: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=x.sharding), abstract, state))
     assert restored.step == 7 and leaves_equal(restored.state.params, state.params)
+
+
+def test_time_based_saving_and_keep_period(tmp_path):
+    state = make_state(mesh_of(fsdp=2))
+    timed = js.CheckpointManager(str(tmp_path / "t"), save_minutes=0.002, async_save=False)  # 0.12 s
+    assert not timed.should_save(1)
+    time.sleep(0.2)
+    assert timed.should_save(2)
+    timed.save(2, state)
+    assert not timed.should_save(3)  # the clock restarts at each save
+    kept = js.CheckpointManager(str(tmp_path / "k"), save_total_limit=2, keep_period=3, async_save=False)
+    for step in range(1, 8):
+        kept.save(step, state)
+    steps = kept.all_steps()
+    assert {3, 6, 7} <= set(steps) and 1 not in steps and 2 not in steps

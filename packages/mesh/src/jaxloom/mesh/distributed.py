@@ -46,7 +46,11 @@ def simulate_cpu_devices(n: int) -> None:
 
     if n < 1:
         raise ValueError(f"simulate_cpu_devices: n must be >= 1, got {n}")
-    jax.config.update("jax_num_cpu_devices", n)
-    if jax.device_count("cpu") != n:  # backend already started with another count
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+        late = jax.device_count("cpu") != n
+    except RuntimeError:  # JAX refuses once its backends exist
+        late = True
+    if late:
         raise RuntimeError(f"simulate_cpu_devices({n}) came too late: JAX already started with "
                            f"{jax.device_count('cpu')} CPU devices. Call it before any device query.")
