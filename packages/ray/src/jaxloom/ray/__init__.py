@@ -1,5 +1,18 @@
-"""jaxloom.ray — not built yet. See README.md for what it will hold."""
+"""jaxloom.ray: EasyDeL's `RayDistributedTrainer`, and a launcher that runs training as a supervised
+gang of Ray actors (one JAX process each, one global mesh), restarts it from the newest checkpoint
+when a worker dies or hangs, and sweeps with Ray Tune."""
 
 from .__about__ import __version__
+from .cluster import init_ray, listening_addresses, shutdown_ray
+from .config import RayDistributedConfig
+from .distributed_trainer import RayDistributedTrainer
+from .jobs import FaultInjector, params_fingerprint, train_from_config
+from .launcher import Failure, GangFailedError, LaunchResult, ScalingConfig, launch
+from .tune import SweepResult, tune_sweep
+from .worker import WorkerContext
 
-__all__ = ["__version__"]
+__all__ = [
+    "Failure", "FaultInjector", "GangFailedError", "LaunchResult", "RayDistributedConfig", "RayDistributedTrainer",
+    "ScalingConfig", "SweepResult", "WorkerContext", "__version__", "init_ray", "launch", "listening_addresses",
+    "params_fingerprint", "shutdown_ray", "train_from_config", "tune_sweep",
+]

@@ -1,6 +1,8 @@
 """The `jaxloom` command: `train`, `eval`, `plan`, `convert`.
 
     jaxloom train [CONFIG.yaml] [key=value ...]     # no CONFIG: the bundled demo config
+    jaxloom train [CONFIG.yaml] [key=value ...] --ray num_workers=2 [max_failures=1 ...]
+                                                     # a supervised gang of Ray workers (needs jaxloom-ray)
     jaxloom eval CONFIG.yaml [key=value ...]         # evaluate the newest checkpoint of the run
     jaxloom plan CONFIG.yaml [key=value ...]         # params, FLOPs/token, memory per device, from an AOT compile
     jaxloom generate PATH --prompt TEXT [--max-new-tokens N] [--temperature T --top-k K --top-p P] [--chat]
@@ -137,12 +139,37 @@ def _generate(ns) -> int:
     return 0
 
 
+def _train_on_ray(config: str | None, items: list[str], ray_items: list[str]) -> int:
+    """`jaxloom train ... --ray ...`: the same run as a supervised gang of Ray workers."""
+    from .arguments import TrainingArguments, apply_overrides, load_config_file
+
+    try:
+        from jaxloom.ray import ScalingConfig, launch, train_from_config
+    except ImportError as e:
+        raise ValueError(f"--ray needs the jaxloom-ray package ({e}); pip install jaxloom-ray") from None
+    scaling = ScalingConfig.from_items(ray_items)
+    data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)  # fail fast, before Ray starts
+    TrainingArguments(**{k: v for k, v in data.items() if k not in ("model", "data")})
+    import os
+
+    res = launch(train_from_config, config, items, workdir=os.getcwd(), scaling=scaling)
+    summary = {k: v for k, v in res.result.items() if k != "history"}
+    failures = [{"attempt": f.attempt, "rank": f.rank, "kind": f.kind, "message": f.message,
+                 "restart_to_first_step_s": f.restart_to_first_step_s} for f in res.failures]
+    print(json.dumps({**summary, "attempts": res.attempts, "failures": failures, "wall_s": res.wall_s},
+                     indent=2, default=str))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxloom", description="Train, evaluate, plan and convert jaxloom runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("train", "eval", "plan"):
         p = sub.add_parser(name)
         p.add_argument("items", nargs="*", help="[CONFIG.yaml] then key=value overrides")
+        if name == "train":
+            p.add_argument("--ray", nargs="*", metavar="KEY=VALUE", default=None,
+                           help="run on Ray: ScalingConfig settings (num_workers, max_failures, ...)")
     gen = sub.add_parser("generate")
     gen.add_argument("path")
     gen.add_argument("--prompt", action="append", required=True)
@@ -171,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         items = list(ns.items)
         config = items.pop(0) if items and "=" not in items[0] else None
+        if getattr(ns, "ray", None) is not None:
+            return _train_on_ray(config, items, ns.ray)
         trainer, resolved = build_run(config, items)
         if ns.command == "plan":
             print(json.dumps(_plan(trainer), indent=2))

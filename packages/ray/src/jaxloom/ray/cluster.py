@@ -1,0 +1,88 @@
+"""Starting or joining a Ray cluster, loopback-only unless told otherwise."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("jaxloom.ray")
+
+LOOPBACK = "127.0.0.1"
+
+
+def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpus: int | None = None,
+             include_dashboard: bool = False, namespace: str | None = "jaxloom", **kwargs: Any) -> dict:
+    """Start a local Ray cluster bound to 127.0.0.1 (no address) or connect to an existing one
+    (`address="ray://host:10001"` or `"auto"`). Returns `ray.init`'s context as a dict.
+
+    Locally, Ray would otherwise bind its gRPC ports on every interface: this sets
+    `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` for the processes it starts (measured on Ray 2.60: with it,
+    every port is on 127.0.0.1). The dashboard stays off unless `include_dashboard=True`, and then it
+    listens on 127.0.0.1 too. Calling it again when Ray is up returns the running cluster's context.
+    """
+    if address is None:  # read when ray is first imported
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if ray.is_initialized():
+        return {"address": _gcs_address(), "dashboard_url": None}
+    if address is None:
+        kwargs.setdefault("_node_ip_address", LOOPBACK)
+        kwargs.setdefault("dashboard_host", LOOPBACK)
+        ctx = ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=include_dashboard,
+                       namespace=namespace, log_to_driver=kwargs.pop("log_to_driver", True), **kwargs)
+    else:
+        if num_cpus is not None or num_gpus is not None:
+            raise ValueError("num_cpus/num_gpus describe a new local cluster; an existing one (address="
+                             f"{address!r}) has its own resources")
+        ctx = ray.init(address=address, namespace=namespace, **kwargs)
+    info = {"address": getattr(ctx, "address_info", {}).get("address") or _gcs_address(),
+            "dashboard_url": getattr(ctx, "dashboard_url", None)}
+    log.info("ray: %s", info)
+    return info
+
+
+def _gcs_address() -> str | None:
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def listening_addresses() -> set[tuple[str, int]]:
+    """(ip, port) of every TCP socket in LISTEN state on this machine (Linux `/proc/net/tcp*`)."""
+    out = set()
+    for name, width in (("tcp", 8), ("tcp6", 32)):
+        path = Path("/proc/net") / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            hex_ip, hex_port = fields[1].split(":")
+            out.add((_ip(hex_ip, width), int(hex_port, 16)))
+    return out
+
+
+def _ip(hex_ip: str, width: int) -> str:
+    import ipaddress
+
+    raw = bytes.fromhex(hex_ip)
+    # /proc stores each 32-bit word in host (little-endian) order
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(words) if width == 8 else ipaddress.IPv6Address(words)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return str(ip)

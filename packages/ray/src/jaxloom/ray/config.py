@@ -1,0 +1,102 @@
+"""`RayDistributedConfig`: what a `RayDistributedTrainer` is, as JSON (pydantic)."""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from jaxloom.mesh import PartitionAxis
+
+# config_variables holding dtypes; stored as their names ("bfloat16") in JSON.
+DTYPE_KEYS = ("dtype", "param_dtype", "attn_dtype", "attn_softmax_dtype")
+
+
+class RayDistributedConfig(BaseModel):
+    """The persisted form of a `RayDistributedTrainer`. JAX dtypes in `config_variables` become their
+    names and `PartitionAxis` a dict on saving (`_saving_preprocess`); loading turns them back
+    (`_loading_postprocess`). `model_task` is stored as its value string."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    pretrained_model_name_or_path: str
+    model_task: str | None = None
+    model_type: str | None = None
+    offload_backend: str | None = None
+    config_scaling_variables: dict[str, int] | None = None
+    config_variables: dict[str, Any] | None = None
+
+    @field_validator("model_task", mode="before")
+    @classmethod
+    def _task_value(cls, v):
+        return v.value if isinstance(v, enum.Enum) else v
+
+    def _saving_preprocess(self) -> RayDistributedConfig:
+        """A copy whose `config_variables` are JSON data: dtypes → names, PartitionAxis → dict, enums → values."""
+        return self.model_copy(update={"config_variables": _encode(self.config_variables)})
+
+    def _loading_postprocess(self) -> RayDistributedConfig:
+        """The inverse of `_saving_preprocess`."""
+        return self.model_copy(update={"config_variables": _decode(self.config_variables)})
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self._saving_preprocess().model_dump(), indent=2, sort_keys=True))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> RayDistributedConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no RayDistributedTrainer config at {path}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
+        return cls.model_validate(data)._loading_postprocess()
+
+
+def _encode(variables: dict[str, Any] | None) -> dict[str, Any] | None:
+    import jax.numpy as jnp
+
+    if variables is None:
+        return None
+    out = {}
+    for key, value in variables.items():
+        if key in DTYPE_KEYS and value is not None:
+            value = jnp.dtype(value).name
+        elif isinstance(value, PartitionAxis):
+            value = value.to_dict()
+        elif isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[key] = value
+    return out
+
+
+def _decode(variables: dict[str, Any] | None) -> dict[str, Any] | None:
+    import jax.numpy as jnp
+
+    if variables is None:
+        return None
+    out = {}
+    for key, value in variables.items():
+        if key in DTYPE_KEYS and isinstance(value, str):
+            try:
+                value = jnp.dtype(value)
+            except TypeError:
+                raise ValueError(f"config_variables[{key!r}] = {value!r} is not a dtype; expected e.g. "
+                                 "'float32' or 'bfloat16'") from None
+        elif key == "partition_axis" and isinstance(value, dict):
+            value = PartitionAxis.from_dict(value)
+        elif key.startswith("sharding_") and isinstance(value, list):
+            value = tuple(value)
+        out[key] = value
+    return out

@@ -1,0 +1,321 @@
+"""`RayDistributedTrainer`: EasyDeL's scaling trainer — a model family scaled by `scaling_index`, built
+from a base config, trained by the trainer package — plus `train_on_ray` and `tune`, which run it as a
+supervised gang of Ray workers."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+import jaxloom.data as jd
+import jaxloom.models as jm
+import jaxloom.state as js
+from jaxloom.mesh import MeshConfig, PartitionAxis
+
+from .config import DTYPE_KEYS, RayDistributedConfig, _decode
+
+log = logging.getLogger("jaxloom.ray")
+
+# EasyDeL's gradient-checkpointing names → our remat policies.
+_REMAT = {"none": "none", "everything_saveable": "none", "nothing_saveable": "full", "full": "full",
+          "checkpoint_dots": "dots_saveable", "selective": "dots_saveable", "dots_saveable": "dots_saveable",
+          "checkpoint_dots_with_no_batch_dims": "dots_with_no_batch_dims_saveable",
+          "dots_with_no_batch_dims_saveable": "dots_with_no_batch_dims_saveable"}
+# EasyDeL's attention names → ours: every fused kernel is `jax.nn.dot_product_attention` here.
+_ATTN = {"auto": "auto", "vanilla": "vanilla", "dot_product": "dot_product", "sdpa": "dot_product",
+         "flash": "dot_product", "flash_attn2": "dot_product", "cudnn": "dot_product", "splash": "dot_product"}
+_RUNTIME_KEYS = {"dtype", "param_dtype", "precision", "attn_mechanism", "gradient_checkpointing", "partition_axis"}
+_MESH_KEYS = {"sharding_axis_names", "sharding_axis_dims", "sharding_dcn_axis_dims"}
+# Accepted for EasyDeL compatibility: attention runs in `dtype` with a float32 softmax here.
+_COMPAT_KEYS = {"attn_dtype", "attn_softmax_dtype"}
+
+
+def _name(value: Any) -> str:
+    return (getattr(value, "name", None) or getattr(value, "value", None) or str(value)).lower()
+
+
+class RayDistributedTrainer:
+    """Args (as EasyDeL's):
+      pretrained_model_name_or_path: a local Hugging Face directory (`config.json`, tokenizer files)
+        giving the base config and the tokenizer. Nothing is downloaded.
+      bucket_path: a checkpoint to start from — a jaxloom run directory (or its `checkpoints/`) or a
+        Hugging Face model directory. Local paths here; orbax reads other URLs it supports.
+      model_task / model_type: the registry key; inferred from `model_class`, else `model_type` from
+        the base `config.json`, task defaulting to causal LM.
+      state_class: builds states (`.create(model, tx, seed=)`); default `jaxloom.state.TrainState`.
+      offload_backend: 'cpu' / 'gpu' / 'tpu': where `create_model` materialises parameters.
+      trainer_module: the trainer class (default `jaxloom.trainer.Trainer`).
+      config_scaling_variables: config fields multiplied by `scaling_index`.
+      config_variables: fixed settings: config fields, runtime (dtype, param_dtype, precision,
+        attn_mechanism, gradient_checkpointing, partition_axis), mesh (sharding_axis_*) and seed.
+    """
+
+    CONFIG_SCALING_VARIABLES: ClassVar[dict[str, int]] = {
+        "hidden_size": 256, "intermediate_size": 256 * 4, "moe_intermediate_size": 256 * 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1}
+    CONFIG_VARIABLES: ClassVar[dict[str, Any]] = {
+        "dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16, "precision": "default", "seed": 654,
+        "max_position_embeddings": 2**13, "gradient_checkpointing": "none", "initializer_range": 0.02,
+        "partition_axis": PartitionAxis(), "attn_mechanism": "auto", "attn_dtype": jnp.bfloat16,
+        "attn_softmax_dtype": jnp.bfloat16, "sharding_axis_names": ("dp", "fsdp", "ep", "tp", "sp"),
+        "sharding_axis_dims": (1, -1, 1, 1, 1), "sharding_dcn_axis_dims": (1, -1, 1, 1, 1)}
+
+    def __init__(self, pretrained_model_name_or_path: str, bucket_path: str | None = None, model_task=None,
+                 model_type: str | None = None, model_class: type | None = None, state_class: type | None = None,
+                 offload_backend: str | None = None, trainer_module: type | None = None,
+                 config_scaling_variables: dict[str, int] | None = None,
+                 config_variables: dict[str, Any] | None = None):
+        self.pretrained_model_name_or_path = str(pretrained_model_name_or_path)
+        self.bucket_path = bucket_path
+        if model_class is not None:
+            model_type = model_type or getattr(model_class, "model_type", None)
+            model_task = model_task or getattr(model_class, "task", None)
+        if model_type is None:
+            model_type = self._base_config_dict().get("model_type")
+        if model_type is None:
+            raise ValueError("cannot resolve the model: give model_class, or model_type (and model_task); "
+                             f"{self.pretrained_model_name_or_path}/config.json names no model_type either")
+        self.model_type, self.model_task = model_type, jm.TaskType(model_task or jm.TaskType.CAUSAL_LM)
+        self.model_class = model_class or jm.get_model_class(self.model_type, self.model_task)
+        self.state_class = state_class or js.TrainState
+        if offload_backend not in (None, "cpu", "gpu", "tpu"):
+            raise ValueError(f"offload_backend {offload_backend!r}; expected 'cpu', 'gpu', 'tpu' or None")
+        self.offload_backend = offload_backend
+        if trainer_module is None:
+            from jaxloom.trainer import Trainer as trainer_module
+        self.trainer_module = trainer_module
+        scaling = dict(self.CONFIG_SCALING_VARIABLES if config_scaling_variables is None else config_scaling_variables)
+        bad = {k: v for k, v in scaling.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0}
+        if bad:
+            raise ValueError(f"config_scaling_variables {bad}; expected positive integers")
+        self.config_scaling_variables = scaling
+        self.config_variables = _decode({**self.CONFIG_VARIABLES, **(config_variables or {})})
+        self._check_variables()
+
+    # ---- configuration ---------------------------------------------------------------------------------
+    def _base_config_dict(self) -> dict[str, Any]:
+        path = Path(self.pretrained_model_name_or_path) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: pretrained_model_name_or_path must be a local Hugging Face "
+                                    "model directory (jaxloom never downloads)")
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
+
+    def _check_variables(self) -> None:
+        config_fields = set(jm.CONFIG_CLASSES[self.model_type].__dataclass_fields__) \
+            if self.model_type in jm.CONFIG_CLASSES else set()
+        known = config_fields | _RUNTIME_KEYS | _MESH_KEYS | _COMPAT_KEYS | {"seed"}
+        unknown = sorted(set(self.config_variables) - known)
+        if unknown:
+            raise ValueError(f"unknown config_variables {unknown}; expected fields of {self.model_type}'s config or "
+                             f"{sorted(_RUNTIME_KEYS | _MESH_KEYS | _COMPAT_KEYS | {'seed'})}")
+        v = self.config_variables
+        if _name(v["gradient_checkpointing"]) not in _REMAT:
+            raise ValueError(f"gradient_checkpointing {v['gradient_checkpointing']!r}; expected one of {sorted(_REMAT)}")
+        if _name(v["attn_mechanism"]) not in _ATTN:
+            raise ValueError(f"attn_mechanism {v['attn_mechanism']!r}; expected one of {sorted(_ATTN)}")
+        for key in DTYPE_KEYS:
+            if key in v:
+                jm.runtime.to_dtype(v[key])
+
+    def to_config(self) -> RayDistributedConfig:
+        return RayDistributedConfig(pretrained_model_name_or_path=self.pretrained_model_name_or_path,
+                                    model_task=self.model_task, model_type=self.model_type,
+                                    offload_backend=self.offload_backend,
+                                    config_scaling_variables=self.config_scaling_variables,
+                                    config_variables=self.config_variables)
+
+    def save_config(self, path: str | Path) -> Path:
+        """This trainer's configuration as JSON (dtypes and PartitionAxis as strings/dicts)."""
+        return self.to_config().save(path)
+
+    @classmethod
+    def from_config(cls, path: str | Path, model_class: type | None = None, state_class: type | None = None,
+                    trainer_module: type | None = None, **overrides: Any) -> RayDistributedTrainer:
+        """A trainer from `save_config`'s JSON; keyword overrides replace saved fields (e.g. `bucket_path`)."""
+        loaded = RayDistributedConfig.load(path)
+        cfg = {name: getattr(loaded, name) for name in RayDistributedConfig.model_fields}
+        return cls(**{**cfg, **overrides}, model_class=model_class, state_class=state_class,
+                   trainer_module=trainer_module)
+
+    def create_config(self, scaling_index: int):
+        """The base config with every scaling variable × `scaling_index` and the fixed fields set."""
+        if not isinstance(scaling_index, int) or isinstance(scaling_index, bool) or scaling_index <= 0:
+            raise ValueError(f"scaling_index {scaling_index!r}; expected a positive integer")
+        data = dict(self._base_config_dict())
+        data["model_type"] = self.model_type
+        fields = jm.CONFIG_CLASSES[self.model_type].__dataclass_fields__
+        scaled = {k: v * scaling_index for k, v in self.config_scaling_variables.items() if k in fields}
+        fixed = {k: v for k, v in self.config_variables.items() if k in fields}
+        if {"hidden_size", "num_attention_heads"} & set(scaled) and "head_dim" not in fixed:
+            data.pop("head_dim", None)  # follows hidden_size / heads
+        return jm.config_from_hf_dict({**data, **scaled, **fixed})
+
+    def runtime(self) -> jm.RuntimeConfig:
+        v = self.config_variables
+        precision = v.get("precision")
+        return jm.RuntimeConfig(dtype=v["dtype"], param_dtype=v["param_dtype"],
+                                precision=None if precision is None else _name(precision),
+                                attn_mechanism=_ATTN[_name(v["attn_mechanism"])],
+                                remat=_REMAT[_name(v["gradient_checkpointing"])],
+                                partition_axis=v.get("partition_axis") or PartitionAxis())
+
+    def mesh_config(self) -> MeshConfig:
+        v = self.config_variables
+        dcn = v.get("sharding_dcn_axis_dims")
+        if dcn is not None and jax.process_count() == 1:
+            dcn = None  # one process: nothing crosses hosts
+        return MeshConfig(tuple(v["sharding_axis_dims"]), tuple(v["sharding_axis_names"]), dcn)
+
+    # ---- models and states ------------------------------------------------------------------------------
+    def create_model(self, config, dtype=None, param_dtype=None, precision=None, seed: int = 684,
+                     lazy: bool = False):
+        """A model for `config`; dtypes/precision default to `config_variables`. Concrete models are
+        created on `offload_backend`'s first device when one is set."""
+        runtime = self.runtime()
+        changes = {k: val for k, val in (("dtype", dtype), ("param_dtype", param_dtype)) if val is not None}
+        if precision is not None:
+            changes["precision"] = _name(precision)
+        runtime = runtime.replace(**changes)
+        if lazy or self.offload_backend is None:
+            return jm.create_model(config, runtime, seed=seed, lazy=lazy, model_class=self.model_class)
+        with jax.default_device(jax.devices(self.offload_backend)[0]):
+            return jm.create_model(config, runtime, seed=seed, model_class=self.model_class)
+
+    def create_model_from_config(self, scaling_index: int, *, lazy: bool = False):
+        return self.create_model(self.create_config(scaling_index), seed=self.config_variables.get("seed", 684),
+                                 lazy=lazy)
+
+    def convert_model_to_state(self, model):
+        """A state of `state_class` for `model`, unsharded (the trainer shards it); identity optimizer."""
+        import optax
+
+        return self.state_class.create(model, optax.identity(), seed=self.config_variables.get("seed", 0))
+
+    def _state_from_bucket(self, scaling_index: int):
+        path = Path(self.bucket_path)
+        if (path / "config.json").is_file():  # a Hugging Face directory
+            return self.convert_model_to_state(jm.from_pretrained(path, self.runtime(), task=self.model_task))
+        ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        manager = js.CheckpointManager(js.CheckpointConfig(directory=str(ckpt)))
+        try:
+            if manager.latest_step() is None:
+                raise FileNotFoundError(f"bucket_path {self.bucket_path}: no complete checkpoint and no config.json")
+            abstract = self.convert_model_to_state(self.create_model_from_config(scaling_index, lazy=True))
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+            step = manager.latest_step()
+            restored = manager.restore(target, step, params_only=True)
+            log.warning("initial parameters from %s (checkpoint %d)", ckpt, step)
+            # On the host: the trainer places them on its own mesh.
+            return restored.state.replace(params=jax.device_get(restored.state.params))
+        finally:
+            manager.close()
+
+    # ---- data helpers -----------------------------------------------------------------------------------
+    def load_processor(self):
+        """The tokenizer of `pretrained_model_name_or_path`; pad falls back to eos with a warning."""
+        return jd.load_processor(self.pretrained_model_name_or_path)
+
+    @property
+    def processor(self):
+        """The tokenizer, loaded once (and not shipped to Ray workers: each loads its own)."""
+        if self.__dict__.get("_processor") is None:
+            self._processor = self.load_processor()
+        return self._processor
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("_processor", "last_trainer")}
+
+    extract_column_names = staticmethod(jd.extract_column_names)
+
+    def process_sample_data(self, sample: Any, max_length: int, padding_side: str = "left") -> dict:
+        return jd.process_sample_data(self.processor, sample, max_length, padding_side)
+
+    def process_messages_data(self, messages: Any, max_length: int, padding_side: str = "left") -> dict:
+        return jd.process_messages_data(self.processor, messages, max_length, padding_side)
+
+    # ---- training ---------------------------------------------------------------------------------------
+    def create_trainer(self, arguments, dataset_train, dataset_eval=None, data_collator=None, state=None, *,
+                       hooks: list | None = None):
+        """A `trainer_module` over `state` on the mesh from `config_variables`. `data_collator`, when
+        given, maps each raw record to one the data loader reads (text, prompt/completion, messages or
+        input_ids) before tokenization."""
+        if state is None:
+            raise ValueError("create_trainer needs a state (see train() for how one is chosen)")
+        if data_collator is not None:
+            dataset_train = _Mapped(jd.as_source(dataset_train), data_collator)
+            if dataset_eval is not None:
+                dataset_eval = _Mapped(jd.as_source(dataset_eval), data_collator)
+        mesh = self.mesh_config().build()
+        return self.trainer_module(arguments, model_state=state, dataset_train=dataset_train,
+                                   dataset_eval=dataset_eval, processing_class=self.processor, mesh=mesh,
+                                   hooks=hooks)
+
+    def train(self, scaling_index: int, arguments, dataset_train, dataset_eval=None, data_collator=None,
+              model=None, state=None, *, hooks: list | None = None):
+        """Train; the starting point is, in order: `state`, `model`, the checkpoint at `bucket_path`, a new
+        model scaled by `scaling_index`. With `arguments.resume_if_possible` an existing checkpoint in
+        `arguments.save_directory` wins over all of them (the run continues). Returns the `TrainerOutput`."""
+        if state is None and model is not None:
+            state = self.convert_model_to_state(model)
+        if state is None and self.bucket_path:
+            state = self._state_from_bucket(scaling_index)
+        if state is None:
+            # Abstract: the trainer initialises it directly on its shards from the seed.
+            state = self.convert_model_to_state(self.create_model_from_config(scaling_index, lazy=True))
+        trainer = self.create_trainer(arguments, dataset_train, dataset_eval, data_collator, state, hooks=hooks)
+        try:
+            out = trainer.train()
+        finally:
+            trainer.finish()
+        self.last_trainer = trainer
+        return out
+
+    def train_on_ray(self, scaling_index: int, arguments, dataset_train, dataset_eval=None, data_collator=None,
+                     *, scaling=None, faults: tuple = ()):
+        """`train` as a gang of Ray workers (`scaling`: a `ScalingConfig`), one JAX process each, joined
+        into one global mesh; restarted from the newest checkpoint on failure. Returns a `LaunchResult`
+        whose `.result` is rank 0's summary (metrics, report and checkpoint paths, loss history)."""
+        from .launcher import ScalingConfig, launch
+
+        return launch(_train_job, self, scaling_index, arguments, dataset_train, dataset_eval, data_collator,
+                      tuple(faults), scaling=scaling or ScalingConfig())
+
+    def tune(self, param_space: dict[str, Any], arguments, dataset_train, dataset_eval, **kwargs):
+        """A Ray Tune sweep over `scaling_index` and/or any training argument; see `jaxloom.ray.tune_sweep`."""
+        from .tune import tune_sweep
+
+        return tune_sweep(self, param_space, arguments, dataset_train, dataset_eval, **kwargs)
+
+
+def _train_job(ctx, trainer: RayDistributedTrainer, scaling_index, arguments, dataset_train, dataset_eval,
+               data_collator, faults):
+    from .jobs import summarize
+
+    if ctx.attempt > 0:
+        arguments = arguments.replace(resume_if_possible=True)
+    hooks = ctx.hooks() + [b for f in faults if (b := f.bind(ctx)) is not None]
+    out = trainer.train(scaling_index, arguments, dataset_train, dataset_eval, data_collator, hooks=hooks)
+    return summarize(trainer.last_trainer, out)
+
+
+class _Mapped:
+    """A data source whose records pass through `fn` when read."""
+
+    def __init__(self, source, fn):
+        self.source, self.fn = source, fn
+
+    @property
+    def shard_names(self):
+        return self.source.shard_names
+
+    def read_shard(self, name):
+        return [self.fn(r) for r in self.source.read_shard(name)]

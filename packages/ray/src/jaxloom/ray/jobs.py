@@ -1,0 +1,92 @@
+"""Jobs the launcher runs in each worker, and a fault injector for testing a gang's recovery."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+log = logging.getLogger("jaxloom.ray")
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultInjector:
+    """A trainer hook that breaks one worker on purpose: at the start of step `at_step` of gang attempt
+    `attempt`, on rank `rank`, it kills its own process with SIGKILL (`kind="kill"`) or sleeps for
+    `seconds` (`kind="hang"`). For chaos tests of the launcher's recovery; never on by default."""
+
+    at_step: int
+    rank: int = 0
+    attempt: int = 0
+    kind: str = "kill"
+    seconds: float = 3600.0
+
+    def __post_init__(self):
+        if self.kind not in ("kill", "hang"):
+            raise ValueError(f"FaultInjector.kind {self.kind!r}; expected 'kill' or 'hang'")
+
+    def bind(self, ctx) -> _BoundFault | None:
+        return _BoundFault(self) if (ctx.rank, ctx.attempt) == (self.rank, self.attempt) else None
+
+
+class _BoundFault:
+    def __init__(self, fault: FaultInjector):
+        self.fault = fault
+
+    def on_step_start(self, trainer, step: int) -> None:
+        if step != self.fault.at_step:
+            return
+        log.error("FaultInjector: %s at step %d (pid %d)", self.fault.kind, step, os.getpid())
+        if self.fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.fault.seconds)
+
+
+def summarize(trainer, out) -> dict[str, Any]:
+    """What comes back to the driver from a finished training: metrics, paths, the loss history and a
+    fingerprint of the final parameters (SHA-256 over every parameter's bytes, the same on every rank)."""
+    return {"metrics": out.metrics, "stop_reason": out.stop_reason, "resumed_from": out.resumed_from,
+            "checkpoint_dir": out.checkpoint_dir, "report_path": out.report_path, "plot_path": out.plot_path,
+            "samples": out.samples, "step": int(out.state.step),
+            "history": [dict(r) for r in getattr(trainer, "writer").history],
+            "params_sha256": params_fingerprint(out.state.params)}
+
+
+def params_fingerprint(params: Any) -> str:
+    """SHA-256 of all parameters, gathered from every process (tiny models only: it copies them whole)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from jaxloom.mesh import named_leaves
+
+    digest = hashlib.sha256()
+    for name, leaf in named_leaves(params):
+        value = multihost_utils.process_allgather(leaf, tiled=True) if jax.process_count() > 1 else leaf
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(jax.device_get(value)).tobytes())
+    return digest.hexdigest()
+
+
+def train_from_config(ctx, config_path: str | None, overrides: list[str],
+                      faults: tuple[FaultInjector, ...] = (), workdir: str | None = None) -> dict[str, Any]:
+    """`jaxloom train CONFIG [key=value ...]` in one worker. After a restart it always resumes.
+    `workdir`: where relative paths in the config point (the driver's directory; kept if absent here)."""
+    from jaxloom.trainer.cli import build_run, write_run_config
+
+    if workdir and os.path.isdir(workdir):
+        os.chdir(workdir)
+    items = list(overrides) + (["resume_if_possible=true"] if ctx.attempt > 0 else [])
+    trainer, resolved = build_run(config_path, items)
+    trainer.hooks.extend(ctx.hooks() + [b for f in faults if (b := f.bind(ctx)) is not None])
+    write_run_config(trainer, resolved)
+    ctx.beat(0, "ready")
+    try:
+        out = trainer.train()
+        return summarize(trainer, out)
+    finally:
+        trainer.finish()

@@ -1,0 +1,217 @@
+"""`launch`: run a job as a gang of Ray actors, one JAX process each, and supervise it.
+
+    result = launch(job, cfg_path, scaling=ScalingConfig(num_workers=2, devices_per_worker=2, max_failures=2))
+
+`job(ctx, *args)` runs in every worker after `jax.distributed.initialize` (actor 0 is the
+coordinator), so the workers form one global mesh. The driver watches them: when any worker dies
+(SIGKILL, OOM, node loss), raises, or stops reporting progress for `progress_timeout_s`, the whole
+gang is torn down and started again, up to `max_failures` times. A job that resumes from its newest
+checkpoint (the trainer does, with `resume_if_possible`) then continues where it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from .cluster import init_ray
+from .worker import GangWorker, ProgressBoard
+
+log = logging.getLogger("jaxloom.ray")
+
+
+class GangFailedError(RuntimeError):
+    """The gang failed more than `max_failures` times. `.failures` holds what happened each time."""
+
+    def __init__(self, message: str, failures: list[Failure]):
+        super().__init__(message)
+        self.failures = failures
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingConfig:
+    """How to run the gang.
+
+    Args:
+      num_workers: JAX processes (Ray actors).
+      resources_per_worker: Ray resources per actor, e.g. `{"CPU": 1}` or `{"CPU": 8, "GPU": 1}`.
+      devices_per_worker: on CPU, simulated devices per worker (None: one).
+      platform: JAX platform for the workers ('cpu', 'gpu', or None for JAX's choice).
+      max_failures: gang restarts allowed before giving up (0: none).
+      progress_timeout_s: a worker that reports no step for this long is taken as hung.
+      startup_timeout_s: allowed from start to the first step (includes compilation).
+      heartbeat_timeout_s: JAX coordination heartbeat; a silent peer aborts the others after it.
+      env: extra environment variables for the workers.
+    """
+
+    num_workers: int = 1
+    resources_per_worker: dict[str, float] | None = None
+    devices_per_worker: int | None = None
+    platform: str | None = "cpu"
+    max_failures: int = 0
+    progress_timeout_s: float = 120.0
+    startup_timeout_s: float = 300.0
+    heartbeat_timeout_s: int = 10
+    env: dict[str, str] | None = None
+
+    def __post_init__(self):
+        for name in ("num_workers", "progress_timeout_s", "startup_timeout_s", "heartbeat_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ScalingConfig.{name} = {value!r}; expected a positive number")
+        if not isinstance(self.max_failures, int) or self.max_failures < 0:
+            raise ValueError(f"ScalingConfig.max_failures = {self.max_failures!r}; expected an integer >= 0")
+        if self.devices_per_worker is not None and (not isinstance(self.devices_per_worker, int)
+                                                    or self.devices_per_worker < 1):
+            raise ValueError(f"ScalingConfig.devices_per_worker = {self.devices_per_worker!r}; expected an "
+                             "integer >= 1 or None")
+        if self.platform not in (None, "cpu", "gpu", "cuda", "tpu"):
+            raise ValueError(f"ScalingConfig.platform = {self.platform!r}; expected 'cpu', 'gpu', 'tpu' or None")
+
+    @classmethod
+    def from_items(cls, items: list[str]) -> ScalingConfig:
+        """`["num_workers=2", "max_failures=1"]` (the CLI's `--ray ...`) → a config; unknown keys are errors."""
+        import yaml
+
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {}
+        for item in items:
+            key, sep, raw = item.partition("=")
+            if not sep or key not in known:
+                raise ValueError(f"--ray {item!r}; expected key=value with key in {sorted(known)}")
+            values[key] = yaml.safe_load(raw)
+        return cls(**values)
+
+
+@dataclasses.dataclass
+class Failure:
+    attempt: int
+    rank: int | None
+    kind: str                # 'died', 'error', 'hung'
+    message: str
+    detected_at: float       # time.time() on the driver
+    restart_to_first_step_s: float | None = None   # filled once the next gang makes its first step
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    results: list[Any]       # what `job` returned, per rank
+    attempts: int
+    failures: list[Failure]
+    wall_s: float
+
+    @property
+    def result(self) -> Any:
+        return self.results[0]
+
+
+def launch(job, *args: Any, scaling: ScalingConfig | None = None, **kwargs: Any) -> LaunchResult:
+    """Run `job(ctx, *args, **kwargs)` on `scaling.num_workers` actors as one JAX process group;
+    restart the whole gang on any failure (up to `scaling.max_failures`). `job` and its arguments
+    travel to the workers with Ray's serializer. Starts a local loopback cluster if Ray is not up."""
+    import ray
+
+    scaling = scaling or ScalingConfig()
+    init_ray()
+    t0, failures = time.time(), []
+    for attempt in range(scaling.max_failures + 1):
+        outcome = _run_gang(ray, job, args, kwargs, scaling, attempt, failures)
+        if not isinstance(outcome, Failure):
+            return LaunchResult(outcome, attempt + 1, failures, time.time() - t0)
+        failures.append(outcome)
+        log.error("gang attempt %d failed (%s, rank %s) after %.1f s: %s", attempt, outcome.kind, outcome.rank,
+                  outcome.detected_at - t0, outcome.message.splitlines()[0] if outcome.message else "")
+        if attempt < scaling.max_failures:
+            log.warning("restarting the gang (%d of %d restarts); the job resumes from its newest checkpoint",
+                        attempt + 1, scaling.max_failures)
+    last = failures[-1]
+    raise GangFailedError(f"the gang failed {len(failures)} time(s), more than max_failures="
+                          f"{scaling.max_failures}; last: {last.kind} on rank {last.rank}: {last.message}", failures)
+
+
+def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, failures: list[Failure]):
+    settings = {"platform": scaling.platform, "devices": scaling.devices_per_worker, "env": scaling.env,
+                "heartbeat_timeout_s": scaling.heartbeat_timeout_s,
+                "init_timeout_s": min(int(scaling.startup_timeout_s), 300)}
+    resources = dict(scaling.resources_per_worker or {"CPU": 1})
+    options = {"num_cpus": resources.pop("CPU", 1), "num_gpus": resources.pop("GPU", 0),
+               "resources": resources or None, "max_restarts": 0, "max_concurrency": 2}
+    board = ray.remote(ProgressBoard).options(num_cpus=0).remote()
+    worker_cls = ray.remote(GangWorker)
+    workers = [worker_cls.options(**options).remote(r, scaling.num_workers, attempt, board, settings)
+               for r in range(scaling.num_workers)]
+    started = time.time()
+    try:
+        coordinator = ray.get(workers[0].coordinator_address.remote(), timeout=scaling.startup_timeout_s)
+        refs = [w.run.remote(coordinator, job, args, kwargs) for w in workers]
+        return _supervise(ray, refs, board, scaling, attempt, started, failures)
+    except ray.exceptions.GetTimeoutError:
+        return Failure(attempt, 0, "hung", f"workers did not start within {scaling.startup_timeout_s} s", time.time())
+    except ray.exceptions.RayActorError as e:
+        return Failure(attempt, 0, "died", str(e), time.time())
+    finally:
+        for w in [*workers, board]:
+            ray.kill(w, no_restart=True)
+
+
+def _supervise(ray, refs, board, scaling: ScalingConfig, attempt: int, started: float, failures: list[Failure]):
+    pending, results, first_step_seen = list(refs), {}, False
+    while pending:
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
+        errors = []
+        for ref in done:
+            rank = refs.index(ref)
+            try:
+                results[rank] = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                errors.append(Failure(attempt, rank, "died", _first_line(e), time.time()))
+            except ray.exceptions.RayTaskError as e:
+                errors.append(Failure(attempt, rank, "error", _first_line(e), time.time()))
+        if errors:
+            # A death is the cause; the survivors' collective errors are its echo. Let them surface briefly.
+            more, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            for ref in more:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    errors.append(Failure(attempt, refs.index(ref), "died", _first_line(e), time.time()))
+                except ray.exceptions.RayTaskError:
+                    pass
+            return min(errors, key=lambda f: (f.kind != "died", f.detected_at))
+        try:
+            beats = ray.get(board.snapshot.remote(), timeout=10)
+        except ray.exceptions.GetTimeoutError:
+            return Failure(attempt, None, "hung", "the progress board did not answer in 10 s", time.time())
+        stepping = {r: b for r, b in beats.items() if b[2] == "step"}
+        if stepping and not first_step_seen:
+            first_step_seen = True
+            if failures and failures[-1].restart_to_first_step_s is None:
+                failures[-1].restart_to_first_step_s = time.time() - failures[-1].detected_at
+                log.warning("gang attempt %d: training resumed %.1f s after the failure was detected", attempt,
+                            failures[-1].restart_to_first_step_s)
+        hung = _hung_rank(beats, scaling, time.time() - started, {refs.index(r) for r in pending})
+        if hung is not None:
+            rank, age, step = hung
+            return Failure(attempt, rank, "hung", f"rank {rank} made no progress for {age:.1f} s (last step "
+                           f"{step}; limit {scaling.progress_timeout_s} s)", time.time())
+    return [results[r] for r in range(len(refs))]
+
+
+def _hung_rank(beats: dict, scaling: ScalingConfig, since_start: float, running: set[int]):
+    for rank in sorted(running):
+        if rank not in beats or beats[rank][2] != "step":  # still starting (joining, compiling)
+            if since_start > scaling.startup_timeout_s:
+                return rank, since_start, None
+            continue
+        age, step, _ = beats[rank]
+        if age > scaling.progress_timeout_s:
+            return rank, age, step
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
