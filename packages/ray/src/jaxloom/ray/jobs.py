@@ -17,13 +17,15 @@ log = logging.getLogger("jaxloom.ray")
 class FaultInjector:
     """A trainer hook that breaks one worker on purpose: at the start of step `at_step` of gang attempt
     `attempt`, on rank `rank`, it kills its own process with SIGKILL (`kind="kill"`) or sleeps for
-    `seconds` (`kind="hang"`). For chaos tests of the launcher's recovery; never on by default."""
+    `seconds` (`kind="hang"`). With `wait_for_checkpoint`, it first lets the checkpoint being written
+    finish, so the resume point is known. For chaos tests of the launcher's recovery; never on by default."""
 
     at_step: int
     rank: int = 0
     attempt: int = 0
     kind: str = "kill"
     seconds: float = 3600.0
+    wait_for_checkpoint: bool = False
 
     def __post_init__(self):
         if self.kind not in ("kill", "hang"):
@@ -40,6 +42,8 @@ class _BoundFault:
     def on_step_start(self, trainer, step: int) -> None:
         if step != self.fault.at_step:
             return
+        if self.fault.wait_for_checkpoint:
+            trainer.checkpoints.wait_until_finished()
         log.error("FaultInjector: %s at step %d (pid %d)", self.fault.kind, step, os.getpid())
         if self.fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -65,6 +65,9 @@ class GangWorker:
             os.environ[key] = str(value)
         if settings.get("platform"):
             os.environ["JAX_PLATFORMS"] = settings["platform"]
+        if settings.get("platform") == "cpu":  # the device count is the launcher's, not the inherited flags'
+            flags = os.environ.get("XLA_FLAGS", "").split()
+            os.environ["XLA_FLAGS"] = " ".join(f for f in flags if "xla_force_host_platform_device_count" not in f)
 
     def coordinator_address(self) -> str:
         """host:port for `jax.distributed` (called on rank 0 only): this node's IP, a free port."""
@@ -84,9 +87,8 @@ class GangWorker:
 
         from jaxloom.mesh import init_distributed
 
-        devices = self.settings.get("devices")
-        if devices and self.settings.get("platform", "cpu") == "cpu":
-            jax.config.update("jax_num_cpu_devices", int(devices))
+        if self.settings.get("platform") == "cpu":
+            jax.config.update("jax_num_cpu_devices", int(self.settings.get("devices") or 1))
         init_distributed(coordinator, self.world_size, self.rank,
                          initialization_timeout=int(self.settings.get("init_timeout_s", 120)),
                          heartbeat_timeout_seconds=int(self.settings.get("heartbeat_timeout_s", 10)))

@@ -23,7 +23,7 @@ import jaxloom.data as jd
 import jaxloom.generation as jg
 import jaxloom.models as jmod
 import jaxloom.state as js
-from jaxloom.mesh import DATA_AXES, MeshConfig, local_batch_slice, named_leaves
+from jaxloom.mesh import DATA_AXES, MeshConfig, named_leaves
 
 from .arguments import TrainingArguments
 from .metrics import MetricsWriter, memory_in_use, peak_flops
@@ -148,17 +148,16 @@ class BaseTrainer:
             raise ValueError("dataset_train is empty")
         return max(1, batches * self.arguments.num_train_epochs)
 
-    def _loader(self, data, *, global_rows=None, state=None, **overrides) -> jd.DataLoader:
+    def _loader(self, data, *, global_rows=None, state=None, **overrides) -> jd.MeshLoader:
+        """This process's rows of global batches: one stream per data-parallel shard, so the data depends
+        on the mesh's data-parallel size only, not on how many processes share it."""
         a = self.arguments
-        global_rows = global_rows or a.total_batch_size
-        rows = local_batch_slice(self._mesh, global_rows)
-        n = rows.stop - rows.start
         accum = overrides.pop("accumulation", a.gradient_accumulation_steps)
-        settings = dict(max_sequence_length=a.max_sequence_length, batch_size=n * accum, packing=a.packing,
+        settings = dict(max_sequence_length=a.max_sequence_length, packing=a.packing,
                         truncation_mode=a.truncation_mode, shuffle=a.shuffle_train_dataset, seed=a.seed)
         cfg = jd.DataConfig(**{**settings, **overrides})
-        return jd.DataLoader(data, self.tokenizer, cfg, data_rank=rows.start // n, data_ranks=global_rows // n,
-                             state=state)
+        return jd.MeshLoader(data, self.tokenizer, cfg, self._mesh, global_rows or a.total_batch_size,
+                             accumulation=accum, state=state)
 
     def _batch_shardings(self):
         axes = tuple(x for x in DATA_AXES if x in self._mesh.shape) or None
@@ -321,7 +320,7 @@ class BaseTrainer:
         return res.completion_prompts
 
     def _save(self, step: int) -> None:
-        self.checkpoints.save(step, self.state, data_state=self.train_loader.state_dict(),
+        self.checkpoints.save(step, self.state, data_state=self.train_loader.global_state_dict(),
                               metadata={"tokens_seen": step * self.arguments.training_batch_size
                                         * self.arguments.max_sequence_length,
                                         "arguments": js.to_jsonable(self.arguments.to_dict())})

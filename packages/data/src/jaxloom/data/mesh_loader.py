@@ -1,0 +1,100 @@
+"""`MeshLoader`: this process's rows of global batches, one stream per data-parallel shard.
+
+The global batch is split over the mesh's data-parallel shards (`dp × fsdp`); shard `d` of `D` is
+filled by its own `DataLoader` stream (`data_rank=d, data_ranks=D`). A process runs the streams of the
+shards its devices hold. So the data of a step depends on the mesh's data-parallel size only — one
+process with 2 devices and 2 processes with 1 device each see the same global batches — and the
+position of every stream is saved (gathered from all processes), so a resume is exact whatever
+process holds which shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+
+from .pipeline import START, DataConfig, DataLoader
+
+log = logging.getLogger(__name__)
+_KEYS = tuple(START)
+
+
+class MeshLoader:
+    """Args:
+      data, tokenizer: as for `DataLoader`. config: its `batch_size` is ignored (set from the mesh).
+      mesh: the device mesh; global_batch_size: rows of one micro-batch over all processes.
+      accumulation: micro-batches per `next()`: rows come out as `[accumulation × local rows]`, micro-batch
+        major, so `batch.reshape(accumulation, -1, length)` gives each micro-batch's local rows.
+      state: from `global_state_dict()` (any process count with the same data-parallel size), or a
+        single stream's 4-integer state when the data-parallel size is 1.
+    """
+
+    def __init__(self, data: Any, tokenizer, config: DataConfig, mesh, global_batch_size: int, *,
+                 accumulation: int = 1, state: dict | None = None):
+        from jaxloom.mesh import data_parallel_size, local_batch_slice
+
+        self.dp = data_parallel_size(mesh)
+        rows = local_batch_slice(mesh, global_batch_size)
+        self.per_shard = global_batch_size // self.dp
+        self.first = rows.start // self.per_shard
+        self.accumulation = accumulation
+        streams = self._streams_from(state)
+        cfg = dataclasses.replace(config, batch_size=self.per_shard * accumulation)
+        self.loaders = [DataLoader(data, tokenizer, cfg, data_rank=d, data_ranks=self.dp, state=streams[d])
+                        for d in range(self.first, rows.stop // self.per_shard)]
+
+    def _streams_from(self, state: dict | None) -> list[dict | None]:
+        if state is None:
+            return [None] * self.dp
+        if set(state) == set(_KEYS) and self.dp == 1:  # one stream's state
+            return [state]
+        if set(state) != {"data_parallel", "streams"} or len(state["streams"]) != state["data_parallel"]:
+            raise ValueError(f"data iterator state {state!r}; expected {{'data_parallel': D, 'streams': [D states]}}")
+        if state["data_parallel"] != self.dp:
+            log.warning("the data position was saved for %d data-parallel shards and the mesh now has %d: it "
+                        "cannot carry over exactly, so every stream starts again from the beginning",
+                        state["data_parallel"], self.dp)
+            return [None] * self.dp
+        return list(state["streams"])
+
+    def start(self) -> MeshLoader:
+        for loader in self.loaders:
+            loader.start()
+        return self
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        parts = [next(loader) for loader in self.loaders]  # StopIteration ends the whole loader
+        a = self.accumulation
+        return {k: np.concatenate([p[k].reshape(a, -1, p[k].shape[-1]) for p in parts], axis=1)
+                .reshape(-1, parts[0][k].shape[-1]) for k in parts[0]}
+
+    def close(self) -> None:
+        for loader in self.loaders:
+            loader.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The positions of this process's streams only (see `global_state_dict`)."""
+        return {"first": self.first, "streams": [loader.state_dict() for loader in self.loaders]}
+
+    def global_state_dict(self) -> dict[str, Any]:
+        """Every stream's position, gathered from all processes (a collective: call it on all)."""
+        import jax
+
+        local = np.asarray([[self.first + i, *(s[k] for k in _KEYS)]
+                            for i, s in enumerate(self.state_dict()["streams"])], np.int64)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 1 + len(_KEYS))
+        streams: list[dict | None] = [None] * self.dp
+        for row in local.tolist():
+            streams[row[0]] = dict(zip(_KEYS, row[1:], strict=True))
+        if any(s is None for s in streams):
+            raise RuntimeError(f"data streams {[d for d, s in enumerate(streams) if s is None]} have no process")
+        return {"data_parallel": self.dp, "streams": streams}
