@@ -5,6 +5,8 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))  # helpers beside the tests (importlib import mode)
+# Ray workers inherit the environment: let them import the helpers the test functions use.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p)
 
 import pytest  # noqa: E402
 

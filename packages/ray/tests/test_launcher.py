@@ -37,6 +37,19 @@ def test_ray_listens_on_loopback_only(ray_cluster):
     assert ray_cluster["info"]["address"].startswith("127.0.0.1:")
 
 
+def _listeners(ctx):
+    from jaxloom.ray import listening_addresses
+
+    return ctx.coordinator, sorted(listening_addresses())
+
+
+def test_jax_coordinator_listens_on_loopback_only(ray_cluster):
+    coordinator, listeners = launch(_listeners, scaling=ScalingConfig(num_workers=2)).result
+    host, port = coordinator.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    assert [ip for ip, p in listeners if p == int(port)] == ["127.0.0.1"], listeners
+
+
 def test_two_workers_match_one_process_with_the_same_mesh(reference):
     _, two, one = reference
     a, b = _losses(two.result), _losses(one.result)

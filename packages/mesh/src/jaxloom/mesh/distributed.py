@@ -11,13 +11,15 @@ log = logging.getLogger(__name__)
 def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None, local_device_ids: int | Sequence[int] | None = None, *,
                      cpu_collectives: str | None = "gloo", initialization_timeout: int = 300,
-                     heartbeat_timeout_seconds: int = 100) -> bool:
+                     heartbeat_timeout_seconds: int = 100, coordinator_bind_address: str | None = None) -> bool:
     """Join this process to a JAX process group. A no-op (returns False) for one process.
 
     On CPU, cross-process computations need CPU collectives: `cpu_collectives="gloo"` (the default)
     selects them before the backend starts; without them JAX fails with "Multiprocess computations
     aren't implemented on the CPU backend". Keep `heartbeat_timeout_seconds` short under a supervisor
     (Ray): a hung peer is only noticed by the heartbeat. Must be called before any device query.
+    `coordinator_bind_address` ('host:port'): where process 0's coordination service listens; JAX's
+    default is every interface.
     """
     import jax
 
@@ -35,7 +37,8 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, local_device_ids=local_device_ids,
                                initialization_timeout=initialization_timeout,
-                               heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+                               heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                               coordinator_bind_address=coordinator_bind_address)
     return True
 
 

@@ -137,8 +137,10 @@ def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, fail
                 "init_timeout_s": min(int(scaling.startup_timeout_s), 300)}
     resources = dict(scaling.resources_per_worker or {"CPU": 1})
     options = {"num_cpus": resources.pop("CPU", 1), "num_gpus": resources.pop("GPU", 0),
-               "resources": resources or None, "max_restarts": 0, "max_concurrency": 2}
-    board = ray.remote(ProgressBoard).options(num_cpus=0).remote()
+               "resources": resources or None, "max_restarts": 0, "max_concurrency": 2,
+               # outside any placement group of the caller (a Tune trial's, say): the gang asks for its own
+               "scheduling_strategy": "DEFAULT"}
+    board = ray.remote(ProgressBoard).options(num_cpus=0, scheduling_strategy="DEFAULT").remote()
     worker_cls = ray.remote(GangWorker)
     workers = [worker_cls.options(**options).remote(r, scaling.num_workers, attempt, board, settings)
                for r in range(scaling.num_workers)]
