@@ -22,9 +22,16 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpu
     every port is on 127.0.0.1). The dashboard stays off unless `include_dashboard=True`, and then it
     listens on 127.0.0.1 too. Calling it again when Ray is up returns the running cluster's context.
     """
-    if address is None:  # read when ray is first imported
+    if address is None:  # read by every Ray process when it imports ray
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
+
+    if address is None and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+        # This process may have imported ray before the variable was set: its copy decides too.
+        from ray._private import ray_constants
+
+        if getattr(ray_constants, "ENABLE_RAY_CLUSTER", False):
+            ray_constants.ENABLE_RAY_CLUSTER = False
 
     if ray.is_initialized():
         return {"address": _gcs_address(), "dashboard_url": None}

@@ -118,7 +118,8 @@ class RayDistributedTrainer:
                              f"{sorted(_RUNTIME_KEYS | _MESH_KEYS | _COMPAT_KEYS | {'seed'})}")
         v = self.config_variables
         if _name(v["gradient_checkpointing"]) not in _REMAT:
-            raise ValueError(f"gradient_checkpointing {v['gradient_checkpointing']!r}; expected one of {sorted(_REMAT)}")
+            raise ValueError(f"gradient_checkpointing {v['gradient_checkpointing']!r}; "
+                             f"expected one of {sorted(_REMAT)}")
         if _name(v["attn_mechanism"]) not in _ATTN:
             raise ValueError(f"attn_mechanism {v['attn_mechanism']!r}; expected one of {sorted(_ATTN)}")
         for key in DTYPE_KEYS:

@@ -56,7 +56,7 @@ def summarize(trainer, out) -> dict[str, Any]:
     return {"metrics": out.metrics, "stop_reason": out.stop_reason, "resumed_from": out.resumed_from,
             "checkpoint_dir": out.checkpoint_dir, "report_path": out.report_path, "plot_path": out.plot_path,
             "samples": out.samples, "step": int(out.state.step),
-            "history": [dict(r) for r in getattr(trainer, "writer").history],
+            "history": [dict(r) for r in trainer.writer.history],
             "params_sha256": params_fingerprint(out.state.params)}
 
 

@@ -31,6 +31,12 @@ class CheckpointCorruptError(RuntimeError):
     """A checkpoint's files do not match what was written."""
 
 
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed (disk full, permissions, ...). The partial write is never chosen on
+    restore; the earlier checkpoints are untouched. After an I/O error orbax's writer threads may not
+    stop: exit the process (the `jaxloom` command does) rather than keep training."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Args:
@@ -138,16 +144,31 @@ class CheckpointManager:
         items = {"params": ocp.args.StandardSave(params), "meta": ocp.args.JsonSave(meta)}
         if jax.tree_util.tree_leaves(state.opt_state):  # orbax refuses empty trees (e.g. optax.identity)
             items["opt_state"] = ocp.args.StandardSave(state.opt_state)
-        manager.save(int(step), args=ocp.args.Composite(**items), force=True)
-        self._last_save_time = time.monotonic()
-        if not self.config.async_save:
-            self._write_checksums()
+        try:
+            manager.save(int(step), args=ocp.args.Composite(**items), force=True)
+            self._last_save_time = time.monotonic()
+            if not self.config.async_save:
+                self._write_checksums()
+        except Exception as e:  # noqa: BLE001 - one clear error, whatever orbax raised
+            raise self._save_failed(step, e) from e
 
     def wait_until_finished(self) -> None:
         """Block until background writes are done; raises if one failed (errors are never swallowed)."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._write_checksums()
+            try:
+                self._manager.wait_until_finished()
+                self._write_checksums()
+            except Exception as e:  # noqa: BLE001
+                raise self._save_failed(None, e) from e
+
+    def _save_failed(self, step: int | None, e: Exception) -> CheckpointSaveError:
+        self._manager = None  # not reused after an I/O error; a new one opens on the next call
+        steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) \
+            if self.directory.is_dir() else []
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:500]
+        what = f"checkpoint {step}" if step is not None else "a background checkpoint write"
+        return CheckpointSaveError(f"saving {what} in {self.directory} failed: {first}. Earlier checkpoints "
+                                   f"{steps} are untouched; the partial write will never be restored.")
 
     def close(self) -> None:
         if self._manager is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -212,7 +213,18 @@ def main(argv: list[str] | None = None) -> int:
                               "final": out.metrics, "report": out.report_path, "plot": out.plot_path,
                               "checkpoints": out.checkpoint_dir}, indent=2, default=str))
             trainer.finish()
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except OSError as e:
+        from jaxloom.state import CheckpointSaveError
+
+        if not isinstance(e, CheckpointSaveError):
+            if isinstance(e, FileNotFoundError):
+                print(f"jaxloom: error: {e}", file=sys.stderr)
+                return 2
+            raise
+        print(f"jaxloom: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)  # orbax's writer threads may hang after an I/O error: do not wait for them
+    except (ValueError, TypeError) as e:
         print(f"jaxloom: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,0 +1,23 @@
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, env=None, timeout=300):
+    """Run worker.py; with `stop_after=n`, send `sig` when it prints `STEP n`. Returns (proc, stdout, stderr)."""
+    full_env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **(env or {})}
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(out), *overrides], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=full_env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if stop_after is not None and line.strip() == f"STEP {stop_after}":
+            proc.send_signal(sig)
+            if sig == signal.SIGKILL:
+                break
+    proc.wait(timeout=timeout)
+    return proc, lines, proc.stderr.read()

@@ -1,0 +1,46 @@
+"""python worker.py OUT_DIR [key=value ...]: a short deterministic CLI-built run that prints `STEP n`
+after each step, and `FSIZE_LIMIT_AT=step:bytes` in the environment caps file sizes from that step on
+(a full disk, as a process sees it: writes fail)."""
+
+import os
+import resource
+import signal
+import sys
+
+import numpy as np
+
+from jaxloom.mesh import gather, named_leaves
+from jaxloom.state import CheckpointSaveError
+from jaxloom.trainer.cli import build_run
+
+TINY = ["max_training_steps=16", "save_steps=4", "logging_steps=4", "evaluation_steps=null", "total_batch_size=8",
+        "max_sequence_length=32", "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
+        "progress_bar=false", "use_tensorboard=false", "generation_interval=null", "generation_prompts=[]"]
+
+
+class Announce:
+    def __init__(self):
+        at = os.environ.get("FSIZE_LIMIT_AT")
+        self.limit = tuple(int(x) for x in at.split(":")) if at else None
+
+    def on_step_start(self, trainer, step):
+        if self.limit and step == self.limit[0]:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write is an error, not a dead process
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit[1], resource.RLIM_INFINITY))
+
+    def on_step_end(self, trainer, step, metrics):
+        print(f"STEP {step}", flush=True)
+
+
+out = sys.argv[1]
+trainer, _ = build_run(None, [*TINY, f"save_directory={out}", *sys.argv[2:]])
+trainer.hooks.append(Announce())
+try:
+    result = trainer.train()
+except CheckpointSaveError as e:  # as the jaxloom command does: report, then exit without waiting on orbax
+    print(f"ERROR {e}", flush=True)
+    os._exit(3)
+trainer.finish()
+np.savez(f"{out}/final.npz", **{k: gather(v) for k, v in named_leaves(result.state.params)})
+print("RESUMED_FROM", result.resumed_from, flush=True)
+print("STOP_REASON", result.stop_reason, flush=True)
