@@ -27,7 +27,8 @@ CASES: list[tuple[str, str, str]] = [  # (name, function below, regex the error 
     ("unknown model type", "unknown_model_type", r"model_type 'gpt9' is not supported"),
     ("checkpoint of another shape", "checkpoint_shape", r"shape"),
     ("scaling_index <= 0", "scaling_index_zero", r"scaling_index 0; expected a positive integer"),
-    ("missing checkpoint (jaxloom convert)", "missing_checkpoint", r"jaxloom: error: no checkpoint under .*nowhere/checkpoints"),
+    ("missing checkpoint (jaxloom convert)", "missing_checkpoint",
+     r"jaxloom: error: no checkpoint under .*nowhere/checkpoints"),
     ("unknown --ray setting", "unknown_ray_key", r"--ray 'workers=2'; expected key=value"),
 ]
 

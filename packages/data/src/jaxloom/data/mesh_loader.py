@@ -61,6 +61,7 @@ class MeshLoader:
         return list(state["streams"])
 
     def start(self) -> MeshLoader:
+        """Start every stream's prefetching now."""
         for loader in self.loaders:
             loader.start()
         return self
@@ -75,6 +76,7 @@ class MeshLoader:
                 .reshape(-1, parts[0][k].shape[-1]) for k in parts[0]}
 
     def close(self) -> None:
+        """Stop every stream's prefetch thread."""
         for loader in self.loaders:
             loader.close()
 

@@ -65,6 +65,9 @@ START = {"epoch": 0, "shard_pos": 0, "row_pos": 0, "token_offset": 0}
 
 
 class DataLoader:
+    """A deterministic, resumable stream of fixed-shape batches (see the module docstring).
+    `data`: anything `as_source` reads; `data_rank`/`data_ranks`: this stream's share;
+    `state`: a position from `state_dict()` to continue from."""
     def __init__(self, data: Any, tokenizer, config: DataConfig, *, data_rank: int = 0, data_ranks: int = 1,
                  state: dict | None = None):
         if not 0 <= data_rank < data_ranks:
@@ -131,6 +134,7 @@ class DataLoader:
         return batch
 
     def close(self) -> None:
+        """Stop the prefetch thread."""
         self._stop.set()
 
     def _worker(self, state: dict) -> None:

@@ -21,7 +21,8 @@ class ShardedDataSource(Protocol):
     @property
     def shard_names(self) -> Sequence[str]: ...
 
-    def read_shard(self, name: str) -> list[dict[str, Any]]: ...
+    def read_shard(self, name: str) -> list[dict[str, Any]]:
+        """The records of shard `name`, as dicts."""
 
 
 def _paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
@@ -53,6 +54,7 @@ class JsonlSource:
         return [str(f) for f in self.files]
 
     def read_shard(self, name: str) -> list[dict]:
+        """The records of file `name`; a malformed line is an error naming file:line (or skipped)."""
         rows = []
         with open(name, encoding="utf-8") as fh:
             for n, line in enumerate(fh, 1):
@@ -83,6 +85,7 @@ class TextSource:
         return [str(f) for f in self.files]
 
     def read_shard(self, name: str) -> list[dict]:
+        """The non-empty lines (or the whole file with `per_file`) of `name` as `{'text': ...}`."""
         text = Path(name).read_text(encoding="utf-8")
         if self.per_file:
             return [{"text": text}] if text.strip() else []
@@ -100,6 +103,7 @@ class ParquetSource:
         return [str(f) for f in self.files]
 
     def read_shard(self, name: str) -> list[dict]:
+        """The rows of file `name` as dicts."""
         import pyarrow.parquet as pq
 
         return pq.read_table(name).to_pylist()
@@ -119,6 +123,7 @@ class HFDatasetSource:
         return [str(i) for i in range(self.num_shards)]
 
     def read_shard(self, name: str) -> list[dict]:
+        """The records of shard `name`."""
         i = int(name)
         if self.iterable:
             ds = self.dataset.shard(num_shards=self.num_shards, index=i) if self.num_shards > 1 else self.dataset
@@ -140,6 +145,7 @@ class IterableSource:
         return [str(i) for i in range(self.num_shards)]
 
     def read_shard(self, name: str) -> list[dict]:
+        """The records of shard `name`."""
         rows = list(self.records() if callable(self.records) else self.records)
         i = int(name)
         return rows[len(rows) * i // self.num_shards: len(rows) * (i + 1) // self.num_shards]

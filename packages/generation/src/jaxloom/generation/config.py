@@ -39,6 +39,7 @@ class GenerationConfig:
         return () if e is None else (e,) if isinstance(e, int) else tuple(e)
 
     def replace(self, **changes: Any) -> GenerationConfig:
+        """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -78,6 +78,7 @@ class PartitionAxis:
         return cls(**dict(data))
 
     def to_json(self) -> str:
+        """The mapping as a JSON string (`from_json` reads it back)."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod

@@ -88,6 +88,7 @@ class MeshConfig:
         return cls(**{k: (tuple(v) if v is not None else None) for k, v in data.items()})
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as plain JSON data (`from_dict` reads it back)."""
         return {"axis_dims": list(self.axis_dims), "axis_names": list(self.axis_names),
                 "dcn_axis_dims": None if self.dcn_axis_dims is None else list(self.dcn_axis_dims)}
 

@@ -37,6 +37,7 @@ class RngStream:
         return self.gen_rng()
 
     def state_dict(self) -> dict[str, int]:
+        """The stream's seed and position as JSON data, for checkpoints."""
         return {"seed": self.seed, "count": self.count}
 
     @classmethod

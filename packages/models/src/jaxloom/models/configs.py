@@ -93,6 +93,7 @@ class LlamaConfig:
         return self.attention_bias
 
     def replace(self, **changes: Any):
+        """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
     # ---- Hugging Face config.json ------------------------------------------------------------------
@@ -120,6 +121,7 @@ class LlamaConfig:
         return data
 
     def to_hf_dict(self) -> dict[str, Any]:
+        """The config as a `transformers` config.json mapping (with `model_type`)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out = {k: dict(v) if isinstance(v, dict) else list(v) if isinstance(v, tuple) else v for k, v in out.items()}
         out["model_type"] = self.model_type
@@ -138,6 +140,7 @@ class LlamaConfig:
         return cls.from_hf_dict(json.loads(file.read_text()))
 
     def save_pretrained(self, path: str | Path) -> Path:
+        """Write `config.json` into directory `path` (created if needed)."""
         Path(path).mkdir(parents=True, exist_ok=True)
         file = Path(path) / "config.json"
         file.write_text(json.dumps(self.to_hf_dict(), indent=2, sort_keys=True))

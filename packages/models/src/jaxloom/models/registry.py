@@ -39,4 +39,5 @@ def get_model_class(model_type: str, task: TaskType | str = TaskType.CAUSAL_LM) 
 
 
 def registered() -> list[tuple[str, TaskType]]:
+    """Every registered `(model_type, task)`, sorted."""
     return sorted(_REGISTRY, key=lambda k: (k[0], k[1].value))

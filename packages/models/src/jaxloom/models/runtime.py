@@ -54,4 +54,5 @@ class RuntimeConfig:
             object.__setattr__(self, "partition_axis", PartitionAxis.from_dict(self.partition_axis))
 
     def replace(self, **changes: Any) -> RuntimeConfig:
+        """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -61,6 +61,7 @@ def _gcs_address() -> str | None:
 
 
 def shutdown_ray() -> None:
+    """Disconnect from (and, if this process started it, stop) the Ray cluster."""
     import ray
 
     if ray.is_initialized():

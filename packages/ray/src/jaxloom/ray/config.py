@@ -43,6 +43,7 @@ class RayDistributedConfig(BaseModel):
         return self.model_copy(update={"config_variables": _decode(self.config_variables)})
 
     def save(self, path: str | Path) -> Path:
+        """Write the config as JSON (after `_saving_preprocess`) atomically; returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")

@@ -127,6 +127,7 @@ class RayDistributedTrainer:
                 jm.runtime.to_dtype(v[key])
 
     def to_config(self) -> RayDistributedConfig:
+        """This trainer's settings as a `RayDistributedConfig`."""
         return RayDistributedConfig(pretrained_model_name_or_path=self.pretrained_model_name_or_path,
                                     model_task=self.model_task, model_type=self.model_type,
                                     offload_backend=self.offload_backend,
@@ -160,6 +161,7 @@ class RayDistributedTrainer:
         return jm.config_from_hf_dict({**data, **scaled, **fixed})
 
     def runtime(self) -> jm.RuntimeConfig:
+        """The `RuntimeConfig` (dtypes, precision, attention, remat, partition axes) from `config_variables`."""
         v = self.config_variables
         precision = v.get("precision")
         return jm.RuntimeConfig(dtype=v["dtype"], param_dtype=v["param_dtype"],
@@ -169,6 +171,7 @@ class RayDistributedTrainer:
                                 partition_axis=v.get("partition_axis") or PartitionAxis())
 
     def mesh_config(self) -> MeshConfig:
+        """The `MeshConfig` from `config_variables['sharding_axis_*']` (DCN dims only with many processes)."""
         v = self.config_variables
         dcn = v.get("sharding_dcn_axis_dims")
         if dcn is not None and jax.process_count() == 1:
@@ -191,6 +194,7 @@ class RayDistributedTrainer:
             return jm.create_model(config, runtime, seed=seed, model_class=self.model_class)
 
     def create_model_from_config(self, scaling_index: int, *, lazy: bool = False):
+        """A model of `create_config(scaling_index)`, seeded by `config_variables['seed']`."""
         return self.create_model(self.create_config(scaling_index), seed=self.config_variables.get("seed", 684),
                                  lazy=lazy)
 
@@ -238,9 +242,11 @@ class RayDistributedTrainer:
     extract_column_names = staticmethod(jd.extract_column_names)
 
     def process_sample_data(self, sample: Any, max_length: int, padding_side: str = "left") -> dict:
+        """`jaxloom.data.process_sample_data` with this trainer's tokenizer."""
         return jd.process_sample_data(self.processor, sample, max_length, padding_side)
 
     def process_messages_data(self, messages: Any, max_length: int, padding_side: str = "left") -> dict:
+        """`jaxloom.data.process_messages_data` with this trainer's tokenizer."""
         return jd.process_messages_data(self.processor, messages, max_length, padding_side)
 
     # ---- training ---------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ class FaultInjector:
             raise ValueError(f"FaultInjector.kind {self.kind!r}; expected 'kill' or 'hang'")
 
     def bind(self, ctx) -> _BoundFault | None:
+        """The hook for this worker (`ctx`), or None when the fault is for another rank or attempt."""
         return _BoundFault(self) if (ctx.rank, ctx.attempt) == (self.rank, self.attempt) else None
 
 

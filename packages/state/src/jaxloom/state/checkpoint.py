@@ -75,6 +75,9 @@ class Restored:
 
 
 class CheckpointManager:
+    """Orbax checkpoints of a `TrainState` plus the data position and run metadata, with
+    SHA-256 manifests, keep-N/keep-every-M retention, async writes, and restore onto any mesh.
+    `config`: a `CheckpointConfig` or a directory (with `overrides` as its fields)."""
     def __init__(self, config: CheckpointConfig | str, **overrides: Any):
         if isinstance(config, str | Path):
             config = CheckpointConfig(directory=str(config), **overrides)
@@ -113,6 +116,7 @@ class CheckpointManager:
         return None if self._manager is None else self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first."""
         return [] if self._manager is None else sorted(self._manager.all_steps())
 
     # ---- saving -----------------------------------------------------------------------------------
@@ -171,6 +175,7 @@ class CheckpointManager:
                                    f"{steps} are untouched; the partial write will never be restored.")
 
     def close(self) -> None:
+        """Finish background writes (raising if one failed) and release orbax."""
         if self._manager is not None:
             self.wait_until_finished()
             self._manager.close()
@@ -274,6 +279,7 @@ class CheckpointManager:
                                       is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
 
     def read_meta(self, step: int | None = None) -> dict:
+        """The JSON metadata (step, data position, versions, ...) of checkpoint `step` (default: newest)."""
         step = self.latest_step() if step is None else step
         file = self.directory / str(step) / "meta" / "metadata"
         return json.loads(file.read_text())

@@ -30,6 +30,7 @@ def _is_dtype(value: Any) -> bool:
 
 
 def to_jsonable(value: Any) -> Any:
+    """Plain JSON data for `value`: dataclasses, pydantic models, dtypes, enums, tuples, `PartitionAxis`."""
     if isinstance(value, PartitionAxis):
         return {_PA: value.to_dict()}
     if _is_dtype(value) or type(value).__name__ == "_ScalarMeta":
@@ -54,6 +55,7 @@ def to_jsonable(value: Any) -> Any:
 
 
 def from_jsonable(value: Any) -> Any:
+    """The inverse of `to_jsonable`: dtypes, tuples and `PartitionAxis` come back."""
     if isinstance(value, dict):
         if set(value) == {_DTYPE}:
             return jnp.dtype(value[_DTYPE])
@@ -68,6 +70,7 @@ def from_jsonable(value: Any) -> Any:
 
 
 def save_json(value: Any, path: str | Path) -> Path:
+    """Write `value` (through `to_jsonable`) to `path` atomically; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -77,6 +80,7 @@ def save_json(value: Any, path: str | Path) -> Path:
 
 
 def load_json(path: str | Path) -> Any:
+    """Read a JSON file written by `save_json`; a clear error for a missing or malformed file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no JSON file at {path}")

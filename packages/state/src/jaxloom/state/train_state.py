@@ -38,11 +38,13 @@ class TrainState:
         return nnx.merge(self.graphdef, self.params, self.model_state or {})
 
     def apply_gradients(self, grads: Any, **changes: Any) -> TrainState:
+        """One optimizer update with `grads`; `step` + 1; `changes` replace other fields."""
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         params = optax.apply_updates(self.params, updates)
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **changes)
 
     def replace(self, **changes: Any) -> TrainState:
+        """A copy with `changes` applied."""
         return dataclasses.replace(self, **changes)
 
 

@@ -177,9 +177,11 @@ class TrainingArguments:
         raise AttributeError("TrainingArguments is frozen; use .replace(**changes)")
 
     def to_dict(self) -> dict[str, Any]:
+        """Every argument by its flat name."""
         return {f.name: getattr(getattr(self, g), f.name) for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
 
     def replace(self, **changes: Any) -> TrainingArguments:
+        """A copy with `changes` (flat names) applied and validated."""
         return TrainingArguments(**{**self.to_dict(), **changes})
 
     def __eq__(self, other):

@@ -25,6 +25,8 @@ log = logging.getLogger("jaxloom.deployer")
 
 
 class Deployer:
+    """RedCo's `Deployer`: mesh, sharding, rng, batching, schedules, logging and checkpoints for a
+    hand-written loop (`fit` runs one). See the README for the method list."""
     def __init__(self, jax_seed: int, n_model_shards: int = 1, verbose: bool = True, workdir: str | None = None,
                  n_processes: int | None = None, host0_address: str | None = None, host0_port: int | None = None,
                  process_id: int | None = None, n_local_devices: int | None = None, run_tensorboard: bool = False,
@@ -54,19 +56,24 @@ class Deployer:
 
     # ---- randomness and batch sizes (jaxloom.mesh) -------------------------------------------------------
     def gen_rng(self):
+        """A fresh PRNG key from the deployer's stream."""
         return self.rng.gen_rng()
 
     def gen_model_step_rng(self):
+        """A fresh PRNG key for one model step."""
         return self.rng.gen_model_step_rng()
 
     def get_local_global_micro_batch_size(self, per_device_batch_size: int) -> tuple[int, int]:
+        """(this process's, global) micro-batch rows for `per_device_batch_size`."""
         return jmesh.get_local_global_micro_batch_size(per_device_batch_size, self._mesh)
 
     def get_accumulate_grad_batches(self, global_batch_size: int, per_device_batch_size: int) -> int:
+        """Micro-batches per step so that a step holds `global_batch_size` rows."""
         return jmesh.get_accumulate_grad_batches(global_batch_size, per_device_batch_size, self._mesh)
 
     def get_lr_schedule_fn(self, train_size, per_device_batch_size, n_epochs, learning_rate, schedule_type="linear",
                            warmup_ratio=0.0, warmup_steps=None, init_learning_rate=0.0, end_learning_rate=0.0):
+        """RedCo's learning-rate schedule (see `jaxloom.trainer.get_lr_schedule_fn`)."""
         _, global_micro = self.get_local_global_micro_batch_size(per_device_batch_size)
         return get_lr_schedule_fn(train_size, global_micro, n_epochs, learning_rate, schedule_type, warmup_ratio,
                                   warmup_steps, init_learning_rate, end_learning_rate)
@@ -111,16 +118,19 @@ class Deployer:
         return jmesh.auto_partition_rules(params_shape_or_params, self._mesh, axes=("tp",))
 
     def get_params_spec(self, params_shape_or_params, params_sharding_rules):
+        """Partition specs for `params` (given rules or automatic ones)."""
         rules = params_sharding_rules or [(".*", PartitionSpec())]
         return jmesh.match_partition_rules(rules, params_shape_or_params, mesh=self._mesh)
 
     def get_opt_state_spec(self, params_shape_or_params, params_spec, optimizer):
+        """Partition specs for the optimizer state of `params` under `params_spec`."""
         abstract = jax.eval_shape(optimizer.init, params_shape_or_params)
         return optax.tree_map_params(optimizer, lambda _, s: s, abstract, params_spec,
                                      transform_non_params=lambda _: PartitionSpec(),
                                      is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     def shard_params(self, params, params_spec, desc: str = "params"):
+        """Place `params` on the mesh by `params_spec`."""
         if self.verbose:
             log.info("sharding %s over %s", desc, dict(self._mesh.shape))
         return jmesh.shard(params, params_spec, self._mesh)
@@ -143,6 +153,7 @@ class Deployer:
         manager.close()
 
     def load_params_shape(self, ckpt_dir: str):
+        """Shapes and dtypes of the parameters stored in `ckpt_dir`, without reading them."""
         return js.CheckpointManager(ckpt_dir).restore_shapes()
 
     def load_ckpt(self, ckpt_dir: str, params_sharding_rules=None, optimizer=None, float_dtype=None,
@@ -189,6 +200,7 @@ class Deployer:
 
     # ---- logging (trainer.metrics) ----------------------------------------------------------------------
     def log_info(self, info: Any, title: str | None = None, step: int | None = None) -> None:
+        """Log `info` (process 0 only), under `title` when given."""
         if jax.process_index() != 0:
             return
         text = info if isinstance(info, str) else json.dumps(info, indent=2, default=str)
@@ -197,6 +209,7 @@ class Deployer:
             self._writer.text(step or 0, title or "info", text)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Write `metrics` at `step` to the metrics file (and wandb when on)."""
         metrics = {k: float(v) for k, v in metrics.items()}
         if self._writer is not None:
             self._writer.write(step, metrics, prefix="metrics")
@@ -204,6 +217,7 @@ class Deployer:
             log.info("step %d: %s", step, metrics)
 
     def save_outputs(self, outputs: Any, desc: str, step: int) -> Path | None:
+        """Write `outputs` as JSON lines to `<workdir>/outputs/<desc>.jsonl` (process 0)."""
         if jax.process_index() != 0 or not self._workdir:
             return None
         path = Path(self._workdir) / "outputs" / f"{desc}_step{step}.json"

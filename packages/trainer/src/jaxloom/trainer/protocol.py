@@ -26,9 +26,20 @@ class TrainerProtocol(Protocol):
     @property
     def scheduler(self) -> Any: ...
 
-    def configure_model(self) -> Any: ...
-    def configure_dataloaders(self) -> Any: ...
-    def configure_functions(self) -> Any: ...
-    def train(self) -> Any: ...
-    def evaluate(self) -> dict[str, float]: ...
-    def save_pretrained(self, path: Any, *, to_hf: bool = True) -> Any: ...
+    def configure_model(self) -> Any:
+        """Build the model state, its shardings and the optimizer."""
+
+    def configure_dataloaders(self) -> Any:
+        """Create the data loaders."""
+
+    def configure_functions(self) -> Any:
+        """Compile the train and eval steps."""
+
+    def train(self) -> Any:
+        """Run the training loop; returns the outcome."""
+
+    def evaluate(self) -> dict[str, float]:
+        """Metrics over the evaluation data."""
+
+    def save_pretrained(self, path: Any, *, to_hf: bool = True) -> Any:
+        """Write the model where it can be loaded again."""

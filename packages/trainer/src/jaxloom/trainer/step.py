@@ -45,6 +45,9 @@ def token_loss(state: TrainState, params, batch, cfg: StepConfig):
 
 
 def train_step(state: TrainState, batch, cfg: StepConfig):
+    """One optimizer step: forward and backward over the micro-batches of `batch` (scanned, gradients
+    averaged), masked next-token loss with optional z-loss and MoE aux loss, clipping and the update;
+    a non-finite step is skipped when `cfg.skip_nonfinite`. Returns `(state, metrics)`."""
     grad_fn = jax.value_and_grad(lambda p, mb: token_loss(state, p, mb, cfg), has_aux=True)
 
     def micro(carry, mb):

@@ -97,6 +97,8 @@ class BaseTrainer:
 
     # ---- setup ----------------------------------------------------------------------------------------
     def configure_model(self) -> None:
+        """Build the mesh, optimizer, schedule and state shardings; restore the newest checkpoint
+        (`resume_if_possible`) or create the state on its shards; start compiling the step."""
         a = self.arguments
         if self._mesh is None:
             self._mesh = MeshConfig(a.sharding_axis_dims, a.sharding_axis_names, a.sharding_dcn_axis_dims).build()
@@ -164,10 +166,12 @@ class BaseTrainer:
         return NamedSharding(self._mesh, PartitionSpec(None, axes)), NamedSharding(self._mesh, PartitionSpec(axes))
 
     def configure_dataloaders(self) -> None:
+        """Create this process's training loader (at the restored data position) and start it."""
         self.train_loader = self._loader(self.dataset_train, state=self._data_state)
         self.train_loader.start()  # the first batches are made while the step compiles
 
     def configure_functions(self) -> None:
+        """Jit the train and eval steps with explicit shardings and donation; compile in the background."""
         a = self.arguments
         aux = getattr(self.config, "router_aux_loss_coef", 0.0)
         self.step_config = StepConfig(z_loss=a.z_loss, aux_loss_coef=aux, skip_nonfinite=a.nan_policy == "skip",
@@ -217,6 +221,8 @@ class BaseTrainer:
         return None
 
     def train(self) -> TrainerOutput:
+        """Run until `max_training_steps` (or the epochs, a time limit, a stop signal or the end of the
+        data); log, evaluate, preview, checkpoint on schedule. Returns a `TrainerOutput`."""
         a = self.arguments
         self._t0, self._skipped, self._last_eval, self._last_preview = time.monotonic(), 0, (None, {}), (None, [])
         if isinstance(self._train_fn, Future):
@@ -360,6 +366,7 @@ class BaseTrainer:
         return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "accuracy": total["correct"] / total["tokens"]}
 
     def save_pretrained(self, path: str | Path, *, to_hf: bool = True) -> Path:
+        """Write the current parameters to `path` (a Hugging Face directory with `to_hf`)."""
         return js.save_pretrained(self.state, path, to_hf=to_hf, tokenizer=self.tokenizer)
 
     def save_information(self, path: str | Path | None = None, *, final: dict | None = None,
@@ -372,6 +379,7 @@ class BaseTrainer:
                             stop_reason=stop_reason)
 
     def finish(self) -> None:
+        """Wait for checkpoint writes, stop the data threads and the setup pool."""
         self.checkpoints.close()
         self.train_loader.close()
         self._pool.shutdown(wait=False)
