@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from util import losses, mesh, params_of, tiny, trainer
+from util import args, losses, mesh, params_of, tiny, trainer
 
 import jaxloom.models as jm
 import jaxloom.state as js
@@ -84,6 +84,14 @@ def test_time_limit_saves_and_stops(tmp_path):
     assert out.stop_reason == "training_time_limit of 3.0 s reached"
     step = int(out.state.step)
     assert 0 < step < 100000 and js.CheckpointManager(out.checkpoint_dir).latest_step() == step
+
+
+def test_profiler_trace_of_chosen_steps(tmp_path):
+    trainer(tmp_path, max_training_steps=3, profile_steps=[2, 3]).train()
+    traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0
+    with pytest.raises(ValueError, match=r"profile_steps \(3, 2\); expected \[first, last\]"):
+        args(tmp_path, profile_steps=[3, 2])
 
 
 def test_bad_setups_are_clear_errors(tmp_path):

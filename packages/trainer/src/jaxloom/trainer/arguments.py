@@ -128,6 +128,14 @@ class LoggingArgs:
     progress_bar: bool = True
     log_weight_distribution: bool = False
     peak_flops_per_device: float | None = None  # override the table used for MFU
+    profile_steps: tuple[int, ...] | None = None  # (first, last): a JAX profiler trace of these steps
+
+    def __post_init__(self):
+        if self.profile_steps is not None:
+            steps = tuple(self.profile_steps)
+            if len(steps) != 2 or not all(isinstance(s, int) and s > 0 for s in steps) or steps[0] > steps[1]:
+                raise ValueError(f"profile_steps {self.profile_steps!r}; expected [first, last] with 0 < first <= last")
+            object.__setattr__(self, "profile_steps", steps)
 
 
 @dataclasses.dataclass(frozen=True)

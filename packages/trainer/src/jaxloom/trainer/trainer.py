@@ -234,6 +234,7 @@ class BaseTrainer:
         self.writer = writer
         restore_signals = self._install_signal_handlers()
         stop_reason, window, t_log, last = "max_training_steps reached", [], time.perf_counter(), None
+        profiling = False
         tokens_per_step = a.training_batch_size * a.max_sequence_length
         flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)
         peak = peak_flops(override=a.peak_flops_per_device)
@@ -241,6 +242,9 @@ class BaseTrainer:
             while step < self.total_steps:
                 for h in self.hooks:  # steps are numbered like checkpoints: the update count after the step
                     getattr(h, "on_step_start", lambda *_: None)(self, step + 1)
+                if a.profile_steps and step + 1 == a.profile_steps[0]:
+                    jax.profiler.start_trace(str(Path(a.save_directory) / "profile"))
+                    profiling = True
                 try:
                     local = next(self.train_loader)
                 except StopIteration:
@@ -248,6 +252,12 @@ class BaseTrainer:
                     break
                 self.state, metrics = self._train_fn(self.state, self._global_batch(local))
                 step += 1
+                if profiling and step == a.profile_steps[1]:
+                    jax.block_until_ready(metrics)
+                    jax.profiler.stop_trace()
+                    profiling = False
+                    log.warning("profiler trace of steps %d-%d in %s/profile (TensorBoard's profile plugin)",
+                                *a.profile_steps, a.save_directory)
                 window.append(metrics)
                 reason = self.apply_training_hooks(step - 1, _checked(last)) if last is not None else None
                 last = metrics
@@ -283,6 +293,8 @@ class BaseTrainer:
             if last is not None and stop_reason == "max_training_steps reached":
                 self.apply_training_hooks(step, _checked(last))
         finally:
+            if profiling:
+                jax.profiler.stop_trace()
             restore_signals()
         return self._finish(step, stop_reason, writer)
 
