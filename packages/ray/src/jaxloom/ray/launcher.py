@@ -168,9 +168,9 @@ def _supervise(ray, refs, board, scaling: ScalingConfig, attempt: int, started: 
             try:
                 results[rank] = ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                errors.append(Failure(attempt, rank, "died", _first_line(e), time.time()))
+                errors.append(Failure(attempt, rank, "died", _last_line(e), time.time()))
             except ray.exceptions.RayTaskError as e:
-                errors.append(Failure(attempt, rank, "error", _first_line(e), time.time()))
+                errors.append(Failure(attempt, rank, "error", _last_line(e), time.time()))
         if errors:
             # A death is the cause; the survivors' collective errors are its echo. Let them surface briefly.
             more, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
@@ -178,7 +178,7 @@ def _supervise(ray, refs, board, scaling: ScalingConfig, attempt: int, started: 
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    errors.append(Failure(attempt, refs.index(ref), "died", _first_line(e), time.time()))
+                    errors.append(Failure(attempt, refs.index(ref), "died", _last_line(e), time.time()))
                 except ray.exceptions.RayTaskError:
                     pass
             return min(errors, key=lambda f: (f.kind != "died", f.detected_at))
@@ -213,7 +213,8 @@ def _hung_rank(beats: dict, scaling: ScalingConfig, since_start: float, running:
     return None
 
 
-def _first_line(e: BaseException) -> str:
+def _last_line(e: BaseException) -> str:
+    """The last non-empty line of a Ray error: the exception itself, after its traceback."""
     text = str(e).strip()
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return lines[-1] if lines else type(e).__name__

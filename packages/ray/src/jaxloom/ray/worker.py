@@ -83,9 +83,6 @@ class GangWorker:
             port = s.getsockname()[1]
         return f"{host}:{port}"
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def run(self, coordinator: str, fn, args: tuple, kwargs: dict) -> Any:
         import jax
 
