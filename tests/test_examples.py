@@ -1,0 +1,76 @@
+"""Every script in examples/ runs, as a user would start it (a fresh process, one CPU device), with tiny
+settings, and does what its docstring says."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run(script: str, *args: str, timeout: int = 600) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # one CPU device, as on a laptop
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**env, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def final_metrics(stdout: str) -> dict:
+    line = next(x for x in stdout.splitlines() if x.startswith("final metrics: "))
+    return json.loads(line.removeprefix("final metrics: "))
+
+
+def test_every_example_is_tested():
+    tested = set(re.findall(r'run\("(\w+\.py)"', Path(__file__).read_text()))
+    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+
+
+def test_pretrain(tmp_path):
+    out = run("pretrain.py", "--out", str(tmp_path), "--steps", "4", "--tiny")
+    metrics = final_metrics(out)
+    assert 0 < metrics["loss"] < 9 and 0 < metrics["eval_loss"] < 9
+    assert "stopped: max_training_steps reached; resumed from: None" in out
+    for name in ("report.md", "loss.png", "metrics.jsonl", "checkpoints/4"):
+        assert (tmp_path / name).exists(), name
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
+
+
+def test_sft_chat_trains_only_on_the_answers(tmp_path):
+    out = run("sft_chat.py", "--out", str(tmp_path), "--steps", "4", "--tiny")
+    total, trained = map(int, re.search(r"one record: (\d+) tokens, (\d+) of them trained on", out).groups())
+    assert 0 < trained < total / 2
+    assert final_metrics(out)["loss"] < 9
+    assert re.search(r"held-out exact match: \d\.\d\d", out)
+
+
+def test_finetune_hf_llama_round_trips_through_hf_format(tmp_path):
+    out = run("finetune_hf_llama.py", "--make-tiny-model", "--out", str(tmp_path), "--steps", "3")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "hf" / name).is_file(), name
+    change = float(re.search(r"largest weight change from the base model: (\S+)", out).group(1))
+    assert 0 < change < 0.1   # trained (moved), but from the base weights (not from scratch)
+
+
+def test_ray_two_workers(tmp_path):
+    run("ray_two_workers.py", "--out", str(tmp_path), "--tiny", "--steps", "4")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["attempts"] == 1 and summary["failures"] == []
+    ranks = summary["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["processes"] == 2 and r["step"] == 4 for r in ranks)
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]   # one model, sharded over both processes
+    assert (tmp_path / "checkpoints" / "4").is_dir()
+
+
+def test_tune_sweep(tmp_path):
+    out = run("tune_sweep.py", "--out", str(tmp_path), "--tiny", "--steps", "2")
+    losses = {int(k): float(v) for k, v in re.findall(r"trial \{'scaling_index': (\d)\}: eval_loss=(\S+)", out)}
+    assert set(losses) == {1, 2}
+    best = min(losses, key=losses.get)
+    assert f"best: {{'scaling_index': {best}}}" in out
+    assert (tmp_path / "sweep").is_dir()
+
