@@ -1,5 +1,5 @@
 """Sessions: `demo` (the main job), `tests` (each part in its own venv, then the meta-package and
-cross-package tests), `lint`.
+cross-package tests), `docs` (the site), `bench`, `lint`.
 
     python3 -m pip install nox uv && python3 -m nox -s demo
     python3 -m pip install nox uv && python3 -m nox -s tests
@@ -33,6 +33,8 @@ TARGETS = (*parts.PARTS, parts.META)
 # wheel only: a plain `torch` requirement would download a multi-GB CUDA build.
 NEEDS_TORCH = {"models", "state", "generation"}
 TORCH_WHEELS = "/opt/wheels/torch-2.13.0+cpu-*.whl"
+# The documentation site (mkdocs.yml); the meta target builds it too, so CI checks it.
+DOCS_DEPS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
 
 
 def install_parts(session: nox.Session, names: list[str], extra: str = "test") -> None:
@@ -60,7 +62,7 @@ def tests(session: nox.Session, target: str) -> None:
             session.warn(f"no local CPU torch wheel ({TORCH_WHEELS}): parity tests against transformers will skip")
     paths = [f"packages/{target}/tests"]
     if target == parts.META:
-        session.install("uv")  # the namespace tests build throwaway venvs
+        session.install("uv", "hatch", *DOCS_DEPS)  # throwaway venvs, wheel builds, the docs site
         paths.append("tests")
     paths = [p for p in paths if Path(p).is_dir()]
     if not paths:
@@ -88,6 +90,17 @@ def bench(session: nox.Session) -> None:
     CPU by default; the GPU rows run when JAX sees a GPU (install jax[cuda] into the session)."""
     install_parts(session, parts.closure("trainer"), extra="test")  # trainer's closure includes generation
     session.run("python", "tools/bench/run.py", env={"TF_CPP_MIN_LOG_LEVEL": "3", **session.env})
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs, API reference from docstrings) into site/, warnings as errors.
+    Fails first if a public name lacks a docstring or a docstring leaves out an argument."""
+    install_parts(session, [*parts.PARTS, parts.META], extra="test")
+    session.install(*DOCS_DEPS)
+    session.run("python", "tools/check_docstrings.py")
+    session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
+    session.log("site built in site/ (open site/index.html, or `mkdocs serve`)")
 
 
 @nox.session(python="3.11")
