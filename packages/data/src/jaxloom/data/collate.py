@@ -22,8 +22,9 @@ def extract_column_names(dataset: Any) -> list[str] | None:
 
 def create_collect_function(max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end",
                             pad_token_id: int = 0, padding_side: Literal["left", "right"] = "right") -> Callable:
-    """A collate function: a list of `{"input_ids": [...], ...}` → numpy arrays of fixed length,
-    truncated by `truncation_mode` and padded on `padding_side`; `attention_mask` marks real tokens."""
+    """A collate function: a list of `{"input_ids": [...], ...}` → numpy arrays of `max_sequence_length`,
+    truncated by `truncation_mode` and padded with `pad_token_id` on `padding_side`; `attention_mask`
+    marks real tokens."""
     if truncation_mode not in ("keep_end", "keep_start"):
         raise ValueError(f"truncation_mode {truncation_mode!r}; expected 'keep_end' or 'keep_start'")
 
@@ -48,7 +49,8 @@ def create_collect_function(max_sequence_length: int, truncation_mode: Literal["
 
 def process_sample_data(tokenizer, sample: str | dict, max_length: int, padding_side: str = "left",
                         text_column: str = "text") -> dict[str, np.ndarray]:
-    """One text (or record with `text_column`) → `input_ids`, `attention_mask` of shape `[max_length]`."""
+    """One `sample`, a text (or a record with `text_column`), tokenized by `tokenizer` → `input_ids`,
+    `attention_mask` of shape `[max_length]`, padded on `padding_side`."""
     text = sample[text_column] if isinstance(sample, dict) else sample
     enc = tokenizer(text, max_length=max_length, truncation=True, padding="max_length",
                     padding_side=padding_side, return_tensors="np")
@@ -57,7 +59,8 @@ def process_sample_data(tokenizer, sample: str | dict, max_length: int, padding_
 
 def process_messages_data(tokenizer, messages: list[dict], max_length: int, padding_side: str = "left",
                           add_generation_prompt: bool = True) -> dict[str, np.ndarray]:
-    """Chat messages → the chat template applied, tokenized and padded to `max_length` (flattened)."""
+    """Chat `messages` → `tokenizer`'s chat template applied (with the assistant header when
+    `add_generation_prompt`), tokenized and padded on `padding_side` to `max_length` (flattened)."""
     enc = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
                                         max_length=max_length, truncation=True, padding="max_length",
                                         padding_side=padding_side, return_dict=True, return_tensors="np")
@@ -65,7 +68,8 @@ def process_messages_data(tokenizer, messages: list[dict], max_length: int, padd
 
 
 def to_global(batch: dict[str, np.ndarray], mesh, global_batch_size: int) -> dict:
-    """This process's rows (from `DataLoader.for_mesh`) → global `jax.Array`s on the mesh's batch axes."""
+    """This process's rows of `batch` (from `DataLoader.for_mesh`) → global `jax.Array`s of
+    `global_batch_size` rows on the batch axes of `mesh`."""
     import jax
     from jax.sharding import NamedSharding
 

@@ -25,12 +25,21 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Args:
-      max_sequence_length: row length. batch_size: rows per batch of this process.
-      packing: concatenate documents into full rows (segment ids keep them apart) instead of one
-        padded row per document. truncation_mode / padding_side: for unpacked rows.
-      long_records: unpacked records longer than a row are truncated ('truncate') or an error ('raise').
-      num_epochs: stop after this many passes (None: endless; the trainer counts steps).
+    """How records become batches.
+
+    Arguments, grouped:
+
+    - `max_sequence_length`, `batch_size`: row length, and rows per batch of this process.
+    - `packing`: concatenate documents into full rows (segment ids keep them apart) instead of one
+      padded row per document.
+    - `truncation_mode`, `padding_side`: for unpacked rows.
+    - `long_records`: unpacked records longer than a row are truncated ('truncate') or an error ('raise').
+    - `text_column`, `messages_column`, `prompt_column`, `completion_column`: the record fields read for plain
+      text, chat messages, and prompt/completion pairs.
+    - `add_bos`, `add_eos`: put the tokenizer's bos/eos tokens around every document.
+    - `shuffle`, `seed`: shuffle shards and records each epoch, deterministically from `seed`.
+    - `num_epochs`: stop after this many passes (None: endless; the trainer counts steps).
+    - `prefetch`: batches prepared ahead in a background thread (0: none).
     """
 
     max_sequence_length: int = 512
@@ -66,7 +75,8 @@ START = {"epoch": 0, "shard_pos": 0, "row_pos": 0, "token_offset": 0}
 
 class DataLoader:
     """A deterministic, resumable stream of fixed-shape batches (see the module docstring).
-    `data`: anything `as_source` reads; `data_rank`/`data_ranks`: this stream's share;
+    `data`: anything `as_source` reads; `tokenizer`: a `transformers` tokenizer with a pad token;
+    `config`: a `DataConfig`; `data_rank`/`data_ranks`: this stream's share;
     `state`: a position from `state_dict()` to continue from."""
     def __init__(self, data: Any, tokenizer, config: DataConfig, *, data_rank: int = 0, data_ranks: int = 1,
                  state: dict | None = None):
@@ -91,7 +101,8 @@ class DataLoader:
 
     @classmethod
     def for_mesh(cls, data, tokenizer, config: DataConfig, mesh, global_batch_size: int, **kw) -> DataLoader:
-        """The loader for this process's rows of a global batch on `mesh` (`config.batch_size` is replaced)."""
+        """The loader of `data` for this process's rows of a global batch of `global_batch_size` on
+        `mesh` (`config.batch_size` is replaced); `tokenizer` as for `DataLoader`."""
         from jaxloom.mesh import local_batch_slice
 
         rows = local_batch_slice(mesh, global_batch_size)

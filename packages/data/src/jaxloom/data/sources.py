@@ -18,6 +18,8 @@ OnError = Literal["raise", "skip"]
 
 @runtime_checkable
 class ShardedDataSource(Protocol):
+    """What the loaders read: named shards (`shard_names`), each a list of records (`read_shard`)."""
+
     @property
     def shard_names(self) -> Sequence[str]: ...
 
@@ -42,8 +44,8 @@ def _paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
 
 
 class JsonlSource:
-    """One shard per `.jsonl` file. A malformed line is an error naming file and line, or is skipped
-    with a warning (`on_error="skip"`)."""
+    """One shard per `.jsonl` file in `paths` (a path, a glob or a list). A malformed line is an error
+    naming file and line, or is skipped with a warning (`on_error="skip"`)."""
 
     def __init__(self, paths, on_error: OnError = "raise"):
         self.files = _paths(paths)
@@ -75,7 +77,8 @@ class JsonlSource:
 
 
 class TextSource:
-    """Plain text files: one record `{"text": ...}` per non-empty line, or per file (`per_file=True`)."""
+    """Plain text files in `paths`: one record `{"text": ...}` per non-empty line, or per file
+    (`per_file=True`)."""
 
     def __init__(self, paths, per_file: bool = False):
         self.files, self.per_file = _paths(paths), per_file
@@ -93,7 +96,7 @@ class TextSource:
 
 
 class ParquetSource:
-    """One shard per Parquet file (read with pyarrow)."""
+    """One shard per Parquet file in `paths` (a path, a glob or a list), read with pyarrow."""
 
     def __init__(self, paths):
         self.files = _paths(paths)
@@ -110,8 +113,8 @@ class ParquetSource:
 
 
 class HFDatasetSource:
-    """A `datasets.Dataset` split into `num_shards` contiguous shards, or an `IterableDataset` (its own
-    shards when it has several, else one)."""
+    """`dataset`, a `datasets.Dataset`, split into `num_shards` contiguous shards, or an `IterableDataset`
+    (its own shards when it has several, else one)."""
 
     def __init__(self, dataset, num_shards: int = 8):
         self.dataset = dataset
@@ -134,7 +137,8 @@ class HFDatasetSource:
 
 
 class IterableSource:
-    """Records from Python: a list, or a callable returning an iterable (one shard)."""
+    """`records` from Python: a list, or a callable returning an iterable, split contiguously into
+    `num_shards` shards."""
 
     def __init__(self, records: Iterable[dict] | Callable[[], Iterable[dict]], num_shards: int = 1):
         self.records = records
@@ -152,7 +156,8 @@ class IterableSource:
 
 
 def as_source(data: Any, **kwargs: Any) -> ShardedDataSource:
-    """A source for whatever is given: a source, an HF dataset, a path (by suffix), or records."""
+    """A source for `data`, whatever it is: a source, an HF dataset, a path (by suffix), or records;
+    `kwargs` go to the source's constructor."""
     if isinstance(data, ShardedDataSource):
         return data
     if hasattr(data, "features") or type(data).__name__ in ("Dataset", "IterableDataset"):

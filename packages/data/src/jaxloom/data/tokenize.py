@@ -13,7 +13,8 @@ def column_error(record: dict, config) -> ValueError:
 
 
 def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray, np.ndarray]:
-    """`(ids, loss_mask)` for one record; `loss_mask[t] = 1` when token t is a training target.
+    """`(ids, loss_mask)` for one record, by `tokenizer` under `config` (a `DataConfig`: columns, bos/eos);
+    `loss_mask[t] = 1` when token t is a training target.
     Text: every token. Prompt/completion: the completion (and eos). Messages: assistant turns."""
     bos = [tokenizer.bos_token_id] if config.add_bos and tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if config.add_eos and tokenizer.eos_token_id is not None else []

@@ -4,7 +4,7 @@ from .__about__ import __version__
 from .config import GenerationConfig
 from .decode import Generated, create_generate_function, generate, naive_greedy
 from .sampling import filter_logits, next_token
-from .stream import stream
+from .streaming import stream
 from .unified import GenerationResults, generate_aio, generate_unified
 
 __all__ = [

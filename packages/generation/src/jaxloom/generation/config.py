@@ -8,6 +8,18 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
+    """How to decode.
+
+    Arguments, grouped:
+
+    - `max_new_tokens`: tokens generated after the prompt.
+    - `do_sample`, `temperature`: sample (with `temperature`) instead of the argmax; temperature 0 is greedy.
+    - `top_k`, `top_p`: keep only the k most likely tokens / the smallest set with probability >= p.
+    - `eos_token_id`: one id or several; a sequence stops after it (None: never).
+    - `pad_token_id`: written after a sequence stops.
+    - `seed`: the sampling RNG's seed.
+    """
+
     max_new_tokens: int = 32
     do_sample: bool = False          # False: greedy
     temperature: float = 1.0         # 0 also means greedy
@@ -44,7 +56,8 @@ class GenerationConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, **overrides: Any) -> GenerationConfig:
-        """From a `transformers.GenerationConfig` (or any object with those attribute names)."""
+        """From `hf_config`, a `transformers.GenerationConfig` (or any object with those attribute names);
+        `overrides` win."""
         names = [f.name for f in dataclasses.fields(cls)]
         values = {n: getattr(hf_config, n) for n in names if getattr(hf_config, n, None) is not None}
         return cls(**{**values, **overrides})

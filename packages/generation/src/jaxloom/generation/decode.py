@@ -18,6 +18,9 @@ from .sampling import next_token
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Generated:
+    """What `generate` returns: `sequences [B, P + N]` (the left-padded prompt, then the completion),
+    `completion_ids [B, N]` right-padded after EOS, and `completion_mask` (1 for generated tokens)."""
+
     sequences: jax.Array        # [B, P + N]: the (left-padded) prompt then the completion
     completion_ids: jax.Array   # [B, N], right-padded with pad_token_id after EOS
     completion_mask: jax.Array  # [B, N], 1 for generated tokens (EOS included)
@@ -89,8 +92,10 @@ def _compiled(graphdef, config: GenerationConfig):
 
 def generate(model: nnx.Module, input_ids, attention_mask=None, config: GenerationConfig | None = None, *,
              mesh=None) -> Generated:
-    """Decode `config.max_new_tokens` tokens after left-padded prompts `input_ids [B, P]`.
-    One jitted function per (model structure, config, prompt bucket); prompts are padded to the bucket."""
+    """Decode `config.max_new_tokens` tokens after left-padded prompts `input_ids [B, P]` (with
+    `attention_mask`, 0 on padding; default all ones). With `mesh`, the batch is sharded over its data
+    axes. One jitted function per (model structure, config, prompt bucket); prompts are padded to the
+    bucket."""
     config = config or GenerationConfig()
     ids = np.asarray(input_ids, np.int32)
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
@@ -117,7 +122,8 @@ def generate(model: nnx.Module, input_ids, attention_mask=None, config: Generati
 
 
 def naive_greedy(model: nnx.Module, input_ids, attention_mask, max_new_tokens: int) -> np.ndarray:
-    """Reference: recompute the full forward for every new token and take the argmax. Slow; for tests."""
+    """Reference: `model` recomputes the full forward over `input_ids` (+ `attention_mask`) for each of
+    `max_new_tokens` new tokens and takes the argmax. Slow; for tests."""
     ids = np.asarray(input_ids, np.int32)
     mask = np.asarray(attention_mask, np.int32)
     new = []
@@ -133,7 +139,8 @@ def naive_greedy(model: nnx.Module, input_ids, attention_mask, max_new_tokens: i
 def create_generate_function(generation_config: GenerationConfig | None = None, *, shard_inputs: bool = True,
                              config_overrides: dict[str, Any] | None = None, mesh=None):
     """EasyDeL's `create_generate_function`: `fn(state_or_model, input_ids, attention_mask)` →
-    `(sequences, completion_ids, completion_mask)`."""
+    `(sequences, completion_ids, completion_mask)`, decoding with `generation_config` (updated by
+    `config_overrides`). With `shard_inputs`, inputs are placed on `mesh`'s batch axes."""
     config = (generation_config or GenerationConfig()).replace(**(config_overrides or {}))
 
     def fn(state_or_model, input_ids, attention_mask):

@@ -9,7 +9,8 @@ from .config import GenerationConfig
 
 
 def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
-    """Set logits outside the top-k and outside the smallest set with probability >= top_p to -inf."""
+    """Set `logits` outside the `top_k` most likely and outside the smallest set with probability >=
+    `top_p` to -inf (None disables either)."""
     neg = jnp.finfo(logits.dtype).min
     if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
@@ -26,7 +27,7 @@ def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> 
 
 
 def next_token(logits: jax.Array, rng: jax.Array, config: GenerationConfig) -> jax.Array:
-    """`logits [B, V]` → token ids `[B]`."""
+    """`logits [B, V]` → token ids `[B]`: greedy, or sampled with `rng` as `config` says."""
     logits = logits.astype(jnp.float32)
     if config.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -13,6 +13,10 @@ from .decode import generate
 
 @dataclasses.dataclass
 class GenerationResults:
+    """What `generate_unified` returns: decoded completions (`generation_results`), the left-padded
+    `prompt_ids`/`prompt_mask`, the full `sequences`, right-padded `completion_ids`/`completion_mask`,
+    and the decoded prompts without (`decoded_prompts`) and with (`completion_prompts`) their completions."""
+
     generation_results: list[str]      # decoded completions
     prompt_ids: np.ndarray             # [B, P] left-padded
     prompt_mask: np.ndarray            # [B, P]
@@ -26,8 +30,9 @@ class GenerationResults:
 def generate_unified(model, tokenizer=None, input_ids=None, attention_mask=None, prompts=None, *,
                      apply_chat_template: bool = False, generation_config: GenerationConfig | None = None,
                      mesh=None, **overrides: Any) -> GenerationResults:
-    """Generate from `input_ids` (+ `attention_mask`) or from `prompts` (text, or chat message lists
-    with `apply_chat_template=True`, through the tokenizer's template)."""
+    """Generate with `model` from `input_ids` (+ `attention_mask`) or from `prompts` (text, or chat
+    message lists with `apply_chat_template=True`, through the tokenizer's template), decoding with
+    `generation_config` updated by `overrides`, on `mesh` if given."""
     if (input_ids is None) == (prompts is None):
         raise ValueError("give exactly one of input_ids or prompts")
     config = (generation_config or GenerationConfig()).replace(**overrides)
@@ -71,7 +76,9 @@ def generate_unified(model, tokenizer=None, input_ids=None, attention_mask=None,
 
 def generate_aio(model, input_ids, attention_mask=None, *, generation_config: GenerationConfig | None = None,
                  mesh=None, **overrides: Any):
-    """EasyDeL's `generate_aio`: ids in, `(sequences, completion_ids, completion_mask)` out."""
+    """EasyDeL's `generate_aio`: `model` decodes after `input_ids` (+ `attention_mask`) with
+    `generation_config` updated by `overrides`, on `mesh` if given; returns `(sequences, completion_ids,
+    completion_mask)`."""
     config = (generation_config or GenerationConfig()).replace(**overrides)
     out = generate(model, input_ids, attention_mask, config, mesh=mesh)
     return out.sequences, out.completion_ids, out.completion_mask

@@ -22,6 +22,7 @@ LOGICAL_NAMES: tuple[str, ...] = (
     "batch", "length", "query_length", "key_length", "embed", "heads", "kv_heads", "head_dim",
     "kv_head_dim", "mlp", "vocab", "expert", "expert_gate", "bias_heads", "bias_key_length", "norm",
 )
+"""The logical dimension names models use; `PartitionAxis.rules` maps each to mesh axes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,24 @@ class PartitionAxis:
     """Logical role → mesh axis (or tuple of axes, or None for replicated).
 
     Field names and defaults follow EasyDeL's `PartitionAxis`, so configs written for it load here.
+    Each field is a mesh axis name, a tuple of them, or None (replicated).
+
+    Arguments, grouped:
+
+    - `data_parallel_axis`, `fully_sharded_data_parallel_axis`, `tensor_parallel_axis`,
+      `sequence_parallel_axis`, `expert_parallel_axis`: the mesh's axis for each kind of parallelism.
+    - `batch_axis`, `sequence_axis`, `query_sequence_axis`, `key_sequence_axis`: activations' batch and
+      sequence dimensions (training and prefill).
+    - `head_axis`, `kv_head_axis`, `attention_dim_axis`, `attention_kv_dim_axis`: attention heads and
+      their per-head dimension, for queries and for keys/values.
+    - `hidden_state_axis`: the model dimension of activations (parameters use
+      `fully_sharded_data_parallel_axis` for it).
+    - `mlp_intermediate_axis`, `vocab_axis`, `expert_axis`, `expert_gate_axis`: MLP width, vocabulary,
+      experts and the router's expert dimension.
+    - `bias_head_sequence_axis`, `bias_key_sequence_axis`: attention-bias dimensions.
+    - `decode_batch_axis`, `decode_query_sequence_axis`, `decode_head_axis`, `decode_kv_head_axis`,
+      `decode_key_sequence_axis`, `decode_attention_dim_axis`, `decode_attention_kv_dim_axis`: the same
+      roles while decoding with a KV cache.
     """
 
     data_parallel_axis: AxisSpec = "dp"
@@ -71,6 +90,7 @@ class PartitionAxis:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PartitionAxis:
+        """Inverse of `to_dict`: `data` maps field names to axes; unknown fields are an error."""
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
@@ -83,11 +103,13 @@ class PartitionAxis:
 
     @classmethod
     def from_json(cls, text: str) -> PartitionAxis:
+        """Inverse of `to_json`: `text` is a JSON object of fields."""
         return cls.from_dict(json.loads(text))
 
     # ---- logical names → mesh axes --------------------------------------------------------------
     def rules(self, kind: Kind = "activation") -> dict[str, AxisSpec]:
-        """The mapping from every logical name to mesh axes, for parameters, activations or decoding."""
+        """The mapping from every logical name to mesh axes; `kind` is `"param"`, `"activation"` or
+        `"decode"`."""
         if kind == "param":
             # Parameters: the model dimension over fsdp (ZeRO-3 style), the parallel dims over tp/ep.
             return {
@@ -116,7 +138,8 @@ class PartitionAxis:
         }
 
     def spec(self, names: Sequence[str | None], kind: Kind = "activation", mesh=None) -> PartitionSpec:
-        """`PartitionSpec` for a tensor whose dims carry these logical names (None = replicated).
+        """`PartitionSpec` for a tensor whose dims carry these logical `names` (None = replicated), with
+        the table for `kind` (`"param"`, `"activation"` or `"decode"`).
 
         With `mesh`, mesh axes the mesh lacks are dropped, and a mesh axis already used by an earlier
         dim is not used twice (a dim gets it only once), so one `PartitionAxis` serves every mesh.

@@ -8,21 +8,24 @@ from collections.abc import Sequence
 from jax.sharding import NamedSharding, PartitionSpec
 
 DATA_AXES: tuple[str, ...] = ("dp", "fsdp")
+"""The mesh axes a batch is split over (data parallel and fully sharded data parallel)."""
 
 
 def data_parallel_size(mesh, data_axes: Sequence[str] = DATA_AXES) -> int:
-    """How many distinct slices the batch is split into: the product of the data axes present."""
+    """How many distinct slices the batch is split into: the product of the sizes of the `data_axes`
+    present in `mesh`."""
     return math.prod(mesh.shape[a] for a in data_axes if a in mesh.shape)
 
 
 def batch_spec(mesh, data_axes: Sequence[str] = DATA_AXES) -> PartitionSpec:
-    """The spec that splits a batch's leading dim over the data axes present in `mesh`."""
+    """The spec that splits a batch's leading dim over the `data_axes` present in `mesh`."""
     axes = tuple(a for a in data_axes if a in mesh.shape)
     return PartitionSpec(axes if axes else None)
 
 
 def local_batch_slice(mesh, global_batch_size: int, data_axes: Sequence[str] = DATA_AXES) -> slice:
-    """The rows of a global batch that this process's devices hold: what it must load itself.
+    """The rows of a global batch of `global_batch_size` that this process's devices hold under `mesh`
+    (split over `data_axes`): what it must load itself.
 
     Raises if the batch does not divide over the data axes, or this process's rows are not contiguous.
     """
@@ -43,8 +46,9 @@ def local_batch_slice(mesh, global_batch_size: int, data_axes: Sequence[str] = D
 
 def get_local_global_micro_batch_size(per_device_batch_size: int, mesh,
                                       data_axes: Sequence[str] = DATA_AXES) -> tuple[int, int]:
-    """`(local, global)` micro-batch sizes: `global = per_device × data-parallel size`; `local` is the
-    part this process loads (fewer than `per_device × local devices` when model axes span devices)."""
+    """`(local, global)` micro-batch sizes: `global = per_device_batch_size × data-parallel size` (the
+    `data_axes` of `mesh`); `local` is the part this process loads (fewer than `per_device × local
+    devices` when model axes span devices)."""
     if per_device_batch_size <= 0:
         raise ValueError(f"per_device_batch_size must be positive, got {per_device_batch_size}")
     global_size = per_device_batch_size * data_parallel_size(mesh, data_axes)
@@ -54,7 +58,8 @@ def get_local_global_micro_batch_size(per_device_batch_size: int, mesh,
 
 def get_accumulate_grad_batches(global_batch_size: int, per_device_batch_size: int, mesh,
                                 data_axes: Sequence[str] = DATA_AXES) -> int:
-    """How many micro-batches make one optimizer step of `global_batch_size` examples."""
+    """How many micro-batches of `per_device_batch_size` per data-parallel slice of `mesh` (over
+    `data_axes`) make one optimizer step of `global_batch_size` examples."""
     _, micro = get_local_global_micro_batch_size(per_device_batch_size, mesh, data_axes)
     if global_batch_size <= 0 or global_batch_size % micro:
         raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of the global "

@@ -22,7 +22,8 @@ def _check_dims(dims: tuple[int, ...], what: str) -> None:
 def resolve_dims(dims: Sequence[int], total: int, *, what: str = "axis_dims") -> tuple[int, ...]:
     """Replace the one `-1` in `dims` so that their product is `total`; check the rest.
 
-    Raises ValueError naming the dims and the count when that is impossible.
+    Raises ValueError naming the dims and the count when that is impossible; `what` names the dims
+    in that message.
     """
     dims = tuple(int(d) for d in dims)
     _check_dims(dims, what)
@@ -72,7 +73,8 @@ class MeshConfig:
 
     @classmethod
     def from_axes(cls, axis_names: Sequence[str] = DEFAULT_AXIS_NAMES, **dims: int) -> MeshConfig:
-        """`MeshConfig.from_axes(fsdp=4, tp=2)`: the named axes get those sizes, the others 1."""
+        """`MeshConfig.from_axes(fsdp=4, tp=2)`: the named axes get those sizes, the others 1.
+        `axis_names` lists every axis of the mesh (default `("dp", "fsdp", "ep", "tp", "sp")`)."""
         unknown = sorted(set(dims) - set(axis_names))
         if unknown:
             raise ValueError(f"unknown mesh axis {unknown}; expected some of {tuple(axis_names)}")
@@ -80,7 +82,7 @@ class MeshConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MeshConfig:
-        """Inverse of `to_dict`; unknown keys are an error."""
+        """Inverse of `to_dict`: `data` holds the fields by name; unknown keys are an error."""
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
@@ -93,7 +95,8 @@ class MeshConfig:
                 "dcn_axis_dims": None if self.dcn_axis_dims is None else list(self.dcn_axis_dims)}
 
     def resolve(self, num_devices: int, num_granules: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The concrete `(ici_dims, dcn_dims)` for this many devices split over this many granules."""
+        """The concrete `(ici_dims, dcn_dims)` for `num_devices` devices split over `num_granules`
+        granules (processes or slices)."""
         if num_devices % num_granules:
             raise ValueError(f"{num_devices} devices do not split evenly over {num_granules} granules")
         if self.dcn_axis_dims is None or num_granules == 1:
@@ -104,7 +107,8 @@ class MeshConfig:
         return ici, dcn
 
     def shape(self, num_devices: int, num_granules: int = 1) -> dict[str, int]:
-        """Total size of every axis for this many devices, e.g. `{'dp': 1, 'fsdp': 8, ...}`."""
+        """Total size of every axis for `num_devices` devices over `num_granules` granules, e.g.
+        `{'dp': 1, 'fsdp': 8, ...}`."""
         ici, dcn = self.resolve(num_devices, num_granules)
         return {n: i * d for n, i, d in zip(self.axis_names, ici, dcn, strict=True)}
 

@@ -20,6 +20,14 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
     (Ray): a hung peer is only noticed by the heartbeat. Must be called before any device query.
     `coordinator_bind_address` ('host:port'): where process 0's coordination service listens; JAX's
     default is every interface.
+
+    Arguments, grouped:
+
+    - `coordinator_address`: 'host:port' of process 0's coordination service (None: from the environment
+      or the cluster, as `jax.distributed.initialize` finds it).
+    - `num_processes`, `process_id`: the group's size and this process's rank.
+    - `local_device_ids`: the devices this process uses (None: all it sees).
+    - `initialization_timeout`: seconds to wait for every process to join.
     """
     import jax
 

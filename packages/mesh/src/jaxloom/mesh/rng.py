@@ -42,6 +42,7 @@ class RngStream:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> RngStream:
+        """Inverse of `state_dict`: `state` is `{'seed': int, 'count': int}`."""
         unknown = sorted(set(state) - {"seed", "count"})
         if unknown or "seed" not in state:
             raise ValueError(f"RngStream state {state!r}; expected keys 'seed' and 'count'")

@@ -31,7 +31,7 @@ def is_spec(x: Any) -> bool:
 
 
 def named_leaves(tree: Any, is_leaf=None) -> list[tuple[str, Any]]:
-    """`[(path, leaf), ...]` in tree-flatten order."""
+    """`[(path, leaf), ...]` of `tree` in tree-flatten order; `is_leaf` as in `jax.tree_util`."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return [(path_str(p), leaf) for p, leaf in flat]
 
@@ -68,8 +68,8 @@ def _axis_size(mesh_shape: Mapping[str, int], axes: Any, where: str) -> int:
 
 
 def validate_specs(specs: Any, tree: Any, mesh) -> None:
-    """Check that every spec fits its leaf's shape on `mesh`; the error names the parameter, its shape,
-    the spec and the mesh."""
+    """Check that every spec in `specs` fits its leaf's shape in `tree` on `mesh`; the error names the
+    parameter, its shape, the spec and the mesh."""
     shape_of = dict(named_leaves(tree))
     for name, spec in named_leaves(specs, is_leaf=is_spec):
         shape = tuple(getattr(shape_of.get(name), "shape", ()))
@@ -86,7 +86,8 @@ def validate_specs(specs: Any, tree: Any, mesh) -> None:
 def auto_partition_rules(tree: Any, mesh, axes: Iterable[str | tuple[str, ...]] = ("tp",)) -> list:
     """Rules from shapes alone (RedCo's `get_sharding_rules`): for each axis group in `axes`, shard the
     largest dimension (not already sharded) that its size divides; replicate where none divides.
-    Returns exact-path rules ending with a catch-all, so they can be stored, printed and edited."""
+    Returns exact-path rules ending with a catch-all, so they can be stored, printed and edited.
+    `tree`: parameters or their shapes; `mesh`: gives each axis group's size."""
     groups = [(g, _axis_size(mesh.shape, g, "auto_partition_rules")) for g in axes]
     rules = []
     for name, leaf in named_leaves(tree):

@@ -12,12 +12,14 @@ from .rules import is_spec, validate_specs
 
 
 def specs_to_named_sharding(specs: Any, mesh) -> Any:
-    """Tree of `PartitionSpec` → tree of `NamedSharding` on `mesh` (EasyDeL's `specs_to_name_sharding`)."""
+    """`specs`, a tree of `PartitionSpec` → a tree of `NamedSharding` on `mesh` (EasyDeL's
+    `specs_to_name_sharding`)."""
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
 
 def shard(tree: Any, specs: Any, mesh) -> Any:
-    """Place every leaf of `tree` on `mesh` with its spec. Works with many processes: host values must
+    """Place every leaf of `tree` on `mesh` with its spec from `specs` (a tree of `PartitionSpec`).
+    Works with many processes: host values must
     be the same on every process, and each process only copies the shards its devices hold. Specs
     are checked against shapes first, so a bad spec is a clear error instead of an XLA one."""
     validate_specs(specs, tree, mesh)
@@ -35,7 +37,7 @@ def _place(x: Any, sharding: NamedSharding) -> jax.Array:
 
 
 def gather(tree: Any) -> Any:
-    """Every leaf as a full host `numpy` array, on every process (all-gathers what is not local)."""
+    """Every leaf of `tree` as a full host `numpy` array, on every process (all-gathers what is not local)."""
     from jax.experimental import multihost_utils
 
     def get(x):

@@ -14,7 +14,15 @@ from .runtime import RuntimeConfig
 def make_attention_mask(segment_ids: jax.Array, q_positions: jax.Array, k_positions: jax.Array,
                    sliding_window: int | None = None, kv_segment_ids: jax.Array | None = None) -> jax.Array:
     """Boolean `[B, T, S]`: query t may see key s iff same segment (segment 0 = padding, sees nothing),
-    s is not after t, and (with a window) t - s < window. Positions order tokens inside a segment."""
+    s is not after t, and (with a window) t - s < window. Positions order tokens inside a segment.
+
+    Arguments, grouped:
+
+    - `segment_ids`: `[B, T]` document ids of the queries (and of the keys, unless `kv_segment_ids`).
+    - `q_positions`, `k_positions`: `[B, T]` and `[B, S]` positions of queries and keys.
+    - `sliding_window`: the window in tokens, or None.
+    - `kv_segment_ids`: `[B, S]` document ids of the keys when they differ from the queries' (KV cache).
+    """
     kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
     same = (segment_ids[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
     causal = k_positions[:, None, :] <= q_positions[:, :, None]

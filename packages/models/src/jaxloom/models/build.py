@@ -39,13 +39,15 @@ def _variable_shardings(state: Any, runtime: RuntimeConfig, mesh) -> Any:
 
 def param_specs(model: nnx.Module, mesh=None, runtime: RuntimeConfig | None = None) -> dict:
     """`PartitionSpec` of every parameter of `model` (abstract or not), as a plain nested dict shaped like
-    `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (and like `TrainState.params`)."""
+    `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (and like `TrainState.params`). With `mesh`, axes
+    it lacks are dropped; `runtime` (its `PartitionAxis`) defaults to the model's."""
     runtime = runtime or model.runtime
     return nnx.to_pure_dict(variable_specs(nnx.state(model, nnx.Param), runtime, mesh))
 
 
 def param_shardings(model: nnx.Module, mesh, runtime: RuntimeConfig | None = None) -> dict:
-    """Like `param_specs`, as `NamedSharding`s on `mesh`; checks that every shape divides."""
+    """Like `param_specs`, as `NamedSharding`s of `model`'s parameters on `mesh`; checks that every shape
+    divides. `runtime` defaults to the model's."""
     runtime = runtime or model.runtime
     return nnx.to_pure_dict(_variable_shardings(nnx.state(model, nnx.Param), runtime, mesh))
 
@@ -54,7 +56,8 @@ def create_model(config: LlamaConfig, runtime: RuntimeConfig | None = None, *, s
                  lazy: bool = False, model_class: type | None = None, task: TaskType = TaskType.CAUSAL_LM):
     """A model for `config`. `lazy=True`: abstract (ShapeDtypeStructs, no memory). With `mesh`: every
     parameter is created directly on its shard (never whole on one device). Same values for the same
-    seed whatever the mesh."""
+    seed whatever the mesh. `runtime`: dtypes, attention and remat (default `RuntimeConfig()`);
+    `model_class` overrides the class the registry picks for `config.model_type` and `task`."""
     runtime = runtime or RuntimeConfig()
     cls = model_class or get_model_class(config.model_type, task)
 
@@ -72,13 +75,14 @@ def create_model(config: LlamaConfig, runtime: RuntimeConfig | None = None, *, s
 
 
 def count_params(model_or_state: Any) -> int:
-    """Number of parameters (`nnx.Param` only) of a model, abstract or not, or of a state."""
+    """Number of parameters (`nnx.Param` only) of `model_or_state`: a model, abstract or not, or a state."""
     state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(state)))
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int, *, training: bool = True) -> float:
-    """Model FLOPs per token (PaLM appendix B): `2·N_active + 2·L·T·H_q·d_head` for a forward pass with
+    """Model FLOPs per token of `config` at sequence length `seq_len` (PaLM appendix B):
+    `2·N_active + 2·L·T·H_q·d_head` for a forward pass with
     causal attention counted whole, tripled for training (forward + backward). Embedding lookups
     are excluded, the output projection included."""
     d, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers

@@ -33,7 +33,24 @@ class FrozenDict(dict):
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Llama architecture. Field names are those of `transformers.LlamaConfig`."""
+    """Llama architecture. Field names and meanings are those of `transformers.LlamaConfig`.
+
+    Arguments, grouped:
+
+    - `vocab_size`, `hidden_size`, `intermediate_size`, `num_hidden_layers`: vocabulary, model width, MLP width
+      and depth.
+    - `num_attention_heads`, `num_key_value_heads`, `head_dim`: query heads, key/value heads (grouped-query
+      attention; None: as many as query heads) and per-head width (None: hidden_size / heads).
+    - `hidden_act`: the MLP activation (`silu`, `gelu`, ...).
+    - `max_position_embeddings`: the longest sequence; RoPE tables and KV caches are sized from it.
+    - `initializer_range`: standard deviation of the normal initialiser.
+    - `rms_norm_eps`: RMSNorm epsilon.
+    - `rope_theta`, `rope_scaling`: RoPE base and scaling (`{"rope_type": "llama3" | "linear" | ...}`).
+    - `tie_word_embeddings`: the output projection reuses the input embedding.
+    - `attention_bias`, `mlp_bias`: biases on the attention and MLP projections.
+    - `sliding_window`: attend only to this many previous tokens (None: all).
+    - `bos_token_id`, `eos_token_id`, `pad_token_id`: special tokens, kept for export and generation.
+    """
 
     model_type: ClassVar[str] = "llama"
 
@@ -99,7 +116,7 @@ class LlamaConfig:
     # ---- Hugging Face config.json ------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, data: Mapping[str, Any]):
-        """From a `config.json` dict (transformers 4 or 5 layout). Unknown keys are an error."""
+        """From `data`, a `config.json` dict (transformers 4 or 5 layout). Unknown keys are an error."""
         data = dict(data)
         rope = data.pop("rope_parameters", None)
         if rope:  # transformers 5: theta and scaling live together
@@ -118,6 +135,7 @@ class LlamaConfig:
 
     @classmethod
     def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Family-specific fix-ups of `data` (a `config.json` dict) before it is read; none for Llama."""
         return data
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -134,6 +152,7 @@ class LlamaConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path):
+        """Read `path`: a model directory's `config.json`, or the file itself."""
         file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"no config.json at {file}")
@@ -149,7 +168,8 @@ class LlamaConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MistralConfig(LlamaConfig):
-    """Mistral: Llama with sliding-window attention."""
+    """Mistral: Llama with sliding-window attention (`sliding_window`, default 4096); the other fields
+    are `LlamaConfig`'s."""
 
     model_type: ClassVar[str] = "mistral"
     sliding_window: int | None = 4096
@@ -157,7 +177,7 @@ class MistralConfig(LlamaConfig):
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config(LlamaConfig):
-    """Qwen2: Llama with biases on q, k and v (not o)."""
+    """Qwen2: Llama with biases on q, k and v (not o); the fields are `LlamaConfig`'s."""
 
     model_type: ClassVar[str] = "qwen2"
     attention_bias: bool = True
@@ -168,6 +188,7 @@ class Qwen2Config(LlamaConfig):
 
     @classmethod
     def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Qwen2's `config.json` (`data`) keeps a window size even when `use_sliding_window` is false."""
         if not data.get("use_sliding_window", False):
             data["sliding_window"] = None
         data.setdefault("attention_bias", True)
@@ -176,7 +197,9 @@ class Qwen2Config(LlamaConfig):
 
 @dataclasses.dataclass(frozen=True)
 class MixtralConfig(LlamaConfig):
-    """Mixtral: sparse MoE feed-forward (top-k routing over `num_local_experts`)."""
+    """Mixtral: sparse MoE feed-forward, top-k routing over `num_local_experts` experts with
+    `num_experts_per_tok` chosen per token and a load-balancing loss weighted by `router_aux_loss_coef`;
+    the other fields are `LlamaConfig`'s."""
 
     model_type: ClassVar[str] = "mixtral"
     num_local_experts: int = 8
@@ -198,6 +221,7 @@ class MixtralConfig(LlamaConfig):
 CONFIG_CLASSES: dict[str, type[LlamaConfig]] = {
     c.model_type: c for c in (LlamaConfig, MistralConfig, Qwen2Config, MixtralConfig)
 }
+"""`model_type` (as in `config.json`) → its config class."""
 
 
 def config_from_hf_dict(data: Mapping[str, Any]) -> LlamaConfig:

@@ -63,7 +63,8 @@ def _open_checkpoint(path: Path) -> dict[str, np.ndarray]:
 
 def from_pretrained(path: str | Path, runtime: RuntimeConfig | None = None, *, mesh=None,
                     task: TaskType = TaskType.CAUSAL_LM, config_overrides: dict[str, Any] | None = None):
-    """Read an HF model directory (`config.json` + safetensors, sharded or not) into a model. With
+    """Read `path`, an HF model directory (`config.json` + safetensors, sharded or not), into a model for
+    `task`; `config_overrides` replace fields of its config (e.g. a longer `max_position_embeddings`). With
     `mesh`, each process reads only the slices its devices hold, placed directly on their shards.
     Weights are cast to `runtime.param_dtype`. Missing or unexpected weights are an error naming them."""
     path = Path(path)
@@ -134,7 +135,7 @@ class _Stacked:
 
 
 def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
-    """Our parameters under HF names and layouts, as host numpy arrays (gathered across processes)."""
+    """`model`'s parameters under HF names and layouts, as host numpy arrays (gathered across processes)."""
     from jaxloom.mesh import gather
 
     config = model.config
@@ -154,8 +155,9 @@ def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
 
 def save_hf_model(model: nnx.Module, path: str | Path, *, max_shard_bytes: int = 5 * 2**30,
                     dtype: Any = None) -> Path:
-    """Write `config.json` and `model.safetensors` (sharded with an index past `max_shard_bytes`),
-    loadable by `transformers` and by `from_pretrained`. Only process 0 writes."""
+    """Write `model`'s `config.json` and `model.safetensors` (sharded with an index past
+    `max_shard_bytes`) into directory `path`, cast to `dtype` if given, loadable by `transformers` and
+    by `from_pretrained`. Only process 0 writes."""
     path = Path(path)
     tensors = to_hf_state_dict(model)
     if dtype is not None:

@@ -25,6 +25,9 @@ REMAT_POLICIES = {
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class CausalLMOutput:
+    """What a causal LM returns: `logits [B, T, V]`, the MoE `aux_loss` (None for dense models) and the
+    updated KV `cache` when called with one."""
+
     logits: jax.Array                # [B, T, V]
     aux_loss: jax.Array | None = None  # MoE load-balancing loss (unscaled), None for dense models
     cache: list | None = None          # per layer (k, v) `[B, S, KV, H]` when called with a cache
@@ -134,14 +137,20 @@ class CausalLM(nnx.Module):
 
 @register("llama", TaskType.CAUSAL_LM)
 class LlamaForCausalLM(CausalLM):
+    """Llama for causal language modelling (`LlamaForCausalLM(config, runtime, rngs=nnx.Rngs(0))`)."""
+
     config_class = LlamaConfig
 
 
 @register("mistral", TaskType.CAUSAL_LM)
 class MistralForCausalLM(CausalLM):
+    """Mistral for causal language modelling; built like `LlamaForCausalLM`."""
+
     config_class = MistralConfig
 
 
 @register("qwen2", TaskType.CAUSAL_LM)
 class Qwen2ForCausalLM(CausalLM):
+    """Qwen2 for causal language modelling; built like `LlamaForCausalLM`."""
+
     config_class = Qwen2Config

@@ -57,5 +57,8 @@ class SparseMoE(nnx.Module):
 
 @register("mixtral", TaskType.CAUSAL_LM)
 class MixtralForCausalLM(CausalLM):
+    """Mixtral (sparse mixture of experts) for causal language modelling; built like `LlamaForCausalLM`;
+    its output carries the router's `aux_loss`."""
+
     config_class = MixtralConfig
     mlp_factory = SparseMoE

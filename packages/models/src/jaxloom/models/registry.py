@@ -6,6 +6,8 @@ import enum
 
 
 class TaskType(str, enum.Enum):
+    """What a model class is for (EasyDeL's names); the registry maps (model_type, task) to a class."""
+
     CAUSAL_LM = "causal-language-model"
     SEQUENCE_CLASSIFICATION = "sequence-classification"
     BASE_MODULE = "base-module"

@@ -15,7 +15,8 @@ LOOPBACK = "127.0.0.1"
 def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpus: int | None = None,
              include_dashboard: bool = False, namespace: str | None = "jaxloom", **kwargs: Any) -> dict:
     """Start a local Ray cluster bound to 127.0.0.1 (no address) or connect to an existing one
-    (`address="ray://host:10001"` or `"auto"`). Returns `ray.init`'s context as a dict.
+    (`address="ray://host:10001"` or `"auto"`). Returns `ray.init`'s context as a dict. A new local
+    cluster gets `num_cpus`/`num_gpus` (None: what the machine has); actors live in `namespace`.
 
     Locally, Ray would otherwise bind its gRPC ports on every interface: this sets
     `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` for the processes it starts (measured on Ray 2.60: with it,

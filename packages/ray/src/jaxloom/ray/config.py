@@ -18,7 +18,9 @@ DTYPE_KEYS = ("dtype", "param_dtype", "attn_dtype", "attn_softmax_dtype")
 class RayDistributedConfig(BaseModel):
     """The persisted form of a `RayDistributedTrainer`. JAX dtypes in `config_variables` become their
     names and `PartitionAxis` a dict on saving (`_saving_preprocess`); loading turns them back
-    (`_loading_postprocess`). `model_task` is stored as its value string."""
+    (`_loading_postprocess`). `model_task` is stored as its value string. The fields are
+    `RayDistributedTrainer`'s constructor arguments of the same names: `pretrained_model_name_or_path`,
+    `model_task`, `model_type`, `offload_backend`, `config_scaling_variables`, `config_variables`."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
@@ -53,6 +55,7 @@ class RayDistributedConfig(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> RayDistributedConfig:
+        """Read a config written by `save` at `path`; a clear error when it is missing or malformed."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no RayDistributedTrainer config at {path}")

@@ -135,13 +135,14 @@ class RayDistributedTrainer:
                                     config_variables=self.config_variables)
 
     def save_config(self, path: str | Path) -> Path:
-        """This trainer's configuration as JSON (dtypes and PartitionAxis as strings/dicts)."""
+        """Write this trainer's configuration as JSON at `path` (dtypes and PartitionAxis as strings/dicts)."""
         return self.to_config().save(path)
 
     @classmethod
     def from_config(cls, path: str | Path, model_class: type | None = None, state_class: type | None = None,
                     trainer_module: type | None = None, **overrides: Any) -> RayDistributedTrainer:
-        """A trainer from `save_config`'s JSON; keyword overrides replace saved fields (e.g. `bucket_path`)."""
+        """A trainer from `save_config`'s JSON at `path`; keyword `overrides` replace saved fields (e.g.
+        `bucket_path`). `model_class`, `state_class` and `trainer_module` are not saved: pass them again."""
         loaded = RayDistributedConfig.load(path)
         cfg = {name: getattr(loaded, name) for name in RayDistributedConfig.model_fields}
         return cls(**{**cfg, **overrides}, model_class=model_class, state_class=state_class,
@@ -181,7 +182,8 @@ class RayDistributedTrainer:
     # ---- models and states ------------------------------------------------------------------------------
     def create_model(self, config, dtype=None, param_dtype=None, precision=None, seed: int = 684,
                      lazy: bool = False):
-        """A model for `config`; dtypes/precision default to `config_variables`. Concrete models are
+        """A model for `config`; `dtype`, `param_dtype` and `precision` default to `config_variables`.
+        Weights come from `seed`; `lazy=True` gives an abstract model (no memory). Concrete models are
         created on `offload_backend`'s first device when one is set."""
         runtime = self.runtime()
         changes = {k: val for k, val in (("dtype", dtype), ("param_dtype", param_dtype)) if val is not None}
@@ -194,7 +196,8 @@ class RayDistributedTrainer:
             return jm.create_model(config, runtime, seed=seed, model_class=self.model_class)
 
     def create_model_from_config(self, scaling_index: int, *, lazy: bool = False):
-        """A model of `create_config(scaling_index)`, seeded by `config_variables['seed']`."""
+        """A model of `create_config(scaling_index)`, seeded by `config_variables['seed']` (abstract with
+        `lazy`)."""
         return self.create_model(self.create_config(scaling_index), seed=self.config_variables.get("seed", 684),
                                  lazy=lazy)
 
@@ -242,17 +245,20 @@ class RayDistributedTrainer:
     extract_column_names = staticmethod(jd.extract_column_names)
 
     def process_sample_data(self, sample: Any, max_length: int, padding_side: str = "left") -> dict:
-        """`jaxloom.data.process_sample_data` with this trainer's tokenizer."""
+        """`jaxloom.data.process_sample_data(tokenizer, sample, max_length, padding_side)` with this
+        trainer's tokenizer."""
         return jd.process_sample_data(self.processor, sample, max_length, padding_side)
 
     def process_messages_data(self, messages: Any, max_length: int, padding_side: str = "left") -> dict:
-        """`jaxloom.data.process_messages_data` with this trainer's tokenizer."""
+        """`jaxloom.data.process_messages_data(tokenizer, messages, max_length, padding_side)` with this
+        trainer's tokenizer."""
         return jd.process_messages_data(self.processor, messages, max_length, padding_side)
 
     # ---- training ---------------------------------------------------------------------------------------
     def create_trainer(self, arguments, dataset_train, dataset_eval=None, data_collator=None, state=None, *,
                        hooks: list | None = None):
-        """A `trainer_module` over `state` on the mesh from `config_variables`. `data_collator`, when
+        """A `trainer_module` over `state` on the mesh from `config_variables`, training on
+        `dataset_train` (evaluating on `dataset_eval`) with `arguments` and `hooks`. `data_collator`, when
         given, maps each raw record to one the data loader reads (text, prompt/completion, messages or
         input_ids) before tokenization."""
         if state is None:
@@ -270,7 +276,8 @@ class RayDistributedTrainer:
               model=None, state=None, *, hooks: list | None = None):
         """Train; the starting point is, in order: `state`, `model`, the checkpoint at `bucket_path`, a new
         model scaled by `scaling_index`. With `arguments.resume_if_possible` an existing checkpoint in
-        `arguments.save_directory` wins over all of them (the run continues). Returns the `TrainerOutput`."""
+        `arguments.save_directory` wins over all of them (the run continues). `dataset_train`,
+        `dataset_eval`, `data_collator` and `hooks` as in `create_trainer`. Returns the `TrainerOutput`."""
         if state is None and model is not None:
             state = self.convert_model_to_state(model)
         if state is None and self.bucket_path:
@@ -288,7 +295,8 @@ class RayDistributedTrainer:
 
     def train_on_ray(self, scaling_index: int, arguments, dataset_train, dataset_eval=None, data_collator=None,
                      *, scaling=None, faults: tuple = ()):
-        """`train` as a gang of Ray workers (`scaling`: a `ScalingConfig`), one JAX process each, joined
+        """`train(scaling_index, arguments, dataset_train, dataset_eval, data_collator)` as a gang of Ray
+        workers (`scaling`: a `ScalingConfig`; `faults`: `FaultInjector`s for tests), one JAX process each, joined
         into one global mesh; restarted from the newest checkpoint on failure. Returns a `LaunchResult`
         whose `.result` is rank 0's summary (metrics, report and checkpoint paths, loss history)."""
         from .launcher import ScalingConfig, launch
@@ -297,7 +305,9 @@ class RayDistributedTrainer:
                       tuple(faults), scaling=scaling or ScalingConfig())
 
     def tune(self, param_space: dict[str, Any], arguments, dataset_train, dataset_eval, **kwargs):
-        """A Ray Tune sweep over `scaling_index` and/or any training argument; see `jaxloom.ray.tune_sweep`."""
+        """A Ray Tune sweep over `param_space` (`scaling_index` and/or any training argument), each trial
+        training on `dataset_train` with `arguments` and judged on `dataset_eval`; `kwargs` and the
+        result as in `jaxloom.ray.tune_sweep`."""
         from .tune import tune_sweep
 
         return tune_sweep(self, param_space, arguments, dataset_train, dataset_eval, **kwargs)

@@ -62,7 +62,7 @@ def summarize(trainer, out) -> dict[str, Any]:
 
 
 def params_fingerprint(params: Any) -> str:
-    """SHA-256 of all parameters, gathered from every process (tiny models only: it copies them whole)."""
+    """SHA-256 of all `params`, gathered from every process (tiny models only: it copies them whole)."""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
@@ -79,7 +79,8 @@ def params_fingerprint(params: Any) -> str:
 
 def train_from_config(ctx, config_path: str | None, overrides: list[str],
                       faults: tuple[FaultInjector, ...] = (), workdir: str | None = None) -> dict[str, Any]:
-    """`jaxloom train CONFIG [key=value ...]` in one worker. After a restart it always resumes.
+    """`jaxloom train CONFIG [key=value ...]` in one worker (`ctx`): `config_path` (None: the bundled
+    demo) with `overrides`, and `faults` as trainer hooks. After a restart it always resumes.
     `workdir`: where relative paths in the config point (the driver's directory; kept if absent here)."""
     from jaxloom.trainer.cli import build_run, write_run_config
 

@@ -23,7 +23,8 @@ log = logging.getLogger("jaxloom.ray")
 
 
 class GangFailedError(RuntimeError):
-    """The gang failed more than `max_failures` times. `.failures` holds what happened each time."""
+    """The gang failed more than `max_failures` times: `message` says how the last attempt failed, and
+    `failures` (also `.failures`) holds what happened each time."""
 
     def __init__(self, message: str, failures: list[Failure]):
         super().__init__(message)
@@ -72,7 +73,8 @@ class ScalingConfig:
 
     @classmethod
     def from_items(cls, items: list[str]) -> ScalingConfig:
-        """`["num_workers=2", "max_failures=1"]` (the CLI's `--ray ...`) → a config; unknown keys are errors."""
+        """`items` like `["num_workers=2", "max_failures=1"]` (the CLI's `--ray ...`) → a config; unknown
+        keys are errors."""
         import yaml
 
         known = {f.name for f in dataclasses.fields(cls)}
@@ -87,6 +89,10 @@ class ScalingConfig:
 
 @dataclasses.dataclass
 class Failure:
+    """One failed gang attempt: which `attempt`, which `rank` (None when unknown), the `kind` ('died',
+    'error', 'hung'), the `message`, when the driver noticed (`detected_at`) and how long the next gang
+    took to its first step (`restart_to_first_step_s`)."""
+
     attempt: int
     rank: int | None
     kind: str                # 'died', 'error', 'hung'
@@ -97,6 +103,9 @@ class Failure:
 
 @dataclasses.dataclass
 class LaunchResult:
+    """What `launch` returns: every rank's return value (`results`; `.result` is rank 0's), how many gang
+    `attempts` it took, the `failures` on the way and the wall time `wall_s`."""
+
     results: list[Any]       # what `job` returned, per rank
     attempts: int
     failures: list[Failure]

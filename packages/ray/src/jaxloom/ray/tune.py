@@ -9,6 +9,9 @@ from typing import Any
 
 @dataclasses.dataclass
 class SweepResult:
+    """What `tune_sweep` returns: the best trial's `best_config`, `best_metrics` and
+    `best_checkpoint_dir`, and every trial's config and metrics (`trials`)."""
+
     best_config: dict[str, Any]
     best_metrics: dict[str, Any]
     best_checkpoint_dir: str
@@ -21,7 +24,10 @@ def tune_sweep(trainer, param_space: dict[str, Any], arguments, dataset_train, d
     """Sweep `scaling_index` and/or any `TrainingArguments` name over `param_space` (a list is a grid;
     Tune's search spaces work too). Each trial trains `trainer` (a `RayDistributedTrainer`) on a gang
     of `scaling.num_workers` workers in `save_directory/<name>/<trial>` and reports its final metrics;
-    the best trial by `metric` (an eval metric needs `dataset_eval`) is returned with its checkpoint."""
+    the best trial by `metric` (an eval metric needs `dataset_eval`) is returned with its checkpoint.
+    Every trial starts from `arguments` and trains on `dataset_train`; `mode` is 'min' or 'max';
+    `max_concurrent_trials` gangs run at once; `trial_resources` is what a trial's supervisor asks Tune
+    for (default 0.01 CPU: the gang's workers hold the real resources)."""
     from ray import tune
 
     from .cluster import init_ray

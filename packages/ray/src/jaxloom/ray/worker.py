@@ -29,7 +29,8 @@ class ProgressBoard:
 
 @dataclasses.dataclass
 class WorkerContext:
-    """Given to the job function in each worker: who it is, which attempt this is, and how to report."""
+    """Given to the job function in each worker: who it is (`rank` of `world_size`), which `attempt`
+    this is, the progress `board` it reports to, and the JAX `coordinator` address (rank 0's host:port)."""
 
     rank: int
     world_size: int

@@ -68,6 +68,8 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class Restored:
+    """What a restore returns: the `state`, its `step`, the loaders' `data_state` and the `metadata`."""
+
     state: TrainState
     step: int
     data_state: Any
@@ -135,7 +137,8 @@ class CheckpointManager:
 
     def save(self, step: int, state: TrainState, *, data_state: Any = None, metadata: dict | None = None) -> None:
         """Save `state` as checkpoint `step` (all processes call this). Returns once arrays are on the
-        host; the write continues in the background when `async_save`."""
+        host; the write continues in the background when `async_save`. `data_state` (the loaders'
+        position) and `metadata` are stored as JSON beside the arrays."""
         manager, ocp = self._open(), _ocp()
         params = state.params
         if self.config.float_dtype:
@@ -269,7 +272,8 @@ class CheckpointManager:
                         metadata=meta.get("metadata", {}))
 
     def restore_shapes(self, step: int | None = None) -> Any:
-        """The stored parameters' shapes and dtypes (`jax.ShapeDtypeStruct` tree) without reading weights."""
+        """The stored parameters' shapes and dtypes (`jax.ShapeDtypeStruct` tree) of checkpoint `step`
+        (default: the newest) without reading weights."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")

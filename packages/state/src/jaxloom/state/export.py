@@ -13,7 +13,8 @@ def save_pretrained(state: TrainState, path: str | Path, *, to_hf: bool = True, 
     """`to_hf=True`: `config.json` + safetensors (sharded with an index past `max_shard_bytes`) and the
     tokenizer if given — a directory `transformers.AutoModelForCausalLM.from_pretrained` loads.
     Sharded params are gathered one array at a time; only process 0 writes.
-    `to_hf=False`: an orbax checkpoint of the whole state at `path/<step>`."""
+    `to_hf=False`: an orbax checkpoint of the whole state at `path/<step>`. `dtype` casts floating
+    weights on the way out (e.g. `"bfloat16"`)."""
     import jax
 
     path = Path(path)

@@ -55,7 +55,7 @@ def to_jsonable(value: Any) -> Any:
 
 
 def from_jsonable(value: Any) -> Any:
-    """The inverse of `to_jsonable`: dtypes, tuples and `PartitionAxis` come back."""
+    """The inverse of `to_jsonable` for `value`: dtypes, tuples and `PartitionAxis` come back."""
     if isinstance(value, dict):
         if set(value) == {_DTYPE}:
             return jnp.dtype(value[_DTYPE])
@@ -80,7 +80,7 @@ def save_json(value: Any, path: str | Path) -> Path:
 
 
 def load_json(path: str | Path) -> Any:
-    """Read a JSON file written by `save_json`; a clear error for a missing or malformed file."""
+    """Read `path`, a JSON file written by `save_json`; a clear error for a missing or malformed file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no JSON file at {path}")

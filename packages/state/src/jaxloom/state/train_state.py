@@ -15,6 +15,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
+    """Everything a training step reads and writes, as one pytree: `step`, `params` (the model's
+    `nnx.Param` values as a nested dict), the optimizer's `opt_state`, the step's `rng`, the model's other
+    variables (`model_state`), and, static, the model's `graphdef` and the optax transformation `tx`.
+    Build it with `TrainState.create`; `state.model` rebuilds the `nnx` model."""
+
     step: jax.Array               # int32 scalar
     params: Any                   # nested dict of arrays (the model's nnx.Param values)
     opt_state: Any                # optax state over `params`
@@ -25,8 +30,9 @@ class TrainState:
 
     @classmethod
     def create(cls, model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0) -> TrainState:
-        """From a model (abstract or concrete) and an optimizer. No sharding: that is the trainer's job;
-        jit this under out_shardings (see `state_shardings`) to create it sharded."""
+        """From `model` (abstract or concrete) and the optimizer `tx`; the state's RNG key comes from
+        `seed`. No sharding: that is the trainer's job; jit this under out_shardings (see
+        `state_shardings`) to create it sharded."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
@@ -54,13 +60,15 @@ jax.tree_util.register_dataclass(TrainState, data_fields=["step", "params", "opt
 
 def convert_model_to_state(model: nnx.Module, tx: optax.GradientTransformation | None = None, *,
                            seed: int = 0) -> TrainState:
-    """EasyDeL's `convert_model_to_state`: a state without sharding (default optimizer: identity)."""
+    """EasyDeL's `convert_model_to_state`: a state of `model` without sharding, with optimizer `tx`
+    (default: identity) and RNG `seed`."""
     return TrainState.create(model, tx or optax.identity(), seed=seed)
 
 
 def state_shardings(state: TrainState, param_shardings: Any, mesh) -> TrainState:
-    """Shardings for a whole (abstract) state: params as given (a dict tree like `state.params`), the
-    optimizer's per-parameter leaves (Adam moments, ...) like their parameter, the rest replicated."""
+    """Shardings for a whole (abstract) state on `mesh`: params as `param_shardings` gives them (a dict
+    tree like `state.params`), the optimizer's per-parameter leaves (Adam moments, ...) like their
+    parameter, the rest replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     opt = optax.tree_map_params(state.tx, lambda _, s: s, state.opt_state, param_shardings,
                                 transform_non_params=lambda _: replicated)
@@ -69,5 +77,6 @@ def state_shardings(state: TrainState, param_shardings: Any, mesh) -> TrainState
 
 
 def abstract_state(state_fn, *args, **kwargs) -> TrainState:
-    """`jax.eval_shape` of a state-building function: the state's shapes and dtypes, no memory."""
+    """`jax.eval_shape` of `state_fn(*args, **kwargs)`, a state-building function: the state's shapes
+    and dtypes, no memory."""
     return jax.eval_shape(state_fn, *args, **kwargs)

@@ -215,6 +215,7 @@ class TrainingArguments:
     # ---- files ----------------------------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | Path, overrides: list[str] | None = None) -> TrainingArguments:
+        """Read a YAML or JSON file at `path`, then apply `overrides` (`["key=value", ...]`)."""
         return cls(**apply_overrides(load_config_file(path), overrides or []))
 
 

@@ -26,7 +26,20 @@ log = logging.getLogger("jaxloom.deployer")
 
 class Deployer:
     """RedCo's `Deployer`: mesh, sharding, rng, batching, schedules, logging and checkpoints for a
-    hand-written loop (`fit` runs one). See the README for the method list."""
+    hand-written loop (`fit` runs one). See the README for the method list.
+
+    Arguments, grouped:
+
+    - `jax_seed`: seed of the RNG stream (`gen_rng`, `gen_model_step_rng`).
+    - `n_model_shards`: size of the model-parallel (tp) axis; the rest of the devices are data parallel.
+    - `verbose`: log what it does.
+    - `workdir`: where logs, outputs and `fit`'s checkpoints go (None: nowhere).
+    - `n_processes`, `host0_address`, `host0_port`, `process_id`, `n_local_devices`: a multi-process run; passed to
+      `jaxloom.mesh.init_distributed` when `n_processes > 1`.
+    - `run_tensorboard`: write metrics as TensorBoard events under `workdir`.
+    - `wandb_init_kwargs`: log to Weights & Biases with these `wandb.init` arguments.
+    - `mesh_config`: any `MeshConfig`, instead of the one `n_model_shards` describes.
+    """
     def __init__(self, jax_seed: int, n_model_shards: int = 1, verbose: bool = True, workdir: str | None = None,
                  n_processes: int | None = None, host0_address: str | None = None, host0_port: int | None = None,
                  process_id: int | None = None, n_local_devices: int | None = None, run_tensorboard: bool = False,
@@ -68,12 +81,16 @@ class Deployer:
         return jmesh.get_local_global_micro_batch_size(per_device_batch_size, self._mesh)
 
     def get_accumulate_grad_batches(self, global_batch_size: int, per_device_batch_size: int) -> int:
-        """Micro-batches per step so that a step holds `global_batch_size` rows."""
+        """Micro-batches of `per_device_batch_size` per device per step, so that a step holds
+        `global_batch_size` rows."""
         return jmesh.get_accumulate_grad_batches(global_batch_size, per_device_batch_size, self._mesh)
 
     def get_lr_schedule_fn(self, train_size, per_device_batch_size, n_epochs, learning_rate, schedule_type="linear",
                            warmup_ratio=0.0, warmup_steps=None, init_learning_rate=0.0, end_learning_rate=0.0):
-        """RedCo's learning-rate schedule (see `jaxloom.trainer.get_lr_schedule_fn`)."""
+        """RedCo's learning-rate schedule (see `jaxloom.trainer.get_lr_schedule_fn`): `n_epochs` over
+        `train_size` examples in micro-batches of `per_device_batch_size` per device; warmup
+        (`warmup_steps`, or `warmup_ratio` of the steps) from `init_learning_rate` to `learning_rate`,
+        then `schedule_type` (`linear`, `cosine`, `constant`) to `end_learning_rate`."""
         _, global_micro = self.get_local_global_micro_batch_size(per_device_batch_size)
         return get_lr_schedule_fn(train_size, global_micro, n_epochs, learning_rate, schedule_type, warmup_ratio,
                                   warmup_steps, init_learning_rate, end_learning_rate)
@@ -81,9 +98,10 @@ class Deployer:
     def get_model_input_batches(self, examples: Sequence, per_device_batch_size: int, collate_fn: Callable,
                                 shuffle: bool, shuffle_rng, desc: str = "", is_train: bool = False,
                                 accumulate_grad_batches: int | None = None) -> Iterator[dict]:
-        """Global batches (`jax.Array`s on the mesh's data axes) of `examples`: shuffled with `shuffle_rng`,
-        this process collating only its rows. Training batches are full; with accumulation they are
-        `[accumulate_grad_batches, global_micro_batch, ...]`."""
+        """Global batches (`jax.Array`s on the mesh's data axes) of `examples`, `per_device_batch_size`
+        rows per device: shuffled with `shuffle_rng` when `shuffle`, this process collating only its rows
+        with `collate_fn`. With `is_train` batches are full (the remainder is dropped); with accumulation
+        they are `[accumulate_grad_batches, global_micro_batch, ...]`. `desc` labels the progress log."""
         local_micro, global_micro = self.get_local_global_micro_batch_size(per_device_batch_size)
         accum = accumulate_grad_batches or 1
         step_rows = global_micro * accum
@@ -112,38 +130,41 @@ class Deployer:
 
     # ---- sharding (jaxloom.mesh) ----------------------------------------------------------------------
     def get_sharding_rules(self, params_shape_or_params) -> list | None:
-        """Rules from shapes (largest divisible dim over the model axis); None with one model shard."""
+        """Rules from the shapes of `params_shape_or_params` (largest divisible dim over the model axis);
+        None with one model shard."""
         if self.n_model_shards == 1:
             return None
         return jmesh.auto_partition_rules(params_shape_or_params, self._mesh, axes=("tp",))
 
     def get_params_spec(self, params_shape_or_params, params_sharding_rules):
-        """Partition specs for `params` (given rules or automatic ones)."""
+        """Partition specs for `params_shape_or_params` by `params_sharding_rules` (None: replicated)."""
         rules = params_sharding_rules or [(".*", PartitionSpec())]
         return jmesh.match_partition_rules(rules, params_shape_or_params, mesh=self._mesh)
 
     def get_opt_state_spec(self, params_shape_or_params, params_spec, optimizer):
-        """Partition specs for the optimizer state of `params` under `params_spec`."""
+        """Partition specs for `optimizer`'s state over `params_shape_or_params` sharded by `params_spec`."""
         abstract = jax.eval_shape(optimizer.init, params_shape_or_params)
         return optax.tree_map_params(optimizer, lambda _, s: s, abstract, params_spec,
                                      transform_non_params=lambda _: PartitionSpec(),
                                      is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     def shard_params(self, params, params_spec, desc: str = "params"):
-        """Place `params` on the mesh by `params_spec`."""
+        """Place `params` on the mesh by `params_spec`; `desc` names them in the log."""
         if self.verbose:
             log.info("sharding %s over %s", desc, dict(self._mesh.shape))
         return jmesh.shard(params, params_spec, self._mesh)
 
     def run_model_step(self, step_fn: Callable, input_args: tuple):
-        """Run a (jitted) step with this mesh set, so logical sharding constraints apply inside it."""
+        """`step_fn(*input_args)` (a jitted step) with this mesh set, so logical sharding constraints
+        apply inside it."""
         with jax.set_mesh(self._mesh):
             return step_fn(*input_args)
 
     # ---- checkpoints (jaxloom.state) --------------------------------------------------------------------
     def save_ckpt(self, ckpt_dir: str, params, opt_state=None, float_dtype=None, **kwargs) -> None:
         """Save params (and opt_state) at `ckpt_dir`, with `kwargs` (step, epoch, ...) as JSON info and the
-        RNG position. Waits until the checkpoint is complete, so `load_last_ckpt` never sees half of it."""
+        RNG position; floating params are cast to `float_dtype` if given. Waits until the checkpoint is
+        complete, so `load_last_ckpt` never sees half of it."""
         state = js.TrainState(step=np.int32(kwargs.get("step", 0)), params=params,
                               opt_state=opt_state if opt_state is not None else {},
                               rng=jax.random.fold_in(jax.random.PRNGKey(self.rng.seed), self.rng.count))
@@ -158,7 +179,10 @@ class Deployer:
 
     def load_ckpt(self, ckpt_dir: str, params_sharding_rules=None, optimizer=None, float_dtype=None,
                   load_params: bool = True, load_opt_state: bool = True, update_rng: bool = False):
-        """`({"params": ..., "opt_state": ...}, info)`, placed by `params_sharding_rules` on the mesh."""
+        """Read the checkpoint in `ckpt_dir`: `({"params": ..., "opt_state": ...}, info)`, placed by
+        `params_sharding_rules` on the mesh. `load_params` / `load_opt_state` choose what is read (the
+        optimizer state needs `optimizer` for its structure); `float_dtype` casts floating params;
+        `update_rng` continues this deployer's RNG stream from the saved position."""
         manager = js.CheckpointManager(ckpt_dir)
         shapes = manager.restore_shapes()
         if float_dtype is not None:
@@ -184,7 +208,9 @@ class Deployer:
 
     def load_last_ckpt(self, optimizer=None, params_sharding_rules=None, float_dtype=None, load_params=True,
                        load_opt_state=True, update_rng=True):
-        """The newest complete checkpoint under `workdir/ckpts/` (by saved step), or `(None, None)`."""
+        """The newest complete checkpoint under `workdir/ckpts/` (by saved step), or `(None, None)`; the
+        arguments (`optimizer`, `params_sharding_rules`, `float_dtype`, `load_params`, `load_opt_state`,
+        `update_rng`) are `load_ckpt`'s."""
         root = Path(self._workdir or ".") / "ckpts"
         found = []
         for d in sorted(root.glob("*")) if root.is_dir() else []:
@@ -200,7 +226,7 @@ class Deployer:
 
     # ---- logging (trainer.metrics) ----------------------------------------------------------------------
     def log_info(self, info: Any, title: str | None = None, step: int | None = None) -> None:
-        """Log `info` (process 0 only), under `title` when given."""
+        """Log `info` (process 0 only), under `title` and `step` when given."""
         if jax.process_index() != 0:
             return
         text = info if isinstance(info, str) else json.dumps(info, indent=2, default=str)
@@ -217,7 +243,7 @@ class Deployer:
             log.info("step %d: %s", step, metrics)
 
     def save_outputs(self, outputs: Any, desc: str, step: int) -> Path | None:
-        """Write `outputs` as JSON lines to `<workdir>/outputs/<desc>.jsonl` (process 0)."""
+        """Write `outputs` as JSON to `<workdir>/outputs/<desc>_step<step>.json` (process 0)."""
         if jax.process_index() != 0 or not self._workdir:
             return None
         path = Path(self._workdir) / "outputs" / f"{desc}_step{step}.json"
@@ -229,7 +255,9 @@ class Deployer:
     def fit(self, loss_fn: Callable, params, optimizer, train_examples: Sequence, *, per_device_batch_size: int,
             n_epochs: int, collate_fn: Callable, accumulate_grad_batches: int | None = None) -> dict:
         """RedCo's `fit`: `loss_fn(rng, state, params, batch, is_training) -> scalar` is all it needs.
-        Shards params by shape, jits the step, trains `n_epochs`, checkpoints each epoch under
+        Shards params by shape, jits the step with `optimizer` (an optax transformation), trains
+        `n_epochs` over `train_examples` in micro-batches of `per_device_batch_size` per device made by
+        `collate_fn` (`accumulate_grad_batches` of them per update), checkpoints each epoch under
         `workdir/ckpts/epoch_N`, and resumes after the newest one. Returns `{"params", "opt_state", "losses"}`."""
         rules = self.get_sharding_rules(params)
         specs = self.get_params_spec(params, rules)

@@ -14,7 +14,9 @@ def get_lr_schedule_fn(train_size: int | None = None, per_device_batch_size: int
                        warmup_ratio: float = 0.0, warmup_steps: int | None = None, init_learning_rate: float = 0.0,
                        end_learning_rate: float = 0.0, *, total_steps: int | None = None):
     """RedCo's `get_lr_schedule_fn`: warmup from `init_learning_rate` to `learning_rate`, then linear or
-    cosine decay to `end_learning_rate` (or constant). Give `total_steps`, or the data sizes to derive it."""
+    cosine decay to `end_learning_rate` (or constant), by `schedule_type`. Warmup lasts `warmup_steps`,
+    or `warmup_ratio` of the steps. Give `total_steps`, or the data sizes to derive it: `n_epochs` over
+    `train_size` examples in batches of `per_device_batch_size` (RedCo's global micro-batch)."""
     if total_steps is None:
         if None in (train_size, per_device_batch_size, n_epochs):
             raise ValueError("give total_steps, or train_size, per_device_batch_size and n_epochs")
@@ -38,7 +40,8 @@ def get_lr_schedule_fn(train_size: int | None = None, per_device_batch_size: int
 
 
 def make_optimizer(args: OptimizerArgs, total_steps: int) -> tuple[optax.GradientTransformation, object]:
-    """`(tx, schedule)`: gradient clipping (if `max_grad_norm`) then the optimizer on the schedule."""
+    """`(tx, schedule)` for `args` (the optimizer group of `TrainingArguments`) over `total_steps`:
+    gradient clipping (if `max_grad_norm`) then the optimizer on the schedule."""
     schedule = get_lr_schedule_fn(learning_rate=args.learning_rate, schedule_type=args.scheduler,
                                   warmup_ratio=args.warmup_ratio, warmup_steps=args.warmup_steps,
                                   init_learning_rate=args.init_learning_rate, end_learning_rate=args.end_learning_rate,

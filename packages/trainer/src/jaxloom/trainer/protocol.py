@@ -7,6 +7,8 @@ from typing import Any, Protocol, runtime_checkable
 
 @runtime_checkable
 class TrainerProtocol(Protocol):
+    """EasyDeL's `BaseTrainerProtocol`: what every trainer offers (`BaseTrainer` satisfies it)."""
+
     arguments: Any
     dataset_train: Any
     dataset_eval: Any
@@ -42,4 +44,4 @@ class TrainerProtocol(Protocol):
         """Metrics over the evaluation data."""
 
     def save_pretrained(self, path: Any, *, to_hf: bool = True) -> Any:
-        """Write the model where it can be loaded again."""
+        """Write the model to `path` where it can be loaded again (a Hugging Face directory with `to_hf`)."""

@@ -19,6 +19,10 @@ from jaxloom.state import TrainState
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
+    """The train step's static settings: `z_loss` weight, MoE `aux_loss_coef`, `skip_nonfinite` (keep the
+    old parameters when loss or gradients are not finite) and the learning-rate `schedule` (for the
+    logged learning rate)."""
+
     z_loss: float = 0.0
     aux_loss_coef: float = 0.0       # MoE load balancing (router_aux_loss_coef)
     skip_nonfinite: bool = False     # nan_policy="skip": keep the old params when loss/grads are not finite
@@ -77,6 +81,7 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
 
 
 def eval_step(state: TrainState, batch, cfg: StepConfig):
-    """Loss sum, token count and correct count of one eval batch `[B, L]` (no accumulation axis)."""
+    """Loss sum, token count and correct count of `state`'s model on one eval `batch` `[B, L]` (no
+    accumulation axis), with the losses of `cfg`."""
     loss_sum, (n, correct) = token_loss(state, state.params, batch, dataclasses.replace(cfg, aux_loss_coef=0.0))
     return {"loss_sum": loss_sum, "tokens": n, "correct": correct}

@@ -40,6 +40,10 @@ class NonFiniteLossError(FloatingPointError):
 
 @dataclasses.dataclass
 class TrainerOutput:
+    """What `train()` returns: the final `state` and `metrics`, why it stopped (`stop_reason`), the
+    checkpoint it resumed from (`resumed_from`), where checkpoints, report and plot are
+    (`checkpoint_dir`, `report_path`, `plot_path`) and the last preview `samples`."""
+
     state: js.TrainState
     metrics: dict[str, float]
     stop_reason: str
@@ -55,6 +59,15 @@ class BaseTrainer:
     `model_state` on `dataset_train` (anything `jaxloom.data.as_source` reads) with `arguments`.
 
     Hooks: objects with optional `on_step_start(trainer, step)` / `on_step_end(trainer, step, metrics)`.
+
+    Arguments, grouped:
+
+    - `arguments`: `TrainingArguments` (default: all defaults).
+    - `model`, `model_state`: what to train (one of them).
+    - `dataset_train`, `dataset_eval`: training data and, optionally, evaluation data.
+    - `processing_class`: the tokenizer (default: the bundled one).
+    - `mesh`: a `jax.sharding.Mesh` to use instead of the one the arguments describe.
+    - `hooks`: objects called at every step, as above.
     """
 
     def __init__(self, arguments: TrainingArguments | None = None, model: nnx.Module | None = None, *,
@@ -204,8 +217,8 @@ class BaseTrainer:
             self._batch_sharding, v.reshape(accum, -1, v.shape[-1]), shape) for k, v in local.items()}
 
     def apply_training_hooks(self, step: int, metrics: dict[str, Any]) -> str | None:
-        """Built-in checks after a step: non-finite loss (stop with the step named, or count a skip)
-        and the wall-clock limit. Returns a stop reason or None."""
+        """Built-in checks after `step` on its `metrics`: non-finite loss (stop with the step named, or
+        count a skip) and the wall-clock limit. Returns a stop reason or None."""
         if not bool(metrics["finite"]):
             if self.arguments.nan_policy == "stop":
                 raise NonFiniteLossError(f"loss is {float(metrics['loss'])} (grad norm "
@@ -326,8 +339,9 @@ class BaseTrainer:
                              str(report) if report else None, str(plot) if plot else None, samples)
 
     def preview(self, step: int) -> list[str]:
-        """Generate from `generation_prompts` with the current parameters and log the samples. Every
-        process runs the (sharded) decode together; process 0 writes."""
+        """Generate from `generation_prompts` with the current parameters and log the samples under
+        `step` (also the sampling seed). Every process runs the (sharded) decode together; process 0
+        writes."""
         a = self.arguments
         prompts = [p for p in a.generation_prompts for _ in range(a.generation_num_samples)]
         res = jg.generate_unified(self.state.model, self.tokenizer, prompts=prompts, mesh=self._mesh,
@@ -383,7 +397,8 @@ class BaseTrainer:
 
     def save_information(self, path: str | Path | None = None, *, final: dict | None = None,
                          stop_reason: str = "not finished") -> Path:
-        """A Markdown report of the run: model, parameters, mesh, arguments, final metrics."""
+        """A Markdown report of the run (model, parameters, mesh, arguments, `final` metrics and the
+        `stop_reason`) at `path` (default `save_directory/report.md`)."""
         path = Path(path or Path(self.arguments.save_directory) / "report.md")
         path.parent.mkdir(parents=True, exist_ok=True)
         return write_report(path, model=self._model_in, n_params=self.n_params, mesh=self._mesh,
@@ -404,4 +419,6 @@ def _checked(metrics: dict) -> dict:
 
 class Trainer(BaseTrainer):
     """Causal language modelling: pretraining on text, SFT on prompt/completion or chat records (loss
-    on completions only). MoE load balancing is weighted by the config's `router_aux_loss_coef`."""
+    on completions only). MoE load balancing is weighted by the config's `router_aux_loss_coef`.
+    Arguments as `BaseTrainer`'s: `arguments`, `model` or `model_state`, `dataset_train`,
+    `dataset_eval`, `processing_class`, `mesh`, `hooks`."""

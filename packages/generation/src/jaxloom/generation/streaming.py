@@ -24,8 +24,8 @@ def _steps(graphdef, config: GenerationConfig, p: int):
 
 
 def stream(model: nnx.Module, prompt_ids, config: GenerationConfig | None = None) -> Iterator[int]:
-    """Yield the token ids generated after one prompt, one at a time, stopping after EOS. Gives the
-    same tokens as `generate` with the same config and seed."""
+    """Yield the token ids `model` generates after one prompt (`prompt_ids`), one at a time, stopping
+    after EOS. Gives the same tokens as `generate` with the same config and seed."""
     config = config or GenerationConfig()
     ids = np.asarray(prompt_ids, np.int32).reshape(1, -1)
     if ids.shape[1] == 0:
