@@ -62,7 +62,7 @@ def tests(session: nox.Session, target: str) -> None:
             session.warn(f"no local CPU torch wheel ({TORCH_WHEELS}): parity tests against transformers will skip")
     paths = [f"packages/{target}/tests"]
     if target == parts.META:
-        session.install("uv", "hatch", *DOCS_DEPS)  # throwaway venvs, wheel builds, the docs site
+        session.install("uv", "hatchling", *DOCS_DEPS)  # throwaway venvs, wheel builds, the docs site
         paths.append("tests")
     paths = [p for p in paths if Path(p).is_dir()]
     if not paths:

@@ -1,5 +1,6 @@
 """tools/release.py: bump, check, build every wheel with hatch, install the wheels in a fresh venv."""
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -68,9 +69,9 @@ def test_check_names_a_stale_pin_and_a_stale_changelog(repo):
     assert "state: the CHANGELOG's newest entry is" in out.stdout and "but the version is 9.9.9" in out.stdout
 
 
-@pytest.mark.skipif(shutil.which("hatch") is None or shutil.which("uv") is None,
-                    reason="hatch and uv are installed by `nox -s tests` (meta target)")
-def test_wheels_build_with_hatch_and_install_into_a_clean_venv(tmp_path):
+@pytest.mark.skipif(importlib.util.find_spec("hatchling") is None or shutil.which("uv") is None,
+                    reason="hatchling and uv are installed by `nox -s tests` (meta target)")
+def test_wheels_build_with_hatchling_and_install_into_a_clean_venv(tmp_path):
     dist = tmp_path / "dist"
     built = release(ROOT, "build", "--out", str(dist))
     assert built.returncode == 0, built.stderr

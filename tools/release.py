@@ -2,7 +2,7 @@
 
     python tools/release.py bump PART LEVEL -m "what changed"   # LEVEL: major, minor, patch or X.Y.Z
     python tools/release.py check                               # pins match the parts; CHANGELOGs are current
-    python tools/release.py build [--out dist]                  # every part's wheel, built by hatch
+    python tools/release.py build [--out dist]                  # every part's wheel, built by hatchling
     python tools/release.py check-install [--dist dist]         # the wheels into a fresh venv; import each part
 
 `bump` writes the part's `__about__.py`, puts a CHANGELOG entry on top and moves the meta-package's pin;
@@ -82,15 +82,19 @@ def problems() -> list[str]:
 
 
 def build(out: Path) -> list[Path]:
-    """Build one wheel per part with hatch into `out` (emptied first)."""
-    hatch = shutil.which("hatch")
-    if hatch is None:
-        raise RuntimeError("hatch is not installed: pip install hatch")
+    """Build one wheel per part into `out` (emptied first) with hatchling, hatch's build backend, run in
+    this environment (`python -m hatchling build`): no isolated build env, nothing written outside `out`."""
+    try:
+        import hatchling  # noqa: F401
+    except ImportError:
+        raise RuntimeError("hatchling is not installed: pip install hatchling (or hatch)") from None
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     for part in ALL:
-        subprocess.run([hatch, "build", "-t", "wheel", str(out.resolve())], cwd=parts.PACKAGES / part, check=True,
-                       capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "hatchling", "build", "-t", "wheel", "-d", str(out.resolve())],
+                              cwd=parts.PACKAGES / part, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"building {part}'s wheel failed:\n{proc.stderr[-2000:]}")
     wheels = sorted(out.glob("*.whl"))
     names = {w.name.split("-")[0] for w in wheels}
     missing = [p for p in ALL if (p if p == parts.META else f"jaxloom_{p}") not in names]
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("level", help="major, minor, patch or X.Y.Z")
     b.add_argument("-m", "--message", required=True)
     sub.add_parser("check", help="pins and CHANGELOGs agree with the versions")
-    bd = sub.add_parser("build", help="build every wheel with hatch")
+    bd = sub.add_parser("build", help="build every wheel with hatchling")
     bd.add_argument("--out", type=Path, default=parts.ROOT / "dist")
     ci = sub.add_parser("check-install", help="install the wheels into a fresh venv and import every part")
     ci.add_argument("--dist", type=Path, default=parts.ROOT / "dist")

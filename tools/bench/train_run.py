@@ -20,7 +20,19 @@ def main():
 
     import jaxloom.models as jm
 
+    import contextlib
+
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxloom.mesh import MeshConfig
+
     b, length = cfg["batch"], cfg["seq"]
+    # {"fsdp": 8}: both loops on that mesh (activations constrained by the model's logical axes)
+    mesh = MeshConfig.from_axes(**cfg["mesh"]).build() if cfg.get("mesh") else None
+
+    def mesh_context():
+        return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
     config = jm.LlamaConfig(**cfg["model"])
     runtime = jm.RuntimeConfig(dtype=cfg["dtype"], param_dtype="float32", attn_mechanism="auto")
     times = []
@@ -30,13 +42,19 @@ def main():
 
         rng = np.random.default_rng(0)
         data = rng.integers(0, config.vocab_size, (steps + 1, b, length)).astype(np.int32)
-        model = jm.create_model(config, runtime, seed=0)
+        model = jm.create_model(config, runtime, seed=0, mesh=mesh)   # with a mesh: created on its shards
         graphdef, params = nnx.split(model, nnx.Param)
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg["lr"], b1=0.9, b2=0.95))
         opt = tx.init(params)
 
         seg = np.ones((b, length), np.int32)
         pos = np.broadcast_to(np.arange(length, dtype=np.int32), (b, length))
+        if mesh is not None:  # the batch split over the data axes, the state kept where it is
+            rows = NamedSharding(mesh, PartitionSpec(("dp", "fsdp")))
+            seg, pos = jax.device_put(seg, rows), jax.device_put(pos, rows)
+            keep = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt))
+        else:
+            rows, keep = None, None
 
         # segment ids and positions are arguments, as in any loop over packed data: captured as
         # constants, XLA would fold the attention mask and RoPE tables into the program.
@@ -46,19 +64,20 @@ def main():
             valid = (seg[:, 1:] == seg[:, :-1]).astype(jax.numpy.float32)
             return (ce * valid).sum() / valid.sum()
 
-        @jax.jit
         def step(p, o, ids, seg, pos):
             loss, g = jax.value_and_grad(loss_fn)(p, ids, seg, pos)
             u, o = tx.update(g, o, p)
             return optax.apply_updates(p, u), o, loss
 
+        step = jax.jit(step) if mesh is None else jax.jit(step, out_shardings=(*keep, None))
         for i in range(steps):
-            params, opt, loss = step(params, opt, data[i], seg, pos)
+            ids = data[i] if rows is None else jax.device_put(data[i], rows)
+            with mesh_context():
+                params, opt, loss = step(params, opt, ids, seg, pos)
             float(loss)  # same one-value sync per step as the trainer's NaN check
             times.append(time.perf_counter())
     else:
         import jaxloom.data as jd
-        from jaxloom.mesh import MeshConfig
         from jaxloom.trainer import Trainer, TrainingArguments
 
         class Clock:
@@ -75,7 +94,7 @@ def main():
                                  progress_bar=False, dtype=cfg["dtype"], adam_beta2=0.95)
         model = jm.create_model(config, runtime, lazy=True)
         trainer = Trainer(args, model, dataset_train=records, processing_class=jd.load_processor(),
-                          mesh=MeshConfig().build(), hooks=[Clock()])
+                          mesh=mesh or MeshConfig().build(), hooks=[Clock()])
         trainer.train()
     steady = np.diff(times[cfg["warmup"]:])
     print(json.dumps({"kind": kind, "tokens_per_second": b * length / float(np.median(steady)),

@@ -86,7 +86,7 @@ def test_hung_worker_is_detected_within_the_timeout(reference):
     failure = res.failures[0]
     assert failure.kind == "hung" and failure.rank in (0, 1), failure
     age = float(re.search(r"no progress for ([0-9.]+) s", failure.message).group(1))
-    assert 8 < age < 8 + 5, failure.message
+    assert 8 <= age < 8 + 5, failure.message   # the message rounds to 0.1 s
     assert res.result["params_sha256"] == two.result["params_sha256"]
     print(f"\nhang detected after {age:.1f} s without progress; restart-to-first-step "
           f"{failure.restart_to_first_step_s:.1f} s")

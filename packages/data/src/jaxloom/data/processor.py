@@ -22,7 +22,7 @@ def bundled_corpus_path() -> Path:
 def load_processor(path_or_dir: str | Path | None = None, *, trust_remote_code: bool = False):
     """A `transformers` tokenizer from `path_or_dir`, a local directory (default: the bundled one). A
     missing pad token falls back to eos with a warning; with neither, a clear error. Code shipped with
-    a tokenizer runs only with `trust_remote_code=True`."""
+    a tokenizer runs only when `trust_remote_code` is set."""
     from transformers import AutoTokenizer
 
     path = bundled_tokenizer_path() if path_or_dir is None else path_or_dir
