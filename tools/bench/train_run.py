@@ -52,7 +52,9 @@ def main():
         if mesh is not None:  # the batch split over the data axes, the state kept where it is
             rows = NamedSharding(mesh, PartitionSpec(("dp", "fsdp")))
             seg, pos = jax.device_put(seg, rows), jax.device_put(pos, rows)
-            keep = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt))
+            keep = jax.tree_util.tree_map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
+                                          else NamedSharding(mesh, PartitionSpec()), (params, opt))
+            params, opt = jax.device_put((params, opt), keep)   # e.g. Adam's step count: replicated
         else:
             rows, keep = None, None
 

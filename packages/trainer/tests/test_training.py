@@ -116,3 +116,14 @@ def test_sft_trains_only_on_completions(tmp_path):
     out = t.train()
     print("addition: token accuracy on completions", before, "->", out.metrics["eval_accuracy"])
     assert before < 0.2 and out.metrics["eval_accuracy"] > 0.5
+
+
+def test_state_is_donated_to_the_step_except_on_cpu_unless_asked(tmp_path):
+    """XLA's CPU backend runs a donated step slower (docs/performance.md), so on CPU the state is kept
+    unless `donate_state=True`; donated buffers are consumed by the step."""
+    for donate, consumed in ((None, False), (True, True), (False, False)):
+        t = trainer(tmp_path / str(donate), evaluation=None, max_training_steps=1, donate_state=donate)
+        first = jax.tree_util.tree_leaves(t.state.params)[0]
+        t.train()
+        t.finish()
+        assert first.is_deleted() == consumed, donate

@@ -85,7 +85,8 @@ def _plan(trainer) -> dict[str, Any]:
                       "outputs_gb": mem.output_size_in_bytes / 2**30,
                       "temporaries_gb": mem.temp_size_in_bytes / 2**30,
                       "generated_code_gb": mem.generated_code_size_in_bytes / 2**30}
-        per_device["total_gb"] = sum(per_device.values()) - per_device["outputs_gb"]  # outputs alias donated args
+        aliased = getattr(mem, "alias_size_in_bytes", 0) / 2**30  # outputs written over donated arguments
+        per_device["total_gb"] = sum(per_device.values()) - aliased
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     capacity = stats.get("bytes_limit")

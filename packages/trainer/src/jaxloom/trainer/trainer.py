@@ -190,9 +190,10 @@ class BaseTrainer:
         self.step_config = StepConfig(z_loss=a.z_loss, aux_loss_coef=aux, skip_nonfinite=a.nan_policy == "skip",
                                       schedule=self.schedule)
         repl = NamedSharding(self._mesh, PartitionSpec())
+        donate = a.donate_state if a.donate_state is not None else self._mesh.devices.flat[0].platform != "cpu"
         self._train_jit = jax.jit(functools.partial(train_step, cfg=self.step_config),
                                   in_shardings=(self.state_shardings, self._batch_sharding),
-                                  out_shardings=(self.state_shardings, repl), donate_argnums=0)
+                                  out_shardings=(self.state_shardings, repl), donate_argnums=0 if donate else ())
         self._eval_jit = jax.jit(functools.partial(eval_step, cfg=self.step_config),
                                  in_shardings=(self.state_shardings, self._eval_sharding), out_shardings=repl)
         self._train_fn = self._pool.submit(self.compile_aot)
