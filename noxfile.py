@@ -88,6 +88,9 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks as ratios against bare JAX measured in the same run (tools/bench/run.py).
     CPU by default; the GPU rows run when JAX sees a GPU (install jax[cuda] into the session)."""
+    # Byte-compiled as pip installs do by default (uv does not): start-up times must not include
+    # compiling every imported module from source, which PYTHONDONTWRITEBYTECODE would repeat per run.
+    session.env["UV_COMPILE_BYTECODE"] = "1"
     install_parts(session, parts.closure("trainer"), extra="test")  # trainer's closure includes generation
     session.run("python", "tools/bench/run.py", env={"TF_CPP_MIN_LOG_LEVEL": "3", **session.env})
 

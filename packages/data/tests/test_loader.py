@@ -161,3 +161,29 @@ def test_tokenizer_without_pad_or_eos(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         tok = jd.load_processor(tmp_path / "eos")
     assert tok.pad_token == "b" and "padding with its eos token" in caplog.text
+
+
+def test_plain_fast_tokenizer_loads_without_the_auto_registry(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    def registry_and_torch_imported(path=None):
+        code = (f"import sys, jaxloom.data as jd; jd.load_processor({path!r}); "
+                "print('transformers.models.auto.tokenization_auto' in sys.modules, 'torch' in sys.modules)")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+
+    assert registry_and_torch_imported() == ["False", "False"]
+    auto = AutoTokenizer.from_pretrained(str(jd.bundled_tokenizer_path()))
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    assert type(TOK) is type(auto) and len(TOK) == len(auto)
+    assert TOK.apply_chat_template(msgs, tokenize=False) == auto.apply_chat_template(msgs, tokenize=False)
+    assert TOK("Some words, and more.").input_ids == auto("Some words, and more.").input_ids
+    # a config naming custom code goes through AutoTokenizer, which decides what to do with it
+    custom = tmp_path / "custom"
+    TOK.save_pretrained(custom)
+    meta = json.loads((custom / "tokenizer_config.json").read_text())
+    (custom / "tokenizer_config.json").write_text(json.dumps({**meta, "auto_map": {"AutoTokenizer": [None, "x.Tok"]}}))
+    assert registry_and_torch_imported(str(custom))[0] == "True"
