@@ -47,9 +47,9 @@ class MetricsWriter:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.directory / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            from jaxloom.trainer.tbevents import EventWriter
 
-            self._tb = SummaryWriter(str(self.directory / "tensorboard"))
+            self._tb = EventWriter(self.directory / "tensorboard")
         if use_wandb:
             try:
                 import wandb

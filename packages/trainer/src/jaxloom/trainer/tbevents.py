@@ -1,0 +1,120 @@
+"""TensorBoard event files, written directly: scalars, text and histograms.
+
+The format is TFRecord framing (length, masked CRC-32C of the length, the bytes, masked CRC-32C of
+the bytes) around `Event` protocol buffers, encoded here by hand for the few fields TensorBoard
+reads. Writing them ourselves avoids importing a TensorBoard writer library, which imports PyTorch
+whenever it is installed (seconds of start-up and a few hundred MB of memory).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _crc_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_TABLE = _crc_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli) of `data`, as TFRecord framing uses."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = _TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked(data: bytes) -> int:
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# ---- protocol-buffer encoding (only what events need) ---------------------------------------------
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # negative int64s as ten-byte two's complement, as protobuf does
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, wire: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | wire) + payload
+
+
+def _bytes(number: int, value: bytes | str) -> bytes:
+    value = value.encode() if isinstance(value, str) else value
+    return _field(number, 2, _varint(len(value)) + value)
+
+
+def _event(step: int, *, summary_value: bytes | None = None, file_version: str | None = None) -> bytes:
+    out = _field(1, 1, struct.pack("<d", time.time())) + _field(2, 0, _varint(step))
+    if file_version is not None:
+        out += _bytes(3, file_version)
+    if summary_value is not None:
+        out += _bytes(5, _bytes(1, summary_value))  # Event.summary = Summary{value: [summary_value]}
+    return out
+
+
+class EventWriter:
+    """One `events.out.tfevents.*` file in `directory`; `add_scalar`, `add_text`, `add_histogram`.
+    Records reach the disk at each `flush` (called by every add) and at `close`.
+
+    Args:
+        directory: the folder TensorBoard is pointed at (created if missing)."""
+
+    def __init__(self, directory: str | Path):
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self.path = directory / name
+        self._file = open(self.path, "wb")
+        self._write(_event(0, file_version="brain.Event:2"))
+
+    def _write(self, event: bytes) -> None:
+        header = struct.pack("<Q", len(event))
+        self._file.write(header + struct.pack("<I", _masked(header)) + event + struct.pack("<I", _masked(event)))
+        self._file.flush()
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        """Scalar `value` under `tag` at `step`."""
+        self._write(_event(step, summary_value=_bytes(1, tag) + _field(2, 5, struct.pack("<f", float(value)))))
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        """Markdown `text` under `tag` at `step` (TensorBoard's text plugin)."""
+        metadata = _bytes(1, _bytes(1, "text"))  # SummaryMetadata.plugin_data.plugin_name
+        shape = _bytes(2, _bytes(2, _field(1, 0, _varint(1))))  # TensorShapeProto{dim: [{size: 1}]}
+        tensor = _field(1, 0, _varint(7)) + shape + _bytes(8, text)  # DT_STRING, string_val
+        self._write(_event(step, summary_value=_bytes(1, tag) + _bytes(9, metadata) + _bytes(8, tensor)))
+
+    def add_histogram(self, tag: str, values, step: int, bins: int = 30) -> None:
+        """Histogram of `values` (any array) under `tag` at `step`, in `bins` equal-width buckets."""
+        v = np.asarray(values, np.float64).ravel()
+        if v.size == 0:
+            return
+        counts, edges = np.histogram(v, bins=bins)
+        histo = b"".join(_field(i, 1, struct.pack("<d", x)) for i, x in
+                         enumerate((v.min(), v.max(), v.size, v.sum(), float(v @ v)), start=1))
+        histo += _bytes(6, np.asarray(edges[1:], "<f8").tobytes()) + _bytes(7, counts.astype("<f8").tobytes())
+        self._write(_event(step, summary_value=_bytes(1, tag) + _bytes(5, histo)))
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        if not self._file.closed:
+            self._file.close()
