@@ -59,8 +59,9 @@ class Poison:
                 params=jax.tree_util.tree_map(lambda p: p * jnp.nan, trainer.state.params))
 
 
-def test_nan_loss_stops_naming_the_step(tmp_path):
-    t = trainer(tmp_path, hooks=[Poison()], save_steps=2, max_training_steps=8)
+@pytest.mark.parametrize("donate", [None, True])  # checked at once (state kept) or one step late (donated)
+def test_nan_loss_stops_naming_the_step(tmp_path, donate):
+    t = trainer(tmp_path, hooks=[Poison()], save_steps=2, max_training_steps=8, donate_state=donate)
     with pytest.raises(NonFiniteLossError, match="loss is nan .* at step 3"):
         t.train()
     assert t.checkpoints.all_steps() == [2]  # the earlier checkpoint is untouched

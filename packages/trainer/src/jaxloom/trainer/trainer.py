@@ -202,6 +202,7 @@ class BaseTrainer:
                                       schedule=self.schedule)
         repl = NamedSharding(self._mesh, PartitionSpec())
         donate = a.donate_state if a.donate_state is not None else self._mesh.devices.flat[0].platform != "cpu"
+        self._donated = donate
         self._train_jit = jax.jit(functools.partial(train_step, cfg=self.step_config),
                                   in_shardings=(self.state_shardings, self._batch_sharding),
                                   out_shardings=(self.state_shardings, repl), donate_argnums=0 if donate else ())
@@ -284,8 +285,11 @@ class BaseTrainer:
                     log.warning("profiler trace of steps %d-%d in %s/profile (TensorBoard's profile plugin)",
                                 *a.profile_steps, a.save_directory)
                 window.append(metrics)
-                reason = self.apply_training_hooks(step - 1, _checked(last)) if last is not None else None
-                last = metrics
+                if self._donated:  # checked one step late, so the device never waits for the host
+                    reason = self.apply_training_hooks(step - 1, _checked(last)) if last is not None else None
+                    last = metrics
+                else:  # not donated, a step in flight would hold a third copy of the state: check it now
+                    reason = self.apply_training_hooks(step, _checked(metrics))
                 for h in self.hooks:
                     getattr(h, "on_step_end", lambda *_: None)(self, step, metrics)
                 if step % a.logging_steps == 0 or step == self.total_steps:
@@ -425,7 +429,7 @@ class BaseTrainer:
 
 
 def _checked(metrics: dict) -> dict:
-    """The few values the per-step checks read (fetched one step late, so the device never waits)."""
+    """The few values the per-step checks read."""
     return jax.device_get({k: metrics[k] for k in ("finite", "loss", "grad_norm")})
 
 
