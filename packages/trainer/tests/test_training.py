@@ -128,3 +128,24 @@ def test_state_is_donated_to_the_step_except_on_cpu_unless_asked(tmp_path):
         t.train()
         t.finish()
         assert first.is_deleted() == consumed, donate
+
+
+def test_given_model_survives_a_donated_run_and_seed_init_matches_the_jitted_one(tmp_path):
+    """The state copies a concrete model's parameters (a donated step never consumes the caller's arrays);
+    from a seed, the op-by-op state on one device equals the jitted one on a 2-device mesh."""
+    from jaxloom.trainer import Trainer
+    from util import EVAL, TOK, TRAIN
+
+    from flax import nnx
+
+    model = jm.create_model(tiny(), seed=0)
+    t = Trainer(args(tmp_path / "given", max_training_steps=1, donate_state=True), model, dataset_train=TRAIN,
+                processing_class=TOK, mesh=mesh(1))
+    t.train()
+    t.finish()
+    kernel = nnx.state(model, nnx.Param)["lm_head"]["kernel"][...]
+    assert not kernel.is_deleted() and np.isfinite(np.asarray(kernel)).all()
+    one = trainer(tmp_path / "one", evaluation=EVAL)
+    two = trainer(tmp_path / "two", mesh_=mesh(2))
+    for (name, a), (_, b) in zip(params_of(one.state).items(), params_of(two.state).items(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=name)

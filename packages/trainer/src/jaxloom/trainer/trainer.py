@@ -149,10 +149,10 @@ class BaseTrainer:
             self.state = self._initial_state(build)
 
     def _initial_state(self, build) -> js.TrainState:
-        """The state created on its shards by one jitted program; on a one-device mesh op by op instead,
-        which compiles a few small kernels shared by same-shaped layers rather than one program with a
-        random-number pipeline per parameter (seconds of start-up on CPU, same values to rounding)."""
-        if self._mesh.devices.size > 1:
+        """The state created on its shards by one jitted program. From a seed on a one-device mesh, op by
+        op instead: a few small kernels shared by same-shaped layers compile faster than one program with
+        a random-number pipeline per parameter (seconds of start-up on CPU; same values to rounding)."""
+        if self._mesh.devices.size > 1 or build[1]:  # from given parameters: copies, never aliases of them
             return jax.jit(build[0], out_shardings=self.state_shardings)(*build[1])
         return jax.device_put(build[0](*build[1]), self.state_shardings)
 
