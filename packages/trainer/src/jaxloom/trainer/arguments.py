@@ -115,6 +115,9 @@ class RuntimeArgs:
     # Donate the state's buffers to the step (one copy of it in memory instead of two). None: on GPU/TPU
     # yes; on CPU no, where XLA runs a donated step ~6% slower (measured, docs/performance.md).
     donate_state: bool | None = None
+    # JAX's persistent compilation cache: a rerun or a restart after a crash loads the compiled train
+    # step (and every other program) from here instead of compiling it. Shared by runs; any path.
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "sharding_axis_dims", tuple(self.sharding_axis_dims))

@@ -89,6 +89,8 @@ class BaseTrainer:
         self.resumed_from: str | None = None
         self._stop_requested = False
         self.train_loader = None
+        if self.arguments.compilation_cache_dir:
+            use_compilation_cache(self.arguments.compilation_cache_dir)
         self.configure_model()
         if self.train_loader is None:  # resumed: the loader starts at the restored data position
             self.configure_dataloaders()
@@ -426,6 +428,17 @@ class BaseTrainer:
         self.checkpoints.close()
         self.train_loader.close()
         self._pool.shutdown(wait=False)
+
+
+def use_compilation_cache(directory: str | Path) -> None:
+    """Keep every program this process compiles from now on in `directory` (JAX's persistent
+    compilation cache) and look there before compiling; with several processes JAX writes from one."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # small programs too: start-up
+    compilation_cache.reset_cache()  # takes effect even if something was compiled before
 
 
 def _checked(metrics: dict) -> dict:
