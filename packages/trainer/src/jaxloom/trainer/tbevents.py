@@ -74,7 +74,7 @@ def _event(step: int, *, summary_value: bytes | None = None, file_version: str |
 
 class EventWriter:
     """One `events.out.tfevents.*` file in `directory`; `add_scalar`, `add_text`, `add_histogram`.
-    Records reach the disk at each `flush` (called by every add) and at `close`.
+    Each record is flushed to the file as it is added, so TensorBoard sees a running job's metrics.
 
     Args:
         directory: the folder TensorBoard is pointed at (created if missing)."""
