@@ -132,12 +132,31 @@ def main() -> None:
     d["ratio_to_bare"] = d["cached_tokens_per_second"] / d["bare_tokens_per_second"]
     d["speedup_over_naive"] = d["cached_tokens_per_second"] / d["naive_tokens_per_second"]
     results["decode_cpu"] = d
+    # Does cost follow the work? attention memory vs length, MoE FLOPs vs experts, start-up vs depth
+    results["scale"] = run_process([str(HERE / "model_scale.py")], {"JAX_PLATFORMS": "cpu"})
     results["imports_s"] = import_times()
     t = results["train_cpu"]["trainer"]["tokens_per_second"]
     results["data"] = data_pipeline(t)
     results["checkpoint"] = checkpoints(8 * 128 / t)
     Path("bench-results.json").write_text(json.dumps(results, indent=2))
     print(table(results))
+
+
+def scale_rows(s: dict) -> list[tuple[str, str, str, str]]:
+    att, moe, depth = s["attention_temporaries_gb"], s["moe_step_flops"], s["first_step_s"]
+    ch, xl = att["chunked"], att["xla"]
+    return [
+        ("plan temporaries (GB), T=1k/2k/4k/8k, chunked attention", "/".join(f"{v:.3f}" for v in ch.values()),
+         f"{ch['8192'] / ch['1024']:.2f}", "<= 10 (8k vs 1k)"),
+        ("plan temporaries (GB), T=1k/2k/4k, xla reference (mask)", "/".join(f"{v:.3f}" for v in xl.values()),
+         f"{xl['4096'] / xl['1024']:.2f}", "(4k vs 1k)"),
+        ("MoE train-step GFLOPs, E=8 vs E=2 at k=2, token dispatch", f"{moe['tiled']['8'] / 1e9:.2f} vs "
+         f"{moe['tiled']['2'] / 1e9:.2f}", f"{moe['tiled']['8'] / moe['tiled']['2']:.2f}", "<= 1.2"),
+        ("MoE train-step GFLOPs, E=8 vs E=2, dense reference", f"{moe['dense']['8'] / 1e9:.2f} vs "
+         f"{moe['dense']['2'] / 1e9:.2f}", f"{moe['dense']['8'] / moe['dense']['2']:.2f}", ""),
+        ("start to end of first step (s), 48 vs 4 layers", f"{depth['48']:.2f} vs {depth['4']:.2f}",
+         f"{depth['48'] / depth['4']:.2f}", "<= 1.5"),
+    ]
 
 
 def table(r: dict) -> str:
@@ -174,6 +193,7 @@ def table(r: dict) -> str:
                     f"{d['bare_tokens_per_second']:.0f}", f"{d['ratio_to_bare']:.3f}", ">= 0.9"))
     rows.insert(7, ("decode tokens/s: KV cache vs naive recomputation", f"{d['cached_tokens_per_second']:.0f} vs "
                     f"{d['naive_tokens_per_second']:.0f}", f"{d['speedup_over_naive']:.1f}", ""))
+    rows.extend(scale_rows(r["scale"]))
     for key in ("train_gpu_2048", "train_gpu_8192"):
         if key in r:
             rows.append((f"{key} tokens/s (ratio to bare)", f"{r[key]['trainer']['tokens_per_second']:.0f}",

@@ -22,13 +22,20 @@ def prompts(lengths=(5, 9, 1, 12), width=12, seed=0):
     return ids, mask
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("config", [jm.LlamaConfig(**TINY), jm.MistralConfig(**TINY, sliding_window=6),
                                     jm.MixtralConfig(**TINY, num_local_experts=4)], ids=["llama", "mistral", "mixtral"])
-def test_cached_greedy_equals_naive_recomputation(config):
-    model = jm.create_model(config, seed=1)
+def test_cached_greedy_equals_naive_recomputation(config, scan):
+    """The KV cache (per layer, or stacked for a scanned stack) decodes what recomputation does. For
+    Mistral (sliding window) the naive side runs `chunked` attention, the cached side `xla` over the
+    cache (the naive loop runs eagerly and recompiles per length: one family keeps the test short)."""
+    model = jm.create_model(config, jm.RuntimeConfig(scan_layers=scan, attn_mechanism="auto"), seed=1)
+    assert model.scanned == scan
     ids, mask = prompts()
     out = jg.generate(model, ids, mask, jg.GenerationConfig(max_new_tokens=10))
-    expected = jg.naive_greedy(model, ids, mask, 10)
+    naive = model if not isinstance(config, jm.MistralConfig) else jm.create_model(
+        config, jm.RuntimeConfig(scan_layers=scan, attn_mechanism="chunked", attn_block_size=4), seed=1)
+    expected = jg.naive_greedy(naive, ids, mask, 10)
     np.testing.assert_array_equal(np.asarray(out.completion_ids), expected)
     np.testing.assert_array_equal(np.asarray(out.sequences)[:, :12], ids)
 

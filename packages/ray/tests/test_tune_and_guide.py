@@ -71,7 +71,7 @@ def test_guide_scaling_variables(base):
     config = trainer.create_config(scaling_index=2)
     assert (config.hidden_size, config.intermediate_size, config.num_attention_heads) == (512, 2048, 8)
     assert config.max_position_embeddings == 8192
-    assert (trainer.runtime().attn_mechanism, trainer.runtime().remat) == ("dot_product", "dots_saveable")
+    assert (trainer.runtime().attn_mechanism, trainer.runtime().remat) == ("flash", "dots_saveable")
 
 
 def test_guide_model_initialization_options(base, tmp_path):

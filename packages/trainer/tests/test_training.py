@@ -149,3 +149,43 @@ def test_given_model_survives_a_donated_run_and_seed_init_matches_the_jitted_one
     two = trainer(tmp_path / "two", mesh_=mesh(2))
     for (name, a), (_, b) in zip(params_of(one.state).items(), params_of(two.state).items(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_attention_backend_is_checked_at_setup_before_anything_compiles(tmp_path):
+    """An explicit kernel that cannot run here is refused when the trainer is built (not at step 1, not
+    silently replaced); cuDNN with packed rows too."""
+    flash = jm.create_model(tiny(), jm.RuntimeConfig(attn_mechanism="flash"), lazy=True)
+    with pytest.raises(jm.AttentionUnavailableError, match="'flash' needs a GPU or TPU"):
+        trainer_from(tmp_path, flash)
+    cudnn = jm.create_model(tiny(), jm.RuntimeConfig(attn_mechanism="cudnn"), lazy=True)
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+        trainer_from(tmp_path, cudnn)
+
+
+def test_runtime_settings_from_the_command_reach_the_model(tmp_path):
+    """`scan_layers`, `attn_mechanism`, `attn_block_size`, `moe_implementation` given as arguments
+    (as `jaxloom train key=value` does) build the model they name, and it trains."""
+    from jaxloom.trainer.cli import build_run
+
+    overrides = [f"save_directory={tmp_path}", "max_training_steps=2", "total_batch_size=8", "max_sequence_length=32",
+                 "scan_layers=true", "attn_mechanism=chunked", "attn_block_size=8", "moe_implementation=dense",
+                 "model.model_type=mixtral", "model.hidden_size=32", "model.intermediate_size=64",
+                 "model.num_hidden_layers=2", "model.num_attention_heads=4", "model.num_key_value_heads=2",
+                 "model.num_local_experts=4", "progress_bar=false", "use_tensorboard=false", "evaluation_steps=null",
+                 "generation_prompts=[]"]
+    t, _ = build_run(None, overrides)
+    rt = t.runtime
+    assert (t.model_class.__name__, rt.scan_layers, rt.attn_mechanism, rt.attn_block_size, rt.moe_implementation) == \
+        ("MixtralForCausalLM", True, "chunked", 8, "dense")
+    out = t.train()
+    assert t.model.scanned
+    assert np.isfinite(out.metrics["loss"])
+    t.finish()
+
+
+def trainer_from(tmp, model):
+    from jaxloom.trainer import Trainer
+
+    from util import EVAL, TOK, TRAIN
+
+    return Trainer(args(tmp), model, dataset_train=TRAIN, dataset_eval=EVAL, processing_class=TOK, mesh=mesh(1))

@@ -1,16 +1,17 @@
 """jaxloom.models: Llama, Mistral, Qwen2 and Mixtral in Flax NNX, with HF configs and weights."""
 
 from .__about__ import __version__
-from .attention import make_attention_mask
+from .attention import AttentionUnavailableError, attend, choose_implementation, make_attention_mask
 from .build import count_params, create_model, flops_per_token, param_shardings, param_specs
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
 from .hf import from_pretrained, save_hf_model, to_hf_state_dict
 from .llama import CausalLMOutput, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-from .mixtral import MixtralForCausalLM
+from .mixtral import MixtralForCausalLM, grouped_matmul
 from .registry import TaskType, get_model_class, register, registered
 from .runtime import RuntimeConfig
 
 __all__ = [
+    "AttentionUnavailableError", "attend", "choose_implementation", "grouped_matmul",
     "CONFIG_CLASSES", "CausalLMOutput", "LlamaConfig", "LlamaForCausalLM", "MistralConfig", "MistralForCausalLM",
     "MixtralConfig", "MixtralForCausalLM", "Qwen2Config", "Qwen2ForCausalLM", "RuntimeConfig", "TaskType",
     "__version__", "make_attention_mask", "config_from_hf_dict", "count_params", "create_model", "flops_per_token",

@@ -1,6 +1,29 @@
-"""Attention: masks from padding / packing / causality / windows, and two implementations."""
+"""Attention from structure, not a mask: `attend(q, k, v, segment ids, positions, ...)` with backends.
+
+Who may see whom is described by segment ids (document ids; 0 = padding, sees nothing and is never
+seen), positions (causality and windows) and a window length. Only the `xla` reference builds the
+`[B, T, S]` boolean mask from them; every other backend derives masking per block:
+
+- `xla`: einsum + softmax in float32 over a materialised mask; O(T·S) memory; everywhere (reference).
+- `chunked`: blockwise online softmax over key blocks, flash-style backward that recomputes blocks;
+  O(T·block) memory; everywhere (pure JAX).
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` (causal, lengths, window); O(T);
+  NVIDIA GPUs, one document per row.
+- `flash`: Pallas flash attention with segment ids (JAX's own Triton kernel on GPU, its TPU kernel on
+  TPU); O(T); GPU, TPU.
+
+`auto` picks by platform and shape; an explicitly requested backend that cannot run raises
+`AttentionUnavailableError` instead of silently running another.
+
+Why JAX's own Pallas kernels for `flash` (and not tokamax): they ship inside `jax`, so no extra
+dependency or version pin; the GPU kernel takes segment ids (packed documents) and its backward is a
+Pallas kernel too; it runs in Pallas' interpret mode on CPU, which is how the tests check it
+against `xla` on a machine without a GPU.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +33,23 @@ from .configs import LlamaConfig
 from .layers import Linear, apply_rope, constrain, rope_frequencies
 from .runtime import RuntimeConfig
 
+IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "flash")
+# `auto` uses the reference below this many query x key pairs per row (its mask is small and XLA's
+# fused einsums are fastest there); above, `chunked` keeps memory linear in the length on CPU.
+_AUTO_XLA_MAX_PAIRS = 1024 * 1024
+_NEG = -1e30  # finite "minus infinity" for masked logits: exp underflows to 0, no inf - inf NaNs
+
+
+class AttentionUnavailableError(ValueError):
+    """An explicitly requested attention backend cannot run here (platform, window, or cache use)."""
+
 
 def make_attention_mask(segment_ids: jax.Array, q_positions: jax.Array, k_positions: jax.Array,
-                   sliding_window: int | None = None, kv_segment_ids: jax.Array | None = None) -> jax.Array:
+                        sliding_window: int | None = None, kv_segment_ids: jax.Array | None = None,
+                        causal: bool = True) -> jax.Array:
     """Boolean `[B, T, S]`: query t may see key s iff same segment (segment 0 = padding, sees nothing),
-    s is not after t, and (with a window) t - s < window. Positions order tokens inside a segment.
+    s is not after t (with `causal`), and (with a window) t - s < window. Positions order tokens inside
+    a segment. Only the `xla` backend materialises this; the others compute it per block.
 
     Arguments, grouped:
 
@@ -22,30 +57,225 @@ def make_attention_mask(segment_ids: jax.Array, q_positions: jax.Array, k_positi
     - `q_positions`, `k_positions`: `[B, T]` and `[B, S]` positions of queries and keys.
     - `sliding_window`: the window in tokens, or None.
     - `kv_segment_ids`: `[B, S]` document ids of the keys when they differ from the queries' (KV cache).
+    - `causal`: whether a query sees only keys at or before its position.
     """
     kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
-    same = (segment_ids[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
-    causal = k_positions[:, None, :] <= q_positions[:, :, None]
-    mask = same & causal
-    if sliding_window is not None:
-        mask &= (q_positions[:, :, None] - k_positions[:, None, :]) < sliding_window
+    return _block_mask(segment_ids, q_positions, kv_seg, k_positions, causal, sliding_window)
+
+
+def _block_mask(q_seg, q_pos, k_seg, k_pos, causal, window):
+    mask = (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] != 0)
+    if causal:
+        mask &= k_pos[:, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
     return mask
 
 
-def vanilla_attention(q, k, v, mask, dtype):
-    """Reference: `q [B,T,N,H]`, `k, v [B,S,K,H]` (GQA: N = K·G), `mask [B,T,S]`; softmax in float32."""
+def choose_implementation(requested: str, *, q_len: int, kv_len: int, cached: bool, window: int | None,
+                          platform: str | None = None) -> str:
+    """The backend `attend` runs for `requested` (`auto` or one of `IMPLEMENTATIONS`) on `platform`
+    (default: JAX's default backend) for `q_len` queries against `kv_len` keys, with a sliding `window`
+    (None: none). `cached` calls (decoding with a KV cache) have queries and keys of different lengths,
+    which only `xla` and `chunked` take. Raises
+    `AttentionUnavailableError` when an explicit choice cannot run."""
+    platform = platform or jax.default_backend()
+    small = q_len * kv_len <= _AUTO_XLA_MAX_PAIRS
+    if requested == "auto":
+        if cached or platform == "cpu" or (platform == "gpu" and window is not None):
+            return "xla" if small else "chunked"
+        return "flash" if platform in ("gpu", "cuda", "rocm", "tpu") else ("xla" if small else "chunked")
+    if requested not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {requested!r}; expected 'auto' or one of {IMPLEMENTATIONS}")
+    if requested in ("xla", "chunked"):
+        return requested
+    if cached:  # KV-cache decoding: T != S, which the fused kernels here do not take
+        return "xla" if small else "chunked"
+    if requested == "cudnn" and platform not in ("gpu", "cuda"):
+        raise AttentionUnavailableError(f"attn_mechanism='cudnn' needs an NVIDIA GPU; JAX's backend is {platform!r}. "
+                                        "Use 'auto', 'chunked' or 'xla'.")
+    if requested == "flash":
+        if platform not in ("gpu", "cuda", "rocm", "tpu"):
+            raise AttentionUnavailableError(f"attn_mechanism='flash' needs a GPU or TPU; JAX's backend is "
+                                            f"{platform!r}. Use 'auto' or 'chunked' (blockwise, linear memory).")
+        if window is not None and platform != "tpu":
+            raise AttentionUnavailableError(f"attn_mechanism='flash' on GPU has no sliding window (this model's is "
+                                            f"{window}); use 'chunked' or 'cudnn'.")
+    return requested
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids: jax.Array, q_positions: jax.Array,
+           kv_segment_ids: jax.Array | None = None, kv_positions: jax.Array | None = None, causal: bool = True,
+           window: int | None = None, implementation: str = "auto", cached: bool = False, block_size: int = 512,
+           scale: float | None = None) -> jax.Array:
+    """Attention of `q [B, T, N, H]` over `k, v [B, S, K, H]` (grouped-query: N = K·G), in `q`'s dtype.
+
+    Arguments, grouped:
+
+    - `q_segment_ids`, `q_positions`: `[B, T]` document ids (0 = padding) and positions of the queries;
+      `kv_segment_ids`, `kv_positions`: `[B, S]` the same for the keys (default: the queries', S = T).
+    - `causal`: a query sees keys at or before its position; `window`: and fewer than `window` back.
+    - `implementation`: `auto`, `xla`, `chunked`, `cudnn` or `flash` (see the module docstring);
+      `cached`: this is a KV-cache call (keys are the cache), which the fused kernels do not take.
+    - `block_size`: keys per block for `chunked`; `scale`: logit scale (default `1/sqrt(H)`).
+    """
+    kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+    kv_positions = q_positions if kv_positions is None else kv_positions
+    scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    impl = choose_implementation(implementation, q_len=q.shape[1], kv_len=k.shape[1], cached=cached, window=window)
+    if impl == "xla":
+        mask = _block_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, causal, window)
+        return _xla_attention(q, k, v, mask, scale)
+    if impl == "chunked":
+        return _chunked(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions, causal, window,
+                        min(block_size, k.shape[1]), scale)
+    if impl == "cudnn":
+        return _cudnn(q, k, v, q_segment_ids, causal, window, scale)
+    return _flash(q, k, v, q_segment_ids, causal, window, scale)
+
+
+# ---- xla: the reference ------------------------------------------------------------------------------
+
+def _xla_attention(q, k, v, mask, scale):
+    """`q [B,T,N,H]`, `k, v [B,S,K,H]`, `mask [B,T,S]`; logits and softmax in float32."""
     b, t, n, h = q.shape
     kh = k.shape[2]
-    q = q.reshape(b, t, kh, n // kh, h)
-    logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(h).astype(jnp.float32)
+    qg = q.reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, h)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, h).astype(q.dtype)
 
 
-def fast_attention(q, k, v, mask, dtype):
-    """`jax.nn.dot_product_attention` (XLA on CPU, cuDNN flash attention where it applies on GPU)."""
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None]).astype(dtype)
+# ---- chunked: blockwise online softmax, linear memory ----------------------------------------------------
+
+def _key_blocks(k, v, k_seg, k_pos, block):
+    """Pad the key axis to a multiple of `block` (padding keys get segment 0: never seen) and put the
+    block index first, for `lax.scan`."""
+    b, s, kh, h = k.shape
+    pad = -s % block
+    if pad:
+        k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
+        k_seg, k_pos = (jnp.pad(x, ((0, 0), (0, pad))) for x in (k_seg, k_pos))
+    nb = (s + pad) // block
+
+    def split(x):
+        return jnp.moveaxis(x.reshape(b, nb, block, *x.shape[2:]), 1, 0)
+
+    return split(k), split(v), split(k_seg), split(k_pos)
+
+
+def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block, scale):
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    qg = q.reshape(b, t, kh, g, h)
+
+    def body(carry, blk):
+        m, norm, acc = carry  # running max [B,K,G,T], normaliser [B,K,G,T], output [B,T,K,G,H] (float32)
+        kb, vb, sb, pb = blk
+        s = jnp.einsum("btkgh,bskh->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
+        mask = _block_mask(q_seg, q_pos, sb, pb, causal, window)[:, None, None]
+        s = jnp.where(mask, s, _NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        norm = norm * corr + p.sum(-1)
+        pv = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
+        acc = acc * jnp.moveaxis(corr, -1, 1)[..., None] + pv
+        return (m_new, norm, acc), None
+
+    init = (jnp.full((b, kh, g, t), _NEG, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
+            jnp.zeros((b, t, kh, g, h), jnp.float32))
+    (m, norm, acc), _ = jax.lax.scan(body, init, _key_blocks(k, v, k_seg, k_pos, block))
+    safe = jnp.where(norm > 0, norm, 1.0)  # a query that sees nothing (padding) gets 0, not NaN
+    out = (acc / jnp.moveaxis(safe, -1, 1)[..., None]).reshape(b, t, n, h).astype(q.dtype)
+    lse = jnp.where(norm > 0, m + jnp.log(safe), 0.0)
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _chunked(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block, scale):
+    return _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block, scale)[0]
+
+
+def _chunked_fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block, scale):
+    out, lse = _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block, scale)
+    return out, (q, k, v, q_seg, q_pos, k_seg, k_pos, out, lse)  # O(T) residuals: no probabilities kept
+
+
+def _chunked_bwd(causal, window, block, scale, res, d_out):
+    """Flash-attention backward: per key block, recompute the probabilities from the saved log-sum-exp,
+    accumulate dq over blocks and emit that block's dk, dv."""
+    q, k, v, q_seg, q_pos, k_seg, k_pos, out, lse = res
+    b, t, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    qg = q.reshape(b, t, kh, g, h)
+    dog = d_out.reshape(b, t, kh, g, h)
+    delta = jnp.einsum("btkgh,btkgh->bkgt", dog.astype(jnp.float32), out.reshape(b, t, kh, g, h).astype(jnp.float32))
+
+    def body(dq, blk):
+        kb, vb, sb, pb = blk
+        s = jnp.einsum("btkgh,bskh->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
+        mask = _block_mask(q_seg, q_pos, sb, pb, causal, window)[:, None, None]
+        p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
+        dv = jnp.einsum("bkgts,btkgh->bskh", p.astype(dog.dtype), dog, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("btkgh,bskh->bkgts", dog, vb, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[..., None]) * scale
+        dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds.astype(kb.dtype), kb, preferred_element_type=jnp.float32)
+        dk = jnp.einsum("bkgts,btkgh->bskh", ds.astype(qg.dtype), qg, preferred_element_type=jnp.float32)
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros((b, t, kh, g, h), jnp.float32),
+                                _key_blocks(k, v, k_seg, k_pos, block))
+
+    def unblock(x, like):
+        return jnp.moveaxis(x, 0, 1).reshape(b, -1, kh, h)[:, :s_len].astype(like.dtype)
+
+    return (dq.reshape(b, t, n, h).astype(q.dtype), unblock(dk, k), unblock(dv, v), None, None, None, None)
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# ---- fused kernels (GPU / TPU) ------------------------------------------------------------------------
+
+def _cudnn(q, k, v, seg, causal, window, scale):
+    """cuDNN's fused attention. It knows causality, per-row lengths and a window, not documents: rows
+    must hold one right-padded document each (the trainer refuses `packing` with this backend)."""
+    lengths = jnp.sum(seg != 0, axis=-1).astype(jnp.int32)
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, query_seq_lengths=lengths,
+                                       key_value_seq_lengths=lengths,
+                                       local_window_size=None if window is None else (window - 1, 0),
+                                       implementation="cudnn")
+    return out.astype(q.dtype)
+
+
+def _flash(q, k, v, seg, causal, window, scale, *, interpret: bool = False, block: int = 128):
+    """Pallas flash attention with segment ids (no mask in memory). Causality is by index, which equals
+    causality by position inside a document (positions count up within each one). GQA: keys and
+    values are repeated to the query heads (the kernels take equal head counts)."""
+    n, kh = q.shape[2], k.shape[2]
+    if n != kh:
+        k, v = (jnp.repeat(x, n // kh, axis=2) for x in (k, v))
+    if not interpret and jax.default_backend() == "tpu":
+        from jax.experimental.pallas.ops.tpu import flash_attention as tpu
+
+        ids = tpu.SegmentIds(q=seg, kv=seg)
+        out = tpu.flash_attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), segment_ids=ids, causal=causal,
+                                  sm_scale=scale)
+        return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+    from jax.experimental.pallas.ops.gpu import attention as gpu
+
+    t = q.shape[1]
+    bq = min(block, t)
+    if t % bq:
+        raise AttentionUnavailableError(f"attn_mechanism='flash': sequence length {t} is not a multiple of the "
+                                        f"kernel's block of {bq}; pad max_sequence_length to a multiple of {bq}")
+    sizes = gpu.BlockSizes(block_q=bq, block_k=bq, block_q_dkv=bq, block_kv_dkv=bq, block_q_dq=bq, block_kv_dq=bq)
+    out = gpu.mha(q, k, v, seg, sm_scale=scale, causal=causal, block_sizes=sizes, interpret=interpret)
+    return out.astype(q.dtype)
 
 
 class Attention(nnx.Module):
@@ -58,11 +288,12 @@ class Attention(nnx.Module):
         self.o_proj = Linear(n * h, d, ("heads", "embed"), runtime, use_bias=config.o_bias, std=std, rngs=rngs)
         self.n, self.kv, self.h = n, kv, h
         self.config, self.runtime = config, runtime
-        self.impl = vanilla_attention if runtime.attn_mechanism == "vanilla" else fast_attention
 
-    def __call__(self, x, positions, mask, cache=None, cache_index=None):
-        """With `cache=(k, v)` (`[B, S, KV, H]` each), this call's keys and values are written at
-        `cache_index` and attention runs over the whole cache; returns `(out, new_cache)`."""
+    def __call__(self, x, positions, segment_ids, cache=None, cache_index=None, kv_positions=None,
+                 kv_segment_ids=None):
+        """Self-attention of `x [B, T, D]`. With `cache=(k, v)` (`[B, S, KV, H]` each), this call's keys and
+        values are written at `cache_index` and attention runs over the whole cache, whose slots are
+        described by `kv_positions` / `kv_segment_ids` `[B, S]`; returns `(out, new_cache)`."""
         b, t, _ = x.shape
         rt = self.runtime
         q = self.q_proj(x).reshape(b, t, self.n, self.h)
@@ -79,5 +310,9 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "query_length", "heads", "head_dim"), rt)
         k = constrain(k, ("batch", "key_length", "kv_heads", "kv_head_dim"), rt)
         v = constrain(v, ("batch", "key_length", "kv_heads", "kv_head_dim"), rt)
-        out = self.impl(q, k, v, mask, rt.dtype)
+        out = attend(q, k, v, q_segment_ids=segment_ids, q_positions=positions,
+                     kv_segment_ids=kv_segment_ids if cache is not None else None,
+                     kv_positions=kv_positions if cache is not None else None, causal=True,
+                     window=self.config.sliding_window, implementation=rt.attn_mechanism, cached=cache is not None,
+                     block_size=rt.attn_block_size)
         return self.o_proj(out.reshape(b, t, self.n * self.h)), cache

@@ -27,8 +27,12 @@ def _names(path) -> list[str]:
     return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
-def hf_sources(names: list[str], config: LlamaConfig) -> list[tuple[str, bool]]:
-    """HF tensor names for one of our parameters, and whether each is stored transposed."""
+def hf_sources(names: list[str], config: LlamaConfig):
+    """Where one of our parameters lives in an HF checkpoint: a `(tensor name, stored transposed)` pair,
+    or, for a parameter stacked on its first axis (a scanned layer stack, Mixtral's experts), a list
+    with one such entry (itself possibly a list) per index of that axis."""
+    if len(names) > 2 and names[:2] == ["model", "layers"] and not names[2].isdigit():  # scanned stack
+        return [hf_sources([*names[:2], str(i), *names[2:]], config) for i in range(config.num_hidden_layers)]
     *module, leaf = names
     if isinstance(config, MixtralConfig) and "mlp" in module:
         module = ["block_sparse_moe" if m == "mlp" else m for m in module]
@@ -37,10 +41,14 @@ def hf_sources(names: list[str], config: LlamaConfig) -> list[tuple[str, bool]]:
             return [(f"{base}.experts.{e}.{_EXPERT_FILES[leaf]}.weight", True) for e in range(config.num_local_experts)]
     base = ".".join(module)
     if leaf == "kernel":
-        return [(f"{base}.weight", True)]
+        return (f"{base}.weight", True)
     if leaf == "embedding":
-        return [(f"{base}.weight", False)]
-    return [(f"{base}.{leaf}", False)]
+        return (f"{base}.weight", False)
+    return (f"{base}.{leaf}", False)
+
+
+def _source_names(src) -> list[str]:
+    return [src[0]] if isinstance(src, tuple) else [n for s in src for n in _source_names(s)]
 
 
 def _open_checkpoint(path: Path) -> dict[str, np.ndarray]:
@@ -83,15 +91,21 @@ def from_pretrained(path: str | Path, runtime: RuntimeConfig | None = None, *, m
     def load(path_keys, var):
         names = _names(path_keys)
         sources = hf_sources(names, config)
-        absent = [s for s, _ in sources if s not in tensors]
+        wanted = _source_names(sources)
+        absent = [s for s in wanted if s not in tensors]
         if absent:
             missing.extend(absent)
             return var
-        parts = [tensors[s].T if t else tensors[s] for s, t in sources]
-        used.update(s for s, _ in sources)
-        src = parts[0] if len(parts) == 1 else _Stacked(parts)
+        used.update(wanted)
+
+        def lazy(src):
+            if isinstance(src, tuple):
+                return tensors[src[0]].T if src[1] else tensors[src[0]]
+            return _Stacked([lazy(s) for s in src])
+
+        src = lazy(sources)
         if tuple(src.shape) != tuple(var.shape):
-            raise ValueError(f"weight {sources[0][0]} has shape {tuple(src.shape)}, but parameter "
+            raise ValueError(f"weight {wanted[0]} has shape {tuple(src.shape)}, but parameter "
                              f"{'/'.join(names)} of {cls.__name__} expects {tuple(var.shape)}")
         dtype = var.get_value().dtype
         if mesh is None:
@@ -120,7 +134,8 @@ def _lookup(tree, path_keys):
 
 
 class _Stacked:
-    """Lazy `np.stack(parts)`: indexing reads only the experts asked for."""
+    """Lazy `np.stack(parts)` (parts are arrays or `_Stacked`): indexing reads only the slices asked
+    for, so a process reads just the layers and experts its shards hold."""
 
     def __init__(self, parts):
         self.parts = parts
@@ -129,9 +144,10 @@ class _Stacked:
     def __getitem__(self, idx):
         idx = idx if isinstance(idx, tuple) else (idx,)
         if not idx or idx[0] is Ellipsis:
-            return np.stack([p[...] for p in self.parts])
-        rest = idx[1:]
-        return np.stack([p[rest] if rest else p[...] for p in self.parts[idx[0]]])
+            first, rest = slice(None), ()
+        else:
+            first, rest = idx[0], idx[1:]
+        return np.stack([np.asarray(p[rest]) for p in self.parts[first]])
 
 
 def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -143,13 +159,15 @@ def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
     state = nnx.state(model, nnx.Param)
     for path_keys, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]:
         value = gather(var.get_value())
-        sources = hf_sources(_names(path_keys), config)
-        if len(sources) == 1:
-            name, transposed = sources[0]
-            out[name] = value.T if transposed else value
-        else:
-            for e, (name, transposed) in enumerate(sources):
-                out[name] = value[e].T if transposed else value[e]
+
+        def emit(src, value):
+            if isinstance(src, tuple):
+                out[src[0]] = value.T if src[1] else value
+            else:
+                for i, s in enumerate(src):
+                    emit(s, value[i])
+
+        emit(hf_sources(_names(path_keys), config), value)
     return out
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import Attention, make_attention_mask
+from .attention import Attention
 from .configs import LlamaConfig, MistralConfig, Qwen2Config
 from .layers import ACTIVATIONS, Embed, Linear, RMSNorm, constrain
 from .registry import TaskType, register
@@ -30,7 +30,7 @@ class CausalLMOutput:
 
     logits: jax.Array                # [B, T, V]
     aux_loss: jax.Array | None = None  # MoE load-balancing loss (unscaled), None for dense models
-    cache: list | None = None          # per layer (k, v) `[B, S, KV, H]` when called with a cache
+    cache: Any = None                  # per layer (k, v) `[B, S, KV, H]`, or stacked `[L, B, S, KV, H]` when scanned
 
 
 class MLP(nnx.Module):
@@ -55,8 +55,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = mlp_factory(config, runtime, rngs=rngs)
         self.runtime = runtime
 
-    def __call__(self, x, positions, mask, token_mask, cache=None, cache_index=None):
-        attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index)
+    def __call__(self, x, positions, segment_ids, token_mask, cache=None, cache_index=None, kv_positions=None,
+                 kv_segment_ids=None):
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, segment_ids, cache, cache_index,
+                                     kv_positions, kv_segment_ids)
         x = x + attn
         out, aux = self.mlp(self.post_attention_layernorm(x), token_mask)
         x = constrain(x + out, ("batch", "length", "embed"), self.runtime)
@@ -84,8 +86,13 @@ class CausalLM(nnx.Module):
         self.model = nnx.Module()
         self.model.embed_tokens = Embed(config.vocab_size, config.hidden_size, runtime,
                                         std=config.initializer_range, rngs=rngs)
-        self.model.layers = nnx.List([DecoderLayer(config, runtime, type(self).mlp_factory, rngs=rngs)
-                                      for _ in range(config.num_hidden_layers)])
+        def make_layer(r):
+            return DecoderLayer(config, runtime, type(self).mlp_factory, rngs=r)
+
+        n = config.num_hidden_layers
+        self.scanned = runtime.scans(n)
+        self.model.layers = stack_layers(make_layer, n, rngs) if self.scanned else nnx.List(
+            [make_layer(rngs) for _ in range(n)])
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, ("embed", "vocab"), runtime, std=config.initializer_range, rngs=rngs)
@@ -100,39 +107,77 @@ class CausalLM(nnx.Module):
         token_mask = segment_ids != 0
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(token_mask, axis=-1) - 1, 0)
-        if cache is None:
-            mask = make_attention_mask(segment_ids, positions, positions, self.config.sliding_window)
-        else:
-            mask = make_attention_mask(segment_ids, positions, kv_positions, self.config.sliding_window, kv_segment_ids)
         x = constrain(self.model.embed_tokens(input_ids), ("batch", "length", "embed"), self.runtime)
+        decode = dict(cache_index=cache_index, kv_positions=kv_positions, kv_segment_ids=kv_segment_ids)
 
-        def run(layer, x, positions, mask, token_mask):
-            return layer(x, positions, mask, token_mask)[:2]
+        def run(layer, x, layer_cache):
+            return layer(x, positions, segment_ids, token_mask, layer_cache, **decode)
 
-        if self.runtime.remat != "none" and cache is None:
-            run = nnx.remat(run, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=True)
-        aux_total, new_cache = None, []
-        for i, layer in enumerate(self.model.layers):
-            if cache is None:
-                x, aux = run(layer, x, positions, mask, token_mask)
-            else:
-                x, aux, layer_cache = layer(x, positions, mask, token_mask, cache[i], cache_index)
+        remat = self.runtime.remat != "none" and cache is None
+        if self.scanned:
+            x, aux_total, new_cache = self._scan(run, x, cache, remat)
+        else:
+            if remat:
+                run = nnx.remat(run, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=True)
+            aux_total, new_cache = None, []
+            for i, layer in enumerate(self.model.layers):
+                x, aux, layer_cache = run(layer, x, None if cache is None else cache[i])
                 new_cache.append(layer_cache)
-            if aux is not None:
-                aux_total = aux if aux_total is None else aux_total + aux
+                if aux is not None:
+                    aux_total = aux if aux_total is None else aux_total + aux
         x = self.model.norm(x)
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
         logits = constrain(logits, ("batch", "length", "vocab"), self.runtime)
         if aux_total is not None:
-            aux_total = aux_total / len(self.model.layers)
+            aux_total = aux_total / self.config.num_hidden_layers
         return CausalLMOutput(logits=logits, aux_loss=aux_total, cache=new_cache if cache is not None else None)
 
-    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> list:
-        """Zeroed per-layer key/value buffers `[B, S, KV, H]` in the compute dtype."""
+    def _scan(self, run, x, cache, remat: bool):
+        """The stacked layers as one `lax.scan`: the body is one layer, traced and compiled once whatever
+        the depth; each step slices that layer's parameters (and cache) off the leading axis. With remat,
+        the body is checkpointed, so the backward keeps only each layer's input (and what the policy
+        saves)."""
+        graphdef, stacked = nnx.split(self.model.layers)
+
+        def layer_fn(layer_state, x, layer_cache):
+            return run(nnx.merge(graphdef, layer_state), x, layer_cache)
+
+        if remat:  # prevent_cse is unnecessary inside scan (the loop already keeps the recomputation apart)
+            layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=False)
+
+        def body(x, xs):
+            layer_state, layer_cache = xs
+            x, aux, layer_cache = layer_fn(layer_state, x, layer_cache)
+            return x, (aux, layer_cache)
+
+        x, (aux, new_cache) = jax.lax.scan(body, x, (stacked, cache))
+        return x, None if aux is None else jnp.sum(aux), new_cache
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> Any:
+        """Zeroed key/value buffers in the compute dtype: a list of per-layer `(k, v)` `[B, S, KV, H]`, or
+        for a scanned stack one `(k, v)` pair stacked `[L, B, S, KV, H]`."""
         c = self.config
         shape = (batch_size, max_length, c.num_key_value_heads, c.head_dim)
         dtype = dtype or self.runtime.dtype
+        if self.scanned:
+            stacked = (c.num_hidden_layers, *shape)
+            return jnp.zeros(stacked, dtype), jnp.zeros(stacked, dtype)
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_hidden_layers)]
+
+
+def stack_layers(make_layer, n: int, rngs: nnx.Rngs) -> nnx.Module:
+    """One layer module whose every variable carries a leading axis of `n` layers (logical name None:
+    never sharded), each layer initialised from its own key. `CausalLM` scans over that axis."""
+    keys = jax.random.split(rngs.params(), n)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: make_layer(nnx.Rngs(0))))
+    states = jax.vmap(lambda key: nnx.state(make_layer(nnx.Rngs(params=key))))(keys)
+
+    def add_layer_axis(v):
+        axes = v.get_metadata().get("logical_axes")
+        return v.replace(logical_axes=(None, *axes)) if axes is not None else v
+
+    states = jax.tree_util.tree_map(add_layer_axis, states, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, states)
 
 
 @register("llama", TaskType.CAUSAL_LM)

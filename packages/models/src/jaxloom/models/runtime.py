@@ -9,9 +9,12 @@ import jax.numpy as jnp
 
 from jaxloom.mesh import PartitionAxis
 
-AttnMechanism = Literal["auto", "vanilla", "dot_product"]
+AttnMechanism = Literal["auto", "xla", "chunked", "cudnn", "flash"]
 RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"]
-ATTN_MECHANISMS = ("auto", "vanilla", "dot_product")
+ATTN_MECHANISMS = ("auto", "xla", "chunked", "cudnn", "flash")
+# Earlier names, read as what they always ran: both were the XLA path over a materialised mask.
+ATTN_ALIASES = {"vanilla": "xla", "dot_product": "xla"}
+MOE_IMPLEMENTATIONS = ("auto", "ragged", "tiled", "dense")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
@@ -28,9 +31,18 @@ class RuntimeConfig:
     """Args:
       dtype: computation dtype. param_dtype: storage dtype of the parameters.
       precision: `jax.lax.Precision` name for matmuls (None = default).
-      attn_mechanism: 'vanilla' (reference einsum), 'dot_product' (`jax.nn.dot_product_attention`,
-        cuDNN flash attention on GPU) or 'auto' (dot_product).
+      attn_mechanism: the attention backend (`attention.attend`): 'xla' (reference, materialised mask),
+        'chunked' (blockwise, linear memory, any platform), 'cudnn' (NVIDIA), 'flash' (Pallas, GPU/TPU)
+        or 'auto' (by platform and length). An explicit backend that cannot run is an error.
+        ('vanilla' and 'dot_product', the earlier names, mean 'xla'.)
+      attn_block_size: keys per block of the 'chunked' backend.
       remat: rematerialisation of each decoder layer: none, full, or a policy saving matmul outputs.
+      scan_layers: stack the decoder layers' parameters and run them with one `lax.scan` (compile time
+        flat in depth); None = scan when the model has more than 4 layers.
+      moe_implementation: how routed experts compute: 'ragged' (`lax.ragged_dot`, grouped GEMM kernels on
+        GPU/TPU), 'tiled' (tokens sorted by expert in fixed tiles, pure JAX: FLOPs follow k on any
+        platform), 'dense' (every expert on every token: the test reference) or 'auto' (ragged on
+        GPU/TPU, tiled on CPU, where XLA lowers ragged_dot densely).
       partition_axis: the logical → mesh axis mapping used for parameters and activations.
     """
 
@@ -38,20 +50,35 @@ class RuntimeConfig:
     param_dtype: Any = jnp.float32
     precision: str | None = None
     attn_mechanism: AttnMechanism = "auto"
+    attn_block_size: int = 512
     remat: RematPolicy = "none"
+    scan_layers: bool | None = None
+    moe_implementation: str = "auto"
     partition_axis: PartitionAxis = dataclasses.field(default_factory=PartitionAxis)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", to_dtype(self.dtype))
         object.__setattr__(self, "param_dtype", to_dtype(self.param_dtype))
+        object.__setattr__(self, "attn_mechanism", ATTN_ALIASES.get(self.attn_mechanism, self.attn_mechanism))
         if self.attn_mechanism not in ATTN_MECHANISMS:
             raise ValueError(f"attn_mechanism {self.attn_mechanism!r}; expected one of {ATTN_MECHANISMS}")
+        if isinstance(self.attn_block_size, bool) or not isinstance(self.attn_block_size, int) \
+                or self.attn_block_size < 1:
+            raise ValueError(f"attn_block_size {self.attn_block_size!r}; expected a positive integer")
+        if self.moe_implementation not in MOE_IMPLEMENTATIONS:
+            raise ValueError(f"moe_implementation {self.moe_implementation!r}; expected one of {MOE_IMPLEMENTATIONS}")
+        if self.scan_layers not in (None, True, False):
+            raise ValueError(f"scan_layers {self.scan_layers!r}; expected true, false or null (auto)")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat {self.remat!r}; expected one of {REMAT_POLICIES}")
         if self.precision not in (None, "default", "high", "highest", "DEFAULT", "HIGH", "HIGHEST"):
             raise ValueError(f"precision {self.precision!r}; expected None, 'default', 'high' or 'highest'")
         if isinstance(self.partition_axis, dict):
             object.__setattr__(self, "partition_axis", PartitionAxis.from_dict(self.partition_axis))
+
+    def scans(self, num_layers: int) -> bool:
+        """Whether a model of `num_layers` decoder layers runs them as one scanned stack."""
+        return num_layers > 4 if self.scan_layers is None else bool(self.scan_layers)
 
     def replace(self, **changes: Any) -> RuntimeConfig:
         """A copy with `changes` applied (validated again)."""

@@ -26,9 +26,11 @@ _REMAT = {"none": "none", "everything_saveable": "none", "nothing_saveable": "fu
           "checkpoint_dots": "dots_saveable", "selective": "dots_saveable", "dots_saveable": "dots_saveable",
           "checkpoint_dots_with_no_batch_dims": "dots_with_no_batch_dims_saveable",
           "dots_with_no_batch_dims_saveable": "dots_with_no_batch_dims_saveable"}
-# EasyDeL's attention names → ours: every fused kernel is `jax.nn.dot_product_attention` here.
-_ATTN = {"auto": "auto", "vanilla": "vanilla", "dot_product": "dot_product", "sdpa": "dot_product",
-         "flash": "dot_product", "flash_attn2": "dot_product", "cudnn": "dot_product", "splash": "dot_product"}
+# EasyDeL's attention names → our backends (jaxloom.models.attention): its Pallas kernels are our
+# `flash`, its cuDNN/SDPA paths our `cudnn`; an explicit kernel that cannot run here is an error.
+_ATTN = {"auto": "auto", "vanilla": "xla", "dot_product": "xla", "xla": "xla", "chunked": "chunked",
+         "blockwise": "chunked", "sdpa": "cudnn", "cudnn": "cudnn", "flash": "flash", "flash_attn2": "flash",
+         "splash": "flash"}
 _RUNTIME_KEYS = {"dtype", "param_dtype", "precision", "attn_mechanism", "gradient_checkpointing", "partition_axis"}
 _MESH_KEYS = {"sharding_axis_names", "sharding_axis_dims", "sharding_dcn_axis_dims"}
 # Accepted for EasyDeL compatibility: attention runs in `dtype` with a float32 softmax here.

@@ -107,8 +107,14 @@ class DataArgs:
 class RuntimeArgs:
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # Attention backend: auto, xla, chunked (linear memory, any platform), cudnn, flash (GPU/TPU).
     attn_mechanism: str = "auto"
+    attn_block_size: int = 512
     remat: str = "none"
+    # Scan the decoder stack (compile time flat in depth); None: when the model has more than 4 layers.
+    scan_layers: bool | None = None
+    # MoE experts: auto (ragged on GPU/TPU, tiled on CPU), ragged, tiled, dense (reference).
+    moe_implementation: str = "auto"
     sharding_axis_dims: tuple[int, ...] = (1, -1, 1, 1, 1)
     sharding_axis_names: tuple[str, ...] = ("dp", "fsdp", "ep", "tp", "sp")
     sharding_dcn_axis_dims: tuple[int, ...] | None = None

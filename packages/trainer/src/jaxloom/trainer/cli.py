@@ -48,7 +48,8 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
         held = max(1, int(len(records) * float(data_cfg.get("eval_fraction", 0.05))))
         train, evaluation = records[:-held], evaluation or records[-held:]
     runtime = jm.RuntimeConfig(dtype=args.dtype, param_dtype=args.param_dtype, attn_mechanism=args.attn_mechanism,
-                               remat=args.remat)
+                               attn_block_size=args.attn_block_size, remat=args.remat, scan_layers=args.scan_layers,
+                               moe_implementation=args.moe_implementation)
     pretrained = model_cfg.pop("from_pretrained", None)
     if pretrained:
         model = jm.from_pretrained(pretrained, runtime, config_overrides=model_cfg or None)

@@ -121,6 +121,7 @@ class BaseTrainer:
             self._mesh = MeshConfig(a.sharding_axis_dims, a.sharding_axis_names, a.sharding_dcn_axis_dims).build()
         template = self._model_in
         self.config, self.runtime, self.model_class = template.config, template.runtime, type(template)
+        self._check_attention()
         self.total_steps = a.max_training_steps or self._steps_for_epochs()
         self.tx, self.schedule = make_optimizer(a.optim, self.total_steps)
         self.n_params = jmod.count_params(template)
@@ -149,6 +150,17 @@ class BaseTrainer:
                 log.warning("resume_if_possible: no complete checkpoint in %s; starting from scratch", ckpt_dir)
             self.configure_dataloaders()  # from the start of the data: tokenizing overlaps creating the state
             self.state = self._initial_state(build)
+
+    def _check_attention(self) -> None:
+        """The model's attention backend must run on this mesh's platform at this length, before anything
+        compiles; cuDNN's kernel cannot keep packed documents apart."""
+        rt, a = self.runtime, self.arguments
+        platform = self._mesh.devices.flat[0].platform
+        jmod.choose_implementation(rt.attn_mechanism, q_len=a.max_sequence_length, kv_len=a.max_sequence_length,
+                                   cached=False, window=self.config.sliding_window, platform=platform)
+        if rt.attn_mechanism == "cudnn" and a.packing:
+            raise ValueError("attn_mechanism='cudnn' cannot keep packed documents apart (it knows lengths, not "
+                             "segments): set packing=false, or use attn_mechanism='flash' or 'auto'")
 
     def _initial_state(self, build) -> js.TrainState:
         """The state created on its shards by one jitted program. From a seed on a one-device mesh, op by
