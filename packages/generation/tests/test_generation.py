@@ -22,13 +22,15 @@ def prompts(lengths=(5, 9, 1, 12), width=12, seed=0):
     return ids, mask
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
-@pytest.mark.parametrize("config", [jm.LlamaConfig(**TINY), jm.MistralConfig(**TINY, sliding_window=6),
-                                    jm.MixtralConfig(**TINY, num_local_experts=4)], ids=["llama", "mistral", "mixtral"])
+@pytest.mark.parametrize(("config", "scan"), [
+    (jm.LlamaConfig(**TINY), False), (jm.LlamaConfig(**TINY), True),
+    (jm.MistralConfig(**TINY, sliding_window=6), True), (jm.MixtralConfig(**TINY, num_local_experts=4), False),
+], ids=["llama-unrolled", "llama-scanned", "mistral-scanned", "mixtral-unrolled"])
 def test_cached_greedy_equals_naive_recomputation(config, scan):
     """The KV cache (per layer, or stacked for a scanned stack) decodes what recomputation does. For
     Mistral (sliding window) the naive side runs `chunked` attention, the cached side `xla` over the
-    cache (the naive loop runs eagerly and recompiles per length: one family keeps the test short)."""
+    cache. (The naive loop runs eagerly and recompiles per length: each cache layout and each family is
+    covered once, not every pair.)"""
     model = jm.create_model(config, jm.RuntimeConfig(scan_layers=scan, attn_mechanism="auto"), seed=1)
     assert model.scanned == scan
     ids, mask = prompts()

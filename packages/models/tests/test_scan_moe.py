@@ -24,11 +24,12 @@ def logits_and_grads(model, ids):
     return np.asarray(model(ids).logits), jax.grad(loss)(state)
 
 
-def test_scan_is_automatic_above_four_layers_and_stacks_parameters():
-    assert not jm.create_model(jm.LlamaConfig(**SMALL, num_hidden_layers=4), lazy=True).scanned
-    deep = jm.create_model(jm.LlamaConfig(**SMALL, num_hidden_layers=6), lazy=True)
+def test_scan_is_automatic_above_sixteen_layers_and_stacks_parameters():
+    assert jm.SCAN_ABOVE_LAYERS == 16
+    assert not jm.create_model(jm.LlamaConfig(**SMALL, num_hidden_layers=16), lazy=True).scanned
+    deep = jm.create_model(jm.LlamaConfig(**SMALL, num_hidden_layers=17), lazy=True)
     assert deep.scanned
-    assert deep.model.layers.self_attn.q_proj.kernel.get_value().shape == (6, 32, 32)
+    assert deep.model.layers.self_attn.q_proj.kernel.get_value().shape == (17, 32, 32)
     assert deep.model.layers.self_attn.q_proj.kernel.get_metadata()["logical_axes"] == (None, "embed", "heads")
     assert not jm.create_model(jm.LlamaConfig(**SMALL, num_hidden_layers=6), jm.RuntimeConfig(scan_layers=False),
                                lazy=True).scanned
@@ -57,9 +58,9 @@ def test_scanned_equals_unrolled_with_the_same_weights(tmp_path, remat):
 
 def test_scanned_model_shards_on_a_mesh():
     config = jm.LlamaConfig(**SMALL, num_hidden_layers=5)
-    model = jm.create_model(config, seed=0)
+    model = jm.create_model(config, jm.RuntimeConfig(scan_layers=True), seed=0)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
-    sharded = jm.create_model(config, seed=0, mesh=mesh)
+    sharded = jm.create_model(config, jm.RuntimeConfig(scan_layers=True), seed=0, mesh=mesh)
     assert sharded.model.layers.mlp.up_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tp")
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (4, 8)))
     with jax.set_mesh(mesh):
@@ -68,7 +69,8 @@ def test_scanned_model_shards_on_a_mesh():
 
 
 def _compiled_size(layers):
-    model = jm.create_model(jm.LlamaConfig(**SMALL, num_hidden_layers=layers), lazy=True)
+    model = jm.create_model(jm.LlamaConfig(**SMALL, num_hidden_layers=layers), jm.RuntimeConfig(scan_layers=True),
+                            lazy=True)
     graphdef, state = nnx.split(model)
     ids = jax.ShapeDtypeStruct((2, 16), jnp.int32)
     text = jax.jit(jax.grad(lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x).logits))).lower(state, ids).as_text()
@@ -125,7 +127,8 @@ def test_bfloat16_compute_with_float32_master_parameters():
     stay float32 (`param_dtype`), attention logits and softmax in float32."""
     import re
 
-    model = jm.create_model(jm.LlamaConfig(**SMALL, num_hidden_layers=5), jm.RuntimeConfig(dtype="bfloat16"), seed=0)
+    runtime = jm.RuntimeConfig(dtype="bfloat16", scan_layers=True)
+    model = jm.create_model(jm.LlamaConfig(**SMALL, num_hidden_layers=5), runtime, seed=0)
     assert {x.dtype for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))} == {jnp.dtype("float32")}
     graphdef, state = nnx.split(model)
     ids = jnp.ones((2, 16), jnp.int32)

@@ -59,12 +59,35 @@ class Poison:
                 params=jax.tree_util.tree_map(lambda p: p * jnp.nan, trainer.state.params))
 
 
-@pytest.mark.parametrize("donate", [None, True])  # checked at once (state kept) or one step late (donated)
+@pytest.mark.parametrize("donate", [None, True])  # state kept (CPU default) or donated (GPU/TPU default)
 def test_nan_loss_stops_naming_the_step(tmp_path, donate):
     t = trainer(tmp_path, hooks=[Poison()], save_steps=2, max_training_steps=8, donate_state=donate)
     with pytest.raises(NonFiniteLossError, match="loss is nan .* at step 3"):
         t.train()
     assert t.checkpoints.all_steps() == [2]  # the earlier checkpoint is untouched
+
+
+def test_one_step_stays_in_flight_and_the_next_batch_is_staged_before_the_host_reads(tmp_path):
+    """Step n+1 is dispatched, its batch already on the device, before the host reads step n's metrics
+    (checks, the metrics row, the progress bar); a step with a checkpoint is settled before it saves."""
+    events = []
+
+    class Order:
+        def on_step_end(self, trainer, step, metrics):
+            events.append(("dispatched", step))
+
+    t = trainer(tmp_path, hooks=[Order()], max_training_steps=6, save_steps=4, logging_steps=2, evaluation=None)
+    stage, check, save = t._global_batch, t.apply_training_hooks, t._save
+    t._global_batch = lambda local: (events.append(("staged", None)), stage(local))[1]
+    t.apply_training_hooks = lambda step, m: (events.append(("checked", step)), check(step, m))[1]
+    t._save = lambda step: (events.append(("saved", step)), save(step))[1]
+    t.train()
+    assert events[:9] == [("staged", None), ("dispatched", 1), ("staged", None), ("dispatched", 2), ("checked", 1),
+                          ("staged", None), ("dispatched", 3), ("checked", 2), ("staged", None)]
+    assert events[9:14] == [("dispatched", 4), ("checked", 3), ("checked", 4), ("saved", 4), ("staged", None)]
+    assert events[-4:] == [("dispatched", 6), ("checked", 5), ("checked", 6), ("saved", 6)]  # the final save
+    assert [r["step"] for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+            if "train/loss" in r] == [2, 4, 6]
 
 
 def test_skip_policy_keeps_the_old_parameters():

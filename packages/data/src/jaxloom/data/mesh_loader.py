@@ -71,6 +71,8 @@ class MeshLoader:
 
     def __next__(self) -> dict[str, np.ndarray]:
         parts = [next(loader) for loader in self.loaders]  # StopIteration ends the whole loader
+        if len(parts) == 1:  # one stream (one process, one data shard): its batch as it is, no copy
+            return parts[0]
         a = self.accumulation
         return {k: np.concatenate([p[k].reshape(a, -1, p[k].shape[-1]) for p in parts], axis=1)
                 .reshape(-1, parts[0][k].shape[-1]) for k in parts[0]}

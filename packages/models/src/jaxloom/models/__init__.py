@@ -8,10 +8,10 @@ from .hf import from_pretrained, save_hf_model, to_hf_state_dict
 from .llama import CausalLMOutput, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from .mixtral import MixtralForCausalLM, grouped_matmul
 from .registry import TaskType, get_model_class, register, registered
-from .runtime import RuntimeConfig
+from .runtime import SCAN_ABOVE_LAYERS, RuntimeConfig
 
 __all__ = [
-    "AttentionUnavailableError", "attend", "choose_implementation", "grouped_matmul",
+    "AttentionUnavailableError", "attend", "choose_implementation", "grouped_matmul", "SCAN_ABOVE_LAYERS",
     "CONFIG_CLASSES", "CausalLMOutput", "LlamaConfig", "LlamaForCausalLM", "MistralConfig", "MistralForCausalLM",
     "MixtralConfig", "MixtralForCausalLM", "Qwen2Config", "Qwen2ForCausalLM", "RuntimeConfig", "TaskType",
     "__version__", "make_attention_mask", "config_from_hf_dict", "count_params", "create_model", "flops_per_token",

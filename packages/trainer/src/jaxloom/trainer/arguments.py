@@ -111,7 +111,7 @@ class RuntimeArgs:
     attn_mechanism: str = "auto"
     attn_block_size: int = 512
     remat: str = "none"
-    # Scan the decoder stack (compile time flat in depth); None: when the model has more than 4 layers.
+    # Scan the decoder stack (compile time flat in depth); None: when the model has more than 16 layers.
     scan_layers: bool | None = None
     # MoE experts: auto (ragged on GPU/TPU, tiled on CPU), ragged, tiled, dense (reference).
     moe_implementation: str = "auto"

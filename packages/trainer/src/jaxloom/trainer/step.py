@@ -36,15 +36,19 @@ def token_loss(state: TrainState, params, batch, cfg: StepConfig):
     logits = out.logits[:, :-1].astype(jnp.float32)
     targets = ids[:, 1:]
     valid = (batch["loss_mask"][:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    ce = lse - target_logit  # softmax cross entropy, sharing log-sum-exp with the z-loss
     if cfg.z_loss:
-        ce = ce + cfg.z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+        ce = ce + cfg.z_loss * jnp.square(lse)
     weight = valid.astype(jnp.float32)
     n = weight.sum()
     loss_sum = jnp.sum(ce * weight)
     if out.aux_loss is not None and cfg.aux_loss_coef:
         loss_sum = loss_sum + cfg.aux_loss_coef * out.aux_loss * n
-    correct = jnp.sum((jnp.argmax(logits, -1) == targets) * weight)
+    # the target has the highest logit: a max, where argmax is a (value, index) reduction XLA's CPU backend
+    # runs ~25x slower (10% of a small model's step)
+    correct = jnp.sum((target_logit >= jnp.max(logits, axis=-1)) * weight)
     return loss_sum, (n, correct)
 
 

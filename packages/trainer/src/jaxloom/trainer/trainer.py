@@ -216,7 +216,6 @@ class BaseTrainer:
                                       schedule=self.schedule)
         repl = NamedSharding(self._mesh, PartitionSpec())
         donate = a.donate_state if a.donate_state is not None else self._mesh.devices.flat[0].platform != "cpu"
-        self._donated = donate
         self._train_jit = jax.jit(functools.partial(train_step, cfg=self.step_config),
                                   in_shardings=(self.state_shardings, self._batch_sharding),
                                   out_shardings=(self.state_shardings, repl), donate_argnums=0 if donate else ())
@@ -262,22 +261,23 @@ class BaseTrainer:
 
     def train(self) -> TrainerOutput:
         """Run until `max_training_steps` (or the epochs, a time limit, a stop signal or the end of the
-        data); log, evaluate, preview, checkpoint on schedule. Returns a `TrainerOutput`."""
+        data); log, evaluate, preview, checkpoint on schedule. Returns a `TrainerOutput`.
+
+        One step is always in flight: step n+1 is dispatched (its batch staged on the device meanwhile)
+        before step n's metrics are read, so the host's checks, logging, TensorBoard and progress bar run
+        while the device computes. Evaluation, previews and checkpoints need the state of their own
+        step; they settle it first."""
         a = self.arguments
         self._t0, self._skipped, self._last_eval, self._last_preview = time.monotonic(), 0, (None, {}), (None, [])
         if isinstance(self._train_fn, Future):
             self._train_fn = self._train_fn.result()
         step = int(jax.device_get(self.state.step))
-        writer = MetricsWriter(a.save_directory, tensorboard=a.use_tensorboard, use_wandb=a.use_wandb,
-                               wandb_project=a.wandb_project, progress_total=self.total_steps,
-                               progress_bar=a.progress_bar, initial=step)
-        self.writer = writer
+        self.writer = MetricsWriter(a.save_directory, tensorboard=a.use_tensorboard, use_wandb=a.use_wandb,
+                                    wandb_project=a.wandb_project, progress_total=self.total_steps,
+                                    progress_bar=a.progress_bar, initial=step)
+        self._window, self._t_log = [], time.perf_counter()
         restore_signals = self._install_signal_handlers()
-        stop_reason, window, t_log, last = "max_training_steps reached", [], time.perf_counter(), None
-        profiling = False
-        tokens_per_step = a.training_batch_size * a.max_sequence_length
-        flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)
-        peak = peak_flops(override=a.peak_flops_per_device)
+        stop_reason, pending, profiling = "max_training_steps reached", None, False
         try:
             while step < self.total_steps:
                 for h in self.hooks:  # steps are numbered like checkpoints: the update count after the step
@@ -293,53 +293,78 @@ class BaseTrainer:
                 self.state, metrics = self._train_fn(self.state, self._global_batch(local))
                 step += 1
                 if profiling and step == a.profile_steps[1]:
-                    jax.block_until_ready(metrics)
-                    jax.profiler.stop_trace()
-                    profiling = False
-                    log.warning("profiler trace of steps %d-%d in %s/profile (TensorBoard's profile plugin)",
-                                *a.profile_steps, a.save_directory)
-                window.append(metrics)
-                if self._donated:  # checked one step late, so the device never waits for the host
-                    reason = self.apply_training_hooks(step - 1, _checked(last)) if last is not None else None
-                    last = metrics
-                else:  # not donated, a step in flight would hold a third copy of the state: check it now
-                    reason = self.apply_training_hooks(step, _checked(metrics))
+                    profiling = self._stop_profile(metrics)
                 for h in self.hooks:
                     getattr(h, "on_step_end", lambda *_: None)(self, step, metrics)
-                if step % a.logging_steps == 0 or step == self.total_steps:
-                    host = jax.device_get(window)
-                    dt = time.perf_counter() - t_log
-                    tps = tokens_per_step * len(host) / dt
-                    row = {k: float(np.mean([m[k] for m in host])) for k in ("loss", "accuracy", "grad_norm")}
-                    row.update(perplexity=math.exp(min(row["loss"], 50)),
-                               learning_rate=float(host[-1]["learning_rate"]),
-                               tokens_per_second=tps, step_time=dt / len(host),
-                               tflops_per_device=flops_token * tps / self._mesh.devices.size / 1e12, **memory_in_use())
-                    if peak:
-                        row["mfu"] = flops_token * tps / self._mesh.devices.size / peak
-                    writer.write(step, row)
-                    if a.log_weight_distribution:
-                        for name, leaf in named_leaves(self.state.params):
-                            writer.histogram(step, f"weights/{name}", np.asarray(jax.device_get(leaf)))
-                    window, t_log = [], time.perf_counter()
-                writer.advance(1)
-                if a.evaluation_steps and step % a.evaluation_steps == 0 and self.dataset_eval is not None:
-                    self._last_eval = (step, self.evaluate())
-                    writer.write(step, self._last_eval[1], prefix="eval")
-                if a.generation_interval and a.generation_prompts and step % a.generation_interval == 0:
-                    self.preview(step)
-                if self.checkpoints.should_save(step):
-                    self._save(step)
+                reason = self._after_step(*pending) if pending else None  # the previous step, now done
+                pending = (step, metrics)
+                due = self._due(step)
+                if any(due):  # evaluation, preview or checkpoint of this step's state: settle it first
+                    reason = self._after_step(*pending) or reason
+                    pending = None
+                    self._scheduled(step, due)
                 if reason:
                     stop_reason = reason
                     break
-            if last is not None and stop_reason == "max_training_steps reached":
-                self.apply_training_hooks(step, _checked(last))
+            if pending:
+                self._after_step(*pending)
         finally:
             if profiling:
                 jax.profiler.stop_trace()
             restore_signals()
-        return self._finish(step, stop_reason, writer)
+        return self._finish(step, stop_reason, self.writer)
+
+    def _after_step(self, step: int, metrics: dict[str, Any]) -> str | None:
+        """The host's share of `step`, run once the next step is dispatched: the built-in checks, the
+        metrics row every `logging_steps` (and at the last step), the progress bar. Returns a stop reason."""
+        a = self.arguments
+        reason = self.apply_training_hooks(step, _checked(metrics))
+        self._window.append(metrics)
+        if step % a.logging_steps == 0 or step == self.total_steps:
+            host, now = jax.device_get(self._window), time.perf_counter()
+            dt = now - self._t_log
+            tps = a.training_batch_size * a.max_sequence_length * len(host) / dt
+            flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)
+            row = {k: float(np.mean([m[k] for m in host])) for k in ("loss", "accuracy", "grad_norm")}
+            row.update(perplexity=math.exp(min(row["loss"], 50)), learning_rate=float(host[-1]["learning_rate"]),
+                       tokens_per_second=tps, step_time=dt / len(host),
+                       tflops_per_device=flops_token * tps / self._mesh.devices.size / 1e12, **memory_in_use())
+            peak = peak_flops(override=a.peak_flops_per_device)
+            if peak:
+                row["mfu"] = flops_token * tps / self._mesh.devices.size / peak
+            self.writer.write(step, row)
+            if a.log_weight_distribution:
+                for name, leaf in named_leaves(self.state.params):
+                    self.writer.histogram(step, f"weights/{name}", np.asarray(jax.device_get(leaf)))
+            self._window, self._t_log = [], now
+        self.writer.advance(1)
+        return reason
+
+    def _due(self, step: int) -> tuple[bool, bool, bool]:
+        """Whether evaluation, a preview and a checkpoint are due after `step` (asked once per step: the
+        time-based checkpoint decision is a collective)."""
+        a = self.arguments
+        return (bool(a.evaluation_steps and step % a.evaluation_steps == 0 and self.dataset_eval is not None),
+                bool(a.generation_interval and a.generation_prompts and step % a.generation_interval == 0),
+                self.checkpoints.should_save(step))
+
+    def _scheduled(self, step: int, due: tuple[bool, bool, bool]) -> None:
+        """Run the evaluation, preview and checkpoint `due` at `step`."""
+        evaluate, preview, save = due
+        if evaluate:
+            self._last_eval = (step, self.evaluate())
+            self.writer.write(step, self._last_eval[1], prefix="eval")
+        if preview:
+            self.preview(step)
+        if save:
+            self._save(step)
+
+    def _stop_profile(self, metrics) -> bool:
+        jax.block_until_ready(metrics)
+        jax.profiler.stop_trace()
+        log.warning("profiler trace of steps %d-%d in %s/profile (TensorBoard's profile plugin)",
+                    *self.arguments.profile_steps, self.arguments.save_directory)
+        return False
 
     def _finish(self, step: int, stop_reason: str, writer: MetricsWriter) -> TrainerOutput:
         a = self.arguments
