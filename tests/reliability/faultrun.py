@@ -2,6 +2,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -9,7 +10,11 @@ WORKER = Path(__file__).with_name("worker.py")
 
 def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, env=None, timeout=300):
     """Run worker.py; with `stop_after=n`, send `sig` when it prints `STEP n`. Returns (proc, stdout, stderr)."""
-    full_env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **(env or {})}
+    # the runs share one compilation cache (as restarts with `compilation_cache_dir` do): a resumed or
+    # repeated run loads its compiled programs instead of compiling them again
+    cache = str(Path(tempfile.gettempdir()) / f"jaxloom-reliability-xla-cache-{os.getuid()}")
+    full_env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "TEST_XLA_CACHE": cache,
+                **(env or {})}
     proc = subprocess.Popen([sys.executable, str(WORKER), str(out), *overrides], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=full_env)
     lines = []

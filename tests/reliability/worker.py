@@ -33,7 +33,8 @@ class Announce:
 
 
 out = sys.argv[1]
-trainer, _ = build_run(None, [*TINY, f"save_directory={out}", *sys.argv[2:]])
+cache = [f"compilation_cache_dir={os.environ['TEST_XLA_CACHE']}"] if os.environ.get("TEST_XLA_CACHE") else []
+trainer, _ = build_run(None, [*TINY, f"save_directory={out}", *cache, *sys.argv[2:]])
 trainer.hooks.append(Announce())
 try:
     result = trainer.train()

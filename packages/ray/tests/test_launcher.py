@@ -14,8 +14,10 @@ STEPS = 6
 
 
 def _run(tmp, name, *, workers=2, devices=None, faults=(), steps=STEPS, **scaling):
+    # one compilation cache for every gang of this module: a restarted gang (and the next test's) loads the
+    # step it compiled before, as a user's restart does with `compilation_cache_dir`
     overrides = [*TINY_OVERRIDES, f"max_training_steps={steps}", "save_steps=3", f"save_directory={tmp / name}",
-                 "resume_if_possible=false", "eval_batches=1"]
+                 "resume_if_possible=false", "eval_batches=1", f"compilation_cache_dir={tmp.parent / 'xla-cache'}"]
     cfg = ScalingConfig(num_workers=workers, devices_per_worker=devices, **scaling)
     return launch(train_from_config, None, overrides, tuple(faults), scaling=cfg)
 
