@@ -15,8 +15,11 @@ def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, env=None, t
     cache = str(Path(tempfile.gettempdir()) / f"jaxloom-reliability-xla-cache-{os.getuid()}")
     full_env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "TEST_XLA_CACHE": cache,
                 **(env or {})}
+    # stderr goes to a file, not a pipe read only at the end: a failing save makes orbax print more than a
+    # pipe holds (~64 KiB of event-loop tracebacks), and the worker would block on writing it for ever
+    err = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, str(WORKER), str(out), *overrides], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full_env)
+                            stderr=err, text=True, env=full_env)
     lines = []
     for line in proc.stdout:
         lines.append(line.strip())
@@ -25,4 +28,6 @@ def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, env=None, t
             if sig == signal.SIGKILL:
                 break
     proc.wait(timeout=timeout)
-    return proc, lines, proc.stderr.read()
+    err.seek(0)
+    with err:
+        return proc, lines, err.read()
