@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -17,8 +18,9 @@ WORKER = Path(__file__).with_name("deployer_worker.py")
 
 
 def run(workdir, epochs, kill_at=None):
+    err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads until the end (it can fill)
     proc = subprocess.Popen([sys.executable, str(WORKER), str(workdir), str(epochs)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=os.environ)
+                            stderr=err, text=True, env=os.environ)
     lines = []
     for line in proc.stdout:
         lines.append(line.strip())
@@ -26,7 +28,9 @@ def run(workdir, epochs, kill_at=None):
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait(timeout=300)
-    return proc.returncode, lines, proc.stderr.read()
+    err.seek(0)
+    with err:
+        return proc.returncode, lines, err.read()
 
 
 def test_custom_loop_is_killed_resumes_and_ends_where_an_uninterrupted_run_ends(tmp_path):

@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,9 @@ ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
 
 def run(out, kill_after=None, mode="sync"):
+    err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads until the end (it can fill)
     proc = subprocess.Popen([sys.executable, str(WORKER), str(out), mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+                            stderr=err, text=True, env=ENV)
     lines = []
     for line in proc.stdout:
         lines.append(line.strip())
@@ -24,7 +26,9 @@ def run(out, kill_after=None, mode="sync"):
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait(timeout=300)
-    return proc, lines, proc.stderr.read()
+    err.seek(0)
+    with err:
+        return proc, lines, err.read()
 
 
 @pytest.mark.parametrize("kill_after, mode", [(7, "sync"), (11, "async")])
