@@ -276,6 +276,8 @@ class BaseTrainer:
                                     wandb_project=a.wandb_project, progress_total=self.total_steps,
                                     progress_bar=a.progress_bar, initial=step)
         self._window, self._t_log = [], time.perf_counter()
+        self._flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)   # constants of the run,
+        self._peak = peak_flops(override=a.peak_flops_per_device)                      # not of each log row
         restore_signals = self._install_signal_handlers()
         stop_reason, pending, profiling = "max_training_steps reached", None, False
         try:
@@ -324,12 +326,11 @@ class BaseTrainer:
             host, now = jax.device_get(self._window), time.perf_counter()
             dt = now - self._t_log
             tps = a.training_batch_size * a.max_sequence_length * len(host) / dt
-            flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)
+            flops_token, peak = self._flops_token, self._peak
             row = {k: float(np.mean([m[k] for m in host])) for k in ("loss", "accuracy", "grad_norm")}
             row.update(perplexity=math.exp(min(row["loss"], 50)), learning_rate=float(host[-1]["learning_rate"]),
                        tokens_per_second=tps, step_time=dt / len(host),
                        tflops_per_device=flops_token * tps / self._mesh.devices.size / 1e12, **memory_in_use())
-            peak = peak_flops(override=a.peak_flops_per_device)
             if peak:
                 row["mfu"] = flops_token * tps / self._mesh.devices.size / peak
             self.writer.write(step, row)
