@@ -35,18 +35,21 @@ def version(part: str) -> str:
     return m.group(1)
 
 
-def requirements(part: str) -> list[tuple[str, str]]:
-    """`[(distribution name, version spec), ...]` of a part's runtime dependencies."""
+def requirements(part: str, extra: str | None = None) -> list[tuple[str, str]]:
+    """`[(distribution name, version spec), ...]` of a part's runtime dependencies (or, with `extra`, of
+    that optional-dependency group, e.g. "test")."""
     out = []
-    for req in pyproject(part)["project"].get("dependencies", []):
+    project = pyproject(part)["project"]
+    reqs = project.get("dependencies", []) if extra is None else project.get("optional-dependencies", {}).get(extra, [])
+    for req in reqs:
         m = _REQ.match(req.split(";")[0])
         out.append((m.group(1).lower().replace("_", "-"), m.group(3).strip()))
     return out
 
 
-def siblings(part: str) -> list[str]:
-    """The parts `part` declares directly."""
-    return [name.removeprefix("jaxloom-") for name, _ in requirements(part) if name.startswith("jaxloom-")]
+def siblings(part: str, extra: str | None = None) -> list[str]:
+    """The parts `part` declares directly (at run time, or in the optional group `extra`)."""
+    return [name.removeprefix("jaxloom-") for name, _ in requirements(part, extra) if name.startswith("jaxloom-")]
 
 
 def closure(part: str) -> list[str]:
@@ -57,7 +60,7 @@ def closure(part: str) -> list[str]:
         p = stack.pop()
         if p not in seen:
             seen.add(p)
-            stack.extend(siblings(p))
+            stack.extend(siblings(p) + siblings(p, "test"))  # a part's tests may use parts it does not import
     return [p for p in (*PARTS, META) if p in seen]
 
 

@@ -60,7 +60,7 @@ def test_shipped_configs_parse():
         trainer, _ = build_run(str(c), ["max_training_steps=1", "model.num_hidden_layers=1", "model.hidden_size=32",
                                         "model.intermediate_size=64", "save_directory=/tmp/jaxloom-parse-test",
                                         "resume_if_possible=false"])
-        assert trainer.total_steps == 1
+        assert trainer.configure_model().state.params and trainer.total_steps == 1
 
 
 def test_cli_train_plan_convert_and_errors(tmp_path, capsys):

@@ -8,14 +8,14 @@ from util import args, losses, mesh, params_of, tiny, trainer
 
 import jaxloom.models as jm
 import jaxloom.state as js
-from jaxloom.trainer import NonFiniteLossError, StepConfig, TrainerProtocol, train_step
+from jaxloom.trainer import BaseTrainerProtocol, NonFiniteLossError, StepConfig, train_step
 
 
 def test_eval_loss_falls_on_the_corpus(tmp_path):
     t = trainer(tmp_path, max_training_steps=60, logging_steps=20, learning_rate=1e-2, total_batch_size=16,
                 evaluation_steps=60, generation_interval=30, generation_prompts=("The interpreter",),
                 generation_max_new_tokens=6)
-    assert isinstance(t, TrainerProtocol)
+    assert isinstance(t, BaseTrainerProtocol)
     before = t.evaluate()["loss"]
     out = t.train()
     assert out.stop_reason == "max_training_steps reached"
@@ -44,7 +44,7 @@ def test_same_curve_with_fsdp_alone_and_fsdp_x_tp(tmp_path):
     # The data of a step depends on the data-parallel size (one stream per shard): keep it at 4.
     trainer(tmp_path / "one", mesh_=mesh(4, fsdp=4), max_training_steps=5).train()
     t = trainer(tmp_path / "eight", mesh_=mesh(8, fsdp=4, tp=2), max_training_steps=5)
-    kernel = t.state.params["model"]["layers"][0]["mlp"]["up_proj"]["kernel"]
+    kernel = t.configure_model().state.params["model"]["layers"][0]["mlp"]["up_proj"]["kernel"]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tp")
     t.train()
     np.testing.assert_allclose(losses(tmp_path / "one"), losses(tmp_path / "eight"), rtol=1e-4)
@@ -79,7 +79,7 @@ def test_one_step_stays_in_flight_and_the_next_batch_is_staged_before_the_host_r
     t = trainer(tmp_path, hooks=[Order()], max_training_steps=6, save_steps=4, logging_steps=2, evaluation=None)
     stage, check, save = t._global_batch, t.apply_training_hooks, t._save
     t._global_batch = lambda local: (events.append(("staged", None)), stage(local))[1]
-    t.apply_training_hooks = lambda step, m: (events.append(("checked", step)), check(step, m))[1]
+    t.apply_training_hooks = lambda m: (events.append(("checked", m["step"])), check(m))[1]
     t._save = lambda step: (events.append(("saved", step)), save(step))[1]
     t.train()
     assert events[:9] == [("staged", None), ("dispatched", 1), ("staged", None), ("dispatched", 2), ("checked", 1),
@@ -122,9 +122,9 @@ def test_bad_setups_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="the dataset is empty"):
         trainer(tmp_path / "a", train=[]).train()
     with pytest.raises(ValueError, match="dataset_train is empty"):
-        trainer(tmp_path / "b", train=[], max_training_steps=None)
+        trainer(tmp_path / "b", train=[], max_training_steps=None).configure_model()
     with pytest.raises(ValueError, match="global batch size 4 is not divisible by the data-parallel size 8"):
-        trainer(tmp_path / "c", mesh_=mesh(8), total_batch_size=4)
+        trainer(tmp_path / "c", mesh_=mesh(8), total_batch_size=4).configure_dataloaders()
     with pytest.raises(ValueError, match="no dataset_eval was given"):
         trainer(tmp_path / "d", evaluation=None).evaluate()
 
@@ -147,7 +147,7 @@ def test_state_is_donated_to_the_step_except_on_cpu_unless_asked(tmp_path):
     unless `donate_state=True`; donated buffers are consumed by the step."""
     for donate, consumed in ((None, False), (True, True), (False, False)):
         t = trainer(tmp_path / str(donate), evaluation=None, max_training_steps=1, donate_state=donate)
-        first = jax.tree_util.tree_leaves(t.state.params)[0]
+        first = jax.tree_util.tree_leaves(t.configure_model().state.params)[0]
         t.train()
         t.finish()
         assert first.is_deleted() == consumed, donate
@@ -170,19 +170,20 @@ def test_given_model_survives_a_donated_run_and_seed_init_matches_the_jitted_one
     assert not kernel.is_deleted() and np.isfinite(np.asarray(kernel)).all()
     one = trainer(tmp_path / "one", evaluation=EVAL)
     two = trainer(tmp_path / "two", mesh_=mesh(2))
-    for (name, a), (_, b) in zip(params_of(one.state).items(), params_of(two.state).items(), strict=True):
+    for (name, a), (_, b) in zip(params_of(one.configure_model().state).items(),
+                                          params_of(two.configure_model().state).items(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 def test_attention_backend_is_checked_at_setup_before_anything_compiles(tmp_path):
-    """An explicit kernel that cannot run here is refused when the trainer is built (not at step 1, not
-    silently replaced); cuDNN with packed rows too."""
+    """An explicit kernel that cannot run here is refused by the first builder (before anything compiles,
+    not at step 1, not silently replaced); cuDNN with packed rows too."""
     flash = jm.create_model(tiny(), jm.RuntimeConfig(attn_mechanism="flash"), lazy=True)
     with pytest.raises(jm.AttentionUnavailableError, match="'flash' needs a GPU or TPU"):
-        trainer_from(tmp_path, flash)
+        trainer_from(tmp_path, flash).configure_model()
     cudnn = jm.create_model(tiny(), jm.RuntimeConfig(attn_mechanism="cudnn"), lazy=True)
     with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
-        trainer_from(tmp_path, cudnn)
+        trainer_from(tmp_path, cudnn).configure_model()
 
 
 def test_runtime_settings_from_the_command_reach_the_model(tmp_path):
@@ -198,7 +199,7 @@ def test_runtime_settings_from_the_command_reach_the_model(tmp_path):
                  "generation_prompts=[]"]
     t, _ = build_run(None, overrides)
     rt = t.runtime
-    assert (t.model_class.__name__, rt.scan_layers, rt.attn_mechanism, rt.attn_block_size, rt.moe_implementation) == \
+    assert (type(t.model).__name__, rt.scan_layers, rt.attn_mechanism, rt.attn_block_size, rt.moe_implementation) == \
         ("MixtralForCausalLM", True, "chunked", 8, "dense")
     out = t.train()
     assert t.model.scanned

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -11,11 +10,11 @@ from .config import GenerationConfig
 from .decode import generate
 
 
-@dataclasses.dataclass
-class GenerationResults:
-    """What `generate_unified` returns: decoded completions (`generation_results`), the left-padded
-    `prompt_ids`/`prompt_mask`, the full `sequences`, right-padded `completion_ids`/`completion_mask`,
-    and the decoded prompts without (`decoded_prompts`) and with (`completion_prompts`) their completions."""
+class GenerationResults(NamedTuple):
+    """What `generate_unified` returns (a NamedTuple, as EasyDeL's): decoded completions
+    (`generation_results`), the left-padded `prompt_ids`/`prompt_mask`, the full `sequences`, right-padded
+    `completion_ids`/`completion_mask`, and the decoded prompts without (`decoded_prompts`) and with
+    (`completion_prompts`) their completions."""
 
     generation_results: list[str]      # decoded completions
     prompt_ids: np.ndarray             # [B, P] left-padded

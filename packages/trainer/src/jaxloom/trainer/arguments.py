@@ -105,16 +105,18 @@ class DataArgs:
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeArgs:
-    dtype: str = "float32"
-    param_dtype: str = "float32"
+    # How the model computes. None: the model's own setting (its `RuntimeConfig`); a value replaces it for
+    # this run, in the Python API and the `jaxloom` command alike (the trainer rebuilds the model with it).
+    dtype: str | None = None                  # computation dtype, e.g. "bfloat16"
+    param_dtype: str | None = None            # storage dtype of parameters (and optimizer state)
     # Attention backend: auto, xla, chunked (linear memory, any platform), cudnn, flash (GPU/TPU).
-    attn_mechanism: str = "auto"
-    attn_block_size: int = 512
-    remat: str = "none"
-    # Scan the decoder stack (compile time flat in depth); None: when the model has more than 16 layers.
+    attn_mechanism: str | None = None
+    attn_block_size: int | None = None
+    remat: str | None = None
+    # Scan the decoder stack (compile time flat in depth); the model's default scans above 16 layers.
     scan_layers: bool | None = None
     # MoE experts: auto (ragged on GPU/TPU, tiled on CPU), ragged, tiled, dense (reference).
-    moe_implementation: str = "auto"
+    moe_implementation: str | None = None
     sharding_axis_dims: tuple[int, ...] = (1, -1, 1, 1, 1)
     sharding_axis_names: tuple[str, ...] = ("dp", "fsdp", "ep", "tp", "sp")
     sharding_dcn_axis_dims: tuple[int, ...] | None = None
@@ -122,7 +124,8 @@ class RuntimeArgs:
     # yes; on CPU no, where XLA runs a donated step ~6% slower (measured, docs/performance.md).
     donate_state: bool | None = None
     # JAX's persistent compilation cache: a rerun or a restart after a crash loads the compiled train
-    # step (and every other program) from here instead of compiling it. Shared by runs; any path.
+    # step (and every other program) from here instead of compiling it. Process-wide: `train()` turns
+    # it on when it starts (never the constructor, nor commands that only read a run).
     compilation_cache_dir: str | None = None
 
     def __post_init__(self):
@@ -130,6 +133,17 @@ class RuntimeArgs:
         object.__setattr__(self, "sharding_axis_names", tuple(self.sharding_axis_names))
         if self.sharding_dcn_axis_dims is not None:
             object.__setattr__(self, "sharding_dcn_axis_dims", tuple(self.sharding_dcn_axis_dims))
+        overrides = self.runtime_overrides()
+        if overrides:
+            from jaxloom.models import RuntimeConfig
+
+            RuntimeConfig(**overrides)  # the same checks the model applies, now: one clear error
+
+    def runtime_overrides(self) -> dict[str, Any]:
+        """The `RuntimeConfig` fields these arguments set (the ones that are not None)."""
+        names = ("dtype", "param_dtype", "attn_mechanism", "attn_block_size", "remat", "scan_layers",
+                 "moe_implementation")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,9 +47,9 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
         records = jd.JsonlSource(jd.bundled_corpus_path()).read_shard(str(jd.bundled_corpus_path()))
         held = max(1, int(len(records) * float(data_cfg.get("eval_fraction", 0.05))))
         train, evaluation = records[:-held], evaluation or records[-held:]
-    runtime = jm.RuntimeConfig(dtype=args.dtype, param_dtype=args.param_dtype, attn_mechanism=args.attn_mechanism,
-                               attn_block_size=args.attn_block_size, remat=args.remat, scan_layers=args.scan_layers,
-                               moe_implementation=args.moe_implementation)
+    # The arguments' runtime settings are applied by the trainer too; given here as well so that weights
+    # loaded from Hugging Face are laid out (stacked for scan_layers) and cast as the run needs them.
+    runtime = jm.RuntimeConfig(**args.runtime.runtime_overrides())
     pretrained = model_cfg.pop("from_pretrained", None)
     if pretrained:
         model = jm.from_pretrained(pretrained, runtime, config_overrides=model_cfg or None)
@@ -78,7 +78,7 @@ def _plan(trainer) -> dict[str, Any]:
     import jaxloom.models as jm
 
     a = trainer.arguments
-    compiled = trainer.compile_aot()  # for the exact shapes; also what train() runs
+    compiled = trainer.compiled_train_step()  # for the exact shapes; also what train() runs
     mem = compiled.memory_analysis()
     per_device = {}
     if mem is not None:
@@ -108,9 +108,7 @@ def _generate(ns) -> int:
 
     path = Path(ns.path)
     if (path / RUN_CONFIG).is_file():
-        trainer, _ = build_run(str(path / RUN_CONFIG), [f"save_directory={path}", "resume_if_possible=true"])
-        if trainer.resumed_from is None:
-            raise FileNotFoundError(f"no checkpoint under {path}/checkpoints")
+        trainer = _restored(path, str(path / RUN_CONFIG), params_only=True)
         model, tokenizer = trainer.state.model, trainer.tokenizer
     elif (path / "config.json").is_file():
         model = jm.from_pretrained(path)
@@ -142,26 +140,24 @@ def _generate(ns) -> int:
     return 0
 
 
-def _train_on_ray(config: str | None, items: list[str], ray_items: list[str]) -> int:
-    """`jaxloom train ... --ray ...`: the same run as a supervised gang of Ray workers."""
-    from .arguments import TrainingArguments, apply_overrides, load_config_file
+def _restored(run_dir: str | Path, config: str, *, params_only: bool):
+    """The trainer of a finished or running run with its newest checkpoint restored, and nothing else
+    set up (no data loading, no compile); FileNotFoundError when the run has no checkpoint."""
+    trainer, _ = build_run(config, [f"save_directory={run_dir}", "resume_if_possible=true"])
+    trainer.restore_checkpoint(params_only=params_only)
+    return trainer
 
-    try:
-        from jaxloom.ray import ScalingConfig, launch, train_from_config
-    except ImportError as e:
-        raise ValueError(f"--ray needs the jaxloom-ray package ({e}); pip install jaxloom-ray") from None
-    scaling = ScalingConfig.from_items(ray_items)
-    data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)  # fail fast, before Ray starts
-    TrainingArguments(**{k: v for k, v in data.items() if k not in ("model", "data")})
-    import os
 
-    res = launch(train_from_config, config, items, workdir=os.getcwd(), scaling=scaling)
-    summary = {k: v for k, v in res.result.items() if k != "history"}
-    failures = [{"attempt": f.attempt, "rank": f.rank, "kind": f.kind, "message": f.message,
-                 "restart_to_first_step_s": f.restart_to_first_step_s} for f in res.failures]
-    print(json.dumps({**summary, "attempts": res.attempts, "failures": failures, "wall_s": res.wall_s},
-                     indent=2, default=str))
-    return 0
+def _launcher(name: str):
+    """The `--NAME` launcher registered by an installed part under the entry-point group
+    `jaxloom.launchers` (jaxloom-ray registers `ray`): `fn(config, items, launcher_items) -> exit code`.
+    Looked up, never imported by name, so this part depends on no later one."""
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group="jaxloom.launchers") if ep.name == name]
+    if not found:
+        raise ValueError(f"--{name} needs the jaxloom-{name} package, which registers it; pip install jaxloom-{name}")
+    return found[0].load()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,20 +190,25 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(ns)
         if ns.command == "convert":
             config = ns.config or Path(ns.to_hf[0]) / RUN_CONFIG
-            trainer, _ = build_run(str(config), [f"save_directory={ns.to_hf[0]}", "resume_if_possible=true"])
-            if trainer.resumed_from is None:
-                raise FileNotFoundError(f"no checkpoint under {ns.to_hf[0]}/checkpoints")
-            print(trainer.save_pretrained(ns.to_hf[1]))
+            trainer = _restored(ns.to_hf[0], str(config), params_only=True)
+            print(trainer.save_pretrained(ns.to_hf[1], to_torch=True))
             return 0
         items = list(ns.items)
         config = items.pop(0) if items and "=" not in items[0] else None
         if getattr(ns, "ray", None) is not None:
-            return _train_on_ray(config, items, ns.ray)
+            from .arguments import TrainingArguments, apply_overrides, load_config_file
+
+            data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)  # fail fast, before Ray starts
+            TrainingArguments(**{k: v for k, v in data.items() if k not in ("model", "data")})
+            return _launcher("ray")(config, items, ns.ray)
+        if ns.command == "eval":
+            trainer, _ = build_run(config, items + ["resume_if_possible=true"])
+            trainer.restore_checkpoint()  # a run without a checkpoint is an error, never a random model's score
+            print(json.dumps(trainer.evaluate(), indent=2))
+            return 0
         trainer, resolved = build_run(config, items)
         if ns.command == "plan":
             print(json.dumps(_plan(trainer), indent=2))
-        elif ns.command == "eval":
-            print(json.dumps(trainer.evaluate(), indent=2))
         else:
             write_run_config(trainer, resolved)
             out = trainer.train()

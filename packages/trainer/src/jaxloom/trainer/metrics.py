@@ -34,11 +34,36 @@ def memory_in_use() -> dict[str, float]:
     return out
 
 
+class _NoBar:
+    """A progress bar that shows nothing (disabled, or not process 0); lines still reach the console."""
+
+    def update(self, n: int = 1) -> None: ...
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None: ...
+    def close(self) -> None: ...
+
+    def write(self, line: str) -> None:
+        print(line, flush=True)
+
+
+def create_progress_bar(total: int, desc: str = "", *, disabled: bool = False, initial: int = 0):
+    """A tqdm bar over `total` steps (shown on a terminal), or a no-op bar when `disabled`."""
+    if disabled or not total:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=not sys.stderr.isatty())
+
+
 class MetricsWriter:
+    """Metrics rows to metrics.jsonl, TensorBoard, wandb and the console, on process 0. The console lines
+    go through `bar` when given (so they do not break a progress bar), else through its own bar of
+    `progress_total` steps when `progress_bar`."""
+
     def __init__(self, directory: str | Path, *, tensorboard: bool = True, wandb_project: str | None = None,
                  use_wandb: bool = False, progress_total: int | None = None, progress_bar: bool = True,
-                 initial: int = 0):
+                 initial: int = 0, bar: Any = None):
         self.enabled = jax.process_index() == 0
+        self.closed = False
         self.directory = Path(directory)
         self.history: list[dict[str, Any]] = []
         self._tb = self._wandb = self._bar = None
@@ -56,14 +81,13 @@ class MetricsWriter:
             except ImportError:
                 raise ValueError("use_wandb=True, but wandb is not installed (pip install wandb)") from None
             self._wandb = wandb.init(project=wandb_project or "jaxloom", dir=str(self.directory))
-        if progress_bar and progress_total:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=progress_total, initial=initial, desc="train", dynamic_ncols=True,
-                             disable=not sys.stderr.isatty())
+        if bar is not None:
+            self._bar = bar
+        elif progress_bar and progress_total:
+            self._bar = create_progress_bar(progress_total, "train", initial=initial)
 
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "train") -> None:
-        if not self.enabled:
+        if not self.enabled or self.closed:
             return
         row = {"step": step, **{f"{prefix}/{k}": v for k, v in metrics.items()}}
         self.history.append(row)
@@ -83,7 +107,7 @@ class MetricsWriter:
 
     def samples(self, step: int, prompts: list[str], completions: list[str]) -> None:
         """Generated previews: console, TensorBoard text and the JSONL file."""
-        if not self.enabled:
+        if not self.enabled or self.closed:  # e.g. a preview asked for after the run ended
             return
         pairs = [{"prompt": p, "completion": c} for p, c in zip(prompts, completions, strict=True)]
         self._jsonl.write(json.dumps({"step": step, "samples": pairs}) + "\n")
@@ -107,10 +131,11 @@ class MetricsWriter:
             self._tb.add_histogram(name, values, step)
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.enabled or self.closed:
             return
+        self.closed = True
         if self._bar is not None:
-            self._bar.close()
+            self._bar.close()  # a bar given by the trainer is closed with the run, too
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

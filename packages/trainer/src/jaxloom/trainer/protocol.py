@@ -1,47 +1,51 @@
-"""`TrainerProtocol`: what every jaxloom trainer offers (EasyDeL's `BaseTrainerProtocol`)."""
+"""`BaseTrainerProtocol`: what every jaxloom trainer offers, as EasyDeL's reference defines it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
+
+from .outputs import TrainerConfigureDataloaderOutput, TrainerConfigureFunctionOutput, TrainerConfigureModelOutput
 
 
 @runtime_checkable
-class TrainerProtocol(Protocol):
-    """EasyDeL's `BaseTrainerProtocol`: what every trainer offers (`BaseTrainer` satisfies it)."""
+class BaseTrainerProtocol(Protocol):
+    """EasyDeL's `BaseTrainerProtocol`. `BaseTrainer` implements it; a custom trainer may subclass it
+    (as the reference's skeleton does) and assign the attributes in its constructor.
+
+    The attributes are plain (settable) members: `arguments`, `dataset_train`, `dataset_eval`, and,
+    once `configure_model()` has run, `model`, `_model_state`, `optimizer` and `scheduler`;
+    `dtype` and `param_dtype` come from the arguments."""
 
     arguments: Any
     dataset_train: Any
     dataset_eval: Any
+    model: Any
+    _model_state: Any
+    dtype: Any
+    param_dtype: Any
+    scheduler: Any
+    optimizer: Any
 
-    @property
-    def model(self) -> Any: ...
-    @property
-    def model_state(self) -> Any: ...
-    @property
-    def mesh(self) -> Any: ...
-    @property
-    def dtype(self) -> Any: ...
-    @property
-    def param_dtype(self) -> Any: ...
-    @property
-    def optimizer(self) -> Any: ...
-    @property
-    def scheduler(self) -> Any: ...
+    def train(self, model_parameters: Any = None, state: Any = None) -> Any:
+        """Train from `state` (or `model_parameters`, or what the trainer was given, or the newest
+        checkpoint); returns the outcome (the final state, or an object carrying it as `.state`)."""
 
-    def configure_model(self) -> Any:
-        """Build the model state, its shardings and the optimizer."""
+    def evaluate(self, state: Any = None, metric_calculator: Callable | None = None) -> dict[str, float]:
+        """Metrics of `state` over the evaluation data; `metric_calculator` adds custom ones."""
 
-    def configure_dataloaders(self) -> Any:
-        """Create the data loaders."""
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+        """Write a state (default: the current one) where it can be loaded again."""
 
-    def configure_functions(self) -> Any:
-        """Compile the train and eval steps."""
+    def configure_functions(self) -> TrainerConfigureFunctionOutput:
+        """The (jitted) train and eval step functions."""
 
-    def train(self) -> Any:
-        """Run the training loop; returns the outcome."""
+    def configure_model(self) -> TrainerConfigureModelOutput:
+        """The model and the state it trains."""
 
-    def evaluate(self) -> dict[str, float]:
-        """Metrics over the evaluation data."""
+    def configure_dataloaders(self) -> TrainerConfigureDataloaderOutput:
+        """The training and evaluation data loaders."""
 
-    def save_pretrained(self, path: Any, *, to_hf: bool = True) -> Any:
-        """Write the model to `path` where it can be loaded again (a Hugging Face directory with `to_hf`)."""
+
+TrainerProtocol = BaseTrainerProtocol
+"""The earlier name of `BaseTrainerProtocol` (kept as an alias)."""

@@ -1,16 +1,22 @@
-"""`BaseTrainer`: the loop. Model, data, checkpoints and logging come from their packages; this file
-wires them around one jitted step."""
+"""`BaseTrainer`: a composition root of builders around one jitted step, and a one-screen loop.
+
+Constructing a trainer stores what it was given and nothing else: no file, thread, device query or
+compilation. The builders (`configure_model`, `configure_dataloaders`, `configure_functions`, each
+returning EasyDeL's output type) do the work when called; `initialize_trainer_utils()` calls them in
+the order that overlaps the slow parts (compiling, tokenizing, restoring), and `train()`, `evaluate()`
+and the generation methods call it on first use. Checkpoints, evaluation and previews are `Callback`s
+with their own cadence; the loop only runs steps and asks which callbacks are due."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from concurrent.futures import Future, ThreadPoolExecutor
 import logging
 import math
+import os
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +32,11 @@ import jaxloom.state as js
 from jaxloom.mesh import DATA_AXES, MeshConfig, named_leaves
 
 from .arguments import TrainingArguments
-from .metrics import MetricsWriter, memory_in_use, peak_flops
+from .callbacks import Callback
+from .metrics import MetricsWriter, create_progress_bar, memory_in_use, peak_flops
 from .optim import make_optimizer
+from .outputs import (TrainerConfigureDataloaderOutput, TrainerConfigureFunctionOutput, TrainerConfigureModelOutput,
+                      TrainerOutput)
 from .report import plot_history, write_report
 from .step import StepConfig, eval_step, train_step
 
@@ -38,147 +47,313 @@ class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN or infinite loss or gradient (with `nan_policy="stop"`)."""
 
 
-@dataclasses.dataclass
-class TrainerOutput:
-    """What `train()` returns: the final `state` and `metrics`, why it stopped (`stop_reason`), the
-    checkpoint it resumed from (`resumed_from`), where checkpoints, report and plot are
-    (`checkpoint_dir`, `report_path`, `plot_path`) and the last preview `samples`."""
+class _Finish:
+    """`finish` as the reference has it, a static method (`BaseTrainer.finish()` ends the wandb run if one
+    is active), which called on a trainer also releases that trainer's threads and checkpoint writer."""
 
-    state: js.TrainState
-    metrics: dict[str, float]
-    stop_reason: str
-    resumed_from: str | None
-    checkpoint_dir: str | None
-    report_path: str | None
-    plot_path: str | None
-    samples: list[str] = dataclasses.field(default_factory=list)
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return _finish_logging
+        return functools.partial(_finish_trainer, obj)
+
+
+def _finish_logging() -> None:
+    try:
+        import wandb
+    except ImportError:
+        return
+    if getattr(wandb, "run", None) is not None:
+        wandb.finish()
+
+
+def _finish_trainer(trainer: BaseTrainer) -> None:
+    if trainer.checkpoints is not None:
+        trainer.checkpoints.close()
+    if trainer.train_loader is not None:
+        trainer.train_loader.close()
+    if trainer._pool is not None:
+        trainer._pool.shutdown(wait=False)
+    _finish_logging()
 
 
 class BaseTrainer:
     """Train `model` (an `nnx` model, concrete or abstract from `create_model(lazy=True)`) or a
     `model_state` on `dataset_train` (anything `jaxloom.data.as_source` reads) with `arguments`.
-
-    Hooks: objects with optional `on_step_start(trainer, step)` / `on_step_end(trainer, step, metrics)`.
-
-    Arguments, grouped:
+    EasyDeL's signature, in its order:
 
     - `arguments`: `TrainingArguments` (default: all defaults).
-    - `model`, `model_state`: what to train (one of them).
+    - `model_state`: a `TrainState` to train (its parameters, and its optimizer state when it matches
+      this run's optimizer). A module given here is taken as `model`.
+    - `model`: the model to train; its runtime settings are replaced by the arguments that set them
+      (`dtype`, `param_dtype`, `attn_mechanism`, `remat`, ...).
     - `dataset_train`, `dataset_eval`: training data and, optionally, evaluation data.
+    - `data_collator`: `fn(batch) -> batch` applied to this process's rows of every training batch
+      (numpy arrays `input_ids`, `segment_ids`, `positions`, `loss_mask`) before they go to the device;
+      it must keep their keys, shapes and dtypes.
+    - `finetune`: True (default) trains the given parameters; False trains the given architecture from
+      new parameters drawn from `arguments.seed`.
     - `processing_class`: the tokenizer (default: the bundled one).
     - `mesh`: a `jax.sharding.Mesh` to use instead of the one the arguments describe.
-    - `hooks`: objects called at every step, as above.
+    - `hooks`: objects with optional `on_step_start(trainer, step)` / `on_step_end(trainer, step, metrics)`.
+    - `deprecated_kwargs`: none are accepted; any name here is an error naming it.
+
+    Subclasses may override `on_step_start(state, step)`, `on_step_end(state, metrics, step)`,
+    `start_training_hook()` and `start_evaluation_hook()`; the loop calls them.
     """
 
-    def __init__(self, arguments: TrainingArguments | None = None, model: nnx.Module | None = None, *,
-                 model_state: js.TrainState | None = None, dataset_train: Any = None, dataset_eval: Any = None,
-                 processing_class: Any = None, mesh=None, hooks: list | None = None):
-        self.arguments = arguments or TrainingArguments()
+    finish = _Finish()
+
+    def __init__(self, arguments: TrainingArguments | None = None, model_state: js.TrainState | None = None,
+                 model: nnx.Module | None = None, dataset_train: Any = None, dataset_eval: Any = None,
+                 data_collator: Any = None, finetune: bool = True, processing_class: Any = None, *, mesh=None,
+                 hooks: list | None = None, **deprecated_kwargs: Any):
+        if deprecated_kwargs:
+            raise TypeError(f"{type(self).__name__}: unknown argument(s) {sorted(deprecated_kwargs)}")
+        if isinstance(model_state, nnx.Module) and model is None:
+            model, model_state = model_state, None
         if dataset_train is None:
             raise ValueError("dataset_train is required")
         if model is None and model_state is None:
             raise ValueError("give a model (concrete or lazy) or a model_state")
+        if data_collator is not None and not callable(data_collator):
+            raise TypeError(f"data_collator {data_collator!r} is not callable")
+        self.arguments = arguments or TrainingArguments()
         self.dataset_train, self.dataset_eval = dataset_train, dataset_eval
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxloom-setup")
-        self._tokenizer = processing_class if processing_class is not None else self._pool.submit(jd.load_processor)
-        self._pool.submit(js.CheckpointManager.prepare)
+        self.data_collator, self.finetune = data_collator, bool(finetune)
         self.hooks = list(hooks or [])
+        self.callbacks: list[Callback] = []
         self._model_in = model if model is not None else model_state.model
         self._state_in = model_state
+        self._tokenizer = processing_class
         self._mesh = mesh
+        # Filled by the builders.
+        self.state: js.TrainState | None = None
+        self.tx = self.schedule = self.checkpoints = self.train_loader = self.writer = self.pbar = None
         self.resumed_from: str | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._planned = self._initialized = False
+        self._data_state = None
         self._stop_requested = False
-        self.train_loader = None
-        if self.arguments.compilation_cache_dir:
-            use_compilation_cache(self.arguments.compilation_cache_dir)
-        self.configure_model()
-        if self.train_loader is None:  # resumed: the loader starts at the restored data position
-            self.configure_dataloaders()
+        self._stop_reason: str | None = None
+        self._t0 = self._eval_t0 = None
 
+    # ---- what the trainer is working on ---------------------------------------------------------------
     @property
     def tokenizer(self):
+        """The tokenizer (`processing_class`); the bundled one is loaded on first use."""
+        if self._tokenizer is None:
+            self._tokenizer = jd.load_processor()
         if isinstance(self._tokenizer, Future):  # loaded in the background during setup
             self._tokenizer = self._tokenizer.result()
         return self._tokenizer
 
-    # ---- protocol properties -------------------------------------------------------------------------
-    mesh = property(lambda self: self._mesh)
-    model_state = property(lambda self: self.state)
-    model = property(lambda self: self.state.model)
-    optimizer = property(lambda self: self.tx)
-    scheduler = property(lambda self: self.schedule)
-    dtype = property(lambda self: self.runtime.dtype)
-    param_dtype = property(lambda self: self.runtime.param_dtype)
-    is_process_zero = property(lambda self: jax.process_index() == 0)
-    process_zero_is_admin = property(lambda self: jax.process_index() == 0)
+    processing_class = tokenizer
 
-    # ---- setup ----------------------------------------------------------------------------------------
-    def configure_model(self) -> None:
-        """Build the mesh, optimizer, schedule and state shardings; start compiling the step; restore the
-        newest checkpoint (`resume_if_possible`) or start the loader and create the state on its shards."""
-        a = self.arguments
+    @property
+    def mesh(self):
+        """The device mesh (built from the arguments on first use unless one was given)."""
         if self._mesh is None:
+            a = self.arguments
             self._mesh = MeshConfig(a.sharding_axis_dims, a.sharding_axis_names, a.sharding_dcn_axis_dims).build()
+        return self._mesh
+
+    @property
+    def runtime(self) -> jmod.RuntimeConfig:
+        """The model's `RuntimeConfig` with the arguments that set runtime fields applied."""
+        return self._model_in.runtime.replace(**self.arguments.runtime.runtime_overrides())
+
+    dtype = property(lambda self: self.runtime.dtype, doc="Computation dtype (the arguments', else the model's).")
+    param_dtype = property(lambda self: self.runtime.param_dtype,
+                           doc="Parameter dtype (the arguments', else the model's).")
+    model_state = property(lambda self: self.state, doc="The `TrainState` (None before `configure_model()`).")
+    _model_state = model_state
+    optimizer = property(lambda self: self.tx, doc="The optax optimizer (None before `configure_model()`).")
+    scheduler = property(lambda self: self.schedule, doc="The learning-rate schedule (None before configuring).")
+    checkpoint_manager = property(lambda self: self.checkpoints, doc="The run's `jaxloom.state.CheckpointManager`.")
+    is_process_zero = property(lambda self: jax.process_index() == 0, doc="Whether this is process 0.")
+    process_zero_is_admin = property(lambda self: True, doc="Process 0 writes logs, reports and exports: always.")
+    is_enable = property(lambda self: self.is_process_zero or not self.process_zero_is_admin,
+                         doc="Whether this process does the writing (process 0, since it is the admin).")
+    training_batch_size = property(lambda self: self.arguments.training_batch_size,
+                                   doc="Rows per optimizer step: total_batch_size × gradient_accumulation_steps.")
+    evaluation_batch_size = property(lambda self: self.arguments.eval_batch_size, doc="Rows per evaluation batch.")
+    _train_source = property(lambda self: jd.as_source(self.dataset_train), doc="The training data as a source.")
+    _eval_source = property(lambda self: None if self.dataset_eval is None else jd.as_source(self.dataset_eval),
+                            doc="The evaluation data as a source, or None.")
+
+    @property
+    def model(self):
+        """The model: the trained state's once `configure_model()` has run, else the one given."""
+        return self.state.model if self.state is not None else self._model_in
+
+    # ---- builders ------------------------------------------------------------------------------------
+    def _plan(self) -> None:
+        """Everything abstract: mesh, runtime, optimizer and schedule, the state's shapes and shardings,
+        the checkpoint manager. Nothing is allocated or compiled."""
+        if self._planned:
+            return
+        a = self.arguments
         template = self._model_in
-        self.config, self.runtime, self.model_class = template.config, template.runtime, type(template)
-        self._check_attention()
+        self.config, self.model_class = template.config, type(template)
+        runtime = self.runtime
+        self._check_attention(runtime)
         self.total_steps = a.max_training_steps or self._steps_for_epochs()
         self.tx, self.schedule = make_optimizer(a.optim, self.total_steps)
         self.n_params = jmod.count_params(template)
-        abstract_model = jmod.create_model(self.config, self.runtime, lazy=True, model_class=self.model_class)
-        build = self._state_builder(template)
-        self._abstract_state = jax.eval_shape(build[0], *build[1])
+        abstract_model = jmod.create_model(self.config, runtime, lazy=True, model_class=self.model_class)
+        self._build = self._state_builder(template, abstract_model, runtime)
+        self._abstract_state = jax.eval_shape(self._build[0], *self._build[1])
         self.state_shardings = js.state_shardings(
-            self._abstract_state, jmod.param_shardings(abstract_model, self._mesh), self._mesh)
+            self._abstract_state, jmod.param_shardings(abstract_model, self.mesh), self.mesh)
         self._batch_sharding, self._eval_sharding = self._batch_shardings()
-        self.configure_functions()  # starts compiling the train step in the background
-        ckpt_dir = Path(a.save_directory) / "checkpoints"
         self.checkpoints = js.CheckpointManager(js.CheckpointConfig(
-            directory=str(ckpt_dir), save_steps=a.save_steps, save_minutes=a.save_minutes,
-            save_total_limit=a.save_total_limit, async_save=a.async_checkpointing))
-        self._data_state = None
-        if a.resume_if_possible and self.checkpoints.latest_step() is not None:
-            target = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                            self._abstract_state, self.state_shardings)
-            restored = self.checkpoints.restore(target)
-            self.state, self._data_state = restored.state, restored.data_state
-            self.resumed_from = f"{ckpt_dir}/{restored.step}"
-            log.warning("resumed from checkpoint %s (step %d, data position %s)", self.resumed_from,
-                        restored.step, restored.data_state)
+            directory=str(Path(a.save_directory) / "checkpoints"), save_steps=a.save_steps,
+            save_minutes=a.save_minutes, save_total_limit=a.save_total_limit, async_save=a.async_checkpointing))
+        self._planned = True
+
+    def configure_model(self) -> TrainerConfigureModelOutput:
+        """The state this run trains, on its shards: restored from the newest checkpoint of
+        `save_directory` (`resume_if_possible`), else from the given state or model, else new from
+        `seed`. Also builds the mesh, the optimizer and schedule (`optimizer`, `scheduler`)."""
+        self._plan()
+        if self.state is None:
+            self.state = self._restore() if self._resume_step() is not None else self._initial_state()
+        return TrainerConfigureModelOutput(model=self.state.model, state=self.state, tx=self.tx,
+                                           scheduler=self.schedule, config=self.config)
+
+    def configure_dataloaders(self) -> TrainerConfigureDataloaderOutput:
+        """This process's training loader, started at the restored data position (so call it after
+        `configure_model()` when resuming), and a fresh evaluation loader."""
+        self._plan()
+        if self.train_loader is None:
+            self.train_loader = self._loader(self.dataset_train, state=self._data_state)
+            self.train_loader.start()  # the first batches are made while the step compiles
+        return TrainerConfigureDataloaderOutput(self.train_loader, self._eval_loader(), self.total_steps,
+                                                self.arguments.eval_batches if self.dataset_eval is not None else None)
+
+    def configure_functions(self) -> TrainerConfigureFunctionOutput:
+        """The train and eval steps jitted with explicit shardings and donation; the train step starts
+        compiling for the exact shapes in the background."""
+        self._jit_steps()
+        self._train_fn = self._setup_pool().submit(self._compile_train_step)
+        return TrainerConfigureFunctionOutput(self._train_jit, self._eval_jit, self.mesh, self.checkpoints)
+
+    def _jit_steps(self) -> None:
+        self._plan()
+        a = self.arguments
+        aux = getattr(self.config, "router_aux_loss_coef", 0.0)
+        self.step_config = StepConfig(z_loss=a.z_loss, aux_loss_coef=aux, skip_nonfinite=a.nan_policy == "skip",
+                                      schedule=self.schedule)
+        repl = NamedSharding(self.mesh, PartitionSpec())
+        donate = a.donate_state if a.donate_state is not None else self.mesh.devices.flat[0].platform != "cpu"
+        self._train_jit = jax.jit(functools.partial(train_step, cfg=self.step_config),
+                                  in_shardings=(self.state_shardings, self._batch_sharding),
+                                  out_shardings=(self.state_shardings, repl), donate_argnums=0 if donate else ())
+        self._eval_jit = jax.jit(functools.partial(eval_step, cfg=self.step_config),
+                                 in_shardings=(self.state_shardings, self._eval_sharding), out_shardings=repl)
+
+    def initialize_trainer_utils(self) -> None:
+        """Run the builders once, ordered so that the slow parts overlap: the tokenizer loads and the
+        train step compiles in the background while the state is restored or created; a new run starts
+        its loader (tokenizing) before creating the state, a resumed one after restoring its position.
+        Process-wide settings (the compilation cache) are applied here, at the start of a run."""
+        if self._initialized:
+            return
+        if self.arguments.compilation_cache_dir:
+            use_compilation_cache(self.arguments.compilation_cache_dir)
+        pool = self._setup_pool()
+        if self._tokenizer is None:
+            self._tokenizer = pool.submit(jd.load_processor)
+        pool.submit(js.CheckpointManager.prepare)
+        self._plan()
+        if not hasattr(self, "_train_fn"):
+            self.configure_functions()
+        if self.state is None and self._resume_step() is not None:
+            self.configure_model()
+            self.configure_dataloaders()
         else:
-            if a.resume_if_possible:
-                log.warning("resume_if_possible: no complete checkpoint in %s; starting from scratch", ckpt_dir)
-            self.configure_dataloaders()  # from the start of the data: tokenizing overlaps creating the state
-            self.state = self._initial_state(build)
+            self.configure_dataloaders()
+            self.configure_model()
+        self._add_builtin_callbacks()
+        self._initialized = True
 
-    def _check_attention(self) -> None:
-        """The model's attention backend must run on this mesh's platform at this length, before anything
-        compiles; cuDNN's kernel cannot keep packed documents apart."""
-        rt, a = self.runtime, self.arguments
-        platform = self._mesh.devices.flat[0].platform
-        jmod.choose_implementation(rt.attn_mechanism, q_len=a.max_sequence_length, kv_len=a.max_sequence_length,
-                                   cached=False, window=self.config.sliding_window, platform=platform)
-        if rt.attn_mechanism == "cudnn" and a.packing:
-            raise ValueError("attn_mechanism='cudnn' cannot keep packed documents apart (it knows lengths, not "
-                             "segments): set packing=false, or use attn_mechanism='flash' or 'auto'")
+    def restore_checkpoint(self, *, params_only: bool = False) -> js.TrainState:
+        """The newest checkpoint of `save_directory` as this trainer's state, with nothing else set up
+        (no loader, no compile): for commands that only read a run (`eval`, `generate`, `convert`).
+        `params_only` leaves the optimizer state abstract. FileNotFoundError when there is none."""
+        self._plan()
+        if self.checkpoints.latest_step() is None:
+            raise FileNotFoundError(f"no complete checkpoint under {self.checkpoints.directory}")
+        target = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                        self._abstract_state, self.state_shardings)
+        restored = self.checkpoints.restore(target, params_only=params_only)
+        self.resumed_from = f"{self.checkpoints.directory}/{restored.step or self.checkpoints.latest_step()}"
+        self.state = restored.state
+        return self.state
 
-    def _initial_state(self, build) -> js.TrainState:
+    def _setup_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxloom-setup")
+        return self._pool
+
+    def _resume_step(self) -> int | None:
+        if not self.arguments.resume_if_possible:
+            return None
+        return self.checkpoints.latest_step()
+
+    def _restore(self) -> js.TrainState:
+        target = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                        self._abstract_state, self.state_shardings)
+        restored = self.checkpoints.restore(target)
+        self._data_state = restored.data_state
+        self.resumed_from = f"{self.checkpoints.directory}/{restored.step}"
+        log.warning("resumed from checkpoint %s (step %d, data position %s)", self.resumed_from, restored.step,
+                    restored.data_state)
+        return restored.state
+
+    def _initial_state(self) -> js.TrainState:
         """The state created on its shards by one jitted program. From a seed on a one-device mesh, op by
         op instead: a few small kernels shared by same-shaped layers compile faster than one program with
         a random-number pipeline per parameter (seconds of start-up on CPU; same values to rounding)."""
-        if self._mesh.devices.size > 1 or build[1]:  # from given parameters: copies, never aliases of them
-            return jax.jit(build[0], out_shardings=self.state_shardings)(*build[1])
-        return jax.device_put(build[0](*build[1]), self.state_shardings)
+        if self.arguments.resume_if_possible:
+            log.info("resume_if_possible: no complete checkpoint in %s; starting from scratch",
+                     self.checkpoints.directory)
+        fn, inputs = self._build
+        if self._state_in is not None and _matches(self._state_in, self._abstract_state):
+            return jax.jit(lambda s: s, out_shardings=self.state_shardings)(self._state_in)  # its optimizer state too
+        if self.mesh.devices.size > 1 or inputs:  # from given parameters: copies, never aliases of them
+            return jax.jit(fn, out_shardings=self.state_shardings)(*inputs)
+        return jax.device_put(fn(*inputs), self.state_shardings)
 
-    def _state_builder(self, template):
-        seed, tx = self.arguments.seed, self.tx
+    def _state_builder(self, template, abstract_model, runtime):
+        """`(fn, inputs)`: `fn(*inputs)` makes the initial state. From the seed when the model is abstract
+        (or `finetune=False`); else from the given parameters, cast to `param_dtype` and put into the
+        model rebuilt with this run's runtime."""
+        seed, tx, config, cls = self.arguments.seed, self.tx, self.config, self.model_class
         leaves = jax.tree_util.tree_leaves(nnx.state(template, nnx.Param))
-        if leaves and isinstance(leaves[0], jax.ShapeDtypeStruct):  # abstract: initialise from the seed
-            config, runtime, cls = self.config, self.runtime, self.model_class
+        if not self.finetune or (leaves and isinstance(leaves[0], jax.ShapeDtypeStruct)):
             return (lambda: js.TrainState.create(jmod.create_model(config, runtime, seed=seed, model_class=cls), tx,
                                                  seed=seed)), ()
-        graphdef, params, rest = nnx.split(template, nnx.Param, ...)
-        return (lambda p: js.TrainState.create(nnx.merge(graphdef, p, rest), tx, seed=seed)), (params,)
+        _, params, rest = nnx.split(template, nnx.Param, ...)
+        graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)
+        if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(target):
+            raise ValueError("the arguments change the layout of the given model's parameters (scan_layers "
+                             f"{self._model_in.runtime.scan_layers} -> {runtime.scan_layers}); create the model with "
+                             "the layout you want, or leave scan_layers unset")
+        cast = jax.tree_util.tree_map(lambda p, t: p.astype(t.dtype) if p.dtype != t.dtype else p, params, target)
+        return (lambda p: js.TrainState.create(nnx.merge(graphdef, p, rest), tx, seed=seed)), (cast,)
+
+    def _check_attention(self, runtime) -> None:
+        """The attention backend must run on this mesh's platform at this length, before anything
+        compiles; cuDNN's kernel cannot keep packed documents apart."""
+        a = self.arguments
+        platform = self.mesh.devices.flat[0].platform
+        jmod.choose_implementation(runtime.attn_mechanism, q_len=a.max_sequence_length,
+                                   kv_len=a.max_sequence_length, cached=False, window=self.config.sliding_window,
+                                   platform=platform)
+        if runtime.attn_mechanism == "cudnn" and a.packing:
+            raise ValueError("attn_mechanism='cudnn' cannot keep packed documents apart (it knows lengths, not "
+                             "segments): set packing=false, or use attn_mechanism='flash' or 'auto'")
 
     def _steps_for_epochs(self) -> int:
         """Optimizer steps in `num_train_epochs` passes, counted by running the loader over one epoch."""
@@ -196,55 +371,173 @@ class BaseTrainer:
         settings = dict(max_sequence_length=a.max_sequence_length, packing=a.packing,
                         truncation_mode=a.truncation_mode, shuffle=a.shuffle_train_dataset, seed=a.seed)
         cfg = jd.DataConfig(**{**settings, **overrides})
-        return jd.MeshLoader(data, self.tokenizer, cfg, self._mesh, global_rows or a.total_batch_size,
+        return jd.MeshLoader(data, self.tokenizer, cfg, self.mesh, global_rows or a.total_batch_size,
                              accumulation=accum, state=state)
 
+    def _eval_loader(self) -> jd.MeshLoader | None:
+        """A new pass over `dataset_eval` (not started), or None without evaluation data."""
+        if self.dataset_eval is None:
+            return None
+        return self._loader(self.dataset_eval, global_rows=self.arguments.eval_batch_size, accumulation=1,
+                            num_epochs=1, shuffle=False, prefetch=0)
+
     def _batch_shardings(self):
-        axes = tuple(x for x in DATA_AXES if x in self._mesh.shape) or None
-        return NamedSharding(self._mesh, PartitionSpec(None, axes)), NamedSharding(self._mesh, PartitionSpec(axes))
+        axes = tuple(x for x in DATA_AXES if x in self.mesh.shape) or None
+        return NamedSharding(self.mesh, PartitionSpec(None, axes)), NamedSharding(self.mesh, PartitionSpec(axes))
 
-    def configure_dataloaders(self) -> None:
-        """Create this process's training loader (at the restored data position) and start it."""
-        self.train_loader = self._loader(self.dataset_train, state=self._data_state)
-        self.train_loader.start()  # the first batches are made while the step compiles
+    def _compile_train_step(self):
+        return self.lower_train_step().compile()
 
-    def configure_functions(self) -> None:
-        """Jit the train and eval steps with explicit shardings and donation; compile in the background."""
-        a = self.arguments
-        aux = getattr(self.config, "router_aux_loss_coef", 0.0)
-        self.step_config = StepConfig(z_loss=a.z_loss, aux_loss_coef=aux, skip_nonfinite=a.nan_policy == "skip",
-                                      schedule=self.schedule)
-        repl = NamedSharding(self._mesh, PartitionSpec())
-        donate = a.donate_state if a.donate_state is not None else self._mesh.devices.flat[0].platform != "cpu"
-        self._train_jit = jax.jit(functools.partial(train_step, cfg=self.step_config),
-                                  in_shardings=(self.state_shardings, self._batch_sharding),
-                                  out_shardings=(self.state_shardings, repl), donate_argnums=0 if donate else ())
-        self._eval_jit = jax.jit(functools.partial(eval_step, cfg=self.step_config),
-                                 in_shardings=(self.state_shardings, self._eval_sharding), out_shardings=repl)
-        self._train_fn = self._pool.submit(self.compile_aot)
-
-    def compile_aot(self):
-        """Compile the train step for the exact shapes and shardings before the first batch."""
+    def lower_train_step(self):
+        """The train step lowered for the run's exact shapes and shardings (`jax.stages.Lowered`:
+        `.as_text()` is the program before XLA's optimisations, `.compile()` the executable)."""
+        if not hasattr(self, "_train_jit"):
+            self._jit_steps()
         a = self.arguments
         shape = (a.gradient_accumulation_steps, a.total_batch_size, a.max_sequence_length)
         batch = {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self._batch_sharding)
                  for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
         state = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                        self._abstract_state, self.state_shardings)
-        with jax.set_mesh(self._mesh):
-            return self._train_jit.lower(state, batch).compile()
+        with jax.set_mesh(self.mesh):
+            return self._train_jit.lower(state, batch)
 
-    # ---- the loop -------------------------------------------------------------------------------------
+    def compile_aot(self) -> bool:
+        """Compile the train step for the run's exact shapes and shardings now, before the first batch
+        (the loop uses this executable). Returns True when it compiled it, False when it already was."""
+        if not self._planned or not hasattr(self, "_train_fn"):
+            self.configure_functions()
+        if isinstance(self._train_fn, Future):
+            self._train_fn = self._train_fn.result()
+            return True
+        return False
+
+    def compiled_train_step(self):
+        """The AOT-compiled train step (compiling it if needed): `memory_analysis()`, `cost_analysis()`."""
+        self.compile_aot()
+        return self._train_fn
+
+    def _add_builtin_callbacks(self) -> None:
+        """Checkpoint first (saved before anything that can fail runs on the step), then evaluation and
+        the generation preview, each on its cadence; users' callbacks after them."""
+        a = self.arguments
+        builtin = [Callback(lambda t, step: t._save(step), when=self.checkpoints.should_save, name="checkpoint")]
+        if a.evaluation_steps and self.dataset_eval is not None:
+            builtin.append(Callback(lambda t, step: t._evaluate_and_log(step), every=a.evaluation_steps,
+                                    name="evaluation"))
+        if a.generation_interval and a.generation_prompts:
+            builtin.append(Callback(lambda t, step: t.preview(step), every=a.generation_interval, name="preview"))
+        self.callbacks[:0] = builtin
+
+    def add_callback(self, fn, *, every: int | None = None, when=None, name: str = "") -> Callback:
+        """Run `fn(trainer, step)` after every `every`-th step (and/or whenever `when(step)` is true),
+        on that step's state; `name` labels it. Returns the `Callback`."""
+        cb = Callback(fn, every=every, when=when, name=name)
+        self.callbacks.append(cb)
+        return cb
+
+    # ---- the loop --------------------------------------------------------------------------------------
+    def train(self, model_parameters: Any = None, state: js.TrainState | None = None) -> TrainerOutput:
+        """Run until `max_training_steps` (or the epochs, a time limit, a stop signal or the end of the
+        data); log, evaluate, preview, checkpoint on their cadence. Start from `state` (a `TrainState`;
+        its optimizer state is kept when it fits this run's optimizer) or `model_parameters` (the model's
+        `nnx.Param` state) when given, else from what the trainer was given; a checkpoint in
+        `save_directory` wins when `resume_if_possible`. Returns a `TrainerOutput` (`.state` is the final
+        state).
+
+        One step is always in flight: step n+1 is dispatched (its batch staged on the device meanwhile)
+        before step n's metrics are read, so the host's checks, logging and progress bar run while the
+        device computes. Callbacks need their own step's state; the loop settles it first."""
+        self._take_starting_point(model_parameters, state)
+        self.initialize_trainer_utils()
+        self.start_training_hook()
+        step = int(jax.device_get(self.state.step))
+        self.pbar = self.create_progress_bar(self.total_steps, desc="train", disabled=not self.arguments.progress_bar,
+                                             initial=step)
+        self.writer = self._metrics_writer()
+        restore_signals = self._install_signal_handlers()
+        try:
+            step, stop_reason = self._loop(step)
+            return self._finish(step, stop_reason)
+        finally:  # after the final save: a second Ctrl-C while it is written is absorbed, not fatal
+            restore_signals()
+
+    def _loop(self, step: int) -> tuple[int, str]:
+        self.compile_aot()  # usually done already: it compiled in the background during setup
+        profiler = _Profiler(self.arguments.profile_steps, Path(self.arguments.save_directory) / "profile")
+        pending, stop_reason = None, "max_training_steps reached"
+        try:
+            while step < self.total_steps and not self._stop_reason:
+                self._call_step_start(step + 1)  # steps are numbered like checkpoints: updates after the step
+                profiler.before(step + 1)
+                try:
+                    local = next(self.train_loader)
+                except StopIteration:
+                    stop_reason = "training data exhausted"
+                    break
+                self.state, metrics = self._train_fn(self.state, self._global_batch(local))
+                step += 1
+                metrics = self._call_step_end(step, metrics)
+                profiler.after(step, metrics)
+                if pending:
+                    self._after_step(*pending)  # the previous step, now done on the device
+                pending = (step, metrics)
+                due = [c for c in self.callbacks if c.due(step)]
+                if due:  # they need this step's state: settle it first
+                    self._after_step(*pending)
+                    pending = None
+                    for cb in due:
+                        cb.fn(self, step)
+            if pending:
+                self._after_step(*pending)
+        finally:
+            profiler.close()
+        return step, self._stop_reason or stop_reason
+
+    def _call_step_start(self, step: int) -> None:
+        self.state = self.on_step_start(self.state, step)
+        for h in self.hooks:
+            getattr(h, "on_step_start", lambda *_: None)(self, step)
+
+    def _call_step_end(self, step: int, metrics: dict) -> dict:
+        self.state, metrics = self.on_step_end(self.state, metrics, step)
+        for h in self.hooks:
+            getattr(h, "on_step_end", lambda *_: None)(self, step, metrics)
+        return metrics
+
+    def on_step_start(self, state: js.TrainState, step: int) -> js.TrainState:
+        """Called before training step `step`; returns the state to train on (override to change it)."""
+        return state
+
+    def on_step_end(self, state: js.TrainState, metrics: dict[str, Any], step: int) -> tuple[js.TrainState, dict]:
+        """Called after step `step` is dispatched with its (on-device) `metrics`; returns the state and
+        metrics to go on with (override to change them). Reading a metric here waits for the step."""
+        return state, metrics
+
+    def start_training_hook(self) -> None:
+        """Called when `train()` starts, after setup: records the start time (for `training_time_limit`)."""
+        self._t0 = time.monotonic()
+        self._stop_reason, self._skipped = None, 0
+        self._last_eval, self._last_preview = (None, {}), (None, [])
+
+    def start_evaluation_hook(self) -> None:
+        """Called when an evaluation starts: records its start time (`evaluation_time` in its metrics)."""
+        self._eval_t0 = time.monotonic()
+
     def _global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         a = self.arguments
+        if self.data_collator is not None:
+            local = _collated(self.data_collator, local)
         accum = a.gradient_accumulation_steps
         shape = (accum, a.total_batch_size, a.max_sequence_length)
         return {k: jax.make_array_from_process_local_data(
             self._batch_sharding, v.reshape(accum, -1, v.shape[-1]), shape) for k, v in local.items()}
 
-    def apply_training_hooks(self, step: int, metrics: dict[str, Any]) -> str | None:
-        """Built-in checks after `step` on its `metrics`: non-finite loss (stop with the step named, or
-        count a skip) and the wall-clock limit. Returns a stop reason or None."""
+    def apply_training_hooks(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The built-in checks on a finished step's host `metrics` (with its `step`): a non-finite loss
+        raises `NonFiniteLossError` naming the step (`nan_policy="stop"`) or counts a skipped update; the
+        wall-clock limit and a stop signal end training after this step. Returns the metrics."""
+        step = metrics["step"]
         if not bool(metrics["finite"]):
             if self.arguments.nan_policy == "stop":
                 raise NonFiniteLossError(f"loss is {float(metrics['loss'])} (grad norm "
@@ -254,129 +547,51 @@ class BaseTrainer:
             log.warning("non-finite loss at step %d: update skipped (%d so far)", step, self._skipped)
         limit = self.arguments.training_time_limit
         if limit and time.monotonic() - self._t0 >= limit:
-            return f"training_time_limit of {limit} s reached"
+            self._stop_reason = f"training_time_limit of {limit} s reached"
         if self._stop_requested:
-            return "stop signal received"
-        return None
+            self._stop_reason = "stop signal received"
+        return metrics
 
-    def train(self) -> TrainerOutput:
-        """Run until `max_training_steps` (or the epochs, a time limit, a stop signal or the end of the
-        data); log, evaluate, preview, checkpoint on schedule. Returns a `TrainerOutput`.
-
-        One step is always in flight: step n+1 is dispatched (its batch staged on the device meanwhile)
-        before step n's metrics are read, so the host's checks, logging, TensorBoard and progress bar run
-        while the device computes. Evaluation, previews and checkpoints need the state of their own
-        step; they settle it first."""
+    def _after_step(self, step: int, metrics: dict[str, Any]) -> None:
+        """The host's share of `step`, run once the next step is dispatched: the checks, the metrics row
+        every `logging_steps` (and at the last step), the progress bar."""
         a = self.arguments
-        self._t0, self._skipped, self._last_eval, self._last_preview = time.monotonic(), 0, (None, {}), (None, [])
-        if isinstance(self._train_fn, Future):
-            self._train_fn = self._train_fn.result()
-        step = int(jax.device_get(self.state.step))
-        self.writer = MetricsWriter(a.save_directory, tensorboard=a.use_tensorboard, use_wandb=a.use_wandb,
-                                    wandb_project=a.wandb_project, progress_total=self.total_steps,
-                                    progress_bar=a.progress_bar, initial=step)
-        self._window, self._t_log = [], time.perf_counter()
-        self._flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)   # constants of the run,
-        self._peak = peak_flops(override=a.peak_flops_per_device)                      # not of each log row
-        restore_signals = self._install_signal_handlers()
-        stop_reason, pending, profiling = "max_training_steps reached", None, False
-        try:
-            while step < self.total_steps:
-                for h in self.hooks:  # steps are numbered like checkpoints: the update count after the step
-                    getattr(h, "on_step_start", lambda *_: None)(self, step + 1)
-                if a.profile_steps and step + 1 == a.profile_steps[0]:
-                    jax.profiler.start_trace(str(Path(a.save_directory) / "profile"))
-                    profiling = True
-                try:
-                    local = next(self.train_loader)
-                except StopIteration:
-                    stop_reason = "training data exhausted"
-                    break
-                self.state, metrics = self._train_fn(self.state, self._global_batch(local))
-                step += 1
-                if profiling and step == a.profile_steps[1]:
-                    profiling = self._stop_profile(metrics)
-                for h in self.hooks:
-                    getattr(h, "on_step_end", lambda *_: None)(self, step, metrics)
-                reason = self._after_step(*pending) if pending else None  # the previous step, now done
-                pending = (step, metrics)
-                due = self._due(step)
-                if any(due):  # evaluation, preview or checkpoint of this step's state: settle it first
-                    reason = self._after_step(*pending) or reason
-                    pending = None
-                    self._scheduled(step, due)
-                if reason:
-                    stop_reason = reason
-                    break
-            if pending:
-                self._after_step(*pending)
-        finally:
-            if profiling:
-                jax.profiler.stop_trace()
-            restore_signals()
-        return self._finish(step, stop_reason, self.writer)
-
-    def _after_step(self, step: int, metrics: dict[str, Any]) -> str | None:
-        """The host's share of `step`, run once the next step is dispatched: the built-in checks, the
-        metrics row every `logging_steps` (and at the last step), the progress bar. Returns a stop reason."""
-        a = self.arguments
-        reason = self.apply_training_hooks(step, _checked(metrics))
+        self.apply_training_hooks({**jax.device_get({k: metrics[k] for k in ("finite", "loss", "grad_norm")}),
+                                   "step": step})
         self._window.append(metrics)
         if step % a.logging_steps == 0 or step == self.total_steps:
             host, now = jax.device_get(self._window), time.perf_counter()
             dt = now - self._t_log
             tps = a.training_batch_size * a.max_sequence_length * len(host) / dt
-            flops_token, peak = self._flops_token, self._peak
             row = {k: float(np.mean([m[k] for m in host])) for k in ("loss", "accuracy", "grad_norm")}
             row.update(perplexity=math.exp(min(row["loss"], 50)), learning_rate=float(host[-1]["learning_rate"]),
                        tokens_per_second=tps, step_time=dt / len(host),
-                       tflops_per_device=flops_token * tps / self._mesh.devices.size / 1e12, **memory_in_use())
-            if peak:
-                row["mfu"] = flops_token * tps / self._mesh.devices.size / peak
-            self.writer.write(step, row)
+                       tflops_per_device=self._flops_token * tps / self.mesh.devices.size / 1e12, **memory_in_use())
+            if self._peak:
+                row["mfu"] = self._flops_token * tps / self.mesh.devices.size / self._peak
+            self.log_metrics(row, self.pbar, step)
             if a.log_weight_distribution:
-                for name, leaf in named_leaves(self.state.params):
-                    self.writer.histogram(step, f"weights/{name}", np.asarray(jax.device_get(leaf)))
+                self.log_weight_distribution(self.state, step)
             self._window, self._t_log = [], now
-        self.writer.advance(1)
-        return reason
+        self.pbar.update(1)
 
-    def _due(self, step: int) -> tuple[bool, bool, bool]:
-        """Whether evaluation, a preview and a checkpoint are due after `step` (asked once per step: the
-        time-based checkpoint decision is a collective)."""
+    def _metrics_writer(self) -> MetricsWriter:
         a = self.arguments
-        return (bool(a.evaluation_steps and step % a.evaluation_steps == 0 and self.dataset_eval is not None),
-                bool(a.generation_interval and a.generation_prompts and step % a.generation_interval == 0),
-                self.checkpoints.should_save(step))
+        self._window, self._t_log = [], time.perf_counter()
+        self._flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)   # constants of the run,
+        self._peak = peak_flops(override=a.peak_flops_per_device)                      # not of each log row
+        return MetricsWriter(a.save_directory, tensorboard=a.use_tensorboard, use_wandb=a.use_wandb,
+                             wandb_project=a.wandb_project, bar=self.pbar)
 
-    def _scheduled(self, step: int, due: tuple[bool, bool, bool]) -> None:
-        """Run the evaluation, preview and checkpoint `due` at `step`."""
-        evaluate, preview, save = due
-        if evaluate:
-            self._last_eval = (step, self.evaluate())
-            self.writer.write(step, self._last_eval[1], prefix="eval")
-        if preview:
-            self.preview(step)
-        if save:
+    def _finish(self, step: int, stop_reason: str) -> TrainerOutput:
+        a, writer = self.arguments, self.writer
+        if self.checkpoints.latest_step() != step:  # save first: the evaluation below can fail
             self._save(step)
-
-    def _stop_profile(self, metrics) -> bool:
-        jax.block_until_ready(metrics)
-        jax.profiler.stop_trace()
-        log.warning("profiler trace of steps %d-%d in %s/profile (TensorBoard's profile plugin)",
-                    *self.arguments.profile_steps, self.arguments.save_directory)
-        return False
-
-    def _finish(self, step: int, stop_reason: str, writer: MetricsWriter) -> TrainerOutput:
-        a = self.arguments
         final = {}
         if self.dataset_eval is not None:
             last_step, final = self._last_eval
             if last_step != step:
-                final = self.evaluate()
-                writer.write(step, final, prefix="eval")
-        if self.checkpoints.latest_step() != step:
-            self._save(step)
+                final = self._evaluate_and_log(step)
         self.checkpoints.wait_until_finished()
         train_rows = [r for r in writer.history if "train/loss" in r]
         if train_rows:
@@ -394,19 +609,6 @@ class BaseTrainer:
         return TrainerOutput(self.state, final, stop_reason, self.resumed_from, str(self.checkpoints.directory),
                              str(report) if report else None, str(plot) if plot else None, samples)
 
-    def preview(self, step: int) -> list[str]:
-        """Generate from `generation_prompts` with the current parameters and log the samples under
-        `step` (also the sampling seed). Every process runs the (sharded) decode together; process 0
-        writes."""
-        a = self.arguments
-        prompts = [p for p in a.generation_prompts for _ in range(a.generation_num_samples)]
-        res = jg.generate_unified(self.state.model, self.tokenizer, prompts=prompts, mesh=self._mesh,
-                                  max_new_tokens=a.generation_max_new_tokens, seed=step,
-                                  do_sample=a.generation_temperature > 0, temperature=a.generation_temperature)
-        self.writer.samples(step, res.decoded_prompts, res.generation_results)
-        self._last_preview = (step, res.completion_prompts)
-        return res.completion_prompts
-
     def _save(self, step: int) -> None:
         self.checkpoints.save(step, self.state, data_state=self.train_loader.global_state_dict(),
                               metadata={"tokens_seen": step * self.arguments.training_batch_size
@@ -418,54 +620,276 @@ class BaseTrainer:
             return lambda: None
 
         def handler(signum, _frame):
+            if self._stop_requested:
+                log.warning("signal %d again: still saving the final checkpoint; it is not interrupted", signum)
+                return
             log.warning("signal %d: finishing this step, saving a checkpoint and stopping", signum)
             self._stop_requested = True
 
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         return lambda: [signal.signal(s, h) for s, h in old.items()]
 
-    # ---- evaluation and outputs ------------------------------------------------------------------------
-    def evaluate(self) -> dict[str, float]:
-        """Loss, perplexity and accuracy over up to `eval_batches` batches of `dataset_eval`."""
+    def _take_starting_point(self, model_parameters: Any, state: js.TrainState | None) -> None:
+        """`train(model_parameters=..., state=...)`: what the run starts from (before setup)."""
+        if state is None and model_parameters is None:
+            return
+        if self._initialized:
+            raise RuntimeError("train(state=..., model_parameters=...) must come before the trainer is set up "
+                               "(a previous train() or evaluate() already chose its starting point)")
+        if state is not None:
+            self._state_in, self._model_in = state, state.model
+        else:
+            graphdef, _, rest = nnx.split(self._model_in, nnx.Param, ...)
+            self._state_in, self._model_in = None, nnx.merge(graphdef, model_parameters, rest)
+        self.state, self._planned = None, False
+
+    # ---- evaluation -------------------------------------------------------------------------------------
+    def evaluate(self, state: js.TrainState | None = None, metric_calculator=None) -> dict[str, float]:
+        """Loss, perplexity and accuracy of `state` (default: the trainer's) over up to `eval_batches`
+        batches of `dataset_eval`, plus `evaluation_time`. `metric_calculator(state, batch) -> dict` adds
+        metrics of its own, averaged over the batches (`batch`: the global on-device batch)."""
         if self.dataset_eval is None:
             raise ValueError("no dataset_eval was given")
+        if state is None and self.state is None:
+            self.initialize_trainer_utils()
+        state = self.state if state is None else self._as_own_state(state)
+        if not hasattr(self, "_eval_jit"):
+            self._jit_steps()
+        self.start_evaluation_hook()
         a = self.arguments
-        loader = self._loader(self.dataset_eval, global_rows=a.eval_batch_size, accumulation=1, num_epochs=1,
-                              shuffle=False, prefetch=0)
         total = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0}
+        custom: dict[str, list[float]] = {}
         shape = (a.eval_batch_size, a.max_sequence_length)
-        with jax.set_mesh(self._mesh):
-            for i, local in enumerate(loader):
+        with jax.set_mesh(self.mesh):
+            for i, local in enumerate(self._eval_loader()):
                 if i >= a.eval_batches:
                     break
                 batch = {k: jax.make_array_from_process_local_data(self._eval_sharding, v, shape)
                          for k, v in local.items()}
-                out = jax.device_get(self._eval_jit(self.state, batch))
+                out = jax.device_get(self._eval_jit(state, batch))
                 total = {k: total[k] + float(out[k]) for k in total}
+                for k, v in (metric_calculator(state, batch) if metric_calculator else {}).items():
+                    custom.setdefault(k, []).append(float(v))
         if total["tokens"] == 0:
             raise ValueError("dataset_eval gave no tokens to evaluate")
         loss = total["loss_sum"] / total["tokens"]
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "accuracy": total["correct"] / total["tokens"]}
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "accuracy": total["correct"] / total["tokens"],
+                **{k: float(np.mean(v)) for k, v in custom.items()},
+                "evaluation_time": time.monotonic() - self._eval_t0}
 
-    def save_pretrained(self, path: str | Path, *, to_hf: bool = True) -> Path:
-        """Write the current parameters to `path` (a Hugging Face directory with `to_hf`)."""
-        return js.save_pretrained(self.state, path, to_hf=to_hf, tokenizer=self.tokenizer)
+    def _as_own_state(self, state: js.TrainState) -> js.TrainState:
+        """A state from elsewhere (another trainer, a restore) in this run's tree and shardings: its
+        parameters in this trainer's state."""
+        self._plan()
+        if jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(self._abstract_state):
+            return state
+        own = self.state if self.state is not None else self.configure_model().state
+        return own.replace(params=jax.device_put(state.params, self.state_shardings.params))
 
-    def save_information(self, path: str | Path | None = None, *, final: dict | None = None,
+    def _evaluate_and_log(self, step: int) -> dict[str, float]:
+        metrics = self.evaluate()
+        self._last_eval = (step, metrics)
+        self.log_metrics(metrics, self.pbar, step, mode="eval")
+        return metrics
+
+    # ---- logging ----------------------------------------------------------------------------------------
+    def create_progress_bar(self, total: int, desc: str = "", disabled: bool = False, initial: int = 0):
+        """A progress bar over `total` steps labelled `desc`, starting at `initial` (a no-op object when
+        `disabled`, or on any process but 0): `update(n)`, `set_postfix(...)`, `write(line)`, `close()`."""
+        return create_progress_bar(total, desc, disabled=disabled or not self.is_process_zero, initial=initial)
+
+    def log_metrics(self, metrics: dict[str, Any], pbar, step: int, mode: str = "train") -> None:
+        """Write `metrics` of `step` as `mode/name` to metrics.jsonl, TensorBoard, wandb and the console
+        (through `pbar`, whose postfix shows the loss)."""
+        self.writer.write(step, metrics, prefix=mode)
+        if pbar is not None and "loss" in metrics:
+            pbar.set_postfix({f"{mode}_loss": f"{metrics['loss']:.4g}"})
+
+    def log_weight_distribution(self, state: js.TrainState, step: int) -> None:
+        """A TensorBoard histogram of every parameter of `state`, labelled `step`."""
+        for name, leaf in named_leaves(state.params):
+            self.writer.histogram(step, f"weights/{name}", np.asarray(jax.device_get(leaf)))
+
+    # ---- generation -------------------------------------------------------------------------------------
+    def maybe_generate(self, state: js.TrainState, step: int, metrics: dict | None = None) -> list[str] | None:
+        """A preview from `generation_prompts` with `state` when one is due at `step` (every
+        `generation_interval`); returns the samples, or None when none was due. `metrics` is unused."""
+        a = self.arguments
+        if not (a.generation_interval and a.generation_prompts and step % a.generation_interval == 0):
+            return None
+        return self.preview(step, state)
+
+    def preview(self, step: int, state: js.TrainState | None = None) -> list[str]:
+        """Generate from `generation_prompts` with `state` (default: the current one) and log the samples
+        under `step` (also the sampling seed). Every process runs the (sharded) decode; process 0 writes."""
+        a = self.arguments
+        prompts = [p for p in a.generation_prompts for _ in range(a.generation_num_samples)]
+        res = self.generate_unified(prompts=prompts, state=state, max_new_tokens=a.generation_max_new_tokens,
+                                    seed=step, do_sample=a.generation_temperature > 0,
+                                    temperature=a.generation_temperature)
+        if self.writer is not None:
+            self.writer.samples(step, res.decoded_prompts, res.generation_results)
+        self._last_preview = (step, res.completion_prompts)
+        return res.completion_prompts
+
+    def generate_unified(self, input_ids=None, attention_mask=None, prompts=None, *, state=None,
+                         use_esurge: bool | None = None, apply_chat_template: bool = False, generation_config=None,
+                         shard_inputs: bool | None = None, config_overrides: dict | None = None,
+                         all_gather: bool = False, **generate_kwargs) -> jg.GenerationResults:
+        """Generate from `input_ids` (+ `attention_mask`) or text `prompts` (chat messages with
+        `apply_chat_template`) with `state`'s model (default: the trained one); `generation_config` (a
+        `jaxloom.generation.GenerationConfig` or a transformers one) updated by `config_overrides` and
+        `generate_kwargs`. `shard_inputs` (default True) spreads the batch over the mesh. Results are on
+        the host of every process, so `all_gather` changes nothing. `use_esurge=True` is an error: there
+        is no eSurge engine here."""
+        model, config, mesh = self._generation_setup(state, use_esurge, generation_config, shard_inputs,
+                                                     config_overrides, generate_kwargs)
+        del all_gather  # always gathered: the results are numpy arrays on every process
+        return jg.generate_unified(model, self.tokenizer, input_ids, attention_mask, prompts,
+                                   apply_chat_template=apply_chat_template, generation_config=config, mesh=mesh)
+
+    def generate_aio(self, input_ids, attention_mask=None, *, state=None, generation_config=None,
+                     shard_inputs: bool | None = None, config_overrides: dict | None = None,
+                     return_metadata: bool = False, all_gather: bool = False, **generate_kwargs):
+        """`(sequences, completion_ids, completion_mask)` decoded after `input_ids` (+ `attention_mask`)
+        with `state`'s model; `generation_config`, `shard_inputs`, `config_overrides`, `all_gather` and
+        `generate_kwargs` as in `generate_unified`. With `return_metadata`, also a dict with the
+        `generation_config` used and the `prompt_length`."""
+        model, config, mesh = self._generation_setup(state, None, generation_config, shard_inputs,
+                                                     config_overrides, generate_kwargs)
+        del all_gather
+        out = jg.generate_aio(model, input_ids, attention_mask, generation_config=config, mesh=mesh)
+        if return_metadata:
+            return out, {"generation_config": config, "prompt_length": int(np.shape(input_ids)[-1])}
+        return out
+
+    def create_generate_function(self, generation_config=None, *, shard_inputs: bool = True,
+                                 config_overrides: dict | None = None, **generate_kwargs):
+        """`fn(state, input_ids, attention_mask) -> (sequences, completion_ids, completion_mask)` decoding
+        with `generation_config` updated by `config_overrides` and `generate_kwargs`; with `shard_inputs`
+        the prompts are spread over this mesh's batch axes."""
+        config = _generation_config(generation_config, self.tokenizer)
+        return jg.create_generate_function(config, shard_inputs=shard_inputs,
+                                           config_overrides={**(config_overrides or {}), **generate_kwargs},
+                                           mesh=self.mesh)
+
+    def _generation_setup(self, state, use_esurge, generation_config, shard_inputs, config_overrides, kwargs):
+        if use_esurge:
+            raise ValueError("use_esurge=True: jaxloom has no eSurge engine; it decodes with a KV cache "
+                             "(leave use_esurge unset)")
+        if state is None:
+            self.initialize_trainer_utils()
+            state = self.state
+        config = _generation_config(generation_config, self.tokenizer).replace(**{**(config_overrides or {}),
+                                                                                 **kwargs})
+        return state.model, config, (self.mesh if shard_inputs is not False else None)
+
+    # ---- data helpers -------------------------------------------------------------------------------------
+    def create_collect_function(self, max_sequence_length: int, truncation_mode: str = "keep_end"):
+        """`collate(examples) -> dict of arrays`: tokenized examples (`{"input_ids": [...], ...}`) truncated
+        by `truncation_mode` and right-padded with the tokenizer's pad id to `max_sequence_length`."""
+        return jd.create_collect_function(max_sequence_length, truncation_mode,
+                                          pad_token_id=self.tokenizer.pad_token_id or 0)
+
+    def create_grain_collect_function(self, max_sequence_length: int, truncation_mode: str = "keep_end"):
+        """The same collate function as `create_collect_function(max_sequence_length, truncation_mode)`,
+        for a grain pipeline's batch map."""
+        return self.create_collect_function(max_sequence_length, truncation_mode)
+
+    def create_tfds_collect_function(self, max_sequence_length: int, truncation_mode: str = "keep_end"):
+        """The same collate function as `create_collect_function(max_sequence_length, truncation_mode)`,
+        for TFDS-style batches of examples."""
+        return self.create_collect_function(max_sequence_length, truncation_mode)
+
+    def specs_to_name_sharding(self, tree, mesh=None):
+        """`tree` with every `PartitionSpec` replaced by a `NamedSharding` on `mesh` (default: the trainer's)."""
+        mesh = mesh or self.mesh
+        return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), tree,
+                                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    @staticmethod
+    def count_model_parameters(prm) -> int:
+        """How many numbers `prm` holds (a model, an `nnx.State`, a dict of arrays or shape structs)."""
+        if isinstance(prm, nnx.Module):
+            prm = nnx.state(prm, nnx.Param)
+        return int(sum(math.prod(np.shape(x)) for x in jax.tree_util.tree_leaves(prm)))
+
+    def calculate_number_total_flops(self, params, is_training: bool = True) -> float:
+        """FLOPs of one optimizer step (`training_batch_size × max_sequence_length` tokens) of a model
+        with `params`: `2·N` per token for the weights (N counted from `params`) plus causal attention
+        from the config, tripled when `is_training` (forward and backward)."""
+        self._plan()
+        a, c = self.arguments, self.config
+        attention = 2 * c.num_hidden_layers * a.max_sequence_length * c.num_attention_heads * c.head_dim
+        per_token = 2 * self.count_model_parameters(params) + attention
+        return per_token * (3 if is_training else 1) * a.training_batch_size * a.max_sequence_length
+
+    # ---- outputs ------------------------------------------------------------------------------------------
+    def save_pretrained(self, state: js.TrainState | str | os.PathLike | None = None,
+                        save_directory: str | os.PathLike | js.TrainState | None = None, gather_fns=None,
+                        to_torch: bool = False, easystate_to_huggingface_model_kwargs: dict | None = None,
+                        torch_save_pretrained_kwargs: dict | None = None, *, to_hf: bool | None = None) -> Path:
+        """Write `state` (default: the trainer's) to `save_directory`: with `to_torch` (or `to_hf`) a
+        Hugging Face directory `transformers` loads (safetensors, config, tokenizer), else an orbax
+        checkpoint of the whole state. The protocol's order `save_pretrained(ckpt_path, state)` works too.
+        `easystate_to_huggingface_model_kwargs` takes `dtype` (cast the weights on the way out);
+        `torch_save_pretrained_kwargs` takes `max_shard_size` (bytes, or "500MB"-style). `gather_fns`
+        must be None: sharded arrays are gathered one at a time by the exporter."""
+        if isinstance(state, str | os.PathLike):
+            state, save_directory = save_directory, state
+        if save_directory is None:
+            raise ValueError("save_pretrained needs a save_directory")
+        if gather_fns is not None:
+            raise ValueError("gather_fns is not used by jaxloom: the exporter gathers each sharded array itself")
+        to_hf = bool(to_torch) if to_hf is None else to_hf
+        convert = dict(easystate_to_huggingface_model_kwargs or {})
+        save_kw = dict(torch_save_pretrained_kwargs or {})
+        unknown = sorted(set(convert) - {"dtype"}) + sorted(set(save_kw) - {"max_shard_size"})
+        if unknown:
+            raise ValueError(f"save_pretrained: unsupported export option(s) {unknown}; supported: "
+                             "easystate_to_huggingface_model_kwargs={'dtype'}, "
+                             "torch_save_pretrained_kwargs={'max_shard_size'}")
+        if state is None:
+            self.initialize_trainer_utils()
+            state = self.state
+        extra = {"max_shard_bytes": _bytes(save_kw["max_shard_size"])} if "max_shard_size" in save_kw else {}
+        return js.save_pretrained(state, save_directory, to_hf=to_hf, tokenizer=self.tokenizer,
+                                  dtype=convert.get("dtype"), **extra)
+
+    def save_information(self, output_path: str | Path | None = None, *, final: dict | None = None,
                          stop_reason: str = "not finished") -> Path:
         """A Markdown report of the run (model, parameters, mesh, arguments, `final` metrics and the
-        `stop_reason`) at `path` (default `save_directory/report.md`)."""
-        path = Path(path or Path(self.arguments.save_directory) / "report.md")
+        `stop_reason`) at `output_path` (default `save_directory/report.md`)."""
+        self._plan()
+        path = Path(output_path or Path(self.arguments.save_directory) / "report.md")
         path.parent.mkdir(parents=True, exist_ok=True)
-        return write_report(path, model=self._model_in, n_params=self.n_params, mesh=self._mesh,
+        return write_report(path, model=self._model_in, n_params=self.n_params, mesh=self.mesh,
                             arguments=self.arguments, final=final or {}, resumed_from=self.resumed_from,
                             stop_reason=stop_reason)
 
-    def finish(self) -> None:
-        """Wait for checkpoint writes, stop the data threads and the setup pool."""
-        self.checkpoints.close()
-        self.train_loader.close()
-        self._pool.shutdown(wait=False)
+
+class _Profiler:
+    """A JAX profiler trace of steps `first..last` (`profile_steps`) into `directory`."""
+
+    def __init__(self, steps, directory: Path):
+        self.steps, self.directory, self.active = steps, directory, False
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0]:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int, metrics) -> None:
+        if self.active and step == self.steps[1]:
+            jax.block_until_ready(metrics)
+            self.close()
+            log.warning("profiler trace of steps %d-%d in %s (TensorBoard's profile plugin)", *self.steps,
+                        self.directory)
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 def use_compilation_cache(directory: str | Path) -> None:
@@ -479,13 +903,58 @@ def use_compilation_cache(directory: str | Path) -> None:
     compilation_cache.reset_cache()  # takes effect even if something was compiled before
 
 
-def _checked(metrics: dict) -> dict:
-    """The few values the per-step checks read."""
-    return jax.device_get({k: metrics[k] for k in ("finite", "loss", "grad_norm")})
+def _matches(state: js.TrainState, abstract: js.TrainState) -> bool:
+    """Whether a given state fits this run's state exactly (same tree, shapes and dtypes): then its
+    optimizer state and step are kept; otherwise only its parameters are."""
+    try:
+        pairs = zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(abstract), strict=True)
+        same = jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(abstract)
+        return same and all(isinstance(x, jax.Array | np.ndarray) and x.shape == y.shape and x.dtype == y.dtype
+                            for x, y in pairs)
+    except (ValueError, AttributeError):
+        return False
+
+
+def _collated(collator, local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = collator(dict(local))
+    bad = {k: (np.shape(out.get(k)), np.asarray(v).dtype) for k, v in local.items()
+           if k not in out or np.shape(out[k]) != v.shape}
+    if bad or set(out) != set(local):
+        raise ValueError(f"data_collator must return the batch's keys {sorted(local)} with their shapes "
+                         f"{ {k: v.shape for k, v in local.items()} }; got {sorted(out)} "
+                         f"{ {k: np.shape(v) for k, v in out.items()} }")
+    return {k: np.asarray(out[k], local[k].dtype) for k in local}
+
+
+def _generation_config(config, tokenizer) -> jg.GenerationConfig:
+    """A `jaxloom.generation.GenerationConfig` from ours, a transformers `GenerationConfig` or None, with
+    the tokenizer's EOS and pad ids where the config has none."""
+    if config is None:
+        config = jg.GenerationConfig()
+    elif not isinstance(config, jg.GenerationConfig):  # transformers' GenerationConfig
+        fields = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
+        given = {k: getattr(config, k) for k in fields if getattr(config, k, None) is not None}
+        if isinstance(given.get("eos_token_id"), list | tuple):
+            given["eos_token_id"] = tuple(given["eos_token_id"])
+        config = jg.GenerationConfig(**given)
+    if config.eos_token_id is None and tokenizer.eos_token_id is not None:
+        config = config.replace(eos_token_id=tokenizer.eos_token_id)
+    return config
+
+
+def _bytes(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    text = str(size).strip().upper()
+    for unit, scale in units.items():
+        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[: -len(unit)]) * scale)
+    raise ValueError(f"max_shard_size {size!r}; expected bytes or e.g. '500MB', '2GB'")
 
 
 class Trainer(BaseTrainer):
     """Causal language modelling: pretraining on text, SFT on prompt/completion or chat records (loss
     on completions only). MoE load balancing is weighted by the config's `router_aux_loss_coef`.
-    Arguments as `BaseTrainer`'s: `arguments`, `model` or `model_state`, `dataset_train`,
-    `dataset_eval`, `processing_class`, `mesh`, `hooks`."""
+    Arguments as `BaseTrainer`'s: `arguments`, `model_state`, `model`, `dataset_train`, `dataset_eval`,
+    `data_collator`, `finetune`, `processing_class`, `mesh`, `hooks`, `deprecated_kwargs`."""

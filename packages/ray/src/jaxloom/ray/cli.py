@@ -1,0 +1,23 @@
+"""`jaxloom train ... --ray KEY=VALUE ...`: registered with the `jaxloom` command as the `ray` launcher
+(entry-point group `jaxloom.launchers`), so the trainer's CLI never imports this part."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def train_on_ray(config: str | None, items: list[str], ray_items: list[str]) -> int:
+    """The run of `config` (None: the bundled demo) with `items` (`key=value` overrides) as a supervised
+    gang of Ray workers configured by `ray_items` (`ScalingConfig` settings); prints the summary."""
+    from .jobs import train_from_config
+    from .launcher import ScalingConfig, launch
+
+    scaling = ScalingConfig.from_items(ray_items)
+    res = launch(train_from_config, config, items, workdir=os.getcwd(), scaling=scaling)
+    summary = {k: v for k, v in res.result.items() if k != "history"}
+    failures = [{"attempt": f.attempt, "rank": f.rank, "kind": f.kind, "message": f.message,
+                 "restart_to_first_step_s": f.restart_to_first_step_s} for f in res.failures]
+    print(json.dumps({**summary, "attempts": res.attempts, "failures": failures, "wall_s": res.wall_s},
+                     indent=2, default=str))
+    return 0
