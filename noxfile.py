@@ -33,6 +33,8 @@ TARGETS = (*parts.PARTS, parts.META)
 # wheel only: a plain `torch` requirement would download a multi-GB CUDA build.
 NEEDS_TORCH = {"models", "state", "generation"}
 TORCH_WHEELS = "/opt/wheels/torch-2.13.0+cpu-*.whl"
+# Lint and format check (ruff, settings in pyproject.toml); the meta target runs them, so CI does.
+LINT_DEPS = ("ruff>=0.6",)
 # The documentation site (mkdocs.yml); the meta target builds it too, so CI checks it.
 DOCS_DEPS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
 
@@ -62,7 +64,8 @@ def tests(session: nox.Session, target: str) -> None:
             session.warn(f"no local CPU torch wheel ({TORCH_WHEELS}): parity tests against transformers will skip")
     paths = [f"packages/{target}/tests"]
     if target == parts.META:
-        session.install("uv", "hatchling", *DOCS_DEPS)  # throwaway venvs, wheel builds, the docs site
+        session.install("uv", "hatchling", *LINT_DEPS, *DOCS_DEPS)  # throwaway venvs, wheel builds, docs, lint
+        lint(session)
         paths.append("tests")
     paths = [p for p in paths if Path(p).is_dir()]
     if not paths:
@@ -79,8 +82,13 @@ def demo(session: nox.Session) -> None:
     Extra arguments are `key=value` overrides: `nox -s demo -- max_training_steps=50`."""
     install_parts(session, parts.closure("trainer"), extra="test")
     out = "jaxloom-runs/demo"
-    session.run("jaxloom", "train", f"save_directory={out}", *session.posargs,
-                env={"JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    session.run(
+        "jaxloom",
+        "train",
+        f"save_directory={out}",
+        *session.posargs,
+        env={"JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
     session.log(f"outputs in {out}/: report.md, loss.png, metrics.jsonl, tensorboard/, checkpoints/")
 
 
@@ -106,7 +114,13 @@ def docs(session: nox.Session) -> None:
     session.log("site built in site/ (open site/index.html, or `mkdocs serve`)")
 
 
-@nox.session(python="3.11")
+@nox.session(python="3.11", name="lint")
+def lint_session(session: nox.Session) -> None:
+    """ruff lint and format check over the whole tree (also part of `nox -s tests`)."""
+    session.install(*LINT_DEPS)
+    lint(session)
+
+
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")

@@ -24,8 +24,15 @@ from jaxloom.trainer import Trainer, TrainingArguments
 def make_tiny_model(path: Path) -> Path:
     """A random 2-layer Llama saved the way `transformers` saves one, with the bundled tokenizer."""
     tokenizer = jd.load_processor()
-    config = jm.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=96, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = jm.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     jm.save_hf_model(jm.create_model(config, seed=1), path)
     tokenizer.save_pretrained(path)
     return path
@@ -44,23 +51,34 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("give exactly one of --model-dir DIR or --make-tiny-model")
     base = Path(a.model_dir) if a.model_dir else make_tiny_model(Path(a.out) / "base")
 
-    model = jm.from_pretrained(base)                         # weights as saved; an error names any mismatch
+    model = jm.from_pretrained(base)  # weights as saved; an error names any mismatch
     tokenizer = jd.load_processor(base)
     data = a.data or str(jd.bundled_corpus_path())
-    args = TrainingArguments(learning_rate=a.learning_rate, scheduler="linear", warmup_steps=max(1, a.steps // 10),
-                             total_batch_size=4, max_sequence_length=64, max_training_steps=a.steps,
-                             logging_steps=max(1, a.steps // 10), save_directory=str(Path(a.out) / "run"),
-                             save_steps=a.steps, progress_bar=False, generation_interval=None,
-                             generation_prompts=[], seed=0)
+    args = TrainingArguments(
+        learning_rate=a.learning_rate,
+        scheduler="linear",
+        warmup_steps=max(1, a.steps // 10),
+        total_batch_size=4,
+        max_sequence_length=64,
+        max_training_steps=a.steps,
+        logging_steps=max(1, a.steps // 10),
+        save_directory=str(Path(a.out) / "run"),
+        save_steps=a.steps,
+        progress_bar=False,
+        generation_interval=None,
+        generation_prompts=[],
+        seed=0,
+    )
     trainer = Trainer(args, model, dataset_train=data, processing_class=tokenizer)
     out = trainer.train()
-    exported = trainer.save_pretrained(Path(a.out) / "hf")   # config.json + model.safetensors + tokenizer
+    exported = trainer.save_pretrained(Path(a.out) / "hf")  # config.json + model.safetensors + tokenizer
     trainer.finish()
 
     before = jm.to_hf_state_dict(jm.from_pretrained(base))
     after = jm.to_hf_state_dict(jm.from_pretrained(exported))
-    moved = max(float(np.abs(np.asarray(after[k], np.float32) - np.asarray(before[k], np.float32)).max())
-                for k in before)
+    moved = max(
+        float(np.abs(np.asarray(after[k], np.float32) - np.asarray(before[k], np.float32)).max()) for k in before
+    )
     print(f"final metrics: {json.dumps(out.metrics)}")
     print(f"exported to {exported}; largest weight change from the base model: {moved:.3g}")
     return {"exported": str(exported), "max_change": moved, "metrics": out.metrics}

@@ -29,22 +29,52 @@ def job(ctx, out: str, steps: int, tiny: bool, faults: list[FaultInjector]) -> d
 
     tokenizer = jd.load_processor()
     width = 32 if tiny else 128
-    config = jm.LlamaConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=3 * width,
-                            num_hidden_layers=2 if tiny else 4, num_attention_heads=4, num_key_value_heads=2,
-                            max_position_embeddings=256, tie_word_embeddings=True)
-    args = TrainingArguments(learning_rate=3e-3, warmup_steps=1, total_batch_size=4 if tiny else 16,
-                             max_sequence_length=32 if tiny else 128, max_training_steps=steps, logging_steps=1,
-                             save_directory=out, save_steps=2, resume_if_possible=True, progress_bar=False,
-                             use_tensorboard=False, generation_interval=None, generation_prompts=[], seed=0,
-                             sharding_axis_dims=(1, -1, 1, 1, 1))       # fsdp over both processes' devices
+    config = jm.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=width,
+        intermediate_size=3 * width,
+        num_hidden_layers=2 if tiny else 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    args = TrainingArguments(
+        learning_rate=3e-3,
+        warmup_steps=1,
+        total_batch_size=4 if tiny else 16,
+        max_sequence_length=32 if tiny else 128,
+        max_training_steps=steps,
+        logging_steps=1,
+        save_directory=out,
+        save_steps=2,
+        resume_if_possible=True,
+        progress_bar=False,
+        use_tensorboard=False,
+        generation_interval=None,
+        generation_prompts=[],
+        seed=0,
+        sharding_axis_dims=(1, -1, 1, 1, 1),
+    )  # fsdp over both processes' devices
     hooks = ctx.hooks() + [h for f in faults if (h := f.bind(ctx)) is not None]
-    trainer = Trainer(args, jm.create_model(config, lazy=True), dataset_train=str(jd.bundled_corpus_path()),
-                      processing_class=tokenizer, hooks=hooks)
+    trainer = Trainer(
+        args,
+        jm.create_model(config, lazy=True),
+        dataset_train=str(jd.bundled_corpus_path()),
+        processing_class=tokenizer,
+        hooks=hooks,
+    )
     try:
         result = trainer.train()
-        return {"rank": ctx.rank, "processes": jax.process_count(), "devices": jax.device_count(),
-                "step": int(result.state.step), "loss": result.metrics.get("loss"), "resumed_from": result.resumed_from,
-                "params_sha256": params_fingerprint(result.state.params)}
+        return {
+            "rank": ctx.rank,
+            "processes": jax.process_count(),
+            "devices": jax.device_count(),
+            "step": int(result.state.step),
+            "loss": result.metrics.get("loss"),
+            "resumed_from": result.resumed_from,
+            "params_sha256": params_fingerprint(result.state.params),
+        }
     finally:
         trainer.finish()
 
@@ -60,10 +90,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     init_ray(a.address, num_cpus=None if a.address else 4)
     faults = [FaultInjector(at_step=a.kill_at_step, rank=1, wait_for_checkpoint=True)] if a.kill_at_step else []
-    res = launch(job, str(Path(a.out).resolve()), a.steps, a.tiny, faults,
-                 scaling=ScalingConfig(num_workers=2, devices_per_worker=1, max_failures=1 if faults else 0))
-    summary = {"attempts": res.attempts, "wall_s": round(res.wall_s, 1), "ranks": res.results,
-               "failures": [f"{f.kind} on rank {f.rank}: {f.message.splitlines()[0][:100]}" for f in res.failures]}
+    res = launch(
+        job,
+        str(Path(a.out).resolve()),
+        a.steps,
+        a.tiny,
+        faults,
+        scaling=ScalingConfig(num_workers=2, devices_per_worker=1, max_failures=1 if faults else 0),
+    )
+    summary = {
+        "attempts": res.attempts,
+        "wall_s": round(res.wall_s, 1),
+        "ranks": res.results,
+        "failures": [f"{f.kind} on rank {f.rank}: {f.message.splitlines()[0][:100]}" for f in res.failures],
+    }
     print(json.dumps(summary, indent=2))
     (Path(a.out) / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -24,10 +24,22 @@ def base_dir(path: Path) -> Path:
     """A Hugging Face-style directory with a Llama `config.json` and the bundled tokenizer."""
     tokenizer = jd.load_processor()
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 192,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "max_position_embeddings": 256, "tie_word_embeddings": True}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": len(tokenizer),
+                "hidden_size": 64,
+                "intermediate_size": 192,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     tokenizer.save_pretrained(path)
     return path
 
@@ -43,26 +55,47 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(a.out).resolve()
     init_ray(a.address, num_cpus=None if a.address else 4)
 
-    width = 16 if a.tiny else 64                      # scaling_index k multiplies these by k
+    width = 16 if a.tiny else 64  # scaling_index k multiplies these by k
     trainer = RayDistributedTrainer(
         a.model_dir or str(base_dir(out / "base")),
-        config_scaling_variables={"hidden_size": width, "intermediate_size": 3 * width, "num_attention_heads": 2,
-                                  "num_key_value_heads": 1},
-        config_variables={"dtype": "float32", "param_dtype": "float32", "max_position_embeddings": 256,
-                          "sharding_axis_dims": (1, -1, 1, 1, 1)})
+        config_scaling_variables={
+            "hidden_size": width,
+            "intermediate_size": 3 * width,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        },
+        config_variables={
+            "dtype": "float32",
+            "param_dtype": "float32",
+            "max_position_embeddings": 256,
+            "sharding_axis_dims": (1, -1, 1, 1, 1),
+        },
+    )
     path = jd.bundled_corpus_path()
     documents = jd.JsonlSource(path).read_shard(str(path))
-    arguments = TrainingArguments(learning_rate=3e-3, warmup_steps=1, total_batch_size=4 if a.tiny else 16,
-                                  max_sequence_length=32 if a.tiny else 128, max_training_steps=a.steps,
-                                  logging_steps=max(1, a.steps // 5), eval_batches=2, save_directory=str(out),
-                                  progress_bar=False, use_tensorboard=False, generation_interval=None,
-                                  generation_prompts=[], seed=0)
+    arguments = TrainingArguments(
+        learning_rate=3e-3,
+        warmup_steps=1,
+        total_batch_size=4 if a.tiny else 16,
+        max_sequence_length=32 if a.tiny else 128,
+        max_training_steps=a.steps,
+        logging_steps=max(1, a.steps // 5),
+        eval_batches=2,
+        save_directory=str(out),
+        progress_bar=False,
+        use_tensorboard=False,
+        generation_interval=None,
+        generation_prompts=[],
+        seed=0,
+    )
     space = {"scaling_index": [1, 2]} if a.tiny else {"scaling_index": [1, 2], "learning_rate": [1e-3, 3e-3]}
     sweep = trainer.tune(space, arguments, documents[:-20], documents[-20:], scaling=ScalingConfig(num_workers=1))
     for trial in sweep.trials:
         print(f"trial {trial['config']}: eval_loss={trial['metrics']['eval_loss']:.4f}")
-    print(f"best: {sweep.best_config} (eval_loss {sweep.best_metrics['eval_loss']:.4f}), "
-          f"checkpoint in {sweep.best_checkpoint_dir}")
+    print(
+        f"best: {sweep.best_config} (eval_loss {sweep.best_metrics['eval_loss']:.4f}), "
+        f"checkpoint in {sweep.best_checkpoint_dir}"
+    )
     return {"best_config": sweep.best_config, "trials": sweep.trials, "best_checkpoint_dir": sweep.best_checkpoint_dir}
 
 

@@ -19,8 +19,13 @@ def site(tmp_path_factory):
     if MKDOCS is None:
         pytest.skip("mkdocs is installed by `nox -s tests` (meta target) and `nox -s docs`")
     out = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([MKDOCS, "build", "--strict", "--site-dir", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    proc = subprocess.run(
+        [MKDOCS, "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stderr[-4000:]}"
     return out
 
@@ -38,4 +43,3 @@ def test_api_reference_lists_every_public_name(site, part):
     module = importlib.import_module(f"jaxloom.{part}")
     public = {n for n in module.__all__ if not n.startswith("_")}
     assert {f"jaxloom.{part}.{n}" for n in public} <= anchors
-

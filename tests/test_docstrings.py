@@ -12,7 +12,8 @@ def test_every_public_name_has_a_docstring_naming_its_arguments():
 
 
 def test_the_check_catches_each_kind_of_gap(tmp_path):
-    (tmp_path / "fake_mod.py").write_text(textwrap.dedent('''
+    (tmp_path / "fake_mod.py").write_text(
+        textwrap.dedent('''
         import dataclasses
         import enum
 
@@ -58,7 +59,8 @@ def test_the_check_catches_each_kind_of_gap(tmp_path):
         class Child(Fields):
             """Inherits `a` and `b`, adds `c`."""
             c: int = 2
-    '''))
+    ''')
+    )
     spec = importlib.util.spec_from_file_location("fake_mod", tmp_path / "fake_mod.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -66,7 +68,7 @@ def test_the_check_catches_each_kind_of_gap(tmp_path):
         "fake_mod.BAD: constant without an attribute docstring",
         "fake_mod.half: docstring does not name beta",
         "fake_mod.bare: no docstring",
-        "fake_mod.Auto: no docstring",               # the dataclass's made-up signature does not count
+        "fake_mod.Auto: no docstring",  # the dataclass's made-up signature does not count
         "fake_mod.Fields: docstring does not name b",
         "fake_mod.Fields.method: docstring does not name q",
     ]

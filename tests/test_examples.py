@@ -12,9 +12,14 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def run(script: str, *args: str, timeout: int = 600) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # one CPU device, as on a laptop
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
-                          timeout=timeout, env={**env, "JAX_PLATFORMS": "cpu"})
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as on a laptop
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -53,7 +58,7 @@ def test_finetune_hf_llama_round_trips_through_hf_format(tmp_path):
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (tmp_path / "hf" / name).is_file(), name
     change = float(re.search(r"largest weight change from the base model: (\S+)", out).group(1))
-    assert 0 < change < 0.1   # trained (moved), but from the base weights (not from scratch)
+    assert 0 < change < 0.1  # trained (moved), but from the base weights (not from scratch)
 
 
 def test_ray_two_workers(tmp_path):
@@ -62,7 +67,7 @@ def test_ray_two_workers(tmp_path):
     assert summary["attempts"] == 1 and summary["failures"] == []
     ranks = summary["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["processes"] == 2 and r["step"] == 4 for r in ranks)
-    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]   # one model, sharded over both processes
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]  # one model, sharded over both processes
     assert (tmp_path / "checkpoints" / "4").is_dir()
 
 
@@ -73,4 +78,3 @@ def test_tune_sweep(tmp_path):
     best = min(losses, key=losses.get)
     assert f"best: {{'scaling_index': {best}}}" in out
     assert (tmp_path / "sweep").is_dir()
-

@@ -24,8 +24,12 @@ def imported_parts(part: str) -> dict[str, list[str]]:
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names if node.module == "jaxloom"]
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) \
-                    == "import_module" and node.args and isinstance(node.args[0], ast.Constant):
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 names = [str(node.args[0].value)]
             for name in names:
                 bits = name.split(".")
@@ -46,8 +50,10 @@ def test_a_part_imports_only_earlier_parts_it_declares(part):
 @pytest.mark.parametrize("part", parts.PARTS)
 def test_a_part_declares_only_parts_it_imports(part):
     unused = set(parts.siblings(part)) - set(imported_parts(part))
-    assert not unused, f"{part} declares {sorted(unused)} at run time but never imports them (a test-only need " \
-                       f"belongs in its `test` extra)"
+    assert not unused, (
+        f"{part} declares {sorted(unused)} at run time but never imports them (a test-only need "
+        f"belongs in its `test` extra)"
+    )
 
 
 def test_the_contract_catches_a_back_import(tmp_path, monkeypatch):
@@ -55,8 +61,9 @@ def test_the_contract_catches_a_back_import(tmp_path, monkeypatch):
     fake = tmp_path / "packages" / "mesh" / "src" / "jaxloom" / "mesh"
     fake.mkdir(parents=True)
     (fake / "bad.py").write_text("def f():\n    from jaxloom.trainer import cli\n")
-    (tmp_path / "packages" / "mesh" / "pyproject.toml").write_text('[project]\nname = "jaxloom-mesh"\n'
-                                                                     'dependencies = ["jax"]\n')
+    (tmp_path / "packages" / "mesh" / "pyproject.toml").write_text(
+        '[project]\nname = "jaxloom-mesh"\ndependencies = ["jax"]\n'
+    )
     monkeypatch.setattr(parts, "PACKAGES", tmp_path / "packages")
     monkeypatch.setattr(parts, "ROOT", tmp_path)
     assert imported_parts("mesh") == {"trainer": ["packages/mesh/src/jaxloom/mesh/bad.py:2"]}

@@ -41,15 +41,23 @@ def fresh_venv(tmp_path, *install):
 
 
 def run(py, code):
-    return subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300,
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [str(py), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
 
 
 @pytest.mark.slow
 def test_mesh_alone(tmp_path):
     py = fresh_venv(tmp_path, str(parts.PACKAGES / "mesh"))
-    r = run(py, "import jaxloom.mesh as m; print(m.MeshConfig.from_axes(fsdp=1).build().shape['fsdp'])\n"
-                "try:\n import jaxloom.models\nexcept ModuleNotFoundError as e: print('absent', e.name)")
+    r = run(
+        py,
+        "import jaxloom.mesh as m; print(m.MeshConfig.from_axes(fsdp=1).build().shape['fsdp'])\n"
+        "try:\n import jaxloom.models\nexcept ModuleNotFoundError as e: print('absent', e.name)",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["1", "absent", "jaxloom.models"]
 
@@ -60,8 +68,10 @@ def test_editable_install_keeps_the_namespace_open(tmp_path):
     jaxloom/__init__.py must still let every part import."""
     install = [arg for p in [*parts.PARTS, parts.META] for arg in ("-e", str(parts.PACKAGES / p))]
     py = fresh_venv(tmp_path, *install)
-    code = ("import jaxloom as jl; import jaxloom.ray, jaxloom.mesh; m = jl.MeshConfig();"
-            "print(jl.mesh.__file__.count('packages/mesh/src'), jl.ray.__file__.count('packages/ray/src'))")
+    code = (
+        "import jaxloom as jl; import jaxloom.ray, jaxloom.mesh; m = jl.MeshConfig();"
+        "print(jl.mesh.__file__.count('packages/mesh/src'), jl.ray.__file__.count('packages/ray/src'))"
+    )
     r = run(py, code)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["1", "1"]

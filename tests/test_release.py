@@ -15,7 +15,8 @@ def test_a_wrong_pin_is_caught(monkeypatch):
     real = parts.version
     monkeypatch.setattr(parts, "version", lambda p: "9.9.9" if p == "mesh" else real(p))
     assert parts.pin_problems() == [
-        f"the meta-package pins jaxloom-mesh=={real('mesh')}, but the part's version is 9.9.9"]
+        f"the meta-package pins jaxloom-mesh=={real('mesh')}, but the part's version is 9.9.9"
+    ]
 
 
 @pytest.mark.parametrize("part", [*parts.PARTS, parts.META])

@@ -50,10 +50,12 @@ def test_bump_sets_version_changelog_and_meta_pin(repo):
 
 def test_bad_bumps_are_clear_errors_and_change_nothing(repo):
     before = (repo / "packages/mesh/CHANGELOG.md").read_text()
-    cases = [(("bump", "mesh", "0.0.1", "-m", "x"), "is not newer than the current"),
-             (("bump", "mesh", "huge", "-m", "x"), "expected major, minor, patch or a version X.Y.Z"),
-             (("bump", "meshy", "patch", "-m", "x"), "unknown part 'meshy'"),
-             (("bump", "mesh", "patch", "-m", " "), "a CHANGELOG message is required")]
+    cases = [
+        (("bump", "mesh", "0.0.1", "-m", "x"), "is not newer than the current"),
+        (("bump", "mesh", "huge", "-m", "x"), "expected major, minor, patch or a version X.Y.Z"),
+        (("bump", "meshy", "patch", "-m", "x"), "unknown part 'meshy'"),
+        (("bump", "mesh", "patch", "-m", " "), "a CHANGELOG message is required"),
+    ]
     for args, message in cases:
         out = release(repo, *args)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
@@ -69,8 +71,10 @@ def test_check_names_a_stale_pin_and_a_stale_changelog(repo):
     assert "state: the CHANGELOG's newest entry is" in out.stdout and "but the version is 9.9.9" in out.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("hatchling") is None or shutil.which("uv") is None,
-                    reason="hatchling and uv are installed by `nox -s tests` (meta target)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("hatchling") is None or shutil.which("uv") is None,
+    reason="hatchling and uv are installed by `nox -s tests` (meta target)",
+)
 def test_wheels_build_with_hatchling_and_install_into_a_clean_venv(tmp_path):
     dist = tmp_path / "dist"
     built = release(ROOT, "build", "--out", str(dist))
@@ -82,7 +86,8 @@ def test_wheels_build_with_hatchling_and_install_into_a_clean_venv(tmp_path):
     installed = release(ROOT, "check-install", "--dist", str(dist))
     assert installed.returncode == 0, installed.stderr
     assert installed.stdout.strip() == "installed and imported: " + ", ".join(
-        f"{p} {parts.version(p)}" for p in (*parts.PARTS, parts.META))
+        f"{p} {parts.version(p)}" for p in (*parts.PARTS, parts.META)
+    )
     # the bundled tokenizer and corpus travel inside the data wheel
     import zipfile
 

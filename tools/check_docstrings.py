@@ -48,8 +48,13 @@ def _unnamed(fn, doc: str) -> list[str]:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return []
-    return [p.name for p in params if p.name not in ("self", "cls") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-            and not re.search(rf"(?<![\w.]){re.escape(p.name)}(?!\w)", doc)]
+    return [
+        p.name
+        for p in params
+        if p.name not in ("self", "cls")
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and not re.search(rf"(?<![\w.]){re.escape(p.name)}(?!\w)", doc)
+    ]
 
 
 def _constant_documented(module, name: str) -> bool:
@@ -63,8 +68,11 @@ def _constant_documented(module, name: str) -> bool:
         for stmt, after in zip(body, body[1:], strict=False):
             targets = [stmt.target] if isinstance(stmt, ast.AnnAssign) else getattr(stmt, "targets", [])
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-                return isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) \
+                return (
+                    isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant)
                     and isinstance(after.value.value, str)
+                )
     return False
 
 

@@ -31,7 +31,7 @@ def version(part: str) -> str:
     text = about_path(part).read_text()
     m = re.search(r'__version__\s*=\s*"([^"]+)"', text)
     if not m:
-        raise ValueError(f"{about_path(part)}: no __version__ = \"X.Y.Z\" line")
+        raise ValueError(f'{about_path(part)}: no __version__ = "X.Y.Z" line')
     return m.group(1)
 
 
@@ -72,8 +72,9 @@ def pin_problems() -> list[str]:
         if part not in pins:
             problems.append(f"the meta-package does not pin jaxloom-{part}")
         elif pins[part] != f"=={version(part)}":
-            problems.append(f"the meta-package pins jaxloom-{part}{pins[part]}, "
-                            f"but the part's version is {version(part)}")
+            problems.append(
+                f"the meta-package pins jaxloom-{part}{pins[part]}, but the part's version is {version(part)}"
+            )
     problems += [f"the meta-package pins jaxloom-{p}, which is not a part" for p in pins if p not in PARTS]
     return problems
 

@@ -61,7 +61,7 @@ def bump(part: str, level: str, message: str) -> str:
     text = changelog.read_text()
     entry = f"## {new}\n" + "".join(f"- {line.strip()}\n" for line in message.strip().splitlines() if line.strip())
     first = re.search(r"^## ", text, re.M)
-    text = text[:first.start()] + entry + "\n" + text[first.start():] if first else text.rstrip() + "\n\n" + entry
+    text = text[: first.start()] + entry + "\n" + text[first.start() :] if first else text.rstrip() + "\n\n" + entry
     changelog.write_text(text)
     if part != parts.META:
         meta = parts.PACKAGES / parts.META / "pyproject.toml"
@@ -76,8 +76,10 @@ def problems() -> list[str]:
     for part in ALL:
         top = re.search(r"^## (\S+)", (parts.PACKAGES / part / "CHANGELOG.md").read_text(), re.M)
         if not top or top.group(1) != parts.version(part):
-            out.append(f"{part}: the CHANGELOG's newest entry is {top.group(1) if top else 'missing'}, "
-                       f"but the version is {parts.version(part)}")
+            out.append(
+                f"{part}: the CHANGELOG's newest entry is {top.group(1) if top else 'missing'}, "
+                f"but the version is {parts.version(part)}"
+            )
     return out
 
 
@@ -91,8 +93,12 @@ def build(out: Path) -> list[Path]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     for part in ALL:
-        proc = subprocess.run([sys.executable, "-m", "hatchling", "build", "-t", "wheel", "-d", str(out.resolve())],
-                              cwd=parts.PACKAGES / part, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "hatchling", "build", "-t", "wheel", "-d", str(out.resolve())],
+            cwd=parts.PACKAGES / part,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode:
             raise RuntimeError(f"building {part}'s wheel failed:\n{proc.stderr[-2000:]}")
     wheels = sorted(out.glob("*.whl"))
@@ -136,15 +142,22 @@ def check_install(dist: Path, venv: Path | None = None) -> dict:
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
             python = venv / "bin" / "python"
             subprocess.run([str(python), "-m", "pip", "install", "-q", *map(str, wheels)], check=True)
-        probe = subprocess.run([str(python), "-c", _PROBE, json.dumps(list(ALL))], capture_output=True, text=True,
-                               cwd=tmp)
+        probe = subprocess.run(
+            [str(python), "-c", _PROBE, json.dumps(list(ALL))], capture_output=True, text=True, cwd=tmp
+        )
         if probe.returncode:
             raise RuntimeError(f"importing the installed wheels failed:\n{probe.stderr[-2000:]}")
         report = json.loads(probe.stdout.strip().splitlines()[-1])
-        bad = [f"{p}: version {report[p]['version']}, source tree {parts.version(p)}" for p in ALL
-               if report[p]["version"] != parts.version(p)]
-        bad += [f"{p}: imported from {report[p]['file']}, outside the venv" for p in ALL
-                if not report[p]["file"].startswith(str(venv))]
+        bad = [
+            f"{p}: version {report[p]['version']}, source tree {parts.version(p)}"
+            for p in ALL
+            if report[p]["version"] != parts.version(p)
+        ]
+        bad += [
+            f"{p}: imported from {report[p]['file']}, outside the venv"
+            for p in ALL
+            if not report[p]["file"].startswith(str(venv))
+        ]
         if bad:
             raise RuntimeError("the installed wheels are not the source tree's parts: " + "; ".join(bad))
         return report
@@ -169,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{a.part}: {old} -> {bump(a.part, a.level, a.message)}")
         elif a.command == "check":
             found = problems()
-            print("\n".join(found) or "release check: pins and CHANGELOGs match " +
-                  ", ".join(f"{x} {parts.version(x)}" for x in ALL))
+            print(
+                "\n".join(found)
+                or "release check: pins and CHANGELOGs match " + ", ".join(f"{x} {parts.version(x)}" for x in ALL)
+            )
             return 1 if found else 0
         elif a.command == "build":
             print("\n".join(str(w) for w in build(a.out)))

@@ -1,6 +1,6 @@
 """The bad inputs the reliability suite tries, each with the error it must give.
 
-    python tests/reliability/bad_inputs.py      # prints the table for docs/reliability.md
+python tests/reliability/bad_inputs.py      # prints the table for docs/reliability.md
 """
 
 from __future__ import annotations
@@ -11,14 +11,22 @@ from pathlib import Path
 CASES: list[tuple[str, str, str]] = [  # (name, function below, regex the error must match)
     ("malformed YAML config", "malformed_yaml", r"malformed YAML at line 3: expected .,. or .\]."),
     ("malformed JSON config", "malformed_json", r"malformed JSON at line 1"),
-    ("unknown training argument", "unknown_key", r"unknown training argument\(s\): 'learning_rat' \(did you mean "
-                                                 r"'learning_rate'\?\)"),
+    (
+        "unknown training argument",
+        "unknown_key",
+        r"unknown training argument\(s\): 'learning_rat' \(did you mean "
+        r"'learning_rate'\?\)",
+    ),
     ("unknown key in a config's data section", "unknown_data_key", r"unknown key\(s\) in section data: \['trian'\]"),
     ("wrong type", "wrong_type", r"argument max_training_steps = 'many'; expected int"),
     ("negative learning rate", "negative_lr", r"learning_rate = -0.001; expected a positive number"),
     ("impossible mesh", "impossible_mesh", r"axis_dims \(3, -1\).*8 devices"),
-    ("batch not divisible by the data axes", "indivisible_batch", r"global batch size 6 is not divisible by the "
-                                                                  r"data-parallel size 4"),
+    (
+        "batch not divisible by the data axes",
+        "indivisible_batch",
+        r"global batch size 6 is not divisible by the "
+        r"data-parallel size 4",
+    ),
     ("missing dataset file", "missing_file", r"dataset file .*nope.jsonl does not exist"),
     ("malformed JSONL line", "malformed_jsonl", r"bad.jsonl:2"),
     ("empty dataset", "empty_dataset", r"empty"),
@@ -27,16 +35,28 @@ CASES: list[tuple[str, str, str]] = [  # (name, function below, regex the error 
     ("unknown model type", "unknown_model_type", r"model_type 'gpt9' is not supported"),
     ("checkpoint of another shape", "checkpoint_shape", r"shape"),
     ("scaling_index <= 0", "scaling_index_zero", r"scaling_index 0; expected a positive integer"),
-    ("missing checkpoint (jaxloom convert)", "missing_checkpoint",
-     r"jaxloom: error: no checkpoint under .*nowhere/checkpoints"),
+    (
+        "missing checkpoint (jaxloom convert)",
+        "missing_checkpoint",
+        r"jaxloom: error: no checkpoint under .*nowhere/checkpoints",
+    ),
     ("unknown --ray setting", "unknown_ray_key", r"--ray 'workers=2'; expected key=value"),
 ]
 
 
 def _tiny(tmp: Path, *extra: str) -> list[str]:
-    return [f"save_directory={tmp / 'run'}", "model.hidden_size=32", "model.intermediate_size=64",
-            "model.num_hidden_layers=1", "max_training_steps=2", "total_batch_size=8", "max_sequence_length=32",
-            "progress_bar=false", "use_tensorboard=false", *extra]
+    return [
+        f"save_directory={tmp / 'run'}",
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=1",
+        "max_training_steps=2",
+        "total_batch_size=8",
+        "max_sequence_length=32",
+        "progress_bar=false",
+        "use_tensorboard=false",
+        *extra,
+    ]
 
 
 def malformed_yaml(tmp):
@@ -160,8 +180,16 @@ def missing_checkpoint(tmp):
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        rc = main(["convert", "--to-hf", str(tmp / "nowhere"), str(tmp / "out"), "--config",
-                   str(Path(__file__).parents[2] / "packages/trainer/src/jaxloom/trainer/configs/demo.yaml")])
+        rc = main(
+            [
+                "convert",
+                "--to-hf",
+                str(tmp / "nowhere"),
+                str(tmp / "out"),
+                "--config",
+                str(Path(__file__).parents[2] / "packages/trainer/src/jaxloom/trainer/configs/demo.yaml"),
+            ]
+        )
     if rc == 2:  # the command printed one line and exited with 2: hand that line on
         raise FileNotFoundError(err.getvalue().strip().splitlines()[-1])
 

@@ -51,8 +51,9 @@ def test_stop_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, sig):
 
 def test_full_disk_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path):
     # Files may not grow past 64 KiB from step 6 on: the step-8 checkpoint's arrays cannot be written.
-    proc, lines, err = run_worker(tmp_path, "async_checkpointing=false", env={"FSIZE_LIMIT_AT": "6:65536",
-                                                                                   "TEST_XLA_CACHE": ""})
+    proc, lines, err = run_worker(
+        tmp_path, "async_checkpointing=false", env={"FSIZE_LIMIT_AT": "6:65536", "TEST_XLA_CACHE": ""}
+    )
     assert proc.returncode == 3, err[-3000:]
     error = next(x for x in lines if x.startswith("ERROR "))
     assert "saving checkpoint 8 in" in error and "Earlier checkpoints [4] are untouched" in error, error

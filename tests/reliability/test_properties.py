@@ -42,21 +42,27 @@ def test_partition_axis_specs_only_name_mesh_axes(names):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(docs=st.lists(st.text(alphabet="abcdefgh ijk.", min_size=1, max_size=120), min_size=1, max_size=12),
-       length=st.sampled_from([8, 16, 33]), rows=st.integers(1, 4))
+@given(
+    docs=st.lists(st.text(alphabet="abcdefgh ijk.", min_size=1, max_size=120), min_size=1, max_size=12),
+    length=st.sampled_from([8, 16, 33]),
+    rows=st.integers(1, 4),
+)
 def test_packer_keeps_every_token_in_order_and_segments_apart(docs, length, rows):
     """Packing then concatenating the real tokens gives back the token stream, segment ids restart
     per row and rise by one per document, positions restart with each document."""
     records = [{"text": d} for d in docs]
-    loader = jd.DataLoader(records, TOK, jd.DataConfig(max_sequence_length=length, batch_size=rows, shuffle=False,
-                                                       num_epochs=1, prefetch=0))
+    loader = jd.DataLoader(
+        records,
+        TOK,
+        jd.DataConfig(max_sequence_length=length, batch_size=rows, shuffle=False, num_epochs=1, prefetch=0),
+    )
     stream = []
     for batch in loader:
         for r in range(rows):
             seg, pos, ids = batch["segment_ids"][r], batch["positions"][r], batch["input_ids"][r]
             real = seg > 0
             assert (np.diff(seg[real]) >= 0).all() and (seg[real][:1] == 1).all()
-            assert not real[np.argmin(real):].any() if not real.all() else True  # padding only at the end
+            assert not real[np.argmin(real) :].any() if not real.all() else True  # padding only at the end
             for s in np.unique(seg[real]):
                 p = pos[seg == s]
                 assert (np.diff(p) == 1).all()

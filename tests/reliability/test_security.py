@@ -12,17 +12,27 @@ SOURCES = sorted((ROOT / "packages").glob("*/src/jaxloom/**/*.py"))
 
 def test_no_pickle_load_anywhere_in_the_sources():
     assert SOURCES
-    pattern = re.compile(r"\b(pickle|cloudpickle|dill|joblib)\.(load|loads|Unpickler)\b|torch\.load\(|"
-                         r"allow_pickle\s*=\s*True")
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in SOURCES for i, line in enumerate(p.read_text().splitlines(), 1)
-            if pattern.search(line)]
+    pattern = re.compile(
+        r"\b(pickle|cloudpickle|dill|joblib)\.(load|loads|Unpickler)\b|torch\.load\(|"
+        r"allow_pickle\s*=\s*True"
+    )
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in SOURCES
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not hits, hits
 
 
 def test_no_eval_exec_or_import_by_name_from_config_values():
     pattern = re.compile(r"\b(eval|exec)\(|importlib\.import_module\((?!f\"\{__name__\})|__import__\(")
-    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in SOURCES
-            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in SOURCES
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not hits, hits
 
 
@@ -50,7 +60,7 @@ def test_ray_binds_loopback_by_default():
     from jaxloom.ray import init_ray
 
     src = inspect.getsource(init_ray)
-    assert 'LOOPBACK' in src and inspect.signature(init_ray).parameters["include_dashboard"].default is False
+    assert "LOOPBACK" in src and inspect.signature(init_ray).parameters["include_dashboard"].default is False
     # the live check (every new listening port on 127.0.0.1) is packages/ray/tests/test_launcher.py
 
 
@@ -61,10 +71,22 @@ def test_a_run_writes_only_inside_its_save_directory(tmp_path):
     outside.mkdir()
     (outside / "keep.txt").write_text("x")
     run = tmp_path / "run"
-    trainer, resolved = build_run(None, [f"save_directory={run}", "model.hidden_size=32", "model.intermediate_size=64",
-                                         "model.num_hidden_layers=1", "max_training_steps=2", "total_batch_size=8",
-                                         "max_sequence_length=32", "progress_bar=false", "save_steps=1",
-                                         "generation_interval=1", "generation_max_new_tokens=2"])
+    trainer, resolved = build_run(
+        None,
+        [
+            f"save_directory={run}",
+            "model.hidden_size=32",
+            "model.intermediate_size=64",
+            "model.num_hidden_layers=1",
+            "max_training_steps=2",
+            "total_batch_size=8",
+            "max_sequence_length=32",
+            "progress_bar=false",
+            "save_steps=1",
+            "generation_interval=1",
+            "generation_max_new_tokens=2",
+        ],
+    )
     write_run_config(trainer, resolved)
     trainer.train()
     trainer.finish()

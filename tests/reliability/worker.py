@@ -13,9 +13,21 @@ from jaxloom.mesh import gather, named_leaves
 from jaxloom.state import CheckpointSaveError
 from jaxloom.trainer.cli import build_run
 
-TINY = ["max_training_steps=16", "save_steps=4", "logging_steps=4", "evaluation_steps=null", "total_batch_size=8",
-        "max_sequence_length=32", "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
-        "progress_bar=false", "use_tensorboard=false", "generation_interval=null", "generation_prompts=[]"]
+TINY = [
+    "max_training_steps=16",
+    "save_steps=4",
+    "logging_steps=4",
+    "evaluation_steps=null",
+    "total_batch_size=8",
+    "max_sequence_length=32",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=2",
+    "progress_bar=false",
+    "use_tensorboard=false",
+    "generation_interval=null",
+    "generation_prompts=[]",
+]
 
 
 class Announce:

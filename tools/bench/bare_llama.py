@@ -23,9 +23,20 @@ def init(key, vocab, d, layers, heads, kv_heads, ffn, std=0.02):
     def w(*shape):
         return std * jax.random.normal(next(keys), shape, jnp.float32)
 
-    blocks = [{"attn_norm": jnp.ones(d), "wq": w(d, heads * hd), "wk": w(d, kv_heads * hd), "wv": w(d, kv_heads * hd),
-               "wo": w(heads * hd, d), "mlp_norm": jnp.ones(d), "w_gate": w(d, ffn), "w_up": w(d, ffn),
-               "w_down": w(ffn, d)} for _ in range(layers)]
+    blocks = [
+        {
+            "attn_norm": jnp.ones(d),
+            "wq": w(d, heads * hd),
+            "wk": w(d, kv_heads * hd),
+            "wv": w(d, kv_heads * hd),
+            "wo": w(heads * hd, d),
+            "mlp_norm": jnp.ones(d),
+            "w_gate": w(d, ffn),
+            "w_up": w(d, ffn),
+            "w_down": w(ffn, d),
+        }
+        for _ in range(layers)
+    ]
     return {"embed": w(vocab, d), "blocks": blocks, "norm": jnp.ones(d), "head": w(d, vocab)}
 
 

@@ -30,8 +30,15 @@ def main():
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         kv_seg = jnp.zeros((b, total), jnp.int32).at[:, :p].set(1)
         kv_pos = jnp.zeros((b, total), jnp.int32).at[:, :p].set(pos)
-        out = m(ids, positions=pos, segment_ids=jnp.ones((b, p), jnp.int32), cache=m.init_cache(b, total),
-                cache_index=0, kv_positions=kv_pos, kv_segment_ids=kv_seg)
+        out = m(
+            ids,
+            positions=pos,
+            segment_ids=jnp.ones((b, p), jnp.int32),
+            cache=m.init_cache(b, total),
+            cache_index=0,
+            kv_positions=kv_pos,
+            kv_segment_ids=kv_seg,
+        )
         tok = jnp.argmax(out.logits[:, -1], -1).astype(jnp.int32)
 
         def body(i, c):
@@ -39,8 +46,15 @@ def main():
             at = p + i - 1
             kv_seg = jax.lax.dynamic_update_slice(kv_seg, jnp.ones((b, 1), jnp.int32), (0, at))
             kv_pos = jax.lax.dynamic_update_slice(kv_pos, jnp.full((b, 1), at, jnp.int32), (0, at))
-            o = m(tok[:, None], positions=jnp.full((b, 1), at, jnp.int32), segment_ids=jnp.ones((b, 1), jnp.int32),
-                  cache=cache, cache_index=at, kv_positions=kv_pos, kv_segment_ids=kv_seg)
+            o = m(
+                tok[:, None],
+                positions=jnp.full((b, 1), at, jnp.int32),
+                segment_ids=jnp.ones((b, 1), jnp.int32),
+                cache=cache,
+                cache_index=at,
+                kv_positions=kv_pos,
+                kv_segment_ids=kv_seg,
+            )
             tok = jnp.argmax(o.logits[:, -1], -1).astype(jnp.int32)
             return o.cache, tok, kv_seg, kv_pos, acc + tok
 
@@ -58,6 +72,7 @@ def main():
     ours = lambda: jg.generate(model, ids, mask, gcfg).completion_ids  # noqa: E731
     bare_fn = lambda: bare(state, ids)  # noqa: E731
     a1, b1, a2, b2 = timed(ours), timed(bare_fn), timed(ours), timed(bare_fn)  # interleaved
+
     @jax.jit
     def full(state, buf, seg, i):  # naive: the whole forward over a fixed [B, P+N] buffer for every token
         logits = nnx.merge(graphdef, state)(buf, segment_ids=seg).logits
@@ -76,8 +91,15 @@ def main():
     t = time.perf_counter()
     jax.block_until_ready(naive_run(naive_n))
     naive = b * naive_n / (time.perf_counter() - t)
-    print(json.dumps({"cached_tokens_per_second": float(np.median([a1, a2])),
-                      "bare_tokens_per_second": float(np.median([b1, b2])), "naive_tokens_per_second": naive}))
+    print(
+        json.dumps(
+            {
+                "cached_tokens_per_second": float(np.median([a1, a2])),
+                "bare_tokens_per_second": float(np.median([b1, b2])),
+                "naive_tokens_per_second": naive,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -18,19 +18,38 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-NARROW = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.tie_word_embeddings=true"]
+NARROW = [
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.tie_word_embeddings=true",
+]
 
 
 def plan_temporaries(seq: int, attn: str) -> float:
     with tempfile.TemporaryDirectory() as d:
-        out = subprocess.run(["jaxloom", "plan", *NARROW, f"model.max_position_embeddings={seq}",
-                              f"max_sequence_length={seq}", "total_batch_size=1", f"attn_mechanism={attn}",
-                              f"save_directory={d}", "resume_if_possible=false"],
-                             capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=900)
+        out = subprocess.run(
+            [
+                "jaxloom",
+                "plan",
+                *NARROW,
+                f"model.max_position_embeddings={seq}",
+                f"max_sequence_length={seq}",
+                "total_batch_size=1",
+                f"attn_mechanism={attn}",
+                f"save_directory={d}",
+                "resume_if_possible=false",
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            timeout=900,
+        )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
-    text = out.stdout[out.stdout.index("{"):]
+    text = out.stdout[out.stdout.index("{") :]
     return json.loads(text)["memory_per_device"]["temporaries_gb"]
 
 
@@ -41,9 +60,17 @@ def moe_flops(experts: int, impl: str) -> float:
 
     import jaxloom.models as jm
 
-    config = jm.MixtralConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                              num_attention_heads=8, num_key_value_heads=4, num_local_experts=experts,
-                              num_experts_per_tok=2, max_position_embeddings=512)
+    config = jm.MixtralConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+    )
     model = jm.create_model(config, jm.RuntimeConfig(moe_implementation=impl), lazy=True)
     graphdef, state = nnx.split(model)
     ids = jax.ShapeDtypeStruct((8, 256), jnp.int32)
@@ -56,8 +83,15 @@ def moe_flops(experts: int, impl: str) -> float:
 
 
 def first_step(layers: int) -> float:
-    model = dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = dict(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     cfg = {"model": model, "batch": 8, "seq": 128, "lr": 1e-3, "dtype": "float32", "warmup": 1}
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, str(HERE / "train_run.py"), "trainer", "3", json.dumps({**cfg, "out": d})]
@@ -70,8 +104,10 @@ def first_step(layers: int) -> float:
 
 def main() -> None:
     seqs = (1024, 2048, 4096, 8192)
-    attention = {"chunked": {s: plan_temporaries(s, "chunked") for s in seqs},
-                 "xla": {s: plan_temporaries(s, "xla") for s in seqs[:3]}}
+    attention = {
+        "chunked": {s: plan_temporaries(s, "chunked") for s in seqs},
+        "xla": {s: plan_temporaries(s, "xla") for s in seqs[:3]},
+    }
     experts = {impl: {e: moe_flops(e, impl) for e in (2, 8)} for impl in ("tiled", "dense")}
     depth = {n: first_step(n) for n in (4, 48)}
     print(json.dumps({"attention_temporaries_gb": attention, "moe_step_flops": experts, "first_step_s": depth}))

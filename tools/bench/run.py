@@ -17,18 +17,40 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 # ~0.29M parameters (mostly the 4096-token embedding and head): the per-step host overhead shows here
-SMALL_MODEL = dict(vocab_size=4096, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=512)
+SMALL_MODEL = dict(
+    vocab_size=4096,
+    hidden_size=32,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 # ~8.4M parameters: the steady state of a real (small) model
-CPU_MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
-                 num_key_value_heads=4, max_position_embeddings=512)
-GPU_MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=18,
-                 num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192)  # ~1B
+CPU_MODEL = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+)
+GPU_MODEL = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=18,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+)  # ~1B
 
 
 def run_process(args: list[str], env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
-                         timeout=900)
+    out = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{args[:2]} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -39,21 +61,31 @@ def training(reps: int, steps: int, cfg: dict, env: dict | None = None) -> dict:
     for _ in range(reps):
         for kind in ("trainer", "bare"):
             with tempfile.TemporaryDirectory() as d:
-                runs[kind].append(run_process([str(HERE / "train_run.py"), kind, str(steps),
-                                               json.dumps({**cfg, "out": d})], env))
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("tokens_per_second", "first_step_s", "peak_rss_gb")}
-           for k, v in runs.items()}
-    return {"trainer": med["trainer"], "bare": med["bare"],
-            "throughput_ratio": med["trainer"]["tokens_per_second"] / med["bare"]["tokens_per_second"],
-            "first_step_ratio": med["trainer"]["first_step_s"] / med["bare"]["first_step_s"],
-            "memory_ratio": med["trainer"]["peak_rss_gb"] / med["bare"]["peak_rss_gb"],
-            "platform": runs["trainer"][0]["platform"], "devices": runs["trainer"][0]["devices"]}
+                runs[kind].append(
+                    run_process([str(HERE / "train_run.py"), kind, str(steps), json.dumps({**cfg, "out": d})], env)
+                )
+    med = {
+        k: {m: statistics.median(r[m] for r in v) for m in ("tokens_per_second", "first_step_s", "peak_rss_gb")}
+        for k, v in runs.items()
+    }
+    return {
+        "trainer": med["trainer"],
+        "bare": med["bare"],
+        "throughput_ratio": med["trainer"]["tokens_per_second"] / med["bare"]["tokens_per_second"],
+        "first_step_ratio": med["trainer"]["first_step_s"] / med["bare"]["first_step_s"],
+        "memory_ratio": med["trainer"]["peak_rss_gb"] / med["bare"]["peak_rss_gb"],
+        "platform": runs["trainer"][0]["platform"],
+        "devices": runs["trainer"][0]["devices"],
+    }
 
 
 def import_times() -> dict:
     out = {}
-    for name, code in (("import jaxloom", "import jaxloom"), ("import jax", "import jax"),
-                       ("import jaxloom.trainer", "import jaxloom.trainer")):
+    for name, code in (
+        ("import jaxloom", "import jaxloom"),
+        ("import jax", "import jax"),
+        ("import jaxloom.trainer", "import jaxloom.trainer"),
+    ):
         samples = []
         for _ in range(3):
             t = time.perf_counter()
@@ -66,8 +98,9 @@ def import_times() -> dict:
 def data_pipeline(training_tokens_per_second: float) -> dict:
     import jaxloom.data as jd
 
-    loader = jd.DataLoader(jd.bundled_corpus_path(), jd.load_processor(),
-                           jd.DataConfig(max_sequence_length=128, batch_size=8, prefetch=0))
+    loader = jd.DataLoader(
+        jd.bundled_corpus_path(), jd.load_processor(), jd.DataConfig(max_sequence_length=128, batch_size=8, prefetch=0)
+    )
     next(loader)
     t, n = time.perf_counter(), 0
     while time.perf_counter() - t < 5:
@@ -83,8 +116,9 @@ def checkpoints(step_seconds: float) -> dict:
 
     import jaxloom.state as js
 
-    params = {f"w{i}": jnp.asarray(np.random.default_rng(i).standard_normal((1024, 1024), np.float32))
-              for i in range(25)}
+    params = {
+        f"w{i}": jnp.asarray(np.random.default_rng(i).standard_normal((1024, 1024), np.float32)) for i in range(25)
+    }
     state = js.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state={}, rng=jax.random.PRNGKey(0))
     mb = sum(x.nbytes for x in params.values()) / 2**20
     with tempfile.TemporaryDirectory() as d:
@@ -110,9 +144,16 @@ def checkpoints(step_seconds: float) -> dict:
         for k in params:
             np.load(f"{d}/{k}.npy")
         np_load = time.perf_counter() - t0
-    return {"state_mb": mb, "save_mb_s": mb / save, "restore_mb_s": mb / restore, "numpy_save_mb_s": mb / np_save,
-            "numpy_load_mb_s": mb / np_load, "async_block_s": blocked, "first_save_block_s": first_block,
-            "async_block_fraction_of_step": blocked / step_seconds}
+    return {
+        "state_mb": mb,
+        "save_mb_s": mb / save,
+        "restore_mb_s": mb / restore,
+        "numpy_save_mb_s": mb / np_save,
+        "numpy_load_mb_s": mb / np_load,
+        "async_block_s": blocked,
+        "first_save_block_s": first_block,
+        "async_block_fraction_of_step": blocked / step_seconds,
+    }
 
 
 def main() -> None:
@@ -130,8 +171,14 @@ def main() -> None:
     results["train_cpu_mesh"] = training(reps, 20, {**cpu_cfg, "mesh": {"fsdp": 8}}, eight)
     if gpu:
         for seq in (2048, 8192):
-            g = {"model": GPU_MODEL, "batch": max(1, 16384 // seq), "seq": seq, "lr": 1e-4, "dtype": "bfloat16",
-                 "warmup": 5}
+            g = {
+                "model": GPU_MODEL,
+                "batch": max(1, 16384 // seq),
+                "seq": seq,
+                "lr": 1e-4,
+                "dtype": "bfloat16",
+                "warmup": 5,
+            }
             results[f"train_gpu_{seq}"] = training(1, 20, g)
     dec = {"model": CPU_MODEL, "batch": 4, "prompt": 64, "new": 64, "dtype": "float32"}
     d = run_process([str(HERE / "decode_run.py"), json.dumps(dec)], {"JAX_PLATFORMS": "cpu"})
@@ -152,16 +199,36 @@ def scale_rows(s: dict) -> list[tuple[str, str, str, str]]:
     att, moe, depth = s["attention_temporaries_gb"], s["moe_step_flops"], s["first_step_s"]
     ch, xl = att["chunked"], att["xla"]
     return [
-        ("plan temporaries (GB), T=1k/2k/4k/8k, chunked attention", "/".join(f"{v:.3f}" for v in ch.values()),
-         f"{ch['8192'] / ch['1024']:.2f}", "<= 10 (8k vs 1k)"),
-        ("plan temporaries (GB), T=1k/2k/4k, xla reference (mask)", "/".join(f"{v:.3f}" for v in xl.values()),
-         f"{xl['4096'] / xl['1024']:.2f}", "(4k vs 1k)"),
-        ("MoE train-step GFLOPs, E=8 vs E=2 at k=2, token dispatch", f"{moe['tiled']['8'] / 1e9:.2f} vs "
-         f"{moe['tiled']['2'] / 1e9:.2f}", f"{moe['tiled']['8'] / moe['tiled']['2']:.2f}", "<= 1.2"),
-        ("MoE train-step GFLOPs, E=8 vs E=2, dense reference", f"{moe['dense']['8'] / 1e9:.2f} vs "
-         f"{moe['dense']['2'] / 1e9:.2f}", f"{moe['dense']['8'] / moe['dense']['2']:.2f}", ""),
-        ("start to end of first step (s), 48 vs 4 layers", f"{depth['48']:.2f} vs {depth['4']:.2f}",
-         f"{depth['48'] / depth['4']:.2f}", "<= 1.5"),
+        (
+            "plan temporaries (GB), T=1k/2k/4k/8k, chunked attention",
+            "/".join(f"{v:.3f}" for v in ch.values()),
+            f"{ch['8192'] / ch['1024']:.2f}",
+            "<= 10 (8k vs 1k)",
+        ),
+        (
+            "plan temporaries (GB), T=1k/2k/4k, xla reference (mask)",
+            "/".join(f"{v:.3f}" for v in xl.values()),
+            f"{xl['4096'] / xl['1024']:.2f}",
+            "(4k vs 1k)",
+        ),
+        (
+            "MoE train-step GFLOPs, E=8 vs E=2 at k=2, token dispatch",
+            f"{moe['tiled']['8'] / 1e9:.2f} vs {moe['tiled']['2'] / 1e9:.2f}",
+            f"{moe['tiled']['8'] / moe['tiled']['2']:.2f}",
+            "<= 1.2",
+        ),
+        (
+            "MoE train-step GFLOPs, E=8 vs E=2, dense reference",
+            f"{moe['dense']['8'] / 1e9:.2f} vs {moe['dense']['2'] / 1e9:.2f}",
+            f"{moe['dense']['8'] / moe['dense']['2']:.2f}",
+            "",
+        ),
+        (
+            "start to end of first step (s), 48 vs 4 layers",
+            f"{depth['48']:.2f} vs {depth['4']:.2f}",
+            f"{depth['48'] / depth['4']:.2f}",
+            "<= 1.5",
+        ),
     ]
 
 
@@ -169,49 +236,114 @@ def table(r: dict) -> str:
     tc, ts = r["train_cpu"], r["train_small"]
     runs = [("", tc), (", 8 devices", r["train_cpu_mesh"])]
     rows = [
-        ("train tokens/s, 0.29M model (trainer, defaults on, vs bare)",
-         f"{ts['trainer']['tokens_per_second']:.0f} vs "
-         f"{ts['bare']['tokens_per_second']:.0f}", f"{ts['throughput_ratio']:.3f}", ">= 1.0"),
-        ("train tokens/s, 8.4M model (trainer, defaults on, vs bare)",
-         f"{tc['trainer']['tokens_per_second']:.0f} vs "
-         f"{tc['bare']['tokens_per_second']:.0f}", f"{tc['throughput_ratio']:.3f}", ">= 0.97"),
-        ("train tokens/s on 8 CPU devices, fsdp=8 (trainer vs bare)",
-         f"{r['train_cpu_mesh']['trainer']['tokens_per_second']:.0f} vs "
-         f"{r['train_cpu_mesh']['bare']['tokens_per_second']:.0f}", f"{r['train_cpu_mesh']['throughput_ratio']:.3f}",
-         ">= 0.97"),
-        *[(f"start to end of first step (s){tag}", f"{t['trainer']['first_step_s']:.2f} vs "
-           f"{t['bare']['first_step_s']:.2f}", f"{t['first_step_ratio']:.3f}", "<= 1.3") for tag, t in runs],
-        *[(f"peak host memory (GB){tag}", f"{t['trainer']['peak_rss_gb']:.2f} vs {t['bare']['peak_rss_gb']:.2f}",
-           f"{t['memory_ratio']:.3f}", "<= 1.1") for tag, t in runs],
+        (
+            "train tokens/s, 0.29M model (trainer, defaults on, vs bare)",
+            f"{ts['trainer']['tokens_per_second']:.0f} vs {ts['bare']['tokens_per_second']:.0f}",
+            f"{ts['throughput_ratio']:.3f}",
+            ">= 1.0",
+        ),
+        (
+            "train tokens/s, 8.4M model (trainer, defaults on, vs bare)",
+            f"{tc['trainer']['tokens_per_second']:.0f} vs {tc['bare']['tokens_per_second']:.0f}",
+            f"{tc['throughput_ratio']:.3f}",
+            ">= 0.97",
+        ),
+        (
+            "train tokens/s on 8 CPU devices, fsdp=8 (trainer vs bare)",
+            f"{r['train_cpu_mesh']['trainer']['tokens_per_second']:.0f} vs "
+            f"{r['train_cpu_mesh']['bare']['tokens_per_second']:.0f}",
+            f"{r['train_cpu_mesh']['throughput_ratio']:.3f}",
+            ">= 0.97",
+        ),
+        *[
+            (
+                f"start to end of first step (s){tag}",
+                f"{t['trainer']['first_step_s']:.2f} vs {t['bare']['first_step_s']:.2f}",
+                f"{t['first_step_ratio']:.3f}",
+                "<= 1.3",
+            )
+            for tag, t in runs
+        ],
+        *[
+            (
+                f"peak host memory (GB){tag}",
+                f"{t['trainer']['peak_rss_gb']:.2f} vs {t['bare']['peak_rss_gb']:.2f}",
+                f"{t['memory_ratio']:.3f}",
+                "<= 1.1",
+            )
+            for tag, t in runs
+        ],
         ("import jaxloom (s)", f"{r['imports_s']['import jaxloom']:.3f}", "", "<= 1.5 s"),
-        ("import jaxloom.trainer (s) / import jax", f"{r['imports_s']['import jaxloom.trainer']:.2f} / "
-         f"{r['imports_s']['import jax']:.2f}", "", ""),
-        ("data pipeline tokens/s vs training", f"{r['data']['tokens_per_second']:.0f}",
-         f"{r['data']['ratio_to_training']:.1f}", ">= 10"),
-        ("checkpoint save MB/s vs numpy.save", f"{r['checkpoint']['save_mb_s']:.0f} vs "
-         f"{r['checkpoint']['numpy_save_mb_s']:.0f}",
-         f"{r['checkpoint']['save_mb_s'] / r['checkpoint']['numpy_save_mb_s']:.2f}", ""),
-        ("checkpoint restore MB/s vs numpy.load", f"{r['checkpoint']['restore_mb_s']:.0f} vs "
-         f"{r['checkpoint']['numpy_load_mb_s']:.0f}",
-         f"{r['checkpoint']['restore_mb_s'] / r['checkpoint']['numpy_load_mb_s']:.2f}", ""),
-        ("async save blocks the loop (fraction of a step)", f"{r['checkpoint']['async_block_s'] * 1000:.0f} ms "
-         f"(first save {r['checkpoint']['first_save_block_s'] * 1000:.0f} ms)",
-         f"{r['checkpoint']['async_block_fraction_of_step']:.2f}", "< 0.10"),
+        (
+            "import jaxloom.trainer (s) / import jax",
+            f"{r['imports_s']['import jaxloom.trainer']:.2f} / {r['imports_s']['import jax']:.2f}",
+            "",
+            "",
+        ),
+        (
+            "data pipeline tokens/s vs training",
+            f"{r['data']['tokens_per_second']:.0f}",
+            f"{r['data']['ratio_to_training']:.1f}",
+            ">= 10",
+        ),
+        (
+            "checkpoint save MB/s vs numpy.save",
+            f"{r['checkpoint']['save_mb_s']:.0f} vs {r['checkpoint']['numpy_save_mb_s']:.0f}",
+            f"{r['checkpoint']['save_mb_s'] / r['checkpoint']['numpy_save_mb_s']:.2f}",
+            "",
+        ),
+        (
+            "checkpoint restore MB/s vs numpy.load",
+            f"{r['checkpoint']['restore_mb_s']:.0f} vs {r['checkpoint']['numpy_load_mb_s']:.0f}",
+            f"{r['checkpoint']['restore_mb_s'] / r['checkpoint']['numpy_load_mb_s']:.2f}",
+            "",
+        ),
+        (
+            "async save blocks the loop (fraction of a step)",
+            f"{r['checkpoint']['async_block_s'] * 1000:.0f} ms "
+            f"(first save {r['checkpoint']['first_save_block_s'] * 1000:.0f} ms)",
+            f"{r['checkpoint']['async_block_fraction_of_step']:.2f}",
+            "< 0.10",
+        ),
     ]
     d = r["decode_cpu"]
-    rows.insert(7, ("decode tokens/s: KV cache vs bare decode loop", f"{d['cached_tokens_per_second']:.0f} vs "
-                    f"{d['bare_tokens_per_second']:.0f}", f"{d['ratio_to_bare']:.3f}", ">= 0.9"))
-    rows.insert(8, ("decode tokens/s: KV cache vs naive recomputation", f"{d['cached_tokens_per_second']:.0f} vs "
-                    f"{d['naive_tokens_per_second']:.0f}", f"{d['speedup_over_naive']:.1f}", ""))
+    rows.insert(
+        7,
+        (
+            "decode tokens/s: KV cache vs bare decode loop",
+            f"{d['cached_tokens_per_second']:.0f} vs {d['bare_tokens_per_second']:.0f}",
+            f"{d['ratio_to_bare']:.3f}",
+            ">= 0.9",
+        ),
+    )
+    rows.insert(
+        8,
+        (
+            "decode tokens/s: KV cache vs naive recomputation",
+            f"{d['cached_tokens_per_second']:.0f} vs {d['naive_tokens_per_second']:.0f}",
+            f"{d['speedup_over_naive']:.1f}",
+            "",
+        ),
+    )
     rows.extend(scale_rows(r["scale"]))
     for key in ("train_gpu_2048", "train_gpu_8192"):
         if key in r:
-            rows.append((f"{key} tokens/s (ratio to bare)", f"{r[key]['trainer']['tokens_per_second']:.0f}",
-                         f"{r[key]['throughput_ratio']:.3f}", ""))
+            rows.append(
+                (
+                    f"{key} tokens/s (ratio to bare)",
+                    f"{r[key]['trainer']['tokens_per_second']:.0f}",
+                    f"{r[key]['throughput_ratio']:.3f}",
+                    "",
+                )
+            )
     w = max(len(x[0]) for x in rows)
     head = f"{'measure'.ljust(w)} | value | ratio | target\n{'-' * w}-|-------|-------|-------"
-    return head + "\n" + "\n".join(f"{a.ljust(w)} | {b} | {c} | {d}" for a, b, c, d in rows) + \
-        f"\n({r['device']}, jax {r['jax']}, {r['date']}; medians of interleaved runs)"
+    return (
+        head
+        + "\n"
+        + "\n".join(f"{a.ljust(w)} | {b} | {c} | {d}" for a, b, c, d in rows)
+        + f"\n({r['device']}, jax {r['jax']}, {r['date']}; medians of interleaved runs)"
+    )
 
 
 if __name__ == "__main__":

@@ -39,22 +39,38 @@ def main():
 
         rng = np.random.default_rng(0)
         ids = rng.integers(0, m["vocab_size"], (steps, b, length)).astype(np.int32)
-        fixed = {"segment_ids": np.ones((b, length), np.int32), "loss_mask": np.ones((b, length), np.int32),
-                 "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy()}
-        params = bare_llama.init(jax.random.PRNGKey(0), m["vocab_size"], m["hidden_size"], m["num_hidden_layers"],
-                                 m["num_attention_heads"], m["num_key_value_heads"], m["intermediate_size"])
+        fixed = {
+            "segment_ids": np.ones((b, length), np.int32),
+            "loss_mask": np.ones((b, length), np.int32),
+            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy(),
+        }
+        params = bare_llama.init(
+            jax.random.PRNGKey(0),
+            m["vocab_size"],
+            m["hidden_size"],
+            m["num_hidden_layers"],
+            m["num_attention_heads"],
+            m["num_key_value_heads"],
+            m["intermediate_size"],
+        )
         if cfg.get("mesh"):  # every weight split over its first axis, the batch split by rows
             n = jax.device_count()
             mesh = jax.make_mesh((n,), ("fsdp",))
             rows, repl = NamedSharding(mesh, PartitionSpec("fsdp")), NamedSharding(mesh, PartitionSpec())
-            params = jax.tree_util.tree_map(lambda x: jax.device_put(x, rows if x.shape[0] % n == 0 else repl),
-                                            params)
+            params = jax.tree_util.tree_map(lambda x: jax.device_put(x, rows if x.shape[0] % n == 0 else repl), params)
             fixed = jax.device_put(fixed, rows)
             batches = ({"input_ids": jax.device_put(ids[i], rows), **fixed} for i in range(steps))
         else:
             batches = ({"input_ids": ids[i], **fixed} for i in range(steps))
-        bare_llama.train(params, batches, cfg["lr"], m["num_attention_heads"], m["num_key_value_heads"],
-                         donate=jax.devices()[0].platform != "cpu", on_step=clock)
+        bare_llama.train(
+            params,
+            batches,
+            cfg["lr"],
+            m["num_attention_heads"],
+            m["num_key_value_heads"],
+            donate=jax.devices()[0].platform != "cpu",
+            on_step=clock,
+        )
     else:
         import jaxloom.data as jd
         import jaxloom.models as jm
@@ -68,19 +84,37 @@ def main():
         rng = np.random.default_rng(0)
         records = [{"text": " ".join(map(str, rng.integers(0, 1000, 400)))} for _ in range(400)]
         # user-facing defaults: logging_steps=10, use_tensorboard=True, progress_bar=True
-        args = TrainingArguments(learning_rate=cfg["lr"], warmup_steps=0, scheduler="constant", total_batch_size=b,
-                                 max_sequence_length=length, max_training_steps=steps, save_directory=cfg["out"],
-                                 resume_if_possible=False, dtype=cfg["dtype"], adam_beta2=0.95)
+        args = TrainingArguments(
+            learning_rate=cfg["lr"],
+            warmup_steps=0,
+            scheduler="constant",
+            total_batch_size=b,
+            max_sequence_length=length,
+            max_training_steps=steps,
+            save_directory=cfg["out"],
+            resume_if_possible=False,
+            dtype=cfg["dtype"],
+            adam_beta2=0.95,
+        )
         runtime = jm.RuntimeConfig(dtype=cfg["dtype"], param_dtype="float32")
         model = jm.create_model(jm.LlamaConfig(**m), runtime, lazy=True)
         mesh = MeshConfig.from_axes(**cfg["mesh"]).build() if cfg.get("mesh") else MeshConfig().build()
-        trainer = Trainer(args, model, dataset_train=records, processing_class=jd.load_processor(), mesh=mesh,
-                          hooks=[Clock()])
+        trainer = Trainer(
+            args, model, dataset_train=records, processing_class=jd.load_processor(), mesh=mesh, hooks=[Clock()]
+        )
         trainer.train()
-    print(json.dumps({"kind": kind, "tokens_per_second": (steps - warmup) * b * length / (marks[steps] - marks[warmup]),
-                      "first_step_s": marks[1] - T0,
-                      "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                      "devices": jax.device_count(), "platform": jax.devices()[0].platform}))
+    print(
+        json.dumps(
+            {
+                "kind": kind,
+                "tokens_per_second": (steps - warmup) * b * length / (marks[steps] - marks[warmup]),
+                "first_step_s": marks[1] - T0,
+                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                "devices": jax.device_count(),
+                "platform": jax.devices()[0].platform,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,15 @@ import pytest
 import jaxloom.data as jd
 
 TOK = jd.load_processor()
-CHAT = [{"messages": [{"role": "user", "content": f"question {i}?"},
-                      {"role": "assistant", "content": f"answer number {i}."}]} for i in range(40)]
+CHAT = [
+    {
+        "messages": [
+            {"role": "user", "content": f"question {i}?"},
+            {"role": "assistant", "content": f"answer number {i}."},
+        ]
+    }
+    for i in range(40)
+]
 
 
 def docs(n=60):
@@ -24,9 +31,15 @@ def same(a, b):
     return all(np.array_equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x)
 
 
-@pytest.mark.parametrize("data, packing", [
-    ("corpus", True), ("docs", False), ("chat", True), ("chat", False),
-])
+@pytest.mark.parametrize(
+    "data, packing",
+    [
+        ("corpus", True),
+        ("docs", False),
+        ("chat", True),
+        ("chat", False),
+    ],
+)
 def test_resume_gives_exactly_the_next_batches(data, packing):
     records = {"corpus": jd.bundled_corpus_path(), "docs": docs(), "chat": CHAT}[data]
     cfg = jd.DataConfig(max_sequence_length=64, batch_size=4, packing=packing, shuffle=True, seed=3)
@@ -44,18 +57,21 @@ def test_resume_in_a_fresh_process():
     take(loader, 3)
     state = loader.state_dict()
     expected = [b["input_ids"].tolist() for b in take(loader, 2)]
-    code = ("import json, sys, jaxloom.data as jd\n"
-            f"l = jd.DataLoader(jd.bundled_corpus_path(), jd.load_processor(), jd.DataConfig(**{cfg!r}),"
-            f" state={state!r})\n"
-            "print(json.dumps([next(l)['input_ids'].tolist() for _ in range(2)]))")
+    code = (
+        "import json, sys, jaxloom.data as jd\n"
+        f"l = jd.DataLoader(jd.bundled_corpus_path(), jd.load_processor(), jd.DataConfig(**{cfg!r}),"
+        f" state={state!r})\n"
+        "print(json.dumps([next(l)['input_ids'].tolist() for _ in range(2)]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
 
 
 def epoch_texts(records, ranks, rank, n_files_tmp=None):
-    cfg = jd.DataConfig(max_sequence_length=64, batch_size=1, packing=False, num_epochs=1, prefetch=0, add_bos=False,
-                        add_eos=False)
+    cfg = jd.DataConfig(
+        max_sequence_length=64, batch_size=1, packing=False, num_epochs=1, prefetch=0, add_bos=False, add_eos=False
+    )
     loader = jd.DataLoader(records, TOK, cfg, data_rank=rank, data_ranks=ranks)
     texts = []
     for b in loader:
@@ -114,8 +130,9 @@ def test_unpacked_truncation_and_padding_sides():
     long = {"text": "alpha beta gamma delta " * 20}
     ids, _ = jd.tokenize_record(long, TOK, jd.DataConfig())
     for mode, side in [("keep_end", "left"), ("keep_start", "right")]:
-        cfg = jd.DataConfig(max_sequence_length=16, batch_size=1, packing=False, truncation_mode=mode,
-                            padding_side=side, prefetch=0)
+        cfg = jd.DataConfig(
+            max_sequence_length=16, batch_size=1, packing=False, truncation_mode=mode, padding_side=side, prefetch=0
+        )
         b = next(jd.DataLoader([long], TOK, cfg))
         expected = ids[-16:] if mode == "keep_end" else ids[:16]
         np.testing.assert_array_equal(b["input_ids"][0], expected)
@@ -137,8 +154,13 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match=r"columns present: \['body', 'id'\]"):
         next(jd.DataLoader([{"id": 1, "body": "x"}], TOK, cfg))
     with pytest.raises(ValueError, match="a record of .* tokens is longer than max_sequence_length 8"):
-        next(jd.DataLoader([{"text": "many words " * 20}], TOK, jd.DataConfig(max_sequence_length=8, batch_size=1,
-                                                                              packing=False, long_records="raise")))
+        next(
+            jd.DataLoader(
+                [{"text": "many words " * 20}],
+                TOK,
+                jd.DataConfig(max_sequence_length=8, batch_size=1, packing=False, long_records="raise"),
+            )
+        )
     with pytest.raises(ValueError, match="DataConfig.padding_side = 'middle'"):
         jd.DataConfig(padding_side="middle")
     with pytest.raises(ValueError, match="data iterator state"):
@@ -171,8 +193,10 @@ def test_plain_fast_tokenizer_loads_without_the_auto_registry(tmp_path):
     from transformers import AutoTokenizer
 
     def registry_and_torch_imported(path=None):
-        code = (f"import sys, jaxloom.data as jd; jd.load_processor({path!r}); "
-                "print('transformers.models.auto.tokenization_auto' in sys.modules, 'torch' in sys.modules)")
+        code = (
+            f"import sys, jaxloom.data as jd; jd.load_processor({path!r}); "
+            "print('transformers.models.auto.tokenization_auto' in sys.modules, 'torch' in sys.modules)"
+        )
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
 
     assert registry_and_torch_imported() == ["False", "False"]

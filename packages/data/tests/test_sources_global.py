@@ -68,11 +68,18 @@ def test_mesh_loader_is_one_stream_per_data_parallel_shard():
     mesh = MeshConfig.from_axes(fsdp=4, tp=2).build()  # 4 data-parallel shards
     cfg = jd.DataConfig(max_sequence_length=32, prefetch=0)
     loader = jd.MeshLoader(jd.bundled_corpus_path(), TOK, cfg, mesh, 8, accumulation=2)
-    streams = [jd.DataLoader(jd.bundled_corpus_path(), TOK, jd.DataConfig(max_sequence_length=32, prefetch=0,
-                                                                         batch_size=4), data_rank=d, data_ranks=4)
-               for d in range(4)]
+    streams = [
+        jd.DataLoader(
+            jd.bundled_corpus_path(),
+            TOK,
+            jd.DataConfig(max_sequence_length=32, prefetch=0, batch_size=4),
+            data_rank=d,
+            data_ranks=4,
+        )
+        for d in range(4)
+    ]
     for _ in range(2):
-        batch = next(loader)["input_ids"].reshape(2, 8, 32)   # [micro-batch, global rows, length]
+        batch = next(loader)["input_ids"].reshape(2, 8, 32)  # [micro-batch, global rows, length]
         parts = [next(s)["input_ids"].reshape(2, 2, 32) for s in streams]
         for micro in range(2):  # shard d's rows of each micro-batch come from stream d, in order
             np.testing.assert_array_equal(batch[micro], np.concatenate([p[micro] for p in parts]))
@@ -95,5 +102,7 @@ def test_mesh_loader_state_resumes_exactly_and_checks_its_form(caplog):
     with caplog.at_level("WARNING"):
         restarted = jd.MeshLoader(jd.bundled_corpus_path(), TOK, cfg, two, 8, state=state)
     assert "saved for 4 data-parallel shards and the mesh now has 2" in caplog.text
-    assert all(s == {"epoch": 0, "shard_pos": 0, "row_pos": 0, "token_offset": 0}
-               for s in restarted.global_state_dict()["streams"])
+    assert all(
+        s == {"epoch": 0, "shard_pos": 0, "row_pos": 0, "token_offset": 0}
+        for s in restarted.global_state_dict()["streams"]
+    )

@@ -8,8 +8,15 @@ import jaxloom.generation as jg
 import jaxloom.models as jm
 from jaxloom.mesh import MeshConfig
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def prompts(lengths=(5, 9, 1, 12), width=12, seed=0):
@@ -17,15 +24,21 @@ def prompts(lengths=(5, 9, 1, 12), width=12, seed=0):
     ids = np.zeros((len(lengths), width), np.int32)
     mask = np.zeros_like(ids)
     for i, n in enumerate(lengths):
-        ids[i, width - n:] = rng.integers(1, 97, n)
-        mask[i, width - n:] = 1
+        ids[i, width - n :] = rng.integers(1, 97, n)
+        mask[i, width - n :] = 1
     return ids, mask
 
 
-@pytest.mark.parametrize(("config", "scan"), [
-    (jm.LlamaConfig(**TINY), False), (jm.LlamaConfig(**TINY), True),
-    (jm.MistralConfig(**TINY, sliding_window=6), True), (jm.MixtralConfig(**TINY, num_local_experts=4), False),
-], ids=["llama-unrolled", "llama-scanned", "mistral-scanned", "mixtral-unrolled"])
+@pytest.mark.parametrize(
+    ("config", "scan"),
+    [
+        (jm.LlamaConfig(**TINY), False),
+        (jm.LlamaConfig(**TINY), True),
+        (jm.MistralConfig(**TINY, sliding_window=6), True),
+        (jm.MixtralConfig(**TINY, num_local_experts=4), False),
+    ],
+    ids=["llama-unrolled", "llama-scanned", "mistral-scanned", "mixtral-unrolled"],
+)
 def test_cached_greedy_equals_naive_recomputation(config, scan):
     """The KV cache (per layer, or stacked for a scanned stack) decodes what recomputation does. For
     Mistral (sliding window) the naive side runs `chunked` attention, the cached side `xla` over the
@@ -35,8 +48,13 @@ def test_cached_greedy_equals_naive_recomputation(config, scan):
     assert model.scanned == scan
     ids, mask = prompts()
     out = jg.generate(model, ids, mask, jg.GenerationConfig(max_new_tokens=10))
-    naive = model if not isinstance(config, jm.MistralConfig) else jm.create_model(
-        config, jm.RuntimeConfig(scan_layers=scan, attn_mechanism="chunked", attn_block_size=4), seed=1)
+    naive = (
+        model
+        if not isinstance(config, jm.MistralConfig)
+        else jm.create_model(
+            config, jm.RuntimeConfig(scan_layers=scan, attn_mechanism="chunked", attn_block_size=4), seed=1
+        )
+    )
     expected = jg.naive_greedy(naive, ids, mask, 10)
     np.testing.assert_array_equal(np.asarray(out.completion_ids), expected)
     np.testing.assert_array_equal(np.asarray(out.sequences)[:, :12], ids)
@@ -93,11 +111,13 @@ def test_unified_with_text_and_chat():
     assert res.prompt_mask[0, -1] == 1 and res.completion_ids.shape == (2, 5)
     assert res.decoded_prompts[0] == "The interpreter"
     assert res.completion_prompts[1].startswith("A list")
-    chat = jg.generate_unified(model, tok, prompts=[[{"role": "user", "content": "hi"}]], apply_chat_template=True,
-                               max_new_tokens=3)
+    chat = jg.generate_unified(
+        model, tok, prompts=[[{"role": "user", "content": "hi"}]], apply_chat_template=True, max_new_tokens=3
+    )
     assert "hi" in tok.decode(chat.prompt_ids[0][chat.prompt_mask[0] > 0])
     seqs, comp, cm = jg.create_generate_function(jg.GenerationConfig(max_new_tokens=4))(
-        model, res.prompt_ids, res.prompt_mask)
+        model, res.prompt_ids, res.prompt_mask
+    )
     assert comp.shape == (2, 4)
 
 
@@ -116,8 +136,14 @@ def test_config_from_transformers_generation_config():
 
     hf = transformers.GenerationConfig(max_new_tokens=7, do_sample=True, top_k=3, eos_token_id=[2, 5], pad_token_id=1)
     cfg = jg.GenerationConfig.from_hf(hf, seed=9)
-    assert (cfg.max_new_tokens, cfg.do_sample, cfg.top_k, cfg.eos_ids, cfg.pad_token_id, cfg.seed) == \
-        (7, True, 3, (2, 5), 1, 9)
+    assert (cfg.max_new_tokens, cfg.do_sample, cfg.top_k, cfg.eos_ids, cfg.pad_token_id, cfg.seed) == (
+        7,
+        True,
+        3,
+        (2, 5),
+        1,
+        9,
+    )
 
 
 def test_bad_inputs():

@@ -20,7 +20,9 @@ def test_unknown_name_is_a_clear_attribute_error():
 
 
 def test_import_is_cheap_and_pure():
-    code = ("import sys, os; e = dict(os.environ); import jaxloom; "
-            "assert 'jax' not in sys.modules; assert dict(os.environ) == e; print('ok')")
+    code = (
+        "import sys, os; e = dict(os.environ); import jaxloom; "
+        "assert 'jax' not in sys.modules; assert dict(os.environ) == e; print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr

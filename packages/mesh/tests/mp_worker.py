@@ -29,5 +29,13 @@ x = jax.make_array_from_process_local_data(NamedSharding(mesh, jm.batch_spec(mes
 y = jax.jit(lambda p, x: jnp.tanh(x @ p["w"] + p["b"]))(sharded, x)
 local, glob = jm.get_local_global_micro_batch_size(2, mesh)
 with open(out_path, "w") as f:
-    json.dump({"rows": [rows.start, rows.stop], "y": jm.gather(y).tolist(), "shape": dict(mesh.shape),
-               "local_global": [local, glob], "w_back": jm.gather(sharded)["w"].tolist()}, f)
+    json.dump(
+        {
+            "rows": [rows.start, rows.stop],
+            "y": jm.gather(y).tolist(),
+            "shape": dict(mesh.shape),
+            "local_global": [local, glob],
+            "w_back": jm.gather(sharded)["w"].tolist(),
+        },
+        f,
+    )

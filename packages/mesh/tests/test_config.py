@@ -4,12 +4,15 @@ import pytest
 from jaxloom.mesh import MeshConfig, resolve_dims
 
 
-@pytest.mark.parametrize("dims, expected", [
-    ((1, -1, 1, 1, 1), {"dp": 1, "fsdp": 8, "ep": 1, "tp": 1, "sp": 1}),
-    ((2, 2, 1, 2, 1), {"dp": 2, "fsdp": 2, "ep": 1, "tp": 2, "sp": 1}),
-    ((1, -1, 1, 2, 1), {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2, "sp": 1}),
-    ((1, 1, 2, -1, 2), {"dp": 1, "fsdp": 1, "ep": 2, "tp": 2, "sp": 2}),
-])
+@pytest.mark.parametrize(
+    "dims, expected",
+    [
+        ((1, -1, 1, 1, 1), {"dp": 1, "fsdp": 8, "ep": 1, "tp": 1, "sp": 1}),
+        ((2, 2, 1, 2, 1), {"dp": 2, "fsdp": 2, "ep": 1, "tp": 2, "sp": 1}),
+        ((1, -1, 1, 2, 1), {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2, "sp": 1}),
+        ((1, 1, 2, -1, 2), {"dp": 1, "fsdp": 1, "ep": 2, "tp": 2, "sp": 2}),
+    ],
+)
 def test_build_shapes(dims, expected):
     mesh = MeshConfig(axis_dims=dims).build()
     assert dict(mesh.shape) == expected
@@ -41,14 +44,17 @@ def test_dcn_dims_multiply_per_axis():
     assert cfg.shape(16, 4) == {"dp": 2, "fsdp": 4, "ep": 1, "tp": 2, "sp": 1}
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(axis_dims=(1, 3, 1, 1, 1)), "product is 3, but there are 8 devices"),
-    (dict(axis_dims=(1, -1, 1, 3, 1)), "multiply to 3, which does not divide the 8 devices"),
-    (dict(axis_dims=(1, -1, 1, -1, 1)), "at most one dim may be -1"),
-    (dict(axis_dims=(1, 0, 1, 1, 1)), "positive integer or -1"),
-    (dict(axis_dims=(1, -1, 1)), "has 3 entries, expected one per axis name"),
-    (dict(axis_names=("a", "a", "b", "c", "d")), "repeated name"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(axis_dims=(1, 3, 1, 1, 1)), "product is 3, but there are 8 devices"),
+        (dict(axis_dims=(1, -1, 1, 3, 1)), "multiply to 3, which does not divide the 8 devices"),
+        (dict(axis_dims=(1, -1, 1, -1, 1)), "at most one dim may be -1"),
+        (dict(axis_dims=(1, 0, 1, 1, 1)), "positive integer or -1"),
+        (dict(axis_dims=(1, -1, 1)), "has 3 entries, expected one per axis name"),
+        (dict(axis_names=("a", "a", "b", "c", "d")), "repeated name"),
+    ],
+)
 def test_impossible_meshes_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MeshConfig(**kwargs).build()

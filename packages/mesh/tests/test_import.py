@@ -35,9 +35,16 @@ def test_init_distributed_rejects_bad_arguments():
 
 
 def test_simulate_cpu_devices_before_and_after_backend_start():
-    code = ("import jaxloom.mesh as m, jax; m.simulate_cpu_devices(4); print(jax.device_count())\n"
-            "try:\n m.simulate_cpu_devices(2)\nexcept RuntimeError as e: print('late', 'came too late' in str(e))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    code = (
+        "import jaxloom.mesh as m, jax; m.simulate_cpu_devices(4); print(jax.device_count())\n"
+        "try:\n m.simulate_cpu_devices(2)\nexcept RuntimeError as e: print('late', 'came too late' in str(e))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["4", "late", "True"]

@@ -21,8 +21,14 @@ def free_port() -> int:
 def run_two(tmp_path, mesh: dict):
     port, outs, procs = free_port(), [tmp_path / f"out{i}.json" for i in range(2)], []
     for i in range(2):
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(outs[i]), json.dumps(mesh)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(port), str(i), str(outs[i]), json.dumps(mesh)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     for p in procs:
         try:
             log, _ = p.communicate(timeout=120)
@@ -34,10 +40,16 @@ def run_two(tmp_path, mesh: dict):
     return [json.loads(o.read_text()) for o in outs]
 
 
-@pytest.mark.parametrize("mesh, expected_shape", [
-    ({"axis_dims": [1, -1, 1, 1, 1]}, {"dp": 1, "fsdp": 4, "ep": 1, "tp": 1, "sp": 1}),
-    ({"axis_dims": [1, 1, 1, 2, 1], "dcn_axis_dims": [1, 2, 1, 1, 1]}, {"dp": 1, "fsdp": 2, "ep": 1, "tp": 2, "sp": 1}),
-])
+@pytest.mark.parametrize(
+    "mesh, expected_shape",
+    [
+        ({"axis_dims": [1, -1, 1, 1, 1]}, {"dp": 1, "fsdp": 4, "ep": 1, "tp": 1, "sp": 1}),
+        (
+            {"axis_dims": [1, 1, 1, 2, 1], "dcn_axis_dims": [1, 2, 1, 1, 1]},
+            {"dp": 1, "fsdp": 2, "ep": 1, "tp": 2, "sp": 1},
+        ),
+    ],
+)
 def test_two_processes_one_global_mesh(tmp_path, mesh, expected_shape):
     a, b = run_two(tmp_path, mesh)
     assert a["shape"] == b["shape"] == expected_shape

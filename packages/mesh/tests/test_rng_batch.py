@@ -3,8 +3,13 @@ import json
 import numpy as np
 import pytest
 
-from jaxloom.mesh import (MeshConfig, RngStream, get_accumulate_grad_batches,
-                          get_local_global_micro_batch_size, local_batch_slice)
+from jaxloom.mesh import (
+    MeshConfig,
+    RngStream,
+    get_accumulate_grad_batches,
+    get_local_global_micro_batch_size,
+    local_batch_slice,
+)
 
 
 def test_rng_stream_resumes_exactly():
@@ -27,12 +32,15 @@ def test_rng_stream_bad_state():
         RngStream("1")
 
 
-@pytest.mark.parametrize("axes, per_device, expected", [
-    (dict(fsdp=8), 2, (16, 16)),
-    (dict(fsdp=4, tp=2), 2, (8, 8)),
-    (dict(dp=2, fsdp=2, tp=2), 3, (12, 12)),
-    (dict(tp=8), 4, (4, 4)),
-])
+@pytest.mark.parametrize(
+    "axes, per_device, expected",
+    [
+        (dict(fsdp=8), 2, (16, 16)),
+        (dict(fsdp=4, tp=2), 2, (8, 8)),
+        (dict(dp=2, fsdp=2, tp=2), 3, (12, 12)),
+        (dict(tp=8), 4, (4, 4)),
+    ],
+)
 def test_micro_batch_sizes(axes, per_device, expected):
     mesh = MeshConfig.from_axes(**axes).build()
     assert get_local_global_micro_batch_size(per_device, mesh) == expected

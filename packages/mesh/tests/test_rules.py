@@ -4,16 +4,27 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxloom.mesh import (MeshConfig, auto_partition_rules, gather, match_partition_rules, named_leaves,
-                          shard, specs_to_named_sharding)
+from jaxloom.mesh import (
+    MeshConfig,
+    auto_partition_rules,
+    gather,
+    match_partition_rules,
+    named_leaves,
+    shard,
+    specs_to_named_sharding,
+)
 
 
 def mlp_params():
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     return {
         "embed": {"embedding": jax.random.normal(k[0], (64, 32))},
-        "layers": [{"up": {"kernel": jax.random.normal(k[1], (32, 48)), "bias": jnp.zeros((48,))},
-                    "down": {"kernel": jax.random.normal(k[2], (48, 32))}}],
+        "layers": [
+            {
+                "up": {"kernel": jax.random.normal(k[1], (32, 48)), "bias": jnp.zeros((48,))},
+                "down": {"kernel": jax.random.normal(k[2], (48, 32))},
+            }
+        ],
         "norm": {"scale": jnp.ones((32,))},
         "step": jnp.array(3),
     }
@@ -67,7 +78,7 @@ def test_auto_rules_shard_the_largest_divisible_dim():
     params = {"a": np.zeros((12, 64)), "b": np.zeros((7, 5)), "c": np.zeros((6, 16)), "s": np.zeros(())}
     specs = match_partition_rules(auto_partition_rules(params, mesh, axes=("fsdp", "tp")), params, mesh=mesh)
     assert specs["a"] == P("tp", "fsdp")  # 64 is the largest → fsdp; 12 % 2 == 0 → tp
-    assert specs["b"] == P(None, None)    # nothing divides: replicated
+    assert specs["b"] == P(None, None)  # nothing divides: replicated
     assert specs["c"] == P("tp", "fsdp")
     assert specs["s"] == P()
 

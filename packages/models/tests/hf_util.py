@@ -2,15 +2,34 @@
 
 import numpy as np
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "llama_tied_llama3rope": ("LlamaConfig", "LlamaForCausalLM", dict(
-        tie_word_embeddings=True, attention_bias=True, rope_parameters=dict(
-            rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=16))),
+    "llama_tied_llama3rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            attention_bias=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -37,8 +56,11 @@ def hf_logits(model, ids, mask, positions):
     import torch
 
     with torch.no_grad():
-        out = model(input_ids=torch.tensor(np.asarray(ids)), attention_mask=torch.tensor(np.asarray(mask)),
-                    position_ids=torch.tensor(np.asarray(positions)))
+        out = model(
+            input_ids=torch.tensor(np.asarray(ids)),
+            attention_mask=torch.tensor(np.asarray(mask)),
+            position_ids=torch.tensor(np.asarray(positions)),
+        )
     return out.logits.float().numpy()
 
 

@@ -26,9 +26,15 @@ def packed_batch(seed=0, t=40, n=4, kv=2, h=8):
 
 
 def run(impl, q, k, v, seg, pos, window=None, **kw):
-    fn = (lambda q, k, v: _flash(q, k, v, seg, True, None, q.shape[-1] ** -0.5, interpret=True, block=16)) \
-        if impl == "flash-interpret" else \
-        (lambda q, k, v: attend(q, k, v, q_segment_ids=seg, q_positions=pos, window=window, implementation=impl, **kw))
+    fn = (
+        (lambda q, k, v: _flash(q, k, v, seg, True, None, q.shape[-1] ** -0.5, interpret=True, block=16))
+        if impl == "flash-interpret"
+        else (
+            lambda q, k, v: attend(
+                q, k, v, q_segment_ids=seg, q_positions=pos, window=window, implementation=impl, **kw
+            )
+        )
+    )
     real = np.asarray(seg != 0)[:, :, None, None]
     out = fn(q, k, v)
     grads = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * real), argnums=(0, 1, 2))(q, k, v)
@@ -72,19 +78,21 @@ def test_explicit_kernels_that_cannot_run_are_errors_never_fallbacks():
     with pytest.raises(AttentionUnavailableError, match="no sliding window"):
         choose_implementation("flash", q_len=128, kv_len=128, cached=False, window=64, platform="gpu")
     # and through a model: the forward raises instead of running another backend
-    model = jm.create_model(jm.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                           num_attention_heads=2), jm.RuntimeConfig(attn_mechanism="flash"))
+    model = jm.create_model(
+        jm.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
+        jm.RuntimeConfig(attn_mechanism="flash"),
+    )
     with pytest.raises(AttentionUnavailableError):
         model(jnp.ones((1, 8), jnp.int32))
 
 
 def test_auto_choice_by_platform_and_length():
     assert choose_implementation("auto", q_len=512, kv_len=512, cached=False, window=None, platform="cpu") == "xla"
-    assert choose_implementation("auto", q_len=4096, kv_len=4096, cached=False, window=None,
-                                 platform="cpu") == "chunked"
+    assert (
+        choose_implementation("auto", q_len=4096, kv_len=4096, cached=False, window=None, platform="cpu") == "chunked"
+    )
     assert choose_implementation("auto", q_len=2048, kv_len=2048, cached=False, window=None, platform="gpu") == "flash"
-    assert choose_implementation("auto", q_len=2048, kv_len=2048, cached=False, window=512,
-                                 platform="gpu") == "chunked"
+    assert choose_implementation("auto", q_len=2048, kv_len=2048, cached=False, window=512, platform="gpu") == "chunked"
     assert choose_implementation("auto", q_len=2048, kv_len=2048, cached=False, window=None, platform="tpu") == "flash"
     # KV-cache calls (T != S) take xla or chunked even when a fused kernel was asked for
     assert choose_implementation("flash", q_len=1, kv_len=4096, cached=True, window=None, platform="gpu") == "xla"

@@ -50,8 +50,10 @@ def test_export_loads_in_transformers_and_back_bitwise(tmp_path):
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids, mask, pos = batch("right")
-    assert rel_err(np.asarray(model(ids, attention_mask=mask, positions=pos).logits),
-                   hf_logits(hf, ids, mask, pos), mask) < RTOL
+    assert (
+        rel_err(np.asarray(model(ids, attention_mask=mask, positions=pos).logits), hf_logits(hf, ids, mask, pos), mask)
+        < RTOL
+    )
     again = jm.from_pretrained(tmp_path / "out")
     a, b = jm.to_hf_state_dict(model), jm.to_hf_state_dict(again)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

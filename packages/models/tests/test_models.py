@@ -8,8 +8,14 @@ import pytest
 import jaxloom.models as jm
 from jaxloom.models import safetensors_io
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def test_registry_resolves_and_names_what_is_known():

@@ -10,8 +10,14 @@ from flax import nnx
 import jaxloom.models as jm
 from jaxloom.models.mixtral import grouped_matmul, tile_rows
 
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def logits_and_grads(model, ids):
@@ -31,8 +37,9 @@ def test_scan_is_automatic_above_sixteen_layers_and_stacks_parameters():
     assert deep.scanned
     assert deep.model.layers.self_attn.q_proj.kernel.get_value().shape == (17, 32, 32)
     assert deep.model.layers.self_attn.q_proj.kernel.get_metadata()["logical_axes"] == (None, "embed", "heads")
-    assert not jm.create_model(jm.LlamaConfig(**SMALL, num_hidden_layers=6), jm.RuntimeConfig(scan_layers=False),
-                               lazy=True).scanned
+    assert not jm.create_model(
+        jm.LlamaConfig(**SMALL, num_hidden_layers=6), jm.RuntimeConfig(scan_layers=False), lazy=True
+    ).scanned
 
 
 @pytest.mark.parametrize("remat", ["none", "dots_saveable"])
@@ -51,8 +58,11 @@ def test_scanned_equals_unrolled_with_the_same_weights(tmp_path, remat):
     ref = nnx.to_pure_dict(ref_grads)["model"]["layers"]
     got = nnx.to_pure_dict(grads)["model"]["layers"]
     for i in range(3):
-        np.testing.assert_allclose(np.asarray(got["self_attn"]["q_proj"]["kernel"][i]),
-                                   np.asarray(ref[i]["self_attn"]["q_proj"]["kernel"]), atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(got["self_attn"]["q_proj"]["kernel"][i]),
+            np.asarray(ref[i]["self_attn"]["q_proj"]["kernel"]),
+            atol=1e-5,
+        )
         np.testing.assert_allclose(np.asarray(got["mlp"]["w_up"][i]), np.asarray(ref[i]["mlp"]["w_up"]), atol=1e-5)
 
 
@@ -69,8 +79,9 @@ def test_scanned_model_shards_on_a_mesh():
 
 
 def _compiled_size(layers):
-    model = jm.create_model(jm.LlamaConfig(**SMALL, num_hidden_layers=layers), jm.RuntimeConfig(scan_layers=True),
-                            lazy=True)
+    model = jm.create_model(
+        jm.LlamaConfig(**SMALL, num_hidden_layers=layers), jm.RuntimeConfig(scan_layers=True), lazy=True
+    )
     graphdef, state = nnx.split(model)
     ids = jax.ShapeDtypeStruct((2, 16), jnp.int32)
     text = jax.jit(jax.grad(lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x).logits))).lower(state, ids).as_text()
@@ -86,8 +97,9 @@ def test_program_size_is_flat_in_depth():
 def test_token_dispatch_equals_dense_reference(impl):
     config = jm.MixtralConfig(**SMALL, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2)
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 64, (3, 16)))
-    ref_logits, ref_grads = logits_and_grads(jm.create_model(config, jm.RuntimeConfig(moe_implementation="dense"),
-                                                             seed=5), ids)
+    ref_logits, ref_grads = logits_and_grads(
+        jm.create_model(config, jm.RuntimeConfig(moe_implementation="dense"), seed=5), ids
+    )
     logits, grads = logits_and_grads(jm.create_model(config, jm.RuntimeConfig(moe_implementation=impl), seed=5), ids)
     np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
     for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True):

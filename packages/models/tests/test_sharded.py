@@ -11,8 +11,14 @@ from jax.sharding import PartitionSpec as P
 import jaxloom.models as jm
 from jaxloom.mesh import MeshConfig, gather
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 LLAMA = jm.LlamaConfig(**TINY)
 MIXTRAL = jm.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
 
@@ -21,7 +27,7 @@ def inputs(b=8, t=16):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 96, (b, t)).astype(np.int32)
     mask = np.ones((b, t), np.int32)
-    mask[::2, t // 2:] = 0  # some padded rows
+    mask[::2, t // 2 :] = 0  # some padded rows
     return ids, mask
 
 
@@ -39,12 +45,15 @@ def run(model, ids, mask, mesh=None):
         return forward(state, ids, mask)
 
 
-@pytest.mark.parametrize("config, axes", [
-    (LLAMA, dict(fsdp=4, tp=2)),
-    (LLAMA, dict(dp=2, fsdp=2, tp=2)),
-    (MIXTRAL, dict(ep=2, fsdp=2, tp=2)),
-    (MIXTRAL, dict(ep=4, tp=2)),
-])
+@pytest.mark.parametrize(
+    "config, axes",
+    [
+        (LLAMA, dict(fsdp=4, tp=2)),
+        (LLAMA, dict(dp=2, fsdp=2, tp=2)),
+        (MIXTRAL, dict(ep=2, fsdp=2, tp=2)),
+        (MIXTRAL, dict(ep=4, tp=2)),
+    ],
+)
 def test_sharded_forward_equals_one_device(config, axes):
     ids, mask = inputs()
     ref_logits, ref_aux = run(jm.create_model(config, seed=3), ids, mask)
@@ -86,6 +95,7 @@ def test_every_remat_policy_gives_the_same_grads(config):
                 ce = optax.softmax_cross_entropy_with_integer_labels(out.logits[:, :-1], ids[:, 1:])
                 total = jnp.sum(ce * mask[:, 1:]) / mask[:, 1:].sum()
                 return total + (0.01 * out.aux_loss if out.aux_loss is not None else 0.0)
+
             return jax.value_and_grad(loss)(params)
 
         value, g = loss_and_grad(params)

@@ -15,11 +15,19 @@ from jaxloom.ray import RayDistributedConfig, RayDistributedTrainer
 
 def test_config_json_round_trip_with_dtypes_and_partition_axis(tmp_path):
     pa = PartitionAxis(tensor_parallel_axis="mp", head_axis="mp")
-    cfg = RayDistributedConfig(pretrained_model_name_or_path="/m", model_task=jm.TaskType.CAUSAL_LM,
-                               model_type="llama", offload_backend="cpu",
-                               config_scaling_variables={"hidden_size": 64},
-                               config_variables={"dtype": jnp.bfloat16, "param_dtype": np.float32,
-                                                 "partition_axis": pa, "sharding_axis_dims": (1, -1, 1, 1, 1)})
+    cfg = RayDistributedConfig(
+        pretrained_model_name_or_path="/m",
+        model_task=jm.TaskType.CAUSAL_LM,
+        model_type="llama",
+        offload_backend="cpu",
+        config_scaling_variables={"hidden_size": 64},
+        config_variables={
+            "dtype": jnp.bfloat16,
+            "param_dtype": np.float32,
+            "partition_axis": pa,
+            "sharding_axis_dims": (1, -1, 1, 1, 1),
+        },
+    )
     pre = cfg._saving_preprocess()
     assert pre.config_variables["dtype"] == "bfloat16" and pre.config_variables["param_dtype"] == "float32"
     assert pre.config_variables["partition_axis"] == pa.to_dict()
@@ -45,8 +53,12 @@ def test_config_rejects_unknown_fields_and_bad_files(tmp_path):
 
 def test_class_defaults_are_the_reference_docs():
     assert RayDistributedTrainer.CONFIG_SCALING_VARIABLES == {
-        "hidden_size": 256, "intermediate_size": 1024, "moe_intermediate_size": 512, "num_attention_heads": 2,
-        "num_key_value_heads": 1}
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "moe_intermediate_size": 512,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
     v = RayDistributedTrainer.CONFIG_VARIABLES
     assert v["dtype"] == jnp.bfloat16 and v["seed"] == 654 and v["max_position_embeddings"] == 8192
     assert v["sharding_axis_names"] == ("dp", "fsdp", "ep", "tp", "sp") and v["sharding_axis_dims"] == (1, -1, 1, 1, 1)
@@ -71,12 +83,19 @@ def test_model_resolution(tmp_path):
 
 
 def test_create_config_scales_and_fixes(tmp_path):
-    t = RayDistributedTrainer(str(base_model_dir(tmp_path)), config_scaling_variables=SCALING,
-                              config_variables={**FIXED, "initializer_range": 0.05})
+    t = RayDistributedTrainer(
+        str(base_model_dir(tmp_path)),
+        config_scaling_variables=SCALING,
+        config_variables={**FIXED, "initializer_range": 0.05},
+    )
     for k in (1, 3):
         c = t.create_config(k)
-        assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads) == \
-            (16 * k, 32 * k, 2 * k, k)
+        assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads) == (
+            16 * k,
+            32 * k,
+            2 * k,
+            k,
+        )
         assert c.head_dim == 8 and c.num_hidden_layers == 2 and c.vocab_size == len(TOK)
         assert c.max_position_embeddings == 64 and c.initializer_range == 0.05
     m = t.create_model_from_config(2)
@@ -102,9 +121,12 @@ def test_bad_variables_are_named(tmp_path):
 
 
 def test_save_config_and_from_config_with_overrides(tmp_path):
-    t = RayDistributedTrainer(str(base_model_dir(tmp_path)), config_scaling_variables=SCALING,
-                              config_variables={**FIXED, "partition_axis": PartitionAxis(head_axis="fsdp")},
-                              offload_backend="cpu")
+    t = RayDistributedTrainer(
+        str(base_model_dir(tmp_path)),
+        config_scaling_variables=SCALING,
+        config_variables={**FIXED, "partition_axis": PartitionAxis(head_axis="fsdp")},
+        offload_backend="cpu",
+    )
     path = t.save_config(tmp_path / "trainer_config.json")
     assert json.loads(path.read_text())["config_variables"]["dtype"] == "float32"
     back = RayDistributedTrainer.from_config(path, model_class=jm.LlamaForCausalLM, bucket_path="/ckpt")
@@ -121,8 +143,9 @@ def test_processor_and_sample_processing(tmp_path, caplog):
     right = t.process_sample_data({"text": "A list is"}, max_length=16, padding_side="right")
     assert left["input_ids"].shape == (16,) and right["attention_mask"].shape == (16,)
     assert left["attention_mask"][-1] == 1 and right["attention_mask"][0] == 1 and right["attention_mask"][-1] == 0
-    chat = t.process_messages_data([{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi"}],
-                                   max_length=64)
+    chat = t.process_messages_data(
+        [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi"}], max_length=64
+    )
     assert chat["input_ids"].shape == (64,) and chat["attention_mask"].sum() > 4
     import datasets
 

@@ -16,8 +16,15 @@ STEPS = 6
 def _run(tmp, name, *, workers=2, devices=None, faults=(), steps=STEPS, **scaling):
     # one compilation cache for every gang of this module: a restarted gang (and the next test's) loads the
     # step it compiled before, as a user's restart does with `compilation_cache_dir`
-    overrides = [*TINY_OVERRIDES, f"max_training_steps={steps}", "save_steps=3", f"save_directory={tmp / name}",
-                 "resume_if_possible=false", "eval_batches=1", f"compilation_cache_dir={tmp.parent / 'xla-cache'}"]
+    overrides = [
+        *TINY_OVERRIDES,
+        f"max_training_steps={steps}",
+        "save_steps=3",
+        f"save_directory={tmp / name}",
+        "resume_if_possible=false",
+        "eval_batches=1",
+        f"compilation_cache_dir={tmp.parent / 'xla-cache'}",
+    ]
     cfg = ScalingConfig(num_workers=workers, devices_per_worker=devices, **scaling)
     return launch(train_from_config, None, overrides, tuple(faults), scaling=cfg)
 
@@ -57,8 +64,10 @@ def test_two_workers_match_one_process_with_the_same_mesh(reference):
     a, b = _losses(two.result), _losses(one.result)
     assert len(a) == len(b) == STEPS
     np.testing.assert_allclose(a, b, rtol=2e-5)
-    print(f"\nlosses, 2 workers x 1 device: {np.round(a, 6).tolist()}\nlosses, 1 process x 2 devices: "
-          f"{np.round(b, 6).tolist()}\nmax |diff| = {np.max(np.abs(np.subtract(a, b))):.2e}")
+    print(
+        f"\nlosses, 2 workers x 1 device: {np.round(a, 6).tolist()}\nlosses, 1 process x 2 devices: "
+        f"{np.round(b, 6).tolist()}\nmax |diff| = {np.max(np.abs(np.subtract(a, b))):.2e}"
+    )
     assert two.attempts == 1 and not two.failures
     assert two.result["stop_reason"] == "max_training_steps reached" and two.result["step"] == STEPS
     assert two.results[0]["params_sha256"] == two.results[1]["params_sha256"]  # one global state
@@ -67,31 +76,34 @@ def test_two_workers_match_one_process_with_the_same_mesh(reference):
 
 def test_killed_worker_gang_restarts_and_ends_bitwise_equal(reference):
     tmp, two, _ = reference
-    res = _run(tmp, "killed", faults=[FaultInjector(at_step=5, rank=1, kind="kill",
-                                                                 wait_for_checkpoint=True)], max_failures=1)
+    res = _run(
+        tmp, "killed", faults=[FaultInjector(at_step=5, rank=1, kind="kill", wait_for_checkpoint=True)], max_failures=1
+    )
     assert res.attempts == 2 and len(res.failures) == 1
     failure = res.failures[0]
     assert failure.kind == "died" and failure.rank == 1, failure
     assert res.result["resumed_from"].endswith("checkpoints/3")
     assert res.result["params_sha256"] == two.result["params_sha256"]
     assert _losses(res.result)[-2:] == _losses(two.result)[-2:]
-    print(f"\nkill-to-resumed-training: {failure.restart_to_first_step_s:.1f} s "
-          f"(detected {failure.message!r})")
+    print(f"\nkill-to-resumed-training: {failure.restart_to_first_step_s:.1f} s (detected {failure.message!r})")
     assert failure.restart_to_first_step_s is not None
 
 
 def test_hung_worker_is_detected_within_the_timeout(reference):
     tmp, two, _ = reference
-    res = _run(tmp, "hung", faults=[FaultInjector(at_step=4, rank=0, kind="hang")], max_failures=1,
-               progress_timeout_s=8)
+    res = _run(
+        tmp, "hung", faults=[FaultInjector(at_step=4, rank=0, kind="hang")], max_failures=1, progress_timeout_s=8
+    )
     assert res.attempts == 2
     failure = res.failures[0]
     assert failure.kind == "hung" and failure.rank in (0, 1), failure
     age = float(re.search(r"no progress for ([0-9.]+) s", failure.message).group(1))
-    assert 8 <= age < 8 + 5, failure.message   # the message rounds to 0.1 s
+    assert 8 <= age < 8 + 5, failure.message  # the message rounds to 0.1 s
     assert res.result["params_sha256"] == two.result["params_sha256"]
-    print(f"\nhang detected after {age:.1f} s without progress; restart-to-first-step "
-          f"{failure.restart_to_first_step_s:.1f} s")
+    print(
+        f"\nhang detected after {age:.1f} s without progress; restart-to-first-step "
+        f"{failure.restart_to_first_step_s:.1f} s"
+    )
 
 
 def test_out_of_restarts_is_one_clear_error(ray_cluster, tmp_path):
@@ -102,10 +114,19 @@ def test_out_of_restarts_is_one_clear_error(ray_cluster, tmp_path):
 def test_cli_train_with_ray(ray_cluster, tmp_path, capsys):
     from jaxloom.trainer.cli import main
 
-    rc = main(["train", *TINY_OVERRIDES, "max_training_steps=2", f"save_directory={tmp_path / 'cli'}",
-               "--ray", "num_workers=2", "max_failures=1"])
+    rc = main(
+        [
+            "train",
+            *TINY_OVERRIDES,
+            "max_training_steps=2",
+            f"save_directory={tmp_path / 'cli'}",
+            "--ray",
+            "num_workers=2",
+            "max_failures=1",
+        ]
+    )
     out = capsys.readouterr().out
-    summary = json.loads(out[out.index("{\n"):])
+    summary = json.loads(out[out.index("{\n") :])
     assert rc == 0 and summary["attempts"] == 1 and summary["step"] == 2
     assert (tmp_path / "cli" / "run_config.json").is_file() and (tmp_path / "cli" / "report.md").is_file()
     assert main(["train", "--ray", "num_workers=two"]) == 2

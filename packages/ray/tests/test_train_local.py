@@ -54,8 +54,12 @@ def test_priority_state_over_model_over_bucket_over_new(setup):
 
     from_state, _ = _start(t, root, "p_state", model=model, state=state)
     from_model, _ = _start(t, root, "p_model", model=model)
-    with_bucket = RayDistributedTrainer(t.pretrained_model_name_or_path, bucket_path=str(root / "bucket_src"),
-                                        config_scaling_variables=SCALING, config_variables=FIXED)
+    with_bucket = RayDistributedTrainer(
+        t.pretrained_model_name_or_path,
+        bucket_path=str(root / "bucket_src"),
+        config_scaling_variables=SCALING,
+        config_variables=FIXED,
+    )
     from_bucket, _ = _start(with_bucket, root, "p_bucket")
     from_bucket_given_model, _ = _start(with_bucket, root, "p_bucket_model", model=model)
 
@@ -70,15 +74,20 @@ def test_bucket_path_errors_and_hf_directory(setup):
     t, root = setup
     empty = root / "empty_bucket"
     empty.mkdir()
-    bad = RayDistributedTrainer(t.pretrained_model_name_or_path, bucket_path=str(empty),
-                                config_scaling_variables=SCALING, config_variables=FIXED)
+    bad = RayDistributedTrainer(
+        t.pretrained_model_name_or_path,
+        bucket_path=str(empty),
+        config_scaling_variables=SCALING,
+        config_variables=FIXED,
+    )
     with pytest.raises(FileNotFoundError, match="no complete checkpoint and no config.json"):
         bad.train(1, args(root / "x"), TRAIN)
     hf = root / "hf"
     model = t.create_model_from_config(1)
     jm.save_hf_model(model, hf)
-    from_hf = RayDistributedTrainer(t.pretrained_model_name_or_path, bucket_path=str(hf),
-                                    config_scaling_variables=SCALING, config_variables=FIXED)
+    from_hf = RayDistributedTrainer(
+        t.pretrained_model_name_or_path, bucket_path=str(hf), config_scaling_variables=SCALING, config_variables=FIXED
+    )
     first, _ = _start(from_hf, root, "p_hf")
     assert first == params_fingerprint(t.convert_model_to_state(model).params)
 

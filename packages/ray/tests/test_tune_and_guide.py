@@ -37,8 +37,13 @@ def test_tune_sweep_over_scaling_index_returns_the_better_trial(ray_cluster, bas
 
 def test_train_on_ray_two_workers(ray_cluster, base, tmp_path):
     t = RayDistributedTrainer(str(base), config_scaling_variables=SCALING, config_variables=TWO_DEVICES)
-    res = t.train_on_ray(1, args(tmp_path, total_batch_size=4, max_training_steps=3, eval_batches=1), TRAIN, EVAL,
-                         scaling=ScalingConfig(num_workers=2))
+    res = t.train_on_ray(
+        1,
+        args(tmp_path, total_batch_size=4, max_training_steps=3, eval_batches=1),
+        TRAIN,
+        EVAL,
+        scaling=ScalingConfig(num_workers=2),
+    )
     out = res.result
     assert res.attempts == 1 and out["step"] == 3 and math.isfinite(out["metrics"]["eval_loss"])
     assert out["report_path"] == str(tmp_path / "report.md") and (tmp_path / "report.md").is_file()
@@ -47,8 +52,12 @@ def test_train_on_ray_two_workers(ray_cluster, base, tmp_path):
 
 # ---- the guide, section by section -----------------------------------------------------------------------
 def test_guide_creating_a_trainer_instance(base):
-    trainer = RayDistributedTrainer(pretrained_model_name_or_path=str(base), model_task=TaskType.CAUSAL_LM,
-                                    model_type="llama", offload_backend="cpu")
+    trainer = RayDistributedTrainer(
+        pretrained_model_name_or_path=str(base),
+        model_task=TaskType.CAUSAL_LM,
+        model_type="llama",
+        offload_backend="cpu",
+    )
     assert trainer.model_class is LlamaForCausalLM
     trainer = RayDistributedTrainer(pretrained_model_name_or_path=str(base), model_class=LlamaForCausalLM)
     assert (trainer.model_type, trainer.model_task) == ("llama", TaskType.CAUSAL_LM)
@@ -64,10 +73,19 @@ def test_guide_configuration_management(base, tmp_path):
 def test_guide_scaling_variables(base):
     trainer = RayDistributedTrainer(
         pretrained_model_name_or_path=str(base),
-        config_scaling_variables={"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4,
-                                  "num_key_value_heads": 1},
-        config_variables={"dtype": jnp.bfloat16, "max_position_embeddings": 8192, "attn_mechanism": "flash",
-                          "gradient_checkpointing": "selective"})
+        config_scaling_variables={
+            "hidden_size": 256,
+            "intermediate_size": 1024,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+        },
+        config_variables={
+            "dtype": jnp.bfloat16,
+            "max_position_embeddings": 8192,
+            "attn_mechanism": "flash",
+            "gradient_checkpointing": "selective",
+        },
+    )
     config = trainer.create_config(scaling_index=2)
     assert (config.hidden_size, config.intermediate_size, config.num_attention_heads) == (512, 2048, 8)
     assert config.max_position_embeddings == 8192
@@ -78,13 +96,24 @@ def test_guide_model_initialization_options(base, tmp_path):
     trainer = RayDistributedTrainer(str(base), config_scaling_variables=SCALING, config_variables=FIXED)
     training_args = args(tmp_path / "a", max_training_steps=1)
     existing_state = trainer.convert_model_to_state(trainer.create_model_from_config(1))
-    assert int(trainer.train(scaling_index=1, arguments=training_args, dataset_train=TRAIN,
-                             state=existing_state).state.step) == 1
+    assert (
+        int(
+            trainer.train(
+                scaling_index=1, arguments=training_args, dataset_train=TRAIN, state=existing_state
+            ).state.step
+        )
+        == 1
+    )
     initialized_model = trainer.create_model_from_config(1)
-    trainer.train(scaling_index=1, arguments=args(tmp_path / "b", max_training_steps=1), dataset_train=TRAIN,
-                  model=initialized_model)
-    from_bucket = RayDistributedTrainer(str(base), bucket_path=str(tmp_path / "a"), config_scaling_variables=SCALING,
-                                        config_variables=FIXED)
+    trainer.train(
+        scaling_index=1,
+        arguments=args(tmp_path / "b", max_training_steps=1),
+        dataset_train=TRAIN,
+        model=initialized_model,
+    )
+    from_bucket = RayDistributedTrainer(
+        str(base), bucket_path=str(tmp_path / "a"), config_scaling_variables=SCALING, config_variables=FIXED
+    )
     from_bucket.train(scaling_index=1, arguments=args(tmp_path / "c", max_training_steps=1), dataset_train=TRAIN)
     out = trainer.train(scaling_index=2, arguments=args(tmp_path / "d", max_training_steps=1), dataset_train=TRAIN)
     assert out.state.params["model"]["embed_tokens"]["embedding"].shape[1] == 2 * SCALING["hidden_size"]
@@ -102,12 +131,21 @@ def test_guide_data_processing(base):
 
 def test_guide_training_with_automatic_resume(base, tmp_path):
     trainer = RayDistributedTrainer(str(base), config_scaling_variables=SCALING, config_variables=FIXED)
-    arguments = TrainingArguments(resume_if_possible=True, save_directory=str(tmp_path), max_training_steps=2,
-                                  total_batch_size=8, learning_rate=1e-4, max_sequence_length=32, save_steps=2,
-                                  progress_bar=False, use_tensorboard=False)
+    arguments = TrainingArguments(
+        resume_if_possible=True,
+        save_directory=str(tmp_path),
+        max_training_steps=2,
+        total_batch_size=8,
+        learning_rate=1e-4,
+        max_sequence_length=32,
+        save_steps=2,
+        progress_bar=False,
+        use_tensorboard=False,
+    )
     trainer.train(scaling_index=1, arguments=arguments, dataset_train=TRAIN, dataset_eval=EVAL)
-    out = trainer.train(scaling_index=1, arguments=arguments.replace(max_training_steps=3), dataset_train=TRAIN,
-                        dataset_eval=EVAL)
+    out = trainer.train(
+        scaling_index=1, arguments=arguments.replace(max_training_steps=3), dataset_train=TRAIN, dataset_eval=EVAL
+    )
     assert out.resumed_from.endswith("checkpoints/2") and int(out.state.step) == 3
 
 
@@ -115,9 +153,13 @@ def test_guide_integration_with_ray(ray_cluster, base, tmp_path):
     @ray.remote
     class Worker:
         def __init__(self, scaling_index):
-            self.trainer = RayDistributedTrainer(pretrained_model_name_or_path=str(base), model_type="llama",
-                                                 model_task=TaskType.CAUSAL_LM, config_scaling_variables=SCALING,
-                                                 config_variables={**FIXED, "sharding_axis_dims": (1, 1, 1, 1, 1)})
+            self.trainer = RayDistributedTrainer(
+                pretrained_model_name_or_path=str(base),
+                model_type="llama",
+                model_task=TaskType.CAUSAL_LM,
+                config_scaling_variables=SCALING,
+                config_variables={**FIXED, "sharding_axis_dims": (1, 1, 1, 1, 1)},
+            )
             self.scaling_index = scaling_index
 
         def train_model(self, dataset, args):
@@ -131,9 +173,12 @@ def test_guide_integration_with_ray(ray_cluster, base, tmp_path):
             return int(out.state.step), out.state.params["model"]["embed_tokens"]["embedding"].shape[1]
 
     workers = [Worker.remote(scaling_index=i) for i in [1, 2]]
-    results = ray.get([w.train_model.remote(TRAIN[:50], args(tmp_path / str(i), max_training_steps=1,
-                                                             total_batch_size=2))
-                       for i, w in enumerate(workers)])
+    results = ray.get(
+        [
+            w.train_model.remote(TRAIN[:50], args(tmp_path / str(i), max_training_steps=1, total_batch_size=2))
+            for i, w in enumerate(workers)
+        ]
+    )
     assert results == [(1, 16), (1, 32)]
     for w in workers:
         ray.kill(w)
@@ -146,9 +191,14 @@ def test_guide_custom_model_state_and_trainer_classes(base, tmp_path):
     class CustomTrainer(Trainer):
         pass
 
-    trainer = RayDistributedTrainer(str(base), model_class=LlamaForCausalLM, state_class=CustomState,
-                                    trainer_module=CustomTrainer, config_scaling_variables=SCALING,
-                                    config_variables=FIXED)
+    trainer = RayDistributedTrainer(
+        str(base),
+        model_class=LlamaForCausalLM,
+        state_class=CustomState,
+        trainer_module=CustomTrainer,
+        config_scaling_variables=SCALING,
+        config_variables=FIXED,
+    )
     state = trainer.convert_model_to_state(trainer.create_model_from_config(1))
     assert isinstance(state, CustomState)
     t = trainer.create_trainer(args(tmp_path, max_training_steps=1), TRAIN, state=state)
@@ -157,9 +207,13 @@ def test_guide_custom_model_state_and_trainer_classes(base, tmp_path):
 
 
 def test_guide_troubleshooting(base):
-    trainer = RayDistributedTrainer(pretrained_model_name_or_path=str(base), model_type="llama",
-                                    model_task=TaskType.CAUSAL_LM, config_scaling_variables=SCALING,
-                                    config_variables=FIXED)
+    trainer = RayDistributedTrainer(
+        pretrained_model_name_or_path=str(base),
+        model_type="llama",
+        model_task=TaskType.CAUSAL_LM,
+        config_scaling_variables=SCALING,
+        config_variables=FIXED,
+    )
     tokenizer = trainer.load_processor()
     tokenizer.pad_token = tokenizer.eos_token
     assert tokenizer.pad_token_id == tokenizer.eos_token_id

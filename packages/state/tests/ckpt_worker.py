@@ -1,4 +1,5 @@
 """Saves checkpoint 1 (and waits), then starts a large async save 2 and hangs: the test kills it."""
+
 import sys
 import time
 

@@ -9,8 +9,14 @@ import jaxloom.models as jm
 import jaxloom.state as js
 from jaxloom.mesh import MeshConfig
 
-CONFIG = jm.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2)
+CONFIG = jm.LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 RUNTIME = jm.RuntimeConfig()
 TX = optax.adamw(1e-2)
 
@@ -21,8 +27,9 @@ def build(config=CONFIG, tx=TX):
 
 def shardings(mesh, config=CONFIG, tx=TX):
     abstract = jax.eval_shape(lambda: build(config, tx))
-    return abstract, js.state_shardings(abstract, jm.param_shardings(jm.create_model(config, RUNTIME, lazy=True), mesh),
-                                        mesh)
+    return abstract, js.state_shardings(
+        abstract, jm.param_shardings(jm.create_model(config, RUNTIME, lazy=True), mesh), mesh
+    )
 
 
 def make_state(mesh, config=CONFIG, tx=TX):
@@ -43,8 +50,10 @@ def train_steps(state, n, seed=0):
     def step(state, ids):
         def loss(params):
             logits = jm.LlamaForCausalLM.__call__(
-                __import__("flax").nnx.merge(state.graphdef, params, state.model_state or {}), ids).logits
+                __import__("flax").nnx.merge(state.graphdef, params, state.model_state or {}), ids
+            ).logits
             return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+
         grads = jax.grad(loss)(state.params)
         return state.apply_gradients(grads)
 

@@ -54,8 +54,9 @@ def test_keep_n_params_only_shapes_and_float_dtype(tmp_path):
     assert restored.step == 0 and restored.state.opt_state is fresh.opt_state  # optimizer left to the caller
     kernel = restored.state.params["lm_head"]["kernel"]
     assert kernel.dtype == np.float32
-    np.testing.assert_array_equal(gather(kernel), gather(state.params["lm_head"]["kernel"]).astype(jax.numpy.bfloat16)
-                                  .astype(np.float32))
+    np.testing.assert_array_equal(
+        gather(kernel), gather(state.params["lm_head"]["kernel"]).astype(jax.numpy.bfloat16).astype(np.float32)
+    )
 
 
 def test_bad_inputs_touch_nothing(tmp_path):
@@ -74,6 +75,7 @@ def test_bad_inputs_touch_nothing(tmp_path):
     odd = CONFIG.replace(vocab_size=66)  # 66 rows cannot split over tp=4
     js.CheckpointManager(str(tmp_path / "odd"), async_save=False).save(1, make_state(mesh, odd))
     from jax.sharding import NamedSharding, PartitionSpec
+
     t = target(mesh, odd)
     bad = NamedSharding(mesh_of(tp=4), PartitionSpec(None, "tp"))
     t = t.replace(params={**t.params, "lm_head": {"kernel": jax.ShapeDtypeStruct((32, 66), np.float32, sharding=bad)}})
@@ -113,8 +115,12 @@ WORKER = Path(__file__).with_name("ckpt_worker.py")
 
 def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
     """A process killed in the middle of writing checkpoint 2 leaves checkpoint 1 as the newest."""
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )
     for line in proc.stdout:
         if line.strip() == "SAVING 2":
             time.sleep(0.05)
@@ -133,14 +139,19 @@ def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
 def test_json_configs_round_trip(tmp_path):
     from jaxloom.mesh import PartitionAxis
 
-    value = {"dtype": jax.numpy.bfloat16, "pa": PartitionAxis(head_axis=None), "dims": (1, -1, 1),
-             "rt": {"param_dtype": np.dtype("float32")}, "n": np.int32(3)}
+    value = {
+        "dtype": jax.numpy.bfloat16,
+        "pa": PartitionAxis(head_axis=None),
+        "dims": (1, -1, 1),
+        "rt": {"param_dtype": np.dtype("float32")},
+        "n": np.int32(3),
+    }
     js.save_json(value, tmp_path / "c.json")
     back = js.load_json(tmp_path / "c.json")
     assert back["dtype"] == jax.numpy.dtype("bfloat16") and back["pa"] == PartitionAxis(head_axis=None)
     assert back["dims"] == (1, -1, 1) and back["rt"]["param_dtype"] == np.float32 and back["n"] == 3
     json.loads((tmp_path / "c.json").read_text())
-    (tmp_path / "bad.json").write_text("{\"a\": 1,,}")
+    (tmp_path / "bad.json").write_text('{"a": 1,,}')
     with pytest.raises(ValueError, match="bad.json: malformed JSON at line 1, column 9"):
         js.load_json(tmp_path / "bad.json")
     with pytest.raises(TypeError, match="cannot store object"):
@@ -157,8 +168,11 @@ def test_state_without_optimizer_state_round_trips(tmp_path):
     manager.save(7, state)
     manager.wait_until_finished()
     abstract = jax.eval_shape(lambda: state)
-    restored = manager.restore(jax.tree_util.tree_map(
-        lambda a, x: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=x.sharding), abstract, state))
+    restored = manager.restore(
+        jax.tree_util.tree_map(
+            lambda a, x: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=x.sharding), abstract, state
+        )
+    )
     assert restored.step == 7 and leaves_equal(restored.state.params, state.params)
 
 

@@ -1,4 +1,5 @@
 """A custom loop written only against Deployer: python deployer_worker.py WORKDIR N_EPOCHS."""
+
 import os
 import sys
 
@@ -32,8 +33,11 @@ def loss_fn(rng, state, params, batch, is_training):
 
 def init_params():
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-    return {"w1": jax.random.normal(k1, (16, 64)) * 0.3, "b1": jnp.zeros(64),
-            "w2": jax.random.normal(k2, (64, 4)) * 0.3}
+    return {
+        "w1": jax.random.normal(k1, (16, 64)) * 0.3,
+        "b1": jnp.zeros(64),
+        "w2": jax.random.normal(k2, (64, 4)) * 0.3,
+    }
 
 
 if __name__ == "__main__":
@@ -41,7 +45,14 @@ if __name__ == "__main__":
     deployer = Deployer(jax_seed=7, n_model_shards=2, workdir=workdir, verbose=False)
     real_log = deployer.log_metrics
     deployer.log_metrics = lambda m, step: (real_log(m, step), print(f"EPOCH {step} loss {m['loss']:.4f}", flush=True))
-    out = deployer.fit(loss_fn, init_params(), optax.adam(3e-3), examples(), per_device_batch_size=4, n_epochs=n_epochs,
-                       collate_fn=collate)
+    out = deployer.fit(
+        loss_fn,
+        init_params(),
+        optax.adam(3e-3),
+        examples(),
+        per_device_batch_size=4,
+        n_epochs=n_epochs,
+        collate_fn=collate,
+    )
     np.savez(f"{workdir}/final.npz", **{k: np.asarray(jax.device_get(v)) for k, v in out["params"].items()})
     print("LOSSES", " ".join(f"{v:.4f}" for v in out["losses"]), flush=True)

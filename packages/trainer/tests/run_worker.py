@@ -1,4 +1,5 @@
 """python run_worker.py OUT_DIR: a short deterministic run through the CLI's builder; prints each step."""
+
 import sys
 
 import numpy as np
@@ -13,10 +14,24 @@ class Announce:
 
 
 out, mode = sys.argv[1], sys.argv[2]
-trainer, _ = build_run(None, [f"save_directory={out}", "max_training_steps=16", "save_steps=4", "logging_steps=4",
-                              "evaluation_steps=null", "total_batch_size=8", "max_sequence_length=32",
-                              "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
-                              "progress_bar=false", "use_tensorboard=false", f"async_checkpointing={mode == 'async'}"])
+trainer, _ = build_run(
+    None,
+    [
+        f"save_directory={out}",
+        "max_training_steps=16",
+        "save_steps=4",
+        "logging_steps=4",
+        "evaluation_steps=null",
+        "total_batch_size=8",
+        "max_sequence_length=32",
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=2",
+        "progress_bar=false",
+        "use_tensorboard=false",
+        f"async_checkpointing={mode == 'async'}",
+    ],
+)
 trainer.hooks.append(Announce())
 result = trainer.train()
 np.savez(f"{out}/final.npz", **{k: gather(v) for k, v in named_leaves(result.state.params)})

@@ -5,8 +5,14 @@ from jaxloom.trainer import TrainingArguments, get_lr_schedule_fn
 
 
 def test_flat_names_live_in_groups():
-    a = TrainingArguments(learning_rate=1e-4, total_batch_size=8, gradient_accumulation_steps=4,
-                          max_training_steps=100, save_directory="out", resume_if_possible=True)
+    a = TrainingArguments(
+        learning_rate=1e-4,
+        total_batch_size=8,
+        gradient_accumulation_steps=4,
+        max_training_steps=100,
+        save_directory="out",
+        resume_if_possible=True,
+    )
     assert a.learning_rate == a.optim.learning_rate == 1e-4
     assert a.loop.total_batch_size == 8 and a.training_batch_size == 32
     assert a.checkpoint.save_directory == "out"
@@ -16,15 +22,18 @@ def test_flat_names_live_in_groups():
         a.learning_rate = 3
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(learnig_rate=1e-3), r"unknown training argument\(s\): 'learnig_rate' \(did you mean 'learning_rate'\?\)"),
-    (dict(learning_rate=-1e-3), r"learning_rate = -0.001; expected a positive number"),
-    (dict(total_batch_size=0), r"total_batch_size = 0; expected a positive number"),
-    (dict(optimizer="adam9"), r"optimizer 'adam9'; expected one of"),
-    (dict(scheduler="step"), r"scheduler 'step'; expected one of"),
-    (dict(nan_policy="ignore"), r"nan_policy 'ignore'"),
-    (dict(warmup_ratio=1.5), r"warmup_ratio 1.5; expected a value in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(learnig_rate=1e-3), r"unknown training argument\(s\): 'learnig_rate' \(did you mean 'learning_rate'\?\)"),
+        (dict(learning_rate=-1e-3), r"learning_rate = -0.001; expected a positive number"),
+        (dict(total_batch_size=0), r"total_batch_size = 0; expected a positive number"),
+        (dict(optimizer="adam9"), r"optimizer 'adam9'; expected one of"),
+        (dict(scheduler="step"), r"scheduler 'step'; expected one of"),
+        (dict(nan_policy="ignore"), r"nan_policy 'ignore'"),
+        (dict(warmup_ratio=1.5), r"warmup_ratio 1.5; expected a value in \[0, 1\)"),
+    ],
+)
 def test_bad_arguments_are_clear(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainingArguments(**kwargs)
@@ -47,8 +56,14 @@ def test_files_and_overrides(tmp_path):
 
 
 def test_lr_schedules():
-    f = get_lr_schedule_fn(learning_rate=1.0, schedule_type="linear", warmup_steps=10, init_learning_rate=0.0,
-                           end_learning_rate=0.1, total_steps=110)
+    f = get_lr_schedule_fn(
+        learning_rate=1.0,
+        schedule_type="linear",
+        warmup_steps=10,
+        init_learning_rate=0.0,
+        end_learning_rate=0.1,
+        total_steps=110,
+    )
     assert float(f(0)) == 0.0 and float(f(5)) == pytest.approx(0.5) and float(f(10)) == pytest.approx(1.0)
     assert float(f(110)) == pytest.approx(0.1)
     c = get_lr_schedule_fn(100, 2, 1, 1.0, "cosine", warmup_ratio=0.1)  # RedCo's positional form: 50 steps

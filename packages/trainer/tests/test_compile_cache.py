@@ -20,8 +20,12 @@ print(json.dumps({"hits": len(hits), "loss": out.metrics["loss"]}))
 
 
 def run(tmp_path, name, cache):
-    proc = subprocess.run([sys.executable, "-c", RUN, str(tmp_path / name), str(cache)], capture_output=True,
-                          text=True, cwd=Path(__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, str(tmp_path / name), str(cache)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -19,8 +19,13 @@ WORKER = Path(__file__).with_name("deployer_worker.py")
 
 def run(workdir, epochs, kill_at=None):
     err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads until the end (it can fill)
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(workdir), str(epochs)], stdout=subprocess.PIPE,
-                            stderr=err, text=True, env=os.environ)
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(workdir), str(epochs)],
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        env=os.environ,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line.strip())
@@ -56,8 +61,14 @@ def test_redco_methods(tmp_path):
     assert not np.array_equal(k1, k2)
     assert d.get_local_global_micro_batch_size(8) == (32, 32)
     assert d.get_accumulate_grad_batches(global_batch_size=128, per_device_batch_size=8) == 4
-    lr = d.get_lr_schedule_fn(train_size=640, per_device_batch_size=8, n_epochs=2, learning_rate=1e-3,
-                              schedule_type="linear", warmup_ratio=0.1)
+    lr = d.get_lr_schedule_fn(
+        train_size=640,
+        per_device_batch_size=8,
+        n_epochs=2,
+        learning_rate=1e-3,
+        schedule_type="linear",
+        warmup_ratio=0.1,
+    )
     assert float(lr(4)) == pytest.approx(1e-3 * 4 / 4) and float(lr(40)) == pytest.approx(0.0, abs=1e-9)
     params = {"dense": {"kernel": np.ones((16, 6), np.float32), "bias": np.zeros(6, np.float32)}, "odd": np.ones(3)}
     rules = d.get_sharding_rules(params)

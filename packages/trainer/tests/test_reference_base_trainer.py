@@ -14,8 +14,14 @@ from util import EVAL, TOK, TRAIN, args, mesh, tiny
 import jaxloom.generation as jg
 import jaxloom.models as jm
 import jaxloom.state as js
-from jaxloom.trainer import (BaseTrainer, NonFiniteLossError, Trainer, TrainerConfigureDataloaderOutput,
-                             TrainerConfigureFunctionOutput, TrainerConfigureModelOutput)
+from jaxloom.trainer import (
+    BaseTrainer,
+    NonFiniteLossError,
+    Trainer,
+    TrainerConfigureDataloaderOutput,
+    TrainerConfigureFunctionOutput,
+    TrainerConfigureModelOutput,
+)
 
 
 def test_constructing_a_trainer_does_no_io_no_threads_no_compile(tmp_path):
@@ -24,11 +30,18 @@ def test_constructing_a_trainer_does_no_io_no_threads_no_compile(tmp_path):
     model = jm.create_model(tiny(), lazy=True)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda name, *_a, **_k: compiles.append(name) if "compile" in name else None)
+        lambda name, *_a, **_k: compiles.append(name) if "compile" in name else None
+    )
     threads, cache = threading.active_count(), jax.config.jax_compilation_cache_dir
     run = tmp_path / "run"
-    t = Trainer(args(run, compilation_cache_dir=str(tmp_path / "cache")), model, dataset_train=TRAIN,
-                dataset_eval=EVAL, processing_class=TOK, mesh=mesh(1))
+    t = Trainer(
+        args(run, compilation_cache_dir=str(tmp_path / "cache")),
+        model,
+        dataset_train=TRAIN,
+        dataset_eval=EVAL,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
     assert not run.exists() and not (tmp_path / "cache").exists()
     assert threading.active_count() == threads and compiles == []
     assert jax.config.jax_compilation_cache_dir == cache
@@ -47,11 +60,36 @@ def test_base_trainer_members_in_the_reference_order(tmp_path):
 
     # The constructor's signature, in the reference's order (a module given as model_state is the model).
     names = list(inspect.signature(BaseTrainer).parameters)
-    assert names[:8] == ["arguments", "model_state", "model", "dataset_train", "dataset_eval", "data_collator",
-                         "finetune", "processing_class"]
-    t = Trainer(args(tmp_path, max_training_steps=2, save_steps=2, evaluation_steps=None, eval_batches=1,
-                     generation_prompts=("The",), generation_interval=2, generation_max_new_tokens=3),
-                None, model, TRAIN, EVAL, collator, True, TOK, mesh=mesh(2))
+    assert names[:8] == [
+        "arguments",
+        "model_state",
+        "model",
+        "dataset_train",
+        "dataset_eval",
+        "data_collator",
+        "finetune",
+        "processing_class",
+    ]
+    t = Trainer(
+        args(
+            tmp_path,
+            max_training_steps=2,
+            save_steps=2,
+            evaluation_steps=None,
+            eval_batches=1,
+            generation_prompts=("The",),
+            generation_interval=2,
+            generation_max_new_tokens=3,
+        ),
+        None,
+        model,
+        TRAIN,
+        EVAL,
+        collator,
+        True,
+        TOK,
+        mesh=mesh(2),
+    )
     with pytest.raises(TypeError, match="unknown argument"):
         Trainer(args(tmp_path), model=model, dataset_train=TRAIN, not_an_argument=1)
     # arguments, model_state, dataset_train, dataset_eval, data_collator, finetune
@@ -92,8 +130,10 @@ def test_base_trainer_members_in_the_reference_order(tmp_path):
     # create_collect_function (and its grain/tfds variants): truncate and pad
     for make in (t.create_collect_function, t.create_grain_collect_function, t.create_tfds_collect_function):
         batch = make(4, "keep_end")([{"input_ids": [1, 2, 3, 4, 5, 6]}, {"input_ids": [7]}])
-        assert batch["input_ids"].tolist() == [[3, 4, 5, 6], [7, TOK.pad_token_id or 0, TOK.pad_token_id or 0,
-                                                              TOK.pad_token_id or 0]]
+        assert batch["input_ids"].tolist() == [
+            [3, 4, 5, 6],
+            [7, TOK.pad_token_id or 0, TOK.pad_token_id or 0, TOK.pad_token_id or 0],
+        ]
     assert t.create_collect_function(2, "keep_start")([{"input_ids": [1, 2, 3]}])["input_ids"].tolist() == [[1, 2]]
     # create_generate_function: fn(state, ids, mask) -> (sequences, completion ids, completion mask)
     ids = np.array([TOK.encode("The", add_special_tokens=False)], np.int32)
@@ -114,9 +154,16 @@ def test_base_trainer_members_in_the_reference_order(tmp_path):
     (_, _, _), meta = t.generate_aio(ids, max_new_tokens=2, return_metadata=True)
     assert meta["prompt_length"] == ids.shape[1]
     res = t.generate_unified(prompts="The", max_new_tokens=3)
-    assert isinstance(res, tuple) and res._fields == ("generation_results", "prompt_ids", "prompt_mask", "sequences",
-                                                      "completion_ids", "completion_mask", "decoded_prompts",
-                                                      "completion_prompts")
+    assert isinstance(res, tuple) and res._fields == (
+        "generation_results",
+        "prompt_ids",
+        "prompt_mask",
+        "sequences",
+        "completion_ids",
+        "completion_mask",
+        "decoded_prompts",
+        "completion_prompts",
+    )
     with pytest.raises(ValueError, match="no eSurge"):
         t.generate_unified(prompts="The", use_esurge=True)
     # initialize_trainer_utils: idempotent; the rest of the builders' work (callbacks by cadence)
@@ -132,10 +179,11 @@ def test_base_trainer_members_in_the_reference_order(tmp_path):
     np.testing.assert_array_equal(np.asarray(nnx_param(t.model)), np.asarray(result.state.params["lm_head"]["kernel"]))
     # save_information, save_pretrained (to_torch: a transformers directory; else an orbax checkpoint)
     assert t.save_information(tmp_path / "info.md").read_text().startswith("#")
-    hf = t.save_pretrained(result.state, str(tmp_path / "hf"), to_torch=True,
-                           easystate_to_huggingface_model_kwargs={"dtype": "bfloat16"})
+    hf = t.save_pretrained(
+        result.state, str(tmp_path / "hf"), to_torch=True, easystate_to_huggingface_model_kwargs={"dtype": "bfloat16"}
+    )
     raw = (hf / "model.safetensors").read_bytes()
-    header = __import__("json").loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    header = __import__("json").loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     assert (hf / "config.json").is_file() and {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
     native = t.save_pretrained(str(tmp_path / "native"))  # the protocol's (ckpt_path, state) order
     assert js.CheckpointManager(str(native)).latest_step() == 2
@@ -179,8 +227,14 @@ def test_subclass_hooks_are_called_and_their_results_used(tmp_path):
             calls.append(("end", step))
             return state, {**metrics, "loss": metrics["loss"] * 0 + 123.0}
 
-    t = Custom(args(tmp_path, max_training_steps=2, logging_steps=1), model=jm.create_model(tiny(), lazy=True),
-               dataset_train=TRAIN, dataset_eval=EVAL, processing_class=TOK, mesh=mesh(1))
+    t = Custom(
+        args(tmp_path, max_training_steps=2, logging_steps=1),
+        model=jm.create_model(tiny(), lazy=True),
+        dataset_train=TRAIN,
+        dataset_eval=EVAL,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
     out = t.train()
     assert calls[:5] == ["start_training", ("start", 1), ("end", 1), ("start", 2), ("end", 2)]
     assert "start_evaluation" in calls  # the final evaluation
@@ -202,20 +256,37 @@ def test_finetune_false_draws_new_parameters(tmp_path):
 def test_train_from_a_given_state_or_parameters_and_evaluate_a_state(tmp_path):
     """`train(state=...)` keeps the state's optimizer state and step; `train(model_parameters=...)` trains
     those parameters; `evaluate(state, metric_calculator)` scores the state given and adds custom metrics."""
-    base = Trainer(args(tmp_path / "a", max_training_steps=2), model=jm.create_model(tiny(), lazy=True),
-                   dataset_train=TRAIN, dataset_eval=EVAL, processing_class=TOK, mesh=mesh(1))
+    base = Trainer(
+        args(tmp_path / "a", max_training_steps=2),
+        model=jm.create_model(tiny(), lazy=True),
+        dataset_train=TRAIN,
+        dataset_eval=EVAL,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
     first = base.train().state
     base.finish()
-    cont = Trainer(args(tmp_path / "b", max_training_steps=3), model=jm.create_model(tiny(), lazy=True),
-                   dataset_train=TRAIN, dataset_eval=EVAL, processing_class=TOK, mesh=mesh(1))
+    cont = Trainer(
+        args(tmp_path / "b", max_training_steps=3),
+        model=jm.create_model(tiny(), lazy=True),
+        dataset_train=TRAIN,
+        dataset_eval=EVAL,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
     out = cont.train(state=first)
     assert int(out.state.step) == 3  # continued from step 2: one step trained
     scored = cont.evaluate(first, metric_calculator=lambda state, batch: {"rows": batch["input_ids"].shape[0]})
     assert scored["rows"] == 8 and scored["loss"] != cont.evaluate()["loss"]
     cont.finish()
     params = jax.tree_util.tree_map(jnp.zeros_like, jax.device_get(first.params))
-    zero = Trainer(args(tmp_path / "c", max_training_steps=1, learning_rate=1e-9),
-                   model=jm.create_model(tiny(), seed=0), dataset_train=TRAIN, processing_class=TOK, mesh=mesh(1))
+    zero = Trainer(
+        args(tmp_path / "c", max_training_steps=1, learning_rate=1e-9),
+        model=jm.create_model(tiny(), seed=0),
+        dataset_train=TRAIN,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
     res = zero.train(model_parameters=params)
     assert np.abs(np.asarray(res.state.params["lm_head"]["kernel"])).max() < 1e-6
     zero.finish()
@@ -230,8 +301,13 @@ def test_dtype_arguments_set_the_compiled_step_and_the_stored_parameters(tmp_pat
     """`dtype="bfloat16"` through the Python API computes in bf16 (the compiled step's matmuls) and keeps
     parameters in `param_dtype` (float32 master weights when it is not set)."""
     model = jm.create_model(tiny(), seed=0)  # float32
-    t = Trainer(args(tmp_path, dtype="bfloat16", param_dtype=param_dtype, max_training_steps=1), model=model,
-                dataset_train=TRAIN, processing_class=TOK, mesh=mesh(1))
+    t = Trainer(
+        args(tmp_path, dtype="bfloat16", param_dtype=param_dtype, max_training_steps=1),
+        model=model,
+        dataset_train=TRAIN,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
     assert t.dtype == jnp.bfloat16 and t.param_dtype == (jnp.dtype(param_dtype or "float32"))
     # The program as jaxloom lowers it (XLA's CPU backend later widens bf16 dots to f32; GPUs keep them).
     dots = [line for line in t.lower_train_step().as_text().splitlines() if "stablehlo.dot_general" in line]
@@ -245,13 +321,23 @@ def test_dtype_arguments_set_the_compiled_step_and_the_stored_parameters(tmp_pat
 def test_runtime_arguments_rebuild_the_model_in_the_python_api(tmp_path):
     """attn_mechanism, attn_block_size and remat given as arguments replace the model's own."""
     model = jm.create_model(tiny(), lazy=True)
-    t = Trainer(args(tmp_path, attn_mechanism="chunked", attn_block_size=8, remat="full", max_training_steps=1),
-                model=model, dataset_train=TRAIN, processing_class=TOK, mesh=mesh(1))
+    t = Trainer(
+        args(tmp_path, attn_mechanism="chunked", attn_block_size=8, remat="full", max_training_steps=1),
+        model=model,
+        dataset_train=TRAIN,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
     assert (t.runtime.attn_mechanism, t.runtime.attn_block_size, t.runtime.remat) == ("chunked", 8, "full")
     rt = t.configure_model().model.runtime
     assert (rt.attn_mechanism, rt.attn_block_size, rt.remat) == ("chunked", 8, "full")
     with pytest.raises(ValueError, match="attn_mechanism 'nope'"):
         args(tmp_path, attn_mechanism="nope")
     with pytest.raises(ValueError, match="change the layout"):
-        Trainer(args(tmp_path, scan_layers=True), model=jm.create_model(tiny(), seed=0), dataset_train=TRAIN,
-                processing_class=TOK, mesh=mesh(1)).configure_model()
+        Trainer(
+            args(tmp_path, scan_layers=True),
+            model=jm.create_model(tiny(), seed=0),
+            dataset_train=TRAIN,
+            processing_class=TOK,
+            mesh=mesh(1),
+        ).configure_model()

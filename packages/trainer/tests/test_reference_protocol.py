@@ -12,14 +12,35 @@ from util import EVAL, TOK, TRAIN, args, mesh, tiny
 import jaxloom.data as jd
 import jaxloom.models as jm
 import jaxloom.state as js
-from jaxloom.trainer import (BaseTrainerProtocol, Trainer, TrainerConfigureDataloaderOutput,
-                             TrainerConfigureFunctionOutput, TrainerConfigureModelOutput, TrainerProtocol,
-                             eval_step, train_step)
+from jaxloom.trainer import (
+    BaseTrainerProtocol,
+    Trainer,
+    TrainerConfigureDataloaderOutput,
+    TrainerConfigureFunctionOutput,
+    TrainerConfigureModelOutput,
+    TrainerProtocol,
+    eval_step,
+    train_step,
+)
 from jaxloom.trainer.step import StepConfig
 
-REQUIRED = ["train", "evaluate", "save_pretrained", "configure_functions", "configure_model", "configure_dataloaders",
-            "arguments", "dataset_train", "dataset_eval", "model", "_model_state", "dtype", "param_dtype",
-            "scheduler", "optimizer"]
+REQUIRED = [
+    "train",
+    "evaluate",
+    "save_pretrained",
+    "configure_functions",
+    "configure_model",
+    "configure_dataloaders",
+    "arguments",
+    "dataset_train",
+    "dataset_eval",
+    "model",
+    "_model_state",
+    "dtype",
+    "param_dtype",
+    "scheduler",
+    "optimizer",
+]
 
 
 class Skeleton(BaseTrainerProtocol):
@@ -83,8 +104,10 @@ class MyCustomTrainer(Skeleton):
 
     def configure_functions(self):
         cfg = StepConfig(schedule=self.scheduler)
-        return TrainerConfigureFunctionOutput(train_step_fn=jax.jit(lambda s, b: train_step(s, b, cfg)),
-                                              eval_step_fn=jax.jit(lambda s, b: eval_step(s, b, cfg)))
+        return TrainerConfigureFunctionOutput(
+            train_step_fn=jax.jit(lambda s, b: train_step(s, b, cfg)),
+            eval_step_fn=jax.jit(lambda s, b: eval_step(s, b, cfg)),
+        )
 
     def train(self, model_parameters=None, state=None):
         state = state or self._model_state
@@ -120,8 +143,14 @@ def test_required_members_in_the_reference_order_and_the_skeleton_works(tmp_path
 
 def test_base_trainer_conforms_with_the_reference_return_types(tmp_path):
     """BaseTrainer satisfies the protocol, and each required method returns what the reference says."""
-    t = Trainer(args(tmp_path, max_training_steps=2), model=jm.create_model(tiny(), lazy=True), dataset_train=TRAIN,
-                dataset_eval=EVAL, processing_class=TOK, mesh=mesh(1))
+    t = Trainer(
+        args(tmp_path, max_training_steps=2),
+        model=jm.create_model(tiny(), lazy=True),
+        dataset_train=TRAIN,
+        dataset_eval=EVAL,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
     assert isinstance(t, BaseTrainerProtocol)
     model_out = t.configure_model()
     assert isinstance(model_out, TrainerConfigureModelOutput) and model_out.state is t._model_state

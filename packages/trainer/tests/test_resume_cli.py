@@ -17,8 +17,9 @@ ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
 def run(out, kill_after=None, mode="sync"):
     err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads until the end (it can fill)
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(out), mode], stdout=subprocess.PIPE,
-                            stderr=err, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(out), mode], stdout=subprocess.PIPE, stderr=err, text=True, env=ENV
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line.strip())
@@ -57,26 +58,43 @@ def test_shipped_configs_parse():
     configs = sorted(DEMO_CONFIG.parent.glob("*.yaml"))
     assert configs
     for c in configs:
-        trainer, _ = build_run(str(c), ["max_training_steps=1", "model.num_hidden_layers=1", "model.hidden_size=32",
-                                        "model.intermediate_size=64", "save_directory=/tmp/jaxloom-parse-test",
-                                        "resume_if_possible=false"])
+        trainer, _ = build_run(
+            str(c),
+            [
+                "max_training_steps=1",
+                "model.num_hidden_layers=1",
+                "model.hidden_size=32",
+                "model.intermediate_size=64",
+                "save_directory=/tmp/jaxloom-parse-test",
+                "resume_if_possible=false",
+            ],
+        )
         assert trainer.configure_model().state.params and trainer.total_steps == 1
 
 
 def test_cli_train_plan_convert_and_errors(tmp_path, capsys):
-    tiny = [f"save_directory={tmp_path}", "max_training_steps=4", "model.hidden_size=32", "model.intermediate_size=64",
-            "model.num_hidden_layers=1", "max_sequence_length=32", "total_batch_size=8", "progress_bar=false",
-            "eval_batches=2", "evaluation_steps=null"]
+    tiny = [
+        f"save_directory={tmp_path}",
+        "max_training_steps=4",
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=1",
+        "max_sequence_length=32",
+        "total_batch_size=8",
+        "progress_bar=false",
+        "eval_batches=2",
+        "evaluation_steps=null",
+    ]
     assert main(["train", *tiny]) == 0
     out = capsys.readouterr().out
-    assert json.loads(out[out.index("{\n"):])["stop_reason"] == "max_training_steps reached"
+    assert json.loads(out[out.index("{\n") :])["stop_reason"] == "max_training_steps reached"
     assert (tmp_path / "report.md").is_file() and (tmp_path / "checkpoints" / "4").is_dir()
     assert main(["eval", *tiny]) == 0  # the run's newest checkpoint, evaluated
     out = capsys.readouterr().out
-    assert json.loads(out[out.index("{\n"):])["loss"] > 0
+    assert json.loads(out[out.index("{\n") :])["loss"] > 0
     assert main(["plan", *tiny]) == 0
     out = capsys.readouterr().out
-    plan = json.loads(out[out.index("{\n"):])
+    plan = json.loads(out[out.index("{\n") :])
     assert plan["parameters"] > 0 and plan["flops_per_token"] > 0 and plan["memory_per_device"]["total_gb"] > 0
     assert main(["convert", "--to-hf", str(tmp_path), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()

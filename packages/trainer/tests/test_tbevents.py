@@ -16,17 +16,18 @@ tb_crc = pytest.importorskip("tensorboardX.crc32c")
 
 def read_events(path):
     """Every Event in a TFRecord file, checking both masked CRCs of each record."""
+
     def masked(data):
         crc = tb_crc.crc32c(data)
         return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
     data, events, i = path.read_bytes(), [], 0
     while i < len(data):
-        header = data[i:i + 8]
+        header = data[i : i + 8]
         (n,) = struct.unpack("<Q", header)
-        assert struct.unpack("<I", data[i + 8:i + 12])[0] == masked(header)
-        body = data[i + 12:i + 12 + n]
-        assert struct.unpack("<I", data[i + 12 + n:i + 16 + n])[0] == masked(body)
+        assert struct.unpack("<I", data[i + 8 : i + 12])[0] == masked(header)
+        body = data[i + 12 : i + 12 + n]
+        assert struct.unpack("<I", data[i + 12 + n : i + 16 + n])[0] == masked(body)
         events.append(event_pb2.Event.FromString(body))
         i += 16 + n
     return events
@@ -55,17 +56,19 @@ def test_scalars_text_and_histograms_decode(tmp_path):
     assert [d.size for d in t.tensor.tensor_shape.dim] == [1]
     h = histo.summary.value[0].histo
     assert (h.min, h.max, h.num) == (values.min(), values.max(), 1000)
-    assert h.sum == pytest.approx(values.sum()) and h.sum_squares == pytest.approx((values ** 2).sum())
+    assert h.sum == pytest.approx(values.sum()) and h.sum_squares == pytest.approx((values**2).sum())
     counts, edges = np.histogram(values, bins=30)
     assert list(h.bucket) == counts.tolist() and list(h.bucket_limit) == pytest.approx(edges[1:].tolist())
     assert loss.wall_time > 1.6e9
 
 
 def test_metrics_writer_logs_to_tensorboard_without_torch(tmp_path):
-    code = ("import sys; from jaxloom.trainer.metrics import MetricsWriter; "
-            f"w = MetricsWriter({str(tmp_path)!r}, progress_bar=False); w.write(1, {{'loss': 3.0}}); "
-            "w.write(2, {'loss': 2.0, 'note': 'x'}); w.close(); "
-            "print(sorted(m for m in ('torch', 'tensorboardX') if m in sys.modules))")
+    code = (
+        "import sys; from jaxloom.trainer.metrics import MetricsWriter; "
+        f"w = MetricsWriter({str(tmp_path)!r}, progress_bar=False); w.write(1, {{'loss': 3.0}}); "
+        "w.write(2, {'loss': 2.0, 'note': 'x'}); w.close(); "
+        "print(sorted(m for m in ('torch', 'tensorboardX') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
     (path,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")

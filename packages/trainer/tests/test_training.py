@@ -12,9 +12,17 @@ from jaxloom.trainer import BaseTrainerProtocol, NonFiniteLossError, StepConfig,
 
 
 def test_eval_loss_falls_on_the_corpus(tmp_path):
-    t = trainer(tmp_path, max_training_steps=60, logging_steps=20, learning_rate=1e-2, total_batch_size=16,
-                evaluation_steps=60, generation_interval=30, generation_prompts=("The interpreter",),
-                generation_max_new_tokens=6)
+    t = trainer(
+        tmp_path,
+        max_training_steps=60,
+        logging_steps=20,
+        learning_rate=1e-2,
+        total_batch_size=16,
+        evaluation_steps=60,
+        generation_interval=30,
+        generation_prompts=("The interpreter",),
+        generation_max_new_tokens=6,
+    )
     assert isinstance(t, BaseTrainerProtocol)
     before = t.evaluate()["loss"]
     out = t.train()
@@ -23,8 +31,11 @@ def test_eval_loss_falls_on_the_corpus(tmp_path):
     print(f"eval loss {before:.3f} -> {after:.3f}")
     assert after < before - 1.5
     assert "| eval_loss |" in (tmp_path / "report.md").read_text()
-    previews = [r for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-                if "samples" in r]
+    previews = [
+        r
+        for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+        if "samples" in r
+    ]
     assert [r["step"] for r in previews] == [30, 60]  # every 30 steps; the final sample is step 60's
     assert out.samples and out.samples[0].startswith("The interpreter")
     assert (tmp_path / "loss.png").stat().st_size > 1000
@@ -56,7 +67,8 @@ class Poison:
     def on_step_start(self, trainer, step):
         if step == 3:
             trainer.state = trainer.state.replace(
-                params=jax.tree_util.tree_map(lambda p: p * jnp.nan, trainer.state.params))
+                params=jax.tree_util.tree_map(lambda p: p * jnp.nan, trainer.state.params)
+            )
 
 
 @pytest.mark.parametrize("donate", [None, True])  # state kept (CPU default) or donated (GPU/TPU default)
@@ -82,12 +94,24 @@ def test_one_step_stays_in_flight_and_the_next_batch_is_staged_before_the_host_r
     t.apply_training_hooks = lambda m: (events.append(("checked", m["step"])), check(m))[1]
     t._save = lambda step: (events.append(("saved", step)), save(step))[1]
     t.train()
-    assert events[:9] == [("staged", None), ("dispatched", 1), ("staged", None), ("dispatched", 2), ("checked", 1),
-                          ("staged", None), ("dispatched", 3), ("checked", 2), ("staged", None)]
+    assert events[:9] == [
+        ("staged", None),
+        ("dispatched", 1),
+        ("staged", None),
+        ("dispatched", 2),
+        ("checked", 1),
+        ("staged", None),
+        ("dispatched", 3),
+        ("checked", 2),
+        ("staged", None),
+    ]
     assert events[9:14] == [("dispatched", 4), ("checked", 3), ("checked", 4), ("saved", 4), ("staged", None)]
     assert events[-4:] == [("dispatched", 6), ("checked", 5), ("checked", 6), ("saved", 6)]  # the final save
-    assert [r["step"] for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-            if "train/loss" in r] == [2, 4, 6]
+    assert [
+        r["step"]
+        for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+        if "train/loss" in r
+    ] == [2, 4, 6]
 
 
 def test_skip_policy_keeps_the_old_parameters():
@@ -97,8 +121,10 @@ def test_skip_policy_keeps_the_old_parameters():
     bad = StepConfig(z_loss=float("nan"))
     new, m = jax.jit(lambda s, b: train_step(s, b, dataclasses.replace(bad, skip_nonfinite=True)))(state, batch)
     assert not bool(m["finite"])
-    assert all(np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(new.params),
-                                                     jax.tree_util.tree_leaves(state.params), strict=True))
+    assert all(
+        np.array_equal(x, y)
+        for x, y in zip(jax.tree_util.tree_leaves(new.params), jax.tree_util.tree_leaves(state.params), strict=True)
+    )
     new2, _ = jax.jit(lambda s, b: train_step(s, b, bad))(state, batch)
     assert np.isnan(np.asarray(new2.params["lm_head"]["kernel"])).all()
 
@@ -133,9 +159,19 @@ def test_sft_trains_only_on_completions(tmp_path):
     import jaxloom.data as jd
 
     records = jd.addition_records(400, seed=0)
-    t = trainer(tmp_path, train=records, evaluation=records[:64], packing=False, max_sequence_length=16,
-                total_batch_size=32, max_training_steps=400, learning_rate=1e-2, logging_steps=100,
-                evaluation_steps=400, config=tiny(hidden=64))
+    t = trainer(
+        tmp_path,
+        train=records,
+        evaluation=records[:64],
+        packing=False,
+        max_sequence_length=16,
+        total_batch_size=32,
+        max_training_steps=400,
+        learning_rate=1e-2,
+        logging_steps=100,
+        evaluation_steps=400,
+        config=tiny(hidden=64),
+    )
     before = t.evaluate()["accuracy"]
     out = t.train()
     print("addition: token accuracy on completions", before, "->", out.metrics["eval_accuracy"])
@@ -162,16 +198,22 @@ def test_given_model_survives_a_donated_run_and_seed_init_matches_the_jitted_one
     from flax import nnx
 
     model = jm.create_model(tiny(), seed=0)
-    t = Trainer(args(tmp_path / "given", max_training_steps=1, donate_state=True), model, dataset_train=TRAIN,
-                processing_class=TOK, mesh=mesh(1))
+    t = Trainer(
+        args(tmp_path / "given", max_training_steps=1, donate_state=True),
+        model,
+        dataset_train=TRAIN,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
     t.train()
     t.finish()
     kernel = nnx.state(model, nnx.Param)["lm_head"]["kernel"][...]
     assert not kernel.is_deleted() and np.isfinite(np.asarray(kernel)).all()
     one = trainer(tmp_path / "one", evaluation=EVAL)
     two = trainer(tmp_path / "two", mesh_=mesh(2))
-    for (name, a), (_, b) in zip(params_of(one.configure_model().state).items(),
-                                          params_of(two.configure_model().state).items(), strict=True):
+    for (name, a), (_, b) in zip(
+        params_of(one.configure_model().state).items(), params_of(two.configure_model().state).items(), strict=True
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
@@ -191,16 +233,36 @@ def test_runtime_settings_from_the_command_reach_the_model(tmp_path):
     (as `jaxloom train key=value` does) build the model they name, and it trains."""
     from jaxloom.trainer.cli import build_run
 
-    overrides = [f"save_directory={tmp_path}", "max_training_steps=2", "total_batch_size=8", "max_sequence_length=32",
-                 "scan_layers=true", "attn_mechanism=chunked", "attn_block_size=8", "moe_implementation=dense",
-                 "model.model_type=mixtral", "model.hidden_size=32", "model.intermediate_size=64",
-                 "model.num_hidden_layers=2", "model.num_attention_heads=4", "model.num_key_value_heads=2",
-                 "model.num_local_experts=4", "progress_bar=false", "use_tensorboard=false", "evaluation_steps=null",
-                 "generation_prompts=[]"]
+    overrides = [
+        f"save_directory={tmp_path}",
+        "max_training_steps=2",
+        "total_batch_size=8",
+        "max_sequence_length=32",
+        "scan_layers=true",
+        "attn_mechanism=chunked",
+        "attn_block_size=8",
+        "moe_implementation=dense",
+        "model.model_type=mixtral",
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=2",
+        "model.num_attention_heads=4",
+        "model.num_key_value_heads=2",
+        "model.num_local_experts=4",
+        "progress_bar=false",
+        "use_tensorboard=false",
+        "evaluation_steps=null",
+        "generation_prompts=[]",
+    ]
     t, _ = build_run(None, overrides)
     rt = t.runtime
-    assert (type(t.model).__name__, rt.scan_layers, rt.attn_mechanism, rt.attn_block_size, rt.moe_implementation) == \
-        ("MixtralForCausalLM", True, "chunked", 8, "dense")
+    assert (type(t.model).__name__, rt.scan_layers, rt.attn_mechanism, rt.attn_block_size, rt.moe_implementation) == (
+        "MixtralForCausalLM",
+        True,
+        "chunked",
+        8,
+        "dense",
+    )
     out = t.train()
     assert t.model.scanned
     assert np.isfinite(out.metrics["loss"])

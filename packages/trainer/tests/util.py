@@ -14,13 +14,30 @@ TRAIN, EVAL = CORPUS[:-20], CORPUS[-20:]
 
 
 def tiny(hidden=32, layers=2, **kw):
-    return jm.LlamaConfig(vocab_size=len(TOK), hidden_size=hidden, intermediate_size=2 * hidden,
-                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, **kw)
+    return jm.LlamaConfig(
+        vocab_size=len(TOK),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **kw,
+    )
 
 
 def args(tmp, **kw):
-    base = dict(learning_rate=3e-3, warmup_steps=2, total_batch_size=8, max_sequence_length=32, max_training_steps=6,
-                logging_steps=1, save_directory=str(tmp), progress_bar=False, use_tensorboard=False, seed=0)
+    base = dict(
+        learning_rate=3e-3,
+        warmup_steps=2,
+        total_batch_size=8,
+        max_sequence_length=32,
+        max_training_steps=6,
+        logging_steps=1,
+        save_directory=str(tmp),
+        progress_bar=False,
+        use_tensorboard=False,
+        seed=0,
+    )
     return TrainingArguments(**{**base, **kw})
 
 
@@ -30,8 +47,15 @@ def mesh(n=1, **axes):
 
 def trainer(tmp, config=None, mesh_=None, train=TRAIN, evaluation=EVAL, hooks=None, **kw):
     model = jm.create_model(config or tiny(), lazy=True)
-    return Trainer(args(tmp, **kw), model, dataset_train=train, dataset_eval=evaluation, processing_class=TOK,
-                   mesh=mesh_ or mesh(1), hooks=hooks)
+    return Trainer(
+        args(tmp, **kw),
+        model,
+        dataset_train=train,
+        dataset_eval=evaluation,
+        processing_class=TOK,
+        mesh=mesh_ or mesh(1),
+        hooks=hooks,
+    )
 
 
 def params_of(state) -> dict[str, np.ndarray]:

@@ -1,19 +1,49 @@
 """jaxloom.data: sources, tokenization, packing, and a deterministic, resumable data loader."""
 
 from .__about__ import __version__
-from .collate import (create_collect_function, extract_column_names, process_messages_data, process_sample_data,
-                      to_global)
+from .collate import (
+    create_collect_function,
+    extract_column_names,
+    process_messages_data,
+    process_sample_data,
+    to_global,
+)
 from .mesh_loader import MeshLoader
 from .pipeline import DataConfig, DataLoader
 from .processor import bundled_corpus_path, bundled_tokenizer_path, load_processor
-from .sources import (HFDatasetSource, IterableSource, JsonlSource, ParquetSource, ShardedDataSource, TextSource,
-                      as_source)
+from .sources import (
+    HFDatasetSource,
+    IterableSource,
+    JsonlSource,
+    ParquetSource,
+    ShardedDataSource,
+    TextSource,
+    as_source,
+)
 from .synthetic import addition_records, exact_match
 from .tokenize import tokenize_record
 
 __all__ = [
-    "DataConfig", "DataLoader", "HFDatasetSource", "IterableSource", "JsonlSource", "MeshLoader", "ParquetSource",
-    "ShardedDataSource", "TextSource", "__version__", "addition_records", "as_source", "bundled_corpus_path",
-    "bundled_tokenizer_path", "create_collect_function", "exact_match", "extract_column_names", "load_processor",
-    "process_messages_data", "process_sample_data", "to_global", "tokenize_record",
+    "DataConfig",
+    "DataLoader",
+    "HFDatasetSource",
+    "IterableSource",
+    "JsonlSource",
+    "MeshLoader",
+    "ParquetSource",
+    "ShardedDataSource",
+    "TextSource",
+    "__version__",
+    "addition_records",
+    "as_source",
+    "bundled_corpus_path",
+    "bundled_tokenizer_path",
+    "create_collect_function",
+    "exact_match",
+    "extract_column_names",
+    "load_processor",
+    "process_messages_data",
+    "process_sample_data",
+    "to_global",
+    "tokenize_record",
 ]

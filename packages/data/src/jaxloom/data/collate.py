@@ -20,8 +20,12 @@ def extract_column_names(dataset: Any) -> list[str] | None:
     return None
 
 
-def create_collect_function(max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end",
-                            pad_token_id: int = 0, padding_side: Literal["left", "right"] = "right") -> Callable:
+def create_collect_function(
+    max_sequence_length: int,
+    truncation_mode: Literal["keep_end", "keep_start"] = "keep_end",
+    pad_token_id: int = 0,
+    padding_side: Literal["left", "right"] = "right",
+) -> Callable:
     """A collate function: a list of `{"input_ids": [...], ...}` → numpy arrays of `max_sequence_length`,
     truncated by `truncation_mode` and padded with `pad_token_id` on `padding_side`; `attention_mask`
     marks real tokens."""
@@ -32,8 +36,11 @@ def create_collect_function(max_sequence_length: int, truncation_mode: Literal["
         out: dict[str, list] = {}
         for ex in examples:
             ids = list(ex["input_ids"])
-            keep = slice(max(0, len(ids) - max_sequence_length), None) if truncation_mode == "keep_end" \
+            keep = (
+                slice(max(0, len(ids) - max_sequence_length), None)
+                if truncation_mode == "keep_end"
                 else slice(0, max_sequence_length)
+            )
             for key, value in ex.items():
                 value = list(value)[keep]
                 pad = [pad_token_id if key == "input_ids" else 0] * (max_sequence_length - len(value))
@@ -47,23 +54,39 @@ def create_collect_function(max_sequence_length: int, truncation_mode: Literal["
     return collate
 
 
-def process_sample_data(tokenizer, sample: str | dict, max_length: int, padding_side: str = "left",
-                        text_column: str = "text") -> dict[str, np.ndarray]:
+def process_sample_data(
+    tokenizer, sample: str | dict, max_length: int, padding_side: str = "left", text_column: str = "text"
+) -> dict[str, np.ndarray]:
     """One `sample`, a text (or a record with `text_column`), tokenized by `tokenizer` → `input_ids`,
     `attention_mask` of shape `[max_length]`, padded on `padding_side`."""
     text = sample[text_column] if isinstance(sample, dict) else sample
-    enc = tokenizer(text, max_length=max_length, truncation=True, padding="max_length",
-                    padding_side=padding_side, return_tensors="np")
+    enc = tokenizer(
+        text,
+        max_length=max_length,
+        truncation=True,
+        padding="max_length",
+        padding_side=padding_side,
+        return_tensors="np",
+    )
     return {k: np.asarray(v).reshape(-1) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
 
-def process_messages_data(tokenizer, messages: list[dict], max_length: int, padding_side: str = "left",
-                          add_generation_prompt: bool = True) -> dict[str, np.ndarray]:
+def process_messages_data(
+    tokenizer, messages: list[dict], max_length: int, padding_side: str = "left", add_generation_prompt: bool = True
+) -> dict[str, np.ndarray]:
     """Chat `messages` → `tokenizer`'s chat template applied (with the assistant header when
     `add_generation_prompt`), tokenized and padded on `padding_side` to `max_length` (flattened)."""
-    enc = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                        max_length=max_length, truncation=True, padding="max_length",
-                                        padding_side=padding_side, return_dict=True, return_tensors="np")
+    enc = tokenizer.apply_chat_template(
+        messages,
+        tokenize=True,
+        add_generation_prompt=add_generation_prompt,
+        max_length=max_length,
+        truncation=True,
+        padding="max_length",
+        padding_side=padding_side,
+        return_dict=True,
+        return_tensors="np",
+    )
     return {k: np.asarray(v).reshape(-1) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
 
@@ -76,5 +99,7 @@ def to_global(batch: dict[str, np.ndarray], mesh, global_batch_size: int) -> dic
     from jaxloom.mesh import batch_spec
 
     sharding = NamedSharding(mesh, batch_spec(mesh))
-    return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch_size, *v.shape[1:]))
-            for k, v in batch.items()}
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v, (global_batch_size, *v.shape[1:]))
+        for k, v in batch.items()
+    }

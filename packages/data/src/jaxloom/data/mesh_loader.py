@@ -24,16 +24,25 @@ _KEYS = tuple(START)
 
 class MeshLoader:
     """Args:
-      data, tokenizer: as for `DataLoader`. config: its `batch_size` is ignored (set from the mesh).
-      mesh: the device mesh; global_batch_size: rows of one micro-batch over all processes.
-      accumulation: micro-batches per `next()`: rows come out as `[accumulation × local rows]`, micro-batch
-        major, so `batch.reshape(accumulation, -1, length)` gives each micro-batch's local rows.
-      state: from `global_state_dict()` (any process count with the same data-parallel size), or a
-        single stream's 4-integer state when the data-parallel size is 1.
+    data, tokenizer: as for `DataLoader`. config: its `batch_size` is ignored (set from the mesh).
+    mesh: the device mesh; global_batch_size: rows of one micro-batch over all processes.
+    accumulation: micro-batches per `next()`: rows come out as `[accumulation × local rows]`, micro-batch
+      major, so `batch.reshape(accumulation, -1, length)` gives each micro-batch's local rows.
+    state: from `global_state_dict()` (any process count with the same data-parallel size), or a
+      single stream's 4-integer state when the data-parallel size is 1.
     """
 
-    def __init__(self, data: Any, tokenizer, config: DataConfig, mesh, global_batch_size: int, *,
-                 accumulation: int = 1, state: dict | None = None):
+    def __init__(
+        self,
+        data: Any,
+        tokenizer,
+        config: DataConfig,
+        mesh,
+        global_batch_size: int,
+        *,
+        accumulation: int = 1,
+        state: dict | None = None,
+    ):
         from jaxloom.mesh import data_parallel_size, local_batch_slice
 
         self.dp = data_parallel_size(mesh)
@@ -43,8 +52,10 @@ class MeshLoader:
         self.accumulation = accumulation
         streams = self._streams_from(state)
         cfg = dataclasses.replace(config, batch_size=self.per_shard * accumulation)
-        self.loaders = [DataLoader(data, tokenizer, cfg, data_rank=d, data_ranks=self.dp, state=streams[d])
-                        for d in range(self.first, rows.stop // self.per_shard)]
+        self.loaders = [
+            DataLoader(data, tokenizer, cfg, data_rank=d, data_ranks=self.dp, state=streams[d])
+            for d in range(self.first, rows.stop // self.per_shard)
+        ]
 
     def _streams_from(self, state: dict | None) -> list[dict | None]:
         if state is None:
@@ -54,9 +65,12 @@ class MeshLoader:
         if set(state) != {"data_parallel", "streams"} or len(state["streams"]) != state["data_parallel"]:
             raise ValueError(f"data iterator state {state!r}; expected {{'data_parallel': D, 'streams': [D states]}}")
         if state["data_parallel"] != self.dp:
-            log.warning("the data position was saved for %d data-parallel shards and the mesh now has %d: it "
-                        "cannot carry over exactly, so every stream starts again from the beginning",
-                        state["data_parallel"], self.dp)
+            log.warning(
+                "the data position was saved for %d data-parallel shards and the mesh now has %d: it "
+                "cannot carry over exactly, so every stream starts again from the beginning",
+                state["data_parallel"],
+                self.dp,
+            )
             return [None] * self.dp
         return list(state["streams"])
 
@@ -74,8 +88,12 @@ class MeshLoader:
         if len(parts) == 1:  # one stream (one process, one data shard): its batch as it is, no copy
             return parts[0]
         a = self.accumulation
-        return {k: np.concatenate([p[k].reshape(a, -1, p[k].shape[-1]) for p in parts], axis=1)
-                .reshape(-1, parts[0][k].shape[-1]) for k in parts[0]}
+        return {
+            k: np.concatenate([p[k].reshape(a, -1, p[k].shape[-1]) for p in parts], axis=1).reshape(
+                -1, parts[0][k].shape[-1]
+            )
+            for k in parts[0]
+        }
 
     def close(self) -> None:
         """Stop every stream's prefetch thread."""
@@ -90,8 +108,9 @@ class MeshLoader:
         """Every stream's position, gathered from all processes (a collective: call it on all)."""
         import jax
 
-        local = np.asarray([[self.first + i, *(s[k] for k in _KEYS)]
-                            for i, s in enumerate(self.state_dict()["streams"])], np.int64)
+        local = np.asarray(
+            [[self.first + i, *(s[k] for k in _KEYS)] for i, s in enumerate(self.state_dict()["streams"])], np.int64
+        )
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

@@ -63,8 +63,11 @@ class DataConfig:
         for name in ("max_sequence_length", "batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"DataConfig.{name} = {getattr(self, name)!r}; expected a positive integer")
-        choices = {"truncation_mode": ("keep_end", "keep_start"), "padding_side": ("left", "right"),
-                   "long_records": ("truncate", "raise")}
+        choices = {
+            "truncation_mode": ("keep_end", "keep_start"),
+            "padding_side": ("left", "right"),
+            "long_records": ("truncate", "raise"),
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"DataConfig.{name} = {getattr(self, name)!r}; expected one of {allowed}")
@@ -78,8 +81,17 @@ class DataLoader:
     `data`: anything `as_source` reads; `tokenizer`: a `transformers` tokenizer with a pad token;
     `config`: a `DataConfig`; `data_rank`/`data_ranks`: this stream's share;
     `state`: a position from `state_dict()` to continue from."""
-    def __init__(self, data: Any, tokenizer, config: DataConfig, *, data_rank: int = 0, data_ranks: int = 1,
-                 state: dict | None = None):
+
+    def __init__(
+        self,
+        data: Any,
+        tokenizer,
+        config: DataConfig,
+        *,
+        data_rank: int = 0,
+        data_ranks: int = 1,
+        state: dict | None = None,
+    ):
         if not 0 <= data_rank < data_ranks:
             raise ValueError(f"data_rank {data_rank} must be in [0, {data_ranks})")
         self.source: ShardedDataSource = as_source(data)
@@ -182,8 +194,8 @@ class DataLoader:
             take = min(length - filled, len(ids) - offset)
             segment += 1
             sl = slice(filled, filled + take)
-            out["input_ids"][r, sl] = ids[offset: offset + take]
-            out["loss_mask"][r, sl] = mask[offset: offset + take]
+            out["input_ids"][r, sl] = ids[offset : offset + take]
+            out["loss_mask"][r, sl] = mask[offset : offset + take]
             out["segment_ids"][r, sl] = segment
             out["positions"][r, sl] = np.arange(offset, offset + take)
             filled += take
@@ -194,8 +206,10 @@ class DataLoader:
         ids, mask, _ = cursor.current()
         if len(ids) > length:
             if c.long_records == "raise":
-                raise ValueError(f"a record of {len(ids)} tokens is longer than max_sequence_length {length} "
-                                 f"(record {cursor.where()}); set long_records='truncate' or raise the limit")
+                raise ValueError(
+                    f"a record of {len(ids)} tokens is longer than max_sequence_length {length} "
+                    f"(record {cursor.where()}); set long_records='truncate' or raise the limit"
+                )
             keep = slice(len(ids) - length, None) if c.truncation_mode == "keep_end" else slice(0, length)
             ids, mask = ids[keep], mask[keep]
         n = len(ids)
@@ -209,8 +223,12 @@ def _batch_tokenize(rows: list[dict], tokenizer, config: DataConfig) -> list[np.
     """Plain-text shards are tokenized in one batched call when loaded (in the prefetch thread), so
     training-time data work is slicing. Other record kinds go record by record."""
     column = config.text_column
-    if not rows or not all(set(r) & {column} and not (set(r) & {config.messages_column, config.prompt_column})
-                           and isinstance(r[column], str) for r in rows):
+    if not rows or not all(
+        set(r) & {column}
+        and not (set(r) & {config.messages_column, config.prompt_column})
+        and isinstance(r[column], str)
+        for r in rows
+    ):
         return None
     bos = [tokenizer.bos_token_id] if config.add_bos and tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if config.add_eos and tokenizer.eos_token_id is not None else []
@@ -239,8 +257,11 @@ class _Cursor:
         key = (self.state["epoch"], self.state["shard_pos"])
         if key != self._shard_key:
             name = self._order(self.state["epoch"])[self.state["shard_pos"]]
-            rows = self.loader.source.read_shard(name)[self.loader.rank:: self.loader.row_stride] \
-                if self.loader.row_stride > 1 else self.loader.source.read_shard(name)
+            rows = (
+                self.loader.source.read_shard(name)[self.loader.rank :: self.loader.row_stride]
+                if self.loader.row_stride > 1
+                else self.loader.source.read_shard(name)
+            )
             order = np.arange(len(rows))
             if self.loader.config.shuffle:
                 idx = self.loader.shards.index(name)
@@ -267,8 +288,10 @@ class _Cursor:
                 if epochs is not None and self.state["epoch"] >= epochs:
                     raise StopIteration
             if seen_empty > len(self.loader.shards):
-                raise ValueError(f"the dataset is empty: no records in its {len(self.loader.shards)} shard(s) "
-                                 f"for data rank {self.loader.rank} of {self.loader.ranks}")
+                raise ValueError(
+                    f"the dataset is empty: no records in its {len(self.loader.shards)} shard(s) "
+                    f"for data rank {self.loader.rank} of {self.loader.ranks}"
+                )
         key = (self._shard_key, self.state["row_pos"])
         if key != self._tokens_key:
             index = int(self._perm[self.state["row_pos"]])

@@ -34,8 +34,10 @@ def load_processor(path_or_dir: str | Path | None = None, *, trust_remote_code: 
     tok = cls.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise ValueError(f"tokenizer {path} has neither a pad token nor an eos token to pad with; "
-                             "set one (tokenizer.pad_token = ...)")
+            raise ValueError(
+                f"tokenizer {path} has neither a pad token nor an eos token to pad with; "
+                "set one (tokenizer.pad_token = ...)"
+            )
         log.warning("tokenizer %s has no pad token; padding with its eos token %r", path, tok.eos_token)
         tok.pad_token = tok.eos_token
     return tok

@@ -152,7 +152,7 @@ class IterableSource:
         """The records of shard `name`."""
         rows = list(self.records() if callable(self.records) else self.records)
         i = int(name)
-        return rows[len(rows) * i // self.num_shards: len(rows) * (i + 1) // self.num_shards]
+        return rows[len(rows) * i // self.num_shards : len(rows) * (i + 1) // self.num_shards]
 
 
 def as_source(data: Any, **kwargs: Any) -> ShardedDataSource:

@@ -8,8 +8,10 @@ import numpy as np
 
 
 def column_error(record: dict, config) -> ValueError:
-    return ValueError(f"record has none of the columns {config.text_column!r}, {config.messages_column!r} or "
-                      f"{config.prompt_column!r}+{config.completion_column!r}; columns present: {sorted(record)}")
+    return ValueError(
+        f"record has none of the columns {config.text_column!r}, {config.messages_column!r} or "
+        f"{config.prompt_column!r}+{config.completion_column!r}; columns present: {sorted(record)}"
+    )
 
 
 def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray, np.ndarray]:
@@ -45,13 +47,18 @@ def _chat(messages: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
         text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         full = tokenizer.encode(text, add_special_tokens=False)
         if full[: len(ids)] != ids:  # template not prefix-stable: fall back to whole-turn diff by length
-            full = ids + full[len(ids):]
-        new = full[len(ids):]
+            full = ids + full[len(ids) :]
+        new = full[len(ids) :]
         header = 0
         if m["role"] == "assistant":  # the role header is prompt: what add_generation_prompt would add
-            prompt = tokenizer.encode(tokenizer.apply_chat_template(messages[:i], tokenize=False,
-                                                                    add_generation_prompt=True),
-                                      add_special_tokens=False) if i else []
+            prompt = (
+                tokenizer.encode(
+                    tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False,
+                )
+                if i
+                else []
+            )
             if prompt[: len(ids)] == ids:
                 header = min(len(prompt) - len(ids), len(new))
         ids += new

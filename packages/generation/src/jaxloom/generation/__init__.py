@@ -8,6 +8,16 @@ from .streaming import stream
 from .unified import GenerationResults, generate_aio, generate_unified
 
 __all__ = [
-    "GenerationConfig", "GenerationResults", "Generated", "__version__", "create_generate_function",
-    "filter_logits", "generate", "generate_aio", "generate_unified", "naive_greedy", "next_token", "stream",
+    "GenerationConfig",
+    "GenerationResults",
+    "Generated",
+    "__version__",
+    "create_generate_function",
+    "filter_logits",
+    "generate",
+    "generate_aio",
+    "generate_unified",
+    "naive_greedy",
+    "next_token",
+    "stream",
 ]

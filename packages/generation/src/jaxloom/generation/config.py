@@ -21,8 +21,8 @@ class GenerationConfig:
     """
 
     max_new_tokens: int = 32
-    do_sample: bool = False          # False: greedy
-    temperature: float = 1.0         # 0 also means greedy
+    do_sample: bool = False  # False: greedy
+    temperature: float = 1.0  # 0 also means greedy
     top_k: int | None = None
     top_p: float | None = None
     eos_token_id: int | tuple[int, ...] | None = None

@@ -21,8 +21,8 @@ class Generated:
     """What `generate` returns: `sequences [B, P + N]` (the left-padded prompt, then the completion),
     `completion_ids [B, N]` right-padded after EOS, and `completion_mask` (1 for generated tokens)."""
 
-    sequences: jax.Array        # [B, P + N]: the (left-padded) prompt then the completion
-    completion_ids: jax.Array   # [B, N], right-padded with pad_token_id after EOS
+    sequences: jax.Array  # [B, P + N]: the (left-padded) prompt then the completion
+    completion_ids: jax.Array  # [B, N], right-padded with pad_token_id after EOS
     completion_mask: jax.Array  # [B, N], 1 for generated tokens (EOS included)
 
 
@@ -39,8 +39,15 @@ def prefill(model, input_ids, attention_mask, total: int, rng, config: Generatio
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
     kv_seg = jnp.zeros((b, total), jnp.int32).at[:, :p].set(mask)
     kv_pos = jnp.zeros((b, total), jnp.int32).at[:, :p].set(positions)
-    out = model(input_ids, positions=positions, segment_ids=mask, cache=model.init_cache(b, total), cache_index=0,
-                kv_positions=kv_pos, kv_segment_ids=kv_seg)
+    out = model(
+        input_ids,
+        positions=positions,
+        segment_ids=mask,
+        cache=model.init_cache(b, total),
+        cache_index=0,
+        kv_positions=kv_pos,
+        kv_segment_ids=kv_seg,
+    )
     return next_token(out.logits[:, -1], rng, config), (out.cache, positions[:, -1], kv_seg, kv_pos)
 
 
@@ -51,8 +58,15 @@ def decode_one(model, token, decoding, at, rng, config: GenerationConfig):
     pos = pos + 1
     kv_seg = jax.lax.dynamic_update_slice(kv_seg, jnp.ones((b, 1), jnp.int32), (0, at))
     kv_pos = jax.lax.dynamic_update_slice(kv_pos, pos[:, None], (0, at))
-    out = model(token[:, None], positions=pos[:, None], segment_ids=jnp.ones((b, 1), jnp.int32), cache=cache,
-                cache_index=at, kv_positions=kv_pos, kv_segment_ids=kv_seg)
+    out = model(
+        token[:, None],
+        positions=pos[:, None],
+        segment_ids=jnp.ones((b, 1), jnp.int32),
+        cache=cache,
+        cache_index=at,
+        kv_positions=kv_pos,
+        kv_segment_ids=kv_seg,
+    )
     return next_token(out.logits[:, -1], rng, config), (out.cache, pos, kv_seg, kv_pos)
 
 
@@ -90,8 +104,9 @@ def _compiled(graphdef, config: GenerationConfig):
     return jax.jit(functools.partial(_decode, graphdef, config=config))
 
 
-def generate(model: nnx.Module, input_ids, attention_mask=None, config: GenerationConfig | None = None, *,
-             mesh=None) -> Generated:
+def generate(
+    model: nnx.Module, input_ids, attention_mask=None, config: GenerationConfig | None = None, *, mesh=None
+) -> Generated:
     """Decode `config.max_new_tokens` tokens after left-padded prompts `input_ids [B, P]` (with
     `attention_mask`, 0 on padding; default all ones). With `mesh`, the batch is sharded over its data
     axes. One jitted function per (model structure, config, prompt bucket); prompts are padded to the
@@ -104,8 +119,10 @@ def generate(model: nnx.Module, input_ids, attention_mask=None, config: Generati
     limit = model.config.max_position_embeddings
     longest = int(mask.sum(-1).max())
     if longest + config.max_new_tokens > limit:
-        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {config.max_new_tokens} exceeds the model's "
-                         f"context of {limit} (max_position_embeddings)")
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens {config.max_new_tokens} exceeds the model's "
+            f"context of {limit} (max_position_embeddings)"
+        )
     p = bucket(ids.shape[1])
     pad = p - ids.shape[1]
     ids = np.pad(ids, ((0, 0), (pad, 0)), constant_values=config.pad_token_id)
@@ -136,8 +153,13 @@ def naive_greedy(model: nnx.Module, input_ids, attention_mask, max_new_tokens: i
     return np.stack(new, axis=1)
 
 
-def create_generate_function(generation_config: GenerationConfig | None = None, *, shard_inputs: bool = True,
-                             config_overrides: dict[str, Any] | None = None, mesh=None):
+def create_generate_function(
+    generation_config: GenerationConfig | None = None,
+    *,
+    shard_inputs: bool = True,
+    config_overrides: dict[str, Any] | None = None,
+    mesh=None,
+):
     """EasyDeL's `create_generate_function`: `fn(state_or_model, input_ids, attention_mask)` →
     `(sequences, completion_ids, completion_mask)`, decoding with `generation_config` (updated by
     `config_overrides`). With `shard_inputs`, inputs are placed on `mesh`'s batch axes."""

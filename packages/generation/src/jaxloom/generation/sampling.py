@@ -20,7 +20,7 @@ def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> 
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
-        keep_sorted = before < top_p                 # always keeps the most likely token
+        keep_sorted = before < top_p  # always keeps the most likely token
         keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
         logits = jnp.where(keep, logits, neg)
     return logits

@@ -18,8 +18,9 @@ from .decode import bucket, decode_one, prefill
 def _steps(graphdef, config: GenerationConfig, p: int):
     total = p + config.max_new_tokens
     first = jax.jit(lambda state, ids, mask, rng: prefill(nnx.merge(graphdef, state), ids, mask, total, rng, config))
-    step = jax.jit(lambda state, token, decoding, at, rng: decode_one(nnx.merge(graphdef, state), token, decoding, at,
-                                                                      rng, config))
+    step = jax.jit(
+        lambda state, token, decoding, at, rng: decode_one(nnx.merge(graphdef, state), token, decoding, at, rng, config)
+    )
     return first, step
 
 

@@ -16,19 +16,28 @@ class GenerationResults(NamedTuple):
     `completion_ids`/`completion_mask`, and the decoded prompts without (`decoded_prompts`) and with
     (`completion_prompts`) their completions."""
 
-    generation_results: list[str]      # decoded completions
-    prompt_ids: np.ndarray             # [B, P] left-padded
-    prompt_mask: np.ndarray            # [B, P]
-    sequences: np.ndarray              # [B, P + N]
-    completion_ids: np.ndarray         # [B, N] right-padded
-    completion_mask: np.ndarray        # [B, N]
+    generation_results: list[str]  # decoded completions
+    prompt_ids: np.ndarray  # [B, P] left-padded
+    prompt_mask: np.ndarray  # [B, P]
+    sequences: np.ndarray  # [B, P + N]
+    completion_ids: np.ndarray  # [B, N] right-padded
+    completion_mask: np.ndarray  # [B, N]
     decoded_prompts: list[str]
-    completion_prompts: list[str]      # prompt + completion, decoded
+    completion_prompts: list[str]  # prompt + completion, decoded
 
 
-def generate_unified(model, tokenizer=None, input_ids=None, attention_mask=None, prompts=None, *,
-                     apply_chat_template: bool = False, generation_config: GenerationConfig | None = None,
-                     mesh=None, **overrides: Any) -> GenerationResults:
+def generate_unified(
+    model,
+    tokenizer=None,
+    input_ids=None,
+    attention_mask=None,
+    prompts=None,
+    *,
+    apply_chat_template: bool = False,
+    generation_config: GenerationConfig | None = None,
+    mesh=None,
+    **overrides: Any,
+) -> GenerationResults:
     """Generate with `model` from `input_ids` (+ `attention_mask`) or from `prompts` (text, or chat
     message lists with `apply_chat_template=True`, through the tokenizer's template), decoding with
     `generation_config` updated by `overrides`, on `mesh` if given."""
@@ -58,8 +67,8 @@ def generate_unified(model, tokenizer=None, input_ids=None, attention_mask=None,
         input_ids = np.full((len(encoded), width), config.pad_token_id, np.int32)
         attention_mask = np.zeros_like(input_ids)
         for i, e in enumerate(encoded):
-            input_ids[i, width - len(e):] = e
-            attention_mask[i, width - len(e):] = 1
+            input_ids[i, width - len(e) :] = e
+            attention_mask[i, width - len(e) :] = 1
     input_ids = np.asarray(input_ids, np.int32)
     if input_ids.ndim != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be a non-empty [batch, length] array, got shape {input_ids.shape}")
@@ -69,12 +78,27 @@ def generate_unified(model, tokenizer=None, input_ids=None, attention_mask=None,
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else (lambda ids: "")
     completions = [decode(c[m > 0]) for c, m in zip(comp, cmask, strict=True)]
     decoded_prompts = [decode(p[m > 0]) for p, m in zip(input_ids, attention_mask, strict=True)]
-    return GenerationResults(completions, input_ids, attention_mask, np.asarray(out.sequences), comp, cmask,
-                             decoded_prompts, [a + b for a, b in zip(decoded_prompts, completions, strict=True)])
+    return GenerationResults(
+        completions,
+        input_ids,
+        attention_mask,
+        np.asarray(out.sequences),
+        comp,
+        cmask,
+        decoded_prompts,
+        [a + b for a, b in zip(decoded_prompts, completions, strict=True)],
+    )
 
 
-def generate_aio(model, input_ids, attention_mask=None, *, generation_config: GenerationConfig | None = None,
-                 mesh=None, **overrides: Any):
+def generate_aio(
+    model,
+    input_ids,
+    attention_mask=None,
+    *,
+    generation_config: GenerationConfig | None = None,
+    mesh=None,
+    **overrides: Any,
+):
     """EasyDeL's `generate_aio`: `model` decodes after `input_ids` (+ `attention_mask`) with
     `generation_config` updated by `overrides`, on `mesh` if given; returns `(sequences, completion_ids,
     completion_mask)`."""

@@ -19,8 +19,22 @@ Kind = Literal["param", "activation", "decode"]
 
 # Logical dimension names used by jaxloom models.
 LOGICAL_NAMES: tuple[str, ...] = (
-    "batch", "length", "query_length", "key_length", "embed", "heads", "kv_heads", "head_dim",
-    "kv_head_dim", "mlp", "vocab", "expert", "expert_gate", "bias_heads", "bias_key_length", "norm",
+    "batch",
+    "length",
+    "query_length",
+    "key_length",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "kv_head_dim",
+    "mlp",
+    "vocab",
+    "expert",
+    "expert_gate",
+    "bias_heads",
+    "bias_key_length",
+    "norm",
 )
 """The logical dimension names models use; `PartitionAxis.rules` maps each to mesh axes."""
 
@@ -85,8 +99,11 @@ class PartitionAxis:
     # ---- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: tuples become lists; `from_dict(to_dict())` is the same object."""
-        return {f.name: (list(v) if isinstance(v, tuple) else v)
-                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        return {
+            f.name: (list(v) if isinstance(v, tuple) else v)
+            for f in dataclasses.fields(self)
+            for v in [getattr(self, f.name)]
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PartitionAxis:
@@ -113,11 +130,22 @@ class PartitionAxis:
         if kind == "param":
             # Parameters: the model dimension over fsdp (ZeRO-3 style), the parallel dims over tp/ep.
             return {
-                "embed": self.fully_sharded_data_parallel_axis, "heads": self.head_axis,
-                "kv_heads": self.kv_head_axis, "head_dim": None, "kv_head_dim": None,
-                "mlp": self.mlp_intermediate_axis, "vocab": self.vocab_axis, "expert": self.expert_axis,
-                "expert_gate": self.expert_gate_axis, "norm": None, "batch": None, "length": None,
-                "query_length": None, "key_length": None, "bias_heads": None, "bias_key_length": None,
+                "embed": self.fully_sharded_data_parallel_axis,
+                "heads": self.head_axis,
+                "kv_heads": self.kv_head_axis,
+                "head_dim": None,
+                "kv_head_dim": None,
+                "mlp": self.mlp_intermediate_axis,
+                "vocab": self.vocab_axis,
+                "expert": self.expert_axis,
+                "expert_gate": self.expert_gate_axis,
+                "norm": None,
+                "batch": None,
+                "length": None,
+                "query_length": None,
+                "key_length": None,
+                "bias_heads": None,
+                "bias_key_length": None,
             }
         decode = kind == "decode"
         if kind not in ("activation", "decode"):
@@ -132,9 +160,13 @@ class PartitionAxis:
             "kv_heads": self.decode_kv_head_axis if decode else self.kv_head_axis,
             "head_dim": self.decode_attention_dim_axis if decode else self.attention_dim_axis,
             "kv_head_dim": self.decode_attention_kv_dim_axis if decode else self.attention_kv_dim_axis,
-            "mlp": self.mlp_intermediate_axis, "vocab": self.vocab_axis, "expert": self.expert_axis,
-            "expert_gate": self.expert_gate_axis, "norm": None,
-            "bias_heads": self.bias_head_sequence_axis, "bias_key_length": self.bias_key_sequence_axis,
+            "mlp": self.mlp_intermediate_axis,
+            "vocab": self.vocab_axis,
+            "expert": self.expert_axis,
+            "expert_gate": self.expert_gate_axis,
+            "norm": None,
+            "bias_heads": self.bias_head_sequence_axis,
+            "bias_key_length": self.bias_key_sequence_axis,
         }
 
     def spec(self, names: Sequence[str | None], kind: Kind = "activation", mesh=None) -> PartitionSpec:

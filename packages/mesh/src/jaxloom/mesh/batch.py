@@ -31,21 +31,30 @@ def local_batch_slice(mesh, global_batch_size: int, data_axes: Sequence[str] = D
     """
     dp = data_parallel_size(mesh, data_axes)
     if global_batch_size % dp:
-        raise ValueError(f"global batch size {global_batch_size} is not divisible by the data-parallel size "
-                         f"{dp} (mesh axes {tuple(a for a in data_axes if a in mesh.shape)} of {dict(mesh.shape)})")
+        raise ValueError(
+            f"global batch size {global_batch_size} is not divisible by the data-parallel size "
+            f"{dp} (mesh axes {tuple(a for a in data_axes if a in mesh.shape)} of {dict(mesh.shape)})"
+        )
     sharding = NamedSharding(mesh, batch_spec(mesh, data_axes))
-    rows = sorted({(idx[0].start or 0, idx[0].stop if idx[0].stop is not None else global_batch_size)
-                   for idx in sharding.addressable_devices_indices_map((global_batch_size,)).values()})
+    rows = sorted(
+        {
+            (idx[0].start or 0, idx[0].stop if idx[0].stop is not None else global_batch_size)
+            for idx in sharding.addressable_devices_indices_map((global_batch_size,)).values()
+        }
+    )
     start, stop = rows[0][0], rows[-1][1]
     covered = sum(b - a for a, b in rows)
     if covered != stop - start:
-        raise ValueError(f"this process's batch rows {rows} are not contiguous; order the mesh so each "
-                         "process's devices are adjacent along the data axes")
+        raise ValueError(
+            f"this process's batch rows {rows} are not contiguous; order the mesh so each "
+            "process's devices are adjacent along the data axes"
+        )
     return slice(start, stop)
 
 
-def get_local_global_micro_batch_size(per_device_batch_size: int, mesh,
-                                      data_axes: Sequence[str] = DATA_AXES) -> tuple[int, int]:
+def get_local_global_micro_batch_size(
+    per_device_batch_size: int, mesh, data_axes: Sequence[str] = DATA_AXES
+) -> tuple[int, int]:
     """`(local, global)` micro-batch sizes: `global = per_device_batch_size × data-parallel size` (the
     `data_axes` of `mesh`); `local` is the part this process loads (fewer than `per_device × local
     devices` when model axes span devices)."""
@@ -56,13 +65,16 @@ def get_local_global_micro_batch_size(per_device_batch_size: int, mesh,
     return s.stop - s.start, global_size
 
 
-def get_accumulate_grad_batches(global_batch_size: int, per_device_batch_size: int, mesh,
-                                data_axes: Sequence[str] = DATA_AXES) -> int:
+def get_accumulate_grad_batches(
+    global_batch_size: int, per_device_batch_size: int, mesh, data_axes: Sequence[str] = DATA_AXES
+) -> int:
     """How many micro-batches of `per_device_batch_size` per data-parallel slice of `mesh` (over
     `data_axes`) make one optimizer step of `global_batch_size` examples."""
     _, micro = get_local_global_micro_batch_size(per_device_batch_size, mesh, data_axes)
     if global_batch_size <= 0 or global_batch_size % micro:
-        raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of the global "
-                         f"micro-batch {micro} (= per_device_batch_size {per_device_batch_size} × "
-                         f"data-parallel size {micro // per_device_batch_size})")
+        raise ValueError(
+            f"global_batch_size {global_batch_size} must be a positive multiple of the global "
+            f"micro-batch {micro} (= per_device_batch_size {per_device_batch_size} × "
+            f"data-parallel size {micro // per_device_batch_size})"
+        )
     return global_batch_size // micro

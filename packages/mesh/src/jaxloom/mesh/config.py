@@ -31,12 +31,16 @@ def resolve_dims(dims: Sequence[int], total: int, *, what: str = "axis_dims") ->
     known = math.prod(d for d in dims if d != -1)
     if holes == 0:
         if known != total:
-            raise ValueError(f"{what} {dims}: product is {known}, but there are {total} devices to place; "
-                             f"expected a product of exactly {total} (or one -1)")
+            raise ValueError(
+                f"{what} {dims}: product is {known}, but there are {total} devices to place; "
+                f"expected a product of exactly {total} (or one -1)"
+            )
         return dims
     if total % known:
-        raise ValueError(f"{what} {dims}: the fixed dims multiply to {known}, which does not divide the "
-                         f"{total} devices, so -1 has no integer value")
+        raise ValueError(
+            f"{what} {dims}: the fixed dims multiply to {known}, which does not divide the "
+            f"{total} devices, so -1 has no integer value"
+        )
     return tuple(total // known if d == -1 else d for d in dims)
 
 
@@ -66,8 +70,10 @@ class MeshConfig:
         for field in ("axis_dims", "dcn_axis_dims"):
             dims = getattr(self, field)
             if dims is not None and len(dims) != len(self.axis_names):
-                raise ValueError(f"MeshConfig.{field} {dims} has {len(dims)} entries, expected one per "
-                                 f"axis name {self.axis_names} ({len(self.axis_names)})")
+                raise ValueError(
+                    f"MeshConfig.{field} {dims} has {len(dims)} entries, expected one per "
+                    f"axis name {self.axis_names} ({len(self.axis_names)})"
+                )
             if dims is not None:
                 _check_dims(dims, f"MeshConfig.{field}")
 
@@ -91,8 +97,11 @@ class MeshConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON data (`from_dict` reads it back)."""
-        return {"axis_dims": list(self.axis_dims), "axis_names": list(self.axis_names),
-                "dcn_axis_dims": None if self.dcn_axis_dims is None else list(self.dcn_axis_dims)}
+        return {
+            "axis_dims": list(self.axis_dims),
+            "axis_names": list(self.axis_names),
+            "dcn_axis_dims": None if self.dcn_axis_dims is None else list(self.dcn_axis_dims),
+        }
 
     def resolve(self, num_devices: int, num_granules: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The concrete `(ici_dims, dcn_dims)` for `num_devices` devices split over `num_granules`
@@ -122,8 +131,10 @@ class MeshConfig:
         granules = _granules(devices) if self.dcn_axis_dims is not None else 1
         ici, dcn = self.resolve(len(devices), granules)
         if granules > 1:
-            by_slice = all(getattr(d, "slice_index", None) is not None for d in devices) and \
-                len({d.slice_index for d in devices}) == granules
+            by_slice = (
+                all(getattr(d, "slice_index", None) is not None for d in devices)
+                and len({d.slice_index for d in devices}) == granules
+            )
             arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=not by_slice)
         elif devices[0].platform == "tpu":
             arr = mesh_utils.create_device_mesh(ici, devices)

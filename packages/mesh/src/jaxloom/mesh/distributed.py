@@ -8,10 +8,17 @@ from collections.abc import Sequence
 log = logging.getLogger(__name__)
 
 
-def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None, local_device_ids: int | Sequence[int] | None = None, *,
-                     cpu_collectives: str | None = "gloo", initialization_timeout: int = 300,
-                     heartbeat_timeout_seconds: int = 100, coordinator_bind_address: str | None = None) -> bool:
+def init_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: int | Sequence[int] | None = None,
+    *,
+    cpu_collectives: str | None = "gloo",
+    initialization_timeout: int = 300,
+    heartbeat_timeout_seconds: int = 100,
+    coordinator_bind_address: str | None = None,
+) -> bool:
     """Join this process to a JAX process group. A no-op (returns False) for one process.
 
     On CPU, cross-process computations need CPU collectives: `cpu_collectives="gloo"` (the default)
@@ -42,11 +49,15 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
     if cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     log.info("joining process group at %s as process %d of %d", coordinator_address, process_id, num_processes)
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id, local_device_ids=local_device_ids,
-                               initialization_timeout=initialization_timeout,
-                               heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-                               coordinator_bind_address=coordinator_bind_address)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+        initialization_timeout=initialization_timeout,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+        coordinator_bind_address=coordinator_bind_address,
+    )
     return True
 
 
@@ -63,5 +74,7 @@ def simulate_cpu_devices(n: int) -> None:
     except RuntimeError:  # JAX refuses once its backends exist
         late = True
     if late:
-        raise RuntimeError(f"simulate_cpu_devices({n}) came too late: JAX already started with "
-                           f"{jax.device_count('cpu')} CPU devices. Call it before any device query.")
+        raise RuntimeError(
+            f"simulate_cpu_devices({n}) came too late: JAX already started with "
+            f"{jax.device_count('cpu')} CPU devices. Call it before any device query."
+        )

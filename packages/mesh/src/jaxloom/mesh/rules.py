@@ -50,8 +50,10 @@ def match_partition_rules(rules: Rules, tree: Any, *, mesh=None) -> Any:
         for regex, spec in compiled:
             if regex.search(name):
                 return spec
-        raise ValueError(f"no partition rule matches parameter {name!r} (shape {tuple(leaf.shape)}); "
-                         f"rules tried: {[r for r, _ in rules]}. Add a catch-all ('.*', PartitionSpec()).")
+        raise ValueError(
+            f"no partition rule matches parameter {name!r} (shape {tuple(leaf.shape)}); "
+            f"rules tried: {[r for r, _ in rules]}. Add a catch-all ('.*', PartitionSpec())."
+        )
 
     specs = jax.tree_util.tree_map_with_path(pick, tree)
     if mesh is not None:
@@ -79,8 +81,10 @@ def validate_specs(specs: Any, tree: Any, mesh) -> None:
         for dim, axes in enumerate(spec):
             size = _axis_size(mesh.shape, axes, where)
             if shape[dim] % size:
-                raise ValueError(f"{where}: dim {dim} of size {shape[dim]} is not divisible by {size}, "
-                                 f"the size of mesh axes {axes!r}")
+                raise ValueError(
+                    f"{where}: dim {dim} of size {shape[dim]} is not divisible by {size}, "
+                    f"the size of mesh axes {axes!r}"
+                )
 
 
 def auto_partition_rules(tree: Any, mesh, axes: Iterable[str | tuple[str, ...]] = ("tp",)) -> list:

@@ -44,9 +44,14 @@ class AttentionUnavailableError(ValueError):
     """An explicitly requested attention backend cannot run here (platform, window, or cache use)."""
 
 
-def make_attention_mask(segment_ids: jax.Array, q_positions: jax.Array, k_positions: jax.Array,
-                        sliding_window: int | None = None, kv_segment_ids: jax.Array | None = None,
-                        causal: bool = True) -> jax.Array:
+def make_attention_mask(
+    segment_ids: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    sliding_window: int | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    causal: bool = True,
+) -> jax.Array:
     """Boolean `[B, T, S]`: query t may see key s iff same segment (segment 0 = padding, sees nothing),
     s is not after t (with `causal`), and (with a window) t - s < window. Positions order tokens inside
     a segment. Only the `xla` backend materialises this; the others compute it per block.
@@ -72,8 +77,9 @@ def _block_mask(q_seg, q_pos, k_seg, k_pos, causal, window):
     return mask
 
 
-def choose_implementation(requested: str, *, q_len: int, kv_len: int, cached: bool, window: int | None,
-                          platform: str | None = None) -> str:
+def choose_implementation(
+    requested: str, *, q_len: int, kv_len: int, cached: bool, window: int | None, platform: str | None = None
+) -> str:
     """The backend `attend` runs for `requested` (`auto` or one of `IMPLEMENTATIONS`) on `platform`
     (default: JAX's default backend) for `q_len` queries against `kv_len` keys, with a sliding `window`
     (None: none). `cached` calls (decoding with a KV cache) have queries and keys of different lengths,
@@ -92,22 +98,40 @@ def choose_implementation(requested: str, *, q_len: int, kv_len: int, cached: bo
     if cached:  # KV-cache decoding: T != S, which the fused kernels here do not take
         return "xla" if small else "chunked"
     if requested == "cudnn" and platform not in ("gpu", "cuda"):
-        raise AttentionUnavailableError(f"attn_mechanism='cudnn' needs an NVIDIA GPU; JAX's backend is {platform!r}. "
-                                        "Use 'auto', 'chunked' or 'xla'.")
+        raise AttentionUnavailableError(
+            f"attn_mechanism='cudnn' needs an NVIDIA GPU; JAX's backend is {platform!r}. "
+            "Use 'auto', 'chunked' or 'xla'."
+        )
     if requested == "flash":
         if platform not in ("gpu", "cuda", "rocm", "tpu"):
-            raise AttentionUnavailableError(f"attn_mechanism='flash' needs a GPU or TPU; JAX's backend is "
-                                            f"{platform!r}. Use 'auto' or 'chunked' (blockwise, linear memory).")
+            raise AttentionUnavailableError(
+                f"attn_mechanism='flash' needs a GPU or TPU; JAX's backend is "
+                f"{platform!r}. Use 'auto' or 'chunked' (blockwise, linear memory)."
+            )
         if window is not None and platform != "tpu":
-            raise AttentionUnavailableError(f"attn_mechanism='flash' on GPU has no sliding window (this model's is "
-                                            f"{window}); use 'chunked' or 'cudnn'.")
+            raise AttentionUnavailableError(
+                f"attn_mechanism='flash' on GPU has no sliding window (this model's is "
+                f"{window}); use 'chunked' or 'cudnn'."
+            )
     return requested
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids: jax.Array, q_positions: jax.Array,
-           kv_segment_ids: jax.Array | None = None, kv_positions: jax.Array | None = None, causal: bool = True,
-           window: int | None = None, implementation: str = "auto", cached: bool = False, block_size: int = 512,
-           scale: float | None = None) -> jax.Array:
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_segment_ids: jax.Array,
+    q_positions: jax.Array,
+    kv_segment_ids: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    causal: bool = True,
+    window: int | None = None,
+    implementation: str = "auto",
+    cached: bool = False,
+    block_size: int = 512,
+    scale: float | None = None,
+) -> jax.Array:
     """Attention of `q [B, T, N, H]` over `k, v [B, S, K, H]` (grouped-query: N = K·G), in `q`'s dtype.
 
     Arguments, grouped:
@@ -127,14 +151,26 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids: jax.Array
         mask = _block_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, causal, window)
         return _xla_attention(q, k, v, mask, scale)
     if impl == "chunked":
-        return _chunked(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions, causal, window,
-                        min(block_size, k.shape[1]), scale)
+        return _chunked(
+            q,
+            k,
+            v,
+            q_segment_ids,
+            q_positions,
+            kv_segment_ids,
+            kv_positions,
+            causal,
+            window,
+            min(block_size, k.shape[1]),
+            scale,
+        )
     if impl == "cudnn":
         return _cudnn(q, k, v, q_segment_ids, causal, window, scale)
     return _flash(q, k, v, q_segment_ids, causal, window, scale)
 
 
 # ---- xla: the reference ------------------------------------------------------------------------------
+
 
 def _xla_attention(q, k, v, mask, scale):
     """`q [B,T,N,H]`, `k, v [B,S,K,H]`, `mask [B,T,S]`; logits and softmax in float32."""
@@ -148,6 +184,7 @@ def _xla_attention(q, k, v, mask, scale):
 
 
 # ---- chunked: blockwise online softmax, linear memory ----------------------------------------------------
+
 
 def _key_blocks(k, v, k_seg, k_pos, block):
     """Pad the key axis to a multiple of `block` (padding keys get segment 0: never seen) and put the
@@ -185,8 +222,11 @@ def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block,
         acc = acc * jnp.moveaxis(corr, -1, 1)[..., None] + pv
         return (m_new, norm, acc), None
 
-    init = (jnp.full((b, kh, g, t), _NEG, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
-            jnp.zeros((b, t, kh, g, h), jnp.float32))
+    init = (
+        jnp.full((b, kh, g, t), _NEG, jnp.float32),
+        jnp.zeros((b, kh, g, t), jnp.float32),
+        jnp.zeros((b, t, kh, g, h), jnp.float32),
+    )
     (m, norm, acc), _ = jax.lax.scan(body, init, _key_blocks(k, v, k_seg, k_pos, block))
     safe = jnp.where(norm > 0, norm, 1.0)  # a query that sees nothing (padding) gets 0, not NaN
     out = (acc / jnp.moveaxis(safe, -1, 1)[..., None]).reshape(b, t, n, h).astype(q.dtype)
@@ -227,8 +267,7 @@ def _chunked_bwd(causal, window, block, scale, res, d_out):
         dk = jnp.einsum("bkgts,btkgh->bskh", ds.astype(qg.dtype), qg, preferred_element_type=jnp.float32)
         return dq, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros((b, t, kh, g, h), jnp.float32),
-                                _key_blocks(k, v, k_seg, k_pos, block))
+    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros((b, t, kh, g, h), jnp.float32), _key_blocks(k, v, k_seg, k_pos, block))
 
     def unblock(x, like):
         return jnp.moveaxis(x, 0, 1).reshape(b, -1, kh, h)[:, :s_len].astype(like.dtype)
@@ -241,14 +280,22 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 # ---- fused kernels (GPU / TPU) ------------------------------------------------------------------------
 
+
 def _cudnn(q, k, v, seg, causal, window, scale):
     """cuDNN's fused attention. It knows causality, per-row lengths and a window, not documents: rows
     must hold one right-padded document each (the trainer refuses `packing` with this backend)."""
     lengths = jnp.sum(seg != 0, axis=-1).astype(jnp.int32)
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, query_seq_lengths=lengths,
-                                       key_value_seq_lengths=lengths,
-                                       local_window_size=None if window is None else (window - 1, 0),
-                                       implementation="cudnn")
+    out = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        is_causal=causal,
+        query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation="cudnn",
+    )
     return out.astype(q.dtype)
 
 
@@ -263,16 +310,19 @@ def _flash(q, k, v, seg, causal, window, scale, *, interpret: bool = False, bloc
         from jax.experimental.pallas.ops.tpu import flash_attention as tpu
 
         ids = tpu.SegmentIds(q=seg, kv=seg)
-        out = tpu.flash_attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), segment_ids=ids, causal=causal,
-                                  sm_scale=scale)
+        out = tpu.flash_attention(
+            *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), segment_ids=ids, causal=causal, sm_scale=scale
+        )
         return jnp.swapaxes(out, 1, 2).astype(q.dtype)
     from jax.experimental.pallas.ops.gpu import attention as gpu
 
     t = q.shape[1]
     bq = min(block, t)
     if t % bq:
-        raise AttentionUnavailableError(f"attn_mechanism='flash': sequence length {t} is not a multiple of the "
-                                        f"kernel's block of {bq}; pad max_sequence_length to a multiple of {bq}")
+        raise AttentionUnavailableError(
+            f"attn_mechanism='flash': sequence length {t} is not a multiple of the "
+            f"kernel's block of {bq}; pad max_sequence_length to a multiple of {bq}"
+        )
     sizes = gpu.BlockSizes(block_q=bq, block_k=bq, block_q_dkv=bq, block_kv_dkv=bq, block_q_dq=bq, block_kv_dq=bq)
     out = gpu.mha(q, k, v, seg, sm_scale=scale, causal=causal, block_sizes=sizes, interpret=interpret)
     return out.astype(q.dtype)
@@ -289,8 +339,7 @@ class Attention(nnx.Module):
         self.n, self.kv, self.h = n, kv, h
         self.config, self.runtime = config, runtime
 
-    def __call__(self, x, positions, segment_ids, cache=None, cache_index=None, kv_positions=None,
-                 kv_segment_ids=None):
+    def __call__(self, x, positions, segment_ids, cache=None, cache_index=None, kv_positions=None, kv_segment_ids=None):
         """Self-attention of `x [B, T, D]`. With `cache=(k, v)` (`[B, S, KV, H]` each), this call's keys and
         values are written at `cache_index` and attention runs over the whole cache, whose slots are
         described by `kv_positions` / `kv_segment_ids` `[B, S]`; returns `(out, new_cache)`."""
@@ -299,20 +348,32 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(b, t, self.n, self.h)
         k = self.k_proj(x).reshape(b, t, self.kv, self.h)
         v = self.v_proj(x).reshape(b, t, self.kv, self.h)
-        inv_freq, scale = rope_frequencies(self.h, self.config.rope_theta, self.config.rope_scaling,
-                                           self.config.max_position_embeddings, seq_len=t)
+        inv_freq, scale = rope_frequencies(
+            self.h, self.config.rope_theta, self.config.rope_scaling, self.config.max_position_embeddings, seq_len=t
+        )
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         if cache is not None:
             at = (0, cache_index, 0, 0)
-            cache = (jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), at),
-                     jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), at))
+            cache = (
+                jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), at),
+                jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), at),
+            )
             k, v = cache[0].astype(q.dtype), cache[1].astype(q.dtype)
         q = constrain(q, ("batch", "query_length", "heads", "head_dim"), rt)
         k = constrain(k, ("batch", "key_length", "kv_heads", "kv_head_dim"), rt)
         v = constrain(v, ("batch", "key_length", "kv_heads", "kv_head_dim"), rt)
-        out = attend(q, k, v, q_segment_ids=segment_ids, q_positions=positions,
-                     kv_segment_ids=kv_segment_ids if cache is not None else None,
-                     kv_positions=kv_positions if cache is not None else None, causal=True,
-                     window=self.config.sliding_window, implementation=rt.attn_mechanism, cached=cache is not None,
-                     block_size=rt.attn_block_size)
+        out = attend(
+            q,
+            k,
+            v,
+            q_segment_ids=segment_ids,
+            q_positions=positions,
+            kv_segment_ids=kv_segment_ids if cache is not None else None,
+            kv_positions=kv_positions if cache is not None else None,
+            causal=True,
+            window=self.config.sliding_window,
+            implementation=rt.attn_mechanism,
+            cached=cache is not None,
+            block_size=rt.attn_block_size,
+        )
         return self.o_proj(out.reshape(b, t, self.n * self.h)), cache

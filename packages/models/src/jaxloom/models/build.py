@@ -52,8 +52,16 @@ def param_shardings(model: nnx.Module, mesh, runtime: RuntimeConfig | None = Non
     return nnx.to_pure_dict(_variable_shardings(nnx.state(model, nnx.Param), runtime, mesh))
 
 
-def create_model(config: LlamaConfig, runtime: RuntimeConfig | None = None, *, seed: int = 0, mesh=None,
-                 lazy: bool = False, model_class: type | None = None, task: TaskType = TaskType.CAUSAL_LM):
+def create_model(
+    config: LlamaConfig,
+    runtime: RuntimeConfig | None = None,
+    *,
+    seed: int = 0,
+    mesh=None,
+    lazy: bool = False,
+    model_class: type | None = None,
+    task: TaskType = TaskType.CAUSAL_LM,
+):
     """A model for `config`. `lazy=True`: abstract (ShapeDtypeStructs, no memory). With `mesh`: every
     parameter is created directly on its shard (never whole on one device). Same values for the same
     seed whatever the mesh. `runtime`: dtypes, attention and remat (default `RuntimeConfig()`);

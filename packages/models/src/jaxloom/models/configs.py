@@ -10,12 +10,39 @@ from typing import Any, ClassVar
 
 # HF config.json keys that carry no architecture and are accepted and dropped on load.
 _IGNORED_HF_KEYS = {
-    "architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache",
-    "bos_token_id", "eos_token_id", "pad_token_id", "attention_dropout", "pretraining_tp", "output_router_logits",
-    "router_jitter_noise", "return_dict", "output_hidden_states", "output_attentions", "torchscript",
-    "id2label", "label2id", "problem_type", "tokenizer_class", "is_encoder_decoder", "chunk_size_feed_forward",
-    "tie_encoder_decoder", "task_specific_params", "prefix", "sep_token_id", "decoder_start_token_id",
-    "layer_types", "max_window_layers", "use_sliding_window", "model_type", "rope_parameters",
+    "architectures",
+    "transformers_version",
+    "_name_or_path",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "attention_dropout",
+    "pretraining_tp",
+    "output_router_logits",
+    "router_jitter_noise",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "torchscript",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "tokenizer_class",
+    "is_encoder_decoder",
+    "chunk_size_feed_forward",
+    "tie_encoder_decoder",
+    "task_specific_params",
+    "prefix",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "layer_types",
+    "max_window_layers",
+    "use_sliding_window",
+    "model_type",
+    "rope_parameters",
 }
 
 
@@ -85,14 +112,24 @@ class LlamaConfig:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{type(self).__name__}.{name} = {value!r}; expected a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"{type(self).__name__}: num_attention_heads {self.num_attention_heads} is not a "
-                             f"multiple of num_key_value_heads {self.num_key_value_heads}")
+            raise ValueError(
+                f"{type(self).__name__}: num_attention_heads {self.num_attention_heads} is not a "
+                f"multiple of num_key_value_heads {self.num_key_value_heads}"
+            )
         if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
             raise ValueError(f"hidden_act {self.hidden_act!r}; expected silu, gelu, gelu_pytorch_tanh or relu")
         if self.rope_scaling is not None:
@@ -210,8 +247,10 @@ class MixtralConfig(LlamaConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise ValueError(f"MixtralConfig: num_experts_per_tok {self.num_experts_per_tok} must be in "
-                             f"[1, num_local_experts={self.num_local_experts}]")
+            raise ValueError(
+                f"MixtralConfig: num_experts_per_tok {self.num_experts_per_tok} must be in "
+                f"[1, num_local_experts={self.num_local_experts}]"
+            )
 
     @property
     def num_experts(self) -> int:

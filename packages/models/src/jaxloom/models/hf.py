@@ -64,13 +64,21 @@ def _open_checkpoint(path: Path) -> dict[str, np.ndarray]:
         return tensors
     single = path / "model.safetensors"
     if not single.is_file():
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
-                                f"(found {sorted(p.name for p in path.iterdir())})")
+        raise FileNotFoundError(
+            f"{path}: no model.safetensors or model.safetensors.index.json "
+            f"(found {sorted(p.name for p in path.iterdir())})"
+        )
     return safetensors_io.load(single)
 
 
-def from_pretrained(path: str | Path, runtime: RuntimeConfig | None = None, *, mesh=None,
-                    task: TaskType = TaskType.CAUSAL_LM, config_overrides: dict[str, Any] | None = None):
+def from_pretrained(
+    path: str | Path,
+    runtime: RuntimeConfig | None = None,
+    *,
+    mesh=None,
+    task: TaskType = TaskType.CAUSAL_LM,
+    config_overrides: dict[str, Any] | None = None,
+):
     """Read `path`, an HF model directory (`config.json` + safetensors, sharded or not), into a model for
     `task`; `config_overrides` replace fields of its config (e.g. a longer `max_position_embeddings`). With
     `mesh`, each process reads only the slices its devices hold, placed directly on their shards.
@@ -105,24 +113,30 @@ def from_pretrained(path: str | Path, runtime: RuntimeConfig | None = None, *, m
 
         src = lazy(sources)
         if tuple(src.shape) != tuple(var.shape):
-            raise ValueError(f"weight {wanted[0]} has shape {tuple(src.shape)}, but parameter "
-                             f"{'/'.join(names)} of {cls.__name__} expects {tuple(var.shape)}")
+            raise ValueError(
+                f"weight {wanted[0]} has shape {tuple(src.shape)}, but parameter "
+                f"{'/'.join(names)} of {cls.__name__} expects {tuple(var.shape)}"
+            )
         dtype = var.get_value().dtype
         if mesh is None:
             return var.replace(value=jnp.asarray(np.asarray(src[...]).astype(dtype)))
         spec = _lookup(specs, path_keys)
         sharding = NamedSharding(mesh, spec)
-        value = jax.make_array_from_callback(tuple(var.shape), sharding,
-                                             lambda idx: np.asarray(src[idx]).astype(dtype))
+        value = jax.make_array_from_callback(tuple(var.shape), sharding, lambda idx: np.asarray(src[idx]).astype(dtype))
         return var.replace(value=value)
 
     state = jax.tree_util.tree_map_with_path(load, abstract, is_leaf=is_variable)
-    unexpected = sorted(k for k in tensors if k not in used and not _IGNORED.search(k)
-                        and not (config.tie_word_embeddings and k == "lm_head.weight"))
+    unexpected = sorted(
+        k
+        for k in tensors
+        if k not in used and not _IGNORED.search(k) and not (config.tie_word_embeddings and k == "lm_head.weight")
+    )
     if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match {cls.__name__}: missing weights {sorted(missing)[:20]}"
-                         f"{' …' if len(missing) > 20 else ''}; unexpected weights {unexpected[:20]}"
-                         f"{' …' if len(unexpected) > 20 else ''}")
+        raise ValueError(
+            f"{path}: checkpoint does not match {cls.__name__}: missing weights {sorted(missing)[:20]}"
+            f"{' …' if len(missing) > 20 else ''}; unexpected weights {unexpected[:20]}"
+            f"{' …' if len(unexpected) > 20 else ''}"
+        )
     return nnx.merge(graphdef, state)
 
 
@@ -171,16 +185,17 @@ def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
     return out
 
 
-def save_hf_model(model: nnx.Module, path: str | Path, *, max_shard_bytes: int = 5 * 2**30,
-                    dtype: Any = None) -> Path:
+def save_hf_model(model: nnx.Module, path: str | Path, *, max_shard_bytes: int = 5 * 2**30, dtype: Any = None) -> Path:
     """Write `model`'s `config.json` and `model.safetensors` (sharded with an index past
     `max_shard_bytes`) into directory `path`, cast to `dtype` if given, loadable by `transformers` and
     by `from_pretrained`. Only process 0 writes."""
     path = Path(path)
     tensors = to_hf_state_dict(model)
     if dtype is not None:
-        tensors = {k: v.astype(jnp.dtype(dtype)) if np.issubdtype(v.dtype, np.floating) or v.dtype == jnp.bfloat16
-                   else v for k, v in tensors.items()}
+        tensors = {
+            k: v.astype(jnp.dtype(dtype)) if np.issubdtype(v.dtype, np.floating) or v.dtype == jnp.bfloat16 else v
+            for k, v in tensors.items()
+        }
     if jax.process_index() != 0:
         return path
     path.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,17 @@ def _precision(runtime: RuntimeConfig):
 class Linear(nnx.Module):
     """`y = x @ kernel (+ bias)`, kernel `[in, out]` named by `axes`."""
 
-    def __init__(self, din: int, dout: int, axes: tuple[str | None, str | None], runtime: RuntimeConfig, *,
-                 use_bias: bool = False, std: float = 0.02, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        din: int,
+        dout: int,
+        axes: tuple[str | None, str | None],
+        runtime: RuntimeConfig,
+        *,
+        use_bias: bool = False,
+        std: float = 0.02,
+        rngs: nnx.Rngs,
+    ):
         init = jax.nn.initializers.normal(std)
         self.kernel = nnx.Param(init(rngs.params(), (din, dout), runtime.param_dtype), logical_axes=axes)
         self.bias = nnx.Param(jnp.zeros((dout,), runtime.param_dtype), logical_axes=(axes[1],)) if use_bias else None
@@ -45,8 +54,9 @@ class Linear(nnx.Module):
 class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, runtime: RuntimeConfig, *, std: float = 0.02, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(std)
-        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), runtime.param_dtype),
-                                   logical_axes=("vocab", "embed"))
+        self.embedding = nnx.Param(
+            init(rngs.params(), (vocab, dim), runtime.param_dtype), logical_axes=("vocab", "embed")
+        )
         self.dtype, self.precision = runtime.dtype, _precision(runtime)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
@@ -69,7 +79,8 @@ class RMSNorm(nnx.Module):
 
 
 ACTIVATIONS = {
-    "silu": jax.nn.silu, "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
 }
@@ -77,12 +88,14 @@ ACTIVATIONS = {
 
 # ---- rotary position embeddings --------------------------------------------------------------------
 
-def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int,
-                     seq_len: int | None = None) -> tuple[jax.Array, float]:
+
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int, seq_len: int | None = None
+) -> tuple[jax.Array, float]:
     """`(inv_freq [head_dim/2], attention_scaling)` for the rope types transformers knows:
     default, linear, dynamic (NTK), llama3 and yarn."""
     exps = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
-    inv = 1.0 / (theta ** exps)
+    inv = 1.0 / (theta**exps)
     if not scaling:
         return inv, 1.0
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -93,7 +106,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None
         original = scaling.get("original_max_position_embeddings", max_positions)
         if seq_len is not None and seq_len > original:
             base = theta * ((factor * seq_len / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
-            inv = 1.0 / (base ** exps)
+            inv = 1.0 / (base**exps)
         return inv, 1.0
     if kind == "llama3":
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])

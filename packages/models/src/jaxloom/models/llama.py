@@ -28,9 +28,9 @@ class CausalLMOutput:
     """What a causal LM returns: `logits [B, T, V]`, the MoE `aux_loss` (None for dense models) and the
     updated KV `cache` when called with one."""
 
-    logits: jax.Array                # [B, T, V]
+    logits: jax.Array  # [B, T, V]
     aux_loss: jax.Array | None = None  # MoE load-balancing loss (unscaled), None for dense models
-    cache: Any = None                  # per layer (k, v) `[B, S, KV, H]`, or stacked `[L, B, S, KV, H]` when scanned
+    cache: Any = None  # per layer (k, v) `[B, S, KV, H]`, or stacked `[L, B, S, KV, H]` when scanned
 
 
 class MLP(nnx.Module):
@@ -55,10 +55,20 @@ class DecoderLayer(nnx.Module):
         self.mlp = mlp_factory(config, runtime, rngs=rngs)
         self.runtime = runtime
 
-    def __call__(self, x, positions, segment_ids, token_mask, cache=None, cache_index=None, kv_positions=None,
-                 kv_segment_ids=None):
-        attn, cache = self.self_attn(self.input_layernorm(x), positions, segment_ids, cache, cache_index,
-                                     kv_positions, kv_segment_ids)
+    def __call__(
+        self,
+        x,
+        positions,
+        segment_ids,
+        token_mask,
+        cache=None,
+        cache_index=None,
+        kv_positions=None,
+        kv_segment_ids=None,
+    ):
+        attn, cache = self.self_attn(
+            self.input_layernorm(x), positions, segment_ids, cache, cache_index, kv_positions, kv_segment_ids
+        )
         x = x + attn
         out, aux = self.mlp(self.post_attention_layernorm(x), token_mask)
         x = constrain(x + out, ("batch", "length", "embed"), self.runtime)
@@ -84,21 +94,44 @@ class CausalLM(nnx.Module):
         runtime = runtime or RuntimeConfig()
         self.config, self.runtime = config, runtime
         self.model = nnx.Module()
-        self.model.embed_tokens = Embed(config.vocab_size, config.hidden_size, runtime,
-                                        std=config.initializer_range, rngs=rngs)
+        self.model.embed_tokens = Embed(
+            config.vocab_size, config.hidden_size, runtime, std=config.initializer_range, rngs=rngs
+        )
+
         def make_layer(r):
             return DecoderLayer(config, runtime, type(self).mlp_factory, rngs=r)
 
         n = config.num_hidden_layers
         self.scanned = runtime.scans(n)
-        self.model.layers = stack_layers(make_layer, n, rngs) if self.scanned else nnx.List(
-            [make_layer(rngs) for _ in range(n)])
+        self.model.layers = (
+            stack_layers(make_layer, n, rngs) if self.scanned else nnx.List([make_layer(rngs) for _ in range(n)])
+        )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, ("embed", "vocab"), runtime, std=config.initializer_range, rngs=rngs)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(
+                config.hidden_size,
+                config.vocab_size,
+                ("embed", "vocab"),
+                runtime,
+                std=config.initializer_range,
+                rngs=rngs,
+            )
+        )
 
-    def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *, cache=None,
-                 cache_index=None, kv_positions=None, kv_segment_ids=None) -> CausalLMOutput:
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        positions=None,
+        segment_ids=None,
+        *,
+        cache=None,
+        cache_index=None,
+        kv_positions=None,
+        kv_segment_ids=None,
+    ) -> CausalLMOutput:
         """Decoding: pass `cache` (from `init_cache`), the write offset `cache_index`, and the cache's
         `kv_positions` / `kv_segment_ids` `[B, S]` already holding this call's tokens (segment 0 = empty)."""
         b, t = input_ids.shape

@@ -30,8 +30,9 @@ def tile_rows(rows: int, groups: int, largest: int = 128) -> int:
     return tile
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str,
-                   tile: int | None = None) -> jax.Array:
+def grouped_matmul(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str, tile: int | None = None
+) -> jax.Array:
     """`x [M, D]` whose rows are sorted by group, `w [E, D, F]`, `group_sizes [E]` (summing to M) →
     `[M, F]`, row i multiplied by the weights of its group.
 
@@ -46,9 +47,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implem
     e = w.shape[0]
     tile = tile or tile_rows(m, e)
     tiles = -(-m // tile) + e  # enough: sum over groups of ceil(size / tile) < m / tile + e
-    padded = -(-group_sizes // tile) * tile                       # each group's rows rounded up to tiles
+    padded = -(-group_sizes // tile) * tile  # each group's rows rounded up to tiles
     padded_end = jnp.cumsum(padded)
-    start = jnp.cumsum(group_sizes) - group_sizes                 # first sorted row of each group
+    start = jnp.cumsum(group_sizes) - group_sizes  # first sorted row of each group
     group_of_row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
     dest = (padded_end - padded)[group_of_row] + jnp.arange(m) - start[group_of_row]
     x_tiles = jnp.zeros((tiles * tile, d), x.dtype).at[dest].set(x).reshape(tiles, tile, d)
@@ -72,6 +73,7 @@ class SparseMoE(nnx.Module):
         e, d, f, std = config.num_local_experts, config.hidden_size, config.intermediate_size, config.initializer_range
         init = jax.nn.initializers.normal(std)
         self.gate = Linear(d, e, ("embed", None), runtime, std=std, rngs=rngs)
+
         def param(shape, axes):
             return nnx.Param(init(rngs.params(), shape, runtime.param_dtype), logical_axes=axes)
 
@@ -83,14 +85,14 @@ class SparseMoE(nnx.Module):
 
     def __call__(self, x, token_mask=None):
         dtype = self.runtime.dtype
-        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)        # [B, T, E]
-        top_w, top_i = jax.lax.top_k(probs, self.k)                                 # [B, T, k]
+        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)  # [B, T, E]
+        top_w, top_i = jax.lax.top_k(probs, self.k)  # [B, T, k]
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-        chosen = jax.nn.one_hot(top_i, self.e, dtype=jnp.float32)                  # [B, T, k, E]
+        chosen = jax.nn.one_hot(top_i, self.e, dtype=jnp.float32)  # [B, T, k, E]
         impl = resolve_moe_implementation(self.runtime.moe_implementation)
         w_gate, w_up, w_down = (w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if impl == "dense":
-            weights = jnp.einsum("btk,btke->bte", top_w, chosen)                    # [B, T, E]
+            weights = jnp.einsum("btk,btke->bte", top_w, chosen)  # [B, T, E]
             h = self.act(jnp.einsum("btd,edf->btef", x.astype(dtype), w_gate))
             h = h * jnp.einsum("btd,edf->btef", x.astype(dtype), w_up)
             h = constrain(h, ("batch", "length", "expert", "mlp"), self.runtime)
@@ -108,13 +110,13 @@ class SparseMoE(nnx.Module):
     def _dispatch(self, x, top_i, top_w, w_gate, w_up, w_down, impl):
         """Sort the (token, expert) pairs by expert, run each expert on its rows, scatter back, combine."""
         b, t, d = x.shape
-        flat_expert = top_i.reshape(-1)                                              # [N·k]
+        flat_expert = top_i.reshape(-1)  # [N·k]
         order = jnp.argsort(flat_expert, stable=True)
-        rows = x.reshape(b * t, d)[order // self.k]                                  # [N·k, D] sorted by expert
+        rows = x.reshape(b * t, d)[order // self.k]  # [N·k, D] sorted by expert
         sizes = jnp.bincount(flat_expert, length=self.e).astype(jnp.int32)
         h = self.act(grouped_matmul(rows, w_gate, sizes, implementation=impl))
         h = h * grouped_matmul(rows, w_up, sizes, implementation=impl)
-        y = grouped_matmul(h, w_down, sizes, implementation=impl)                    # [N·k, D]
+        y = grouped_matmul(h, w_down, sizes, implementation=impl)  # [N·k, D]
         y = jnp.zeros_like(y).at[order].set(y).reshape(b, t, self.k, d)
         return jnp.einsum("btkd,btk->btd", y, top_w.astype(y.dtype))
 

@@ -18,6 +18,7 @@ _REGISTRY: dict[tuple[str, TaskType], type] = {}
 
 def register(model_type: str, task: TaskType):
     """Class decorator: register a model class and record its `model_type` and `task` on it."""
+
     def wrap(cls):
         key = (model_type, TaskType(task))
         if key in _REGISTRY and _REGISTRY[key] is not cls:
@@ -25,6 +26,7 @@ def register(model_type: str, task: TaskType):
         _REGISTRY[key] = cls
         cls.model_type, cls.task = model_type, TaskType(task)
         return cls
+
     return wrap
 
 

@@ -34,21 +34,21 @@ def to_dtype(value: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     """Args:
-      dtype: computation dtype. param_dtype: storage dtype of the parameters.
-      precision: `jax.lax.Precision` name for matmuls (None = default).
-      attn_mechanism: the attention backend (`attention.attend`): 'xla' (reference, materialised mask),
-        'chunked' (blockwise, linear memory, any platform), 'cudnn' (NVIDIA), 'flash' (Pallas, GPU/TPU)
-        or 'auto' (by platform and length). An explicit backend that cannot run is an error.
-        ('vanilla' and 'dot_product', the earlier names, mean 'xla'.)
-      attn_block_size: keys per block of the 'chunked' backend.
-      remat: rematerialisation of each decoder layer: none, full, or a policy saving matmul outputs.
-      scan_layers: stack the decoder layers' parameters and run them with one `lax.scan` (compile time
-        flat in depth); None = scan when the model has more than `SCAN_ABOVE_LAYERS` (16) layers.
-      moe_implementation: how routed experts compute: 'ragged' (`lax.ragged_dot`, grouped GEMM kernels on
-        GPU/TPU), 'tiled' (tokens sorted by expert in fixed tiles, pure JAX: FLOPs follow k on any
-        platform), 'dense' (every expert on every token: the test reference) or 'auto' (ragged on
-        GPU/TPU, tiled on CPU, where XLA lowers ragged_dot densely).
-      partition_axis: the logical → mesh axis mapping used for parameters and activations.
+    dtype: computation dtype. param_dtype: storage dtype of the parameters.
+    precision: `jax.lax.Precision` name for matmuls (None = default).
+    attn_mechanism: the attention backend (`attention.attend`): 'xla' (reference, materialised mask),
+      'chunked' (blockwise, linear memory, any platform), 'cudnn' (NVIDIA), 'flash' (Pallas, GPU/TPU)
+      or 'auto' (by platform and length). An explicit backend that cannot run is an error.
+      ('vanilla' and 'dot_product', the earlier names, mean 'xla'.)
+    attn_block_size: keys per block of the 'chunked' backend.
+    remat: rematerialisation of each decoder layer: none, full, or a policy saving matmul outputs.
+    scan_layers: stack the decoder layers' parameters and run them with one `lax.scan` (compile time
+      flat in depth); None = scan when the model has more than `SCAN_ABOVE_LAYERS` (16) layers.
+    moe_implementation: how routed experts compute: 'ragged' (`lax.ragged_dot`, grouped GEMM kernels on
+      GPU/TPU), 'tiled' (tokens sorted by expert in fixed tiles, pure JAX: FLOPs follow k on any
+      platform), 'dense' (every expert on every token: the test reference) or 'auto' (ragged on
+      GPU/TPU, tiled on CPU, where XLA lowers ragged_dot densely).
+    partition_axis: the logical → mesh axis mapping used for parameters and activations.
     """
 
     dtype: Any = jnp.float32
@@ -67,8 +67,11 @@ class RuntimeConfig:
         object.__setattr__(self, "attn_mechanism", ATTN_ALIASES.get(self.attn_mechanism, self.attn_mechanism))
         if self.attn_mechanism not in ATTN_MECHANISMS:
             raise ValueError(f"attn_mechanism {self.attn_mechanism!r}; expected one of {ATTN_MECHANISMS}")
-        if isinstance(self.attn_block_size, bool) or not isinstance(self.attn_block_size, int) \
-                or self.attn_block_size < 1:
+        if (
+            isinstance(self.attn_block_size, bool)
+            or not isinstance(self.attn_block_size, int)
+            or self.attn_block_size < 1
+        ):
             raise ValueError(f"attn_block_size {self.attn_block_size!r}; expected a positive integer")
         if self.moe_implementation not in MOE_IMPLEMENTATIONS:
             raise ValueError(f"moe_implementation {self.moe_implementation!r}; expected one of {MOE_IMPLEMENTATIONS}")

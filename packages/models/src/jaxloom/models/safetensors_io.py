@@ -10,8 +10,16 @@ import ml_dtypes
 import numpy as np
 
 _DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
-    "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
@@ -44,13 +52,17 @@ def load(path: str | Path) -> dict[str, np.ndarray]:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
         a, b = info["data_offsets"]
         if start + b > size:
-            raise ValueError(f"{path}: tensor {name!r} ends at byte {start + b}, past the file's end ({size}); "
-                             "the file is truncated")
+            raise ValueError(
+                f"{path}: tensor {name!r} ends at byte {start + b}, past the file's end ({size}); the file is truncated"
+            )
         dtype, shape = np.dtype(_DTYPES[info["dtype"]]), tuple(info["shape"])
         if b - a != dtype.itemsize * int(np.prod(shape)):
             raise ValueError(f"{path}: tensor {name!r} has {b - a} bytes for shape {shape} {info['dtype']}")
-        out[name] = np.memmap(path, dtype=dtype, mode="r", offset=start + a, shape=shape) if shape and b > a \
+        out[name] = (
+            np.memmap(path, dtype=dtype, mode="r", offset=start + a, shape=shape)
+            if shape and b > a
             else np.zeros(shape, dtype)
+        )
     return out
 
 
@@ -61,8 +73,11 @@ def save(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, s
         arr = np.ascontiguousarray(tensors[name])
         if arr.dtype not in _NAMES:
             raise ValueError(f"tensor {name!r}: dtype {arr.dtype} cannot be stored in safetensors")
-        header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
+        header[name] = {
+            "dtype": _NAMES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
         offset += arr.nbytes
         arrays.append(arr)
     if metadata:

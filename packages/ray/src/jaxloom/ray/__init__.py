@@ -12,7 +12,21 @@ from .tune import SweepResult, tune_sweep
 from .worker import WorkerContext
 
 __all__ = [
-    "Failure", "FaultInjector", "GangFailedError", "LaunchResult", "RayDistributedConfig", "RayDistributedTrainer",
-    "ScalingConfig", "SweepResult", "WorkerContext", "__version__", "init_ray", "launch", "listening_addresses",
-    "params_fingerprint", "shutdown_ray", "train_from_config", "tune_sweep",
+    "Failure",
+    "FaultInjector",
+    "GangFailedError",
+    "LaunchResult",
+    "RayDistributedConfig",
+    "RayDistributedTrainer",
+    "ScalingConfig",
+    "SweepResult",
+    "WorkerContext",
+    "__version__",
+    "init_ray",
+    "launch",
+    "listening_addresses",
+    "params_fingerprint",
+    "shutdown_ray",
+    "train_from_config",
+    "tune_sweep",
 ]

@@ -16,8 +16,19 @@ def train_on_ray(config: str | None, items: list[str], ray_items: list[str]) -> 
     scaling = ScalingConfig.from_items(ray_items)
     res = launch(train_from_config, config, items, workdir=os.getcwd(), scaling=scaling)
     summary = {k: v for k, v in res.result.items() if k != "history"}
-    failures = [{"attempt": f.attempt, "rank": f.rank, "kind": f.kind, "message": f.message,
-                 "restart_to_first_step_s": f.restart_to_first_step_s} for f in res.failures]
-    print(json.dumps({**summary, "attempts": res.attempts, "failures": failures, "wall_s": res.wall_s},
-                     indent=2, default=str))
+    failures = [
+        {
+            "attempt": f.attempt,
+            "rank": f.rank,
+            "kind": f.kind,
+            "message": f.message,
+            "restart_to_first_step_s": f.restart_to_first_step_s,
+        }
+        for f in res.failures
+    ]
+    print(
+        json.dumps(
+            {**summary, "attempts": res.attempts, "failures": failures, "wall_s": res.wall_s}, indent=2, default=str
+        )
+    )
     return 0

@@ -12,8 +12,15 @@ log = logging.getLogger("jaxloom.ray")
 LOOPBACK = "127.0.0.1"
 
 
-def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpus: int | None = None,
-             include_dashboard: bool = False, namespace: str | None = "jaxloom", **kwargs: Any) -> dict:
+def init_ray(
+    address: str | None = None,
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    include_dashboard: bool = False,
+    namespace: str | None = "jaxloom",
+    **kwargs: Any,
+) -> dict:
     """Start a local Ray cluster bound to 127.0.0.1 (no address) or connect to an existing one
     (`address="ray://host:10001"` or `"auto"`). Returns `ray.init`'s context as a dict. A new local
     cluster gets `num_cpus`/`num_gpus` (None: what the machine has); actors live in `namespace`.
@@ -39,15 +46,25 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpu
     if address is None:
         kwargs.setdefault("_node_ip_address", LOOPBACK)
         kwargs.setdefault("dashboard_host", LOOPBACK)
-        ctx = ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=include_dashboard,
-                       namespace=namespace, log_to_driver=kwargs.pop("log_to_driver", True), **kwargs)
+        ctx = ray.init(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            include_dashboard=include_dashboard,
+            namespace=namespace,
+            log_to_driver=kwargs.pop("log_to_driver", True),
+            **kwargs,
+        )
     else:
         if num_cpus is not None or num_gpus is not None:
-            raise ValueError("num_cpus/num_gpus describe a new local cluster; an existing one (address="
-                             f"{address!r}) has its own resources")
+            raise ValueError(
+                "num_cpus/num_gpus describe a new local cluster; an existing one (address="
+                f"{address!r}) has its own resources"
+            )
         ctx = ray.init(address=address, namespace=namespace, **kwargs)
-    info = {"address": getattr(ctx, "address_info", {}).get("address") or _gcs_address(),
-            "dashboard_url": getattr(ctx, "dashboard_url", None)}
+    info = {
+        "address": getattr(ctx, "address_info", {}).get("address") or _gcs_address(),
+        "dashboard_url": getattr(ctx, "dashboard_url", None),
+    }
     log.info("ray: %s", info)
     return info
 
@@ -90,7 +107,7 @@ def _ip(hex_ip: str, width: int) -> str:
 
     raw = bytes.fromhex(hex_ip)
     # /proc stores each 32-bit word in host (little-endian) order
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     ip = ipaddress.ip_address(words) if width == 8 else ipaddress.IPv6Address(words)
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
         ip = ip.ipv4_mapped

@@ -96,8 +96,9 @@ def _decode(variables: dict[str, Any] | None) -> dict[str, Any] | None:
             try:
                 value = jnp.dtype(value)
             except TypeError:
-                raise ValueError(f"config_variables[{key!r}] = {value!r} is not a dtype; expected e.g. "
-                                 "'float32' or 'bfloat16'") from None
+                raise ValueError(
+                    f"config_variables[{key!r}] = {value!r} is not a dtype; expected e.g. 'float32' or 'bfloat16'"
+                ) from None
         elif key == "partition_axis" and isinstance(value, dict):
             value = PartitionAxis.from_dict(value)
         elif key.startswith("sharding_") and isinstance(value, list):

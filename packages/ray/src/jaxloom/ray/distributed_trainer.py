@@ -22,15 +22,32 @@ from .config import DTYPE_KEYS, RayDistributedConfig, _decode
 log = logging.getLogger("jaxloom.ray")
 
 # EasyDeL's gradient-checkpointing names → our remat policies.
-_REMAT = {"none": "none", "everything_saveable": "none", "nothing_saveable": "full", "full": "full",
-          "checkpoint_dots": "dots_saveable", "selective": "dots_saveable", "dots_saveable": "dots_saveable",
-          "checkpoint_dots_with_no_batch_dims": "dots_with_no_batch_dims_saveable",
-          "dots_with_no_batch_dims_saveable": "dots_with_no_batch_dims_saveable"}
+_REMAT = {
+    "none": "none",
+    "everything_saveable": "none",
+    "nothing_saveable": "full",
+    "full": "full",
+    "checkpoint_dots": "dots_saveable",
+    "selective": "dots_saveable",
+    "dots_saveable": "dots_saveable",
+    "checkpoint_dots_with_no_batch_dims": "dots_with_no_batch_dims_saveable",
+    "dots_with_no_batch_dims_saveable": "dots_with_no_batch_dims_saveable",
+}
 # EasyDeL's attention names → our backends (jaxloom.models.attention): its Pallas kernels are our
 # `flash`, its cuDNN/SDPA paths our `cudnn`; an explicit kernel that cannot run here is an error.
-_ATTN = {"auto": "auto", "vanilla": "xla", "dot_product": "xla", "xla": "xla", "chunked": "chunked",
-         "blockwise": "chunked", "sdpa": "cudnn", "cudnn": "cudnn", "flash": "flash", "flash_attn2": "flash",
-         "splash": "flash"}
+_ATTN = {
+    "auto": "auto",
+    "vanilla": "xla",
+    "dot_product": "xla",
+    "xla": "xla",
+    "chunked": "chunked",
+    "blockwise": "chunked",
+    "sdpa": "cudnn",
+    "cudnn": "cudnn",
+    "flash": "flash",
+    "flash_attn2": "flash",
+    "splash": "flash",
+}
 _RUNTIME_KEYS = {"dtype", "param_dtype", "precision", "attn_mechanism", "gradient_checkpointing", "partition_axis"}
 _MESH_KEYS = {"sharding_axis_names", "sharding_axis_dims", "sharding_dcn_axis_dims"}
 # Accepted for EasyDeL compatibility: attention runs in `dtype` with a float32 softmax here.
@@ -43,35 +60,57 @@ def _name(value: Any) -> str:
 
 class RayDistributedTrainer:
     """Args (as EasyDeL's):
-      pretrained_model_name_or_path: a local Hugging Face directory (`config.json`, tokenizer files)
-        giving the base config and the tokenizer. Nothing is downloaded.
-      bucket_path: a checkpoint to start from — a jaxloom run directory (or its `checkpoints/`) or a
-        Hugging Face model directory. Local paths here; orbax reads other URLs it supports.
-      model_task / model_type: the registry key; inferred from `model_class`, else `model_type` from
-        the base `config.json`, task defaulting to causal LM.
-      state_class: builds states (`.create(model, tx, seed=)`); default `jaxloom.state.TrainState`.
-      offload_backend: 'cpu' / 'gpu' / 'tpu': where `create_model` materialises parameters.
-      trainer_module: the trainer class (default `jaxloom.trainer.Trainer`).
-      config_scaling_variables: config fields multiplied by `scaling_index`.
-      config_variables: fixed settings: config fields, runtime (dtype, param_dtype, precision,
-        attn_mechanism, gradient_checkpointing, partition_axis), mesh (sharding_axis_*) and seed.
+    pretrained_model_name_or_path: a local Hugging Face directory (`config.json`, tokenizer files)
+      giving the base config and the tokenizer. Nothing is downloaded.
+    bucket_path: a checkpoint to start from — a jaxloom run directory (or its `checkpoints/`) or a
+      Hugging Face model directory. Local paths here; orbax reads other URLs it supports.
+    model_task / model_type: the registry key; inferred from `model_class`, else `model_type` from
+      the base `config.json`, task defaulting to causal LM.
+    state_class: builds states (`.create(model, tx, seed=)`); default `jaxloom.state.TrainState`.
+    offload_backend: 'cpu' / 'gpu' / 'tpu': where `create_model` materialises parameters.
+    trainer_module: the trainer class (default `jaxloom.trainer.Trainer`).
+    config_scaling_variables: config fields multiplied by `scaling_index`.
+    config_variables: fixed settings: config fields, runtime (dtype, param_dtype, precision,
+      attn_mechanism, gradient_checkpointing, partition_axis), mesh (sharding_axis_*) and seed.
     """
 
     CONFIG_SCALING_VARIABLES: ClassVar[dict[str, int]] = {
-        "hidden_size": 256, "intermediate_size": 256 * 4, "moe_intermediate_size": 256 * 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1}
+        "hidden_size": 256,
+        "intermediate_size": 256 * 4,
+        "moe_intermediate_size": 256 * 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
     CONFIG_VARIABLES: ClassVar[dict[str, Any]] = {
-        "dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16, "precision": "default", "seed": 654,
-        "max_position_embeddings": 2**13, "gradient_checkpointing": "none", "initializer_range": 0.02,
-        "partition_axis": PartitionAxis(), "attn_mechanism": "auto", "attn_dtype": jnp.bfloat16,
-        "attn_softmax_dtype": jnp.bfloat16, "sharding_axis_names": ("dp", "fsdp", "ep", "tp", "sp"),
-        "sharding_axis_dims": (1, -1, 1, 1, 1), "sharding_dcn_axis_dims": (1, -1, 1, 1, 1)}
+        "dtype": jnp.bfloat16,
+        "param_dtype": jnp.bfloat16,
+        "precision": "default",
+        "seed": 654,
+        "max_position_embeddings": 2**13,
+        "gradient_checkpointing": "none",
+        "initializer_range": 0.02,
+        "partition_axis": PartitionAxis(),
+        "attn_mechanism": "auto",
+        "attn_dtype": jnp.bfloat16,
+        "attn_softmax_dtype": jnp.bfloat16,
+        "sharding_axis_names": ("dp", "fsdp", "ep", "tp", "sp"),
+        "sharding_axis_dims": (1, -1, 1, 1, 1),
+        "sharding_dcn_axis_dims": (1, -1, 1, 1, 1),
+    }
 
-    def __init__(self, pretrained_model_name_or_path: str, bucket_path: str | None = None, model_task=None,
-                 model_type: str | None = None, model_class: type | None = None, state_class: type | None = None,
-                 offload_backend: str | None = None, trainer_module: type | None = None,
-                 config_scaling_variables: dict[str, int] | None = None,
-                 config_variables: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        pretrained_model_name_or_path: str,
+        bucket_path: str | None = None,
+        model_task=None,
+        model_type: str | None = None,
+        model_class: type | None = None,
+        state_class: type | None = None,
+        offload_backend: str | None = None,
+        trainer_module: type | None = None,
+        config_scaling_variables: dict[str, int] | None = None,
+        config_variables: dict[str, Any] | None = None,
+    ):
         self.pretrained_model_name_or_path = str(pretrained_model_name_or_path)
         self.bucket_path = bucket_path
         if model_class is not None:
@@ -80,8 +119,10 @@ class RayDistributedTrainer:
         if model_type is None:
             model_type = self._base_config_dict().get("model_type")
         if model_type is None:
-            raise ValueError("cannot resolve the model: give model_class, or model_type (and model_task); "
-                             f"{self.pretrained_model_name_or_path}/config.json names no model_type either")
+            raise ValueError(
+                "cannot resolve the model: give model_class, or model_type (and model_task); "
+                f"{self.pretrained_model_name_or_path}/config.json names no model_type either"
+            )
         self.model_type, self.model_task = model_type, jm.TaskType(model_task or jm.TaskType.CAUSAL_LM)
         self.model_class = model_class or jm.get_model_class(self.model_type, self.model_task)
         self.state_class = state_class or js.TrainState
@@ -103,25 +144,33 @@ class RayDistributedTrainer:
     def _base_config_dict(self) -> dict[str, Any]:
         path = Path(self.pretrained_model_name_or_path) / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: pretrained_model_name_or_path must be a local Hugging Face "
-                                    "model directory (jaxloom never downloads)")
+            raise FileNotFoundError(
+                f"{path} not found: pretrained_model_name_or_path must be a local Hugging Face "
+                "model directory (jaxloom never downloads)"
+            )
         try:
             return json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
 
     def _check_variables(self) -> None:
-        config_fields = set(jm.CONFIG_CLASSES[self.model_type].__dataclass_fields__) \
-            if self.model_type in jm.CONFIG_CLASSES else set()
+        config_fields = (
+            set(jm.CONFIG_CLASSES[self.model_type].__dataclass_fields__)
+            if self.model_type in jm.CONFIG_CLASSES
+            else set()
+        )
         known = config_fields | _RUNTIME_KEYS | _MESH_KEYS | _COMPAT_KEYS | {"seed"}
         unknown = sorted(set(self.config_variables) - known)
         if unknown:
-            raise ValueError(f"unknown config_variables {unknown}; expected fields of {self.model_type}'s config or "
-                             f"{sorted(_RUNTIME_KEYS | _MESH_KEYS | _COMPAT_KEYS | {'seed'})}")
+            raise ValueError(
+                f"unknown config_variables {unknown}; expected fields of {self.model_type}'s config or "
+                f"{sorted(_RUNTIME_KEYS | _MESH_KEYS | _COMPAT_KEYS | {'seed'})}"
+            )
         v = self.config_variables
         if _name(v["gradient_checkpointing"]) not in _REMAT:
-            raise ValueError(f"gradient_checkpointing {v['gradient_checkpointing']!r}; "
-                             f"expected one of {sorted(_REMAT)}")
+            raise ValueError(
+                f"gradient_checkpointing {v['gradient_checkpointing']!r}; expected one of {sorted(_REMAT)}"
+            )
         if _name(v["attn_mechanism"]) not in _ATTN:
             raise ValueError(f"attn_mechanism {v['attn_mechanism']!r}; expected one of {sorted(_ATTN)}")
         for key in DTYPE_KEYS:
@@ -130,25 +179,35 @@ class RayDistributedTrainer:
 
     def to_config(self) -> RayDistributedConfig:
         """This trainer's settings as a `RayDistributedConfig`."""
-        return RayDistributedConfig(pretrained_model_name_or_path=self.pretrained_model_name_or_path,
-                                    model_task=self.model_task, model_type=self.model_type,
-                                    offload_backend=self.offload_backend,
-                                    config_scaling_variables=self.config_scaling_variables,
-                                    config_variables=self.config_variables)
+        return RayDistributedConfig(
+            pretrained_model_name_or_path=self.pretrained_model_name_or_path,
+            model_task=self.model_task,
+            model_type=self.model_type,
+            offload_backend=self.offload_backend,
+            config_scaling_variables=self.config_scaling_variables,
+            config_variables=self.config_variables,
+        )
 
     def save_config(self, path: str | Path) -> Path:
         """Write this trainer's configuration as JSON at `path` (dtypes and PartitionAxis as strings/dicts)."""
         return self.to_config().save(path)
 
     @classmethod
-    def from_config(cls, path: str | Path, model_class: type | None = None, state_class: type | None = None,
-                    trainer_module: type | None = None, **overrides: Any) -> RayDistributedTrainer:
+    def from_config(
+        cls,
+        path: str | Path,
+        model_class: type | None = None,
+        state_class: type | None = None,
+        trainer_module: type | None = None,
+        **overrides: Any,
+    ) -> RayDistributedTrainer:
         """A trainer from `save_config`'s JSON at `path`; keyword `overrides` replace saved fields (e.g.
         `bucket_path`). `model_class`, `state_class` and `trainer_module` are not saved: pass them again."""
         loaded = RayDistributedConfig.load(path)
         cfg = {name: getattr(loaded, name) for name in RayDistributedConfig.model_fields}
-        return cls(**{**cfg, **overrides}, model_class=model_class, state_class=state_class,
-                   trainer_module=trainer_module)
+        return cls(
+            **{**cfg, **overrides}, model_class=model_class, state_class=state_class, trainer_module=trainer_module
+        )
 
     def create_config(self, scaling_index: int):
         """The base config with every scaling variable × `scaling_index` and the fixed fields set."""
@@ -167,11 +226,14 @@ class RayDistributedTrainer:
         """The `RuntimeConfig` (dtypes, precision, attention, remat, partition axes) from `config_variables`."""
         v = self.config_variables
         precision = v.get("precision")
-        return jm.RuntimeConfig(dtype=v["dtype"], param_dtype=v["param_dtype"],
-                                precision=None if precision is None else _name(precision),
-                                attn_mechanism=_ATTN[_name(v["attn_mechanism"])],
-                                remat=_REMAT[_name(v["gradient_checkpointing"])],
-                                partition_axis=v.get("partition_axis") or PartitionAxis())
+        return jm.RuntimeConfig(
+            dtype=v["dtype"],
+            param_dtype=v["param_dtype"],
+            precision=None if precision is None else _name(precision),
+            attn_mechanism=_ATTN[_name(v["attn_mechanism"])],
+            remat=_REMAT[_name(v["gradient_checkpointing"])],
+            partition_axis=v.get("partition_axis") or PartitionAxis(),
+        )
 
     def mesh_config(self) -> MeshConfig:
         """The `MeshConfig` from `config_variables['sharding_axis_*']` (DCN dims only with many processes)."""
@@ -182,8 +244,7 @@ class RayDistributedTrainer:
         return MeshConfig(tuple(v["sharding_axis_dims"]), tuple(v["sharding_axis_names"]), dcn)
 
     # ---- models and states ------------------------------------------------------------------------------
-    def create_model(self, config, dtype=None, param_dtype=None, precision=None, seed: int = 684,
-                     lazy: bool = False):
+    def create_model(self, config, dtype=None, param_dtype=None, precision=None, seed: int = 684, lazy: bool = False):
         """A model for `config`; `dtype`, `param_dtype` and `precision` default to `config_variables`.
         Weights come from `seed`; `lazy=True` gives an abstract model (no memory). Concrete models are
         created on `offload_backend`'s first device when one is set."""
@@ -200,8 +261,9 @@ class RayDistributedTrainer:
     def create_model_from_config(self, scaling_index: int, *, lazy: bool = False):
         """A model of `create_config(scaling_index)`, seeded by `config_variables['seed']` (abstract with
         `lazy`)."""
-        return self.create_model(self.create_config(scaling_index), seed=self.config_variables.get("seed", 684),
-                                 lazy=lazy)
+        return self.create_model(
+            self.create_config(scaling_index), seed=self.config_variables.get("seed", 684), lazy=lazy
+        )
 
     def convert_model_to_state(self, model):
         """A state of `state_class` for `model`, unsharded (the trainer shards it); identity optimizer."""
@@ -257,8 +319,9 @@ class RayDistributedTrainer:
         return jd.process_messages_data(self.processor, messages, max_length, padding_side)
 
     # ---- training ---------------------------------------------------------------------------------------
-    def create_trainer(self, arguments, dataset_train, dataset_eval=None, data_collator=None, state=None, *,
-                       hooks: list | None = None):
+    def create_trainer(
+        self, arguments, dataset_train, dataset_eval=None, data_collator=None, state=None, *, hooks: list | None = None
+    ):
         """A `trainer_module` over `state` on the mesh from `config_variables`, training on
         `dataset_train` (evaluating on `dataset_eval`) with `arguments` and `hooks`. `data_collator`, when
         given, maps each raw record to one the data loader reads (text, prompt/completion, messages or
@@ -270,12 +333,28 @@ class RayDistributedTrainer:
             if dataset_eval is not None:
                 dataset_eval = _Mapped(jd.as_source(dataset_eval), data_collator)
         mesh = self.mesh_config().build()
-        return self.trainer_module(arguments, model_state=state, dataset_train=dataset_train,
-                                   dataset_eval=dataset_eval, processing_class=self.processor, mesh=mesh,
-                                   hooks=hooks)
+        return self.trainer_module(
+            arguments,
+            model_state=state,
+            dataset_train=dataset_train,
+            dataset_eval=dataset_eval,
+            processing_class=self.processor,
+            mesh=mesh,
+            hooks=hooks,
+        )
 
-    def train(self, scaling_index: int, arguments, dataset_train, dataset_eval=None, data_collator=None,
-              model=None, state=None, *, hooks: list | None = None):
+    def train(
+        self,
+        scaling_index: int,
+        arguments,
+        dataset_train,
+        dataset_eval=None,
+        data_collator=None,
+        model=None,
+        state=None,
+        *,
+        hooks: list | None = None,
+    ):
         """Train; the starting point is, in order: `state`, `model`, the checkpoint at `bucket_path`, a new
         model scaled by `scaling_index`. With `arguments.resume_if_possible` an existing checkpoint in
         `arguments.save_directory` wins over all of them (the run continues). `dataset_train`,
@@ -295,16 +374,34 @@ class RayDistributedTrainer:
         self.last_trainer = trainer
         return out
 
-    def train_on_ray(self, scaling_index: int, arguments, dataset_train, dataset_eval=None, data_collator=None,
-                     *, scaling=None, faults: tuple = ()):
+    def train_on_ray(
+        self,
+        scaling_index: int,
+        arguments,
+        dataset_train,
+        dataset_eval=None,
+        data_collator=None,
+        *,
+        scaling=None,
+        faults: tuple = (),
+    ):
         """`train(scaling_index, arguments, dataset_train, dataset_eval, data_collator)` as a gang of Ray
         workers (`scaling`: a `ScalingConfig`; `faults`: `FaultInjector`s for tests), one JAX process each, joined
         into one global mesh; restarted from the newest checkpoint on failure. Returns a `LaunchResult`
         whose `.result` is rank 0's summary (metrics, report and checkpoint paths, loss history)."""
         from .launcher import ScalingConfig, launch
 
-        return launch(_train_job, self, scaling_index, arguments, dataset_train, dataset_eval, data_collator,
-                      tuple(faults), scaling=scaling or ScalingConfig())
+        return launch(
+            _train_job,
+            self,
+            scaling_index,
+            arguments,
+            dataset_train,
+            dataset_eval,
+            data_collator,
+            tuple(faults),
+            scaling=scaling or ScalingConfig(),
+        )
 
     def tune(self, param_space: dict[str, Any], arguments, dataset_train, dataset_eval, **kwargs):
         """A Ray Tune sweep over `param_space` (`scaling_index` and/or any training argument), each trial
@@ -315,8 +412,9 @@ class RayDistributedTrainer:
         return tune_sweep(self, param_space, arguments, dataset_train, dataset_eval, **kwargs)
 
 
-def _train_job(ctx, trainer: RayDistributedTrainer, scaling_index, arguments, dataset_train, dataset_eval,
-               data_collator, faults):
+def _train_job(
+    ctx, trainer: RayDistributedTrainer, scaling_index, arguments, dataset_train, dataset_eval, data_collator, faults
+):
     from .jobs import summarize
 
     if ctx.attempt > 0:

@@ -54,11 +54,18 @@ class _BoundFault:
 def summarize(trainer, out) -> dict[str, Any]:
     """What comes back to the driver from a finished training: metrics, paths, the loss history and a
     fingerprint of the final parameters (SHA-256 over every parameter's bytes, the same on every rank)."""
-    return {"metrics": out.metrics, "stop_reason": out.stop_reason, "resumed_from": out.resumed_from,
-            "checkpoint_dir": out.checkpoint_dir, "report_path": out.report_path, "plot_path": out.plot_path,
-            "samples": out.samples, "step": int(out.state.step),
-            "history": [dict(r) for r in trainer.writer.history],
-            "params_sha256": params_fingerprint(out.state.params)}
+    return {
+        "metrics": out.metrics,
+        "stop_reason": out.stop_reason,
+        "resumed_from": out.resumed_from,
+        "checkpoint_dir": out.checkpoint_dir,
+        "report_path": out.report_path,
+        "plot_path": out.plot_path,
+        "samples": out.samples,
+        "step": int(out.state.step),
+        "history": [dict(r) for r in trainer.writer.history],
+        "params_sha256": params_fingerprint(out.state.params),
+    }
 
 
 def params_fingerprint(params: Any) -> str:
@@ -77,8 +84,13 @@ def params_fingerprint(params: Any) -> str:
     return digest.hexdigest()
 
 
-def train_from_config(ctx, config_path: str | None, overrides: list[str],
-                      faults: tuple[FaultInjector, ...] = (), workdir: str | None = None) -> dict[str, Any]:
+def train_from_config(
+    ctx,
+    config_path: str | None,
+    overrides: list[str],
+    faults: tuple[FaultInjector, ...] = (),
+    workdir: str | None = None,
+) -> dict[str, Any]:
     """`jaxloom train CONFIG [key=value ...]` in one worker (`ctx`): `config_path` (None: the bundled
     demo) with `overrides`, and `faults` as trainer hooks. After a restart it always resumes.
     `workdir`: where relative paths in the config point (the driver's directory; kept if absent here)."""

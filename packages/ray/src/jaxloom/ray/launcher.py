@@ -64,10 +64,12 @@ class ScalingConfig:
                 raise ValueError(f"ScalingConfig.{name} = {value!r}; expected a positive number")
         if not isinstance(self.max_failures, int) or self.max_failures < 0:
             raise ValueError(f"ScalingConfig.max_failures = {self.max_failures!r}; expected an integer >= 0")
-        if self.devices_per_worker is not None and (not isinstance(self.devices_per_worker, int)
-                                                    or self.devices_per_worker < 1):
-            raise ValueError(f"ScalingConfig.devices_per_worker = {self.devices_per_worker!r}; expected an "
-                             "integer >= 1 or None")
+        if self.devices_per_worker is not None and (
+            not isinstance(self.devices_per_worker, int) or self.devices_per_worker < 1
+        ):
+            raise ValueError(
+                f"ScalingConfig.devices_per_worker = {self.devices_per_worker!r}; expected an integer >= 1 or None"
+            )
         if self.platform not in (None, "cpu", "gpu", "cuda", "tpu"):
             raise ValueError(f"ScalingConfig.platform = {self.platform!r}; expected 'cpu', 'gpu', 'tpu' or None")
 
@@ -95,10 +97,10 @@ class Failure:
 
     attempt: int
     rank: int | None
-    kind: str                # 'died', 'error', 'hung'
+    kind: str  # 'died', 'error', 'hung'
     message: str
-    detected_at: float       # time.time() on the driver
-    restart_to_first_step_s: float | None = None   # filled once the next gang makes its first step
+    detected_at: float  # time.time() on the driver
+    restart_to_first_step_s: float | None = None  # filled once the next gang makes its first step
 
 
 @dataclasses.dataclass
@@ -106,7 +108,7 @@ class LaunchResult:
     """What `launch` returns: every rank's return value (`results`; `.result` is rank 0's), how many gang
     `attempts` it took, the `failures` on the way and the wall time `wall_s`."""
 
-    results: list[Any]       # what `job` returned, per rank
+    results: list[Any]  # what `job` returned, per rank
     attempts: int
     failures: list[Failure]
     wall_s: float
@@ -130,29 +132,52 @@ def launch(job, *args: Any, scaling: ScalingConfig | None = None, **kwargs: Any)
         if not isinstance(outcome, Failure):
             return LaunchResult(outcome, attempt + 1, failures, time.time() - t0)
         failures.append(outcome)
-        log.error("gang attempt %d failed (%s, rank %s) after %.1f s: %s", attempt, outcome.kind, outcome.rank,
-                  outcome.detected_at - t0, outcome.message.splitlines()[0] if outcome.message else "")
+        log.error(
+            "gang attempt %d failed (%s, rank %s) after %.1f s: %s",
+            attempt,
+            outcome.kind,
+            outcome.rank,
+            outcome.detected_at - t0,
+            outcome.message.splitlines()[0] if outcome.message else "",
+        )
         if attempt < scaling.max_failures:
-            log.warning("restarting the gang (%d of %d restarts); the job resumes from its newest checkpoint",
-                        attempt + 1, scaling.max_failures)
+            log.warning(
+                "restarting the gang (%d of %d restarts); the job resumes from its newest checkpoint",
+                attempt + 1,
+                scaling.max_failures,
+            )
     last = failures[-1]
-    raise GangFailedError(f"the gang failed {len(failures)} time(s), more than max_failures="
-                          f"{scaling.max_failures}; last: {last.kind} on rank {last.rank}: {last.message}", failures)
+    raise GangFailedError(
+        f"the gang failed {len(failures)} time(s), more than max_failures="
+        f"{scaling.max_failures}; last: {last.kind} on rank {last.rank}: {last.message}",
+        failures,
+    )
 
 
 def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, failures: list[Failure]):
-    settings = {"platform": scaling.platform, "devices": scaling.devices_per_worker, "env": scaling.env,
-                "heartbeat_timeout_s": scaling.heartbeat_timeout_s,
-                "init_timeout_s": min(int(scaling.startup_timeout_s), 300)}
+    settings = {
+        "platform": scaling.platform,
+        "devices": scaling.devices_per_worker,
+        "env": scaling.env,
+        "heartbeat_timeout_s": scaling.heartbeat_timeout_s,
+        "init_timeout_s": min(int(scaling.startup_timeout_s), 300),
+    }
     resources = dict(scaling.resources_per_worker or {"CPU": 1})
-    options = {"num_cpus": resources.pop("CPU", 1), "num_gpus": resources.pop("GPU", 0),
-               "resources": resources or None, "max_restarts": 0, "max_concurrency": 2,
-               # outside any placement group of the caller (a Tune trial's, say): the gang asks for its own
-               "scheduling_strategy": "DEFAULT"}
+    options = {
+        "num_cpus": resources.pop("CPU", 1),
+        "num_gpus": resources.pop("GPU", 0),
+        "resources": resources or None,
+        "max_restarts": 0,
+        "max_concurrency": 2,
+        # outside any placement group of the caller (a Tune trial's, say): the gang asks for its own
+        "scheduling_strategy": "DEFAULT",
+    }
     board = ray.remote(ProgressBoard).options(num_cpus=0, scheduling_strategy="DEFAULT").remote()
     worker_cls = ray.remote(GangWorker)
-    workers = [worker_cls.options(**options).remote(r, scaling.num_workers, attempt, board, settings)
-               for r in range(scaling.num_workers)]
+    workers = [
+        worker_cls.options(**options).remote(r, scaling.num_workers, attempt, board, settings)
+        for r in range(scaling.num_workers)
+    ]
     started = time.time()
     try:
         coordinator = ray.get(workers[0].coordinator_address.remote(), timeout=scaling.startup_timeout_s)
@@ -200,13 +225,22 @@ def _supervise(ray, refs, board, scaling: ScalingConfig, attempt: int, started: 
             first_step_seen = True
             if failures and failures[-1].restart_to_first_step_s is None:
                 failures[-1].restart_to_first_step_s = time.time() - failures[-1].detected_at
-                log.warning("gang attempt %d: training resumed %.1f s after the failure was detected", attempt,
-                            failures[-1].restart_to_first_step_s)
+                log.warning(
+                    "gang attempt %d: training resumed %.1f s after the failure was detected",
+                    attempt,
+                    failures[-1].restart_to_first_step_s,
+                )
         hung = _hung_rank(beats, scaling, time.time() - started, {refs.index(r) for r in pending})
         if hung is not None:
             rank, age, step = hung
-            return Failure(attempt, rank, "hung", f"rank {rank} made no progress for {age:.1f} s (last step "
-                           f"{step}; limit {scaling.progress_timeout_s} s)", time.time())
+            return Failure(
+                attempt,
+                rank,
+                "hung",
+                f"rank {rank} made no progress for {age:.1f} s (last step "
+                f"{step}; limit {scaling.progress_timeout_s} s)",
+                time.time(),
+            )
     return [results[r] for r in range(len(refs))]
 
 

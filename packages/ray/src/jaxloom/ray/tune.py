@@ -15,12 +15,23 @@ class SweepResult:
     best_config: dict[str, Any]
     best_metrics: dict[str, Any]
     best_checkpoint_dir: str
-    trials: list[dict[str, Any]]     # {"config": ..., "metrics": ...} per trial, in Tune's order
+    trials: list[dict[str, Any]]  # {"config": ..., "metrics": ...} per trial, in Tune's order
 
 
-def tune_sweep(trainer, param_space: dict[str, Any], arguments, dataset_train, dataset_eval, *, scaling=None,
-               metric: str = "eval_loss", mode: str = "min", max_concurrent_trials: int = 1,
-               name: str = "sweep", trial_resources: dict[str, float] | None = None) -> SweepResult:
+def tune_sweep(
+    trainer,
+    param_space: dict[str, Any],
+    arguments,
+    dataset_train,
+    dataset_eval,
+    *,
+    scaling=None,
+    metric: str = "eval_loss",
+    mode: str = "min",
+    max_concurrent_trials: int = 1,
+    name: str = "sweep",
+    trial_resources: dict[str, float] | None = None,
+) -> SweepResult:
     """Sweep `scaling_index` and/or any `TrainingArguments` name over `param_space` (a list is a grid;
     Tune's search spaces work too). Each trial trains `trainer` (a `RayDistributedTrainer`) on a gang
     of `scaling.num_workers` workers in `save_directory/<name>/<trial>` and reports its final metrics;
@@ -43,14 +54,23 @@ def tune_sweep(trainer, param_space: dict[str, Any], arguments, dataset_train, d
     init_ray()
     space = {k: tune.grid_search(list(v)) if isinstance(v, list | tuple) else v for k, v in param_space.items()}
     root = Path(arguments.save_directory).resolve() / name
-    trainable = tune.with_parameters(_trial, trainer=trainer, arguments=arguments, dataset_train=dataset_train,
-                                     dataset_eval=dataset_eval, scaling=scaling, root=str(root))
+    trainable = tune.with_parameters(
+        _trial,
+        trainer=trainer,
+        arguments=arguments,
+        dataset_train=dataset_train,
+        dataset_eval=dataset_eval,
+        scaling=scaling,
+        root=str(root),
+    )
     # The trial process only supervises; its workers hold the resources that matter.
     trainable = tune.with_resources(trainable, trial_resources or {"CPU": 0.01})
-    tuner = tune.Tuner(trainable, param_space=space,
-                       tune_config=tune.TuneConfig(metric=metric, mode=mode,
-                                                   max_concurrent_trials=max_concurrent_trials),
-                       run_config=tune.RunConfig(name=name, storage_path=str(root / "_tune"), verbose=0))
+    tuner = tune.Tuner(
+        trainable,
+        param_space=space,
+        tune_config=tune.TuneConfig(metric=metric, mode=mode, max_concurrent_trials=max_concurrent_trials),
+        run_config=tune.RunConfig(name=name, storage_path=str(root / "_tune"), verbose=0),
+    )
     grid = tuner.fit()
     errors = [r.error for r in grid if r.error is not None]
     if errors:
@@ -73,5 +93,11 @@ def _trial(config: dict[str, Any], trainer, arguments, dataset_train, dataset_ev
     args = arguments.replace(save_directory=str(trial_dir), **changes)
     res = trainer.train_on_ray(scaling_index, args, dataset_train, dataset_eval, scaling=scaling)
     summary = res.result
-    tune.report({**{k: v for k, v in summary["metrics"].items() if isinstance(v, int | float)},
-                 "checkpoint_dir": summary["checkpoint_dir"], "step": summary["step"], "attempts": res.attempts})
+    tune.report(
+        {
+            **{k: v for k, v in summary["metrics"].items() if isinstance(v, int | float)},
+            "checkpoint_dir": summary["checkpoint_dir"],
+            "step": summary["step"],
+            "attempts": res.attempts,
+        }
+    )

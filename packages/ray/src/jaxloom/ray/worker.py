@@ -36,7 +36,7 @@ class WorkerContext:
     world_size: int
     attempt: int
     board: Any = dataclasses.field(repr=False, default=None)
-    coordinator: str | None = None   # host:port of the JAX coordination service (rank 0)
+    coordinator: str | None = None  # host:port of the JAX coordination service (rank 0)
 
     def beat(self, step: int = 0, phase: str = "step") -> None:
         """Tell the supervisor this worker is alive and at `step` (phase: 'joined', 'ready', 'step')."""
@@ -77,8 +77,9 @@ class GangWorker:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        host = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node),
-                    ray.util.get_node_ip_address())
+        host = next(
+            (n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node), ray.util.get_node_ip_address()
+        )
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
@@ -91,10 +92,14 @@ class GangWorker:
 
         if self.settings.get("platform") == "cpu":
             jax.config.update("jax_num_cpu_devices", int(self.settings.get("devices") or 1))
-        init_distributed(coordinator, self.world_size, self.rank,
-                         initialization_timeout=int(self.settings.get("init_timeout_s", 120)),
-                         heartbeat_timeout_seconds=int(self.settings.get("heartbeat_timeout_s", 10)),
-                         coordinator_bind_address=coordinator if self.rank == 0 else None)
+        init_distributed(
+            coordinator,
+            self.world_size,
+            self.rank,
+            initialization_timeout=int(self.settings.get("init_timeout_s", 120)),
+            heartbeat_timeout_seconds=int(self.settings.get("heartbeat_timeout_s", 10)),
+            coordinator_bind_address=coordinator if self.rank == 0 else None,
+        )
         ctx = WorkerContext(self.rank, self.world_size, self.attempt, self.board, coordinator)
         ctx.beat(0, "joined")
         return fn(ctx, *args, **kwargs)

@@ -7,8 +7,19 @@ from .serialization import from_jsonable, load_json, save_json, to_jsonable
 from .train_state import TrainState, abstract_state, convert_model_to_state, state_shardings
 
 __all__ = [
-    "CheckpointConfig", "CheckpointCorruptError", "CheckpointManager", "CheckpointSaveError", "Restored", "TrainState",
+    "CheckpointConfig",
+    "CheckpointCorruptError",
+    "CheckpointManager",
+    "CheckpointSaveError",
+    "Restored",
+    "TrainState",
     "__version__",
-    "abstract_state", "convert_model_to_state", "from_jsonable", "load_json", "save_json", "save_pretrained",
-    "state_shardings", "to_jsonable",
+    "abstract_state",
+    "convert_model_to_state",
+    "from_jsonable",
+    "load_json",
+    "save_json",
+    "save_pretrained",
+    "state_shardings",
+    "to_jsonable",
 ]

@@ -40,12 +40,12 @@ class CheckpointSaveError(OSError):
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Args:
-      directory: where checkpoints live (local path, or any path orbax/etils supports).
-      save_steps: save when `step % save_steps == 0`. save_minutes: also when this long passed since the last.
-      save_total_limit: keep the newest K. keep_period: also keep every step divisible by M.
-      async_save: write in the background; training continues once arrays are copied to host.
-      float_dtype: store floating parameters in this dtype (e.g. 'bfloat16'); restored to the target's.
-      verify: check checksums before restoring.
+    directory: where checkpoints live (local path, or any path orbax/etils supports).
+    save_steps: save when `step % save_steps == 0`. save_minutes: also when this long passed since the last.
+    save_total_limit: keep the newest K. keep_period: also keep every step divisible by M.
+    async_save: write in the background; training continues once arrays are copied to host.
+    float_dtype: store floating parameters in this dtype (e.g. 'bfloat16'); restored to the target's.
+    verify: check checksums before restoring.
     """
 
     directory: str
@@ -80,6 +80,7 @@ class CheckpointManager:
     """Orbax checkpoints of a `TrainState` plus the data position and run metadata, with
     SHA-256 manifests, keep-N/keep-every-M retention, async writes, and restore onto any mesh.
     `config`: a `CheckpointConfig` or a directory (with `overrides` as its fields)."""
+
     def __init__(self, config: CheckpointConfig | str, **overrides: Any):
         if isinstance(config, str | Path):
             config = CheckpointConfig(directory=str(config), **overrides)
@@ -104,12 +105,20 @@ class CheckpointManager:
             ocp = _ocp()
             c = self.config
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=c.save_total_limit, keep_period=c.keep_period, enable_async_checkpointing=c.async_save,
-                cleanup_tmp_directories=True, create=True,
-                async_options=ocp.AsyncOptions(post_finalization_callback=self._write_checksums) if c.async_save
-                else None)
-            handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
-                        "meta": ocp.JsonCheckpointHandler()}
+                max_to_keep=c.save_total_limit,
+                keep_period=c.keep_period,
+                enable_async_checkpointing=c.async_save,
+                cleanup_tmp_directories=True,
+                create=True,
+                async_options=ocp.AsyncOptions(post_finalization_callback=self._write_checksums)
+                if c.async_save
+                else None,
+            )
+            handlers = {
+                "params": ocp.StandardCheckpointHandler(),
+                "opt_state": ocp.StandardCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            }
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         return self._manager
 
@@ -131,6 +140,7 @@ class CheckpointManager:
             late = time.monotonic() - self._last_save_time >= 60 * c.save_minutes
             if jax.process_count() > 1:
                 from jax.experimental import multihost_utils
+
                 late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
             due = late
         return due
@@ -144,10 +154,16 @@ class CheckpointManager:
         if self.config.float_dtype:
             dtype = np.dtype(jax.numpy.dtype(self.config.float_dtype))
             params = jax.tree_util.tree_map(
-                lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params)
-        meta = {"step": int(step), "rng": np.asarray(jax.device_get(state.rng)).tolist(), "data": data_state,
-                "metadata": metadata or {}, "versions": _versions(),
-                "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+                lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params
+            )
+        meta = {
+            "step": int(step),
+            "rng": np.asarray(jax.device_get(state.rng)).tolist(),
+            "data": data_state,
+            "metadata": metadata or {},
+            "versions": _versions(),
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        }
         items = {"params": ocp.args.StandardSave(params), "meta": ocp.args.JsonSave(meta)}
         if jax.tree_util.tree_leaves(state.opt_state):  # orbax refuses empty trees (e.g. optax.identity)
             items["opt_state"] = ocp.args.StandardSave(state.opt_state)
@@ -170,12 +186,15 @@ class CheckpointManager:
 
     def _save_failed(self, step: int | None, e: Exception) -> CheckpointSaveError:
         self._manager = None  # not reused after an I/O error; a new one opens on the next call
-        steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) \
-            if self.directory.is_dir() else []
+        steps = (
+            sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) if self.directory.is_dir() else []
+        )
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:500]
         what = f"checkpoint {step}" if step is not None else "a background checkpoint write"
-        return CheckpointSaveError(f"saving {what} in {self.directory} failed: {first}. Earlier checkpoints "
-                                   f"{steps} are untouched; the partial write will never be restored.")
+        return CheckpointSaveError(
+            f"saving {what} in {self.directory} failed: {first}. Earlier checkpoints "
+            f"{steps} are untouched; the partial write will never be restored."
+        )
 
     def close(self) -> None:
         """Finish background writes (raising if one failed) and release orbax."""
@@ -214,11 +233,14 @@ class CheckpointManager:
             if name not in actual:
                 raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is missing")
             if actual[name] != [size, digest]:
-                raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is corrupt "
-                                             f"(size {actual[name][0]} vs {size} written, checksum differs)")
+                raise CheckpointCorruptError(
+                    f"checkpoint {folder}: file {name} is corrupt "
+                    f"(size {actual[name][0]} vs {size} written, checksum differs)"
+                )
 
-    def restore(self, target: TrainState, step: int | None = None, *, params_only: bool = False,
-                fallback: bool = True) -> Restored:
+    def restore(
+        self, target: TrainState, step: int | None = None, *, params_only: bool = False, fallback: bool = True
+    ) -> Restored:
         """Restore onto `target`'s shapes, dtypes and shardings (an abstract `TrainState`, e.g. from
         `jax.eval_shape`, whose leaves carry `.sharding`): any mesh, any number of processes.
 
@@ -226,8 +248,10 @@ class CheckpointManager:
         complete one is used. `params_only` keeps `target.opt_state` and step 0 (fine-tuning)."""
         steps = self.all_steps()
         if not steps:
-            raise FileNotFoundError(f"no complete checkpoint in {self.directory}"
-                                    + ("" if self.directory.is_dir() else " (the directory does not exist)"))
+            raise FileNotFoundError(
+                f"no complete checkpoint in {self.directory}"
+                + ("" if self.directory.is_dir() else " (the directory does not exist)")
+            )
         if step is not None and step not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; available: {steps}")
         candidates = [step] if step is not None else sorted(steps, reverse=True)
@@ -253,8 +277,9 @@ class CheckpointManager:
         try:
             out = self._open().restore(step, args=ocp.args.Composite(**items))
         except (ValueError, OSError, RuntimeError) as e:
-            raise CheckpointCorruptError(f"checkpoint {self.directory / str(step)} could not be read: "
-                                         f"{type(e).__name__}: {str(e)[:500]}") from e
+            raise CheckpointCorruptError(
+                f"checkpoint {self.directory / str(step)} could not be read: {type(e).__name__}: {str(e)[:500]}"
+            ) from e
         meta = out.meta
         rng_sharding = getattr(target.rng, "sharding", None)
         rng = np.asarray(meta["rng"], dtype=np.uint32)
@@ -268,8 +293,9 @@ class CheckpointManager:
         opt_state = out.opt_state if "opt_state" in items else target.opt_state
         state = target.replace(step=step_arr, params=out.params, opt_state=opt_state, rng=rng)
         log.info("restored checkpoint %s (step %d)", self.directory / str(step), meta["step"])
-        return Restored(state=state, step=int(meta["step"]), data_state=meta.get("data"),
-                        metadata=meta.get("metadata", {}))
+        return Restored(
+            state=state, step=int(meta["step"]), data_state=meta.get("data"), metadata=meta.get("metadata", {})
+        )
 
     def restore_shapes(self, step: int | None = None) -> Any:
         """The stored parameters' shapes and dtypes (`jax.ShapeDtypeStruct` tree) of checkpoint `step`
@@ -279,8 +305,11 @@ class CheckpointManager:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
         tree = self._open().item_metadata(step)["params"]
         tree = getattr(tree, "tree", tree)
-        return jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree,
-                                      is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+        return jax.tree_util.tree_map(
+            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
+            tree,
+            is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
+        )
 
     def read_meta(self, step: int | None = None) -> dict:
         """The JSON metadata (step, data position, versions, ...) of checkpoint `step` (default: newest)."""
@@ -293,26 +322,37 @@ class CheckpointManager:
         try:
             stored = {k: v.shape for k, v in _flat(self.restore_shapes(step)).items()}
         except (ValueError, OSError, UnicodeDecodeError, KeyError) as e:
-            raise CheckpointCorruptError(f"checkpoint {self.directory / str(step)}: metadata unreadable "
-                                         f"({type(e).__name__}: {str(e)[:200]})") from e
+            raise CheckpointCorruptError(
+                f"checkpoint {self.directory / str(step)}: metadata unreadable ({type(e).__name__}: {str(e)[:200]})"
+            ) from e
         wanted = {k: v.shape for k, v in _flat(target.params).items()}
-        problems = [f"{k}: stored {stored.get(k)} vs target {wanted.get(k)}"
-                    for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k)]
+        problems = [
+            f"{k}: stored {stored.get(k)} vs target {wanted.get(k)}"
+            for k in sorted(set(stored) | set(wanted))
+            if stored.get(k) != wanted.get(k)
+        ]
         if problems:
-            raise ValueError(f"checkpoint {self.directory / str(step)} was written for another model shape: "
-                             + "; ".join(problems[:10]) + (" …" if len(problems) > 10 else ""))
+            raise ValueError(
+                f"checkpoint {self.directory / str(step)} was written for another model shape: "
+                + "; ".join(problems[:10])
+                + (" …" if len(problems) > 10 else "")
+            )
         for name, leaf in _flat(target.params).items():
             sharding = getattr(leaf, "sharding", None)
             if sharding is None:
-                raise ValueError(f"restore target parameter {name} has no sharding; build the target with "
-                                 "jax.eval_shape and attach shardings (see state_shardings)")
+                raise ValueError(
+                    f"restore target parameter {name} has no sharding; build the target with "
+                    "jax.eval_shape and attach shardings (see state_shardings)"
+                )
             if hasattr(sharding, "spec"):
                 from jaxloom.mesh import validate_specs
+
                 try:
                     validate_specs({name: sharding.spec}, {name: leaf}, sharding.mesh)
                 except ValueError as e:
-                    raise ValueError(f"parameter {name} with shape {tuple(leaf.shape)} cannot be placed on the "
-                                     f"target mesh: {e}") from None
+                    raise ValueError(
+                        f"parameter {name} with shape {tuple(leaf.shape)} cannot be placed on the target mesh: {e}"
+                    ) from None
 
 
 def _ocp():
@@ -324,7 +364,8 @@ def _ocp():
 
 def _as_abstract(tree: Any) -> Any:
     return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+    )
 
 
 def _flat(tree: Any) -> dict[str, Any]:

@@ -8,8 +8,15 @@ from typing import Any
 from .train_state import TrainState
 
 
-def save_pretrained(state: TrainState, path: str | Path, *, to_hf: bool = True, tokenizer: Any = None,
-                    dtype: Any = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+def save_pretrained(
+    state: TrainState,
+    path: str | Path,
+    *,
+    to_hf: bool = True,
+    tokenizer: Any = None,
+    dtype: Any = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
     """`to_hf=True`: `config.json` + safetensors (sharded with an index past `max_shard_bytes`) and the
     tokenizer if given — a directory `transformers.AutoModelForCausalLM.from_pretrained` loads.
     Sharded params are gathered one array at a time; only process 0 writes.

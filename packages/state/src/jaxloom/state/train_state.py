@@ -20,13 +20,13 @@ class TrainState:
     variables (`model_state`), and, static, the model's `graphdef` and the optax transformation `tx`.
     Build it with `TrainState.create`; `state.model` rebuilds the `nnx` model."""
 
-    step: jax.Array               # int32 scalar
-    params: Any                   # nested dict of arrays (the model's nnx.Param values)
-    opt_state: Any                # optax state over `params`
-    rng: jax.Array                # PRNG key for dropout-like randomness inside the step
-    model_state: Any = None       # non-parameter variables of the model (usually empty)
-    graphdef: Any = None          # static: the model's structure (nnx.GraphDef)
-    tx: Any = None                # static: the optax GradientTransformation
+    step: jax.Array  # int32 scalar
+    params: Any  # nested dict of arrays (the model's nnx.Param values)
+    opt_state: Any  # optax state over `params`
+    rng: jax.Array  # PRNG key for dropout-like randomness inside the step
+    model_state: Any = None  # non-parameter variables of the model (usually empty)
+    graphdef: Any = None  # static: the model's structure (nnx.GraphDef)
+    tx: Any = None  # static: the optax GradientTransformation
 
     @classmethod
     def create(cls, model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0) -> TrainState:
@@ -35,8 +35,15 @@ class TrainState:
         `state_shardings`) to create it sharded."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
-        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                   rng=jax.random.PRNGKey(seed), model_state=nnx.to_pure_dict(rest), graphdef=graphdef, tx=tx)
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=jax.random.PRNGKey(seed),
+            model_state=nnx.to_pure_dict(rest),
+            graphdef=graphdef,
+            tx=tx,
+        )
 
     @property
     def model(self) -> nnx.Module:
@@ -54,12 +61,14 @@ class TrainState:
         return dataclasses.replace(self, **changes)
 
 
-jax.tree_util.register_dataclass(TrainState, data_fields=["step", "params", "opt_state", "rng", "model_state"],
-                                 meta_fields=["graphdef", "tx"])
+jax.tree_util.register_dataclass(
+    TrainState, data_fields=["step", "params", "opt_state", "rng", "model_state"], meta_fields=["graphdef", "tx"]
+)
 
 
-def convert_model_to_state(model: nnx.Module, tx: optax.GradientTransformation | None = None, *,
-                           seed: int = 0) -> TrainState:
+def convert_model_to_state(
+    model: nnx.Module, tx: optax.GradientTransformation | None = None, *, seed: int = 0
+) -> TrainState:
     """EasyDeL's `convert_model_to_state`: a state of `model` without sharding, with optimizer `tx`
     (default: identity) and RNG `seed`."""
     return TrainState.create(model, tx or optax.identity(), seed=seed)
@@ -70,10 +79,16 @@ def state_shardings(state: TrainState, param_shardings: Any, mesh) -> TrainState
     tree like `state.params`), the optimizer's per-parameter leaves (Adam moments, ...) like their
     parameter, the rest replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    opt = optax.tree_map_params(state.tx, lambda _, s: s, state.opt_state, param_shardings,
-                                transform_non_params=lambda _: replicated)
-    return state.replace(step=replicated, params=param_shardings, opt_state=opt, rng=replicated,
-                         model_state=jax.tree_util.tree_map(lambda _: replicated, state.model_state))
+    opt = optax.tree_map_params(
+        state.tx, lambda _, s: s, state.opt_state, param_shardings, transform_non_params=lambda _: replicated
+    )
+    return state.replace(
+        step=replicated,
+        params=param_shardings,
+        opt_state=opt,
+        rng=replicated,
+        model_state=jax.tree_util.tree_map(lambda _: replicated, state.model_state),
+    )
 
 
 def abstract_state(state_fn, *args, **kwargs) -> TrainState:

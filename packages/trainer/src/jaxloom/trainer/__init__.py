@@ -5,15 +5,33 @@ from .arguments import TrainingArguments
 from .callbacks import Callback
 from .deployer import Deployer
 from .optim import get_lr_schedule_fn, make_optimizer
-from .outputs import (TrainerConfigureDataloaderOutput, TrainerConfigureFunctionOutput, TrainerConfigureModelOutput,
-                      TrainerOutput)
+from .outputs import (
+    TrainerConfigureDataloaderOutput,
+    TrainerConfigureFunctionOutput,
+    TrainerConfigureModelOutput,
+    TrainerOutput,
+)
 from .protocol import BaseTrainerProtocol, TrainerProtocol
 from .step import StepConfig, eval_step, train_step
 from .trainer import BaseTrainer, NonFiniteLossError, Trainer
 
 __all__ = [
-    "BaseTrainer", "BaseTrainerProtocol", "Callback", "Deployer", "NonFiniteLossError", "StepConfig", "Trainer",
-    "TrainerConfigureDataloaderOutput", "TrainerConfigureFunctionOutput", "TrainerConfigureModelOutput",
-    "TrainerOutput", "TrainerProtocol", "TrainingArguments", "__version__", "eval_step", "get_lr_schedule_fn",
-    "make_optimizer", "train_step",
+    "BaseTrainer",
+    "BaseTrainerProtocol",
+    "Callback",
+    "Deployer",
+    "NonFiniteLossError",
+    "StepConfig",
+    "Trainer",
+    "TrainerConfigureDataloaderOutput",
+    "TrainerConfigureFunctionOutput",
+    "TrainerConfigureModelOutput",
+    "TrainerOutput",
+    "TrainerProtocol",
+    "TrainingArguments",
+    "__version__",
+    "eval_step",
+    "get_lr_schedule_fn",
+    "make_optimizer",
+    "train_step",
 ]

@@ -19,8 +19,10 @@ def _positive(obj, *names, allow_none=False, allow_zero=False):
             continue
         ok = isinstance(v, int | float) and not isinstance(v, bool) and (v >= 0 if allow_zero else v > 0)
         if not ok:
-            raise ValueError(f"{n} = {v!r}; expected a {'non-negative' if allow_zero else 'positive'} number"
-                             + (" or None" if allow_none else ""))
+            raise ValueError(
+                f"{n} = {v!r}; expected a {'non-negative' if allow_zero else 'positive'} number"
+                + (" or None" if allow_none else "")
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +56,9 @@ class OptimizerArgs:
 
 @dataclasses.dataclass(frozen=True)
 class LoopArgs:
-    total_batch_size: int = 8                 # global rows per micro-batch
+    total_batch_size: int = 8  # global rows per micro-batch
     gradient_accumulation_steps: int = 1
-    max_training_steps: int | None = None     # optimizer steps; None: from num_train_epochs
+    max_training_steps: int | None = None  # optimizer steps; None: from num_train_epochs
     num_train_epochs: int = 1
     evaluation_steps: int | None = None
     eval_batches: int = 8
@@ -68,10 +70,17 @@ class LoopArgs:
     z_loss: float = 0.0
 
     def __post_init__(self):
-        _positive(self, "total_batch_size", "gradient_accumulation_steps", "num_train_epochs", "logging_steps",
-                  "eval_batches")
-        _positive(self, "max_training_steps", "evaluation_steps", "evaluation_batch_size", "training_time_limit",
-                  allow_none=True)
+        _positive(
+            self, "total_batch_size", "gradient_accumulation_steps", "num_train_epochs", "logging_steps", "eval_batches"
+        )
+        _positive(
+            self,
+            "max_training_steps",
+            "evaluation_steps",
+            "evaluation_batch_size",
+            "training_time_limit",
+            allow_none=True,
+        )
         _positive(self, "z_loss", allow_zero=True)
         if self.nan_policy not in ("stop", "skip"):
             raise ValueError(f"nan_policy {self.nan_policy!r}; expected 'stop' or 'skip'")
@@ -107,8 +116,8 @@ class DataArgs:
 class RuntimeArgs:
     # How the model computes. None: the model's own setting (its `RuntimeConfig`); a value replaces it for
     # this run, in the Python API and the `jaxloom` command alike (the trainer rebuilds the model with it).
-    dtype: str | None = None                  # computation dtype, e.g. "bfloat16"
-    param_dtype: str | None = None            # storage dtype of parameters (and optimizer state)
+    dtype: str | None = None  # computation dtype, e.g. "bfloat16"
+    param_dtype: str | None = None  # storage dtype of parameters (and optimizer state)
     # Attention backend: auto, xla, chunked (linear memory, any platform), cudnn, flash (GPU/TPU).
     attn_mechanism: str | None = None
     attn_block_size: int | None = None
@@ -141,8 +150,15 @@ class RuntimeArgs:
 
     def runtime_overrides(self) -> dict[str, Any]:
         """The `RuntimeConfig` fields these arguments set (the ones that are not None)."""
-        names = ("dtype", "param_dtype", "attn_mechanism", "attn_block_size", "remat", "scan_layers",
-                 "moe_implementation")
+        names = (
+            "dtype",
+            "param_dtype",
+            "attn_mechanism",
+            "attn_block_size",
+            "remat",
+            "scan_layers",
+            "moe_implementation",
+        )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
@@ -176,8 +192,15 @@ class GenerationArgs:
         object.__setattr__(self, "generation_prompts", tuple(self.generation_prompts))
 
 
-GROUPS = {"optim": OptimizerArgs, "loop": LoopArgs, "checkpoint": CheckpointArgs, "data": DataArgs,
-          "runtime": RuntimeArgs, "logging": LoggingArgs, "generation": GenerationArgs}
+GROUPS = {
+    "optim": OptimizerArgs,
+    "loop": LoopArgs,
+    "checkpoint": CheckpointArgs,
+    "data": DataArgs,
+    "runtime": RuntimeArgs,
+    "logging": LoggingArgs,
+    "generation": GenerationArgs,
+}
 _OWNER = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
 
 
@@ -288,8 +311,11 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             data = yaml.safe_load(text)  # safe_load: no arbitrary Python objects
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
-            raise ValueError(f"{path}: malformed YAML" + (f" at line {mark.line + 1}" if mark else "")
-                             + f": {getattr(e, 'problem', e)}") from None
+            raise ValueError(
+                f"{path}: malformed YAML"
+                + (f" at line {mark.line + 1}" if mark else "")
+                + f": {getattr(e, 'problem', e)}"
+            ) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
     return data

@@ -22,8 +22,9 @@ class Callback:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int)
-                                       or self.every <= 0):
+        if self.every is not None and (
+            isinstance(self.every, bool) or not isinstance(self.every, int) or self.every <= 0
+        ):
             raise ValueError(f"callback {self.name or self.fn!r}: every={self.every!r}; expected a positive integer")
         if self.every is None and self.when is None:
             raise ValueError(f"callback {self.name or self.fn!r}: give every=N steps and/or when=fn(step)")

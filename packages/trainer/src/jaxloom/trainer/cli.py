@@ -1,14 +1,14 @@
 """The `jaxloom` command: `train`, `eval`, `plan`, `convert`.
 
-    jaxloom train [CONFIG.yaml] [key=value ...]     # no CONFIG: the bundled demo config
-    jaxloom train [CONFIG.yaml] [key=value ...] --ray num_workers=2 [max_failures=1 ...]
-                                                     # a supervised gang of Ray workers (needs jaxloom-ray)
-    jaxloom eval CONFIG.yaml [key=value ...]         # evaluate the newest checkpoint of the run
-    jaxloom plan CONFIG.yaml [key=value ...]         # params, FLOPs/token, memory per device, from an AOT compile
-    jaxloom generate PATH --prompt TEXT [--max-new-tokens N] [--temperature T --top-k K --top-p P] [--chat]
-                                                     # PATH: an HF model directory or a run's save_directory
-    jaxloom convert --to-hf SAVE_DIRECTORY OUT       # newest checkpoint → Hugging Face directory
-                                                     # (model from SAVE_DIRECTORY/run_config.json)
+jaxloom train [CONFIG.yaml] [key=value ...]     # no CONFIG: the bundled demo config
+jaxloom train [CONFIG.yaml] [key=value ...] --ray num_workers=2 [max_failures=1 ...]
+                                                 # a supervised gang of Ray workers (needs jaxloom-ray)
+jaxloom eval CONFIG.yaml [key=value ...]         # evaluate the newest checkpoint of the run
+jaxloom plan CONFIG.yaml [key=value ...]         # params, FLOPs/token, memory per device, from an AOT compile
+jaxloom generate PATH --prompt TEXT [--max-new-tokens N] [--temperature T --top-k K --top-p P] [--chat]
+                                                 # PATH: an HF model directory or a run's save_directory
+jaxloom convert --to-hf SAVE_DIRECTORY OUT       # newest checkpoint → Hugging Face directory
+                                                 # (model from SAVE_DIRECTORY/run_config.json)
 """
 
 from __future__ import annotations
@@ -82,18 +82,24 @@ def _plan(trainer) -> dict[str, Any]:
     mem = compiled.memory_analysis()
     per_device = {}
     if mem is not None:
-        per_device = {"arguments_gb": mem.argument_size_in_bytes / 2**30,
-                      "outputs_gb": mem.output_size_in_bytes / 2**30,
-                      "temporaries_gb": mem.temp_size_in_bytes / 2**30,
-                      "generated_code_gb": mem.generated_code_size_in_bytes / 2**30}
+        per_device = {
+            "arguments_gb": mem.argument_size_in_bytes / 2**30,
+            "outputs_gb": mem.output_size_in_bytes / 2**30,
+            "temporaries_gb": mem.temp_size_in_bytes / 2**30,
+            "generated_code_gb": mem.generated_code_size_in_bytes / 2**30,
+        }
         aliased = getattr(mem, "alias_size_in_bytes", 0) / 2**30  # outputs written over donated arguments
         per_device["total_gb"] = sum(per_device.values()) - aliased
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     capacity = stats.get("bytes_limit")
-    out = {"parameters": trainer.n_params, "flops_per_token": jm.flops_per_token(trainer.config, a.max_sequence_length),
-           "mesh": dict(trainer.mesh.shape), "devices": f"{trainer.mesh.devices.size} × {device.device_kind}",
-           "memory_per_device": per_device}
+    out = {
+        "parameters": trainer.n_params,
+        "flops_per_token": jm.flops_per_token(trainer.config, a.max_sequence_length),
+        "mesh": dict(trainer.mesh.shape),
+        "devices": f"{trainer.mesh.devices.size} × {device.device_kind}",
+        "memory_per_device": per_device,
+    }
     if capacity and per_device:
         out["fits"] = per_device["total_gb"] * 2**30 <= capacity
         out["device_capacity_gb"] = capacity / 2**30
@@ -115,26 +121,36 @@ def _generate(ns) -> int:
         has_tok = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
         tokenizer = jd.load_processor(path if has_tok else None)
     else:
-        raise FileNotFoundError(f"{path} is neither a Hugging Face model directory (config.json) nor a jaxloom run "
-                                f"directory ({RUN_CONFIG})")
+        raise FileNotFoundError(
+            f"{path} is neither a Hugging Face model directory (config.json) nor a jaxloom run directory ({RUN_CONFIG})"
+        )
     sample = not ns.greedy and ns.temperature > 0
-    config = jg.GenerationConfig(max_new_tokens=ns.max_new_tokens, do_sample=sample, temperature=ns.temperature or 1.0,
-                                 top_k=ns.top_k, top_p=ns.top_p, seed=ns.seed, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id or 0)
+    config = jg.GenerationConfig(
+        max_new_tokens=ns.max_new_tokens,
+        do_sample=sample,
+        temperature=ns.temperature or 1.0,
+        top_k=ns.top_k,
+        top_p=ns.top_p,
+        seed=ns.seed,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
     for prompt in ns.prompt:  # streamed: each token is printed as soon as it is decoded
         if ns.chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
-            ids = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + \
-                tokenizer.encode(prompt, add_special_tokens=False)
+            ids = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + tokenizer.encode(
+                prompt, add_special_tokens=False
+            )
         print(prompt, end="", flush=True)
         shown, new = "", []
         for token in jg.stream(model, ids, config):
             new.append(token)
             text = tokenizer.decode(new, skip_special_tokens=True)
-            print(text[len(shown):], end="", flush=True)
+            print(text[len(shown) :], end="", flush=True)
             shown = text
         print(flush=True)
     return 0
@@ -167,8 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("items", nargs="*", help="[CONFIG.yaml] then key=value overrides")
         if name == "train":
-            p.add_argument("--ray", nargs="*", metavar="KEY=VALUE", default=None,
-                           help="run on Ray: ScalingConfig settings (num_workers, max_failures, ...)")
+            p.add_argument(
+                "--ray",
+                nargs="*",
+                metavar="KEY=VALUE",
+                default=None,
+                help="run on Ray: ScalingConfig settings (num_workers, max_failures, ...)",
+            )
     gen = sub.add_parser("generate")
     gen.add_argument("path")
     gen.add_argument("--prompt", action="append", required=True)
@@ -212,9 +233,20 @@ def main(argv: list[str] | None = None) -> int:
         else:
             write_run_config(trainer, resolved)
             out = trainer.train()
-            print(json.dumps({"stop_reason": out.stop_reason, "resumed_from": out.resumed_from,
-                              "final": out.metrics, "report": out.report_path, "plot": out.plot_path,
-                              "checkpoints": out.checkpoint_dir}, indent=2, default=str))
+            print(
+                json.dumps(
+                    {
+                        "stop_reason": out.stop_reason,
+                        "resumed_from": out.resumed_from,
+                        "final": out.metrics,
+                        "report": out.report_path,
+                        "plot": out.plot_path,
+                        "checkpoints": out.checkpoint_dir,
+                    },
+                    indent=2,
+                    default=str,
+                )
+            )
             trainer.finish()
     except OSError as e:
         from jaxloom.state import CheckpointSaveError

@@ -40,13 +40,29 @@ class Deployer:
     - `wandb_init_kwargs`: log to Weights & Biases with these `wandb.init` arguments.
     - `mesh_config`: any `MeshConfig`, instead of the one `n_model_shards` describes.
     """
-    def __init__(self, jax_seed: int, n_model_shards: int = 1, verbose: bool = True, workdir: str | None = None,
-                 n_processes: int | None = None, host0_address: str | None = None, host0_port: int | None = None,
-                 process_id: int | None = None, n_local_devices: int | None = None, run_tensorboard: bool = False,
-                 wandb_init_kwargs: dict | None = None, mesh_config: jmesh.MeshConfig | None = None):
+
+    def __init__(
+        self,
+        jax_seed: int,
+        n_model_shards: int = 1,
+        verbose: bool = True,
+        workdir: str | None = None,
+        n_processes: int | None = None,
+        host0_address: str | None = None,
+        host0_port: int | None = None,
+        process_id: int | None = None,
+        n_local_devices: int | None = None,
+        run_tensorboard: bool = False,
+        wandb_init_kwargs: dict | None = None,
+        mesh_config: jmesh.MeshConfig | None = None,
+    ):
         if n_processes and n_processes > 1:
-            jmesh.init_distributed(f"{host0_address}:{host0_port}", n_processes, process_id,
-                                   list(range(n_local_devices)) if n_local_devices else None)
+            jmesh.init_distributed(
+                f"{host0_address}:{host0_port}",
+                n_processes,
+                process_id,
+                list(range(n_local_devices)) if n_local_devices else None,
+            )
         n = jax.device_count()
         if mesh_config is None:
             if n_model_shards <= 0 or n % n_model_shards:
@@ -61,8 +77,13 @@ class Deployer:
         if workdir and (run_tensorboard or wandb_init_kwargs):
             from .metrics import MetricsWriter
 
-            self._writer = MetricsWriter(workdir, tensorboard=run_tensorboard, use_wandb=bool(wandb_init_kwargs),
-                                         wandb_project=(wandb_init_kwargs or {}).get("project"), progress_bar=False)
+            self._writer = MetricsWriter(
+                workdir,
+                tensorboard=run_tensorboard,
+                use_wandb=bool(wandb_init_kwargs),
+                wandb_project=(wandb_init_kwargs or {}).get("project"),
+                progress_bar=False,
+            )
 
     mesh = property(lambda self: self._mesh)
     workdir = property(lambda self: self._workdir)
@@ -85,19 +106,46 @@ class Deployer:
         `global_batch_size` rows."""
         return jmesh.get_accumulate_grad_batches(global_batch_size, per_device_batch_size, self._mesh)
 
-    def get_lr_schedule_fn(self, train_size, per_device_batch_size, n_epochs, learning_rate, schedule_type="linear",
-                           warmup_ratio=0.0, warmup_steps=None, init_learning_rate=0.0, end_learning_rate=0.0):
+    def get_lr_schedule_fn(
+        self,
+        train_size,
+        per_device_batch_size,
+        n_epochs,
+        learning_rate,
+        schedule_type="linear",
+        warmup_ratio=0.0,
+        warmup_steps=None,
+        init_learning_rate=0.0,
+        end_learning_rate=0.0,
+    ):
         """RedCo's learning-rate schedule (see `jaxloom.trainer.get_lr_schedule_fn`): `n_epochs` over
         `train_size` examples in micro-batches of `per_device_batch_size` per device; warmup
         (`warmup_steps`, or `warmup_ratio` of the steps) from `init_learning_rate` to `learning_rate`,
         then `schedule_type` (`linear`, `cosine`, `constant`) to `end_learning_rate`."""
         _, global_micro = self.get_local_global_micro_batch_size(per_device_batch_size)
-        return get_lr_schedule_fn(train_size, global_micro, n_epochs, learning_rate, schedule_type, warmup_ratio,
-                                  warmup_steps, init_learning_rate, end_learning_rate)
+        return get_lr_schedule_fn(
+            train_size,
+            global_micro,
+            n_epochs,
+            learning_rate,
+            schedule_type,
+            warmup_ratio,
+            warmup_steps,
+            init_learning_rate,
+            end_learning_rate,
+        )
 
-    def get_model_input_batches(self, examples: Sequence, per_device_batch_size: int, collate_fn: Callable,
-                                shuffle: bool, shuffle_rng, desc: str = "", is_train: bool = False,
-                                accumulate_grad_batches: int | None = None) -> Iterator[dict]:
+    def get_model_input_batches(
+        self,
+        examples: Sequence,
+        per_device_batch_size: int,
+        collate_fn: Callable,
+        shuffle: bool,
+        shuffle_rng,
+        desc: str = "",
+        is_train: bool = False,
+        accumulate_grad_batches: int | None = None,
+    ) -> Iterator[dict]:
         """Global batches (`jax.Array`s on the mesh's data axes) of `examples`, `per_device_batch_size`
         rows per device: shuffled with `shuffle_rng` when `shuffle`, this process collating only its rows
         with `collate_fn`. With `is_train` batches are full (the remainder is dropped); with accumulation
@@ -109,24 +157,32 @@ class Deployer:
         rows = jmesh.local_batch_slice(self._mesh, global_micro)
         n_batches = len(examples) // step_rows if is_train else math.ceil(len(examples) / step_rows)
         if n_batches == 0:
-            raise ValueError(f"{len(examples)} examples make no full batch of {step_rows} "
-                             f"(per-device {per_device_batch_size} × data-parallel × accumulation {accum})")
+            raise ValueError(
+                f"{len(examples)} examples make no full batch of {step_rows} "
+                f"(per-device {per_device_batch_size} × data-parallel × accumulation {accum})"
+            )
         spec = jmesh.batch_spec(self._mesh)
         for b in range(n_batches):
-            idx = order[b * step_rows:(b + 1) * step_rows]
+            idx = order[b * step_rows : (b + 1) * step_rows]
             idx = np.concatenate([idx, order[: step_rows - len(idx)]]) if len(idx) < step_rows else idx  # pad eval
             micro = idx.reshape(accum, global_micro)[:, rows]
             local = collate_fn([examples[i] for i in micro.reshape(-1)])
             if accumulate_grad_batches:
                 sharding = NamedSharding(self._mesh, PartitionSpec(None, *spec))
-                yield {k: jax.make_array_from_process_local_data(
-                    sharding, np.asarray(v).reshape(accum, local_micro, *np.shape(v)[1:]),
-                    (accum, global_micro, *np.shape(v)[1:])) for k, v in local.items()}
+                yield {
+                    k: jax.make_array_from_process_local_data(
+                        sharding,
+                        np.asarray(v).reshape(accum, local_micro, *np.shape(v)[1:]),
+                        (accum, global_micro, *np.shape(v)[1:]),
+                    )
+                    for k, v in local.items()
+                }
             else:
                 sharding = NamedSharding(self._mesh, spec)
-                yield {k: jax.make_array_from_process_local_data(sharding, np.asarray(v),
-                                                                 (global_micro, *np.shape(v)[1:]))
-                       for k, v in local.items()}
+                yield {
+                    k: jax.make_array_from_process_local_data(sharding, np.asarray(v), (global_micro, *np.shape(v)[1:]))
+                    for k, v in local.items()
+                }
 
     # ---- sharding (jaxloom.mesh) ----------------------------------------------------------------------
     def get_sharding_rules(self, params_shape_or_params) -> list | None:
@@ -144,9 +200,14 @@ class Deployer:
     def get_opt_state_spec(self, params_shape_or_params, params_spec, optimizer):
         """Partition specs for `optimizer`'s state over `params_shape_or_params` sharded by `params_spec`."""
         abstract = jax.eval_shape(optimizer.init, params_shape_or_params)
-        return optax.tree_map_params(optimizer, lambda _, s: s, abstract, params_spec,
-                                     transform_non_params=lambda _: PartitionSpec(),
-                                     is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return optax.tree_map_params(
+            optimizer,
+            lambda _, s: s,
+            abstract,
+            params_spec,
+            transform_non_params=lambda _: PartitionSpec(),
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
 
     def shard_params(self, params, params_spec, desc: str = "params"):
         """Place `params` on the mesh by `params_spec`; `desc` names them in the log."""
@@ -165,20 +226,34 @@ class Deployer:
         """Save params (and opt_state) at `ckpt_dir`, with `kwargs` (step, epoch, ...) as JSON info and the
         RNG position; floating params are cast to `float_dtype` if given. Waits until the checkpoint is
         complete, so `load_last_ckpt` never sees half of it."""
-        state = js.TrainState(step=np.int32(kwargs.get("step", 0)), params=params,
-                              opt_state=opt_state if opt_state is not None else {},
-                              rng=jax.random.fold_in(jax.random.PRNGKey(self.rng.seed), self.rng.count))
+        state = js.TrainState(
+            step=np.int32(kwargs.get("step", 0)),
+            params=params,
+            opt_state=opt_state if opt_state is not None else {},
+            rng=jax.random.fold_in(jax.random.PRNGKey(self.rng.seed), self.rng.count),
+        )
         manager = js.CheckpointManager(ckpt_dir, async_save=False, float_dtype=float_dtype, save_total_limit=None)
-        manager.save(int(kwargs.get("step", 0)), state, metadata={"info": js.to_jsonable(kwargs),
-                                                                  "rng_stream": self.rng.state_dict()})
+        manager.save(
+            int(kwargs.get("step", 0)),
+            state,
+            metadata={"info": js.to_jsonable(kwargs), "rng_stream": self.rng.state_dict()},
+        )
         manager.close()
 
     def load_params_shape(self, ckpt_dir: str):
         """Shapes and dtypes of the parameters stored in `ckpt_dir`, without reading them."""
         return js.CheckpointManager(ckpt_dir).restore_shapes()
 
-    def load_ckpt(self, ckpt_dir: str, params_sharding_rules=None, optimizer=None, float_dtype=None,
-                  load_params: bool = True, load_opt_state: bool = True, update_rng: bool = False):
+    def load_ckpt(
+        self,
+        ckpt_dir: str,
+        params_sharding_rules=None,
+        optimizer=None,
+        float_dtype=None,
+        load_params: bool = True,
+        load_opt_state: bool = True,
+        update_rng: bool = False,
+    ):
         """Read the checkpoint in `ckpt_dir`: `({"params": ..., "opt_state": ...}, info)`, placed by
         `params_sharding_rules` on the mesh. `load_params` / `load_opt_state` choose what is read (the
         optimizer state needs `optimizer` for its structure); `float_dtype` casts floating params;
@@ -186,28 +261,44 @@ class Deployer:
         manager = js.CheckpointManager(ckpt_dir)
         shapes = manager.restore_shapes()
         if float_dtype is not None:
-            shapes = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, float_dtype)
-                                            if np.issubdtype(s.dtype, np.floating) else s, shapes)
+            shapes = jax.tree_util.tree_map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, float_dtype) if np.issubdtype(s.dtype, np.floating) else s,
+                shapes,
+            )
         specs = self.get_params_spec(shapes, params_sharding_rules)
         shard = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self._mesh, s))  # noqa: E731
         params_t = jax.tree_util.tree_map(shard, shapes, specs)
         opt_t = {}
         if load_opt_state and optimizer is not None:
-            opt_t = jax.tree_util.tree_map(shard, jax.eval_shape(optimizer.init, shapes),
-                                           self.get_opt_state_spec(shapes, specs, optimizer))
+            opt_t = jax.tree_util.tree_map(
+                shard, jax.eval_shape(optimizer.init, shapes), self.get_opt_state_spec(shapes, specs, optimizer)
+            )
         repl = NamedSharding(self._mesh, PartitionSpec())
-        target = js.TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=repl), params=params_t,
-                               opt_state=opt_t, rng=jax.ShapeDtypeStruct((2,), np.uint32, sharding=repl))
+        target = js.TrainState(
+            step=jax.ShapeDtypeStruct((), np.int32, sharding=repl),
+            params=params_t,
+            opt_state=opt_t,
+            rng=jax.ShapeDtypeStruct((2,), np.uint32, sharding=repl),
+        )
         restored = manager.restore(target, params_only=not (load_opt_state and optimizer is not None))
         meta = restored.metadata
         if update_rng and "rng_stream" in meta:
             self.rng = jmesh.RngStream.from_state_dict(meta["rng_stream"])
-        ckpt = {"params": restored.state.params if load_params else None,
-                "opt_state": restored.state.opt_state if load_opt_state and optimizer is not None else None}
+        ckpt = {
+            "params": restored.state.params if load_params else None,
+            "opt_state": restored.state.opt_state if load_opt_state and optimizer is not None else None,
+        }
         return ckpt, js.from_jsonable(meta.get("info", {}))
 
-    def load_last_ckpt(self, optimizer=None, params_sharding_rules=None, float_dtype=None, load_params=True,
-                       load_opt_state=True, update_rng=True):
+    def load_last_ckpt(
+        self,
+        optimizer=None,
+        params_sharding_rules=None,
+        float_dtype=None,
+        load_params=True,
+        load_opt_state=True,
+        update_rng=True,
+    ):
         """The newest complete checkpoint under `workdir/ckpts/` (by saved step), or `(None, None)`; the
         arguments (`optimizer`, `params_sharding_rules`, `float_dtype`, `load_params`, `load_opt_state`,
         `update_rng`) are `load_ckpt`'s."""
@@ -221,8 +312,9 @@ class Deployer:
             return None, None
         _, ckpt_dir = max(found, key=lambda x: (x[0], _natural(x[1])))
         log.warning("loading last checkpoint %s", ckpt_dir)
-        return self.load_ckpt(ckpt_dir, params_sharding_rules, optimizer, float_dtype, load_params, load_opt_state,
-                              update_rng)
+        return self.load_ckpt(
+            ckpt_dir, params_sharding_rules, optimizer, float_dtype, load_params, load_opt_state, update_rng
+        )
 
     # ---- logging (trainer.metrics) ----------------------------------------------------------------------
     def log_info(self, info: Any, title: str | None = None, step: int | None = None) -> None:
@@ -252,8 +344,18 @@ class Deployer:
         return path
 
     # ---- a minimal loop --------------------------------------------------------------------------------------
-    def fit(self, loss_fn: Callable, params, optimizer, train_examples: Sequence, *, per_device_batch_size: int,
-            n_epochs: int, collate_fn: Callable, accumulate_grad_batches: int | None = None) -> dict:
+    def fit(
+        self,
+        loss_fn: Callable,
+        params,
+        optimizer,
+        train_examples: Sequence,
+        *,
+        per_device_batch_size: int,
+        n_epochs: int,
+        collate_fn: Callable,
+        accumulate_grad_batches: int | None = None,
+    ) -> dict:
         """RedCo's `fit`: `loss_fn(rng, state, params, batch, is_training) -> scalar` is all it needs.
         Shards params by shape, jits the step with `optimizer` (an optax transformation), trains
         `n_epochs` over `train_examples` in micro-batches of `per_device_batch_size` per device made by
@@ -262,15 +364,17 @@ class Deployer:
         rules = self.get_sharding_rules(params)
         specs = self.get_params_spec(params, rules)
         opt_state, start, losses = None, 0, []
-        ckpt, info = (self.load_last_ckpt(optimizer=optimizer, params_sharding_rules=rules) if self._workdir
-                      else (None, None))
+        ckpt, info = (
+            self.load_last_ckpt(optimizer=optimizer, params_sharding_rules=rules) if self._workdir else (None, None)
+        )
         if ckpt is not None:
             params, opt_state, start, losses = ckpt["params"], ckpt["opt_state"], info["epoch"] + 1, info["losses"]
         else:
             params = self.shard_params(params, specs)
         if opt_state is None:
-            opt_shard = jax.tree_util.tree_map(lambda s: NamedSharding(self._mesh, s),
-                                               self.get_opt_state_spec(params, specs, optimizer))
+            opt_shard = jax.tree_util.tree_map(
+                lambda s: NamedSharding(self._mesh, s), self.get_opt_state_spec(params, specs, optimizer)
+            )
             opt_state = jax.jit(optimizer.init, out_shardings=opt_shard)(params)
 
         def step(params, opt_state, batch, rng):
@@ -279,6 +383,7 @@ class Deployer:
                     per = jax.vmap(lambda mb: loss_fn(rng, None, p, mb, True))(batch)
                     return per.mean()
                 return loss_fn(rng, None, p, batch, True)
+
             loss, grads = jax.value_and_grad(total)(params)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
@@ -287,16 +392,25 @@ class Deployer:
         for epoch in range(start, n_epochs):
             shuffle_rng = jax.random.fold_in(jax.random.PRNGKey(self.rng.seed), epoch)
             epoch_losses = []
-            for batch in self.get_model_input_batches(train_examples, per_device_batch_size, collate_fn, True,
-                                                      shuffle_rng, f"epoch {epoch}", True, accumulate_grad_batches):
+            for batch in self.get_model_input_batches(
+                train_examples,
+                per_device_batch_size,
+                collate_fn,
+                True,
+                shuffle_rng,
+                f"epoch {epoch}",
+                True,
+                accumulate_grad_batches,
+            ):
                 rng = jax.random.fold_in(shuffle_rng, len(epoch_losses))
                 params, opt_state, loss = self.run_model_step(step, (params, opt_state, batch, rng))
                 epoch_losses.append(loss)
             losses.append(float(np.mean(jax.device_get(epoch_losses))))
             self.log_metrics({"loss": losses[-1]}, step=epoch)
             if self._workdir:
-                self.save_ckpt(f"{self._workdir}/ckpts/epoch_{epoch}", params, opt_state, step=epoch, epoch=epoch,
-                               losses=losses)
+                self.save_ckpt(
+                    f"{self._workdir}/ckpts/epoch_{epoch}", params, opt_state, step=epoch, epoch=epoch, losses=losses
+                )
         return {"params": params, "opt_state": opt_state, "losses": losses}
 
 

@@ -14,8 +14,18 @@ import jax
 log = logging.getLogger("jaxloom.trainer")
 
 # Dense bf16 peak FLOP/s per device, for MFU. CPUs have no meaningful entry.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12, "V100": 125e12,
-              "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}
+PEAK_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+}
 
 
 def peak_flops(device=None, override: float | None = None) -> float | None:
@@ -59,9 +69,18 @@ class MetricsWriter:
     go through `bar` when given (so they do not break a progress bar), else through its own bar of
     `progress_total` steps when `progress_bar`."""
 
-    def __init__(self, directory: str | Path, *, tensorboard: bool = True, wandb_project: str | None = None,
-                 use_wandb: bool = False, progress_total: int | None = None, progress_bar: bool = True,
-                 initial: int = 0, bar: Any = None):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        use_wandb: bool = False,
+        progress_total: int | None = None,
+        progress_bar: bool = True,
+        initial: int = 0,
+        bar: Any = None,
+    ):
         self.enabled = jax.process_index() == 0
         self.closed = False
         self.directory = Path(directory)

@@ -9,10 +9,19 @@ import optax
 from .arguments import OptimizerArgs
 
 
-def get_lr_schedule_fn(train_size: int | None = None, per_device_batch_size: int | None = None,
-                       n_epochs: int | None = None, learning_rate: float = 3e-4, schedule_type: str = "linear",
-                       warmup_ratio: float = 0.0, warmup_steps: int | None = None, init_learning_rate: float = 0.0,
-                       end_learning_rate: float = 0.0, *, total_steps: int | None = None):
+def get_lr_schedule_fn(
+    train_size: int | None = None,
+    per_device_batch_size: int | None = None,
+    n_epochs: int | None = None,
+    learning_rate: float = 3e-4,
+    schedule_type: str = "linear",
+    warmup_ratio: float = 0.0,
+    warmup_steps: int | None = None,
+    init_learning_rate: float = 0.0,
+    end_learning_rate: float = 0.0,
+    *,
+    total_steps: int | None = None,
+):
     """RedCo's `get_lr_schedule_fn`: warmup from `init_learning_rate` to `learning_rate`, then linear or
     cosine decay to `end_learning_rate` (or constant), by `schedule_type`. Warmup lasts `warmup_steps`,
     or `warmup_ratio` of the steps. Give `total_steps`, or the data sizes to derive it: `n_epochs` over
@@ -42,13 +51,19 @@ def get_lr_schedule_fn(train_size: int | None = None, per_device_batch_size: int
 def make_optimizer(args: OptimizerArgs, total_steps: int) -> tuple[optax.GradientTransformation, object]:
     """`(tx, schedule)` for `args` (the optimizer group of `TrainingArguments`) over `total_steps`:
     gradient clipping (if `max_grad_norm`) then the optimizer on the schedule."""
-    schedule = get_lr_schedule_fn(learning_rate=args.learning_rate, schedule_type=args.scheduler,
-                                  warmup_ratio=args.warmup_ratio, warmup_steps=args.warmup_steps,
-                                  init_learning_rate=args.init_learning_rate, end_learning_rate=args.end_learning_rate,
-                                  total_steps=total_steps)
+    schedule = get_lr_schedule_fn(
+        learning_rate=args.learning_rate,
+        schedule_type=args.scheduler,
+        warmup_ratio=args.warmup_ratio,
+        warmup_steps=args.warmup_steps,
+        init_learning_rate=args.init_learning_rate,
+        end_learning_rate=args.end_learning_rate,
+        total_steps=total_steps,
+    )
     if args.optimizer == "adamw":
-        opt = optax.adamw(schedule, b1=args.adam_beta1, b2=args.adam_beta2, eps=args.adam_epsilon,
-                          weight_decay=args.weight_decay)
+        opt = optax.adamw(
+            schedule, b1=args.adam_beta1, b2=args.adam_beta2, eps=args.adam_epsilon, weight_decay=args.weight_decay
+        )
     elif args.optimizer == "lion":
         opt = optax.lion(schedule, b1=args.adam_beta1, b2=args.adam_beta2, weight_decay=args.weight_decay)
     elif args.optimizer == "adafactor":

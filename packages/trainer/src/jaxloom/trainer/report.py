@@ -39,19 +39,44 @@ def plot_history(history: list[dict[str, Any]], path: str | Path) -> Path | None
     return path
 
 
-def write_report(path: str | Path, *, model, n_params: int, mesh, arguments, final: dict[str, Any],
-                 resumed_from: str | None, stop_reason: str) -> Path:
+def write_report(
+    path: str | Path,
+    *,
+    model,
+    n_params: int,
+    mesh,
+    arguments,
+    final: dict[str, Any],
+    resumed_from: str | None,
+    stop_reason: str,
+) -> Path:
     lines = [
-        "# jaxloom training report", "",
+        "# jaxloom training report",
+        "",
         f"- written: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"- model: {type(model).__name__} ({model.config.model_type}), {n_params:,} parameters",
         f"- mesh: {dict(mesh.shape)} over {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)",
         f"- resumed from: {resumed_from or 'nothing (fresh start)'}",
-        f"- stopped because: {stop_reason}", "", "## Final metrics", "",
-        "| metric | value |", "| --- | --- |",
+        f"- stopped because: {stop_reason}",
+        "",
+        "## Final metrics",
+        "",
+        "| metric | value |",
+        "| --- | --- |",
         *[f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in final.items()],
-        "", "## Model config", "", "```json", json.dumps(model.config.to_hf_dict(), indent=2, default=str), "```",
-        "", "## Arguments", "", "```json", json.dumps(arguments.to_dict(), indent=2, default=str), "```", "",
+        "",
+        "## Model config",
+        "",
+        "```json",
+        json.dumps(model.config.to_hf_dict(), indent=2, default=str),
+        "```",
+        "",
+        "## Arguments",
+        "",
+        "```json",
+        json.dumps(arguments.to_dict(), indent=2, default=str),
+        "```",
+        "",
     ]
     path = Path(path)
     path.write_text("\n".join(lines))

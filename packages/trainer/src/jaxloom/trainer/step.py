@@ -24,8 +24,8 @@ class StepConfig:
     logged learning rate)."""
 
     z_loss: float = 0.0
-    aux_loss_coef: float = 0.0       # MoE load balancing (router_aux_loss_coef)
-    skip_nonfinite: bool = False     # nan_policy="skip": keep the old params when loss/grads are not finite
+    aux_loss_coef: float = 0.0  # MoE load balancing (router_aux_loss_coef)
+    skip_nonfinite: bool = False  # nan_policy="skip": keep the old params when loss/grads are not finite
     schedule: Callable | None = None
 
 
@@ -76,11 +76,18 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new = state.apply_gradients(grads)
     if cfg.skip_nonfinite:
-        kept = jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), (new.params, new.opt_state),
-                                      (state.params, state.opt_state))
+        kept = jax.tree_util.tree_map(
+            lambda a, b: jnp.where(finite, a, b), (new.params, new.opt_state), (state.params, state.opt_state)
+        )
         new = new.replace(params=kept[0], opt_state=kept[1])
-    metrics = {"loss": loss, "accuracy": correct / denom, "grad_norm": grad_norm, "tokens": n,
-               "finite": finite, "learning_rate": cfg.schedule(state.step) if cfg.schedule else zero}
+    metrics = {
+        "loss": loss,
+        "accuracy": correct / denom,
+        "grad_norm": grad_norm,
+        "tokens": n,
+        "finite": finite,
+        "learning_rate": cfg.schedule(state.step) if cfg.schedule else zero,
+    }
     return new, metrics
 
 

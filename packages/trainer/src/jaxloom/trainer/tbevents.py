@@ -109,8 +109,10 @@ class EventWriter:
         if v.size == 0:
             return
         counts, edges = np.histogram(v, bins=bins)
-        histo = b"".join(_field(i, 1, struct.pack("<d", x)) for i, x in
-                         enumerate((v.min(), v.max(), v.size, v.sum(), float(v @ v)), start=1))
+        histo = b"".join(
+            _field(i, 1, struct.pack("<d", x))
+            for i, x in enumerate((v.min(), v.max(), v.size, v.sum(), float(v @ v)), start=1)
+        )
         histo += _bytes(6, np.asarray(edges[1:], "<f8").tobytes()) + _bytes(7, counts.astype("<f8").tobytes())
         self._write(_event(step, summary_value=_bytes(1, tag) + _bytes(5, histo)))
 

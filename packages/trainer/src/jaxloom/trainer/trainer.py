@@ -35,8 +35,12 @@ from .arguments import TrainingArguments
 from .callbacks import Callback
 from .metrics import MetricsWriter, create_progress_bar, memory_in_use, peak_flops
 from .optim import make_optimizer
-from .outputs import (TrainerConfigureDataloaderOutput, TrainerConfigureFunctionOutput, TrainerConfigureModelOutput,
-                      TrainerOutput)
+from .outputs import (
+    TrainerConfigureDataloaderOutput,
+    TrainerConfigureFunctionOutput,
+    TrainerConfigureModelOutput,
+    TrainerOutput,
+)
 from .report import plot_history, write_report
 from .step import StepConfig, eval_step, train_step
 
@@ -103,10 +107,21 @@ class BaseTrainer:
 
     finish = _Finish()
 
-    def __init__(self, arguments: TrainingArguments | None = None, model_state: js.TrainState | None = None,
-                 model: nnx.Module | None = None, dataset_train: Any = None, dataset_eval: Any = None,
-                 data_collator: Any = None, finetune: bool = True, processing_class: Any = None, *, mesh=None,
-                 hooks: list | None = None, **deprecated_kwargs: Any):
+    def __init__(
+        self,
+        arguments: TrainingArguments | None = None,
+        model_state: js.TrainState | None = None,
+        model: nnx.Module | None = None,
+        dataset_train: Any = None,
+        dataset_eval: Any = None,
+        data_collator: Any = None,
+        finetune: bool = True,
+        processing_class: Any = None,
+        *,
+        mesh=None,
+        hooks: list | None = None,
+        **deprecated_kwargs: Any,
+    ):
         if deprecated_kwargs:
             raise TypeError(f"{type(self).__name__}: unknown argument(s) {sorted(deprecated_kwargs)}")
         if isinstance(model_state, nnx.Module) and model is None:
@@ -163,8 +178,9 @@ class BaseTrainer:
         return self._model_in.runtime.replace(**self.arguments.runtime.runtime_overrides())
 
     dtype = property(lambda self: self.runtime.dtype, doc="Computation dtype (the arguments', else the model's).")
-    param_dtype = property(lambda self: self.runtime.param_dtype,
-                           doc="Parameter dtype (the arguments', else the model's).")
+    param_dtype = property(
+        lambda self: self.runtime.param_dtype, doc="Parameter dtype (the arguments', else the model's)."
+    )
     model_state = property(lambda self: self.state, doc="The `TrainState` (None before `configure_model()`).")
     _model_state = model_state
     optimizer = property(lambda self: self.tx, doc="The optax optimizer (None before `configure_model()`).")
@@ -172,14 +188,20 @@ class BaseTrainer:
     checkpoint_manager = property(lambda self: self.checkpoints, doc="The run's `jaxloom.state.CheckpointManager`.")
     is_process_zero = property(lambda self: jax.process_index() == 0, doc="Whether this is process 0.")
     process_zero_is_admin = property(lambda self: True, doc="Process 0 writes logs, reports and exports: always.")
-    is_enable = property(lambda self: self.is_process_zero or not self.process_zero_is_admin,
-                         doc="Whether this process does the writing (process 0, since it is the admin).")
-    training_batch_size = property(lambda self: self.arguments.training_batch_size,
-                                   doc="Rows per optimizer step: total_batch_size × gradient_accumulation_steps.")
+    is_enable = property(
+        lambda self: self.is_process_zero or not self.process_zero_is_admin,
+        doc="Whether this process does the writing (process 0, since it is the admin).",
+    )
+    training_batch_size = property(
+        lambda self: self.arguments.training_batch_size,
+        doc="Rows per optimizer step: total_batch_size × gradient_accumulation_steps.",
+    )
     evaluation_batch_size = property(lambda self: self.arguments.eval_batch_size, doc="Rows per evaluation batch.")
     _train_source = property(lambda self: jd.as_source(self.dataset_train), doc="The training data as a source.")
-    _eval_source = property(lambda self: None if self.dataset_eval is None else jd.as_source(self.dataset_eval),
-                            doc="The evaluation data as a source, or None.")
+    _eval_source = property(
+        lambda self: None if self.dataset_eval is None else jd.as_source(self.dataset_eval),
+        doc="The evaluation data as a source, or None.",
+    )
 
     @property
     def model(self):
@@ -204,11 +226,18 @@ class BaseTrainer:
         self._build = self._state_builder(template, abstract_model, runtime)
         self._abstract_state = jax.eval_shape(self._build[0], *self._build[1])
         self.state_shardings = js.state_shardings(
-            self._abstract_state, jmod.param_shardings(abstract_model, self.mesh), self.mesh)
+            self._abstract_state, jmod.param_shardings(abstract_model, self.mesh), self.mesh
+        )
         self._batch_sharding, self._eval_sharding = self._batch_shardings()
-        self.checkpoints = js.CheckpointManager(js.CheckpointConfig(
-            directory=str(Path(a.save_directory) / "checkpoints"), save_steps=a.save_steps,
-            save_minutes=a.save_minutes, save_total_limit=a.save_total_limit, async_save=a.async_checkpointing))
+        self.checkpoints = js.CheckpointManager(
+            js.CheckpointConfig(
+                directory=str(Path(a.save_directory) / "checkpoints"),
+                save_steps=a.save_steps,
+                save_minutes=a.save_minutes,
+                save_total_limit=a.save_total_limit,
+                async_save=a.async_checkpointing,
+            )
+        )
         self._planned = True
 
     def configure_model(self) -> TrainerConfigureModelOutput:
@@ -218,8 +247,9 @@ class BaseTrainer:
         self._plan()
         if self.state is None:
             self.state = self._restore() if self._resume_step() is not None else self._initial_state()
-        return TrainerConfigureModelOutput(model=self.state.model, state=self.state, tx=self.tx,
-                                           scheduler=self.schedule, config=self.config)
+        return TrainerConfigureModelOutput(
+            model=self.state.model, state=self.state, tx=self.tx, scheduler=self.schedule, config=self.config
+        )
 
     def configure_dataloaders(self) -> TrainerConfigureDataloaderOutput:
         """This process's training loader, started at the restored data position (so call it after
@@ -228,8 +258,12 @@ class BaseTrainer:
         if self.train_loader is None:
             self.train_loader = self._loader(self.dataset_train, state=self._data_state)
             self.train_loader.start()  # the first batches are made while the step compiles
-        return TrainerConfigureDataloaderOutput(self.train_loader, self._eval_loader(), self.total_steps,
-                                                self.arguments.eval_batches if self.dataset_eval is not None else None)
+        return TrainerConfigureDataloaderOutput(
+            self.train_loader,
+            self._eval_loader(),
+            self.total_steps,
+            self.arguments.eval_batches if self.dataset_eval is not None else None,
+        )
 
     def configure_functions(self) -> TrainerConfigureFunctionOutput:
         """The train and eval steps jitted with explicit shardings and donation; the train step starts
@@ -242,15 +276,22 @@ class BaseTrainer:
         self._plan()
         a = self.arguments
         aux = getattr(self.config, "router_aux_loss_coef", 0.0)
-        self.step_config = StepConfig(z_loss=a.z_loss, aux_loss_coef=aux, skip_nonfinite=a.nan_policy == "skip",
-                                      schedule=self.schedule)
+        self.step_config = StepConfig(
+            z_loss=a.z_loss, aux_loss_coef=aux, skip_nonfinite=a.nan_policy == "skip", schedule=self.schedule
+        )
         repl = NamedSharding(self.mesh, PartitionSpec())
         donate = a.donate_state if a.donate_state is not None else self.mesh.devices.flat[0].platform != "cpu"
-        self._train_jit = jax.jit(functools.partial(train_step, cfg=self.step_config),
-                                  in_shardings=(self.state_shardings, self._batch_sharding),
-                                  out_shardings=(self.state_shardings, repl), donate_argnums=0 if donate else ())
-        self._eval_jit = jax.jit(functools.partial(eval_step, cfg=self.step_config),
-                                 in_shardings=(self.state_shardings, self._eval_sharding), out_shardings=repl)
+        self._train_jit = jax.jit(
+            functools.partial(train_step, cfg=self.step_config),
+            in_shardings=(self.state_shardings, self._batch_sharding),
+            out_shardings=(self.state_shardings, repl),
+            donate_argnums=0 if donate else (),
+        )
+        self._eval_jit = jax.jit(
+            functools.partial(eval_step, cfg=self.step_config),
+            in_shardings=(self.state_shardings, self._eval_sharding),
+            out_shardings=repl,
+        )
 
     def initialize_trainer_utils(self) -> None:
         """Run the builders once, ordered so that the slow parts overlap: the tokenizer loads and the
@@ -284,8 +325,9 @@ class BaseTrainer:
         self._plan()
         if self.checkpoints.latest_step() is None:
             raise FileNotFoundError(f"no complete checkpoint under {self.checkpoints.directory}")
-        target = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                        self._abstract_state, self.state_shardings)
+        target = jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._abstract_state, self.state_shardings
+        )
         restored = self.checkpoints.restore(target, params_only=params_only)
         self.resumed_from = f"{self.checkpoints.directory}/{restored.step or self.checkpoints.latest_step()}"
         self.state = restored.state
@@ -302,13 +344,18 @@ class BaseTrainer:
         return self.checkpoints.latest_step()
 
     def _restore(self) -> js.TrainState:
-        target = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                        self._abstract_state, self.state_shardings)
+        target = jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._abstract_state, self.state_shardings
+        )
         restored = self.checkpoints.restore(target)
         self._data_state = restored.data_state
         self.resumed_from = f"{self.checkpoints.directory}/{restored.step}"
-        log.warning("resumed from checkpoint %s (step %d, data position %s)", self.resumed_from, restored.step,
-                    restored.data_state)
+        log.warning(
+            "resumed from checkpoint %s (step %d, data position %s)",
+            self.resumed_from,
+            restored.step,
+            restored.data_state,
+        )
         return restored.state
 
     def _initial_state(self) -> js.TrainState:
@@ -316,8 +363,9 @@ class BaseTrainer:
         op instead: a few small kernels shared by same-shaped layers compile faster than one program with
         a random-number pipeline per parameter (seconds of start-up on CPU; same values to rounding)."""
         if self.arguments.resume_if_possible:
-            log.info("resume_if_possible: no complete checkpoint in %s; starting from scratch",
-                     self.checkpoints.directory)
+            log.info(
+                "resume_if_possible: no complete checkpoint in %s; starting from scratch", self.checkpoints.directory
+            )
         fn, inputs = self._build
         if self._state_in is not None and _matches(self._state_in, self._abstract_state):
             return jax.jit(lambda s: s, out_shardings=self.state_shardings)(self._state_in)  # its optimizer state too
@@ -332,14 +380,19 @@ class BaseTrainer:
         seed, tx, config, cls = self.arguments.seed, self.tx, self.config, self.model_class
         leaves = jax.tree_util.tree_leaves(nnx.state(template, nnx.Param))
         if not self.finetune or (leaves and isinstance(leaves[0], jax.ShapeDtypeStruct)):
-            return (lambda: js.TrainState.create(jmod.create_model(config, runtime, seed=seed, model_class=cls), tx,
-                                                 seed=seed)), ()
+            return (
+                lambda: js.TrainState.create(
+                    jmod.create_model(config, runtime, seed=seed, model_class=cls), tx, seed=seed
+                )
+            ), ()
         _, params, rest = nnx.split(template, nnx.Param, ...)
         graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)
         if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(target):
-            raise ValueError("the arguments change the layout of the given model's parameters (scan_layers "
-                             f"{self._model_in.runtime.scan_layers} -> {runtime.scan_layers}); create the model with "
-                             "the layout you want, or leave scan_layers unset")
+            raise ValueError(
+                "the arguments change the layout of the given model's parameters (scan_layers "
+                f"{self._model_in.runtime.scan_layers} -> {runtime.scan_layers}); create the model with "
+                "the layout you want, or leave scan_layers unset"
+            )
         cast = jax.tree_util.tree_map(lambda p, t: p.astype(t.dtype) if p.dtype != t.dtype else p, params, target)
         return (lambda p: js.TrainState.create(nnx.merge(graphdef, p, rest), tx, seed=seed)), (cast,)
 
@@ -348,12 +401,19 @@ class BaseTrainer:
         compiles; cuDNN's kernel cannot keep packed documents apart."""
         a = self.arguments
         platform = self.mesh.devices.flat[0].platform
-        jmod.choose_implementation(runtime.attn_mechanism, q_len=a.max_sequence_length,
-                                   kv_len=a.max_sequence_length, cached=False, window=self.config.sliding_window,
-                                   platform=platform)
+        jmod.choose_implementation(
+            runtime.attn_mechanism,
+            q_len=a.max_sequence_length,
+            kv_len=a.max_sequence_length,
+            cached=False,
+            window=self.config.sliding_window,
+            platform=platform,
+        )
         if runtime.attn_mechanism == "cudnn" and a.packing:
-            raise ValueError("attn_mechanism='cudnn' cannot keep packed documents apart (it knows lengths, not "
-                             "segments): set packing=false, or use attn_mechanism='flash' or 'auto'")
+            raise ValueError(
+                "attn_mechanism='cudnn' cannot keep packed documents apart (it knows lengths, not "
+                "segments): set packing=false, or use attn_mechanism='flash' or 'auto'"
+            )
 
     def _steps_for_epochs(self) -> int:
         """Optimizer steps in `num_train_epochs` passes, counted by running the loader over one epoch."""
@@ -368,18 +428,30 @@ class BaseTrainer:
         on the mesh's data-parallel size only, not on how many processes share it."""
         a = self.arguments
         accum = overrides.pop("accumulation", a.gradient_accumulation_steps)
-        settings = dict(max_sequence_length=a.max_sequence_length, packing=a.packing,
-                        truncation_mode=a.truncation_mode, shuffle=a.shuffle_train_dataset, seed=a.seed)
+        settings = dict(
+            max_sequence_length=a.max_sequence_length,
+            packing=a.packing,
+            truncation_mode=a.truncation_mode,
+            shuffle=a.shuffle_train_dataset,
+            seed=a.seed,
+        )
         cfg = jd.DataConfig(**{**settings, **overrides})
-        return jd.MeshLoader(data, self.tokenizer, cfg, self.mesh, global_rows or a.total_batch_size,
-                             accumulation=accum, state=state)
+        return jd.MeshLoader(
+            data, self.tokenizer, cfg, self.mesh, global_rows or a.total_batch_size, accumulation=accum, state=state
+        )
 
     def _eval_loader(self) -> jd.MeshLoader | None:
         """A new pass over `dataset_eval` (not started), or None without evaluation data."""
         if self.dataset_eval is None:
             return None
-        return self._loader(self.dataset_eval, global_rows=self.arguments.eval_batch_size, accumulation=1,
-                            num_epochs=1, shuffle=False, prefetch=0)
+        return self._loader(
+            self.dataset_eval,
+            global_rows=self.arguments.eval_batch_size,
+            accumulation=1,
+            num_epochs=1,
+            shuffle=False,
+            prefetch=0,
+        )
 
     def _batch_shardings(self):
         axes = tuple(x for x in DATA_AXES if x in self.mesh.shape) or None
@@ -395,10 +467,13 @@ class BaseTrainer:
             self._jit_steps()
         a = self.arguments
         shape = (a.gradient_accumulation_steps, a.total_batch_size, a.max_sequence_length)
-        batch = {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self._batch_sharding)
-                 for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
-        state = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                       self._abstract_state, self.state_shardings)
+        batch = {
+            k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self._batch_sharding)
+            for k in ("input_ids", "segment_ids", "positions", "loss_mask")
+        }
+        state = jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._abstract_state, self.state_shardings
+        )
         with jax.set_mesh(self.mesh):
             return self._train_jit.lower(state, batch)
 
@@ -423,8 +498,9 @@ class BaseTrainer:
         a = self.arguments
         builtin = [Callback(lambda t, step: t._save(step), when=self.checkpoints.should_save, name="checkpoint")]
         if a.evaluation_steps and self.dataset_eval is not None:
-            builtin.append(Callback(lambda t, step: t._evaluate_and_log(step), every=a.evaluation_steps,
-                                    name="evaluation"))
+            builtin.append(
+                Callback(lambda t, step: t._evaluate_and_log(step), every=a.evaluation_steps, name="evaluation")
+            )
         if a.generation_interval and a.generation_prompts:
             builtin.append(Callback(lambda t, step: t.preview(step), every=a.generation_interval, name="preview"))
         self.callbacks[:0] = builtin
@@ -452,8 +528,9 @@ class BaseTrainer:
         self.initialize_trainer_utils()
         self.start_training_hook()
         step = int(jax.device_get(self.state.step))
-        self.pbar = self.create_progress_bar(self.total_steps, desc="train", disabled=not self.arguments.progress_bar,
-                                             initial=step)
+        self.pbar = self.create_progress_bar(
+            self.total_steps, desc="train", disabled=not self.arguments.progress_bar, initial=step
+        )
         self.writer = self._metrics_writer()
         restore_signals = self._install_signal_handlers()
         try:
@@ -530,8 +607,10 @@ class BaseTrainer:
             local = _collated(self.data_collator, local)
         accum = a.gradient_accumulation_steps
         shape = (accum, a.total_batch_size, a.max_sequence_length)
-        return {k: jax.make_array_from_process_local_data(
-            self._batch_sharding, v.reshape(accum, -1, v.shape[-1]), shape) for k, v in local.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self._batch_sharding, v.reshape(accum, -1, v.shape[-1]), shape)
+            for k, v in local.items()
+        }
 
     def apply_training_hooks(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """The built-in checks on a finished step's host `metrics` (with its `step`): a non-finite loss
@@ -540,9 +619,11 @@ class BaseTrainer:
         step = metrics["step"]
         if not bool(metrics["finite"]):
             if self.arguments.nan_policy == "stop":
-                raise NonFiniteLossError(f"loss is {float(metrics['loss'])} (grad norm "
-                                         f"{float(metrics['grad_norm'])}) at step {step}; stopping. The last "
-                                         f"checkpoint in {self.checkpoints.directory} is untouched.")
+                raise NonFiniteLossError(
+                    f"loss is {float(metrics['loss'])} (grad norm "
+                    f"{float(metrics['grad_norm'])}) at step {step}; stopping. The last "
+                    f"checkpoint in {self.checkpoints.directory} is untouched."
+                )
             self._skipped += 1
             log.warning("non-finite loss at step %d: update skipped (%d so far)", step, self._skipped)
         limit = self.arguments.training_time_limit
@@ -556,17 +637,23 @@ class BaseTrainer:
         """The host's share of `step`, run once the next step is dispatched: the checks, the metrics row
         every `logging_steps` (and at the last step), the progress bar."""
         a = self.arguments
-        self.apply_training_hooks({**jax.device_get({k: metrics[k] for k in ("finite", "loss", "grad_norm")}),
-                                   "step": step})
+        self.apply_training_hooks(
+            {**jax.device_get({k: metrics[k] for k in ("finite", "loss", "grad_norm")}), "step": step}
+        )
         self._window.append(metrics)
         if step % a.logging_steps == 0 or step == self.total_steps:
             host, now = jax.device_get(self._window), time.perf_counter()
             dt = now - self._t_log
             tps = a.training_batch_size * a.max_sequence_length * len(host) / dt
             row = {k: float(np.mean([m[k] for m in host])) for k in ("loss", "accuracy", "grad_norm")}
-            row.update(perplexity=math.exp(min(row["loss"], 50)), learning_rate=float(host[-1]["learning_rate"]),
-                       tokens_per_second=tps, step_time=dt / len(host),
-                       tflops_per_device=self._flops_token * tps / self.mesh.devices.size / 1e12, **memory_in_use())
+            row.update(
+                perplexity=math.exp(min(row["loss"], 50)),
+                learning_rate=float(host[-1]["learning_rate"]),
+                tokens_per_second=tps,
+                step_time=dt / len(host),
+                tflops_per_device=self._flops_token * tps / self.mesh.devices.size / 1e12,
+                **memory_in_use(),
+            )
             if self._peak:
                 row["mfu"] = self._flops_token * tps / self.mesh.devices.size / self._peak
             self.log_metrics(row, self.pbar, step)
@@ -578,10 +665,15 @@ class BaseTrainer:
     def _metrics_writer(self) -> MetricsWriter:
         a = self.arguments
         self._window, self._t_log = [], time.perf_counter()
-        self._flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)   # constants of the run,
-        self._peak = peak_flops(override=a.peak_flops_per_device)                      # not of each log row
-        return MetricsWriter(a.save_directory, tensorboard=a.use_tensorboard, use_wandb=a.use_wandb,
-                             wandb_project=a.wandb_project, bar=self.pbar)
+        self._flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)  # constants of the run,
+        self._peak = peak_flops(override=a.peak_flops_per_device)  # not of each log row
+        return MetricsWriter(
+            a.save_directory,
+            tensorboard=a.use_tensorboard,
+            use_wandb=a.use_wandb,
+            wandb_project=a.wandb_project,
+            bar=self.pbar,
+        )
 
     def _finish(self, step: int, stop_reason: str) -> TrainerOutput:
         a, writer = self.arguments, self.writer
@@ -595,8 +687,10 @@ class BaseTrainer:
         self.checkpoints.wait_until_finished()
         train_rows = [r for r in writer.history if "train/loss" in r]
         if train_rows:
-            final = {**{k.split("/", 1)[1]: v for k, v in train_rows[-1].items() if k != "step"},
-                     **{f"eval_{k}": v for k, v in final.items()}}
+            final = {
+                **{k.split("/", 1)[1]: v for k, v in train_rows[-1].items() if k != "step"},
+                **{f"eval_{k}": v for k, v in final.items()},
+            }
         samples = []
         if a.generation_prompts:  # the final sample, unless the last step already made one
             samples = self._last_preview[1] if self._last_preview[0] == step else self.preview(step)
@@ -606,14 +700,27 @@ class BaseTrainer:
             report = self.save_information(final=final, stop_reason=stop_reason)
         writer.close()
         log.info("training stopped at step %d: %s", step, stop_reason)
-        return TrainerOutput(self.state, final, stop_reason, self.resumed_from, str(self.checkpoints.directory),
-                             str(report) if report else None, str(plot) if plot else None, samples)
+        return TrainerOutput(
+            self.state,
+            final,
+            stop_reason,
+            self.resumed_from,
+            str(self.checkpoints.directory),
+            str(report) if report else None,
+            str(plot) if plot else None,
+            samples,
+        )
 
     def _save(self, step: int) -> None:
-        self.checkpoints.save(step, self.state, data_state=self.train_loader.global_state_dict(),
-                              metadata={"tokens_seen": step * self.arguments.training_batch_size
-                                        * self.arguments.max_sequence_length,
-                                        "arguments": js.to_jsonable(self.arguments.to_dict())})
+        self.checkpoints.save(
+            step,
+            self.state,
+            data_state=self.train_loader.global_state_dict(),
+            metadata={
+                "tokens_seen": step * self.arguments.training_batch_size * self.arguments.max_sequence_length,
+                "arguments": js.to_jsonable(self.arguments.to_dict()),
+            },
+        )
 
     def _install_signal_handlers(self):
         if threading.current_thread() is not threading.main_thread():
@@ -634,8 +741,10 @@ class BaseTrainer:
         if state is None and model_parameters is None:
             return
         if self._initialized:
-            raise RuntimeError("train(state=..., model_parameters=...) must come before the trainer is set up "
-                               "(a previous train() or evaluate() already chose its starting point)")
+            raise RuntimeError(
+                "train(state=..., model_parameters=...) must come before the trainer is set up "
+                "(a previous train() or evaluate() already chose its starting point)"
+            )
         if state is not None:
             self._state_in, self._model_in = state, state.model
         else:
@@ -664,8 +773,9 @@ class BaseTrainer:
             for i, local in enumerate(self._eval_loader()):
                 if i >= a.eval_batches:
                     break
-                batch = {k: jax.make_array_from_process_local_data(self._eval_sharding, v, shape)
-                         for k, v in local.items()}
+                batch = {
+                    k: jax.make_array_from_process_local_data(self._eval_sharding, v, shape) for k, v in local.items()
+                }
                 out = jax.device_get(self._eval_jit(state, batch))
                 total = {k: total[k] + float(out[k]) for k in total}
                 for k, v in (metric_calculator(state, batch) if metric_calculator else {}).items():
@@ -673,9 +783,13 @@ class BaseTrainer:
         if total["tokens"] == 0:
             raise ValueError("dataset_eval gave no tokens to evaluate")
         loss = total["loss_sum"] / total["tokens"]
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "accuracy": total["correct"] / total["tokens"],
-                **{k: float(np.mean(v)) for k, v in custom.items()},
-                "evaluation_time": time.monotonic() - self._eval_t0}
+        return {
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 50)),
+            "accuracy": total["correct"] / total["tokens"],
+            **{k: float(np.mean(v)) for k, v in custom.items()},
+            "evaluation_time": time.monotonic() - self._eval_t0,
+        }
 
     def _as_own_state(self, state: js.TrainState) -> js.TrainState:
         """A state from elsewhere (another trainer, a restore) in this run's tree and shardings: its
@@ -724,72 +838,118 @@ class BaseTrainer:
         under `step` (also the sampling seed). Every process runs the (sharded) decode; process 0 writes."""
         a = self.arguments
         prompts = [p for p in a.generation_prompts for _ in range(a.generation_num_samples)]
-        res = self.generate_unified(prompts=prompts, state=state, max_new_tokens=a.generation_max_new_tokens,
-                                    seed=step, do_sample=a.generation_temperature > 0,
-                                    temperature=a.generation_temperature)
+        res = self.generate_unified(
+            prompts=prompts,
+            state=state,
+            max_new_tokens=a.generation_max_new_tokens,
+            seed=step,
+            do_sample=a.generation_temperature > 0,
+            temperature=a.generation_temperature,
+        )
         if self.writer is not None:
             self.writer.samples(step, res.decoded_prompts, res.generation_results)
         self._last_preview = (step, res.completion_prompts)
         return res.completion_prompts
 
-    def generate_unified(self, input_ids=None, attention_mask=None, prompts=None, *, state=None,
-                         use_esurge: bool | None = None, apply_chat_template: bool = False, generation_config=None,
-                         shard_inputs: bool | None = None, config_overrides: dict | None = None,
-                         all_gather: bool = False, **generate_kwargs) -> jg.GenerationResults:
+    def generate_unified(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        prompts=None,
+        *,
+        state=None,
+        use_esurge: bool | None = None,
+        apply_chat_template: bool = False,
+        generation_config=None,
+        shard_inputs: bool | None = None,
+        config_overrides: dict | None = None,
+        all_gather: bool = False,
+        **generate_kwargs,
+    ) -> jg.GenerationResults:
         """Generate from `input_ids` (+ `attention_mask`) or text `prompts` (chat messages with
         `apply_chat_template`) with `state`'s model (default: the trained one); `generation_config` (a
         `jaxloom.generation.GenerationConfig` or a transformers one) updated by `config_overrides` and
         `generate_kwargs`. `shard_inputs` (default True) spreads the batch over the mesh. Results are on
         the host of every process, so `all_gather` changes nothing. `use_esurge=True` is an error: there
         is no eSurge engine here."""
-        model, config, mesh = self._generation_setup(state, use_esurge, generation_config, shard_inputs,
-                                                     config_overrides, generate_kwargs)
+        model, config, mesh = self._generation_setup(
+            state, use_esurge, generation_config, shard_inputs, config_overrides, generate_kwargs
+        )
         del all_gather  # always gathered: the results are numpy arrays on every process
-        return jg.generate_unified(model, self.tokenizer, input_ids, attention_mask, prompts,
-                                   apply_chat_template=apply_chat_template, generation_config=config, mesh=mesh)
+        return jg.generate_unified(
+            model,
+            self.tokenizer,
+            input_ids,
+            attention_mask,
+            prompts,
+            apply_chat_template=apply_chat_template,
+            generation_config=config,
+            mesh=mesh,
+        )
 
-    def generate_aio(self, input_ids, attention_mask=None, *, state=None, generation_config=None,
-                     shard_inputs: bool | None = None, config_overrides: dict | None = None,
-                     return_metadata: bool = False, all_gather: bool = False, **generate_kwargs):
+    def generate_aio(
+        self,
+        input_ids,
+        attention_mask=None,
+        *,
+        state=None,
+        generation_config=None,
+        shard_inputs: bool | None = None,
+        config_overrides: dict | None = None,
+        return_metadata: bool = False,
+        all_gather: bool = False,
+        **generate_kwargs,
+    ):
         """`(sequences, completion_ids, completion_mask)` decoded after `input_ids` (+ `attention_mask`)
         with `state`'s model; `generation_config`, `shard_inputs`, `config_overrides`, `all_gather` and
         `generate_kwargs` as in `generate_unified`. With `return_metadata`, also a dict with the
         `generation_config` used and the `prompt_length`."""
-        model, config, mesh = self._generation_setup(state, None, generation_config, shard_inputs,
-                                                     config_overrides, generate_kwargs)
+        model, config, mesh = self._generation_setup(
+            state, None, generation_config, shard_inputs, config_overrides, generate_kwargs
+        )
         del all_gather
         out = jg.generate_aio(model, input_ids, attention_mask, generation_config=config, mesh=mesh)
         if return_metadata:
             return out, {"generation_config": config, "prompt_length": int(np.shape(input_ids)[-1])}
         return out
 
-    def create_generate_function(self, generation_config=None, *, shard_inputs: bool = True,
-                                 config_overrides: dict | None = None, **generate_kwargs):
+    def create_generate_function(
+        self,
+        generation_config=None,
+        *,
+        shard_inputs: bool = True,
+        config_overrides: dict | None = None,
+        **generate_kwargs,
+    ):
         """`fn(state, input_ids, attention_mask) -> (sequences, completion_ids, completion_mask)` decoding
         with `generation_config` updated by `config_overrides` and `generate_kwargs`; with `shard_inputs`
         the prompts are spread over this mesh's batch axes."""
         config = _generation_config(generation_config, self.tokenizer)
-        return jg.create_generate_function(config, shard_inputs=shard_inputs,
-                                           config_overrides={**(config_overrides or {}), **generate_kwargs},
-                                           mesh=self.mesh)
+        return jg.create_generate_function(
+            config,
+            shard_inputs=shard_inputs,
+            config_overrides={**(config_overrides or {}), **generate_kwargs},
+            mesh=self.mesh,
+        )
 
     def _generation_setup(self, state, use_esurge, generation_config, shard_inputs, config_overrides, kwargs):
         if use_esurge:
-            raise ValueError("use_esurge=True: jaxloom has no eSurge engine; it decodes with a KV cache "
-                             "(leave use_esurge unset)")
+            raise ValueError(
+                "use_esurge=True: jaxloom has no eSurge engine; it decodes with a KV cache (leave use_esurge unset)"
+            )
         if state is None:
             self.initialize_trainer_utils()
             state = self.state
-        config = _generation_config(generation_config, self.tokenizer).replace(**{**(config_overrides or {}),
-                                                                                 **kwargs})
+        config = _generation_config(generation_config, self.tokenizer).replace(**{**(config_overrides or {}), **kwargs})
         return state.model, config, (self.mesh if shard_inputs is not False else None)
 
     # ---- data helpers -------------------------------------------------------------------------------------
     def create_collect_function(self, max_sequence_length: int, truncation_mode: str = "keep_end"):
         """`collate(examples) -> dict of arrays`: tokenized examples (`{"input_ids": [...], ...}`) truncated
         by `truncation_mode` and right-padded with the tokenizer's pad id to `max_sequence_length`."""
-        return jd.create_collect_function(max_sequence_length, truncation_mode,
-                                          pad_token_id=self.tokenizer.pad_token_id or 0)
+        return jd.create_collect_function(
+            max_sequence_length, truncation_mode, pad_token_id=self.tokenizer.pad_token_id or 0
+        )
 
     def create_grain_collect_function(self, max_sequence_length: int, truncation_mode: str = "keep_end"):
         """The same collate function as `create_collect_function(max_sequence_length, truncation_mode)`,
@@ -804,8 +964,9 @@ class BaseTrainer:
     def specs_to_name_sharding(self, tree, mesh=None):
         """`tree` with every `PartitionSpec` replaced by a `NamedSharding` on `mesh` (default: the trainer's)."""
         mesh = mesh or self.mesh
-        return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), tree,
-                                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return jax.tree_util.tree_map(
+            lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )
 
     @staticmethod
     def count_model_parameters(prm) -> int:
@@ -825,10 +986,17 @@ class BaseTrainer:
         return per_token * (3 if is_training else 1) * a.training_batch_size * a.max_sequence_length
 
     # ---- outputs ------------------------------------------------------------------------------------------
-    def save_pretrained(self, state: js.TrainState | str | os.PathLike | None = None,
-                        save_directory: str | os.PathLike | js.TrainState | None = None, gather_fns=None,
-                        to_torch: bool = False, easystate_to_huggingface_model_kwargs: dict | None = None,
-                        torch_save_pretrained_kwargs: dict | None = None, *, to_hf: bool | None = None) -> Path:
+    def save_pretrained(
+        self,
+        state: js.TrainState | str | os.PathLike | None = None,
+        save_directory: str | os.PathLike | js.TrainState | None = None,
+        gather_fns=None,
+        to_torch: bool = False,
+        easystate_to_huggingface_model_kwargs: dict | None = None,
+        torch_save_pretrained_kwargs: dict | None = None,
+        *,
+        to_hf: bool | None = None,
+    ) -> Path:
         """Write `state` (default: the trainer's) to `save_directory`: with `to_torch` (or `to_hf`) a
         Hugging Face directory `transformers` loads (safetensors, config, tokenizer), else an orbax
         checkpoint of the whole state. The protocol's order `save_pretrained(ckpt_path, state)` works too.
@@ -846,26 +1014,37 @@ class BaseTrainer:
         save_kw = dict(torch_save_pretrained_kwargs or {})
         unknown = sorted(set(convert) - {"dtype"}) + sorted(set(save_kw) - {"max_shard_size"})
         if unknown:
-            raise ValueError(f"save_pretrained: unsupported export option(s) {unknown}; supported: "
-                             "easystate_to_huggingface_model_kwargs={'dtype'}, "
-                             "torch_save_pretrained_kwargs={'max_shard_size'}")
+            raise ValueError(
+                f"save_pretrained: unsupported export option(s) {unknown}; supported: "
+                "easystate_to_huggingface_model_kwargs={'dtype'}, "
+                "torch_save_pretrained_kwargs={'max_shard_size'}"
+            )
         if state is None:
             self.initialize_trainer_utils()
             state = self.state
         extra = {"max_shard_bytes": _bytes(save_kw["max_shard_size"])} if "max_shard_size" in save_kw else {}
-        return js.save_pretrained(state, save_directory, to_hf=to_hf, tokenizer=self.tokenizer,
-                                  dtype=convert.get("dtype"), **extra)
+        return js.save_pretrained(
+            state, save_directory, to_hf=to_hf, tokenizer=self.tokenizer, dtype=convert.get("dtype"), **extra
+        )
 
-    def save_information(self, output_path: str | Path | None = None, *, final: dict | None = None,
-                         stop_reason: str = "not finished") -> Path:
+    def save_information(
+        self, output_path: str | Path | None = None, *, final: dict | None = None, stop_reason: str = "not finished"
+    ) -> Path:
         """A Markdown report of the run (model, parameters, mesh, arguments, `final` metrics and the
         `stop_reason`) at `output_path` (default `save_directory/report.md`)."""
         self._plan()
         path = Path(output_path or Path(self.arguments.save_directory) / "report.md")
         path.parent.mkdir(parents=True, exist_ok=True)
-        return write_report(path, model=self._model_in, n_params=self.n_params, mesh=self.mesh,
-                            arguments=self.arguments, final=final or {}, resumed_from=self.resumed_from,
-                            stop_reason=stop_reason)
+        return write_report(
+            path,
+            model=self._model_in,
+            n_params=self.n_params,
+            mesh=self.mesh,
+            arguments=self.arguments,
+            final=final or {},
+            resumed_from=self.resumed_from,
+            stop_reason=stop_reason,
+        )
 
 
 class _Profiler:
@@ -883,8 +1062,9 @@ class _Profiler:
         if self.active and step == self.steps[1]:
             jax.block_until_ready(metrics)
             self.close()
-            log.warning("profiler trace of steps %d-%d in %s (TensorBoard's profile plugin)", *self.steps,
-                        self.directory)
+            log.warning(
+                "profiler trace of steps %d-%d in %s (TensorBoard's profile plugin)", *self.steps, self.directory
+            )
 
     def close(self) -> None:
         if self.active:
@@ -909,20 +1089,26 @@ def _matches(state: js.TrainState, abstract: js.TrainState) -> bool:
     try:
         pairs = zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(abstract), strict=True)
         same = jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(abstract)
-        return same and all(isinstance(x, jax.Array | np.ndarray) and x.shape == y.shape and x.dtype == y.dtype
-                            for x, y in pairs)
+        return same and all(
+            isinstance(x, jax.Array | np.ndarray) and x.shape == y.shape and x.dtype == y.dtype for x, y in pairs
+        )
     except (ValueError, AttributeError):
         return False
 
 
 def _collated(collator, local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out = collator(dict(local))
-    bad = {k: (np.shape(out.get(k)), np.asarray(v).dtype) for k, v in local.items()
-           if k not in out or np.shape(out[k]) != v.shape}
+    bad = {
+        k: (np.shape(out.get(k)), np.asarray(v).dtype)
+        for k, v in local.items()
+        if k not in out or np.shape(out[k]) != v.shape
+    }
     if bad or set(out) != set(local):
-        raise ValueError(f"data_collator must return the batch's keys {sorted(local)} with their shapes "
-                         f"{ {k: v.shape for k, v in local.items()} }; got {sorted(out)} "
-                         f"{ {k: np.shape(v) for k, v in out.items()} }")
+        raise ValueError(
+            f"data_collator must return the batch's keys {sorted(local)} with their shapes "
+            f"{ {k: v.shape for k, v in local.items()} }; got {sorted(out)} "
+            f"{ {k: np.shape(v) for k, v in out.items()} }"
+        )
     return {k: np.asarray(out[k], local[k].dtype) for k in local}
 
 
