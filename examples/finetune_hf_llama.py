@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     trainer = Trainer(args, model, dataset_train=data, processing_class=tokenizer)
     out = trainer.train()
-    exported = trainer.save_pretrained(Path(a.out) / "hf")  # config.json + model.safetensors + tokenizer
+    exported = trainer.save_pretrained(Path(a.out) / "hf", to_torch=True)  # config.json + safetensors + tokenizer
     trainer.finish()
 
     before = jm.to_hf_state_dict(jm.from_pretrained(base))

@@ -103,16 +103,24 @@ def impossible_mesh(tmp):
     MeshConfig((3, -1), ("fsdp", "tp")).build()
 
 
-def indivisible_batch(tmp):
+def _set_up(tmp, *items):
+    """What `jaxloom train` does before step 1: build the run, then its builders (constructing a trainer
+    does no work of its own)."""
     from jaxloom.trainer.cli import build_run
 
-    build_run(None, _tiny(tmp, "total_batch_size=6", "sharding_axis_dims=[1,4,1,2,1]"))
+    trainer, _ = build_run(None, _tiny(tmp, *items))
+    try:
+        trainer.initialize_trainer_utils()
+    finally:
+        trainer.finish()
+
+
+def indivisible_batch(tmp):
+    _set_up(tmp, "total_batch_size=6", "sharding_axis_dims=[1,4,1,2,1]")
 
 
 def missing_file(tmp):
-    from jaxloom.trainer.cli import build_run
-
-    build_run(None, _tiny(tmp, f"data.train={tmp / 'nope.jsonl'}", "data.eval=null"))
+    _set_up(tmp, f"data.train={tmp / 'nope.jsonl'}", "data.eval=null")
 
 
 def malformed_jsonl(tmp):
@@ -161,7 +169,7 @@ def checkpoint_shape(tmp):
     trainer, _ = build_run(None, _tiny(tmp, "save_steps=2"))
     trainer.train()
     trainer.finish()
-    build_run(None, _tiny(tmp, "model.hidden_size=64", "max_training_steps=3"))
+    _set_up(tmp, "model.hidden_size=64", "max_training_steps=3")
 
 
 def scaling_index_zero(tmp):

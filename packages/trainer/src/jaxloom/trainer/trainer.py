@@ -324,7 +324,7 @@ class BaseTrainer:
         `params_only` leaves the optimizer state abstract. FileNotFoundError when there is none."""
         self._plan()
         if self.checkpoints.latest_step() is None:
-            raise FileNotFoundError(f"no complete checkpoint under {self.checkpoints.directory}")
+            raise FileNotFoundError(f"no checkpoint under {self.checkpoints.directory} (none complete)")
         target = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._abstract_state, self.state_shardings
         )
