@@ -103,7 +103,20 @@ def test_cli_train_plan_convert_and_errors(tmp_path, capsys):
         assert main(["generate", source, "--prompt", "The list", "--max-new-tokens", "4"]) == 0
         assert capsys.readouterr().out.startswith("The list")
     assert main(["generate", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
+    # eval of a run without a checkpoint is an error, never the score of a random model
+    empty = [f"save_directory={tmp_path / 'empty'}", *tiny[1:]]
+    assert main(["eval", *empty]) == 2 and "no checkpoint under" in capsys.readouterr().err
     assert main(["train", *tiny, "learnig_rate=1"]) == 2
     assert "did you mean 'learning_rate'" in capsys.readouterr().err
     assert main(["train", str(tmp_path / "missing.yaml")]) == 2
     assert main(["train", *tiny, "model.model_type=gpt9"]) == 2
+
+
+def test_ray_launcher_is_found_by_entry_point_and_missing_is_clear(monkeypatch, capsys):
+    """`--ray` is looked up in the `jaxloom.launchers` entry points (the trainer imports no later part);
+    without jaxloom-ray installed the command says what to install."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
+    assert main(["train", "max_training_steps=1", "--ray", "num_workers=1"]) == 2
+    assert "--ray needs the jaxloom-ray package" in capsys.readouterr().err
