@@ -41,7 +41,8 @@ def test_bump_sets_version_changelog_and_meta_pin(repo):
     assert out.stdout.strip() == f"mesh: {old} -> {new}"
     assert f'__version__ = "{new}"' in (repo / "packages/mesh/src/jaxloom/mesh/__about__.py").read_text()
     changelog = (repo / "packages/mesh/CHANGELOG.md").read_text()
-    assert f"## {new}\n- new thing\n- another\n\n## {old}\n" in changelog
+    today = __import__("datetime").date.today().isoformat()
+    assert f"## {new} — {today}\n- new thing\n- another\n\n## {old} — " in changelog  # dated, newest first
     assert f'"jaxloom-mesh=={new}"' in (repo / "packages/jaxloom/pyproject.toml").read_text()
     assert release(repo, "check").returncode == 0
     meta = release(repo, "bump", "jaxloom", "patch", "-m", f"pins jaxloom-mesh {new}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import datetime
 import re
 import shutil
 import subprocess
@@ -59,7 +60,9 @@ def bump(part: str, level: str, message: str) -> str:
     about.write_text(about.read_text().replace(f'__version__ = "{old}"', f'__version__ = "{new}"'))
     changelog = parts.PACKAGES / part / "CHANGELOG.md"
     text = changelog.read_text()
-    entry = f"## {new}\n" + "".join(f"- {line.strip()}\n" for line in message.strip().splitlines() if line.strip())
+    entry = f"## {new} — {datetime.date.today().isoformat()}\n" + "".join(
+        f"- {line.strip()}\n" for line in message.strip().splitlines() if line.strip()
+    )
     first = re.search(r"^## ", text, re.M)
     text = text[: first.start()] + entry + "\n" + text[first.start() :] if first else text.rstrip() + "\n\n" + entry
     changelog.write_text(text)
