@@ -52,8 +52,16 @@ def test_easydel_helpers():
     assert out["attention_mask"].tolist() == [[1] * 5, [1, 0, 0, 0, 0]]
     s = jd.process_sample_data(TOK, "hello world", 16, padding_side="left")
     assert s["input_ids"].shape == (16,) and s["attention_mask"][-1] == 1 and s["attention_mask"][0] == 0
-    m = jd.process_messages_data(TOK, [{"role": "user", "content": "hi"}], 24, padding_side="right")
-    assert m["input_ids"].shape == (24,) and m["attention_mask"][0] == 1
+    chat = [{"role": "user", "content": "hi"}]
+    right = jd.process_messages_data(TOK, chat, 24, padding_side="right")
+    left = jd.process_messages_data(TOK, chat, 24, padding_side="left")
+    assert right["input_ids"].shape == left["input_ids"].shape == (24,)
+    n = int(right["attention_mask"].sum())
+    assert 0 < n < 24 and right["attention_mask"][0] == 1 and left["attention_mask"][0] == 0
+    # the same tokens, padded on the side asked for
+    assert right["input_ids"][:n].tolist() == left["input_ids"][-n:].tolist()
+    with pytest.raises(ValueError, match="padding_side 'middle'"):
+        jd.process_messages_data(TOK, chat, 24, padding_side="middle")
 
 
 def test_synthetic_task():

@@ -28,7 +28,8 @@ def test_config_json_round_trip_with_dtypes_and_partition_axis(tmp_path):
             "sharding_axis_dims": (1, -1, 1, 1, 1),
         },
     )
-    pre = cfg._saving_preprocess()
+    pre = cfg._saving_preprocess()  # in place, as EasyDeL's: "use it before saving"
+    assert pre is cfg
     assert pre.config_variables["dtype"] == "bfloat16" and pre.config_variables["param_dtype"] == "float32"
     assert pre.config_variables["partition_axis"] == pa.to_dict()
     assert pre.model_task == "causal-language-model"

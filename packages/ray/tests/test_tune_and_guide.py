@@ -8,7 +8,13 @@ import pytest
 import ray
 from util import EVAL, FIXED, SCALING, TRAIN, args, base_model_dir
 
-from jaxloom.models import LlamaForCausalLM, TaskType
+from jaxloom.models import (
+    AttentionMechanisms,
+    EasyDeLGradientCheckPointers,
+    LlamaConfig,
+    LlamaForCausalLM,
+    TaskType,
+)
 from jaxloom.ray import RayDistributedTrainer, ScalingConfig
 from jaxloom.state import TrainState
 from jaxloom.trainer import Trainer, TrainingArguments
@@ -82,8 +88,8 @@ def test_guide_scaling_variables(base):
         config_variables={
             "dtype": jnp.bfloat16,
             "max_position_embeddings": 8192,
-            "attn_mechanism": "flash",
-            "gradient_checkpointing": "selective",
+            "attn_mechanism": AttentionMechanisms.FLASH,
+            "gradient_checkpointing": EasyDeLGradientCheckPointers.SELECTIVE,
         },
     )
     config = trainer.create_config(scaling_index=2)
@@ -185,6 +191,11 @@ def test_guide_integration_with_ray(ray_cluster, base, tmp_path):
 
 
 def test_guide_custom_model_state_and_trainer_classes(base, tmp_path):
+    class CustomModel(LlamaForCausalLM):
+        _model_type = "custom"
+        _model_task = TaskType.CUSTOM
+        config_class = LlamaConfig  # what create_config builds for this model type
+
     class CustomState(TrainState):
         pass
 
@@ -192,18 +203,21 @@ def test_guide_custom_model_state_and_trainer_classes(base, tmp_path):
         pass
 
     trainer = RayDistributedTrainer(
-        str(base),
-        model_class=LlamaForCausalLM,
+        pretrained_model_name_or_path=str(base),
+        model_class=CustomModel,
         state_class=CustomState,
         trainer_module=CustomTrainer,
         config_scaling_variables=SCALING,
         config_variables=FIXED,
     )
+    assert (trainer.model_type, trainer.model_task) == ("custom", TaskType.CUSTOM)
     state = trainer.convert_model_to_state(trainer.create_model_from_config(1))
-    assert isinstance(state, CustomState)
-    t = trainer.create_trainer(args(tmp_path, max_training_steps=1), TRAIN, state=state)
+    assert isinstance(state, CustomState) and isinstance(state.model, CustomModel)
+    t = trainer.create_trainer(args(tmp_path / "a", max_training_steps=1), TRAIN, state=state)
     assert isinstance(t, CustomTrainer)
     t.finish()
+    out = trainer.train(1, args(tmp_path / "b", max_training_steps=1), TRAIN)  # the classes are kept in training
+    assert type(out.state) is CustomState and isinstance(out.state.model, CustomModel)
 
 
 def test_guide_troubleshooting(base):

@@ -76,18 +76,22 @@ def process_messages_data(
 ) -> dict[str, np.ndarray]:
     """Chat `messages` → `tokenizer`'s chat template applied (with the assistant header when
     `add_generation_prompt`), tokenized and padded on `padding_side` to `max_length` (flattened)."""
-    enc = tokenizer.apply_chat_template(
-        messages,
-        tokenize=True,
-        add_generation_prompt=add_generation_prompt,
-        max_length=max_length,
-        truncation=True,
-        padding="max_length",
-        padding_side=padding_side,
-        return_dict=True,
-        return_tensors="np",
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side {padding_side!r}; expected 'left' or 'right'")
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers versions differ in what tokenize=True returns
+        ids = ids["input_ids"]
+    ids = (
+        list(ids)[-max_length:] if getattr(tokenizer, "truncation_side", "right") == "left" else list(ids)[:max_length]
     )
-    return {k: np.asarray(v).reshape(-1) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+    pad = [tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0] * (max_length - len(ids))
+    mask = [1] * len(ids)
+    # Padded on `padding_side` by hand: transformers' chat template path ignores `padding_side`.
+    if padding_side == "left":
+        ids, mask = pad + ids, [0] * len(pad) + mask
+    else:
+        ids, mask = ids + pad, mask + [0] * len(pad)
+    return {"input_ids": np.asarray(ids, np.int32), "attention_mask": np.asarray(mask, np.int32)}
 
 
 def to_global(batch: dict[str, np.ndarray], mesh, global_batch_size: int) -> dict:

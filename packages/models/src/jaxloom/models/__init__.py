@@ -8,10 +8,12 @@ from .hf import from_pretrained, save_hf_model, to_hf_state_dict
 from .llama import CausalLMOutput, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from .mixtral import MixtralForCausalLM, grouped_matmul
 from .registry import TaskType, get_model_class, register, registered
-from .runtime import SCAN_ABOVE_LAYERS, RuntimeConfig
+from .runtime import SCAN_ABOVE_LAYERS, AttentionMechanisms, EasyDeLGradientCheckPointers, RuntimeConfig
 
 __all__ = [
+    "AttentionMechanisms",
     "AttentionUnavailableError",
+    "EasyDeLGradientCheckPointers",
     "attend",
     "choose_implementation",
     "grouped_matmul",

@@ -11,6 +11,7 @@ class TaskType(str, enum.Enum):
     CAUSAL_LM = "causal-language-model"
     SEQUENCE_CLASSIFICATION = "sequence-classification"
     BASE_MODULE = "base-module"
+    CUSTOM = "custom"  # a model class of the user's own (e.g. given to `RayDistributedTrainer(model_class=...)`)
 
 
 _REGISTRY: dict[tuple[str, TaskType], type] = {}

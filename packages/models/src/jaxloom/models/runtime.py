@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -12,10 +13,80 @@ from jaxloom.mesh import PartitionAxis
 AttnMechanism = Literal["auto", "xla", "chunked", "cudnn", "flash"]
 RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"]
 ATTN_MECHANISMS = ("auto", "xla", "chunked", "cudnn", "flash")
-# Earlier names, read as what they always ran: both were the XLA path over a materialised mask.
-ATTN_ALIASES = {"vanilla": "xla", "dot_product": "xla"}
 MOE_IMPLEMENTATIONS = ("auto", "ragged", "tiled", "dense")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+class AttentionMechanisms(str, enum.Enum):
+    """EasyDeL's attention names; each runs on one of jaxloom's backends (`ATTN_ALIASES`): its Pallas
+    kernels on `flash`, its cuDNN/SDPA paths on `cudnn`, blockwise on `chunked`, vanilla on `xla`."""
+
+    AUTO = "auto"
+    VANILLA = "vanilla"
+    DOT_PRODUCT = "dot_product"
+    XLA = "xla"
+    CHUNKED = "chunked"
+    BLOCKWISE = "blockwise"
+    SDPA = "sdpa"
+    CUDNN = "cudnn"
+    FLASH = "flash"
+    FLASH_ATTN2 = "flash_attn2"
+    SPLASH = "splash"
+
+
+class EasyDeLGradientCheckPointers(str, enum.Enum):
+    """EasyDeL's gradient-checkpointing names; each is one of jaxloom's remat policies (`REMAT_ALIASES`)."""
+
+    NONE = "none"
+    EVERYTHING_SAVEABLE = "everything_saveable"
+    NOTHING_SAVEABLE = "nothing_saveable"
+    FULL = "full"
+    SELECTIVE = "selective"
+    CHECKPOINT_DOTS = "checkpoint_dots"
+    CHECKPOINT_DOTS_WITH_NO_BATCH_DMIS = "checkpoint_dots_with_no_batch_dims"
+    DOTS_SAVEABLE = "dots_saveable"
+    DOTS_WITH_NO_BATCH_DIMS_SAVEABLE = "dots_with_no_batch_dims_saveable"
+
+
+# EasyDeL's (and earlier) attention names → the backend each runs on.
+ATTN_ALIASES = {
+    "vanilla": "xla",
+    "dot_product": "xla",
+    "blockwise": "chunked",
+    "sdpa": "cudnn",
+    "flash_attn2": "flash",
+    "splash": "flash",
+}
+# EasyDeL's gradient-checkpointing names → remat policies ("everything saveable" saves all: no remat).
+REMAT_ALIASES = {
+    "everything_saveable": "none",
+    "nothing_saveable": "full",
+    "selective": "dots_saveable",
+    "checkpoint_dots": "dots_saveable",
+    "checkpoint_dots_with_no_batch_dims": "dots_with_no_batch_dims_saveable",
+}
+
+
+def attn_backend(name: Any) -> str:
+    """The backend an attention name (ours, EasyDeL's or an `AttentionMechanisms`) runs on."""
+    key = str(getattr(name, "value", name)).lower()
+    key = ATTN_ALIASES.get(key, key)
+    if key not in ATTN_MECHANISMS:
+        known = sorted({*ATTN_MECHANISMS, *ATTN_ALIASES})
+        raise ValueError(f"attn_mechanism {name!r}; expected one of {known}")
+    return key
+
+
+def remat_policy(name: Any) -> str:
+    """The remat policy a gradient-checkpointing name (ours, EasyDeL's or an enum member) means."""
+    key = str(getattr(name, "value", name)).lower()
+    key = REMAT_ALIASES.get(key, key)
+    if key not in REMAT_POLICIES:
+        known = sorted({*REMAT_POLICIES, *REMAT_ALIASES})
+        raise ValueError(f"remat {name!r}; expected one of {known}")
+    return key
+
+
 # `scan_layers=None` scans stacks deeper than this. Measured (docs/performance.md): scanning 8 layers cost 12%
 # of a CPU train step (8.4M Llama) and saved 0.6 s of its compile; at 32 layers unrolling costs 5.8 s more
 # compile. Decided by depth alone, so a checkpoint's layout never depends on the platform that wrote it.
@@ -39,9 +110,10 @@ class RuntimeConfig:
     attn_mechanism: the attention backend (`attention.attend`): 'xla' (reference, materialised mask),
       'chunked' (blockwise, linear memory, any platform), 'cudnn' (NVIDIA), 'flash' (Pallas, GPU/TPU)
       or 'auto' (by platform and length). An explicit backend that cannot run is an error.
-      ('vanilla' and 'dot_product', the earlier names, mean 'xla'.)
+      EasyDeL's names and `AttentionMechanisms` members are read as the backend they run on.
     attn_block_size: keys per block of the 'chunked' backend.
-    remat: rematerialisation of each decoder layer: none, full, or a policy saving matmul outputs.
+    remat: rematerialisation of each decoder layer: none, full, or a policy saving matmul outputs
+      (EasyDeL's gradient-checkpointing names and `EasyDeLGradientCheckPointers` members are read too).
     scan_layers: stack the decoder layers' parameters and run them with one `lax.scan` (compile time
       flat in depth); None = scan when the model has more than `SCAN_ABOVE_LAYERS` (16) layers.
     moe_implementation: how routed experts compute: 'ragged' (`lax.ragged_dot`, grouped GEMM kernels on
@@ -64,9 +136,8 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", to_dtype(self.dtype))
         object.__setattr__(self, "param_dtype", to_dtype(self.param_dtype))
-        object.__setattr__(self, "attn_mechanism", ATTN_ALIASES.get(self.attn_mechanism, self.attn_mechanism))
-        if self.attn_mechanism not in ATTN_MECHANISMS:
-            raise ValueError(f"attn_mechanism {self.attn_mechanism!r}; expected one of {ATTN_MECHANISMS}")
+        object.__setattr__(self, "attn_mechanism", attn_backend(self.attn_mechanism))
+        object.__setattr__(self, "remat", remat_policy(self.remat))
         if (
             isinstance(self.attn_block_size, bool)
             or not isinstance(self.attn_block_size, int)
@@ -77,8 +148,6 @@ class RuntimeConfig:
             raise ValueError(f"moe_implementation {self.moe_implementation!r}; expected one of {MOE_IMPLEMENTATIONS}")
         if self.scan_layers not in (None, True, False):
             raise ValueError(f"scan_layers {self.scan_layers!r}; expected true, false or null (auto)")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat {self.remat!r}; expected one of {REMAT_POLICIES}")
         if self.precision not in (None, "default", "high", "highest", "DEFAULT", "HIGH", "HIGHEST"):
             raise ValueError(f"precision {self.precision!r}; expected None, 'default', 'high' or 'highest'")
         if isinstance(self.partition_axis, dict):

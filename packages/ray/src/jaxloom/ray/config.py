@@ -37,19 +37,24 @@ class RayDistributedConfig(BaseModel):
         return v.value if isinstance(v, enum.Enum) else v
 
     def _saving_preprocess(self) -> RayDistributedConfig:
-        """A copy whose `config_variables` are JSON data: dtypes → names, PartitionAxis → dict, enums → values."""
-        return self.model_copy(update={"config_variables": _encode(self.config_variables)})
+        """Make `config_variables` JSON data in place (dtypes → names, PartitionAxis → dict, enums →
+        values, tuples → lists), as EasyDeL does before saving; returns this config."""
+        self.config_variables = _encode(self.config_variables)
+        return self
 
     def _loading_postprocess(self) -> RayDistributedConfig:
-        """The inverse of `_saving_preprocess`."""
-        return self.model_copy(update={"config_variables": _decode(self.config_variables)})
+        """The inverse of `_saving_preprocess`, in place (after loading); returns this config."""
+        self.config_variables = _decode(self.config_variables)
+        return self
 
     def save(self, path: str | Path) -> Path:
         """Write the config as JSON (after `_saving_preprocess`) atomically; returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self._saving_preprocess().model_dump(), indent=2, sort_keys=True))
+        tmp.write_text(
+            json.dumps(self.model_copy(deep=True)._saving_preprocess().model_dump(), indent=2, sort_keys=True)
+        )
         tmp.replace(path)
         return path
 
@@ -75,6 +80,8 @@ def _encode(variables: dict[str, Any] | None) -> dict[str, Any] | None:
     for key, value in variables.items():
         if key in DTYPE_KEYS and value is not None:
             value = jnp.dtype(value).name
+        elif key == "precision" and isinstance(value, enum.Enum):
+            value = value.name.lower()  # jax.lax.Precision.DEFAULT → "default"
         elif isinstance(value, PartitionAxis):
             value = value.to_dict()
         elif isinstance(value, enum.Enum):
@@ -98,6 +105,15 @@ def _decode(variables: dict[str, Any] | None) -> dict[str, Any] | None:
             except TypeError:
                 raise ValueError(
                     f"config_variables[{key!r}] = {value!r} is not a dtype; expected e.g. 'float32' or 'bfloat16'"
+                ) from None
+        elif key == "precision" and isinstance(value, str):
+            import jax
+
+            try:
+                value = jax.lax.Precision[value.upper()]
+            except KeyError:
+                raise ValueError(
+                    f"config_variables['precision'] = {value!r}; expected 'default', 'high' or 'highest'"
                 ) from None
         elif key == "partition_axis" and isinstance(value, dict):
             value = PartitionAxis.from_dict(value)

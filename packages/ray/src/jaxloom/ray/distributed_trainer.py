@@ -21,33 +21,9 @@ from .config import DTYPE_KEYS, RayDistributedConfig, _decode
 
 log = logging.getLogger("jaxloom.ray")
 
-# EasyDeL's gradient-checkpointing names → our remat policies.
-_REMAT = {
-    "none": "none",
-    "everything_saveable": "none",
-    "nothing_saveable": "full",
-    "full": "full",
-    "checkpoint_dots": "dots_saveable",
-    "selective": "dots_saveable",
-    "dots_saveable": "dots_saveable",
-    "checkpoint_dots_with_no_batch_dims": "dots_with_no_batch_dims_saveable",
-    "dots_with_no_batch_dims_saveable": "dots_with_no_batch_dims_saveable",
-}
-# EasyDeL's attention names → our backends (jaxloom.models.attention): its Pallas kernels are our
+# EasyDeL's attention and gradient-checkpointing names (and the `AttentionMechanisms` /
+# `EasyDeLGradientCheckPointers` members) are read by `jaxloom.models.runtime`: its Pallas kernels are our
 # `flash`, its cuDNN/SDPA paths our `cudnn`; an explicit kernel that cannot run here is an error.
-_ATTN = {
-    "auto": "auto",
-    "vanilla": "xla",
-    "dot_product": "xla",
-    "xla": "xla",
-    "chunked": "chunked",
-    "blockwise": "chunked",
-    "sdpa": "cudnn",
-    "cudnn": "cudnn",
-    "flash": "flash",
-    "flash_attn2": "flash",
-    "splash": "flash",
-}
 _RUNTIME_KEYS = {"dtype", "param_dtype", "precision", "attn_mechanism", "gradient_checkpointing", "partition_axis"}
 _MESH_KEYS = {"sharding_axis_names", "sharding_axis_dims", "sharding_dcn_axis_dims"}
 # Accepted for EasyDeL compatibility: attention runs in `dtype` with a float32 softmax here.
@@ -84,13 +60,13 @@ class RayDistributedTrainer:
     CONFIG_VARIABLES: ClassVar[dict[str, Any]] = {
         "dtype": jnp.bfloat16,
         "param_dtype": jnp.bfloat16,
-        "precision": "default",
+        "precision": jax.lax.Precision.DEFAULT,
         "seed": 654,
         "max_position_embeddings": 2**13,
-        "gradient_checkpointing": "none",
+        "gradient_checkpointing": jm.EasyDeLGradientCheckPointers.NONE,
         "initializer_range": 0.02,
         "partition_axis": PartitionAxis(),
-        "attn_mechanism": "auto",
+        "attn_mechanism": jm.AttentionMechanisms.AUTO,
         "attn_dtype": jnp.bfloat16,
         "attn_softmax_dtype": jnp.bfloat16,
         "sharding_axis_names": ("dp", "fsdp", "ep", "tp", "sp"),
@@ -113,10 +89,12 @@ class RayDistributedTrainer:
     ):
         self.pretrained_model_name_or_path = str(pretrained_model_name_or_path)
         self.bucket_path = bucket_path
-        if model_class is not None:
-            model_type = model_type or getattr(model_class, "model_type", None)
-            model_task = model_task or getattr(model_class, "task", None)
-        if model_type is None:
+        if model_class is not None:  # EasyDeL's `_model_type` / `_model_task` when declared, else ours
+            model_type = (
+                model_type or getattr(model_class, "_model_type", None) or getattr(model_class, "model_type", None)
+            )
+            model_task = model_task or getattr(model_class, "_model_task", None) or getattr(model_class, "task", None)
+        if model_type is None:  # then the directory's config.json must name it
             model_type = self._base_config_dict().get("model_type")
         if model_type is None:
             raise ValueError(
@@ -132,7 +110,8 @@ class RayDistributedTrainer:
         if trainer_module is None:
             from jaxloom.trainer import Trainer as trainer_module
         self.trainer_module = trainer_module
-        scaling = dict(self.CONFIG_SCALING_VARIABLES if config_scaling_variables is None else config_scaling_variables)
+        # Merged over the defaults, as `config_variables` are: a given dict changes or adds variables.
+        scaling = {**self.CONFIG_SCALING_VARIABLES, **(config_scaling_variables or {})}
         bad = {k: v for k, v in scaling.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0}
         if bad:
             raise ValueError(f"config_scaling_variables {bad}; expected positive integers")
@@ -146,19 +125,21 @@ class RayDistributedTrainer:
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path} not found: pretrained_model_name_or_path must be a local Hugging Face "
-                "model directory (jaxloom never downloads)"
+                "model directory (jaxloom never downloads), or give model_type (or model_class) to start "
+                "from the config class's defaults"
             )
         try:
             return json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
 
+    def _config_class(self) -> type | None:
+        """The model's config class: `model_class.config_class` when it names one, else the registry's."""
+        return getattr(self.model_class, "config_class", None) or jm.CONFIG_CLASSES.get(self.model_type)
+
     def _check_variables(self) -> None:
-        config_fields = (
-            set(jm.CONFIG_CLASSES[self.model_type].__dataclass_fields__)
-            if self.model_type in jm.CONFIG_CLASSES
-            else set()
-        )
+        config_class = self._config_class()
+        config_fields = set(config_class.__dataclass_fields__) if config_class is not None else set()
         known = config_fields | _RUNTIME_KEYS | _MESH_KEYS | _COMPAT_KEYS | {"seed"}
         unknown = sorted(set(self.config_variables) - known)
         if unknown:
@@ -167,12 +148,11 @@ class RayDistributedTrainer:
                 f"{sorted(_RUNTIME_KEYS | _MESH_KEYS | _COMPAT_KEYS | {'seed'})}"
             )
         v = self.config_variables
-        if _name(v["gradient_checkpointing"]) not in _REMAT:
-            raise ValueError(
-                f"gradient_checkpointing {v['gradient_checkpointing']!r}; expected one of {sorted(_REMAT)}"
-            )
-        if _name(v["attn_mechanism"]) not in _ATTN:
-            raise ValueError(f"attn_mechanism {v['attn_mechanism']!r}; expected one of {sorted(_ATTN)}")
+        try:
+            jm.runtime.remat_policy(v["gradient_checkpointing"])
+        except ValueError as e:
+            raise ValueError(f"config_variables['gradient_checkpointing']: {e}") from None
+        jm.runtime.attn_backend(v["attn_mechanism"])
         for key in DTYPE_KEYS:
             if key in v:
                 jm.runtime.to_dtype(v[key])
@@ -210,17 +190,26 @@ class RayDistributedTrainer:
         )
 
     def create_config(self, scaling_index: int):
-        """The base config with every scaling variable × `scaling_index` and the fixed fields set."""
+        """The base config with every scaling variable × `scaling_index` and the fixed fields set. The base
+        is `pretrained_model_name_or_path/config.json` when there is one, else the defaults of the model's
+        config class (`model_type` given, or inferred from `model_class`)."""
         if not isinstance(scaling_index, int) or isinstance(scaling_index, bool) or scaling_index <= 0:
             raise ValueError(f"scaling_index {scaling_index!r}; expected a positive integer")
-        data = dict(self._base_config_dict())
-        data["model_type"] = self.model_type
-        fields = jm.CONFIG_CLASSES[self.model_type].__dataclass_fields__
+        config_class = self._config_class()
+        if config_class is None:
+            raise ValueError(
+                f"no config class for model_type {self.model_type!r}: register one in "
+                "jaxloom.models.CONFIG_CLASSES or give the model class a `config_class` attribute"
+            )
+        has_file = (Path(self.pretrained_model_name_or_path) / "config.json").is_file()
+        data = dict(self._base_config_dict()) if has_file else {}
+        data.pop("model_type", None)
+        fields = config_class.__dataclass_fields__
         scaled = {k: v * scaling_index for k, v in self.config_scaling_variables.items() if k in fields}
         fixed = {k: v for k, v in self.config_variables.items() if k in fields}
         if {"hidden_size", "num_attention_heads"} & set(scaled) and "head_dim" not in fixed:
             data.pop("head_dim", None)  # follows hidden_size / heads
-        return jm.config_from_hf_dict({**data, **scaled, **fixed})
+        return config_class.from_hf_dict({**data, **scaled, **fixed})
 
     def runtime(self) -> jm.RuntimeConfig:
         """The `RuntimeConfig` (dtypes, precision, attention, remat, partition axes) from `config_variables`."""
@@ -230,8 +219,8 @@ class RayDistributedTrainer:
             dtype=v["dtype"],
             param_dtype=v["param_dtype"],
             precision=None if precision is None else _name(precision),
-            attn_mechanism=_ATTN[_name(v["attn_mechanism"])],
-            remat=_REMAT[_name(v["gradient_checkpointing"])],
+            attn_mechanism=jm.runtime.attn_backend(v["attn_mechanism"]),
+            remat=jm.runtime.remat_policy(v["gradient_checkpointing"]),
             partition_axis=v.get("partition_axis") or PartitionAxis(),
         )
 
@@ -328,6 +317,20 @@ class RayDistributedTrainer:
         input_ids) before tokenization."""
         if state is None:
             raise ValueError("create_trainer needs a state (see train() for how one is chosen)")
+        if not self._own_trainer():
+            # A trainer of the user's own that follows `BaseTrainerProtocol`: the reference's arguments.
+            if hooks:
+                raise TypeError(
+                    f"hooks (used by train_on_ray's supervision) need a jaxloom BaseTrainer; "
+                    f"{self.trainer_module.__name__} is not one"
+                )
+            return self.trainer_module(
+                arguments=arguments,
+                model_state=state,
+                dataset_train=dataset_train,
+                dataset_eval=dataset_eval,
+                data_collator=data_collator,
+            )
         if data_collator is not None:
             dataset_train = _Mapped(jd.as_source(dataset_train), data_collator)
             if dataset_eval is not None:
@@ -342,6 +345,11 @@ class RayDistributedTrainer:
             mesh=mesh,
             hooks=hooks,
         )
+
+    def _own_trainer(self) -> bool:
+        from jaxloom.trainer import BaseTrainer
+
+        return isinstance(self.trainer_module, type) and issubclass(self.trainer_module, BaseTrainer)
 
     def train(
         self,
@@ -364,13 +372,17 @@ class RayDistributedTrainer:
         if state is None and self.bucket_path:
             state = self._state_from_bucket(scaling_index)
         if state is None:
-            # Abstract: the trainer initialises it directly on its shards from the seed.
-            state = self.convert_model_to_state(self.create_model_from_config(scaling_index, lazy=True))
+            # Abstract for jaxloom's trainers (they initialise it on its shards from the seed); concrete for
+            # a trainer of the user's own, which may expect one.
+            lazy = self._own_trainer()
+            state = self.convert_model_to_state(self.create_model_from_config(scaling_index, lazy=lazy))
         trainer = self.create_trainer(arguments, dataset_train, dataset_eval, data_collator, state, hooks=hooks)
         try:
             out = trainer.train()
         finally:
-            trainer.finish()
+            finish = getattr(trainer, "finish", None)  # not part of BaseTrainerProtocol
+            if callable(finish):
+                finish()
         self.last_trainer = trainer
         return out
 

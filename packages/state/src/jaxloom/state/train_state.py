@@ -28,6 +28,12 @@ class TrainState:
     graphdef: Any = None  # static: the model's structure (nnx.GraphDef)
     tx: Any = None  # static: the optax GradientTransformation
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A subclass (EasyDeL's `state_class`) is a pytree too, with the fields its dataclass declares:
+        # found when flattened, so a subclass may add fields with its own `@dataclasses.dataclass`.
+        super().__init_subclass__(**kwargs)
+        _register_state_class(cls)
+
     @classmethod
     def create(cls, model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0) -> TrainState:
         """From `model` (abstract or concrete) and the optimizer `tx`; the state's RNG key comes from
@@ -61,9 +67,28 @@ class TrainState:
         return dataclasses.replace(self, **changes)
 
 
-jax.tree_util.register_dataclass(
-    TrainState, data_fields=["step", "params", "opt_state", "rng", "model_state"], meta_fields=["graphdef", "tx"]
-)
+_META_FIELDS = ("graphdef", "tx")
+
+
+def _register_state_class(cls: type) -> None:
+    def data_names(state) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(state) if f.name not in _META_FIELDS)
+
+    def flatten(state):
+        names = data_names(state)
+        children = [(jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names]
+        return children, (names, tuple(getattr(state, m) for m in _META_FIELDS))
+
+    def unflatten(aux, children):
+        (names, meta), obj = aux, object.__new__(cls)
+        for name, value in (*zip(names, children, strict=True), *zip(_META_FIELDS, meta, strict=True)):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten, unflatten)
+
+
+_register_state_class(TrainState)
 
 
 def convert_model_to_state(
@@ -77,12 +102,20 @@ def convert_model_to_state(
 def state_shardings(state: TrainState, param_shardings: Any, mesh) -> TrainState:
     """Shardings for a whole (abstract) state on `mesh`: params as `param_shardings` gives them (a dict
     tree like `state.params`), the optimizer's per-parameter leaves (Adam moments, ...) like their
-    parameter, the rest replicated."""
+    parameter, the rest (and any field a subclass adds) replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     opt = optax.tree_map_params(
         state.tx, lambda _, s: s, state.opt_state, param_shardings, transform_non_params=lambda _: replicated
     )
+    # Fields a `TrainState` subclass adds are replicated.
+    base = {f.name for f in dataclasses.fields(TrainState)}
+    extra = {
+        f.name: jax.tree_util.tree_map(lambda _: replicated, getattr(state, f.name))
+        for f in dataclasses.fields(state)
+        if f.name not in base
+    }
     return state.replace(
+        **extra,
         step=replicated,
         params=param_shardings,
         opt_state=opt,

@@ -146,43 +146,49 @@ class Deployer:
         is_train: bool = False,
         accumulate_grad_batches: int | None = None,
     ) -> Iterator[dict]:
-        """Global batches (`jax.Array`s on the mesh's data axes) of `examples`, `per_device_batch_size`
-        rows per device: shuffled with `shuffle_rng` when `shuffle`, this process collating only its rows
-        with `collate_fn`. With `is_train` batches are full (the remainder is dropped); with accumulation
-        they are `[accumulate_grad_batches, global_micro_batch, ...]`. `desc` labels the progress log."""
+        """Global micro-batches (`jax.Array`s on the mesh's data axes) of `examples`,
+        `per_device_batch_size` rows per device: shuffled with `shuffle_rng` when `shuffle`, this process
+        collating only its rows with `collate_fn`. With `is_train` only whole optimizer steps are yielded
+        (`accumulate_grad_batches` micro-batches each, the remainder dropped); for evaluation the last
+        batch is padded by wrapping around. `desc` labels the progress bar shown when `verbose`."""
         local_micro, global_micro = self.get_local_global_micro_batch_size(per_device_batch_size)
         accum = accumulate_grad_batches or 1
         step_rows = global_micro * accum
         order = np.asarray(jax.random.permutation(shuffle_rng, len(examples))) if shuffle else np.arange(len(examples))
         rows = jmesh.local_batch_slice(self._mesh, global_micro)
-        n_batches = len(examples) // step_rows if is_train else math.ceil(len(examples) / step_rows)
+        if is_train:
+            n_batches = (len(examples) // step_rows) * accum
+        else:
+            n_batches = math.ceil(len(examples) / global_micro)
         if n_batches == 0:
             raise ValueError(
                 f"{len(examples)} examples make no full batch of {step_rows} "
                 f"(per-device {per_device_batch_size} × data-parallel × accumulation {accum})"
             )
-        spec = jmesh.batch_spec(self._mesh)
+        sharding = NamedSharding(self._mesh, jmesh.batch_spec(self._mesh))
+        bar = self._progress(n_batches, desc)
         for b in range(n_batches):
-            idx = order[b * step_rows : (b + 1) * step_rows]
-            idx = np.concatenate([idx, order[: step_rows - len(idx)]]) if len(idx) < step_rows else idx  # pad eval
-            micro = idx.reshape(accum, global_micro)[:, rows]
-            local = collate_fn([examples[i] for i in micro.reshape(-1)])
-            if accumulate_grad_batches:
-                sharding = NamedSharding(self._mesh, PartitionSpec(None, *spec))
-                yield {
-                    k: jax.make_array_from_process_local_data(
-                        sharding,
-                        np.asarray(v).reshape(accum, local_micro, *np.shape(v)[1:]),
-                        (accum, global_micro, *np.shape(v)[1:]),
-                    )
-                    for k, v in local.items()
-                }
-            else:
-                sharding = NamedSharding(self._mesh, spec)
-                yield {
-                    k: jax.make_array_from_process_local_data(sharding, np.asarray(v), (global_micro, *np.shape(v)[1:]))
-                    for k, v in local.items()
-                }
+            idx = order[b * global_micro : (b + 1) * global_micro]
+            if len(idx) < global_micro:  # evaluation's last batch: wrap around
+                idx = np.concatenate([idx, order[: global_micro - len(idx)]])
+            local = collate_fn([examples[i] for i in idx[rows]])
+            yield {
+                k: jax.make_array_from_process_local_data(sharding, np.asarray(v), (global_micro, *np.shape(v)[1:]))
+                for k, v in local.items()
+            }
+            bar.update(1)
+        bar.close()
+
+    def _progress(self, total: int, desc: str):
+        from .metrics import create_progress_bar
+
+        return create_progress_bar(total, desc, disabled=not self.verbose or jax.process_index() != 0)
+
+    def _say(self, text: str) -> None:
+        """What `verbose` shows: printed on process 0 (and always sent to the `jaxloom.deployer` log)."""
+        log.info("%s", text)
+        if self.verbose and jax.process_index() == 0:
+            print(text, flush=True)
 
     # ---- sharding (jaxloom.mesh) ----------------------------------------------------------------------
     def get_sharding_rules(self, params_shape_or_params) -> list | None:
@@ -211,8 +217,7 @@ class Deployer:
 
     def shard_params(self, params, params_spec, desc: str = "params"):
         """Place `params` on the mesh by `params_spec`; `desc` names them in the log."""
-        if self.verbose:
-            log.info("sharding %s over %s", desc, dict(self._mesh.shape))
+        self._say(f"sharding {desc} over {dict(self._mesh.shape)}")
         return jmesh.shard(params, params_spec, self._mesh)
 
     def run_model_step(self, step_fn: Callable, input_args: tuple):
@@ -318,21 +323,21 @@ class Deployer:
 
     # ---- logging (trainer.metrics) ----------------------------------------------------------------------
     def log_info(self, info: Any, title: str | None = None, step: int | None = None) -> None:
-        """Log `info` (process 0 only), under `title` and `step` when given."""
+        """Log `info` (process 0 only; printed when `verbose`), under `title` and `step` when given; also a
+        TensorBoard/wandb text when those are on."""
         if jax.process_index() != 0:
             return
         text = info if isinstance(info, str) else json.dumps(info, indent=2, default=str)
-        log.info("%s%s%s", f"[{title}] " if title else "", f"step {step}: " if step is not None else "", text)
+        self._say(f"{f'[{title}] ' if title else ''}{f'step {step}: ' if step is not None else ''}{text}")
         if self._writer is not None:
             self._writer.text(step or 0, title or "info", text)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Write `metrics` at `step` to the metrics file (and wandb when on)."""
+        """Write `metrics` at `step` to the metrics file, TensorBoard and wandb when on; printed when `verbose`."""
         metrics = {k: float(v) for k, v in metrics.items()}
         if self._writer is not None:
             self._writer.write(step, metrics, prefix="metrics")
-        elif self.verbose and jax.process_index() == 0:
-            log.info("step %d: %s", step, metrics)
+        self._say(f"step {step}: " + ", ".join(f"{k}={v:.6g}" for k, v in metrics.items()))
 
     def save_outputs(self, outputs: Any, desc: str, step: int) -> Path | None:
         """Write `outputs` as JSON to `<workdir>/outputs/<desc>_step<step>.json` (process 0)."""
@@ -361,6 +366,9 @@ class Deployer:
         `n_epochs` over `train_examples` in micro-batches of `per_device_batch_size` per device made by
         `collate_fn` (`accumulate_grad_batches` of them per update), checkpoints each epoch under
         `workdir/ckpts/epoch_N`, and resumes after the newest one. Returns `{"params", "opt_state", "losses"}`."""
+        if accumulate_grad_batches and accumulate_grad_batches > 1:
+            # One update per `accumulate_grad_batches` micro-batches (the batches arrive one at a time).
+            optimizer = optax.MultiSteps(optimizer, every_k_schedule=accumulate_grad_batches)
         rules = self.get_sharding_rules(params)
         specs = self.get_params_spec(params, rules)
         opt_state, start, losses = None, 0, []
@@ -378,13 +386,7 @@ class Deployer:
             opt_state = jax.jit(optimizer.init, out_shardings=opt_shard)(params)
 
         def step(params, opt_state, batch, rng):
-            def total(p):
-                if accumulate_grad_batches:
-                    per = jax.vmap(lambda mb: loss_fn(rng, None, p, mb, True))(batch)
-                    return per.mean()
-                return loss_fn(rng, None, p, batch, True)
-
-            loss, grads = jax.value_and_grad(total)(params)
+            loss, grads = jax.value_and_grad(lambda p: loss_fn(rng, None, p, batch, True))(params)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import optax
 
@@ -25,11 +24,13 @@ def get_lr_schedule_fn(
     """RedCo's `get_lr_schedule_fn`: warmup from `init_learning_rate` to `learning_rate`, then linear or
     cosine decay to `end_learning_rate` (or constant), by `schedule_type`. Warmup lasts `warmup_steps`,
     or `warmup_ratio` of the steps. Give `total_steps`, or the data sizes to derive it: `n_epochs` over
-    `train_size` examples in batches of `per_device_batch_size` (RedCo's global micro-batch)."""
+    `train_size` examples in whole batches of `per_device_batch_size` (RedCo's global micro-batch; the
+    remainder dropped, as the batches drop it)."""
     if total_steps is None:
         if None in (train_size, per_device_batch_size, n_epochs):
             raise ValueError("give total_steps, or train_size, per_device_batch_size and n_epochs")
-        total_steps = n_epochs * math.ceil(train_size / per_device_batch_size)
+        # Whole batches only, as training drops the remainder (RedCo's count).
+        total_steps = n_epochs * (train_size // per_device_batch_size)
     if total_steps <= 0:
         raise ValueError(f"total_steps {total_steps}; expected > 0")
     warmup = warmup_steps if warmup_steps is not None else int(warmup_ratio * total_steps)

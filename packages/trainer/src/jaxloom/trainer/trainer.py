@@ -378,12 +378,12 @@ class BaseTrainer:
         (or `finetune=False`); else from the given parameters, cast to `param_dtype` and put into the
         model rebuilt with this run's runtime."""
         seed, tx, config, cls = self.arguments.seed, self.tx, self.config, self.model_class
+        # The given state's class (EasyDeL's `state_class`, a `TrainState` subclass) is kept for the run.
+        state_cls = type(self._state_in) if isinstance(self._state_in, js.TrainState) else js.TrainState
         leaves = jax.tree_util.tree_leaves(nnx.state(template, nnx.Param))
         if not self.finetune or (leaves and isinstance(leaves[0], jax.ShapeDtypeStruct)):
             return (
-                lambda: js.TrainState.create(
-                    jmod.create_model(config, runtime, seed=seed, model_class=cls), tx, seed=seed
-                )
+                lambda: state_cls.create(jmod.create_model(config, runtime, seed=seed, model_class=cls), tx, seed=seed)
             ), ()
         _, params, rest = nnx.split(template, nnx.Param, ...)
         graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)
@@ -394,7 +394,7 @@ class BaseTrainer:
                 "the layout you want, or leave scan_layers unset"
             )
         cast = jax.tree_util.tree_map(lambda p, t: p.astype(t.dtype) if p.dtype != t.dtype else p, params, target)
-        return (lambda p: js.TrainState.create(nnx.merge(graphdef, p, rest), tx, seed=seed)), (cast,)
+        return (lambda p: state_cls.create(nnx.merge(graphdef, p, rest), tx, seed=seed)), (cast,)
 
     def _check_attention(self, runtime) -> None:
         """The attention backend must run on this mesh's platform at this length, before anything

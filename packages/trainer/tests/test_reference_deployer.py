@@ -1,3 +1,7 @@
+"""redco-deployer-api.txt: every documented Deployer member under its name and signature (walked in the
+document's order), then what each does, with a custom loop killed and resumed."""
+
+import inspect
 import json
 import os
 import signal
@@ -15,6 +19,60 @@ from jax.sharding import PartitionSpec as P
 from jaxloom.trainer import Deployer
 
 WORKER = Path(__file__).with_name("deployer_worker.py")
+
+
+# The reference's members in its order, with their documented parameters.
+DOCUMENTED = [
+    ("mesh", None),
+    ("workdir", None),
+    (
+        "__init__",
+        "jax_seed n_model_shards verbose workdir n_processes host0_address host0_port process_id n_local_devices "
+        "run_tensorboard wandb_init_kwargs",
+    ),
+    ("gen_model_step_rng", ""),
+    ("gen_rng", ""),
+    ("get_accumulate_grad_batches", "global_batch_size per_device_batch_size"),
+    ("get_local_global_micro_batch_size", "per_device_batch_size"),
+    (
+        "get_lr_schedule_fn",
+        "train_size per_device_batch_size n_epochs learning_rate schedule_type warmup_ratio warmup_steps "
+        "init_learning_rate end_learning_rate",
+    ),
+    (
+        "get_model_input_batches",
+        "examples per_device_batch_size collate_fn shuffle shuffle_rng desc is_train accumulate_grad_batches",
+    ),
+    ("get_opt_state_spec", "params_shape_or_params params_spec optimizer"),
+    ("get_params_spec", "params_shape_or_params params_sharding_rules"),
+    ("get_sharding_rules", "params_shape_or_params"),
+    (
+        "load_ckpt",
+        "ckpt_dir params_sharding_rules optimizer float_dtype load_params load_opt_state update_rng",
+    ),
+    ("load_last_ckpt", "optimizer params_sharding_rules float_dtype load_params load_opt_state update_rng"),
+    ("load_params_shape", "ckpt_dir"),
+    ("log_info", "info title step"),
+    ("log_metrics", "metrics step"),
+    ("run_model_step", "step_fn input_args"),
+    ("save_ckpt", "ckpt_dir params opt_state float_dtype kwargs"),
+    ("save_outputs", "outputs desc step"),
+    ("shard_params", "params params_spec desc"),
+]
+
+
+def test_every_documented_member_with_its_signature():
+    for name, params in DOCUMENTED:
+        member = inspect.getattr_static(Deployer, name)
+        if params is None:
+            assert isinstance(member, property), name
+            continue
+        got = [p for p in inspect.signature(member).parameters if p != "self"]
+        assert got[: len(params.split())] == params.split(), (name, got)
+    init = inspect.signature(Deployer.__init__).parameters
+    assert init["verbose"].default is True and init["n_model_shards"].default == 1
+    assert inspect.signature(Deployer.load_last_ckpt).parameters["update_rng"].default is True
+    assert inspect.signature(Deployer.load_ckpt).parameters["update_rng"].default is False
 
 
 def run(workdir, epochs, kill_at=None):
@@ -91,16 +149,57 @@ def test_redco_methods(tmp_path):
     assert ckpt["params"]["dense"]["kernel"].dtype == np.float16 and ckpt["opt_state"] is None
     examples = [{"x": np.full(4, i, np.float32)} for i in range(100)]
     collate = lambda b: {"x": np.stack([e["x"] for e in b])}  # noqa: E731
+    # with accumulation: micro-batches one at a time, whole optimizer steps only (100 // 16 steps of 2)
     batches = list(d.get_model_input_batches(examples, 2, collate, True, jax.random.PRNGKey(0), "train", True, 2))
-    assert len(batches) == 100 // 16 and batches[0]["x"].shape == (2, 8, 4)
+    assert len(batches) == 2 * (100 // 16) and batches[0]["x"].shape == (8, 4)
     seen = np.concatenate([np.asarray(b["x"])[..., 0].reshape(-1) for b in batches])
     assert len(set(seen.tolist())) == len(seen)  # no example twice
     evals = list(d.get_model_input_batches(examples, 2, collate, False, None, "eval"))
     assert len(evals) == 13 and evals[0]["x"].shape == (8, 4)
+    # the schedule counts the batches training yields: 100 // 8 = 12 per epoch, not ceil = 13
+    plain = list(d.get_model_input_batches(examples, 2, collate, True, jax.random.PRNGKey(0), "train", True))
+    lr = d.get_lr_schedule_fn(train_size=100, per_device_batch_size=2, n_epochs=1, learning_rate=1.0)
+    assert len(plain) == 12 and float(lr(len(plain))) == 0.0 and float(lr(len(plain) - 1)) > 0
     d.log_info({"a": 1}, title="config", step=0)
     d.log_metrics({"loss": np.float32(1.5)}, step=1)
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["metrics/loss"] == 1.5
     assert json.loads(d.save_outputs([{"id": 1}], "preds", 5).read_text()) == [{"id": 1}]
+
+
+def test_verbose_prints_and_quiet_does_not(tmp_path, capsys):
+    loud = Deployer(jax_seed=0, workdir=str(tmp_path))
+    loud.log_info({"lr": 0.1}, title="config")
+    loud.log_metrics({"loss": 2.5}, step=3)
+    loud.shard_params({"w": np.ones(4)}, {"w": P()})
+    out = capsys.readouterr().out
+    assert '[config] {\n  "lr": 0.1\n}' in out and "step 3: loss=2.5" in out and "sharding params over" in out
+    quiet = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False)
+    quiet.log_info("x")
+    quiet.log_metrics({"loss": 1.0}, step=1)
+    assert capsys.readouterr().out == ""
+
+
+def test_fit_accumulates_micro_batches_into_one_update(tmp_path):
+    """`fit` with accumulate_grad_batches=2 equals plain fit on batches twice as large (same examples per
+    update; a mean loss, so the gradient is the same)."""
+    import jax.numpy as jnp
+
+    examples = [{"x": np.float32(i % 7) / 7, "y": np.float32((i * 3) % 5) / 5} for i in range(64)]
+    collate = lambda b: {k: np.array([e[k] for e in b], np.float32) for k in ("x", "y")}  # noqa: E731
+
+    def loss_fn(rng, state, params, batch, is_training):
+        return jnp.mean((params["w"] * batch["x"] + params["b"] - batch["y"]) ** 2)
+
+    init = {"w": np.float32(0.5), "b": np.float32(0.0)}
+    d = Deployer(jax_seed=0, verbose=False)
+    kw = dict(n_epochs=2, collate_fn=collate)
+    micro = d.fit(loss_fn, init, optax.sgd(0.5), examples, per_device_batch_size=1, accumulate_grad_batches=2, **kw)
+    whole = d.fit(loss_fn, init, optax.sgd(0.5), examples, per_device_batch_size=2, **kw)
+    # the same shuffled order, so each update sees the same 16 examples: equal to rounding
+    for k in init:
+        np.testing.assert_allclose(float(micro["params"][k]), float(whole["params"][k]), rtol=1e-5)
+    none = d.fit(loss_fn, init, optax.sgd(0.5), examples, per_device_batch_size=1, **kw)  # 8 updates an epoch
+    assert abs(float(none["params"]["w"]) - float(whole["params"]["w"])) > 1e-3
 
 
 def test_errors_name_the_numbers():
