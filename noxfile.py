@@ -35,6 +35,8 @@ NEEDS_TORCH = {"models", "state", "generation"}
 TORCH_WHEELS = "/opt/wheels/torch-2.13.0+cpu-*.whl"
 # Lint and format check (ruff, settings in pyproject.toml); the meta target runs them, so CI does.
 LINT_DEPS = ("ruff>=0.6",)
+# The type check (mypy, settings in pyproject.toml) over every part's sources; the meta target runs it.
+TYPE_DEPS = ("mypy>=1.10",)
 # The documentation site (mkdocs.yml); the meta target builds it too, so CI checks it.
 DOCS_DEPS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
 
@@ -49,12 +51,30 @@ def install_parts(session: nox.Session, names: list[str], extra: str = "test") -
     session.install(*args)
 
 
-@nox.session(python="3.11")
-@nox.parametrize("target", TARGETS)
+# Every part on the Python the project is developed on, then a smoke run on the newest Python, where pip
+# resolves the newest JAX: a user there gets it, so a few steps, a checkpoint and a resume run on it too.
+SMOKE = "py312-smoke"
+SMOKE_PYTHON = "3.12"
+
+
+@nox.session
+@nox.parametrize(
+    "python,target",
+    [("3.11", t) for t in TARGETS] + [(SMOKE_PYTHON, SMOKE)],
+    ids=[f"target='{t}'" for t in (*TARGETS, SMOKE)],
+)
 def tests(session: nox.Session, target: str) -> None:
     """One part in a venv holding only the parts it declares (an undeclared import fails), then its tests.
-    The `jaxloom` target installs everything and also runs the cross-package tests in tests/."""
+    The `jaxloom` target installs everything and also runs the cross-package tests in tests/. The
+    `py312-smoke` target installs the trainer's closure on Python 3.12 with the newest JAX and runs
+    tests/smoke (train, checkpoint, resume)."""
     start = time.perf_counter()
+    if target == SMOKE:
+        install_parts(session, parts.closure("trainer"))
+        session.run("python", "-c", "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__)")
+        session.run("pytest", "tests/smoke", *session.posargs, env=TEST_ENV)
+        session.log(f"tests({target}) took {time.perf_counter() - start:.1f} s")
+        return
     install_parts(session, parts.closure(target) if target != parts.META else [*parts.PARTS, parts.META])
     if target in NEEDS_TORCH:
         wheels = sorted(glob.glob(TORCH_WHEELS))
@@ -64,10 +84,11 @@ def tests(session: nox.Session, target: str) -> None:
             session.warn(f"no local CPU torch wheel ({TORCH_WHEELS}): parity tests against transformers will skip")
     paths = [f"packages/{target}/tests"]
     if target == parts.META:
-        session.install("uv", "hatchling", *LINT_DEPS, *DOCS_DEPS)  # throwaway venvs, wheel builds, docs, lint
+        session.install("uv", "hatchling", *LINT_DEPS, *TYPE_DEPS, *DOCS_DEPS)  # venvs, wheels, docs, checks
         lint(session)
-        paths.append("tests")
-    paths = [p for p in paths if Path(p).is_dir()]
+        typecheck(session)
+        paths += ["tests", "--ignore=tests/smoke"]  # the smoke run is its own target
+    paths = [p for p in paths if p.startswith("--") or Path(p).is_dir()]
     if not paths:
         session.log(f"{target}: no tests yet")
     else:
@@ -116,11 +137,18 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python="3.11", name="lint")
 def lint_session(session: nox.Session) -> None:
-    """ruff lint and format check over the whole tree (also part of `nox -s tests`)."""
-    session.install(*LINT_DEPS)
+    """ruff lint and format check over the whole tree, and the type check (also part of `nox -s tests`)."""
+    install_parts(session, [*parts.PARTS, parts.META])
+    session.install(*LINT_DEPS, *TYPE_DEPS)
     lint(session)
+    typecheck(session)
 
 
 def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+def typecheck(session: nox.Session) -> None:
+    """mypy over the installed parts' sources (the venv has every dependency, so types resolve)."""
+    session.run("mypy", *sorted(glob.glob("packages/*/src/jaxloom")))

@@ -56,3 +56,12 @@ def test_batch_errors_name_the_numbers():
         local_batch_slice(mesh, 6)
     with pytest.raises(ValueError, match="per_device_batch_size must be positive"):
         get_local_global_micro_batch_size(0, mesh)
+
+
+def test_batch_axes_have_one_source_the_loader_and_the_activations_agree():
+    from jaxloom.mesh import DATA_AXES, MeshConfig, PartitionAxis, batch_spec
+
+    assert DATA_AXES == tuple(PartitionAxis().batch_axis)
+    mesh = MeshConfig.from_axes(dp=2, fsdp=2, tp=2).build()
+    activation = PartitionAxis().spec(("batch", "length", "embed"), "activation", mesh=mesh)
+    assert batch_spec(mesh)[0] == activation[0] == ("fsdp", "dp")

@@ -26,17 +26,51 @@ def test_flat_names_live_in_groups():
     "kwargs, message",
     [
         (dict(learnig_rate=1e-3), r"unknown training argument\(s\): 'learnig_rate' \(did you mean 'learning_rate'\?\)"),
-        (dict(learning_rate=-1e-3), r"learning_rate = -0.001; expected a positive number"),
-        (dict(total_batch_size=0), r"total_batch_size = 0; expected a positive number"),
-        (dict(optimizer="adam9"), r"optimizer 'adam9'; expected one of"),
-        (dict(scheduler="step"), r"scheduler 'step'; expected one of"),
-        (dict(nan_policy="ignore"), r"nan_policy 'ignore'"),
+        (dict(learning_rate=-1e-3), r"learning_rate = -0.001; expected a positive finite number"),
+        (dict(learning_rate=float("inf")), r"learning_rate = inf; expected a positive finite number"),
+        (dict(total_batch_size=0), r"total_batch_size = 0; expected a positive finite number"),
+        (dict(total_batch_size=1.5), r"total_batch_size = 1.5; expected a valid integer"),
+        (dict(max_training_steps="3.5"), r"max_training_steps = '3.5'; expected a valid integer"),
+        (dict(optimizer="adam9"), r"optimizer = 'adam9'; expected 'adamw', 'adafactor', 'lion' or 'sgd'"),
+        (dict(scheduler="step"), r"scheduler = 'step'; expected 'linear', 'cosine' or 'constant'"),
+        (dict(nan_policy="ignore"), r"nan_policy = 'ignore'"),
         (dict(warmup_ratio=1.5), r"warmup_ratio 1.5; expected a value in \[0, 1\)"),
+        (dict(adam_beta2=1.0), r"adam_beta2 = 1.0; expected a value in \[0, 1\)"),
+        (dict(seed=2**40), r"seed = 1099511627776; expected an integer in \[0, 2\*\*32\)"),
+        (dict(save_directory=""), r"save_directory = ''; expected a directory path"),
+        (dict(use_wandb="maybe"), r"use_wandb = 'maybe'; expected a valid boolean"),
+        (dict(generation_prompts="hi"), r"generation_prompts = 'hi'; expected a valid tuple"),
+        (dict(generation_max_new_tokens=-3), r"generation_max_new_tokens = -3; expected a positive"),
+        (dict(generation_num_samples=0), r"generation_num_samples = 0; expected a positive"),
+        (dict(profile_steps=[5, 2]), r"profile_steps \[5, 2\]; expected \[first, last\]"),
+        (dict(sharding_axis_dims=[1, -1]), r"sharding_axis_dims \(1, -1\) and sharding_axis_names"),
+        (dict(dtype="float33"), r"'float33' is not a dtype"),
+        (dict(remat="sometimes"), r"remat 'sometimes'; expected one of"),
     ],
 )
 def test_bad_arguments_are_clear(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainingArguments(**kwargs)
+
+
+def test_values_are_parsed_by_the_schema_types():
+    import inspect
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    from jaxloom.models import AttentionMechanisms
+
+    a = TrainingArguments(learning_rate="1e-5", max_training_steps="20", use_wandb="false", save_directory=Path("r"))
+    assert (a.learning_rate, a.max_training_steps, a.use_wandb, a.save_directory) == (1e-5, 20, False, "r")
+    b = TrainingArguments(
+        dtype=jnp.bfloat16, attn_mechanism=AttentionMechanisms.CHUNKED, sharding_axis_dims=[1, -1, 1, 1, 1]
+    )
+    assert (b.dtype, b.attn_mechanism, b.sharding_axis_dims) == ("bfloat16", "chunked", (1, -1, 1, 1, 1))
+    params = inspect.signature(TrainingArguments).parameters  # help() and IDEs see every argument
+    assert params["learning_rate"].default == 3e-4 and params["max_training_steps"].annotation == int | None
+    rows = {r["name"]: r for r in TrainingArguments.fields()}
+    assert set(rows) == set(TrainingArguments().to_dict()) and rows["seed"]["group"] == "loop"
 
 
 def test_files_and_overrides(tmp_path):

@@ -140,7 +140,7 @@ def test_profiler_trace_of_chosen_steps(tmp_path):
     trainer(tmp_path, max_training_steps=3, profile_steps=[2, 3]).train()
     traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert traces and traces[0].stat().st_size > 0
-    with pytest.raises(ValueError, match=r"profile_steps \(3, 2\); expected \[first, last\]"):
+    with pytest.raises(ValueError, match=r"profile_steps \[3, 2\]; expected \[first, last\]"):
         args(tmp_path, profile_steps=[3, 2])
 
 

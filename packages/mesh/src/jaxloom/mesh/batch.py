@@ -7,8 +7,12 @@ from collections.abc import Sequence
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-DATA_AXES: tuple[str, ...] = ("dp", "fsdp")
-"""The mesh axes a batch is split over (data parallel and fully sharded data parallel)."""
+from .axes import PartitionAxis
+
+DATA_AXES: tuple[str, ...] = tuple(PartitionAxis().batch_axis or ())
+"""The mesh axes a batch is split over, in order: `PartitionAxis().batch_axis` (fsdp, then dp), the one
+source of truth, so the loader lays rows out exactly as the model's activations expect them (no
+resharding of the batch inside the step)."""
 
 
 def data_parallel_size(mesh, data_axes: Sequence[str] = DATA_AXES) -> int:

@@ -93,7 +93,8 @@ class MeshConfig:
         unknown = sorted(set(data) - fields)
         if unknown:
             raise ValueError(f"MeshConfig: unknown key(s) {unknown}; expected some of {sorted(fields)}")
-        return cls(**{k: (tuple(v) if v is not None else None) for k, v in data.items()})
+        values: dict[str, Any] = {k: (tuple(v) if v is not None else None) for k, v in data.items()}
+        return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON data (`from_dict` reads it back)."""

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pydantic
+
 # HF config.json keys that carry no architecture and are accepted and dropped on load.
 _IGNORED_HF_KEYS = {
     "architectures",
@@ -56,6 +58,30 @@ class FrozenDict(dict):
         raise TypeError("this dict is frozen")
 
     __setitem__ = __delitem__ = update = pop = clear = setdefault = _readonly  # type: ignore[assignment]
+
+
+def explain_validation_error(error: Any, prefix: str = "") -> ValueError:
+    """A pydantic `ValidationError` as one `ValueError`: each problem names the key, the value and what
+    was expected (`max_training_steps = 3.5; expected a valid integer, ...`)."""
+    lines = []
+    for e in error.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        if msg.startswith("Input should be "):
+            msg = "expected " + msg.removeprefix("Input should be ")
+        if e["loc"]:
+            name = ".".join(str(x) for x in e["loc"] if not isinstance(x, int))
+            msg = f"{name} = {e['input']!r}; {msg}"
+        lines.append(msg)
+    return ValueError(prefix + "; ".join(lines))
+
+
+_ADAPTERS: dict[type, pydantic.TypeAdapter] = {}
+
+
+def _adapter(cls: type) -> pydantic.TypeAdapter:
+    if cls not in _ADAPTERS:
+        _ADAPTERS[cls] = pydantic.TypeAdapter(cls)
+    return _ADAPTERS[cls]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +194,11 @@ class LlamaConfig:
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown config key(s) {unknown}; expected some of {sorted(fields)}")
         data = cls.family_adjust(data)
-        return cls(**{k: v for k, v in data.items() if k in fields})
+        # Checked and converted by the fields' types ("1e-5" from YAML is a float; 3.5 is not an int).
+        try:
+            return _adapter(cls).validate_python({k: v for k, v in data.items() if k in fields})
+        except pydantic.ValidationError as e:
+            raise explain_validation_error(e, f"{cls.__name__}: ") from None
 
     @classmethod
     def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -108,15 +108,17 @@ class RayDistributedTrainer:
             raise ValueError(f"offload_backend {offload_backend!r}; expected 'cpu', 'gpu', 'tpu' or None")
         self.offload_backend = offload_backend
         if trainer_module is None:
-            from jaxloom.trainer import Trainer as trainer_module
-        self.trainer_module = trainer_module
+            from jaxloom.trainer import Trainer
+
+            trainer_module = Trainer
+        self.trainer_module: type = trainer_module
         # Merged over the defaults, as `config_variables` are: a given dict changes or adds variables.
         scaling = {**self.CONFIG_SCALING_VARIABLES, **(config_scaling_variables or {})}
         bad = {k: v for k, v in scaling.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0}
         if bad:
             raise ValueError(f"config_scaling_variables {bad}; expected positive integers")
         self.config_scaling_variables = scaling
-        self.config_variables = _decode({**self.CONFIG_VARIABLES, **(config_variables or {})})
+        self.config_variables: dict[str, Any] = _decode({**self.CONFIG_VARIABLES, **(config_variables or {})}) or {}
         self._check_variables()
 
     # ---- configuration ---------------------------------------------------------------------------------
@@ -261,7 +263,7 @@ class RayDistributedTrainer:
         return self.state_class.create(model, optax.identity(), seed=self.config_variables.get("seed", 0))
 
     def _state_from_bucket(self, scaling_index: int):
-        path = Path(self.bucket_path)
+        path = Path(str(self.bucket_path))
         if (path / "config.json").is_file():  # a Hugging Face directory
             return self.convert_model_to_state(jm.from_pretrained(path, self.runtime(), task=self.model_task))
         ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path

@@ -77,7 +77,8 @@ def tune_sweep(
         raise RuntimeError(f"{len(errors)} of {len(grid)} trials failed; first: {errors[0]}")
     best = grid.get_best_result(metric=metric, mode=mode)
     trials = [{"config": dict(r.config), "metrics": _scalars(r.metrics)} for r in grid]
-    return SweepResult(dict(best.config), _scalars(best.metrics), best.metrics["checkpoint_dir"], trials)
+    metrics = best.metrics or {}
+    return SweepResult(dict(best.config or {}), _scalars(metrics), metrics["checkpoint_dir"], trials)
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ class TrainState:
         """From `model` (abstract or concrete) and the optimizer `tx`; the state's RNG key comes from
         `seed`. No sharding: that is the trainer's job; jit this under out_shardings (see
         `state_shardings`) to create it sharded."""
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         params = nnx.to_pure_dict(params)
         return cls(
             step=jnp.zeros((), jnp.int32),

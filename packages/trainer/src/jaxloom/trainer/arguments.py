@@ -1,12 +1,18 @@
-"""`TrainingArguments`: EasyDeL's flat argument names, kept as small frozen, validated groups."""
+"""`TrainingArguments`: EasyDeL's flat argument names, kept as small frozen groups, each a pydantic model:
+one schema (types, defaults, checks) for the Python API, YAML/JSON files and `key=value` overrides alike."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+import inspect
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from jaxloom.models.configs import explain_validation_error
 
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 SCHEDULERS = ("linear", "cosine", "constant")
@@ -18,15 +24,26 @@ def _positive(obj, *names, allow_none=False, allow_zero=False):
         if v is None and allow_none:
             continue
         ok = isinstance(v, int | float) and not isinstance(v, bool) and (v >= 0 if allow_zero else v > 0)
-        if not ok:
+        if not ok or v != v or v in (float("inf"), float("-inf")):
             raise ValueError(
-                f"{n} = {v!r}; expected a {'non-negative' if allow_zero else 'positive'} number"
+                f"{n} = {v!r}; expected a {'non-negative' if allow_zero else 'positive'} finite number"
                 + (" or None" if allow_none else "")
             )
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimizerArgs:
+class _Group(BaseModel):
+    """One frozen group of arguments. Values are checked against the field types (pydantic's lax mode:
+    `"1e-5"` is a float, `"3"` an int, `3.5` is not an int) and then by the group's own checks."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _paths_are_strings(cls, v):
+        return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+
+class OptimizerArgs(_Group):
     learning_rate: float = 3e-4
     optimizer: Literal["adamw", "adafactor", "lion", "sgd"] = "adamw"
     scheduler: Literal["linear", "cosine", "constant"] = "cosine"
@@ -41,21 +58,22 @@ class OptimizerArgs:
     adam_epsilon: float = 1e-8
     momentum: float = 0.0
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _check(self):
         _positive(self, "learning_rate")
         _positive(self, "weight_decay", "warmup_ratio", "init_learning_rate", "end_learning_rate", allow_zero=True)
         _positive(self, "max_grad_norm", allow_none=True)
         _positive(self, "warmup_steps", allow_none=True, allow_zero=True)
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.optimizer!r}; expected one of {OPTIMIZERS}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler {self.scheduler!r}; expected one of {SCHEDULERS}")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio {self.warmup_ratio}; expected a value in [0, 1)")
+        for name in ("adam_beta1", "adam_beta2", "momentum"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)}; expected a value in [0, 1)")
+        _positive(self, "adam_epsilon")
+        return self
 
 
-@dataclasses.dataclass(frozen=True)
-class LoopArgs:
+class LoopArgs(_Group):
     total_batch_size: int = 8  # global rows per micro-batch
     gradient_accumulation_steps: int = 1
     max_training_steps: int | None = None  # optimizer steps; None: from num_train_epochs
@@ -69,7 +87,8 @@ class LoopArgs:
     nan_policy: Literal["stop", "skip"] = "stop"
     z_loss: float = 0.0
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _check(self):
         _positive(
             self, "total_batch_size", "gradient_accumulation_steps", "num_train_epochs", "logging_steps", "eval_batches"
         )
@@ -82,12 +101,12 @@ class LoopArgs:
             allow_none=True,
         )
         _positive(self, "z_loss", allow_zero=True)
-        if self.nan_policy not in ("stop", "skip"):
-            raise ValueError(f"nan_policy {self.nan_policy!r}; expected 'stop' or 'skip'")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed = {self.seed}; expected an integer in [0, 2**32)")
+        return self
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckpointArgs:
+class CheckpointArgs(_Group):
     save_directory: str = "jaxloom-runs/run"
     save_steps: int | None = None
     save_minutes: float | None = None
@@ -95,25 +114,27 @@ class CheckpointArgs:
     resume_if_possible: bool = True
     async_checkpointing: bool = True
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _check(self):
         _positive(self, "save_steps", "save_minutes", "save_total_limit", allow_none=True)
+        if not self.save_directory.strip():
+            raise ValueError("save_directory = ''; expected a directory path")
+        return self
 
 
-@dataclasses.dataclass(frozen=True)
-class DataArgs:
+class DataArgs(_Group):
     max_sequence_length: int = 512
     truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
     packing: bool = True
     shuffle_train_dataset: bool = True
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _check(self):
         _positive(self, "max_sequence_length")
-        if self.truncation_mode not in ("keep_end", "keep_start"):
-            raise ValueError(f"truncation_mode {self.truncation_mode!r}; expected 'keep_end' or 'keep_start'")
+        return self
 
 
-@dataclasses.dataclass(frozen=True)
-class RuntimeArgs:
+class RuntimeArgs(_Group):
     # How the model computes. None: the model's own setting (its `RuntimeConfig`); a value replaces it for
     # this run, in the Python API and the `jaxloom` command alike (the trainer rebuilds the model with it).
     dtype: str | None = None  # computation dtype, e.g. "bfloat16"
@@ -137,16 +158,34 @@ class RuntimeArgs:
     # it on when it starts (never the constructor, nor commands that only read a run).
     compilation_cache_dir: str | None = None
 
-    def __post_init__(self):
-        object.__setattr__(self, "sharding_axis_dims", tuple(self.sharding_axis_dims))
-        object.__setattr__(self, "sharding_axis_names", tuple(self.sharding_axis_names))
-        if self.sharding_dcn_axis_dims is not None:
-            object.__setattr__(self, "sharding_dcn_axis_dims", tuple(self.sharding_dcn_axis_dims))
+    @field_validator("dtype", "param_dtype", "attn_mechanism", "remat", mode="before")
+    @classmethod
+    def _names(cls, v):  # dtypes and enum members by their names: one spelling in files and in Python
+        if v is None or isinstance(v, str):
+            return v
+        import jax.numpy as jnp
+
+        value = getattr(v, "value", None)
+        if isinstance(value, str):
+            return value
+        try:
+            return jnp.dtype(v).name
+        except TypeError:
+            return v
+
+    @model_validator(mode="after")
+    def _check(self):
         overrides = self.runtime_overrides()
         if overrides:
             from jaxloom.models import RuntimeConfig
 
             RuntimeConfig(**overrides)  # the same checks the model applies, now: one clear error
+        if len(self.sharding_axis_dims) != len(self.sharding_axis_names):
+            raise ValueError(
+                f"sharding_axis_dims {self.sharding_axis_dims} and sharding_axis_names "
+                f"{self.sharding_axis_names}; expected the same length"
+            )
+        return self
 
     def runtime_overrides(self) -> dict[str, Any]:
         """The `RuntimeConfig` fields these arguments set (the ones that are not None)."""
@@ -162,8 +201,7 @@ class RuntimeArgs:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
-@dataclasses.dataclass(frozen=True)
-class LoggingArgs:
+class LoggingArgs(_Group):
     use_tensorboard: bool = True
     use_wandb: bool = False
     wandb_project: str | None = None
@@ -172,27 +210,31 @@ class LoggingArgs:
     peak_flops_per_device: float | None = None  # override the table used for MFU
     profile_steps: tuple[int, ...] | None = None  # (first, last): a JAX profiler trace of these steps
 
-    def __post_init__(self):
-        if self.profile_steps is not None:
-            steps = tuple(self.profile_steps)
-            if len(steps) != 2 or not all(isinstance(s, int) and s > 0 for s in steps) or steps[0] > steps[1]:
-                raise ValueError(f"profile_steps {self.profile_steps!r}; expected [first, last] with 0 < first <= last")
-            object.__setattr__(self, "profile_steps", steps)
+    @model_validator(mode="after")
+    def _check(self):
+        steps = self.profile_steps
+        if steps is not None and (len(steps) != 2 or not all(s > 0 for s in steps) or steps[0] > steps[1]):
+            raise ValueError(f"profile_steps {list(steps)!r}; expected [first, last] with 0 < first <= last")
+        _positive(self, "peak_flops_per_device", allow_none=True)
+        return self
 
 
-@dataclasses.dataclass(frozen=True)
-class GenerationArgs:
+class GenerationArgs(_Group):
     generation_interval: int | None = None
     generation_prompts: tuple[str, ...] = ()
     generation_max_new_tokens: int = 32
     generation_num_samples: int = 1
     generation_temperature: float = 0.0
 
-    def __post_init__(self):
-        object.__setattr__(self, "generation_prompts", tuple(self.generation_prompts))
+    @model_validator(mode="after")
+    def _check(self):
+        _positive(self, "generation_interval", allow_none=True)
+        _positive(self, "generation_max_new_tokens", "generation_num_samples")
+        _positive(self, "generation_temperature", allow_zero=True)
+        return self
 
 
-GROUPS = {
+GROUPS: dict[str, type[_Group]] = {
     "optim": OptimizerArgs,
     "loop": LoopArgs,
     "checkpoint": CheckpointArgs,
@@ -201,7 +243,7 @@ GROUPS = {
     "logging": LoggingArgs,
     "generation": GenerationArgs,
 }
-_OWNER = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+_OWNER = {name: g for g, cls in GROUPS.items() for name in cls.model_fields}
 
 
 class TrainingArguments:
@@ -210,8 +252,9 @@ class TrainingArguments:
         TrainingArguments(learning_rate=1e-4, total_batch_size=8, max_training_steps=100, save_directory="out")
 
     Inside, each argument lives in one frozen group (`args.optim`, `args.loop`, `args.checkpoint`,
-    `args.data`, `args.runtime`, `args.logging`, `args.generation`), validated on creation; reading
-    `args.learning_rate` works too. Unknown names are rejected with the closest known one.
+    `args.data`, `args.runtime`, `args.logging`, `args.generation`), a pydantic model validated on
+    creation; reading `args.learning_rate` works too. Unknown names are rejected with the closest known
+    one. `TrainingArguments.fields()` lists every argument with its group, type and default.
     """
 
     def __init__(self, **kwargs: Any):
@@ -221,9 +264,11 @@ class TrainingArguments:
             text = "; ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
             raise ValueError(f"unknown training argument(s): {text}")
         for group, cls in GROUPS.items():
-            fields = {f.name: f for f in dataclasses.fields(cls)}
-            values = {k: _coerce(v, fields[k]) for k, v in kwargs.items() if k in fields}
-            object.__setattr__(self, group, cls(**values))
+            values = {k: v for k, v in kwargs.items() if k in cls.model_fields}
+            try:
+                object.__setattr__(self, group, cls(**values))
+            except ValidationError as e:
+                raise explain_validation_error(e) from None
 
     def __getattr__(self, name: str) -> Any:
         if name in _OWNER:
@@ -235,7 +280,7 @@ class TrainingArguments:
 
     def to_dict(self) -> dict[str, Any]:
         """Every argument by its flat name."""
-        return {f.name: getattr(getattr(self, g), f.name) for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+        return {name: getattr(getattr(self, g), name) for g, cls in GROUPS.items() for name in cls.model_fields}
 
     def replace(self, **changes: Any) -> TrainingArguments:
         """A copy with `changes` (flat names) applied and validated."""
@@ -244,12 +289,22 @@ class TrainingArguments:
     def __eq__(self, other):
         return isinstance(other, TrainingArguments) and self.to_dict() == other.to_dict()
 
+    def __hash__(self):
+        return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
+
     def __repr__(self) -> str:
-        default = TrainingArguments.__new__(TrainingArguments)
-        for g, cls in GROUPS.items():
-            object.__setattr__(default, g, cls())
-        changed = {k: v for k, v in self.to_dict().items() if getattr(default, k) != v}
+        changed = {k: v for k, v in self.to_dict().items() if _DEFAULTS[k] != v}
         return f"TrainingArguments({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
+
+    @staticmethod
+    def fields() -> list[dict[str, Any]]:
+        """Every argument: `{"name", "group", "type", "default"}`, in group order (the schema the command
+        line, files and the Python API share)."""
+        return [
+            {"name": name, "group": g, "type": _type_text(f.annotation), "default": f.default}
+            for g, cls in GROUPS.items()
+            for name, f in cls.model_fields.items()
+        ]
 
     # ---- derived --------------------------------------------------------------------------------------
     @property
@@ -268,29 +323,21 @@ class TrainingArguments:
         return cls(**apply_overrides(load_config_file(path), overrides or []))
 
 
-def _coerce(value: Any, field: dataclasses.Field) -> Any:
-    """Strings from the command line or YAML → the field's type; anything else must already fit."""
-    kind = str(field.type)
-    if isinstance(value, list) and "tuple" in kind:
-        return tuple(value)
-    if not isinstance(value, str) or kind.startswith("str") or "Literal" in kind:
-        return value
-    if value.lower() in ("none", "null") and "None" in kind:
-        return None
-    try:
-        if kind.startswith("bool"):
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return value.lower() in ("true", "1")
-        if kind.startswith("int"):
-            return int(value)
-        if kind.startswith("float"):
-            return float(value)
-        if "tuple" in kind:
-            return tuple(json.loads(value))
-    except ValueError:
-        raise ValueError(f"argument {field.name} = {value!r}; expected {kind}") from None
-    return value
+def _type_text(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+_DEFAULTS = {name: f.default for cls in GROUPS.values() for name, f in cls.model_fields.items()}
+# help(), IDEs and inspect see every argument with its type and default.
+TrainingArguments.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.annotation)
+        for cls in GROUPS.values()
+        for name, f in cls.model_fields.items()
+    ]
+)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

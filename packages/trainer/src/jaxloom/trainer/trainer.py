@@ -143,7 +143,8 @@ class BaseTrainer:
         self._mesh = mesh
         # Filled by the builders.
         self.state: js.TrainState | None = None
-        self.tx = self.schedule = self.checkpoints = self.train_loader = self.writer = self.pbar = None
+        self.tx = self.schedule = self.checkpoints = self.writer = self.pbar = None
+        self.train_loader: Any = None  # set by configure_dataloaders()
         self.resumed_from: str | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._planned = self._initialized = False
@@ -219,6 +220,7 @@ class BaseTrainer:
         self.config, self.model_class = template.config, type(template)
         runtime = self.runtime
         self._check_attention(runtime)
+        self._check_batch_axes(runtime)
         self.total_steps = a.max_training_steps or self._steps_for_epochs()
         self.tx, self.schedule = make_optimizer(a.optim, self.total_steps)
         self.n_params = jmod.count_params(template)
@@ -395,6 +397,16 @@ class BaseTrainer:
             )
         cast = jax.tree_util.tree_map(lambda p, t: p.astype(t.dtype) if p.dtype != t.dtype else p, params, target)
         return (lambda p: state_cls.create(nnx.merge(graphdef, p, rest), tx, seed=seed)), (cast,)
+
+    def _check_batch_axes(self, runtime) -> None:
+        """The loaders lay batch rows out over `DATA_AXES`; a model whose activations expect another batch
+        layout would reshard every batch inside the step (or disagree with the loader's rows)."""
+        used = tuple(x for x in runtime.partition_axis.batch_axis or () if x in self.mesh.shape)
+        if used != tuple(x for x in DATA_AXES if x in self.mesh.shape):
+            raise ValueError(
+                f"partition_axis.batch_axis {runtime.partition_axis.batch_axis!r}; jaxloom's loaders split "
+                f"batches over {DATA_AXES} (in that order): leave batch_axis at its default"
+            )
 
     def _check_attention(self, runtime) -> None:
         """The attention backend must run on this mesh's platform at this length, before anything
@@ -748,7 +760,7 @@ class BaseTrainer:
         if state is not None:
             self._state_in, self._model_in = state, state.model
         else:
-            graphdef, _, rest = nnx.split(self._model_in, nnx.Param, ...)
+            graphdef, _, rest = nnx.split(self._model_in, nnx.Param, ...)  # type: ignore[misc]
             self._state_in, self._model_in = None, nnx.merge(graphdef, model_parameters, rest)
         self.state, self._planned = None, False
 
@@ -770,7 +782,9 @@ class BaseTrainer:
         custom: dict[str, list[float]] = {}
         shape = (a.eval_batch_size, a.max_sequence_length)
         with jax.set_mesh(self.mesh):
-            for i, local in enumerate(self._eval_loader()):
+            loader = self._eval_loader()
+            assert loader is not None  # dataset_eval was checked above
+            for i, local in enumerate(loader):
                 if i >= a.eval_batches:
                     break
                 batch = {
