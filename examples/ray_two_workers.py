@@ -16,7 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxloom.ray import FaultInjector, ScalingConfig, init_ray, launch, params_fingerprint
+from jaxloom.ray import ScalingConfig, init_ray, launch, params_fingerprint
+from jaxloom.ray.testing import FaultInjector
 
 
 def job(ctx, out: str, steps: int, tiny: bool, faults: list[FaultInjector]) -> dict:

@@ -6,6 +6,7 @@ import pytest
 import jaxloom.data as jd
 import jaxloom.generation as jg
 import jaxloom.models as jm
+from jaxloom.generation.testing import naive_greedy
 from jaxloom.mesh import MeshConfig
 
 TINY = dict(
@@ -55,7 +56,7 @@ def test_cached_greedy_equals_naive_recomputation(config, scan):
             config, jm.RuntimeConfig(scan_layers=scan, attn_mechanism="chunked", attn_block_size=4), seed=1
         )
     )
-    expected = jg.naive_greedy(naive, ids, mask, 10)
+    expected = naive_greedy(naive, ids, mask, 10)
     np.testing.assert_array_equal(np.asarray(out.completion_ids), expected)
     np.testing.assert_array_equal(np.asarray(out.sequences)[:, :12], ids)
 

@@ -15,7 +15,8 @@ import pytest  # noqa: E402
 def ray_cluster():
     """One real local Ray cluster for the session (starting one costs ~7 s). Yields the TCP ports that
     began listening while it started."""
-    from jaxloom.ray import init_ray, listening_addresses, shutdown_ray
+    from jaxloom.ray import init_ray, shutdown_ray
+    from jaxloom.ray.testing import listening_addresses
 
     before = listening_addresses()
     info = init_ray(num_cpus=8)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from util import TINY_OVERRIDES
 
-from jaxloom.ray import FaultInjector, GangFailedError, ScalingConfig, launch, train_from_config
+from jaxloom.ray import GangFailedError, ScalingConfig, launch, train_from_config
+from jaxloom.ray.testing import FaultInjector
 
 STEPS = 6
 
@@ -47,7 +48,7 @@ def test_ray_listens_on_loopback_only(ray_cluster):
 
 
 def _listeners(ctx):
-    from jaxloom.ray import listening_addresses
+    from jaxloom.ray.testing import listening_addresses
 
     return ctx.coordinator, sorted(listening_addresses())
 

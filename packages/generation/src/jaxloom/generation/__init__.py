@@ -2,7 +2,7 @@
 
 from .__about__ import __version__
 from .config import GenerationConfig
-from .decode import Generated, create_generate_function, generate, naive_greedy
+from .decode import Generated, create_generate_function, generate
 from .sampling import filter_logits, next_token
 from .streaming import stream
 from .unified import GenerationResults, generate_aio, generate_unified
@@ -17,7 +17,6 @@ __all__ = [
     "generate",
     "generate_aio",
     "generate_unified",
-    "naive_greedy",
     "next_token",
     "stream",
 ]

@@ -3,17 +3,16 @@ gang of Ray actors (one JAX process each, one global mesh), restarts it from the
 when a worker dies or hangs, and sweeps with Ray Tune."""
 
 from .__about__ import __version__
-from .cluster import init_ray, listening_addresses, shutdown_ray
+from .cluster import init_ray, shutdown_ray
 from .config import RayDistributedConfig
 from .distributed_trainer import RayDistributedTrainer
-from .jobs import FaultInjector, params_fingerprint, train_from_config
+from .jobs import params_fingerprint, train_from_config
 from .launcher import Failure, GangFailedError, LaunchResult, ScalingConfig, launch
 from .tune import SweepResult, tune_sweep
 from .worker import WorkerContext
 
 __all__ = [
     "Failure",
-    "FaultInjector",
     "GangFailedError",
     "LaunchResult",
     "RayDistributedConfig",
@@ -24,7 +23,6 @@ __all__ = [
     "__version__",
     "init_ray",
     "launch",
-    "listening_addresses",
     "params_fingerprint",
     "shutdown_ray",
     "train_from_config",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("jaxloom.ray")
@@ -84,31 +83,3 @@ def shutdown_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
-
-
-def listening_addresses() -> set[tuple[str, int]]:
-    """(ip, port) of every TCP socket in LISTEN state on this machine (Linux `/proc/net/tcp*`)."""
-    out = set()
-    for name, width in (("tcp", 8), ("tcp6", 32)):
-        path = Path("/proc/net") / name
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A":  # LISTEN
-                continue
-            hex_ip, hex_port = fields[1].split(":")
-            out.add((_ip(hex_ip, width), int(hex_port, 16)))
-    return out
-
-
-def _ip(hex_ip: str, width: int) -> str:
-    import ipaddress
-
-    raw = bytes.fromhex(hex_ip)
-    # /proc stores each 32-bit word in host (little-endian) order
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    ip = ipaddress.ip_address(words) if width == 8 else ipaddress.IPv6Address(words)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    return str(ip)

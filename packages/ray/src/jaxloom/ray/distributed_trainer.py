@@ -400,9 +400,9 @@ class RayDistributedTrainer:
         faults: tuple = (),
     ):
         """`train(scaling_index, arguments, dataset_train, dataset_eval, data_collator)` as a gang of Ray
-        workers (`scaling`: a `ScalingConfig`; `faults`: `FaultInjector`s for tests), one JAX process each, joined
-        into one global mesh; restarted from the newest checkpoint on failure. Returns a `LaunchResult`
-        whose `.result` is rank 0's summary (metrics, report and checkpoint paths, loss history)."""
+        workers (`scaling`: a `ScalingConfig`; `faults`: `jaxloom.ray.testing.FaultInjector`s), one JAX
+        process each, joined into one global mesh; restarted from the newest checkpoint on failure. Returns
+        a `LaunchResult` whose `.result` is rank 0's summary (metrics, report and checkpoint paths, loss history)."""
         from .launcher import ScalingConfig, launch
 
         return launch(

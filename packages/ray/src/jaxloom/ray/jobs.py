@@ -1,54 +1,13 @@
-"""Jobs the launcher runs in each worker, and a fault injector for testing a gang's recovery."""
+"""Jobs the launcher runs in each worker."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
-import signal
-import time
 from typing import Any
 
 log = logging.getLogger("jaxloom.ray")
-
-
-@dataclasses.dataclass(frozen=True)
-class FaultInjector:
-    """A trainer hook that breaks one worker on purpose: at the start of step `at_step` of gang attempt
-    `attempt`, on rank `rank`, it kills its own process with SIGKILL (`kind="kill"`) or sleeps for
-    `seconds` (`kind="hang"`). With `wait_for_checkpoint`, it first lets the checkpoint being written
-    finish, so the resume point is known. For chaos tests of the launcher's recovery; never on by default."""
-
-    at_step: int
-    rank: int = 0
-    attempt: int = 0
-    kind: str = "kill"
-    seconds: float = 3600.0
-    wait_for_checkpoint: bool = False
-
-    def __post_init__(self):
-        if self.kind not in ("kill", "hang"):
-            raise ValueError(f"FaultInjector.kind {self.kind!r}; expected 'kill' or 'hang'")
-
-    def bind(self, ctx) -> _BoundFault | None:
-        """The hook for this worker (`ctx`), or None when the fault is for another rank or attempt."""
-        return _BoundFault(self) if (ctx.rank, ctx.attempt) == (self.rank, self.attempt) else None
-
-
-class _BoundFault:
-    def __init__(self, fault: FaultInjector):
-        self.fault = fault
-
-    def on_step_start(self, trainer, step: int) -> None:
-        if step != self.fault.at_step:
-            return
-        if self.fault.wait_for_checkpoint:
-            trainer.checkpoints.wait_until_finished()
-        log.error("FaultInjector: %s at step %d (pid %d)", self.fault.kind, step, os.getpid())
-        if self.fault.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(self.fault.seconds)
 
 
 def summarize(trainer, out) -> dict[str, Any]:
@@ -88,11 +47,12 @@ def train_from_config(
     ctx,
     config_path: str | None,
     overrides: list[str],
-    faults: tuple[FaultInjector, ...] = (),
+    faults: tuple = (),
     workdir: str | None = None,
 ) -> dict[str, Any]:
     """`jaxloom train CONFIG [key=value ...]` in one worker (`ctx`): `config_path` (None: the bundled
-    demo) with `overrides`, and `faults` as trainer hooks. After a restart it always resumes.
+    demo) with `overrides`, and `faults` (`jaxloom.ray.testing.FaultInjector`s) as trainer hooks. After a
+    restart it always resumes.
     `workdir`: where relative paths in the config point (the driver's directory; kept if absent here)."""
     from jaxloom.trainer.cli import build_run, write_run_config
 
