@@ -40,7 +40,7 @@ def test_loader_for_mesh_builds_global_arrays():
     assert (loader.rank, loader.ranks, loader.config.batch_size) == (0, 1, 8)
     batch = jd.to_global(next(loader), mesh, 8)
     assert batch["input_ids"].shape == (8, 32)
-    assert batch["input_ids"].sharding.spec == jax.sharding.PartitionSpec(("dp", "fsdp"))
+    assert batch["input_ids"].sharding.spec == jax.sharding.PartitionSpec(("fsdp", "dp"))  # PartitionAxis().batch_axis
     with pytest.raises(ValueError, match="global batch size 6 is not divisible by the data-parallel size 4"):
         jd.DataLoader.for_mesh([], TOK, jd.DataConfig(), mesh, 6)
 
