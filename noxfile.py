@@ -54,7 +54,27 @@ def install_parts(session: nox.Session, names: list[str], extra: str = "test") -
 # Every part on the Python the project is developed on, then a smoke run on the newest Python, where pip
 # resolves the newest JAX: a user there gets it, so a few steps, a checkpoint and a resume run on it too.
 SMOKE = "py312-smoke"
-SMOKE_PYTHON = "3.12"
+
+
+def _python_312() -> str:
+    """A Python 3.12 interpreter: one on PATH that runs, else a pyenv install (its `python3.12` shim fails
+    unless 3.12 is pyenv's selected version, and uv cannot download interpreters here)."""
+    import shutil
+    import subprocess
+
+    candidates = [shutil.which("python3.12") or ""]
+    candidates += sorted(glob.glob(str(Path.home() / ".pyenv/versions/3.12*/bin/python3.12")), reverse=True)
+    candidates += sorted(glob.glob("/usr/local/bin/python3.12")) + sorted(glob.glob("/usr/bin/python3.12"))
+    for exe in filter(None, candidates):
+        try:
+            if subprocess.run([exe, "-c", "import sys"], capture_output=True, timeout=30).returncode == 0:
+                return exe
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return "3.12"  # let nox report it missing
+
+
+SMOKE_PYTHON = _python_312()
 
 
 @nox.session

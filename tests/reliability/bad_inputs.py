@@ -18,8 +18,8 @@ CASES: list[tuple[str, str, str]] = [  # (name, function below, regex the error 
         r"'learning_rate'\?\)",
     ),
     ("unknown key in a config's data section", "unknown_data_key", r"unknown key\(s\) in section data: \['trian'\]"),
-    ("wrong type", "wrong_type", r"argument max_training_steps = 'many'; expected int"),
-    ("negative learning rate", "negative_lr", r"learning_rate = -0.001; expected a positive number"),
+    ("wrong type", "wrong_type", r"max_training_steps = 'many'; expected a valid integer"),
+    ("negative learning rate", "negative_lr", r"learning_rate = -0.001; expected a positive finite number"),
     ("impossible mesh", "impossible_mesh", r"axis_dims \(3, -1\).*8 devices"),
     (
         "batch not divisible by the data axes",

@@ -330,6 +330,16 @@ def _type_text(annotation: Any) -> str:
 
 
 _DEFAULTS = {name: f.default for cls in GROUPS.values() for name, f in cls.model_fields.items()}
+# help() shows every argument by group, from the schema itself (so the list cannot go stale).
+TrainingArguments.__doc__ = (
+    (TrainingArguments.__doc__ or "")
+    + "\n    Arguments (name: type = default), by group:\n"
+    + "".join(
+        f"\n    - `{g}`: "
+        + ", ".join(f"`{n}: {_type_text(f.annotation)} = {f.default!r}`" for n, f in cls.model_fields.items())
+        for g, cls in GROUPS.items()
+    )
+)
 # help(), IDEs and inspect see every argument with its type and default.
 TrainingArguments.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     [
