@@ -123,3 +123,21 @@ def test_bfloat16_params_load_and_cast(tmp_path):
     ref = np.asarray(model.model.layers[0].mlp.down_proj.kernel[...]).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(kernel), ref)
     assert np.isfinite(np.asarray(back(np.ones((1, 4), np.int32)).logits, np.float32)).all()
+
+
+def test_easydel_names_and_enums_run_on_our_backends():
+    from jaxloom.models import AttentionMechanisms, EasyDeLGradientCheckPointers, RuntimeConfig
+
+    rt = RuntimeConfig(attn_mechanism=AttentionMechanisms.SPLASH, remat=EasyDeLGradientCheckPointers.SELECTIVE)
+    assert (rt.attn_mechanism, rt.remat) == ("flash", "dots_saveable")
+    assert RuntimeConfig(attn_mechanism="blockwise", remat="nothing_saveable").attn_mechanism == "chunked"
+    assert RuntimeConfig(remat="everything_saveable").remat == "none"
+    with pytest.raises(ValueError, match=r"attn_mechanism 'ring'; expected one of \['auto', 'blockwise'"):
+        RuntimeConfig(attn_mechanism="ring")
+
+
+def test_configs_are_parsed_by_their_field_types():
+    cfg = jm.LlamaConfig.from_hf_dict({"rms_norm_eps": "1e-5", "rope_theta": "1e6", "hidden_size": 64})
+    assert cfg.rms_norm_eps == 1e-5 and cfg.rope_theta == 1e6 and isinstance(cfg.hidden_size, int)
+    with pytest.raises(ValueError, match=r"LlamaConfig: hidden_size = 3.5; expected a valid integer"):
+        jm.LlamaConfig.from_hf_dict({"hidden_size": 3.5})

@@ -52,20 +52,6 @@ def test_config_rejects_unknown_fields_and_bad_files(tmp_path):
         RayDistributedConfig.load(tmp_path / "missing.json")
 
 
-def test_class_defaults_are_the_reference_docs():
-    assert RayDistributedTrainer.CONFIG_SCALING_VARIABLES == {
-        "hidden_size": 256,
-        "intermediate_size": 1024,
-        "moe_intermediate_size": 512,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-    }
-    v = RayDistributedTrainer.CONFIG_VARIABLES
-    assert v["dtype"] == jnp.bfloat16 and v["seed"] == 654 and v["max_position_embeddings"] == 8192
-    assert v["sharding_axis_names"] == ("dp", "fsdp", "ep", "tp", "sp") and v["sharding_axis_dims"] == (1, -1, 1, 1, 1)
-    assert v["sharding_dcn_axis_dims"] == (1, -1, 1, 1, 1) and v["partition_axis"] == PartitionAxis()
-
-
 def test_model_resolution(tmp_path):
     base = base_model_dir(tmp_path)
     by_class = RayDistributedTrainer(str(base), model_class=jm.MistralForCausalLM)

@@ -89,6 +89,9 @@ def test_class_variables_are_the_documented_defaults():
     assert v["attn_mechanism"] == jm.AttentionMechanisms.AUTO and v["attn_softmax_dtype"] == jnp.bfloat16
     assert v["precision"] == jax.lax.Precision.DEFAULT and v["partition_axis"] == PartitionAxis()
     assert v["partition_axis"].batch_axis == ("fsdp", "dp")
+    assert v["dtype"] == v["param_dtype"] == jnp.bfloat16 and v["seed"] == 654 and v["max_position_embeddings"] == 8192
+    assert v["sharding_axis_names"] == ("dp", "fsdp", "ep", "tp", "sp") and v["sharding_axis_dims"] == (1, -1, 1, 1, 1)
+    assert v["sharding_dcn_axis_dims"] == (1, -1, 1, 1, 1)
 
 
 def test_config_scaling_variables_merge_with_the_defaults(base):

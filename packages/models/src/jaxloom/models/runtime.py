@@ -67,24 +67,22 @@ REMAT_ALIASES = {
 }
 
 
+def _canonical(name: Any, aliases: dict[str, str], known: tuple[str, ...], what: str) -> str:
+    key = str(getattr(name, "value", name)).lower()  # enum members by their value
+    key = aliases.get(key, key)
+    if key not in known:
+        raise ValueError(f"{what} {name!r}; expected one of {sorted({*known, *aliases})}")
+    return key
+
+
 def attn_backend(name: Any) -> str:
     """The backend an attention name (ours, EasyDeL's or an `AttentionMechanisms`) runs on."""
-    key = str(getattr(name, "value", name)).lower()
-    key = ATTN_ALIASES.get(key, key)
-    if key not in ATTN_MECHANISMS:
-        known = sorted({*ATTN_MECHANISMS, *ATTN_ALIASES})
-        raise ValueError(f"attn_mechanism {name!r}; expected one of {known}")
-    return key
+    return _canonical(name, ATTN_ALIASES, ATTN_MECHANISMS, "attn_mechanism")
 
 
 def remat_policy(name: Any) -> str:
     """The remat policy a gradient-checkpointing name (ours, EasyDeL's or an enum member) means."""
-    key = str(getattr(name, "value", name)).lower()
-    key = REMAT_ALIASES.get(key, key)
-    if key not in REMAT_POLICIES:
-        known = sorted({*REMAT_POLICIES, *REMAT_ALIASES})
-        raise ValueError(f"remat {name!r}; expected one of {known}")
-    return key
+    return _canonical(name, REMAT_ALIASES, REMAT_POLICIES, "remat")
 
 
 # `scan_layers=None` scans stacks deeper than this. Measured (docs/performance.md): scanning 8 layers cost 12%

@@ -71,16 +71,19 @@ _META_FIELDS = ("graphdef", "tx")
 
 
 def _register_state_class(cls: type) -> None:
-    def data_names(state) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(state) if f.name not in _META_FIELDS)
+    """A subclass's pytree registration. Its data fields are read once, at its first flatten (its own
+    `@dataclasses.dataclass` has run by then), not on every step."""
+    names: tuple[str, ...] = ()
 
     def flatten(state):
-        names = data_names(state)
+        nonlocal names
+        if not names:
+            names = tuple(f.name for f in dataclasses.fields(state) if f.name not in _META_FIELDS)
         children = [(jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names]
-        return children, (names, tuple(getattr(state, m) for m in _META_FIELDS))
+        return children, tuple(getattr(state, m) for m in _META_FIELDS)
 
-    def unflatten(aux, children):
-        (names, meta), obj = aux, object.__new__(cls)
+    def unflatten(meta, children):
+        obj = object.__new__(cls)
         for name, value in (*zip(names, children, strict=True), *zip(_META_FIELDS, meta, strict=True)):
             object.__setattr__(obj, name, value)
         return obj
@@ -88,7 +91,10 @@ def _register_state_class(cls: type) -> None:
     jax.tree_util.register_pytree_with_keys(cls, flatten, unflatten)
 
 
-_register_state_class(TrainState)
+# TrainState itself on JAX's dataclass fast path (flattened in C++ at every step's dispatch).
+jax.tree_util.register_dataclass(
+    TrainState, data_fields=["step", "params", "opt_state", "rng", "model_state"], meta_fields=list(_META_FIELDS)
+)
 
 
 def convert_model_to_state(

@@ -289,9 +289,6 @@ class TrainingArguments:
     def __eq__(self, other):
         return isinstance(other, TrainingArguments) and self.to_dict() == other.to_dict()
 
-    def __hash__(self):
-        return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
-
     def __repr__(self) -> str:
         changed = {k: v for k, v in self.to_dict().items() if _DEFAULTS[k] != v}
         return f"TrainingArguments({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
