@@ -161,7 +161,7 @@ def test_bad_inputs(tmp_path):
                 jd.DataConfig(max_sequence_length=8, batch_size=1, packing=False, long_records="raise"),
             )
         )
-    with pytest.raises(ValueError, match="DataConfig.padding_side = 'middle'"):
+    with pytest.raises(ValueError, match="DataConfig: padding_side = 'middle'; expected 'left' or 'right'"):
         jd.DataConfig(padding_side="middle")
     with pytest.raises(ValueError, match="data iterator state"):
         jd.DataLoader(docs(), TOK, cfg, state={"epoch": -1})

@@ -68,7 +68,7 @@ def test_bad_inputs_touch_nothing(tmp_path):
     manager.save(5, make_state(mesh))
     before = sorted(str(p) for p in (tmp_path / "run").rglob("*"))
     bigger = CONFIG.replace(hidden_size=64, num_attention_heads=8, num_key_value_heads=4)
-    with pytest.raises(ValueError, match=r"written for another model shape: .*stored \(64, 32\) vs target \(64, 64\)"):
+    with pytest.raises(ValueError, match=r"written for another configuration, another model shape: .*stored \(64, 32\) vs this run.s \(64, 64\)"):
         manager.restore(target(mesh, bigger))
     with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 7 .*available: \[5\]"):
         manager.restore(target(mesh), step=7)
@@ -99,15 +99,44 @@ def test_corruption_is_detected_and_falls_back(tmp_path):
     victim.write_bytes(bytes(raw))
     with pytest.raises(js.CheckpointCorruptError, match="file params/.* is corrupt"):
         manager.restore(target(mesh), step=2)
-    restored = manager.restore(target(mesh))  # newest is corrupt: falls back to step 1
-    assert restored.step == 0 or restored.step == 1
-    assert leaves_equal(restored.state.params, s1.params)
     with pytest.raises(js.CheckpointCorruptError):
         manager.restore(target(mesh), fallback=False)
     # truncation
     victim.write_bytes(bytes(raw[: len(raw) // 3]))
     with pytest.raises(js.CheckpointCorruptError, match="is corrupt"):
         manager.restore(target(mesh), step=2)
+    restored = manager.restore(target(mesh))  # newest is corrupt: set aside, falls back to step 1
+    assert restored.step == 1 and leaves_equal(restored.state.params, s1.params)
+    assert (tmp_path / "2.corrupt").is_dir() and not (tmp_path / "2").exists() and manager.all_steps() == [1]
+    manager.save(2, s2)  # the run can write that step again
+    manager.wait_until_finished()
+    assert manager.restore(target(mesh)).step == 2
+
+
+def test_a_cut_checksum_manifest_is_corruption_with_fallback(tmp_path):
+    mesh = mesh_of(fsdp=2)
+    manager = js.CheckpointManager(str(tmp_path), async_save=False)
+    manager.save(1, make_state(mesh))
+    manager.save(2, train_steps(make_state(mesh), 1))
+    manifest = tmp_path / "2" / js.checkpoint.CHECKSUMS
+    manifest.write_text(manifest.read_text()[:20])
+    with pytest.raises(js.CheckpointCorruptError, match=r"checksum manifest .* is unreadable"):
+        manager.restore(target(mesh), step=2)
+    assert manager.restore(target(mesh)).step == 1 and (tmp_path / "2.corrupt").is_dir()
+
+
+def test_another_optimizer_is_another_configuration_not_corruption(tmp_path):
+    import optax
+
+    mesh = mesh_of(fsdp=2)
+    manager = js.CheckpointManager(str(tmp_path), async_save=False)
+    manager.save(3, make_state(mesh))  # Adam: two moments per parameter
+    sgd = optax.sgd(0.1, momentum=0.9)  # one
+    with pytest.raises(ValueError, match=r"written for another configuration, another optimizer") as e:
+        manager.restore(target(mesh, tx=sgd))
+    assert not isinstance(e.value, js.CheckpointCorruptError) and "overwrite_output_dir=true" in str(e.value)
+    assert manager.all_steps() == [3] and not list(tmp_path.glob("*.corrupt"))  # nothing moved aside
+    assert manager.restore(target(mesh, tx=sgd), params_only=True).step == 0  # the weights still load
 
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")

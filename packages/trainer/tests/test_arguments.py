@@ -45,7 +45,7 @@ def test_flat_names_live_in_groups():
         (dict(profile_steps=[5, 2]), r"profile_steps \[5, 2\]; expected \[first, last\]"),
         (dict(sharding_axis_dims=[1, -1]), r"sharding_axis_dims \(1, -1\) and sharding_axis_names"),
         (dict(dtype="float33"), r"'float33' is not a dtype"),
-        (dict(remat="sometimes"), r"remat 'sometimes'; expected one of"),
+        (dict(remat="sometimes"), r"remat = 'sometimes'; expected one of"),
     ],
 )
 def test_bad_arguments_are_clear(kwargs, message):

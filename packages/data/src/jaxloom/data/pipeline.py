@@ -17,13 +17,15 @@ from typing import Any, Literal
 
 import numpy as np
 
+from jaxloom.mesh.schema import NonNegativeInt, PositiveInt, config
+
 from .sources import ShardedDataSource, as_source
 from .tokenize import tokenize_record
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
+@config
 class DataConfig:
     """How records become batches.
 
@@ -42,8 +44,8 @@ class DataConfig:
     - `prefetch`: batches prepared ahead in a background thread (0: none).
     """
 
-    max_sequence_length: int = 512
-    batch_size: int = 8
+    max_sequence_length: PositiveInt = 512
+    batch_size: PositiveInt = 8
     packing: bool = True
     truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
     padding_side: Literal["left", "right"] = "right"
@@ -55,22 +57,9 @@ class DataConfig:
     add_bos: bool = True
     add_eos: bool = True
     shuffle: bool = True
-    seed: int = 0
-    num_epochs: int | None = None
-    prefetch: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("max_sequence_length", "batch_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"DataConfig.{name} = {getattr(self, name)!r}; expected a positive integer")
-        choices = {
-            "truncation_mode": ("keep_end", "keep_start"),
-            "padding_side": ("left", "right"),
-            "long_records": ("truncate", "raise"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"DataConfig.{name} = {getattr(self, name)!r}; expected one of {allowed}")
+    seed: NonNegativeInt = 0
+    num_epochs: PositiveInt | None = None
+    prefetch: NonNegativeInt = 2
 
 
 START = {"epoch": 0, "shard_pos": 0, "row_pos": 0, "token_offset": 0}

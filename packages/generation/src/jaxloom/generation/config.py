@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxloom.mesh.schema import NonNegativeInt, PositiveInt, config
 
-@dataclasses.dataclass(frozen=True)
+
+@config
 class GenerationConfig:
     """How to decode.
 
@@ -20,26 +22,20 @@ class GenerationConfig:
     - `seed`: the sampling RNG's seed.
     """
 
-    max_new_tokens: int = 32
+    max_new_tokens: PositiveInt = 32
     do_sample: bool = False  # False: greedy
     temperature: float = 1.0  # 0 also means greedy
-    top_k: int | None = None
+    top_k: PositiveInt | None = None
     top_p: float | None = None
     eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int = 0
-    seed: int = 0
+    pad_token_id: NonNegativeInt = 0
+    seed: NonNegativeInt = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens = {self.max_new_tokens!r}; expected a positive integer")
-        if self.temperature < 0:
+        if not self.temperature >= 0:
             raise ValueError(f"temperature = {self.temperature}; expected >= 0")
-        if self.top_k is not None and self.top_k <= 0:
-            raise ValueError(f"top_k = {self.top_k}; expected a positive integer or None")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p}; expected a value in (0, 1] or None")
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
     @property
     def greedy(self) -> bool:

@@ -10,12 +10,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from jax.sharding import PartitionSpec
+from pydantic import BeforeValidator
+
+from .schema import config
 
 AxisSpec = Union[str, tuple[str, ...], None]
 Kind = Literal["param", "activation", "decode"]
+_Axis = Annotated[AxisSpec, BeforeValidator(lambda v: _normalise(v))]
 
 # Logical dimension names used by jaxloom models.
 LOGICAL_NAMES: tuple[str, ...] = (
@@ -39,7 +43,7 @@ LOGICAL_NAMES: tuple[str, ...] = (
 """The logical dimension names models use; `PartitionAxis.rules` maps each to mesh axes."""
 
 
-@dataclasses.dataclass(frozen=True)
+@config
 class PartitionAxis:
     """Logical role → mesh axis (or tuple of axes, or None for replicated).
 
@@ -64,37 +68,33 @@ class PartitionAxis:
       roles while decoding with a KV cache.
     """
 
-    data_parallel_axis: AxisSpec = "dp"
-    fully_sharded_data_parallel_axis: AxisSpec = "fsdp"
-    tensor_parallel_axis: AxisSpec = "tp"
-    sequence_parallel_axis: AxisSpec = "sp"
-    expert_parallel_axis: AxisSpec = "ep"
-    batch_axis: AxisSpec = ("fsdp", "dp")
-    sequence_axis: AxisSpec = "sp"
-    query_sequence_axis: AxisSpec = "sp"
-    head_axis: AxisSpec = "tp"
-    kv_head_axis: AxisSpec = "tp"
-    key_sequence_axis: AxisSpec = "sp"
-    hidden_state_axis: AxisSpec = "tp"
-    mlp_intermediate_axis: AxisSpec = "tp"
-    vocab_axis: AxisSpec = "tp"
-    expert_axis: AxisSpec = "ep"
-    expert_gate_axis: AxisSpec = None
-    attention_dim_axis: AxisSpec = None
-    attention_kv_dim_axis: AxisSpec = None
-    bias_head_sequence_axis: AxisSpec = None
-    bias_key_sequence_axis: AxisSpec = None
-    decode_batch_axis: AxisSpec = ("fsdp", "dp")
-    decode_query_sequence_axis: AxisSpec = None
-    decode_head_axis: AxisSpec = "tp"
-    decode_kv_head_axis: AxisSpec = "tp"
-    decode_key_sequence_axis: AxisSpec = "sp"
-    decode_attention_dim_axis: AxisSpec = None
-    decode_attention_kv_dim_axis: AxisSpec = None
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _normalise(getattr(self, f.name), f.name))
+    data_parallel_axis: _Axis = "dp"
+    fully_sharded_data_parallel_axis: _Axis = "fsdp"
+    tensor_parallel_axis: _Axis = "tp"
+    sequence_parallel_axis: _Axis = "sp"
+    expert_parallel_axis: _Axis = "ep"
+    batch_axis: _Axis = ("fsdp", "dp")
+    sequence_axis: _Axis = "sp"
+    query_sequence_axis: _Axis = "sp"
+    head_axis: _Axis = "tp"
+    kv_head_axis: _Axis = "tp"
+    key_sequence_axis: _Axis = "sp"
+    hidden_state_axis: _Axis = "tp"
+    mlp_intermediate_axis: _Axis = "tp"
+    vocab_axis: _Axis = "tp"
+    expert_axis: _Axis = "ep"
+    expert_gate_axis: _Axis = None
+    attention_dim_axis: _Axis = None
+    attention_kv_dim_axis: _Axis = None
+    bias_head_sequence_axis: _Axis = None
+    bias_key_sequence_axis: _Axis = None
+    decode_batch_axis: _Axis = ("fsdp", "dp")
+    decode_query_sequence_axis: _Axis = None
+    decode_head_axis: _Axis = "tp"
+    decode_kv_head_axis: _Axis = "tp"
+    decode_key_sequence_axis: _Axis = "sp"
+    decode_attention_dim_axis: _Axis = None
+    decode_attention_kv_dim_axis: _Axis = None
 
     # ---- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -108,10 +108,6 @@ class PartitionAxis:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PartitionAxis:
         """Inverse of `to_dict`: `data` maps field names to axes; unknown fields are an error."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise ValueError(f"PartitionAxis: unknown field(s) {unknown}; expected some of {sorted(fields)}")
         return cls(**dict(data))
 
     def to_json(self) -> str:
@@ -193,9 +189,9 @@ class PartitionAxis:
         return PartitionSpec(*out)
 
 
-def _normalise(value: Any, name: str) -> AxisSpec:
+def _normalise(value: Any) -> AxisSpec:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise ValueError(f"PartitionAxis.{name}: {value!r}; expected a mesh axis name, a tuple of names, or None")
+    raise ValueError("expected a mesh axis name, a tuple of names, or None")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from .schema import config
 
 DEFAULT_AXIS_NAMES: tuple[str, ...] = ("dp", "fsdp", "ep", "tp", "sp")
 DEFAULT_AXIS_DIMS: tuple[int, ...] = (1, -1, 1, 1, 1)
@@ -44,7 +45,7 @@ def resolve_dims(dims: Sequence[int], total: int, *, what: str = "axis_dims") ->
     return tuple(total // known if d == -1 else d for d in dims)
 
 
-@dataclasses.dataclass(frozen=True)
+@config
 class MeshConfig:
     """A named device mesh.
 
@@ -61,10 +62,6 @@ class MeshConfig:
     dcn_axis_dims: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "axis_dims", tuple(int(d) for d in self.axis_dims))
-        object.__setattr__(self, "axis_names", tuple(str(n) for n in self.axis_names))
-        if self.dcn_axis_dims is not None:
-            object.__setattr__(self, "dcn_axis_dims", tuple(int(d) for d in self.dcn_axis_dims))
         if len(set(self.axis_names)) != len(self.axis_names):
             raise ValueError(f"MeshConfig.axis_names {self.axis_names} has a repeated name")
         for field in ("axis_dims", "dcn_axis_dims"):
@@ -89,12 +86,7 @@ class MeshConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MeshConfig:
         """Inverse of `to_dict`: `data` holds the fields by name; unknown keys are an error."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise ValueError(f"MeshConfig: unknown key(s) {unknown}; expected some of {sorted(fields)}")
-        values: dict[str, Any] = {k: (tuple(v) if v is not None else None) for k, v in data.items()}
-        return cls(**values)
+        return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON data (`from_dict` reads it back)."""

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-import pydantic
+from jaxloom.mesh.schema import config
 
 # HF config.json keys that carry no architecture and are accepted and dropped on load.
 _IGNORED_HF_KEYS = {
@@ -60,31 +60,7 @@ class FrozenDict(dict):
     __setitem__ = __delitem__ = update = pop = clear = setdefault = _readonly  # type: ignore[assignment]
 
 
-def explain_validation_error(error: Any, prefix: str = "") -> ValueError:
-    """A pydantic `ValidationError` as one `ValueError`: each problem names the key, the value and what
-    was expected (`max_training_steps = 3.5; expected a valid integer, ...`)."""
-    lines = []
-    for e in error.errors():
-        msg = e["msg"].removeprefix("Value error, ")
-        if msg.startswith("Input should be "):
-            msg = "expected " + msg.removeprefix("Input should be ")
-        if e["loc"]:
-            name = ".".join(str(x) for x in e["loc"] if not isinstance(x, int))
-            msg = f"{name} = {e['input']!r}; {msg}"
-        lines.append(msg)
-    return ValueError(prefix + "; ".join(lines))
-
-
-_ADAPTERS: dict[type, pydantic.TypeAdapter] = {}
-
-
-def _adapter(cls: type) -> pydantic.TypeAdapter:
-    if cls not in _ADAPTERS:
-        _ADAPTERS[cls] = pydantic.TypeAdapter(cls)
-    return _ADAPTERS[cls]
-
-
-@dataclasses.dataclass(frozen=True)
+@config
 class LlamaConfig:
     """Llama architecture. Field names and meanings are those of `transformers.LlamaConfig`.
 
@@ -195,10 +171,7 @@ class LlamaConfig:
             raise ValueError(f"{cls.__name__}: unknown config key(s) {unknown}; expected some of {sorted(fields)}")
         data = cls.family_adjust(data)
         # Checked and converted by the fields' types ("1e-5" from YAML is a float; 3.5 is not an int).
-        try:
-            return _adapter(cls).validate_python({k: v for k, v in data.items() if k in fields})
-        except pydantic.ValidationError as e:
-            raise explain_validation_error(e, f"{cls.__name__}: ") from None
+        return cls(**{k: v for k, v in data.items() if k in fields})
 
     @classmethod
     def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -233,7 +206,7 @@ class LlamaConfig:
         return file
 
 
-@dataclasses.dataclass(frozen=True)
+@config
 class MistralConfig(LlamaConfig):
     """Mistral: Llama with sliding-window attention (`sliding_window`, default 4096); the other fields
     are `LlamaConfig`'s."""
@@ -242,7 +215,7 @@ class MistralConfig(LlamaConfig):
     sliding_window: int | None = 4096
 
 
-@dataclasses.dataclass(frozen=True)
+@config
 class Qwen2Config(LlamaConfig):
     """Qwen2: Llama with biases on q, k and v (not o); the fields are `LlamaConfig`'s."""
 
@@ -262,7 +235,7 @@ class Qwen2Config(LlamaConfig):
         return data
 
 
-@dataclasses.dataclass(frozen=True)
+@config
 class MixtralConfig(LlamaConfig):
     """Mixtral: sparse MoE feed-forward, top-k routing over `num_local_experts` experts with
     `num_experts_per_tok` chosen per token and a load-balancing loss weighted by `router_aux_loss_coef`;

@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from jaxloom.mesh.axes import Kind
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,7 +15,7 @@ from flax import nnx
 from .runtime import RuntimeConfig
 
 
-def constrain(x: jax.Array, names: Sequence[str | None], runtime: RuntimeConfig, kind: str = "activation"):
+def constrain(x: jax.Array, names: Sequence[str | None], runtime: RuntimeConfig, kind: Kind = "activation"):
     """Shard an activation by logical names when a mesh is set (`with jax.set_mesh(mesh)`); else a no-op."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:  # nothing to place; a constraint would only restrict XLA's fusions

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import jax.numpy as jnp
 
+from pydantic import AfterValidator, BeforeValidator
+
 from jaxloom.mesh import PartitionAxis
+from jaxloom.mesh.schema import PositiveInt, config
 
 AttnMechanism = Literal["auto", "xla", "chunked", "cudnn", "flash"]
 RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"]
@@ -100,7 +103,17 @@ def to_dtype(value: Any) -> Any:
         raise ValueError(f"{value!r} is not a dtype; expected e.g. 'float32' or 'bfloat16'") from e
 
 
-@dataclasses.dataclass(frozen=True)
+def _precision_name(name: str | None) -> str | None:
+    if name is not None and name.lower() not in ("default", "high", "highest"):
+        raise ValueError(f"precision {name!r}; expected None, 'default', 'high' or 'highest'")
+    return name
+
+
+DType = Annotated[Any, BeforeValidator(to_dtype)]
+"""A dtype field: `"bfloat16"`, `jnp.bfloat16` or a numpy dtype, stored as a numpy dtype."""
+
+
+@config
 class RuntimeConfig:
     """Args:
     dtype: computation dtype. param_dtype: storage dtype of the parameters.
@@ -121,35 +134,15 @@ class RuntimeConfig:
     partition_axis: the logical → mesh axis mapping used for parameters and activations.
     """
 
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    precision: str | None = None
-    attn_mechanism: AttnMechanism = "auto"
-    attn_block_size: int = 512
-    remat: RematPolicy = "none"
+    dtype: DType = jnp.dtype("float32")
+    param_dtype: DType = jnp.dtype("float32")
+    precision: Annotated[str | None, AfterValidator(_precision_name)] = None
+    attn_mechanism: Annotated[str, BeforeValidator(attn_backend)] = "auto"
+    attn_block_size: PositiveInt = 512
+    remat: Annotated[str, BeforeValidator(remat_policy)] = "none"
     scan_layers: bool | None = None
-    moe_implementation: str = "auto"
+    moe_implementation: Literal["auto", "ragged", "tiled", "dense"] = "auto"
     partition_axis: PartitionAxis = dataclasses.field(default_factory=PartitionAxis)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", to_dtype(self.dtype))
-        object.__setattr__(self, "param_dtype", to_dtype(self.param_dtype))
-        object.__setattr__(self, "attn_mechanism", attn_backend(self.attn_mechanism))
-        object.__setattr__(self, "remat", remat_policy(self.remat))
-        if (
-            isinstance(self.attn_block_size, bool)
-            or not isinstance(self.attn_block_size, int)
-            or self.attn_block_size < 1
-        ):
-            raise ValueError(f"attn_block_size {self.attn_block_size!r}; expected a positive integer")
-        if self.moe_implementation not in MOE_IMPLEMENTATIONS:
-            raise ValueError(f"moe_implementation {self.moe_implementation!r}; expected one of {MOE_IMPLEMENTATIONS}")
-        if self.scan_layers not in (None, True, False):
-            raise ValueError(f"scan_layers {self.scan_layers!r}; expected true, false or null (auto)")
-        if self.precision not in (None, "default", "high", "highest", "DEFAULT", "HIGH", "HIGHEST"):
-            raise ValueError(f"precision {self.precision!r}; expected None, 'default', 'high' or 'highest'")
-        if isinstance(self.partition_axis, dict):
-            object.__setattr__(self, "partition_axis", PartitionAxis.from_dict(self.partition_axis))
 
     def scans(self, num_layers: int) -> bool:
         """Whether a model of `num_layers` decoder layers runs them as one scanned stack."""

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Literal
+
+from jaxloom.mesh.schema import NonNegativeInt, PositiveFloat, PositiveInt, config
 
 from .cluster import init_ray
 from .worker import GangWorker, ProgressBoard
@@ -31,7 +33,7 @@ class GangFailedError(RuntimeError):
         self.failures = failures
 
 
-@dataclasses.dataclass(frozen=True)
+@config
 class ScalingConfig:
     """How to run the gang.
 
@@ -47,31 +49,15 @@ class ScalingConfig:
       env: extra environment variables for the workers.
     """
 
-    num_workers: int = 1
+    num_workers: PositiveInt = 1
     resources_per_worker: dict[str, float] | None = None
-    devices_per_worker: int | None = None
-    platform: str | None = "cpu"
-    max_failures: int = 0
-    progress_timeout_s: float = 120.0
-    startup_timeout_s: float = 300.0
-    heartbeat_timeout_s: int = 10
+    devices_per_worker: PositiveInt | None = None
+    platform: Literal["cpu", "gpu", "cuda", "tpu"] | None = "cpu"
+    max_failures: NonNegativeInt = 0
+    progress_timeout_s: PositiveFloat = 120.0
+    startup_timeout_s: PositiveFloat = 300.0
+    heartbeat_timeout_s: PositiveInt = 10
     env: dict[str, str] | None = None
-
-    def __post_init__(self):
-        for name in ("num_workers", "progress_timeout_s", "startup_timeout_s", "heartbeat_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ScalingConfig.{name} = {value!r}; expected a positive number")
-        if not isinstance(self.max_failures, int) or self.max_failures < 0:
-            raise ValueError(f"ScalingConfig.max_failures = {self.max_failures!r}; expected an integer >= 0")
-        if self.devices_per_worker is not None and (
-            not isinstance(self.devices_per_worker, int) or self.devices_per_worker < 1
-        ):
-            raise ValueError(
-                f"ScalingConfig.devices_per_worker = {self.devices_per_worker!r}; expected an integer >= 1 or None"
-            )
-        if self.platform not in (None, "cpu", "gpu", "cuda", "tpu"):
-            raise ValueError(f"ScalingConfig.platform = {self.platform!r}; expected 'cpu', 'gpu', 'tpu' or None")
 
     @classmethod
     def from_items(cls, items: list[str]) -> ScalingConfig:

@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxloom.mesh.schema import PositiveFloat, PositiveInt, config
+
 from .train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ class CheckpointSaveError(OSError):
     stop: exit the process (the `jaxloom` command does) rather than keep training."""
 
 
-@dataclasses.dataclass(frozen=True)
+@config
 class CheckpointConfig:
     """Args:
     directory: where checkpoints live (local path, or any path orbax/etils supports).
@@ -49,21 +51,13 @@ class CheckpointConfig:
     """
 
     directory: str
-    save_steps: int | None = None
-    save_minutes: float | None = None
-    save_total_limit: int | None = 3
-    keep_period: int | None = None
+    save_steps: PositiveInt | None = None
+    save_minutes: PositiveFloat | None = None
+    save_total_limit: PositiveInt | None = 3
+    keep_period: PositiveInt | None = None
     async_save: bool = True
     float_dtype: str | None = None
     verify: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("save_steps", "save_total_limit", "keep_period"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v <= 0):
-                raise ValueError(f"CheckpointConfig.{name} = {v!r}; expected a positive integer or None")
-        if self.save_minutes is not None and self.save_minutes <= 0:
-            raise ValueError(f"CheckpointConfig.save_minutes = {self.save_minutes!r}; expected > 0 or None")
 
 
 @dataclasses.dataclass
@@ -227,7 +221,12 @@ class CheckpointManager:
         if not manifest.exists():
             log.warning("checkpoint %s has no checksums (written before finalisation ended); not verified", folder)
             return
-        expected = json.loads(manifest.read_text())
+        try:
+            expected = json.loads(manifest.read_text())
+            if not isinstance(expected, dict):
+                raise ValueError(f"expected a JSON object, found {type(expected).__name__}")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointCorruptError(f"checkpoint {folder}: checksum manifest {CHECKSUMS} is unreadable ({e})") from e
         actual = _checksums(folder)
         for name, (size, digest) in sorted(expected.items()):
             if name not in actual:
@@ -244,8 +243,11 @@ class CheckpointManager:
         """Restore onto `target`'s shapes, dtypes and shardings (an abstract `TrainState`, e.g. from
         `jax.eval_shape`, whose leaves carry `.sharding`): any mesh, any number of processes.
 
-        `step=None` takes the newest; with `fallback`, a corrupt newest is reported and the next older
-        complete one is used. `params_only` keeps `target.opt_state` and step 0 (fine-tuning)."""
+        `step=None` takes the newest; with `fallback`, a corrupt newest is reported, moved aside to
+        `<step>.corrupt` (so the run can save that step again; delete it when you like) and the next older
+        complete one is used. `params_only` keeps `target.opt_state` and step 0 (fine-tuning). A checkpoint
+        of another configuration (shapes, optimizer) is a `ValueError` listing the differences, never
+        reported as corruption."""
         steps = self.all_steps()
         if not steps:
             raise FileNotFoundError(
@@ -263,8 +265,26 @@ class CheckpointManager:
                 errors.append(str(e))
                 if not fallback or step is not None:
                     raise
-                log.error("%s; falling back to an older checkpoint", e)
-        raise CheckpointCorruptError("every checkpoint is corrupt: " + " | ".join(errors))
+                log.error("%s; moved aside to %s; falling back to an older checkpoint", e, self._set_aside(s))
+        raise CheckpointCorruptError(
+            f"every checkpoint in {self.directory} is corrupt (moved aside as <step>.corrupt): " + " | ".join(errors)
+        )
+
+    def _set_aside(self, step: int) -> Path:
+        """Rename corrupt checkpoint `step` to `<step>.corrupt` (process 0), so that it is never chosen
+        again and a new checkpoint of that step can be written."""
+        folder = self.directory / str(step)
+        dest, n = folder.with_name(f"{step}.corrupt"), 1
+        while dest.exists():
+            dest, n = folder.with_name(f"{step}.corrupt.{n}"), n + 1
+        if jax.process_index() == 0:
+            folder.rename(dest)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxloom-set-aside-{step}")
+        self._manager = None  # orbax lists steps once: open again without the corrupt one
+        return dest
 
     def _restore_one(self, target: TrainState, step: int, params_only: bool) -> Restored:
         if self.config.verify:
@@ -276,7 +296,7 @@ class CheckpointManager:
             items["opt_state"] = ocp.args.StandardRestore(_as_abstract(target.opt_state))
         try:
             out = self._open().restore(step, args=ocp.args.Composite(**items))
-        except (ValueError, OSError, RuntimeError) as e:
+        except (ValueError, OSError, RuntimeError, KeyError) as e:
             raise CheckpointCorruptError(
                 f"checkpoint {self.directory / str(step)} could not be read: {type(e).__name__}: {str(e)[:500]}"
             ) from e
@@ -297,13 +317,16 @@ class CheckpointManager:
             state=state, step=int(meta["step"]), data_state=meta.get("data"), metadata=meta.get("metadata", {})
         )
 
-    def restore_shapes(self, step: int | None = None) -> Any:
-        """The stored parameters' shapes and dtypes (`jax.ShapeDtypeStruct` tree) of checkpoint `step`
-        (default: the newest) without reading weights."""
+    def restore_shapes(self, step: int | None = None, item: str = "params") -> Any:
+        """The stored shapes and dtypes (`jax.ShapeDtypeStruct` tree) of `item` (`"params"` or
+        `"opt_state"`) of checkpoint `step` (default: the newest), without reading weights; None when the
+        checkpoint has no such item."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        tree = self._open().item_metadata(step)["params"]
+        tree = self._open().item_metadata(step).get(item)
+        if tree is None:
+            return None
         tree = getattr(tree, "tree", tree)
         return jax.tree_util.tree_map(
             lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
@@ -319,24 +342,32 @@ class CheckpointManager:
 
     def _check_target(self, target: TrainState, step: int, params_only: bool) -> None:
         """Compare shapes before reading anything, and that the target's shardings divide them."""
-        try:
-            stored = {k: v.shape for k, v in _flat(self.restore_shapes(step)).items()}
-        except (ValueError, OSError, UnicodeDecodeError, KeyError) as e:
-            raise CheckpointCorruptError(
-                f"checkpoint {self.directory / str(step)}: metadata unreadable ({type(e).__name__}: {str(e)[:200]})"
-            ) from e
-        wanted = {k: v.shape for k, v in _flat(target.params).items()}
-        problems = [
-            f"{k}: stored {stored.get(k)} vs target {wanted.get(k)}"
-            for k in sorted(set(stored) | set(wanted))
-            if stored.get(k) != wanted.get(k)
-        ]
-        if problems:
-            raise ValueError(
-                f"checkpoint {self.directory / str(step)} was written for another model shape: "
-                + "; ".join(problems[:10])
-                + (" …" if len(problems) > 10 else "")
-            )
+        items = {"params": target.params}
+        if not params_only and jax.tree_util.tree_leaves(target.opt_state):
+            items["opt_state"] = target.opt_state
+        for item, tree in items.items():
+            try:
+                found = self.restore_shapes(step, item)
+            except (ValueError, OSError, UnicodeDecodeError, KeyError, TypeError) as e:
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.directory / str(step)}: metadata unreadable ({type(e).__name__}: {str(e)[:200]})"
+                ) from e
+            stored = {k: v.shape for k, v in _flat(found).items()} if found is not None else {}
+            wanted = {k: v.shape for k, v in _flat(tree).items()}
+            problems = [
+                f"{k}: stored {stored.get(k, 'nothing')} vs this run's {wanted.get(k, 'nothing')}"
+                for k in sorted(set(stored) | set(wanted))
+                if stored.get(k) != wanted.get(k)
+            ]
+            if problems:
+                what = "model shape" if item == "params" else "optimizer (its state differs)"
+                raise ValueError(
+                    f"checkpoint {self.directory / str(step)} was written for another configuration, another "
+                    f"{what}: "
+                    + "; ".join(problems[:10])
+                    + (" …" if len(problems) > 10 else "")
+                    + ". Train into a new save_directory, or set overwrite_output_dir=true to start over in this one."
+                )
         for name, leaf in _flat(target.params).items():
             sharding = getattr(leaf, "sharding", None)
             if sharding is None:

@@ -20,10 +20,10 @@ class TrainState:
     variables (`model_state`), and, static, the model's `graphdef` and the optax transformation `tx`.
     Build it with `TrainState.create`; `state.model` rebuilds the `nnx` model."""
 
-    step: jax.Array  # int32 scalar
+    step: jax.Array | Any  # int32 scalar (or its shape, as a restore target)
     params: Any  # nested dict of arrays (the model's nnx.Param values)
     opt_state: Any  # optax state over `params`
-    rng: jax.Array  # PRNG key for dropout-like randomness inside the step
+    rng: jax.Array | Any  # PRNG key for dropout-like randomness inside the step
     model_state: Any = None  # non-parameter variables of the model (usually empty)
     graphdef: Any = None  # static: the model's structure (nnx.GraphDef)
     tx: Any = None  # static: the optax GradientTransformation

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from jaxloom.models.configs import explain_validation_error
+from jaxloom.mesh.schema import explain_validation_error
 
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 SCHEDULERS = ("linear", "cosine", "constant")

@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -584,11 +584,13 @@ class BaseTrainer:
         return step, self._stop_reason or stop_reason
 
     def _call_step_start(self, step: int) -> None:
+        assert self.state is not None
         self.state = self.on_step_start(self.state, step)
         for h in self.hooks:
             getattr(h, "on_step_start", lambda *_: None)(self, step)
 
     def _call_step_end(self, step: int, metrics: dict) -> dict:
+        assert self.state is not None
         self.state, metrics = self.on_step_end(self.state, metrics, step)
         for h in self.hooks:
             getattr(h, "on_step_end", lambda *_: None)(self, step, metrics)
@@ -669,7 +671,7 @@ class BaseTrainer:
             if self._peak:
                 row["mfu"] = self._flops_token * tps / self.mesh.devices.size / self._peak
             self.log_metrics(row, self.pbar, step)
-            if a.log_weight_distribution:
+            if a.log_weight_distribution and self.state is not None:
                 self.log_weight_distribution(self.state, step)
             self._window, self._t_log = [], now
         self.pbar.update(1)
@@ -958,19 +960,25 @@ class BaseTrainer:
         return state.model, config, (self.mesh if shard_inputs is not False else None)
 
     # ---- data helpers -------------------------------------------------------------------------------------
-    def create_collect_function(self, max_sequence_length: int, truncation_mode: str = "keep_end"):
+    def create_collect_function(
+        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+    ):
         """`collate(examples) -> dict of arrays`: tokenized examples (`{"input_ids": [...], ...}`) truncated
         by `truncation_mode` and right-padded with the tokenizer's pad id to `max_sequence_length`."""
         return jd.create_collect_function(
             max_sequence_length, truncation_mode, pad_token_id=self.tokenizer.pad_token_id or 0
         )
 
-    def create_grain_collect_function(self, max_sequence_length: int, truncation_mode: str = "keep_end"):
+    def create_grain_collect_function(
+        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+    ):
         """The same collate function as `create_collect_function(max_sequence_length, truncation_mode)`,
         for a grain pipeline's batch map."""
         return self.create_collect_function(max_sequence_length, truncation_mode)
 
-    def create_tfds_collect_function(self, max_sequence_length: int, truncation_mode: str = "keep_end"):
+    def create_tfds_collect_function(
+        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+    ):
         """The same collate function as `create_collect_function(max_sequence_length, truncation_mode)`,
         for TFDS-style batches of examples."""
         return self.create_collect_function(max_sequence_length, truncation_mode)
@@ -1018,7 +1026,7 @@ class BaseTrainer:
         `torch_save_pretrained_kwargs` takes `max_shard_size` (bytes, or "500MB"-style). `gather_fns`
         must be None: sharded arrays are gathered one at a time by the exporter."""
         if isinstance(state, str | os.PathLike):
-            state, save_directory = save_directory, state
+            state, save_directory = save_directory, state  # type: ignore[assignment]
         if save_directory is None:
             raise ValueError("save_pretrained needs a save_directory")
         if gather_fns is not None:
@@ -1036,9 +1044,10 @@ class BaseTrainer:
         if state is None:
             self.initialize_trainer_utils()
             state = self.state
+        assert isinstance(state, js.TrainState) and isinstance(save_directory, str | os.PathLike)
         extra = {"max_shard_bytes": _bytes(save_kw["max_shard_size"])} if "max_shard_size" in save_kw else {}
         return js.save_pretrained(
-            state, save_directory, to_hf=to_hf, tokenizer=self.tokenizer, dtype=convert.get("dtype"), **extra
+            state, os.fspath(save_directory), to_hf=to_hf, tokenizer=self.tokenizer, dtype=convert.get("dtype"), **extra
         )
 
     def save_information(
