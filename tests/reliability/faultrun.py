@@ -3,13 +3,31 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("worker.py")
+# The worker's run: a tiny model, a few steps, a checkpoint every 4.
+TINY = [
+    "max_training_steps=16",
+    "save_steps=4",
+    "logging_steps=4",
+    "evaluation_steps=null",
+    "total_batch_size=8",
+    "max_sequence_length=32",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=2",
+    "progress_bar=false",
+    "use_tensorboard=false",
+    "generation_interval=null",
+    "generation_prompts=[]",
+]
 
 
-def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, env=None, timeout=300):
-    """Run worker.py; with `stop_after=n`, send `sig` when it prints `STEP n`. Returns (proc, stdout, stderr)."""
+def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, repeat=0, env=None, timeout=300):
+    """Run worker.py; with `stop_after=n`, send `sig` when it prints `STEP n` (and `repeat` more times, 50 ms
+    apart, as an impatient user does). Returns (proc, stdout, stderr)."""
     # the runs share one compilation cache (as restarts with `compilation_cache_dir` do): a resumed or
     # repeated run loads its compiled programs instead of compiling them again
     cache = str(Path(tempfile.gettempdir()) / f"jaxloom-reliability-xla-cache-{os.getuid()}")
@@ -32,6 +50,10 @@ def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, env=None, t
             proc.send_signal(sig)
             if sig == signal.SIGKILL:
                 break
+            for _ in range(repeat):
+                time.sleep(0.05)
+                if proc.poll() is None:
+                    proc.send_signal(sig)
     proc.wait(timeout=timeout)
     err.seek(0)
     with err:

@@ -49,6 +49,19 @@ def test_stop_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, sig):
     assert f"resumed from checkpoint {tmp_path}/checkpoints/{stopped_at}" in err
 
 
+def test_repeated_stop_signals_while_stopping_still_save_and_exit_cleanly(tmp_path):
+    """Ctrl-C pressed four times: the signals after the first are ignored until the final checkpoint is
+    complete."""
+    proc, lines, err = run_worker(tmp_path, "save_steps=100", stop_after=5, sig=signal.SIGINT, repeat=3, timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "STOP_REASON stop signal received" in lines and "again: still saving the final checkpoint" in err
+    stopped_at = max(int(x.split()[1]) for x in lines if x.startswith("STEP "))
+    from jaxloom.state import CheckpointManager
+
+    assert CheckpointManager(str(tmp_path / "checkpoints")).all_steps() == [stopped_at]
+    assert not list((tmp_path / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+
+
 def test_full_disk_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path):
     # Files may not grow past 64 KiB from step 6 on: the step-8 checkpoint's arrays cannot be written.
     proc, lines, err = run_worker(

@@ -9,25 +9,11 @@ import sys
 
 import numpy as np
 
+from faultrun import TINY
+
 from jaxloom.mesh import gather, named_leaves
 from jaxloom.state import CheckpointSaveError
-from jaxloom.trainer.cli import build_run
-
-TINY = [
-    "max_training_steps=16",
-    "save_steps=4",
-    "logging_steps=4",
-    "evaluation_steps=null",
-    "total_batch_size=8",
-    "max_sequence_length=32",
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=2",
-    "progress_bar=false",
-    "use_tensorboard=false",
-    "generation_interval=null",
-    "generation_prompts=[]",
-]
+from jaxloom.trainer.cli import build_run, exit_after_training_error
 
 
 class Announce:
@@ -50,9 +36,10 @@ trainer, _ = build_run(None, [*TINY, f"save_directory={out}", *cache, *sys.argv[
 trainer.hooks.append(Announce())
 try:
     result = trainer.train()
-except CheckpointSaveError as e:  # as the jaxloom command does: report, then exit without waiting on orbax
-    print(f"ERROR {e}", flush=True)
-    os._exit(3)
+except BaseException as e:  # as the jaxloom command does: report, then exit without waiting on orbax
+    if isinstance(e, CheckpointSaveError):
+        print(f"ERROR {e}", flush=True)
+    exit_after_training_error(e)
 trainer.finish()
 np.savez(f"{out}/final.npz", **{k: gather(v) for k, v in named_leaves(result.state.params)})
 print("RESUMED_FROM", result.resumed_from, flush=True)

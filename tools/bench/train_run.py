@@ -93,6 +93,7 @@ def main():
             max_training_steps=steps,
             save_directory=cfg["out"],
             resume_if_possible=False,
+            overwrite_output_dir=True,  # every repeat starts over in the same directory
             dtype=cfg["dtype"],
             adam_beta2=0.95,
         )

@@ -211,3 +211,21 @@ def test_plain_fast_tokenizer_loads_without_the_auto_registry(tmp_path):
     meta = json.loads((custom / "tokenizer_config.json").read_text())
     (custom / "tokenizer_config.json").write_text(json.dumps({**meta, "auto_map": {"AutoTokenizer": [None, "x.Tok"]}}))
     assert registry_and_torch_imported(str(custom))[0] == "True"
+
+
+def test_bad_records_name_their_file_and_line(tmp_path):
+    """A record that cannot be tokenized, reached mid-stream, names file:line; so does invalid UTF-8."""
+    good = [json.dumps({"text": f"record number {i}"}) for i in range(6)]
+    lines = [*good[:3], "", json.dumps({"text": 42}), *good[3:]]  # line 5: text is a number
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    loader = jd.DataLoader(
+        jd.JsonlSource(path), TOK, jd.DataConfig(max_sequence_length=8, batch_size=1, packing=False, shuffle=False)
+    )
+    with pytest.raises(ValueError, match=rf"{path}:5: column 'text' holds int, expected text"):
+        for _ in range(10):
+            next(loader)
+    raw = tmp_path / "latin1.jsonl"
+    raw.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"{raw}:2: not valid UTF-8 .*expected UTF-8 text"):
+        jd.JsonlSource(raw).read_shard(str(raw))

@@ -112,6 +112,18 @@ def test_out_of_restarts_is_one_clear_error(ray_cluster, tmp_path):
         _run(tmp_path, "dies", workers=1, faults=[FaultInjector(at_step=1, rank=0, kind="kill")], steps=2)
 
 
+def _bad_input_job(ctx):
+    raise ValueError("learning_rate = -1; expected a positive finite number")
+
+
+def test_an_input_error_is_not_retried(ray_cluster):
+    """A ValueError from the job is deterministic: one clear error, no restart (max_failures is for deaths,
+    hangs and I/O)."""
+    with pytest.raises(GangFailedError, match=r"input error, which a restart would only repeat \(not retried\)") as e:
+        launch(_bad_input_job, scaling=ScalingConfig(num_workers=1, max_failures=2))
+    assert len(e.value.failures) == 1 and "learning_rate = -1" in str(e.value)
+
+
 def test_cli_train_with_ray(ray_cluster, tmp_path, capsys):
     from jaxloom.trainer.cli import main
 

@@ -68,7 +68,10 @@ def test_bad_inputs_touch_nothing(tmp_path):
     manager.save(5, make_state(mesh))
     before = sorted(str(p) for p in (tmp_path / "run").rglob("*"))
     bigger = CONFIG.replace(hidden_size=64, num_attention_heads=8, num_key_value_heads=4)
-    with pytest.raises(ValueError, match=r"written for another configuration, another model shape: .*stored \(64, 32\) vs this run.s \(64, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"written for another configuration, another model shape: .*stored \(64, 32\) vs this run.s \(64, 64\)",
+    ):
         manager.restore(target(mesh, bigger))
     with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 7 .*available: \[5\]"):
         manager.restore(target(mesh), step=7)

@@ -209,12 +209,15 @@ def test_run_level_fields_second_set(tmp_path, monkeypatch):
     assert _saved(tmp_path / "b") == [1, 2, 3]  # save_minutes
     assert inits and inits[0]["project"] == "my-project" and logged  # use_wandb, wandb_project
     assert int(t.state.step) == 3
-    # resume_if_possible=false: a run in a directory with checkpoints starts over (the default resumes)
+    # resume_if_possible=false: a directory with checkpoints is an error (the default resumes); with
+    # overwrite_output_dir the run starts over there
     _, resumed, _ = _run(tmp_path / "a", max_training_steps=4, save_steps=None, generation_interval=None)
-    _, fresh, _ = _run(
-        tmp_path / "a", max_training_steps=4, save_steps=None, generation_interval=None, resume_if_possible=False
-    )
-    assert resumed.resumed_from is not None and fresh.resumed_from is None
+    assert resumed.resumed_from is not None
+    once = dict(max_training_steps=4, save_steps=None, generation_interval=None, resume_if_possible=False)
+    with pytest.raises(ValueError, match=r"holds checkpoints \[3, 4\] of an earlier run and resume_if_possible=false"):
+        _run(tmp_path / "a", **once)
+    _, fresh, _ = _run(tmp_path / "a", **once, overwrite_output_dir=True)
+    assert fresh.resumed_from is None and _saved(tmp_path / "a") == [4]
 
 
 class _Poison:
@@ -248,6 +251,9 @@ RUN_LEVEL = {
     "profile_steps": "test_training.py::test_profiler_trace_of_chosen_steps",
     "generation_interval": "test_training.py::test_eval_loss_falls_on_the_corpus",
     "generation_prompts": "test_training.py::test_eval_loss_falls_on_the_corpus",
+    "overwrite_output_dir": (
+        "../../../tests/reliability/test_run_directory.py::test_an_earlier_run_is_never_replaced_silently"
+    ),
 }
 RUNS = {
     "save_total_limit", "z_loss", "peak_flops_per_device", "log_weight_distribution", "generation_max_new_tokens",

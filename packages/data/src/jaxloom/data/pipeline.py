@@ -288,7 +288,10 @@ class _Cursor:
                 self._ids = self._tokens[index]
                 self._mask = np.ones(len(self._ids), np.int32)
             else:
-                self._ids, self._mask = tokenize_record(rows[index], self.loader.tokenizer, self.loader.config)
+                try:
+                    self._ids, self._mask = tokenize_record(rows[index], self.loader.tokenizer, self.loader.config)
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"{self.where()}: {e}") from None
             self._tokens_key = key
         if len(self._ids) == 0:
             self.state.update(row_pos=self.state["row_pos"] + 1, token_offset=0)
@@ -301,4 +304,9 @@ class _Cursor:
             self.state.update(row_pos=self.state["row_pos"] + 1, token_offset=0)
 
     def where(self) -> str:
-        return f"{self._name}#{int(self._perm[self.state['row_pos']])}"
+        """Where the current record comes from: `file:line` for JSONL, else `shard record N`."""
+        index = int(self._perm[self.state["row_pos"]])
+        if self.loader.row_stride > 1:
+            index = self.loader.rank + index * self.loader.row_stride
+        line = getattr(self.loader.source, "line_of", lambda *_: None)(self._name, index)
+        return f"{self._name}:{line}" if line is not None else f"{self._name} record {index}"

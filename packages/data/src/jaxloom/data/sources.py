@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 OnError = Literal["raise", "skip"]
 
@@ -50,6 +52,7 @@ class JsonlSource:
     def __init__(self, paths, on_error: OnError = "raise"):
         self.files = _paths(paths)
         self.on_error = on_error
+        self._lines: dict[str, Any] = {}  # shard → line number of each record (for error messages)
 
     @property
     def shard_names(self) -> list[str]:
@@ -57,11 +60,15 @@ class JsonlSource:
 
     def read_shard(self, name: str) -> list[dict]:
         """The records of file `name`; a malformed line is an error naming file:line (or skipped)."""
-        rows = []
-        with open(name, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
+        rows, lines = [], []
+        with open(name, "rb") as fh:
+            for n, raw in enumerate(fh, 1):
+                if not raw.strip():
                     continue
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{name}:{n}: not valid UTF-8 ({e}); expected UTF-8 text") from None
                 try:
                     row = json.loads(line)
                     if not isinstance(row, dict):
@@ -73,7 +80,14 @@ class JsonlSource:
                     log.warning("%s; skipped", msg)
                     continue
                 rows.append(row)
+                lines.append(n)
+        self._lines = {name: np.asarray(lines, np.int64)}
         return rows
+
+    def line_of(self, name: str, index: int) -> int | None:
+        """The line of file `name` that record `index` (of the last `read_shard(name)`) came from."""
+        lines = self._lines.get(name)
+        return int(lines[index]) if lines is not None and 0 <= index < len(lines) else None
 
 
 class TextSource:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,24 +189,77 @@ def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
     return out
 
 
+# What an export writes; anything else already in the directory (a README, ...) is carried over.
+_EXPORT_FILE = re.compile(
+    r"(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+    r"|tokenizer(_config)?\.json|special_tokens_map\.json|chat_template\.(jinja|json)|added_tokens\.json"
+    r"|vocab\.json|merges\.txt|tokenizer\.model)$"
+)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Write a directory all at once: yields a temporary directory beside `path`; on success it replaces
+    `path` (files there that an export does not write are carried over; stale shards and indexes are
+    not), on failure it is removed and `path` is untouched. A crash leaves at worst a hidden
+    `.NAME.tmp-PID` (or the previous export as `.NAME.old-PID`) beside it."""
+    path = Path(path).absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if path.exists() and not path.is_dir():
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise NotADirectoryError(f"{path} exists and is not a directory; expected a directory to export into")
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    if path.is_dir():
+        for entry in path.iterdir():
+            if not _EXPORT_FILE.match(entry.name) and not (tmp / entry.name).exists():
+                entry.rename(tmp / entry.name)
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_hf_model(model: nnx.Module, path: str | Path, *, max_shard_bytes: int = 5 * 2**30, dtype: Any = None) -> Path:
     """Write `model`'s `config.json` and `model.safetensors` (sharded with an index past
     `max_shard_bytes`) into directory `path`, cast to `dtype` if given, loadable by `transformers` and
-    by `from_pretrained`. Only process 0 writes."""
+    by `from_pretrained`. Only process 0 writes. The directory is replaced at once (`atomic_directory`):
+    an interrupted export leaves the previous one intact."""
     path = Path(path)
+    tensors = export_tensors(model, dtype)
+    if jax.process_index() != 0:
+        return path
+    with atomic_directory(path) as tmp:
+        write_hf_files(model, tensors, tmp, max_shard_bytes=max_shard_bytes)
+    return path
+
+
+def export_tensors(model: nnx.Module, dtype: Any) -> dict[str, np.ndarray]:
     tensors = to_hf_state_dict(model)
     if dtype is not None:
         tensors = {
             k: v.astype(jnp.dtype(dtype)) if np.issubdtype(v.dtype, np.floating) or v.dtype == jnp.bfloat16 else v
             for k, v in tensors.items()
         }
-    if jax.process_index() != 0:
-        return path
-    path.mkdir(parents=True, exist_ok=True)
+    return tensors
+
+
+def write_hf_files(model: nnx.Module, tensors: dict[str, np.ndarray], path: Path, *, max_shard_bytes: int) -> None:
+    """Write `config.json` and the safetensors files (with an index when sharded) of `tensors` into `path`."""
     config = model.config.to_hf_dict()
     config["architectures"] = [type(model).__name__]
     config["dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    special = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    if special:  # what transformers writes beside a model's config, so generate() stops where it should
+        generation = {**special, "_from_model_config": True}
+        (path / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True))
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name in sorted(tensors):
@@ -214,7 +271,7 @@ def save_hf_model(model: nnx.Module, path: str | Path, *, max_shard_bytes: int =
     meta = {"format": "pt"}
     if len(shards) == 1:
         safetensors_io.save(shards[0], path / "model.safetensors", meta)
-        return path
+        return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
@@ -222,4 +279,3 @@ def save_hf_model(model: nnx.Module, path: str | Path, *, max_shard_bytes: int =
         weight_map.update({k: file for k in shard})
     index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-    return path

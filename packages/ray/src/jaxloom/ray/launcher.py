@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from typing import Any, Literal
 
 from jaxloom.mesh.schema import NonNegativeInt, PositiveFloat, PositiveInt, config
+from jaxloom.state.lock import OWNER_ENV
 
 from .cluster import init_ray
 from .worker import GangWorker, ProgressBoard
@@ -83,7 +85,7 @@ class Failure:
 
     attempt: int
     rank: int | None
-    kind: str  # 'died', 'error', 'hung'
+    kind: str  # 'died', 'error', 'hung', or 'input' (deterministic: not retried)
     message: str
     detected_at: float  # time.time() on the driver
     restart_to_first_step_s: float | None = None  # filled once the next gang makes its first step
@@ -112,12 +114,21 @@ def launch(job, *args: Any, scaling: ScalingConfig | None = None, **kwargs: Any)
 
     scaling = scaling or ScalingConfig()
     init_ray()
+    # Every gang of this launch owns the run directory in turn: a restarted gang takes over its lock.
+    token = f"ray-launch-{uuid.uuid4().hex}"
+    scaling = dataclasses.replace(scaling, env={**(scaling.env or {}), OWNER_ENV: token})
     t0, failures = time.time(), []
     for attempt in range(scaling.max_failures + 1):
         outcome = _run_gang(ray, job, args, kwargs, scaling, attempt, failures)
         if not isinstance(outcome, Failure):
             return LaunchResult(outcome, attempt + 1, failures, time.time() - t0)
         failures.append(outcome)
+        if outcome.kind == "input":
+            raise GangFailedError(
+                f"the job failed on rank {outcome.rank} with an input error, which a restart would only repeat "
+                f"(not retried): {outcome.message}",
+                failures,
+            )
         log.error(
             "gang attempt %d failed (%s, rank %s) after %.1f s: %s",
             attempt,
@@ -190,7 +201,8 @@ def _supervise(ray, refs, board, scaling: ScalingConfig, attempt: int, started: 
             except ray.exceptions.RayActorError as e:
                 errors.append(Failure(attempt, rank, "died", _last_line(e), time.time()))
             except ray.exceptions.RayTaskError as e:
-                errors.append(Failure(attempt, rank, "error", _last_line(e), time.time()))
+                kind = "input" if _deterministic(e) else "error"
+                errors.append(Failure(attempt, rank, kind, _last_line(e), time.time()))
         if errors:
             # A death is the cause; the survivors' collective errors are its echo. Let them surface briefly.
             more, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
@@ -240,6 +252,18 @@ def _hung_rank(beats: dict, scaling: ScalingConfig, since_start: float, running:
         if age > scaling.progress_timeout_s:
             return rank, age, step
     return None
+
+
+def _deterministic(e: BaseException) -> bool:
+    """Whether a job's error would recur on a restart: bad input or settings (`ValueError`, `TypeError`),
+    not a death, a hang, a collective's failure or I/O."""
+    cause = getattr(e, "cause", None)
+    return isinstance(cause, ValueError | TypeError) and not isinstance(cause, OSError) and not _collective(cause)
+
+
+def _collective(cause: BaseException) -> bool:
+    text = str(cause).lower()
+    return any(word in text for word in ("gloo", "collective", "coordination", "heartbeat", "barrier", "nccl"))
 
 
 def _last_line(e: BaseException) -> str:

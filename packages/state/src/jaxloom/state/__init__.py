@@ -2,11 +2,14 @@
 
 from .__about__ import __version__
 from .checkpoint import CheckpointConfig, CheckpointCorruptError, CheckpointManager, CheckpointSaveError, Restored
+from .lock import DirectoryLock, DirectoryLockedError
 from .export import save_pretrained
 from .serialization import from_jsonable, load_json, save_json, to_jsonable
 from .train_state import TrainState, abstract_state, convert_model_to_state, state_shardings
 
 __all__ = [
+    "DirectoryLock",
+    "DirectoryLockedError",
     "CheckpointConfig",
     "CheckpointCorruptError",
     "CheckpointManager",

@@ -116,6 +116,15 @@ class CheckpointManager:
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         return self._manager
 
+    def reload(self) -> None:
+        """Forget what orbax listed: the directory changed outside this manager (removed, replaced)."""
+        if self._manager is not None:
+            self.wait_until_finished()
+            self._manager.close()
+        self._manager = None
+        if self.directory.is_dir():
+            self._open()
+
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step (partial writes are never counted)."""
         return None if self._manager is None else self._manager.latest_step()
@@ -226,7 +235,9 @@ class CheckpointManager:
             if not isinstance(expected, dict):
                 raise ValueError(f"expected a JSON object, found {type(expected).__name__}")
         except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointCorruptError(f"checkpoint {folder}: checksum manifest {CHECKSUMS} is unreadable ({e})") from e
+            raise CheckpointCorruptError(
+                f"checkpoint {folder}: checksum manifest {CHECKSUMS} is unreadable ({e})"
+            ) from e
         actual = _checksums(folder)
         for name, (size, digest) in sorted(expected.items()):
             if name not in actual:

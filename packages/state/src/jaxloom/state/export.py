@@ -18,7 +18,9 @@ def save_pretrained(
     max_shard_bytes: int = 5 * 2**30,
 ) -> Path:
     """`to_hf=True`: `config.json` + safetensors (sharded with an index past `max_shard_bytes`) and the
-    tokenizer if given — a directory `transformers.AutoModelForCausalLM.from_pretrained` loads.
+    tokenizer if given — a directory `transformers.AutoModelForCausalLM.from_pretrained` loads. It is
+    written beside `path` and renamed into place: a crash or a full disk leaves the previous export intact,
+    and no stale shard or index of it remains.
     Sharded params are gathered one array at a time; only process 0 writes.
     `to_hf=False`: an orbax checkpoint of the whole state at `path/<step>`. `dtype` casts floating
     weights on the way out (e.g. `"bfloat16"`)."""
@@ -32,9 +34,13 @@ def save_pretrained(
         manager.save(int(jax.device_get(state.step)), state)
         manager.close()
         return path
-    from jaxloom.models import save_hf_model as save_hf
+    from jaxloom.models.hf import export_tensors, atomic_directory, write_hf_files
 
-    save_hf(state.model, path, max_shard_bytes=max_shard_bytes, dtype=dtype)
-    if tokenizer is not None and jax.process_index() == 0:
-        tokenizer.save_pretrained(str(path))
+    tensors = export_tensors(state.model, dtype)  # every process: sharded arrays are gathered together
+    if jax.process_index() != 0:
+        return path
+    with atomic_directory(path) as tmp:  # an interrupted export leaves the previous one intact
+        write_hf_files(state.model, tensors, tmp, max_shard_bytes=max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
     return path

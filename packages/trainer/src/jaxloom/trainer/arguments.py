@@ -112,6 +112,9 @@ class CheckpointArgs(_Group):
     save_minutes: float | None = None
     save_total_limit: int | None = 3
     resume_if_possible: bool = True
+    # A save_directory with checkpoints of an earlier run: continue it (resume_if_possible), or start over
+    # only when this is true (its checkpoints and logs are removed). Never replaced silently.
+    overwrite_output_dir: bool = False
     async_checkpointing: bool = True
 
     @model_validator(mode="after")

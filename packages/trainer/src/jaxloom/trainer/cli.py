@@ -156,12 +156,52 @@ def _generate(ns) -> int:
     return 0
 
 
+# A run directory is data: commands that read one never take process-level or write-location settings
+# from it (where compiled code is cached, profiles or W&B runs are written).
+READ_ONLY = [
+    "resume_if_possible=true",
+    "overwrite_output_dir=false",
+    "compilation_cache_dir=null",
+    "profile_steps=null",
+    "use_wandb=false",
+    "use_tensorboard=false",
+]
+
+
 def _restored(run_dir: str | Path, config: str, *, params_only: bool):
     """The trainer of a finished or running run with its newest checkpoint restored, and nothing else
     set up (no data loading, no compile); FileNotFoundError when the run has no checkpoint."""
-    trainer, _ = build_run(config, [f"save_directory={run_dir}", "resume_if_possible=true"])
+    trainer, _ = build_run(config, [f"save_directory={run_dir}", *READ_ONLY])
     trainer.restore_checkpoint(params_only=params_only)
     return trainer
+
+
+def exit_after_training_error(error: BaseException) -> None:
+    """Training began and stopped on `error` (the trainer has already waited for the checkpoint in
+    flight): print it with its notes (the step, what is safe on disk) and exit at once, so that orbax's
+    writer threads cannot hold the interpreter open. Exit codes: 2 bad input, 3 failed save, 130 Ctrl-C,
+    1 anything else."""
+    import traceback
+
+    from jaxloom.state import CheckpointSaveError, DirectoryLockedError
+
+    if isinstance(error, CheckpointSaveError):
+        code = 3
+    elif isinstance(error, KeyboardInterrupt):
+        code = 130
+    elif isinstance(error, ValueError | TypeError | OSError | DirectoryLockedError):
+        code = 2
+    else:
+        code = 1
+    if code == 1:
+        traceback.print_exception(error, file=sys.stderr)
+    else:
+        notes = "".join(f"\n{n}" for n in getattr(error, "__notes__", ()))
+        print(f"jaxloom: error: {type(error).__name__}: {error}{notes}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def _launcher(name: str):
@@ -206,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
+    from jaxloom.state import DirectoryLockedError
+
     try:
         if ns.command == "generate":
             return _generate(ns)
@@ -232,7 +274,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(_plan(trainer), indent=2))
         else:
             write_run_config(trainer, resolved)
-            out = trainer.train()
+            try:
+                out = trainer.train()
+            except BaseException as e:  # noqa: BLE001 - reported, then the process exits
+                if not trainer._initialized:
+                    raise  # nothing started: the usual error handling below
+                exit_after_training_error(e)
             print(
                 json.dumps(
                     {
@@ -259,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxloom: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(3)  # orbax's writer threads may hang after an I/O error: do not wait for them
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, DirectoryLockedError) as e:
         print(f"jaxloom: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -13,6 +13,7 @@ import functools
 import logging
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -71,6 +72,7 @@ def _finish_logging() -> None:
 
 
 def _finish_trainer(trainer: BaseTrainer) -> None:
+    trainer._release_directory()
     if trainer.checkpoints is not None:
         trainer.checkpoints.close()
     if trainer.train_loader is not None:
@@ -302,6 +304,7 @@ class BaseTrainer:
         Process-wide settings (the compilation cache) are applied here, at the start of a run."""
         if self._initialized:
             return
+        self._take_directory()
         if self.arguments.compilation_cache_dir:
             use_compilation_cache(self.arguments.compilation_cache_dir)
         pool = self._setup_pool()
@@ -334,6 +337,47 @@ class BaseTrainer:
         self.resumed_from = f"{self.checkpoints.directory}/{restored.step or self.checkpoints.latest_step()}"
         self.state = restored.state
         return self.state
+
+    # What a run writes in its save_directory, removed by `overwrite_output_dir` (run_config.json is the
+    # new run's own, written by the command before training).
+    RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "report.md", "loss.png", "profile")
+
+    def _take_directory(self) -> None:
+        """One owner per `save_directory` (a lock file, process 0), and no earlier run replaced silently:
+        checkpoints there are resumed (`resume_if_possible`), removed (`overwrite_output_dir`), or an error."""
+        a = self.arguments
+        directory = Path(a.save_directory)
+        if self.is_process_zero:
+            self._lock = js.DirectoryLock(directory).acquire()
+        ckpts = directory / "checkpoints"
+        earlier = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.is_dir() else []
+        if earlier and a.overwrite_output_dir:
+            log.warning("overwrite_output_dir: removing the earlier run in %s (checkpoints %s)", directory, earlier)
+            if self.is_process_zero:
+                for name in self.RUN_OUTPUTS:
+                    target = directory / name
+                    if target.is_dir():
+                        shutil.rmtree(target)
+                    else:
+                        target.unlink(missing_ok=True)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("jaxloom-overwrite-output-dir")
+            if self.checkpoints is not None:
+                self.checkpoints.reload()
+        elif earlier and not a.resume_if_possible:
+            self._release_directory()
+            raise ValueError(
+                f"save_directory {directory} holds checkpoints {earlier} of an earlier run and "
+                "resume_if_possible=false; expected an empty directory. Set resume_if_possible=true to continue "
+                "that run, overwrite_output_dir=true to replace it, or choose a new save_directory."
+            )
+
+    def _release_directory(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
 
     def _setup_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -545,11 +589,31 @@ class BaseTrainer:
         )
         self.writer = self._metrics_writer()
         restore_signals = self._install_signal_handlers()
+        self._step = step
         try:
             step, stop_reason = self._loop(step)
             return self._finish(step, stop_reason)
+        except BaseException as e:
+            self._after_error(e)
+            raise
         finally:  # after the final save: a second Ctrl-C while it is written is absorbed, not fatal
             restore_signals()
+            self._release_directory()
+
+    def _after_error(self, error: BaseException) -> None:
+        """Training stopped on `error`: let the checkpoint being written finish (never leave it half
+        written), and say in the error at which step training stopped and what is safe on disk."""
+        try:
+            self.checkpoints.wait_until_finished()
+            latest = self.checkpoints.latest_step()
+            safe = (
+                f"the newest complete checkpoint is {self.checkpoints.directory}/{latest}"
+                if latest
+                else ("no checkpoint was complete")
+            )
+        except Exception as e:  # noqa: BLE001 - the first error is the one to report
+            safe = f"the checkpoint in flight failed too ({type(e).__name__}: {str(e)[:200]})"
+        error.add_note(f"jaxloom: training stopped during step {self._step + 1}; {safe}")
 
     def _loop(self, step: int) -> tuple[int, str]:
         self.compile_aot()  # usually done already: it compiled in the background during setup
@@ -565,7 +629,7 @@ class BaseTrainer:
                     stop_reason = "training data exhausted"
                     break
                 self.state, metrics = self._train_fn(self.state, self._global_batch(local))
-                step += 1
+                step = self._step = step + 1
                 metrics = self._call_step_end(step, metrics)
                 profiler.after(step, metrics)
                 if pending:

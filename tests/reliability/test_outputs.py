@@ -1,0 +1,111 @@
+"""Atomic outputs: a Hugging Face export is written beside its directory and renamed into place, so a kill
+or a full disk mid-export leaves the previous export loadable, and no stale shard or index survives."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jaxloom.models as jm
+
+TINY = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    max_position_embeddings=32,
+    eos_token_id=2,
+)
+
+# Exports a seeded tiny model into argv[1] in many small shards; "pause" stops after the first shard file,
+# "full" writes with a 2 KB file-size limit.
+CHILD = f"""
+import sys, time
+import jaxloom.models as jm
+from jaxloom.models import safetensors_io
+out, seed, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+model = jm.create_model(jm.LlamaConfig(**{TINY!r}), seed=seed)
+if mode == "pause":
+    save = safetensors_io.save
+    def slow(*a, **k):
+        save(*a, **k)
+        print("WROTE", flush=True)
+        time.sleep(120)
+    safetensors_io.save = slow
+if mode == "full":  # no file may grow past 2 KB, as on a full disk
+    import resource
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+jm.save_hf_model(model, out, max_shard_bytes=4000)
+print("DONE", flush=True)
+"""
+
+
+def export(out, seed, **kw):
+    jm.save_hf_model(jm.create_model(jm.LlamaConfig(**TINY), seed=seed), out, **kw)
+
+
+def weights(path):
+    return {k: np.asarray(v) for k, v in jm.to_hf_state_dict(jm.from_pretrained(path)).items()}
+
+
+def child(out, seed, mode):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(out), str(seed), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+@pytest.fixture
+def good_export(tmp_path):
+    out = tmp_path / "export"
+    export(out, seed=0)  # one file, no index
+    (out / "README.md").write_text("my notes")
+    return out, weights(out)
+
+
+def test_sigkill_mid_export_leaves_the_previous_export_intact(good_export):
+    out, before = good_export
+    proc = child(out, seed=1, mode="pause")
+    assert proc.stdout.readline().strip() == "WROTE"  # one shard of the new export is on disk
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    after = weights(out)
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+
+
+def test_full_disk_mid_export_is_an_error_and_keeps_the_previous_export(good_export):
+    out, before = good_export
+    proc = child(out, seed=1, mode="full")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "File too large" in err, err[-2000:]
+    after = weights(out)
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".export.tmp")]  # the partial write is gone
+
+
+def test_reexporting_unsharded_over_sharded_leaves_no_stale_index(tmp_path):
+    out = tmp_path / "export"
+    export(out, seed=0, max_shard_bytes=4000)
+    assert (out / "model.safetensors.index.json").is_file()
+    export(out, seed=1)  # one file now
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors"], names
+    fresh = {k: np.asarray(v) for k, v in jm.to_hf_state_dict(jm.create_model(jm.LlamaConfig(**TINY), seed=1)).items()}
+    loaded = weights(out)
+    assert all(np.array_equal(loaded[k], fresh[k]) for k in fresh)  # the new weights, not the old shards
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
