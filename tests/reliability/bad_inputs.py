@@ -43,6 +43,85 @@ CASES: list[tuple[str, str, str]] = [  # (name, function below, regex the error 
     ("unknown --ray setting", "unknown_ray_key", r"--ray 'workers=2'; expected key=value"),
 ]
 
+# One `key=value` on the command line (parsed and checked as the `jaxloom` command does, before anything runs):
+# (name, the override, regex the error must match).
+OVERRIDES: list[tuple[str, str, str]] = [
+    ("infinite learning rate", "learning_rate=inf", r"learning_rate = inf; expected a positive finite number"),
+    ("NaN learning rate", "learning_rate=.nan", r"learning_rate = nan; expected a positive finite number"),
+    ("fractional batch size", "total_batch_size=1.5", r"total_batch_size = 1.5; expected a valid integer"),
+    ("zero batch size", "total_batch_size=0", r"total_batch_size = 0; expected a positive"),
+    ("seed past 2**32", "seed=1099511627776", r"seed = 1099511627776; expected an integer in \[0, 2\*\*32\)"),
+    ("empty save_directory", "save_directory=''", r"save_directory = ''; expected a directory path"),
+    ("negative generation_max_new_tokens", "generation_max_new_tokens=-3", r"generation_max_new_tokens = -3"),
+    ("zero generation_num_samples", "generation_num_samples=0", r"generation_num_samples = 0"),
+    ("warmup_ratio of 1.5", "warmup_ratio=1.5", r"warmup_ratio 1.5; expected a value in \[0, 1\)"),
+    ("adam_beta1 of 1", "adam_beta1=1.0", r"adam_beta1 = 1.0; expected a value in \[0, 1\)"),
+    ("unknown optimizer", "optimizer=adam9", r"optimizer = 'adam9'; expected 'adamw', 'adafactor', 'lion' or 'sgd'"),
+    ("unknown scheduler", "scheduler=wavy", r"scheduler = 'wavy'; expected 'linear', 'cosine' or 'constant'"),
+    ("unknown nan_policy", "nan_policy=ignore", r"nan_policy = 'ignore'; expected 'stop' or 'skip'"),
+    ("zero gradient_accumulation_steps", "gradient_accumulation_steps=0", r"gradient_accumulation_steps = 0"),
+    ("zero logging_steps", "logging_steps=0", r"logging_steps = 0; expected a positive"),
+    ("zero max_sequence_length", "max_sequence_length=0", r"max_sequence_length = 0; expected a positive"),
+    ("negative z_loss", "z_loss=-1", r"z_loss = -1"),
+    ("negative weight_decay", "weight_decay=-0.1", r"weight_decay = -0.1; expected a non-negative"),
+    ("zero training_time_limit", "training_time_limit=0", r"training_time_limit = 0"),
+    ("zero save_total_limit", "save_total_limit=0", r"save_total_limit = 0"),
+    ("profile_steps backwards", "profile_steps=[5,2]", r"profile_steps \[5, 2\]; expected \[first, last\]"),
+    ("unknown attention backend", "attn_mechanism=fast", r"attn_mechanism = 'fast'; expected one of"),
+    ("unknown remat policy", "remat=sometimes", r"remat = 'sometimes'; expected one of"),
+    ("unknown dtype", "dtype=float7", r"'float7' is not a dtype"),
+    ("unknown MoE implementation", "moe_implementation=magic", r"moe_implementation = 'magic'; expected 'auto'"),
+    ("zero attn_block_size", "attn_block_size=0", r"attn_block_size = 0; expected a positive"),
+    ("mesh dims and names of different lengths", "sharding_axis_dims=[1,-1]", r"sharding_axis_dims \(1, -1\)"),
+    (
+        "boolean as a number",
+        "max_training_steps=true",
+        r"max_training_steps = True; expected a number or text, not true/false",
+    ),
+]
+
+# A model setting (`model.key=value`): (name, the override, regex).
+MODEL_OVERRIDES: list[tuple[str, str, str]] = [
+    ("fractional hidden_size", "model.hidden_size=3.5", r"hidden_size = 3.5; expected a valid integer"),
+    ("text as rms_norm_eps", "model.rms_norm_eps=tiny", r"rms_norm_eps = 'tiny'; expected a valid number"),
+    ("unknown model key", "model.hiden_size=64", r"unknown config key\(s\) \['hiden_size'\]"),
+    ("heads not a multiple of kv heads", "model.num_key_value_heads=3", r"not a multiple of num_key_value_heads 3"),
+    ("unknown activation", "model.hidden_act=swish9", r"hidden_act 'swish9'; expected silu"),
+    ("unknown rope scaling", "model.rope_scaling={rope_type: warp}", r"rope_scaling type 'warp'"),
+    (
+        "vocab smaller than the tokenizer",
+        "model.vocab_size=64",
+        r"tokenizer has 4096 tokens but the model's vocab_size is 64",
+    ),
+    (
+        "rows longer than the model's positions",
+        "model.max_position_embeddings=16",
+        r"max_sequence_length = 32; expected at most the model's max_position_embeddings \(16\)",
+    ),
+]
+
+for _name, _item, _regex in OVERRIDES + MODEL_OVERRIDES:
+    CASES.append((_name, "override:" + _item, _regex))
+
+CASES += [
+    ("YAML alias (a config that could explode)", "yaml_alias", r"c.yaml:2: YAML alias \*a; expected plain values"),
+    ("JSONL line that is not UTF-8", "not_utf8", r"latin1.jsonl:2: not valid UTF-8"),
+    ("record whose text is a number", "text_is_a_number", r"nums.jsonl:2: column 'text' holds int, expected text"),
+    ("tokenizer path that does not exist", "tokenizer_typo", r"tokenizer directory .*tokz does not exist"),
+    ("safetensors header that is a list", "safetensors_list_header", r"corrupt safetensors header \(a JSON list"),
+    ("safetensors entry without dtype", "safetensors_no_dtype", r"corrupt safetensors header entry 'w'"),
+    ("overlapping safetensors tensors", "safetensors_overlap", r"tensors 'a' and 'b' overlap"),
+    ("evaluation batch not divisible by the data axes", "indivisible_eval_batch", r"evaluation_batch_size = 6"),
+    (
+        "unknown MeshConfig key",
+        "mesh_unknown_key",
+        r"MeshConfig: unknown key 'axis_dim' \(did you mean 'axis_dims'\?\)",
+    ),
+    ("top_p above 1", "generation_top_p", r"top_p = 1.5; expected a value in \(0, 1\]"),
+    ("unknown Ray platform", "ray_platform", r"ScalingConfig: platform = 'quantum'; expected 'cpu', 'gpu'"),
+    ("zero Ray workers", "ray_zero_workers", r"ScalingConfig: num_workers = 0; expected a positive integer"),
+]
+
 
 def _tiny(tmp: Path, *extra: str) -> list[str]:
     return [
@@ -208,10 +287,105 @@ def unknown_ray_key(tmp):
     ScalingConfig.from_items(["workers=2"])
 
 
+def _override(tmp, item):
+    """The `jaxloom train` path up to the first step: parse, build, and set up (validation before step 1)."""
+    from jaxloom.trainer.cli import build_run
+
+    trainer, _ = build_run(None, _tiny(tmp, item))
+    trainer._plan()
+    trainer.configure_dataloaders()
+
+
+def yaml_alias(tmp):
+    from jaxloom.trainer.arguments import load_config_file
+
+    (tmp / "c.yaml").write_text("a: &a [1, 2, 3]\nb: [*a, *a, *a]\n")
+    load_config_file(tmp / "c.yaml")
+
+
+def not_utf8(tmp):
+    import jaxloom.data as jd
+
+    (tmp / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    jd.JsonlSource(tmp / "latin1.jsonl").read_shard(str(tmp / "latin1.jsonl"))
+
+
+def text_is_a_number(tmp):
+    (tmp / "nums.jsonl").write_text('{"text": "fine words here"}\n{"text": 12345}\n')
+    _override(tmp, f"data.train={tmp / 'nums.jsonl'}")
+    import jaxloom.data as jd
+
+    loader = jd.DataLoader(
+        jd.JsonlSource(tmp / "nums.jsonl"),
+        jd.load_processor(),
+        jd.DataConfig(max_sequence_length=8, batch_size=1, packing=False, shuffle=False, prefetch=0),
+    )
+    for _ in range(4):
+        next(loader)
+
+
+def tokenizer_typo(tmp):
+    import jaxloom.data as jd
+
+    jd.load_processor(tmp / "tokz")
+
+
+def _safetensors(tmp, header: object) -> None:
+    from jaxloom.models import safetensors_io
+
+    blob = json.dumps(header).encode()
+    (tmp / "w.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(64))
+    safetensors_io.load(tmp / "w.safetensors")
+
+
+def safetensors_list_header(tmp):
+    _safetensors(tmp, [1, 2])
+
+
+def safetensors_no_dtype(tmp):
+    _safetensors(tmp, {"w": {"shape": [2], "data_offsets": [0, 8]}})
+
+
+def safetensors_overlap(tmp):
+    entry = {"dtype": "F32", "shape": [4]}
+    _safetensors(tmp, {"a": {**entry, "data_offsets": [0, 16]}, "b": {**entry, "data_offsets": [8, 24]}})
+
+
+def indivisible_eval_batch(tmp):
+    _override(tmp, "evaluation_batch_size=6")
+
+
+def mesh_unknown_key(tmp):
+    from jaxloom.mesh import MeshConfig
+
+    MeshConfig.from_dict({"axis_dim": [1, -1]})
+
+
+def generation_top_p(tmp):
+    from jaxloom.generation import GenerationConfig
+
+    GenerationConfig(top_p=1.5)
+
+
+def ray_platform(tmp):
+    from jaxloom.ray import ScalingConfig
+
+    ScalingConfig.from_items(["platform=quantum"])
+
+
+def ray_zero_workers(tmp):
+    from jaxloom.ray import ScalingConfig
+
+    ScalingConfig.from_items(["num_workers=0"])
+
+
 def run_case(function: str, tmp: Path) -> BaseException:
     """Run one case; returns the exception it raised (or raises AssertionError if it did not)."""
     try:
-        globals()[function](tmp)
+        if function.startswith("override:"):
+            _override(tmp, function.removeprefix("override:"))
+        else:
+            globals()[function](tmp)
     except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
         return e
     raise AssertionError(f"{function}: no error was raised")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,20 @@ def load_processor(path_or_dir: str | Path | None = None, *, trust_remote_code: 
     missing pad token falls back to eos with a warning; with neither, a clear error. Code shipped with
     a tokenizer runs only when `trust_remote_code` is set."""
     path = bundled_tokenizer_path() if path_or_dir is None else path_or_dir
+    if not Path(path).exists():
+        text = str(path)
+        local = (
+            isinstance(path, Path)
+            or text.startswith((".", "/", "~"))
+            or text.count("/") > 1
+            or ("/" in text and Path(text).parent.is_dir())  # "data/tok" beside an existing data/: a typo
+        )
+        if local:  # never sent to the Hub: a typo would otherwise retry downloads for a minute
+            raise FileNotFoundError(
+                f"tokenizer directory {path} does not exist (nothing is downloaded for a local path)"
+            )
+        if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+            raise FileNotFoundError(f"tokenizer {path!r} is not a local directory and HF_HUB_OFFLINE is set")
     if _plain_fast_tokenizer(Path(path)):
         # What AutoTokenizer would pick anyway, without importing its registry of every model
         # (which imports torch when it is installed: seconds of start-up and ~0.3 GB of memory).

@@ -37,6 +37,37 @@ def read_header(path: str | Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}; expected an object)")
+    data_size, spans = Path(path).stat().st_size - 8 - n, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        ok = (
+            isinstance(info, dict)
+            and isinstance(info.get("dtype"), str)
+            and isinstance(info.get("shape"), list)
+            and all(isinstance(d, int) and d >= 0 for d in info["shape"])
+            and isinstance(info.get("data_offsets"), list)
+            and len(info["data_offsets"]) == 2
+            and all(isinstance(o, int) for o in info["data_offsets"])
+            and 0 <= info["data_offsets"][0] <= info["data_offsets"][1]
+        )
+        if not ok:
+            raise ValueError(
+                f"{path}: corrupt safetensors header entry {name!r}: {str(info)[:200]}; expected "
+                "{'dtype': str, 'shape': [non-negative ints], 'data_offsets': [begin, end] with 0 <= begin <= end}"
+            )
+        spans.append((*info["data_offsets"], name))
+    spans.sort()
+    for (_, a1, an), (b0, _, bn) in zip(spans, spans[1:], strict=False):
+        if b0 < a1:
+            raise ValueError(f"{path}: tensors {an!r} and {bn!r} overlap (bytes {b0} < {a1}); the header is corrupt")
+    if spans and spans[-1][1] > data_size:
+        raise ValueError(
+            f"{path}: tensor {spans[-1][2]!r} ends at byte {spans[-1][1]} of {data_size} data bytes; "
+            "the file is truncated"
+        )
     return header, 8 + n
 
 

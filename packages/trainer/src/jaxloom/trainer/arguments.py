@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
 from jaxloom.mesh.schema import explain_validation_error
 
@@ -39,7 +39,9 @@ class _Group(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _paths_are_strings(cls, v):
+    def _paths_are_strings(cls, v, info: ValidationInfo):
+        if isinstance(v, bool) and "bool" not in str(cls.model_fields[info.field_name].annotation):
+            raise ValueError("expected a number or text, not true/false")  # lax mode would read True as 1
         return os.fspath(v) if isinstance(v, os.PathLike) else v
 
 
@@ -365,6 +367,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         import yaml
 
         try:
+            for event in yaml.parse(text):  # a config is a tree: an alias could make it explode in memory
+                if isinstance(event, yaml.AliasEvent):
+                    line = event.start_mark.line + 1 if event.start_mark else "?"
+                    raise ValueError(
+                        f"{path}:{line}: YAML alias *{event.anchor}; expected plain values (aliases are refused: "
+                        "one line can expand to gigabytes)"
+                    )
             data = yaml.safe_load(text)  # safe_load: no arbitrary Python objects
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)

@@ -30,7 +30,7 @@ import jaxloom.data as jd
 import jaxloom.generation as jg
 import jaxloom.models as jmod
 import jaxloom.state as js
-from jaxloom.mesh import DATA_AXES, MeshConfig, named_leaves
+from jaxloom.mesh import DATA_AXES, MeshConfig, local_batch_slice, named_leaves
 
 from .arguments import TrainingArguments
 from .callbacks import Callback
@@ -223,6 +223,7 @@ class BaseTrainer:
         runtime = self.runtime
         self._check_attention(runtime)
         self._check_batch_axes(runtime)
+        self._check_shapes()
         self.total_steps = a.max_training_steps or self._steps_for_epochs()
         self.tx, self.schedule = make_optimizer(a.optim, self.total_steps)
         self.n_params = jmod.count_params(template)
@@ -260,6 +261,7 @@ class BaseTrainer:
         `configure_model()` when resuming), and a fresh evaluation loader."""
         self._plan()
         if self.train_loader is None:
+            self._check_vocab()
             self.train_loader = self._loader(self.dataset_train, state=self._data_state)
             self.train_loader.start()  # the first batches are made while the step compiles
         return TrainerConfigureDataloaderOutput(
@@ -450,6 +452,33 @@ class BaseTrainer:
             raise ValueError(
                 f"partition_axis.batch_axis {runtime.partition_axis.batch_axis!r}; jaxloom's loaders split "
                 f"batches over {DATA_AXES} (in that order): leave batch_axis at its default"
+            )
+
+    def _check_shapes(self) -> None:
+        """Before anything runs: rows fit the model's positions, and both batch sizes divide over the
+        data axes (the evaluation batch is checked now, not at the first evaluation, after training)."""
+        a = self.arguments
+        if a.max_sequence_length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_sequence_length = {a.max_sequence_length}; expected at most the model's "
+                f"max_position_embeddings ({self.config.max_position_embeddings}): positions past it were never "
+                "trained and exported models refuse them. Shorten the rows or raise model.max_position_embeddings"
+            )
+        local_batch_slice(self.mesh, a.total_batch_size)
+        if self.dataset_eval is not None:
+            try:
+                local_batch_slice(self.mesh, a.eval_batch_size)
+            except ValueError as e:
+                raise ValueError(f"evaluation_batch_size = {a.eval_batch_size}: {e}") from None
+
+    def _check_vocab(self) -> None:
+        """Every token id the tokenizer can produce has a row in the model's embedding (a larger id
+        would be clamped by the gather: a silently wrong model, NaN soon after)."""
+        n = len(self.tokenizer)
+        if n > self.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {n} tokens but the model's vocab_size is {self.config.vocab_size}; expected "
+                f"vocab_size >= {n} (set model.vocab_size, or use the model's own tokenizer)"
             )
 
     def _check_attention(self, runtime) -> None:
