@@ -49,7 +49,7 @@ def resolve_dims(dims: Sequence[int], total: int, *, what: str = "axis_dims") ->
 class MeshConfig:
     """A named device mesh.
 
-    Args:
+    Attributes:
       axis_dims: size of each axis inside one granule (host or slice); at most one `-1` = the rest.
       axis_names: mesh axis names, default `("dp", "fsdp", "ep", "tp", "sp")`.
       dcn_axis_dims: size of each axis across granules (processes, or TPU slices). `None` means one

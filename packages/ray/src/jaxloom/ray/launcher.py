@@ -39,7 +39,7 @@ class GangFailedError(RuntimeError):
 class ScalingConfig:
     """How to run the gang.
 
-    Args:
+    Attributes:
       num_workers: JAX processes (Ray actors).
       resources_per_worker: Ray resources per actor, e.g. `{"CPU": 1}` or `{"CPU": 8, "GPU": 1}`.
       devices_per_worker: on CPU, simulated devices per worker (None: one).

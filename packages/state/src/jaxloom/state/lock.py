@@ -85,6 +85,8 @@ class DirectoryLock:
         return owner.get("pid") == me["pid"] or not _alive(owner)
 
     def acquire(self) -> DirectoryLock:
+        """Take the lock (a stale one, whose owner is dead, is taken over); raise `DirectoryLockedError`
+        naming the live owner otherwise. Returns self; taking a lock already held is a no-op."""
         if self.held:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
