@@ -120,6 +120,33 @@ CASES += [
     ("top_p above 1", "generation_top_p", r"top_p = 1.5; expected a value in \(0, 1\]"),
     ("unknown Ray platform", "ray_platform", r"ScalingConfig: platform = 'quantum'; expected 'cpu', 'gpu'"),
     ("zero Ray workers", "ray_zero_workers", r"ScalingConfig: num_workers = 0; expected a positive integer"),
+    (
+        "preview prompt longer than the context",
+        "long_preview_prompt",
+        r"generation_prompts\[0\] = 'word word .*'\.\.\. is \d+ tokens, \+ generation_max_new_tokens = 8; expected at "
+        r"most the model's max_position_embeddings \(32\)",
+    ),
+    (
+        "evaluation file with no records",
+        "empty_eval_file",
+        r"dataset_eval gives no batch of evaluation_batch_size = 8 rows; expected at least one",
+    ),
+    (
+        "bad record in the evaluation file (read at setup)",
+        "bad_eval_record",
+        r"eval.jsonl:2: column 'text' holds list, expected text",
+    ),
+    ("evaluation file that does not exist", "missing_eval_file", r"dataset file .*nope-eval.jsonl does not exist"),
+    (
+        "chat record without an assistant turn (would train on nothing)",
+        "chat_without_assistant",
+        r"chat.jsonl:2: messages with roles \['system', 'user'\] have no 'assistant' turn; expected at least one",
+    ),
+    (
+        "resuming on a dataset that shrank since the checkpoint",
+        "shrunk_dataset",
+        r"the dataset changed since this data position was saved: shard .*d.jsonl has 3 record\(s\)",
+    ),
 ]
 
 
@@ -313,14 +340,16 @@ def not_utf8(tmp):
 def text_is_a_number(tmp):
     (tmp / "nums.jsonl").write_text('{"text": "fine words here"}\n{"text": 12345}\n')
     _override(tmp, f"data.train={tmp / 'nums.jsonl'}")
+    _read_rows(tmp / "nums.jsonl", 4)
+
+
+def _read_rows(path, rows: int, length: int = 8) -> None:
+    """Read `rows` one-row batches of the file at `path`, in order."""
     import jaxloom.data as jd
 
-    loader = jd.DataLoader(
-        jd.JsonlSource(tmp / "nums.jsonl"),
-        jd.load_processor(),
-        jd.DataConfig(max_sequence_length=8, batch_size=1, packing=False, shuffle=False, prefetch=0),
-    )
-    for _ in range(4):
+    cfg = jd.DataConfig(max_sequence_length=length, batch_size=1, packing=False, shuffle=False, prefetch=0)
+    loader = jd.DataLoader(jd.JsonlSource(path), jd.load_processor(), cfg)
+    for _ in range(rows):
         next(loader)
 
 
@@ -400,3 +429,46 @@ if __name__ == "__main__":
             err = run_case(function, Path(d))
         text = str(err).replace(d, "…").replace("|", "\\|").splitlines()[0]
         print(f"| {name} | `{type(err).__name__}: {text[:220]}` |")
+
+
+def long_preview_prompt(tmp):
+    _set_up(
+        tmp,
+        "model.max_position_embeddings=32",
+        "generation_max_new_tokens=8",
+        "generation_prompts=['" + "word " * 40 + "']",
+    )
+
+
+def empty_eval_file(tmp):
+    (tmp / "eval.jsonl").write_text("")
+    _set_up(tmp, f"data.eval={tmp / 'eval.jsonl'}")
+
+
+def bad_eval_record(tmp):
+    (tmp / "eval.jsonl").write_text('{"text": "fine words here"}\n{"text": ["a", "list"]}\n' * 4)
+    _set_up(tmp, f"data.eval={tmp / 'eval.jsonl'}", "evaluation_steps=100")
+
+
+def missing_eval_file(tmp):
+    _set_up(tmp, f"data.eval={tmp / 'nope-eval.jsonl'}")
+
+
+def chat_without_assistant(tmp):
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    lone = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    (tmp / "chat.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in (turn, lone, turn)) + "\n")
+    _read_rows(tmp / "chat.jsonl", 4, length=16)
+
+
+def shrunk_dataset(tmp):
+    import jaxloom.data as jd
+
+    path = tmp / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(20)))
+    cfg = jd.DataConfig(max_sequence_length=8, batch_size=2, packing=False, shuffle=False, prefetch=0)
+    loader = jd.DataLoader(jd.JsonlSource(path), jd.load_processor(), cfg)
+    for _ in range(4):
+        next(loader)
+    path.write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(3)))
+    next(jd.DataLoader(jd.JsonlSource(path), jd.load_processor(), cfg, state=loader.state_dict()))

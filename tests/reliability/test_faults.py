@@ -3,11 +3,17 @@ during an async write, corrupted checkpoints, NaN, and Ray worker death/hang are
 named in docs/reliability.md.)"""
 
 import json
+import os
 import signal
+import socket
+import subprocess
+import sys
+
+import time
 
 import numpy as np
 import pytest
-from faultrun import run_worker
+from faultrun import WORKER, run_worker
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +66,45 @@ def test_repeated_stop_signals_while_stopping_still_save_and_exit_cleanly(tmp_pa
 
     assert CheckpointManager(str(tmp_path / "checkpoints")).all_steps() == [stopped_at]
     assert not list((tmp_path / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+
+
+def test_a_stop_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
+    """Two processes over gloo; SIGTERM reaches only process 1 (a preempted host). Its request rides in the
+    next step's batch, so both stop after the same step, save that checkpoint together and exit 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAXLOOM_RUN_OWNER": "mp-test"}
+    args = [sys.executable, str(WORKER), str(tmp_path), "max_training_steps=5000", "save_steps=5000"]
+    logs = [tmp_path / f"p{r}.out" for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            args,
+            stdout=open(logs[r], "w"),
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**env, "TEST_PROCESS": f"{r}/2/{port}"},
+        )
+        for r in range(2)
+    ]
+    try:
+        deadline = time.time() + 240
+        while "STEP 4\n" not in logs[1].read_text():
+            assert time.time() < deadline and all(p.poll() is None for p in procs), logs[1].read_text()[-3000:]
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [log.read_text() for log in logs]
+    assert codes == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    last = [max(int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("STEP ")) for out in outs]
+    assert last[0] == last[1] and 4 <= last[0] < 100, last
+    assert all("STOP_REASON stop signal received" in out for out in outs)
+    from jaxloom.state import CheckpointManager
+
+    assert CheckpointManager(str(tmp_path / "checkpoints")).all_steps() == [last[0]]
 
 
 def test_full_disk_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path):

@@ -54,25 +54,47 @@ def test_an_earlier_run_is_never_replaced_silently(tmp_path):
 
 
 def test_commands_that_read_a_run_take_no_process_settings_from_it(tmp_path):
+    """`jaxloom convert` of a run: no process settings from its run_config.json, no training data needed (an
+    epoch-based run whose data file is gone), and no lock taken (the run may still be training)."""
     run = tmp_path / "run"
-    proc, _, err = run_worker(run, "max_training_steps=4")
-    assert proc.returncode == 0, err[-3000:]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"record {i}: the quick brown fox"}) + "\n" for i in range(120)))
+    train = [f"data.train={data}", "data.eval=null", "max_training_steps=null", "num_train_epochs=1"]
+    proc, lines, err = run_worker(run, *train)
+    assert proc.returncode == 0 and "STEP 2" in lines, err[-3000:]
     evil = tmp_path / "chosen-by-the-run-directory"
     resolved = apply_overrides(
-        load_config_file(DEMO_CONFIG), [*TINY, f"save_directory={run}", f"compilation_cache_dir={evil}"]
+        load_config_file(DEMO_CONFIG), [*TINY, *train, f"save_directory={run}", f"compilation_cache_dir={evil}"]
     )
     (run / "run_config.json").write_text(json.dumps(resolved))
+    data.unlink()
+    holder = subprocess.Popen(  # a live run owns the directory
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom jaxloom.state import DirectoryLock\n"
+            "DirectoryLock(sys.argv[1]).acquire(); print('HELD', flush=True); time.sleep(300)",
+            str(run),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    out = subprocess.run(
-        [sys.executable, "-m", "jaxloom.trainer.cli", "convert", "--to-hf", str(run), str(tmp_path / "hf")],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    try:
+        assert holder.stdout.readline().strip() == "HELD"
+        out = subprocess.run(
+            [sys.executable, "-m", "jaxloom.trainer.cli", "convert", "--to-hf", str(run), str(tmp_path / "hf")],
+            cwd=elsewhere,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        holder.kill()
+        holder.wait()
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "hf" / "config.json").is_file() and not evil.exists()
 

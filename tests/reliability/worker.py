@@ -1,6 +1,7 @@
 """python worker.py OUT_DIR [key=value ...]: a short deterministic CLI-built run that prints `STEP n`
 after each step, and `FSIZE_LIMIT_AT=step:bytes` in the environment caps file sizes from that step on
-(a full disk, as a process sees it: writes fail)."""
+(a full disk, as a process sees it: writes fail). `TEST_PROCESS=rank/count/port` makes it one process of a
+group joined over gloo on 127.0.0.1:port."""
 
 import os
 import resource
@@ -31,6 +32,11 @@ class Announce:
 
 
 out = sys.argv[1]
+if os.environ.get("TEST_PROCESS"):
+    from jaxloom.mesh import init_distributed
+
+    rank, count, port = (int(x) for x in os.environ["TEST_PROCESS"].split("/"))
+    init_distributed(f"127.0.0.1:{port}", count, rank, initialization_timeout=60, heartbeat_timeout_seconds=10)
 cache = [f"compilation_cache_dir={os.environ['TEST_XLA_CACHE']}"] if os.environ.get("TEST_XLA_CACHE") else []
 trainer, _ = build_run(None, [*TINY, f"save_directory={out}", *cache, *sys.argv[2:]])
 trainer.hooks.append(Announce())

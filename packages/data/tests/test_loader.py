@@ -229,3 +229,25 @@ def test_bad_records_name_their_file_and_line(tmp_path):
     raw.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=rf"{raw}:2: not valid UTF-8 .*expected UTF-8 text"):
         jd.JsonlSource(raw).read_shard(str(raw))
+
+
+def test_a_dataset_that_shrank_since_the_position_was_saved_is_an_error(tmp_path):
+    """Resuming past the end of data that shrank between runs would silently start another epoch."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": f"record number {i} of many"}) + "\n" for i in range(40)))
+    cfg = jd.DataConfig(max_sequence_length=8, batch_size=2, packing=False, shuffle=False, prefetch=0)
+    loader = jd.DataLoader(jd.JsonlSource(path), TOK, cfg)
+    for _ in range(5):
+        next(loader)
+    state = loader.state_dict()
+    assert state["row_pos"] == 10
+    again = jd.DataLoader(jd.JsonlSource(path), TOK, cfg, state=state)  # the same data: continues
+    assert next(again)["input_ids"].shape == (2, 8)
+    path.write_text("".join(json.dumps({"text": f"record number {i}"}) + "\n" for i in range(6)))
+    shrunk = jd.DataLoader(jd.JsonlSource(path), TOK, cfg, state=state)
+    with pytest.raises(
+        ValueError,
+        match=r"the dataset changed since this data position was saved: shard .*d.jsonl "
+        r"has 6 record\(s\) for data rank 0, the position is after record 10",
+    ):
+        next(shrunk)

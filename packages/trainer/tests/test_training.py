@@ -79,6 +79,23 @@ def test_nan_loss_stops_naming_the_step(tmp_path, donate):
     assert t.checkpoints.all_steps() == [2]  # the earlier checkpoint is untouched
 
 
+def test_out_of_memory_points_to_jaxloom_plan(tmp_path):
+    """What the device raises when it runs out of memory (raised here by a hook at step 3) ends training with
+    the usual note (the step, the newest checkpoint) and one saying how to see and shrink the memory."""
+
+    class OutOfMemory:
+        def on_step_start(self, trainer, step):
+            if step == 3:
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.00GiB.")
+
+    t = trainer(tmp_path, hooks=[OutOfMemory()], save_steps=2, max_training_steps=8, evaluation=None)
+    with pytest.raises(jax.errors.JaxRuntimeError) as e:
+        t.train()
+    notes = "\n".join(e.value.__notes__)
+    assert "training stopped during step 3" in notes and "jaxloom plan CONFIG" in notes and "remat" in notes
+    assert t.checkpoints.all_steps() == [2]
+
+
 def test_one_step_stays_in_flight_and_the_next_batch_is_staged_before_the_host_reads(tmp_path):
     """Step n+1 is dispatched, its batch already on the device, before the host reads step n's metrics
     (checks, the metrics row, the progress bar); a step with a checkpoint is settled before it saves."""

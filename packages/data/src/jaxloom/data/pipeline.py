@@ -96,6 +96,7 @@ class DataLoader:
         else:  # every rank reads every shard and keeps every data_ranks-th record
             self.shards, self.row_stride = shards, data_ranks
         self._state = dict(START if state is None else self._check_state(state))
+        self._resumed = state is not None  # the first batch checks that the saved position still exists
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._shard_memo: tuple = (None, None, None, None, None)
@@ -165,6 +166,9 @@ class DataLoader:
         out = {k: np.zeros((b, length), np.int32) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
         out["input_ids"][:] = self.tokenizer.pad_token_id
         cursor = _Cursor(self, state)
+        if self._resumed:
+            cursor.check_position()
+            self._resumed = False
         try:
             for r in range(b):
                 if c.packing:
@@ -234,6 +238,24 @@ class _Cursor:
         # tokenizing a shard happens once per shard, not once per batch.
         self._shard_key, self._rows, self._perm, self._name, self._tokens = loader._shard_memo
         self._tokens_key = None
+
+    def check_position(self) -> None:
+        """A restored position must still exist: a dataset that shrank since it was saved would otherwise
+        be skipped past silently (into the next shard or epoch), and the run would not be the one resumed."""
+        s, shards = self.state, self.loader.shards
+        if s["shard_pos"] >= len(shards):
+            raise ValueError(
+                f"the dataset changed since this data position was saved: it has {len(shards)} shard(s) for data "
+                f"rank {self.loader.rank}, the position is in shard {s['shard_pos'] + 1}; expected the data the run "
+                "was started with (resume with that data, or start a new run)"
+            )
+        rows = self._load_shard()
+        if s["row_pos"] > len(rows):
+            raise ValueError(
+                f"the dataset changed since this data position was saved: shard {self._name} has {len(rows)} "
+                f"record(s) for data rank {self.loader.rank}, the position is after record {s['row_pos']}; "
+                "expected the data the run was started with (resume with that data, or start a new run)"
+            )
 
     def _order(self, epoch: int) -> list[str]:
         shards = list(self.loader.shards)

@@ -41,6 +41,11 @@ def _chat(messages: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Render the chat template turn by turn; tokens added by an assistant turn are targets."""
     if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
+    if not any(m["role"] == "assistant" for m in messages):  # it would train on nothing: loss 0, silently
+        roles = [m["role"] for m in messages]
+        raise ValueError(
+            f"messages with roles {roles} have no 'assistant' turn; expected at least one (its tokens are the targets)"
+        )
     ids: list[int] = []
     mask: list[int] = []
     for i, m in enumerate(messages):

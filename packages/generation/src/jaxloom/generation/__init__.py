@@ -5,7 +5,7 @@ from .config import GenerationConfig
 from .decode import Generated, create_generate_function, generate
 from .sampling import filter_logits, next_token
 from .streaming import stream
-from .unified import GenerationResults, generate_aio, generate_unified
+from .unified import GenerationResults, encode_prompts, generate_aio, generate_unified
 
 __all__ = [
     "GenerationConfig",
@@ -13,6 +13,7 @@ __all__ = [
     "Generated",
     "__version__",
     "create_generate_function",
+    "encode_prompts",
     "filter_logits",
     "generate",
     "generate_aio",

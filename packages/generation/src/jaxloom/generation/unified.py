@@ -26,6 +26,25 @@ class GenerationResults(NamedTuple):
     completion_prompts: list[str]  # prompt + completion, decoded
 
 
+def encode_prompts(tokenizer, prompts, *, apply_chat_template: bool = False) -> list[list[int]]:
+    """The token ids `generate_unified` decodes after, one list per prompt: `prompts` is a text, a list of
+    texts, or chat message lists (a list of `{"role", "content"}` dicts, or a list of those) rendered by
+    `tokenizer`'s chat template with `apply_chat_template=True`; plain text gets the tokenizer's BOS.
+    Raises ValueError for an empty list or an empty prompt."""
+    prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) else list(prompts)
+    if not prompts:
+        raise ValueError("the prompt list is empty")
+    if apply_chat_template:
+        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    else:
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        encoded = [bos + tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    if any(len(e) == 0 for e in encoded):
+        raise ValueError("a prompt is empty")
+    return encoded
+
+
 def generate_unified(
     model,
     tokenizer=None,
@@ -52,17 +71,7 @@ def generate_unified(
     if prompts is not None:
         if tokenizer is None:
             raise ValueError("prompts need a tokenizer")
-        prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) else list(prompts)
-        if not prompts:
-            raise ValueError("the prompt list is empty")
-        if apply_chat_template:
-            texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-            encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        else:
-            bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-            encoded = [bos + tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        if any(len(e) == 0 for e in encoded):
-            raise ValueError("a prompt is empty")
+        encoded = encode_prompts(tokenizer, prompts, apply_chat_template=apply_chat_template)
         width = max(len(e) for e in encoded)
         input_ids = np.full((len(encoded), width), config.pad_token_id, np.int32)
         attention_mask = np.zeros_like(input_ids)

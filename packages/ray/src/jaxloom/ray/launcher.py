@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import threading
 import time
 import uuid
 from typing import Any, Literal
@@ -118,31 +120,13 @@ def launch(job, *args: Any, scaling: ScalingConfig | None = None, **kwargs: Any)
     token = f"ray-launch-{uuid.uuid4().hex}"
     scaling = dataclasses.replace(scaling, env={**(scaling.env or {}), OWNER_ENV: token})
     t0, failures = time.time(), []
-    for attempt in range(scaling.max_failures + 1):
-        outcome = _run_gang(ray, job, args, kwargs, scaling, attempt, failures)
-        if not isinstance(outcome, Failure):
-            return LaunchResult(outcome, attempt + 1, failures, time.time() - t0)
-        failures.append(outcome)
-        if outcome.kind == "input":
-            raise GangFailedError(
-                f"the job failed on rank {outcome.rank} with an input error, which a restart would only repeat "
-                f"(not retried): {outcome.message}",
-                failures,
-            )
-        log.error(
-            "gang attempt %d failed (%s, rank %s) after %.1f s: %s",
-            attempt,
-            outcome.kind,
-            outcome.rank,
-            outcome.detected_at - t0,
-            outcome.message.splitlines()[0] if outcome.message else "",
-        )
-        if attempt < scaling.max_failures:
-            log.warning(
-                "restarting the gang (%d of %d restarts); the job resumes from its newest checkpoint",
-                attempt + 1,
-                scaling.max_failures,
-            )
+    with _StopOnSignal() as stop:
+        for attempt in range(scaling.max_failures + 1):
+            outcome = _run_gang(ray, job, args, kwargs, scaling, attempt, failures, stop)
+            if not isinstance(outcome, Failure):
+                return LaunchResult(outcome, attempt + 1, failures, time.time() - t0)
+            failures.append(outcome)
+            _give_up_or_log(outcome, attempt, scaling, failures, t0, stop)
     last = failures[-1]
     raise GangFailedError(
         f"the gang failed {len(failures)} time(s), more than max_failures="
@@ -151,7 +135,63 @@ def launch(job, *args: Any, scaling: ScalingConfig | None = None, **kwargs: Any)
     )
 
 
-def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, failures: list[Failure]):
+class _StopOnSignal:
+    """SIGINT/SIGTERM to the driver (main thread only): the first asks the gang to stop (every rank
+    finishes the same step, saves a checkpoint and returns); later ones are ignored until it has."""
+
+    def __init__(self):
+        self.requested = False
+        self._old: dict = {}
+
+    def __enter__(self) -> _StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handler(self, signum, _frame) -> None:
+        if self.requested:
+            log.warning("signal %d again: the gang is saving its final checkpoint; waiting for it", signum)
+            return
+        log.warning("signal %d: asking the gang to finish its step, save a checkpoint and stop", signum)
+        self.requested = True
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _give_up_or_log(outcome: Failure, attempt: int, scaling: ScalingConfig, failures, t0: float, stop) -> None:
+    """After a failed attempt: raise when a restart cannot help (input errors) or was not wanted (the
+    driver is stopping); otherwise log it (and the restart to come)."""
+    if stop.requested:
+        raise GangFailedError(
+            f"the gang failed while stopping (rank {outcome.rank}, {outcome.kind}): {outcome.message}; "
+            "not restarted, as a stop was requested. The newest complete checkpoint is kept.",
+            failures,
+        )
+    if outcome.kind == "input":
+        raise GangFailedError(
+            f"the job failed on rank {outcome.rank} with an input error, which a restart would only repeat "
+            f"(not retried): {outcome.message}",
+            failures,
+        )
+    log.error(
+        "gang attempt %d failed (%s, rank %s) after %.1f s: %s",
+        attempt,
+        outcome.kind,
+        outcome.rank,
+        outcome.detected_at - t0,
+        outcome.message.splitlines()[0] if outcome.message else "",
+    )
+    if attempt < scaling.max_failures:
+        log.warning(
+            "restarting the gang (%d of %d restarts); the job resumes from its newest checkpoint",
+            attempt + 1,
+            scaling.max_failures,
+        )
+
+
+def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, failures: list[Failure], stop):
     settings = {
         "platform": scaling.platform,
         "devices": scaling.devices_per_worker,
@@ -179,7 +219,7 @@ def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, fail
     try:
         coordinator = ray.get(workers[0].coordinator_address.remote(), timeout=scaling.startup_timeout_s)
         refs = [w.run.remote(coordinator, job, args, kwargs) for w in workers]
-        return _supervise(ray, refs, board, scaling, attempt, started, failures)
+        return _supervise(ray, refs, board, scaling, attempt, started, failures, stop)
     except ray.exceptions.GetTimeoutError:
         return Failure(attempt, 0, "hung", f"workers did not start within {scaling.startup_timeout_s} s", time.time())
     except ray.exceptions.RayActorError as e:
@@ -189,9 +229,12 @@ def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, fail
             ray.kill(w, no_restart=True)
 
 
-def _supervise(ray, refs, board, scaling: ScalingConfig, attempt: int, started: float, failures: list[Failure]):
-    pending, results, first_step_seen = list(refs), {}, False
+def _supervise(ray, refs, board, scaling, attempt: int, started: float, failures: list[Failure], stop):
+    pending, results, first_step_seen, stop_sent = list(refs), {}, False, False
     while pending:
+        if stop.requested and not stop_sent:  # the workers read it from their next beats
+            board.request_stop.remote()
+            stop_sent = True
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
         errors = []
         for ref in done:

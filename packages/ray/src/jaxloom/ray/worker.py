@@ -13,14 +13,21 @@ from typing import Any
 
 
 class ProgressBoard:
-    """A tiny actor the workers beat on (`beat(rank, step, phase)`, fire and forget); the driver reads
-    `snapshot()` to see who is alive and making progress. Ages use this actor's clock only."""
+    """A tiny actor the workers beat on (`beat(rank, step, phase)`); the driver reads `snapshot()` to see
+    who is alive and making progress, and sets `request_stop()` when it is asked to stop, which every
+    beat answers (True: stop). Ages use this actor's clock only."""
 
     def __init__(self):
         self._beats: dict[int, tuple[float, int, str]] = {}
+        self._stop = False
 
-    def beat(self, rank: int, step: int, phase: str) -> None:
+    def beat(self, rank: int, step: int, phase: str) -> bool:
         self._beats[rank] = (time.time(), step, phase)
+        return self._stop
+
+    def request_stop(self) -> None:
+        """The driver's stop (its SIGINT/SIGTERM): the workers learn it from their next beats."""
+        self._stop = True
 
     def snapshot(self) -> dict[int, tuple[float, int, str]]:
         now = time.time()
@@ -38,10 +45,12 @@ class WorkerContext:
     board: Any = dataclasses.field(repr=False, default=None)
     coordinator: str | None = None  # host:port of the JAX coordination service (rank 0)
 
-    def beat(self, step: int = 0, phase: str = "step") -> None:
-        """Tell the supervisor this worker is alive and at `step` (phase: 'joined', 'ready', 'step')."""
+    def beat(self, step: int = 0, phase: str = "step") -> Any:
+        """Tell the supervisor this worker is alive and at `step` (phase: 'joined', 'ready', 'step').
+        Returns the reply (a Ray reference to a bool: whether the driver asks the job to stop), or None."""
         if self.board is not None:
-            self.board.beat.remote(self.rank, int(step), phase)
+            return self.board.beat.remote(self.rank, int(step), phase)
+        return None
 
     def hooks(self) -> list:
         """Trainer hooks that beat after every step (give them to `BaseTrainer(hooks=...)`)."""
@@ -49,11 +58,23 @@ class WorkerContext:
 
 
 class _BeatHook:
+    """Beats after every step; when a beat's reply says the driver was asked to stop, asks the trainer to
+    stop (every rank stops after the same step: the trainer agrees on it). Replies are read without
+    waiting: the step loop never blocks on the board."""
+
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
+        self._reply = None
 
     def on_step_end(self, trainer, step, metrics) -> None:
-        self.ctx.beat(step, "step")
+        previous, self._reply = self._reply, self.ctx.beat(step, "step")
+        if previous is None or not hasattr(trainer, "request_stop"):
+            return
+        import ray
+
+        ready, _ = ray.wait([previous], timeout=0)  # an unanswered one is skipped: later replies say the same
+        if ready and ray.get(ready[0]):
+            trainer.request_stop("stop requested by the Ray driver")
 
 
 class GangWorker:

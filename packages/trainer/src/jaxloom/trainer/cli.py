@@ -136,15 +136,8 @@ def _generate(ns) -> int:
         pad_token_id=tokenizer.pad_token_id or 0,
     )
     for prompt in ns.prompt:  # streamed: each token is printed as soon as it is decoded
-        if ns.chat:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + tokenizer.encode(
-                prompt, add_special_tokens=False
-            )
+        message = [{"role": "user", "content": prompt}] if ns.chat else prompt
+        ids = jg.encode_prompts(tokenizer, message, apply_chat_template=ns.chat)[0]
         print(prompt, end="", flush=True)
         shown, new = "", []
         for token in jg.stream(model, ids, config):
@@ -171,7 +164,9 @@ READ_ONLY = [
 def _restored(run_dir: str | Path, config: str, *, params_only: bool):
     """The trainer of a finished or running run with its newest checkpoint restored, and nothing else
     set up (no data loading, no compile); FileNotFoundError when the run has no checkpoint."""
-    trainer, _ = build_run(config, [f"save_directory={run_dir}", *READ_ONLY])
+    # max_training_steps: the run's length is not needed to read its weights, and counting an epoch-based
+    # run's steps would read its training data, which may be long gone
+    trainer, _ = build_run(config, [f"save_directory={run_dir}", *READ_ONLY, "max_training_steps=1"])
     trainer.restore_checkpoint(params_only=params_only)
     return trainer
 

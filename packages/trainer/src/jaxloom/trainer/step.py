@@ -16,6 +16,10 @@ import optax
 
 from jaxloom.state import TrainState
 
+STOP_KEY = "stop_request"
+"""Batch key of the per-row stop requests of a multi-process run; the step returns their maximum under
+the same key, so every process learns of any process's request after the same step."""
+
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
@@ -55,7 +59,10 @@ def token_loss(state: TrainState, params, batch, cfg: StepConfig):
 def train_step(state: TrainState, batch, cfg: StepConfig):
     """One optimizer step: forward and backward over the micro-batches of `batch` (scanned, gradients
     averaged), masked next-token loss with optional z-loss and MoE aux loss, clipping and the update;
-    a non-finite step is skipped when `cfg.skip_nonfinite`. Returns `(state, metrics)`."""
+    a non-finite step is skipped when `cfg.skip_nonfinite`. Returns `(state, metrics)`; a `STOP_KEY`
+    entry of `batch` (not model input) comes back as its maximum in the metrics."""
+    batch = dict(batch)
+    stop = batch.pop(STOP_KEY, None)
     grad_fn = jax.value_and_grad(lambda p, mb: token_loss(state, p, mb, cfg), has_aux=True)
 
     def micro(carry, mb):
@@ -88,6 +95,8 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
         "finite": finite,
         "learning_rate": cfg.schedule(state.step) if cfg.schedule else zero,
     }
+    if stop is not None:
+        metrics[STOP_KEY] = jnp.max(stop)
     return new, metrics
 
 

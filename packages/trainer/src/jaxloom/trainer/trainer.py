@@ -43,9 +43,12 @@ from .outputs import (
     TrainerOutput,
 )
 from .report import plot_history, write_report
-from .step import StepConfig, eval_step, train_step
+from .step import STOP_KEY, StepConfig, eval_step, train_step
 
 log = logging.getLogger("jaxloom.trainer")
+
+# Why a process asks to stop; with several processes the largest code of any process wins (see request_stop).
+_STOP_SIGNAL, _STOP_TIME_LIMIT, _STOP_REQUESTED = 1, 2, 3
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -151,7 +154,7 @@ class BaseTrainer:
         self._pool: ThreadPoolExecutor | None = None
         self._planned = self._initialized = False
         self._data_state = None
-        self._stop_requested = False
+        self._stop_code, self._stop_note = 0, ""  # this process's stop request (_STOP_* code)
         self._stop_reason: str | None = None
         self._t0 = self._eval_t0 = None
 
@@ -262,6 +265,8 @@ class BaseTrainer:
         self._plan()
         if self.train_loader is None:
             self._check_vocab()
+            self._check_previews()
+            self._check_eval_data()
             self.train_loader = self._loader(self.dataset_train, state=self._data_state)
             self.train_loader.start()  # the first batches are made while the step compiles
         return TrainerConfigureDataloaderOutput(
@@ -481,6 +486,42 @@ class BaseTrainer:
                 f"vocab_size >= {n} (set model.vocab_size, or use the model's own tokenizer)"
             )
 
+    def _check_previews(self) -> None:
+        """Every preview prompt, with the tokens to generate after it, fits the model's positions: checked
+        now, not at the first preview (which comes after training steps that would then be lost)."""
+        a = self.arguments
+        if not a.generation_prompts:
+            return
+        try:
+            encoded = jg.encode_prompts(self.tokenizer, list(a.generation_prompts))
+        except ValueError as e:
+            raise ValueError(f"generation_prompts {list(a.generation_prompts)!r}: {e}") from None
+        limit = self.config.max_position_embeddings
+        for i, (prompt, ids) in enumerate(zip(a.generation_prompts, encoded, strict=True)):
+            if len(ids) + a.generation_max_new_tokens > limit:
+                raise ValueError(
+                    f"generation_prompts[{i}] = {prompt[:60]!r}{'...' if len(prompt) > 60 else ''} is {len(ids)} "
+                    f"tokens, + generation_max_new_tokens = {a.generation_max_new_tokens}; expected at most the "
+                    f"model's max_position_embeddings ({limit}) in all: shorten the prompt or generate fewer tokens"
+                )
+
+    def _check_eval_data(self) -> None:
+        """The first evaluation batch is read and tokenized now: a bad evaluation file fails before the
+        first step, not at the first evaluation after training steps that would then be lost."""
+        loader = self._eval_loader()
+        if loader is None:
+            return
+        try:
+            first = next(iter(loader), None)
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            e.add_note("jaxloom: while reading the first batch of the evaluation data (dataset_eval), before training")
+            raise
+        if first is None:
+            raise ValueError(
+                f"dataset_eval gives no batch of evaluation_batch_size = {self.arguments.eval_batch_size} rows; "
+                "expected at least one (add evaluation records, lower the batch size, or drop dataset_eval)"
+            )
+
     def _check_attention(self, runtime) -> None:
         """The attention backend must run on this mesh's platform at this length, before anything
         compiles; cuDNN's kernel cannot keep packed documents apart."""
@@ -556,6 +597,8 @@ class BaseTrainer:
             k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self._batch_sharding)
             for k in ("input_ids", "segment_ids", "positions", "loss_mask")
         }
+        if jax.process_count() > 1:
+            batch[STOP_KEY] = jax.ShapeDtypeStruct((*shape[:2], 1), np.int32, sharding=self._batch_sharding)
         state = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._abstract_state, self.state_shardings
         )
@@ -610,7 +653,11 @@ class BaseTrainer:
         before step n's metrics are read, so the host's checks, logging and progress bar run while the
         device computes. Callbacks need their own step's state; the loop settles it first."""
         self._take_starting_point(model_parameters, state)
-        self.initialize_trainer_utils()
+        try:
+            self.initialize_trainer_utils()
+        except BaseException as e:
+            _note_out_of_memory(e)
+            raise
         self.start_training_hook()
         step = int(jax.device_get(self.state.step))
         self.pbar = self.create_progress_bar(
@@ -643,6 +690,7 @@ class BaseTrainer:
         except Exception as e:  # noqa: BLE001 - the first error is the one to report
             safe = f"the checkpoint in flight failed too ({type(e).__name__}: {str(e)[:200]})"
         error.add_note(f"jaxloom: training stopped during step {self._step + 1}; {safe}")
+        _note_out_of_memory(error)
 
     def _loop(self, step: int) -> tuple[int, str]:
         self.compile_aot()  # usually done already: it compiled in the background during setup
@@ -702,6 +750,7 @@ class BaseTrainer:
         """Called when `train()` starts, after setup: records the start time (for `training_time_limit`)."""
         self._t0 = time.monotonic()
         self._stop_reason, self._skipped = None, 0
+        self._stop_code, self._stop_note = 0, ""
         self._last_eval, self._last_preview = (None, {}), (None, [])
 
     def start_evaluation_hook(self) -> None:
@@ -713,11 +762,24 @@ class BaseTrainer:
         if self.data_collator is not None:
             local = _collated(self.data_collator, local)
         accum = a.gradient_accumulation_steps
-        shape = (accum, a.total_batch_size, a.max_sequence_length)
+        if jax.process_count() > 1:  # every process's stop request rides with its rows: see request_stop()
+            local = {**local, STOP_KEY: np.full((len(next(iter(local.values()))), 1), self._stop_code, np.int32)}
         return {
-            k: jax.make_array_from_process_local_data(self._batch_sharding, v.reshape(accum, -1, v.shape[-1]), shape)
+            k: jax.make_array_from_process_local_data(
+                self._batch_sharding,
+                v.reshape(accum, -1, v.shape[-1]),
+                (accum, a.total_batch_size, v.shape[-1]),
+            )
             for k, v in local.items()
         }
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Ask training to stop: the step in flight finishes, a checkpoint is saved and `train()` returns
+        with `reason` as its `stop_reason`. With several processes, a request made by any one of them
+        (here, in a hook or from another thread) stops all of them after the same step: the request
+        travels inside the next step's batch and comes back in its metrics. Later requests change nothing."""
+        if not self._stop_code:
+            self._stop_code, self._stop_note = _STOP_REQUESTED, reason
 
     def apply_training_hooks(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """The built-in checks on a finished step's host `metrics` (with its `step`): a non-finite loss
@@ -734,10 +796,15 @@ class BaseTrainer:
             self._skipped += 1
             log.warning("non-finite loss at step %d: update skipped (%d so far)", step, self._skipped)
         limit = self.arguments.training_time_limit
-        if limit and time.monotonic() - self._t0 >= limit:
-            self._stop_reason = f"training_time_limit of {limit} s reached"
-        if self._stop_requested:
-            self._stop_reason = "stop signal received"
+        if limit and not self._stop_code and time.monotonic() - self._t0 >= limit:
+            self._stop_code = _STOP_TIME_LIMIT  # each process's own clock: agreed through the batch below
+        agreed = int(metrics[STOP_KEY]) if STOP_KEY in metrics else self._stop_code
+        if agreed and not self._stop_reason:
+            self._stop_reason = {
+                _STOP_SIGNAL: "stop signal received",
+                _STOP_TIME_LIMIT: f"training_time_limit of {limit} s reached",
+                _STOP_REQUESTED: self._stop_note or "stop requested by another process",
+            }[agreed]
         return metrics
 
     def _after_step(self, step: int, metrics: dict[str, Any]) -> None:
@@ -745,7 +812,10 @@ class BaseTrainer:
         every `logging_steps` (and at the last step), the progress bar."""
         a = self.arguments
         self.apply_training_hooks(
-            {**jax.device_get({k: metrics[k] for k in ("finite", "loss", "grad_norm")}), "step": step}
+            {
+                **jax.device_get({k: metrics[k] for k in ("finite", "loss", "grad_norm", STOP_KEY) if k in metrics}),
+                "step": step,
+            }
         )
         self._window.append(metrics)
         if step % a.logging_steps == 0 or step == self.total_steps:
@@ -834,11 +904,11 @@ class BaseTrainer:
             return lambda: None
 
         def handler(signum, _frame):
-            if self._stop_requested:
+            if self._stop_code:
                 log.warning("signal %d again: still saving the final checkpoint; it is not interrupted", signum)
                 return
             log.warning("signal %d: finishing this step, saving a checkpoint and stopping", signum)
-            self._stop_requested = True
+            self._stop_code = _STOP_SIGNAL
 
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         return lambda: [signal.signal(s, h) for s, h in old.items()]
@@ -1135,7 +1205,8 @@ class BaseTrainer:
                 "torch_save_pretrained_kwargs={'max_shard_size'}"
             )
         if state is None:
-            self.initialize_trainer_utils()
+            if self.state is None:  # a restored state (jaxloom convert) needs no loader, compile or lock
+                self.initialize_trainer_utils()
             state = self.state
         assert isinstance(state, js.TrainState) and isinstance(save_directory, str | os.PathLike)
         extra = {"max_shard_bytes": _bytes(save_kw["max_shard_size"])} if "max_shard_size" in save_kw else {}
@@ -1186,6 +1257,18 @@ class _Profiler:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
+
+
+def _note_out_of_memory(error: BaseException) -> None:
+    """A device out of memory gets a note saying how to see the run's memory and what shrinks it."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        error.add_note(
+            "jaxloom: the device ran out of memory. `jaxloom plan CONFIG [key=value ...]` prints the memory per "
+            "device without running (parameters, optimizer state, activations, against the device's capacity); "
+            "lower total_batch_size or max_sequence_length (raise gradient_accumulation_steps to keep the batch), "
+            "set remat (e.g. remat=checkpoint_dots), or shard parameters over more devices (sharding_axis_dims)"
+        )
 
 
 def use_compilation_cache(directory: str | Path) -> None:

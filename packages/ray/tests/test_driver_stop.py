@@ -1,0 +1,58 @@
+"""`jaxloom train --ray` stopped by the user: SIGINT/SIGTERM to the driver (pressed again while it stops)
+reaches every worker, which finish the same step, save that checkpoint and return; the driver prints the
+summary and exits 0. A real driver process, its own local Ray cluster, two workers."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from util import TINY_OVERRIDES
+
+from jaxloom.state import CheckpointManager
+
+
+def test_a_stop_signal_to_the_driver_saves_the_gang_and_exits_cleanly(tmp_path):
+    """SIGTERM, then Ctrl-C twice while the gang saves, each to the driver's whole process group (as a
+    terminal's Ctrl-C and most schedulers do)."""
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from jaxloom.trainer.cli import main; sys.exit(main())",
+        "train",
+        *TINY_OVERRIDES,
+        "max_training_steps=100000",
+        "save_steps=100000",
+        f"save_directory={run}",
+        "eval_batches=1",
+        "--ray",
+        "num_workers=2",
+        "max_failures=2",
+    ]
+    env = {**os.environ, "XLA_FLAGS": ""}
+    with open(tmp_path / "driver.err", "w") as err:
+        driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+        try:
+            deadline = time.time() + 300
+            metrics = run / "metrics.jsonl"
+            while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+                assert driver.poll() is None and time.time() < deadline, (tmp_path / "driver.err").read_text()[-4000:]
+                time.sleep(0.1)
+            os.killpg(driver.pid, signal.SIGTERM)
+            for _ in range(2):  # an impatient user: Ctrl-C while the gang saves
+                time.sleep(0.2)
+                os.killpg(driver.pid, signal.SIGINT)
+            out, _ = driver.communicate(timeout=240)
+        finally:
+            driver.kill()
+    log = (tmp_path / "driver.err").read_text()
+    assert driver.returncode == 0, log[-4000:]
+    summary, _ = json.JSONDecoder().raw_decode(out[out.index("{\n") :])  # workers' lines may follow it
+    assert summary["stop_reason"] == "stop requested by the Ray driver" and summary["attempts"] == 1, summary
+    assert 3 <= summary["step"] < 100000
+    assert "again: the gang is saving its final checkpoint" in log
+    assert CheckpointManager(str(run / "checkpoints")).all_steps() == [summary["step"]]
+    assert not list((run / "checkpoints").glob("*tmp*"))
