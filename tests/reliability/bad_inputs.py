@@ -143,6 +143,11 @@ CASES += [
         r"chat.jsonl:2: messages with roles \['system', 'user'\] have no 'assistant' turn; expected at least one",
     ),
     (
+        "jaxloom eval of a run with no checkpoint (never a random model's score)",
+        "eval_without_checkpoint",
+        r"jaxloom: error: no checkpoint under .*run/checkpoints \(none complete\)",
+    ),
+    (
         "resuming on a dataset that shrank since the checkpoint",
         "shrunk_dataset",
         r"the dataset changed since this data position was saved: shard .*d.jsonl has 3 record\(s\)",
@@ -286,7 +291,8 @@ def scaling_index_zero(tmp):
     RayDistributedTrainer(str(tmp / "base")).create_config(0)
 
 
-def missing_checkpoint(tmp):
+def _command(argv: list[str]) -> None:
+    """Run the `jaxloom` command; when it prints one error line and exits with 2, raise that line."""
     import contextlib
     import io
 
@@ -294,18 +300,18 @@ def missing_checkpoint(tmp):
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        rc = main(
-            [
-                "convert",
-                "--to-hf",
-                str(tmp / "nowhere"),
-                str(tmp / "out"),
-                "--config",
-                str(Path(__file__).parents[2] / "packages/trainer/src/jaxloom/trainer/configs/demo.yaml"),
-            ]
-        )
-    if rc == 2:  # the command printed one line and exited with 2: hand that line on
+        rc = main(argv)
+    if rc == 2:
         raise FileNotFoundError(err.getvalue().strip().splitlines()[-1])
+
+
+def missing_checkpoint(tmp):
+    demo = Path(__file__).parents[2] / "packages/trainer/src/jaxloom/trainer/configs/demo.yaml"
+    _command(["convert", "--to-hf", str(tmp / "nowhere"), str(tmp / "out"), "--config", str(demo)])
+
+
+def eval_without_checkpoint(tmp):
+    _command(["eval", *_tiny(tmp)])
 
 
 def unknown_ray_key(tmp):
