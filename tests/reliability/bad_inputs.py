@@ -426,17 +426,6 @@ def run_case(function: str, tmp: Path) -> BaseException:
     raise AssertionError(f"{function}: no error was raised")
 
 
-if __name__ == "__main__":
-    import tempfile
-
-    print("| bad input | error |\n|---|---|")
-    for name, function, _ in CASES:
-        with tempfile.TemporaryDirectory() as d:
-            err = run_case(function, Path(d))
-        text = str(err).replace(d, "…").replace("|", "\\|").splitlines()[0]
-        print(f"| {name} | `{type(err).__name__}: {text[:220]}` |")
-
-
 def long_preview_prompt(tmp):
     _set_up(
         tmp,
@@ -478,3 +467,14 @@ def shrunk_dataset(tmp):
         next(loader)
     path.write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(3)))
     next(jd.DataLoader(jd.JsonlSource(path), jd.load_processor(), cfg, state=loader.state_dict()))
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    print("| bad input | error |\n|---|---|")
+    for name, function, _ in CASES:
+        with tempfile.TemporaryDirectory() as d:
+            err = run_case(function, Path(d))
+        text = str(err).replace(d, "…").replace("|", "\\|").splitlines()[0]
+        print(f"| {name} | `{type(err).__name__}: {text[:220]}` |")
