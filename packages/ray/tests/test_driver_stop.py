@@ -1,6 +1,7 @@
 """`jaxloom train --ray` stopped by the user: SIGINT/SIGTERM to the driver (pressed again while it stops)
 reaches every worker, which finish the same step, save that checkpoint and return; the driver prints the
-summary and exits 0. A real driver process, its own local Ray cluster, two workers."""
+summary and exits 0. A real driver process joined to the session's local Ray cluster through RAY_ADDRESS
+(as `RAY_ADDRESS=... jaxloom train --ray` joins a user's), two workers."""
 
 import json
 import os
@@ -14,7 +15,7 @@ from util import TINY_OVERRIDES
 from jaxloom.state import CheckpointManager
 
 
-def test_a_stop_signal_to_the_driver_saves_the_gang_and_exits_cleanly(tmp_path):
+def test_a_stop_signal_to_the_driver_saves_the_gang_and_exits_cleanly(ray_cluster, tmp_path):
     """SIGTERM, then Ctrl-C twice while the gang saves, each to the driver's whole process group (as a
     terminal's Ctrl-C and most schedulers do)."""
     run = tmp_path / "run"
@@ -32,7 +33,7 @@ def test_a_stop_signal_to_the_driver_saves_the_gang_and_exits_cleanly(tmp_path):
         "num_workers=2",
         "max_failures=2",
     ]
-    env = {**os.environ, "XLA_FLAGS": ""}
+    env = {**os.environ, "XLA_FLAGS": "", "RAY_ADDRESS": ray_cluster["info"]["address"]}
     with open(tmp_path / "driver.err", "w") as err:
         driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
         try:
@@ -54,5 +55,6 @@ def test_a_stop_signal_to_the_driver_saves_the_gang_and_exits_cleanly(tmp_path):
     assert summary["stop_reason"] == "stop requested by the Ray driver" and summary["attempts"] == 1, summary
     assert 3 <= summary["step"] < 100000
     assert "again: the gang is saving its final checkpoint" in log
+    assert "Connecting to existing Ray cluster at address: " + ray_cluster["info"]["address"] in log  # RAY_ADDRESS
     assert CheckpointManager(str(run / "checkpoints")).all_steps() == [summary["step"]]
     assert not list((run / "checkpoints").glob("*tmp*"))

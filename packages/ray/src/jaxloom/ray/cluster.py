@@ -21,14 +21,16 @@ def init_ray(
     **kwargs: Any,
 ) -> dict:
     """Start a local Ray cluster bound to 127.0.0.1 (no address) or connect to an existing one
-    (`address="ray://host:10001"` or `"auto"`). Returns `ray.init`'s context as a dict. A new local
-    cluster gets `num_cpus`/`num_gpus` (None: what the machine has); actors live in `namespace`.
+    (`address="ray://host:10001"` or `"auto"`; without `address`, the `RAY_ADDRESS` environment
+    variable, Ray's convention). Returns `ray.init`'s context as a dict. A new local cluster gets
+    `num_cpus`/`num_gpus` (None: what the machine has); actors live in `namespace`.
 
     Locally, Ray would otherwise bind its gRPC ports on every interface: this sets
     `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` for the processes it starts (measured on Ray 2.60: with it,
     every port is on 127.0.0.1). The dashboard stays off unless `include_dashboard=True`, and then it
     listens on 127.0.0.1 too. Calling it again when Ray is up returns the running cluster's context.
     """
+    address = address or os.environ.get("RAY_ADDRESS") or None
     if address is None:  # read by every Ray process when it imports ray
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
