@@ -32,7 +32,8 @@ def run(out, kill_after=None, mode="sync"):
         return proc, lines, err.read()
 
 
-@pytest.mark.parametrize("kill_after, mode", [(7, "sync"), (11, "async")])
+# async saves (the default) killed at random steps: tests/reliability/test_faults.py
+@pytest.mark.parametrize("kill_after, mode", [(7, "sync")])
 def test_sigkill_then_resume_ends_bitwise_equal(tmp_path, kill_after, mode):
     ref, _, err = run(tmp_path / "ref", mode=mode)
     assert ref.returncode == 0, err[-3000:]
