@@ -65,7 +65,7 @@ def test_ray_binds_loopback_by_default():
 
 
 def test_a_run_writes_only_inside_its_save_directory(tmp_path):
-    from jaxloom.trainer.cli import build_run, write_run_config
+    from jaxloom.trainer.cli import build_run
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -87,7 +87,7 @@ def test_a_run_writes_only_inside_its_save_directory(tmp_path):
             "generation_max_new_tokens=2",
         ],
     )
-    write_run_config(trainer, resolved)
+    trainer.run_config = resolved
     trainer.train()
     trainer.finish()
     written = {p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*")}

@@ -125,7 +125,7 @@ def test_an_input_error_is_not_retried(ray_cluster):
 
 
 def test_cli_train_with_ray(ray_cluster, tmp_path, capsys):
-    from jaxloom.trainer.cli import main
+    from jaxloom.trainer.cli import SUMMARY_KEYS, main
 
     rc = main(
         [
@@ -141,6 +141,7 @@ def test_cli_train_with_ray(ray_cluster, tmp_path, capsys):
     out = capsys.readouterr().out
     summary = json.loads(out[out.index("{\n") :])
     assert rc == 0 and summary["attempts"] == 1 and summary["step"] == 2
+    assert tuple(summary)[: len(SUMMARY_KEYS)] == SUMMARY_KEYS  # what a plain run prints, then the gang's
     assert (tmp_path / "cli" / "run_config.json").is_file() and (tmp_path / "cli" / "report.md").is_file()
     assert main(["train", "--ray", "num_workers=two"]) == 2
     assert main(["train", "--ray", "workers=2"]) == 2

@@ -10,12 +10,23 @@ import os
 def train_on_ray(config: str | None, items: list[str], ray_items: list[str]) -> int:
     """The run of `config` (None: the bundled demo) with `items` (`key=value` overrides) as a supervised
     gang of Ray workers configured by `ray_items` (`ScalingConfig` settings); prints the summary."""
+    from jaxloom.trainer.outputs import ALREADY_COMPLETE
+
     from .jobs import train_from_config
     from .launcher import ScalingConfig, launch
 
     scaling = ScalingConfig.from_items(ray_items)
     res = launch(train_from_config, config, items, workdir=os.getcwd(), scaling=scaling)
-    summary = {k: v for k, v in res.result.items() if k != "history"}
+    r = res.result
+    summary = {  # the keys of a plain `jaxloom train`, then the gang's
+        "stop_reason": r["stop_reason"],
+        "step": r["step"],
+        "resumed_from": r["resumed_from"],
+        "final": r["metrics"],
+        "report": r["report_path"],
+        "plot": r["plot_path"],
+        "checkpoints": r["checkpoint_dir"],
+    }
     failures = [
         {
             "attempt": f.attempt,
@@ -31,4 +42,6 @@ def train_on_ray(config: str | None, items: list[str], ray_items: list[str]) -> 
             {**summary, "attempts": res.attempts, "failures": failures, "wall_s": res.wall_s}, indent=2, default=str
         )
     )
-    return 0
+    if str(r["stop_reason"]).startswith(ALREADY_COMPLETE):
+        return 4
+    return 128 + res.signal if res.signal else 0

@@ -54,14 +54,14 @@ def train_from_config(
     demo) with `overrides`, and `faults` (`jaxloom.ray.testing.FaultInjector`s) as trainer hooks. After a
     restart it always resumes.
     `workdir`: where relative paths in the config point (the driver's directory; kept if absent here)."""
-    from jaxloom.trainer.cli import build_run, write_run_config
+    from jaxloom.trainer.cli import build_run
 
     if workdir and os.path.isdir(workdir):
         os.chdir(workdir)
     items = list(overrides) + (["resume_if_possible=true"] if ctx.attempt > 0 else [])
     trainer, resolved = build_run(config_path, items)
     trainer.hooks.extend(ctx.hooks() + [b for f in faults if (b := f.bind(ctx)) is not None])
-    write_run_config(trainer, resolved)
+    trainer.run_config = resolved  # written to save_directory/run_config.json once the run is set up
     ctx.beat(0, "ready")
     try:
         out = trainer.train()

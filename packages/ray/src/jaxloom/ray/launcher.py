@@ -96,12 +96,14 @@ class Failure:
 @dataclasses.dataclass
 class LaunchResult:
     """What `launch` returns: every rank's return value (`results`; `.result` is rank 0's), how many gang
-    `attempts` it took, the `failures` on the way and the wall time `wall_s`."""
+    `attempts` it took, the `failures` on the way, the wall time `wall_s`, and the `signal` that stopped
+    it when the driver received one."""
 
     results: list[Any]  # what `job` returned, per rank
     attempts: int
     failures: list[Failure]
     wall_s: float
+    signal: int | None = None
 
     @property
     def result(self) -> Any:
@@ -124,7 +126,7 @@ def launch(job, *args: Any, scaling: ScalingConfig | None = None, **kwargs: Any)
         for attempt in range(scaling.max_failures + 1):
             outcome = _run_gang(ray, job, args, kwargs, scaling, attempt, failures, stop)
             if not isinstance(outcome, Failure):
-                return LaunchResult(outcome, attempt + 1, failures, time.time() - t0)
+                return LaunchResult(outcome, attempt + 1, failures, time.time() - t0, stop.signum)
             failures.append(outcome)
             _give_up_or_log(outcome, attempt, scaling, failures, t0, stop)
     last = failures[-1]
@@ -141,6 +143,7 @@ class _StopOnSignal:
 
     def __init__(self):
         self.requested = False
+        self.signum: int | None = None
         self._old: dict = {}
 
     def __enter__(self) -> _StopOnSignal:
@@ -153,7 +156,7 @@ class _StopOnSignal:
             log.warning("signal %d again: the gang is saving its final checkpoint; waiting for it", signum)
             return
         log.warning("signal %d: asking the gang to finish its step, save a checkpoint and stop", signum)
-        self.requested = True
+        self.requested, self.signum = True, signum
 
     def __exit__(self, *exc: object) -> None:
         for s, h in self._old.items():

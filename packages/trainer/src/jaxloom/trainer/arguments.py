@@ -4,6 +4,7 @@ one schema (types, defaults, checks) for the Python API, YAML/JSON files and `ke
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import json
 import os
@@ -109,7 +110,8 @@ class LoopArgs(_Group):
 
 
 class CheckpointArgs(_Group):
-    save_directory: str = "jaxloom-runs/run"
+    # None: a new directory for every run, jaxloom-runs/run-<date>-<time>-<random> (logged at the start).
+    save_directory: str | None = None
     save_steps: int | None = None
     save_minutes: float | None = None
     save_total_limit: int | None = 3
@@ -122,7 +124,7 @@ class CheckpointArgs(_Group):
     @model_validator(mode="after")
     def _check(self):
         _positive(self, "save_steps", "save_minutes", "save_total_limit", allow_none=True)
-        if not self.save_directory.strip():
+        if self.save_directory is not None and not self.save_directory.strip():
             raise ValueError("save_directory = ''; expected a directory path")
         return self
 
@@ -300,10 +302,10 @@ class TrainingArguments:
 
     @staticmethod
     def fields() -> list[dict[str, Any]]:
-        """Every argument: `{"name", "group", "type", "default"}`, in group order (the schema the command
-        line, files and the Python API share)."""
+        """Every argument: `{"name", "group", "type", "default", "doc"}`, in group order (the schema the
+        command line, files and the Python API share)."""
         return [
-            {"name": name, "group": g, "type": _type_text(f.annotation), "default": f.default}
+            {"name": name, "group": g, "type": _type_text(f.annotation), "default": f.default, "doc": DOCS[name]}
             for g, cls in GROUPS.items()
             for name, f in cls.model_fields.items()
         ]
@@ -331,6 +333,69 @@ def _type_text(annotation: Any) -> str:
     return str(annotation).replace("typing.", "")
 
 
+# One line per argument: `jaxloom config keys`, `jaxloom train --help` and `TrainingArguments.fields()`.
+DOCS: dict[str, str] = {
+    "learning_rate": "peak learning rate of the schedule",
+    "optimizer": "the optax optimizer",
+    "scheduler": "learning-rate decay after the warmup, over the run's steps",
+    "warmup_steps": "steps of linear warmup from init_learning_rate (None: warmup_ratio of the run)",
+    "warmup_ratio": "warmup as a fraction of the run's steps, when warmup_steps is None",
+    "init_learning_rate": "learning rate at step 0, where the warmup starts",
+    "end_learning_rate": "learning rate at the last step",
+    "weight_decay": "decoupled weight decay (adamw, lion, adafactor)",
+    "max_grad_norm": "clip gradients to this global norm (None: no clipping)",
+    "adam_beta1": "first-moment decay (adamw, lion)",
+    "adam_beta2": "second-moment decay (adamw, lion)",
+    "adam_epsilon": "adamw's epsilon",
+    "momentum": "sgd's momentum (0: none)",
+    "total_batch_size": "rows (sequences) per micro-batch, over all devices",
+    "gradient_accumulation_steps": "micro-batches per optimizer step",
+    "max_training_steps": "optimizer steps of the run (None: num_train_epochs over the data)",
+    "num_train_epochs": "passes over the training data, when max_training_steps is None",
+    "evaluation_steps": "evaluate every this many steps (None: at the end only)",
+    "eval_batches": "batches per evaluation",
+    "evaluation_batch_size": "rows per evaluation batch (None: total_batch_size)",
+    "logging_steps": "a metrics row every this many steps",
+    "training_time_limit": "seconds; then save and stop cleanly",
+    "seed": "seed of the initial parameters, dropout and data order",
+    "nan_policy": "a non-finite loss stops the run, or its update is skipped",
+    "z_loss": "weight of the log(Z)^2 auxiliary loss (0: off)",
+    "save_directory": "the run's directory: checkpoints, logs, report (None: a new one per run)",
+    "save_steps": "checkpoint every this many steps",
+    "save_minutes": "checkpoint every this many minutes",
+    "save_total_limit": "checkpoints kept (the newest)",
+    "resume_if_possible": "continue the run found in save_directory",
+    "overwrite_output_dir": "replace the run found in save_directory (its checkpoints and logs)",
+    "async_checkpointing": "write checkpoints in the background while training goes on",
+    "max_sequence_length": "tokens per row",
+    "truncation_mode": "which end of a too-long unpacked record is kept",
+    "packing": "pack documents into full rows (False: one record per row, padded)",
+    "shuffle_train_dataset": "shuffle the training data (seeded, exactly resumable)",
+    "dtype": "computation dtype, e.g. bfloat16 (None: the model's)",
+    "param_dtype": "parameter and optimizer-state dtype (None: the model's)",
+    "attn_mechanism": "attention backend: auto, xla, chunked, cudnn, flash (EasyDeL's names too)",
+    "attn_block_size": "query/key block of the chunked and flash backends",
+    "remat": "activation rematerialisation policy (None: the model's)",
+    "scan_layers": "scan the decoder stack: compile time flat in depth (None: above 16 layers)",
+    "moe_implementation": "MoE expert computation: auto, ragged, tiled, dense",
+    "sharding_axis_dims": "mesh shape over (dp, fsdp, ep, tp, sp); -1 takes the remaining devices",
+    "sharding_axis_names": "mesh axis names",
+    "sharding_dcn_axis_dims": "mesh shape across hosts (multi-slice / multi-node)",
+    "donate_state": "donate the state's buffers to the step (None: yes on GPU/TPU, no on CPU)",
+    "compilation_cache_dir": "JAX's persistent compilation cache directory",
+    "use_tensorboard": "write TensorBoard events in save_directory/tensorboard",
+    "use_wandb": "log to Weights & Biases (resumed runs continue their W&B run)",
+    "wandb_project": "the W&B project (None: jaxloom)",
+    "progress_bar": "a progress bar on a terminal; step lines with ETA otherwise",
+    "log_weight_distribution": "parameter histograms to TensorBoard at each log row",
+    "peak_flops_per_device": "peak FLOP/s per device for MFU (None: from the device table)",
+    "profile_steps": "[first, last]: a JAX profiler trace of these steps",
+    "generation_interval": "generate previews every this many steps",
+    "generation_prompts": "prompts of the previews",
+    "generation_max_new_tokens": "tokens per preview",
+    "generation_num_samples": "previews per prompt",
+    "generation_temperature": "sampling temperature of the previews (0: greedy)",
+}
 _DEFAULTS = {name: f.default for cls in GROUPS.values() for name, f in cls.model_fields.items()}
 # help() shows every argument by group, from the schema itself (so the list cannot go stale).
 TrainingArguments.__doc__ = (
@@ -350,6 +415,23 @@ TrainingArguments.__signature__ = inspect.Signature(  # type: ignore[attr-define
         for name, f in cls.model_fields.items()
     ]
 )
+
+
+@functools.cache
+def _yaml_loader():
+    """PyYAML's safe loader reading numbers as YAML 1.2 does: `1e-5` and `1e6` are floats (YAML 1.1, which
+    PyYAML follows, wants a dot and a signed exponent, so they would be text that crashes deep in a run)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    number = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?\.[0-9_]+[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", number, list("-+0123456789."))
+    return Loader
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -374,7 +456,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
                         f"{path}:{line}: YAML alias *{event.anchor}; expected plain values (aliases are refused: "
                         "one line can expand to gigabytes)"
                     )
-            data = yaml.safe_load(text)  # safe_load: no arbitrary Python objects
+            data = yaml.load(text, Loader=_yaml_loader())  # a safe loader: no arbitrary Python objects
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             raise ValueError(
@@ -396,7 +478,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if "=" not in item:
             raise ValueError(f"override {item!r}; expected key=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw else raw
+        value = yaml.load(raw, Loader=_yaml_loader()) if raw else raw
         node = data
         *parents, leaf = key.split(".")
         for p in parents:

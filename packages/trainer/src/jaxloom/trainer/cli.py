@@ -1,14 +1,22 @@
-"""The `jaxloom` command: `train`, `eval`, `plan`, `convert`.
+"""The `jaxloom` command: train, evaluate, plan, generate, convert, and show the settings.
 
-jaxloom train [CONFIG.yaml] [key=value ...]     # no CONFIG: the bundled demo config
+jaxloom train [CONFIG.yaml | RUN_DIR] [key=value ...]   # no CONFIG: the bundled demo config
 jaxloom train [CONFIG.yaml] [key=value ...] --ray num_workers=2 [max_failures=1 ...]
                                                  # a supervised gang of Ray workers (needs jaxloom-ray)
-jaxloom eval CONFIG.yaml [key=value ...]         # evaluate the newest checkpoint of the run
-jaxloom plan CONFIG.yaml [key=value ...]         # params, FLOPs/token, memory per device, from an AOT compile
+jaxloom eval RUN_DIR | CONFIG.yaml [key=value ...]  # evaluate the newest checkpoint of the run
+jaxloom plan [CONFIG.yaml | RUN_DIR] [key=value ...]  # params, FLOPs/token, memory per device (AOT compile)
 jaxloom generate PATH --prompt TEXT [--max-new-tokens N] [--temperature T --top-k K --top-p P] [--chat]
-                                                 # PATH: an HF model directory or a run's save_directory
-jaxloom convert --to-hf SAVE_DIRECTORY OUT       # newest checkpoint → Hugging Face directory
-                                                 # (model from SAVE_DIRECTORY/run_config.json)
+                                                 # PATH: an HF model directory or a run directory
+jaxloom convert --to-hf RUN_DIR OUT              # newest checkpoint → Hugging Face directory
+jaxloom config keys                              # every setting: type, default, what it does
+jaxloom config show [CONFIG.yaml | RUN_DIR] [key=value ...]  # the resolved config, as YAML
+
+A RUN_DIR is a run's save_directory: it holds the resolved config (run_config.json) and a copy of the
+tokenizer, so these commands work on it from any working directory, also after it is copied elsewhere.
+
+Exit status: 0 done; 2 bad input (a setting, a file, a run directory); 3 a checkpoint could not be
+saved; 4 nothing to train (the run in save_directory already reached max_training_steps); 128+N
+stopped by signal N after saving (130: Ctrl-C, 143: SIGTERM); 1 anything else.
 """
 
 from __future__ import annotations
@@ -22,7 +30,31 @@ from pathlib import Path
 from typing import Any
 
 DEMO_CONFIG = Path(__file__).with_name("configs") / "demo.yaml"
-RUN_CONFIG = "run_config.json"
+RUN_CONFIG = "run_config.json"  # in a run directory: the resolved config (written by the trainer at setup)
+DATA_KEYS = {
+    "train": "training data: 'bundled', or a path / glob / list of .jsonl, .parquet or .txt files",
+    "eval": "evaluation data, as train (default: none; with train=bundled, a held-out part of it)",
+    "eval_fraction": "with train=bundled: the fraction of its documents held out for evaluation",
+    "tokenizer": "'bundled', a local tokenizer directory or a Hugging Face Hub id",
+}
+
+
+def split_target(items: list[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG | RUN_DIR] key=value ...` → (config file, overrides). A run directory stands for its
+    resolved config, with its own save_directory and its copy of the tokenizer."""
+    items = list(items)
+    first = items.pop(0) if items and "=" not in items[0] else None
+    if first is not None and Path(first).is_dir():
+        run = Path(first)
+        if not (run / RUN_CONFIG).is_file():
+            raise FileNotFoundError(
+                f"{run} is a directory without {RUN_CONFIG}; expected a run directory or a config file"
+            )
+        pinned = [f"save_directory={run}"]
+        if (run / "tokenizer").is_dir():
+            pinned.append(f"data.tokenizer={(run / 'tokenizer').absolute()}")
+        return str(run / RUN_CONFIG), pinned + items
+    return first, items
 
 
 def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]:
@@ -61,15 +93,6 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
         model = jm.create_model(jm.CONFIG_CLASSES[kind].from_hf_dict(model_cfg), runtime, lazy=True)
     trainer = Trainer(args, model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
     return trainer, resolved
-
-
-def write_run_config(trainer, resolved: dict) -> Path:
-    """The resolved config beside the run, so `eval` and `convert` rebuild the same model."""
-    path = Path(trainer.arguments.save_directory) / RUN_CONFIG
-    if trainer.is_process_zero:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(resolved, indent=2))
-    return path
 
 
 def _plan(trainer) -> dict[str, Any]:
@@ -114,7 +137,7 @@ def _generate(ns) -> int:
 
     path = Path(ns.path)
     if (path / RUN_CONFIG).is_file():
-        trainer = _restored(path, str(path / RUN_CONFIG), params_only=True)
+        trainer = _restored(path, None, params_only=True)
         model, tokenizer = trainer.state.model, trainer.tokenizer
     elif (path / "config.json").is_file():
         model = jm.from_pretrained(path)
@@ -161,12 +184,13 @@ READ_ONLY = [
 ]
 
 
-def _restored(run_dir: str | Path, config: str, *, params_only: bool):
+def _restored(run_dir: str | Path, config: str | None, *, params_only: bool):
     """The trainer of a finished or running run with its newest checkpoint restored, and nothing else
     set up (no data loading, no compile); FileNotFoundError when the run has no checkpoint."""
     # max_training_steps: the run's length is not needed to read its weights, and counting an epoch-based
     # run's steps would read its training data, which may be long gone
-    trainer, _ = build_run(config, [f"save_directory={run_dir}", *READ_ONLY, "max_training_steps=1"])
+    config_path, items = split_target([str(run_dir)]) if config is None else (config, [f"save_directory={run_dir}"])
+    trainer, _ = build_run(config_path, [*items, *READ_ONLY, "max_training_steps=1"])
     trainer.restore_checkpoint(params_only=params_only)
     return trainer
 
@@ -199,6 +223,32 @@ def exit_after_training_error(error: BaseException) -> None:
     os._exit(code)
 
 
+def setup_console() -> None:
+    """The command's console: jaxloom's own INFO lines, other libraries' warnings and errors only, and
+    the start-up notices that never apply to a jaxloom run (transformers' note that no PyTorch is
+    installed, JAX's search for TPU and CUDA backends that are not there) filtered out."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jaxloom").setLevel(logging.INFO)
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    quiet = logging.Filter()
+    quiet.filter = lambda record: not any(n in record.getMessage() for n in _NOISE)  # type: ignore[method-assign]
+    for name in ("jax._src.xla_bridge", "transformers", "transformers.utils.import_utils", "root"):
+        logging.getLogger(name).addFilter(quiet)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(quiet)
+
+
+_NOISE = (
+    "None of PyTorch, TensorFlow",
+    "PyTorch was not found",
+    "Unable to initialize backend",
+    "libtpu",
+    "An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib is not installed",
+)
+
+
 def _launcher(name: str):
     """The `--NAME` launcher registered by an installed part under the entry-point group
     `jaxloom.launchers` (jaxloom-ray registers `ray`): `fn(config, items, launcher_items) -> exit code`.
@@ -211,12 +261,85 @@ def _launcher(name: str):
     return found[0].load()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxloom", description="Train, evaluate, plan and convert jaxloom runs.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("train", "eval", "plan"):
-        p = sub.add_parser(name)
-        p.add_argument("items", nargs="*", help="[CONFIG.yaml] then key=value overrides")
+def versions() -> dict[str, str]:
+    """The installed jaxloom parts and their versions."""
+    from importlib.metadata import PackageNotFoundError, distributions
+
+    found = {}
+    for dist in distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name == "jaxloom" or name.startswith("jaxloom-"):
+            found[name] = dist.version
+    try:
+        from .__about__ import __version__
+
+        found.setdefault("jaxloom-trainer", __version__)
+    except PackageNotFoundError:  # pragma: no cover
+        pass
+    return dict(sorted(found.items()))
+
+
+def _config_keys(model_type: str) -> str:
+    """Every key a config takes: the data section, the model section (the config class of
+    `model_type`), then every training argument, each with its type, default and what it does."""
+    import dataclasses
+
+    import jaxloom.models as jm
+
+    from .arguments import TrainingArguments
+
+    if model_type not in jm.CONFIG_CLASSES:
+        raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
+    lines = ["# data: what to train on", *[f"data.{k}  {v}" for k, v in DATA_KEYS.items()], ""]
+    lines.append(
+        f"# model: Hugging Face config names ({jm.CONFIG_CLASSES[model_type].__name__}); or from_pretrained: DIR|HUB_ID"
+    )
+    lines.append("model.model_type: str = 'llama'  " + ", ".join(sorted(jm.CONFIG_CLASSES)))
+    for f in dataclasses.fields(jm.CONFIG_CLASSES[model_type]):
+        if f.name.startswith("_"):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        lines.append(f"model.{f.name}: {f.type} = {default!r}")
+    group = None
+    for f in TrainingArguments.fields():
+        if f["group"] != group:
+            group = f["group"]
+            lines += ["", f"# {group}"]
+        lines.append(f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}")
+    return "\n".join(lines)
+
+
+def _config_show(config: str | None, items: list[str]) -> str:
+    """The config the run would use, as YAML: the file (or run directory, or the demo) with the
+    overrides applied and every training argument resolved to its value (defaults included)."""
+    import yaml
+
+    from .arguments import TrainingArguments, apply_overrides, load_config_file
+
+    data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)
+    model, data_section = data.pop("model", {}) or {}, data.pop("data", {}) or {}
+    args = TrainingArguments(**data)  # checked as a run would check them
+    resolved = {"model": model, "data": data_section, **json.loads(json.dumps(args.to_dict(), default=str))}
+    return yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxloom",
+        description="Train, evaluate, plan, generate from and convert jaxloom runs.",
+        epilog="Settings: `jaxloom config keys` lists every key; `jaxloom config show` prints a resolved config.",
+    )
+    parser.add_argument("--version", action="version", version=" ".join(f"{k} {v}" for k, v in versions().items()))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    target = "[CONFIG.yaml | RUN_DIR] then key=value overrides (see `jaxloom config keys`)"
+    helps = {
+        "train": "train a model (no CONFIG: the bundled demo); a RUN_DIR or a save_directory with checkpoints resumes",
+        "eval": "evaluate the newest checkpoint of a run",
+        "plan": "parameters, FLOPs per token and memory per device, from an ahead-of-time compile",
+    }
+    for name, text in helps.items():
+        p = sub.add_parser(name, help=text, description=text + ". " + _KEYS_HINT)
+        p.add_argument("items", nargs="*", metavar="ITEM", help=target)
         if name == "train":
             p.add_argument(
                 "--ray",
@@ -225,39 +348,95 @@ def main(argv: list[str] | None = None) -> int:
                 default=None,
                 help="run on Ray: ScalingConfig settings (num_workers, max_failures, ...)",
             )
-    gen = sub.add_parser("generate")
-    gen.add_argument("path")
-    gen.add_argument("--prompt", action="append", required=True)
+    text = "generate text from an HF model directory or a run directory (streamed)"
+    gen = sub.add_parser("generate", help=text, description=text)
+    gen.add_argument("path", help="an HF model directory (config.json) or a run directory (run_config.json)")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--greedy", action="store_true")
+    gen.add_argument("--greedy", action="store_true", help="greedy decoding (also when --temperature is 0)")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each prompt")
-    conv = sub.add_parser("convert")
-    conv.add_argument("--to-hf", nargs=2, metavar=("SAVE_DIRECTORY", "OUT"), required=True)
-    conv.add_argument("--config", default=None)
-    ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    text = "export the newest checkpoint of a run as a Hugging Face model directory (with its tokenizer)"
+    conv = sub.add_parser("convert", help=text, description=text)
+    conv.add_argument("--to-hf", nargs=2, metavar=("RUN_DIR", "OUT"), required=True)
+    conv.add_argument("--config", default=None, help="the run's config (default: RUN_DIR/run_config.json)")
+    text = "list every setting (keys) or print a resolved config (show)"
+    cfg = sub.add_parser("config", help=text, description=text)
+    csub = cfg.add_subparsers(dest="action", required=True, metavar="ACTION")
+    keys = csub.add_parser("keys", help="every key: type, default, what it does")
+    keys.add_argument("--model-type", default="llama", help="whose model keys to list (default: llama)")
+    show = csub.add_parser("show", help="the resolved config as YAML (defaults included)")
+    show.add_argument("items", nargs="*", metavar="ITEM", help=target)
+    return parser
+
+
+_KEYS_HINT = "`jaxloom config keys` lists every setting"
+
+
+def _train(trainer, resolved: dict) -> int:
+    from .outputs import ALREADY_COMPLETE
+
+    trainer.run_config = resolved
+    try:
+        out = trainer.train()
+    except BaseException as e:  # noqa: BLE001 - reported, then the process exits
+        if not trainer._initialized:
+            raise  # nothing started: the usual error handling
+        exit_after_training_error(e)
+    print(json.dumps(run_summary(out), indent=2, default=str))
+    trainer.finish()
+    if out.stop_reason.startswith(ALREADY_COMPLETE):
+        return 4
+    return 128 + out.signal if out.signal else 0
+
+
+SUMMARY_KEYS = ("stop_reason", "step", "resumed_from", "final", "report", "plot", "checkpoints")
+
+
+def run_summary(out) -> dict[str, Any]:
+    """What `jaxloom train` prints at the end: `SUMMARY_KEYS` (the same first keys with --ray)."""
+    return {
+        "stop_reason": out.stop_reason,
+        "step": int(out.state.step) if out.state is not None else None,
+        "resumed_from": out.resumed_from,
+        "final": out.metrics,
+        "report": out.report_path,
+        "plot": out.plot_path,
+        "checkpoints": out.checkpoint_dir,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    setup_console()
     from jaxloom.state import DirectoryLockedError
 
     try:
+        if ns.command == "config":
+            if ns.action == "keys":
+                print(_config_keys(ns.model_type))
+            else:
+                print(_config_show(*split_target(ns.items)), end="")
+            return 0
         if ns.command == "generate":
             return _generate(ns)
         if ns.command == "convert":
-            config = ns.config or Path(ns.to_hf[0]) / RUN_CONFIG
-            trainer = _restored(ns.to_hf[0], str(config), params_only=True)
+            trainer = _restored(ns.to_hf[0], ns.config, params_only=True)
             print(trainer.save_pretrained(ns.to_hf[1], to_torch=True))
             return 0
-        items = list(ns.items)
-        config = items.pop(0) if items and "=" not in items[0] else None
+        config, items = split_target(ns.items)
         if getattr(ns, "ray", None) is not None:
             from .arguments import TrainingArguments, apply_overrides, load_config_file
 
             data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)  # fail fast, before Ray starts
-            TrainingArguments(**{k: v for k, v in data.items() if k not in ("model", "data")})
+            args = TrainingArguments(**{k: v for k, v in data.items() if k not in ("model", "data")})
+            if args.save_directory is None:  # chosen once by the driver: every restart of the gang resumes it
+                from .resume import fresh_run_directory
+
+                items = [*items, f"save_directory={fresh_run_directory()}"]
             return _launcher("ray")(config, items, ns.ray)
         if ns.command == "eval":
             trainer, _ = build_run(config, items + ["resume_if_possible=true"])
@@ -267,29 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer, resolved = build_run(config, items)
         if ns.command == "plan":
             print(json.dumps(_plan(trainer), indent=2))
-        else:
-            write_run_config(trainer, resolved)
-            try:
-                out = trainer.train()
-            except BaseException as e:  # noqa: BLE001 - reported, then the process exits
-                if not trainer._initialized:
-                    raise  # nothing started: the usual error handling below
-                exit_after_training_error(e)
-            print(
-                json.dumps(
-                    {
-                        "stop_reason": out.stop_reason,
-                        "resumed_from": out.resumed_from,
-                        "final": out.metrics,
-                        "report": out.report_path,
-                        "plot": out.plot_path,
-                        "checkpoints": out.checkpoint_dir,
-                    },
-                    indent=2,
-                    default=str,
-                )
-            )
-            trainer.finish()
+            return 0
+        return _train(trainer, resolved)
     except OSError as e:
         from jaxloom.state import CheckpointSaveError
 
@@ -304,7 +462,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, DirectoryLockedError) as e:
         print(f"jaxloom: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
+import os
 import resource
+import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +68,40 @@ def create_progress_bar(total: int, desc: str = "", *, disabled: bool = False, i
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=not sys.stderr.isatty())
 
 
+def read_history(path: str | Path, upto: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of an earlier metrics.jsonl that belong to a run resumed at step `upto`: `(metric rows,
+    every kept line)`. Rows after `upto` were logged past the checkpoint and will be logged again; a
+    line cut short by a kill is dropped."""
+    rows: list[dict[str, Any]] = []
+    kept: list[str] = []
+    path = Path(path)
+    if not path.is_file():
+        return rows, kept
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int) or row["step"] > upto:
+                continue
+            kept.append(json.dumps(row))
+            if "samples" not in row:
+                rows.append(row)
+    return rows, kept
+
+
 class MetricsWriter:
     """Metrics rows to metrics.jsonl, TensorBoard, wandb and the console, on process 0. The console lines
     go through `bar` when given (so they do not break a progress bar), else through its own bar of
-    `progress_total` steps when `progress_bar`."""
+    `progress_total` steps when `progress_bar`.
+
+    `start_step`: the step the run starts from. The file keeps the earlier rows up to it (a resumed run's
+    history, so plots and reports cover the whole run) and drops the rest, which the run logs again; a
+    fresh run (0) starts an empty file; None keeps every row. `history` holds the metric rows, earlier ones included.
+
+    `config` (the run's settings) goes to TensorBoard's HParams tab and to W&B, whose run is named
+    `run_name` (default: the directory's name) and continued by every resume of the run."""
 
     def __init__(
         self,
@@ -80,26 +114,50 @@ class MetricsWriter:
         progress_bar: bool = True,
         initial: int = 0,
         bar: Any = None,
+        start_step: int | None = None,
+        config: dict[str, Any] | None = None,
+        run_name: str | None = None,
+        total_steps: int | None = None,
     ):
         self.enabled = jax.process_index() == 0
         self.closed = False
         self.directory = Path(directory)
         self.history: list[dict[str, Any]] = []
         self._tb = self._wandb = self._bar = None
+        self.total_steps = total_steps
+        self._first_row: tuple[int, float] | None = None  # (step, time) of this session's first train row
         if not self.enabled:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.directory / "metrics.jsonl", "a", buffering=1)
+        path = self.directory / "metrics.jsonl"
+        self.history, kept = read_history(path, start_step if start_step is not None else 2**62)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)  # atomic: a kill now leaves the old file or the new one
+        self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
             from jaxloom.trainer.tbevents import EventWriter
 
             self._tb = EventWriter(self.directory / "tensorboard")
+            if config:
+                self._tb.add_hparams(config, ["train/loss", "eval/loss"])
         if use_wandb:
             try:
                 import wandb
             except ImportError:
                 raise ValueError("use_wandb=True, but wandb is not installed (pip install wandb)") from None
-            self._wandb = wandb.init(project=wandb_project or "jaxloom", dir=str(self.directory))
+            # One W&B run per jaxloom run: its id is kept beside the run, so every resume continues it.
+            id_file = self.directory / "wandb_run_id"
+            run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+            id_file.write_text(run_id)
+            self._wandb = wandb.init(
+                project=wandb_project or "jaxloom",
+                dir=str(self.directory),
+                id=run_id,
+                resume="allow",
+                name=run_name or self.directory.resolve().name,
+                config=config,
+            )
         if bar is not None:
             self._bar = bar
         elif progress_bar and progress_total:
@@ -118,11 +176,25 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(row, step=step)
         text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-        line = f"[{prefix}] step {step}: {text}"
+        line = f"[{prefix}] step {self._progress(step) if prefix == 'train' else step}: {text}"
         if self._bar is not None:
             self._bar.write(line)
         else:
             print(line, flush=True)
+
+    def _progress(self, step: int) -> str:
+        """`step/total` and, from the second row of a session on, the time left at the rate since the first."""
+        if not self.total_steps:
+            return str(step)
+        now = time.monotonic()
+        if self._first_row is None:
+            self._first_row = (step, now)
+        first_step, first_time = self._first_row
+        out = f"{step}/{self.total_steps}"
+        if first_step < step < self.total_steps:
+            left = (self.total_steps - step) * (now - first_time) / (step - first_step)
+            out += f" eta {datetime.timedelta(seconds=round(left))}"
+        return out
 
     def samples(self, step: int, prompts: list[str], completions: list[str]) -> None:
         """Generated previews: console, TensorBoard text and the JSONL file."""

@@ -46,7 +46,9 @@ class TrainerConfigureFunctionOutput(NamedTuple):
 class TrainerOutput:
     """What `train()` returns: the final `state` and `metrics`, why it stopped (`stop_reason`), the
     checkpoint it resumed from (`resumed_from`), where checkpoints, report and plot are
-    (`checkpoint_dir`, `report_path`, `plot_path`) and the last preview `samples`."""
+    (`checkpoint_dir`, `report_path`, `plot_path`), the last preview `samples`, and the `signal` number
+    that stopped it when this process received one (SIGINT, SIGTERM). A run resumed when it had already
+    reached its last step trains nothing: its `stop_reason` starts with `ALREADY_COMPLETE`."""
 
     state: Any
     metrics: dict[str, float]
@@ -56,3 +58,7 @@ class TrainerOutput:
     report_path: str | None
     plot_path: str | None
     samples: list[str] = dataclasses.field(default_factory=list)
+    signal: int | None = None
+
+
+ALREADY_COMPLETE = "already complete"

@@ -8,6 +8,7 @@ whenever it is installed (seconds of start-up and a few hundred MB of memory).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -73,7 +74,7 @@ def _event(step: int, *, summary_value: bytes | None = None, file_version: str |
 
 
 class EventWriter:
-    """One `events.out.tfevents.*` file in `directory`; `add_scalar`, `add_text`, `add_histogram`.
+    """One `events.out.tfevents.*` file in `directory`; `add_scalar`, `add_text`, `add_histogram`, `add_hparams`.
     Each record is flushed to the file as it is added, so TensorBoard sees a running job's metrics.
 
     Args:
@@ -115,6 +116,30 @@ class EventWriter:
         )
         histo += _bytes(6, np.asarray(edges[1:], "<f8").tobytes()) + _bytes(7, counts.astype("<f8").tobytes())
         self._write(_event(step, summary_value=_bytes(1, tag) + _bytes(5, histo)))
+
+    def add_hparams(self, hparams: dict, metric_tags: list[str]) -> None:
+        """The run's hyperparameters for TensorBoard's HParams tab: an experiment naming them and the
+        metrics to compare (`metric_tags`), and this session's values. Numbers, booleans and text as
+        themselves; other values (lists, None) as their JSON text."""
+
+        def kind_and_value(v) -> tuple[int, bytes]:  # api.proto DataType; google.protobuf.Value
+            if isinstance(v, bool):
+                return 2, _field(4, 0, _varint(int(v)))
+            if isinstance(v, int | float):
+                return 3, _field(2, 1, struct.pack("<d", float(v)))
+            return 1, _bytes(3, v if isinstance(v, str) else json.dumps(v, default=str))
+
+        encoded = {str(k): kind_and_value(v) for k, v in hparams.items()}
+        infos = b"".join(_bytes(4, _bytes(1, k) + _field(4, 0, _varint(t))) for k, (t, _) in encoded.items())
+        metrics = b"".join(_bytes(5, _bytes(1, _bytes(2, tag))) for tag in metric_tags)  # MetricInfo{name{tag}}
+        session = b"".join(_bytes(1, _bytes(1, k) + _bytes(2, v)) for k, (_, v) in encoded.items())  # map entries
+        # HParamsPluginData{experiment = 2 | session_start_info = 3}
+        for tag, data in (
+            ("_hparams_/experiment", _bytes(2, infos + metrics)),
+            ("_hparams_/session_start_info", _bytes(3, session)),
+        ):
+            metadata = _bytes(1, _bytes(1, "hparams") + _bytes(2, data))  # SummaryMetadata.plugin_data
+            self._write(_event(0, summary_value=_bytes(1, tag) + _bytes(9, metadata)))
 
     def close(self) -> None:
         """Flush and close the file."""

@@ -10,6 +10,7 @@ with their own cadence; the loop only runs steps and asks which callbacks are du
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -34,21 +35,24 @@ from jaxloom.mesh import DATA_AXES, MeshConfig, local_batch_slice, named_leaves
 
 from .arguments import TrainingArguments
 from .callbacks import Callback
-from .metrics import MetricsWriter, create_progress_bar, memory_in_use, peak_flops
+from .metrics import MetricsWriter, _NoBar, create_progress_bar, memory_in_use, peak_flops
 from .optim import make_optimizer
 from .outputs import (
+    ALREADY_COMPLETE,
     TrainerConfigureDataloaderOutput,
     TrainerConfigureFunctionOutput,
     TrainerConfigureModelOutput,
     TrainerOutput,
 )
 from .report import plot_history, write_report
+from .resume import check_resume, fresh_run_directory, run_identity
 from .step import STOP_KEY, StepConfig, eval_step, train_step
 
 log = logging.getLogger("jaxloom.trainer")
 
 # Why a process asks to stop; with several processes the largest code of any process wins (see request_stop).
 _STOP_SIGNAL, _STOP_TIME_LIMIT, _STOP_REQUESTED = 1, 2, 3
+RUN_CONFIG = "run_config.json"
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -157,6 +161,9 @@ class BaseTrainer:
         self._stop_code, self._stop_note = 0, ""  # this process's stop request (_STOP_* code)
         self._stop_reason: str | None = None
         self._t0 = self._eval_t0 = None
+        # The resolved config of a `jaxloom train` run (sections model, data, arguments): written to
+        # save_directory/run_config.json at setup, so that eval, generate, convert and plan rebuild the run.
+        self.run_config: dict[str, Any] | None = None
 
     # ---- what the trainer is working on ---------------------------------------------------------------
     @property
@@ -237,7 +244,12 @@ class BaseTrainer:
             self._abstract_state, jmod.param_shardings(abstract_model, self.mesh), self.mesh
         )
         self._batch_sharding, self._eval_sharding = self._batch_shardings()
-        self.checkpoints = js.CheckpointManager(
+        self.checkpoints = self._checkpoint_manager() if a.save_directory is not None else None
+        self._planned = True
+
+    def _checkpoint_manager(self) -> js.CheckpointManager:
+        a = self.arguments
+        return js.CheckpointManager(
             js.CheckpointConfig(
                 directory=str(Path(a.save_directory) / "checkpoints"),
                 save_steps=a.save_steps,
@@ -246,7 +258,15 @@ class BaseTrainer:
                 async_save=a.async_checkpointing,
             )
         )
-        self._planned = True
+
+    def _directory(self) -> Path:
+        """The run's `save_directory`; without one, a new one for this run (chosen once, at setup)."""
+        if self.arguments.save_directory is None:
+            self.arguments = self.arguments.replace(save_directory=fresh_run_directory())
+            log.info("save_directory not set: this run writes to %s", self.arguments.save_directory)
+            if self._planned:
+                self.checkpoints = self._checkpoint_manager()
+        return Path(self.arguments.save_directory)
 
     def configure_model(self) -> TrainerConfigureModelOutput:
         """The state this run trains, on its shards: restored from the newest checkpoint of
@@ -311,6 +331,7 @@ class BaseTrainer:
         Process-wide settings (the compilation cache) are applied here, at the start of a run."""
         if self._initialized:
             return
+        self._directory()
         self._take_directory()
         if self.arguments.compilation_cache_dir:
             use_compilation_cache(self.arguments.compilation_cache_dir)
@@ -322,19 +343,42 @@ class BaseTrainer:
         if not hasattr(self, "_train_fn"):
             self.configure_functions()
         if self.state is None and self._resume_step() is not None:
+            self._check_resume()
             self.configure_model()
             self.configure_dataloaders()
         else:
             self.configure_dataloaders()
             self.configure_model()
         self._add_builtin_callbacks()
+        self._identity()  # recorded by every checkpoint: computed once, now, not at the first save
+        self._write_run_files()
         self._initialized = True
+
+    def _write_run_files(self) -> None:
+        """What rebuilds the run from its directory alone, written by process 0 once the run is known to be
+        valid: `run_config.json` (the resolved config, when the `jaxloom` command gave one as
+        `run_config`) and a copy of the tokenizer in `tokenizer/` (kept once written), each atomically."""
+        if not self.is_process_zero:
+            return
+        directory = self._directory()
+        if self.run_config is not None:
+            tmp = directory / f".{RUN_CONFIG}.tmp"
+            tmp.write_text(json.dumps(self.run_config, indent=2, default=str))
+            os.replace(tmp, directory / RUN_CONFIG)
+        target = directory / "tokenizer"
+        if not target.is_dir() and hasattr(self.tokenizer, "save_pretrained"):
+            tmp_dir = directory / ".tokenizer.tmp"
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            self.tokenizer.save_pretrained(str(tmp_dir))
+            os.replace(tmp_dir, target)
 
     def restore_checkpoint(self, *, params_only: bool = False) -> js.TrainState:
         """The newest checkpoint of `save_directory` as this trainer's state, with nothing else set up
         (no loader, no compile): for commands that only read a run (`eval`, `generate`, `convert`).
         `params_only` leaves the optimizer state abstract. FileNotFoundError when there is none."""
         self._plan()
+        if self.checkpoints is None:
+            raise FileNotFoundError("save_directory is not set: there is no run to restore a checkpoint from")
         if self.checkpoints.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint under {self.checkpoints.directory} (none complete)")
         target = jax.tree_util.tree_map(
@@ -347,7 +391,16 @@ class BaseTrainer:
 
     # What a run writes in its save_directory, removed by `overwrite_output_dir` (run_config.json is the
     # new run's own, written by the command before training).
-    RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "report.md", "loss.png", "profile")
+    RUN_OUTPUTS = (
+        "checkpoints",
+        "metrics.jsonl",
+        "tensorboard",
+        "report.md",
+        "loss.png",
+        "profile",
+        "tokenizer",
+        "wandb_run_id",
+    )
 
     def _take_directory(self) -> None:
         """One owner per `save_directory` (a lock file, process 0), and no earlier run replaced silently:
@@ -396,6 +449,29 @@ class BaseTrainer:
             return None
         return self.checkpoints.latest_step()
 
+    def _identity(self) -> dict[str, Any]:
+        """What this run is (arguments, model config, tokenizer, training data), recorded in every checkpoint."""
+        if getattr(self, "_run_identity", None) is None:
+            self._run_identity = run_identity(self.arguments, self.config, self.tokenizer, self.dataset_train)
+        return self._run_identity
+
+    def _check_resume(self) -> None:
+        """Before restoring: the run in `save_directory` must be one this run can continue (the same model,
+        tokenizer, training data and optimizer); what may change (steps, cadences, logging) is printed."""
+        step = self._resume_step()
+        assert step is not None
+        try:
+            recorded = self.checkpoints.read_meta(step).get("metadata", {}).get("run") or {}
+        except (OSError, ValueError):
+            recorded = {}  # unreadable metadata: the restore reports it
+        changed = check_resume(self.arguments.save_directory, step, recorded, self._identity())
+        if changed:
+            log.warning(
+                "resuming the run in %s with changed settings:\n  %s",
+                self.arguments.save_directory,
+                "\n  ".join(changed),
+            )
+
     def _restore(self) -> js.TrainState:
         target = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._abstract_state, self.state_shardings
@@ -403,12 +479,9 @@ class BaseTrainer:
         restored = self.checkpoints.restore(target)
         self._data_state = restored.data_state
         self.resumed_from = f"{self.checkpoints.directory}/{restored.step}"
-        log.warning(
-            "resumed from checkpoint %s (step %d, data position %s)",
-            self.resumed_from,
-            restored.step,
-            restored.data_state,
-        )
+        # a warning: a Python user who configured no logging still sees that the run continued an earlier one
+        log.warning("resumed from checkpoint %s (step %d)", self.resumed_from, restored.step)
+        log.debug("data position at step %d: %s", restored.step, restored.data_state)
         return restored.state
 
     def _initial_state(self) -> js.TrainState:
@@ -660,12 +733,15 @@ class BaseTrainer:
             raise
         self.start_training_hook()
         step = int(jax.device_get(self.state.step))
+        if self.resumed_from and step >= self.total_steps:
+            return self._already_complete(step)
+        self._announce(step)
         self.pbar = self.create_progress_bar(
             self.total_steps, desc="train", disabled=not self.arguments.progress_bar, initial=step
         )
+        self._step = step
         self.writer = self._metrics_writer()
         restore_signals = self._install_signal_handlers()
-        self._step = step
         try:
             step, stop_reason = self._loop(step)
             return self._finish(step, stop_reason)
@@ -675,6 +751,54 @@ class BaseTrainer:
         finally:  # after the final save: a second Ctrl-C while it is written is absorbed, not fatal
             restore_signals()
             self._release_directory()
+
+    def _announce(self, step: int) -> None:
+        """One start-up summary on process 0: model, mesh, data and tokens per step, steps, where it writes."""
+        if not self.is_process_zero:
+            return
+        a, devices = self.arguments, self.mesh.devices
+        tokens = a.training_batch_size * a.max_sequence_length
+        start = f"resumed from {self.resumed_from}" if self.resumed_from else "a new run"
+        lines = [
+            f"model: {self.model_class.__name__} ({self.config.model_type}), {self.n_params:,} parameters",
+            f"mesh: {dict(self.mesh.shape)} over {devices.size} × {devices.flat[0].device_kind}"
+            f" in {jax.process_count()} process(es)",
+            f"data: {_describe_data(self._identity()['train_data'], self.dataset_train)}; "
+            f"{a.training_batch_size} rows × {a.max_sequence_length} tokens = {tokens:,} tokens per step",
+            f"steps: {step} → {self.total_steps} ({start})",
+            f"save_directory: {a.save_directory}",
+        ]
+        log.info("training\n  %s", "\n  ".join(lines))
+
+    def _already_complete(self, step: int) -> TrainerOutput:
+        """Resumed at or past its last step: nothing to train, and nothing rewritten (report, plot, logs)."""
+        self._release_directory()
+        a = self.arguments
+        history = MetricsWriter(a.save_directory, tensorboard=False, bar=_NoBar(), start_step=step)
+        history.close()
+        last = {p: next((r for r in reversed(history.history) if f"{p}/loss" in r), {}) for p in ("train", "eval")}
+        final = {
+            **{k.split("/", 1)[1]: v for k, v in last["train"].items() if k != "step"},
+            **{f"eval_{k.split('/', 1)[1]}": v for k, v in last["eval"].items() if k != "step"},
+        }
+        self.writer = history
+        directory = Path(a.save_directory)
+        log.warning(
+            "the run in %s is already complete (checkpoint %d, max_training_steps=%d): nothing to train. Raise "
+            "max_training_steps to train it further, or choose a new save_directory for a new run.",
+            directory,
+            step,
+            self.total_steps,
+        )
+        return TrainerOutput(
+            self.state,
+            final,
+            f"{ALREADY_COMPLETE}: step {step} of {self.total_steps}",
+            self.resumed_from,
+            str(self.checkpoints.directory),
+            str(directory / "report.md") if (directory / "report.md").is_file() else None,
+            str(directory / "loss.png") if (directory / "loss.png").is_file() else None,
+        )
 
     def _after_error(self, error: BaseException) -> None:
         """Training stopped on `error`: let the checkpoint being written finish (never leave it half
@@ -750,7 +874,7 @@ class BaseTrainer:
         """Called when `train()` starts, after setup: records the start time (for `training_time_limit`)."""
         self._t0 = time.monotonic()
         self._stop_reason, self._skipped = None, 0
-        self._stop_code, self._stop_note = 0, ""
+        self._stop_code, self._stop_note, self._signal = 0, "", None
         self._last_eval, self._last_preview = (None, {}), (None, [])
 
     def start_evaluation_hook(self) -> None:
@@ -844,12 +968,17 @@ class BaseTrainer:
         self._window, self._t_log = [], time.perf_counter()
         self._flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)  # constants of the run,
         self._peak = peak_flops(override=a.peak_flops_per_device)  # not of each log row
+        identity = self._identity()
+        config = {**identity["arguments"], **{f"model.{k}": v for k, v in identity["model"].items()}}
         return MetricsWriter(
             a.save_directory,
             tensorboard=a.use_tensorboard,
             use_wandb=a.use_wandb,
             wandb_project=a.wandb_project,
             bar=self.pbar,
+            start_step=self._step,
+            config=config,
+            total_steps=self.total_steps,
         )
 
     def _finish(self, step: int, stop_reason: str) -> TrainerOutput:
@@ -886,6 +1015,7 @@ class BaseTrainer:
             str(report) if report else None,
             str(plot) if plot else None,
             samples,
+            self._signal,
         )
 
     def _save(self, step: int) -> None:
@@ -896,6 +1026,7 @@ class BaseTrainer:
             metadata={
                 "tokens_seen": step * self.arguments.training_batch_size * self.arguments.max_sequence_length,
                 "arguments": js.to_jsonable(self.arguments.to_dict()),
+                "run": self._identity(),
             },
         )
 
@@ -908,7 +1039,7 @@ class BaseTrainer:
                 log.warning("signal %d again: still saving the final checkpoint; it is not interrupted", signum)
                 return
             log.warning("signal %d: finishing this step, saving a checkpoint and stopping", signum)
-            self._stop_code = _STOP_SIGNAL
+            self._stop_code, self._signal = _STOP_SIGNAL, signum
 
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         return lambda: [signal.signal(s, h) for s, h in old.items()]
@@ -1220,7 +1351,7 @@ class BaseTrainer:
         """A Markdown report of the run (model, parameters, mesh, arguments, `final` metrics and the
         `stop_reason`) at `output_path` (default `save_directory/report.md`)."""
         self._plan()
-        path = Path(output_path or Path(self.arguments.save_directory) / "report.md")
+        path = Path(output_path or self._directory() / "report.md")
         path.parent.mkdir(parents=True, exist_ok=True)
         return write_report(
             path,
@@ -1257,6 +1388,16 @@ class _Profiler:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
+
+
+def _describe_data(identity: Any, data: Any) -> str:
+    if isinstance(identity, str):
+        return identity
+    if isinstance(identity, list):
+        return identity[0] + (f" (+{len(identity) - 1} more)" if len(identity) > 1 else "")
+    if isinstance(identity, dict) and "records" in identity:
+        return f"{identity['records']:,} records in memory"
+    return type(data).__name__
 
 
 def _note_out_of_memory(error: BaseException) -> None:

@@ -1,0 +1,276 @@
+"""A newcomer's first hour (issue 24), driven as a user drives it: the `jaxloom` command (in process, and
+as a subprocess where the working directory or the exit status matter) and the Python API on real files.
+Resume says what it does; run directories are self-contained; the CLI lists and shows its settings;
+summaries survive resumes; tracking continues across restarts."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import yaml
+from util import CORPUS, TOK, trainer
+
+from jaxloom.trainer import TrainingArguments
+from jaxloom.trainer.cli import DEMO_CONFIG, main
+
+TINY = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=1",
+    "max_sequence_length=32",
+    "total_batch_size=8",
+    "progress_bar=false",
+    "eval_batches=1",
+    "evaluation_steps=null",
+    "logging_steps=2",
+    "generation_interval=null",
+    "generation_prompts=[]",
+]
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+
+
+def _summary(text: str) -> dict:
+    return json.loads(text[text.index("{\n") :])
+
+
+def _rows(run: Path) -> list[tuple[int, str]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], next(k for k in r if k != "step").split("/")[0]) for r in rows]
+
+
+def test_resume_is_explicit_and_summaries_cover_the_whole_run(tmp_path, capsys, caplog):
+    run = tmp_path / "run"
+    base = [*TINY, f"save_directory={run}"]
+    assert main(["train", *base, "max_training_steps=4"]) == 0
+    first = _summary(capsys.readouterr().out)
+    assert first["step"] == 4 and first["resumed_from"] is None
+    assert "steps: 0 → 4 (a new run)" in caplog.text and f"save_directory: {run}" in caplog.text  # start-up summary
+    report, rows = (run / "report.md").read_text(), _rows(run)
+
+    # the same run again: nothing to train, a distinct status, nothing rewritten or duplicated
+    caplog.clear()
+    assert main(["train", *base, "max_training_steps=4"]) == 4
+    done = _summary(capsys.readouterr().out)
+    assert done["stop_reason"].startswith("already complete") and done["final"]["loss"] == first["final"]["loss"]
+    assert "already complete" in caplog.text and "Raise max_training_steps" in caplog.text
+    assert _rows(run) == rows and (run / "report.md").read_text() == report
+
+    # settings that cannot continue the run: one error listing each difference and the two ways out
+    assert main(["train", *base, "max_training_steps=4", "learning_rate=1e-3", "model.hidden_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert "learning_rate: 0.003 → 0.001" in err and "model.hidden_size: 32 → 64" in err
+    assert "new save_directory" in err and "overwrite_output_dir=true" in err
+    assert json.loads((run / "run_config.json").read_text())["model"]["hidden_size"] == 32  # left as it was
+
+    # settings that can: applied and printed; the run directory stands for its config
+    caplog.clear()
+    assert main(["train", str(run), "max_training_steps=7", "logging_steps=1"]) == 0
+    printed = capsys.readouterr().out
+    out = _summary(printed)
+    assert out["step"] == 7 and out["resumed_from"].endswith("/checkpoints/4")
+    assert "max_training_steps: 4 → 7" in caplog.text and "logging_steps: 2 → 1" in caplog.text
+    train_steps = [s for s, kind in _rows(run) if kind == "train"]
+    assert train_steps == [2, 4, 5, 6, 7]  # the first session's rows kept once, the second's added
+    assert "[train] step 6/7 eta 0:00:0" in printed and "[train] step 7/7: loss=" in printed  # without a terminal
+
+
+def test_resume_keeps_history_drops_rows_past_the_checkpoint_and_plots_it_all(tmp_path):
+    t = trainer(tmp_path, max_training_steps=4, save_steps=2, logging_steps=1)
+    t.train()
+    t.finish()
+    # a kill after step 4's row but before its checkpoint: the file has a row the checkpoint does not
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    shutil.rmtree(tmp_path / "checkpoints" / "4")
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "train/lo')  # and a cut line
+    t = trainer(tmp_path, max_training_steps=5, save_steps=2, logging_steps=1)
+    out = t.train()
+    t.finish()
+    steps = [r["step"] for r in t.writer.history if "train/loss" in r]
+    assert out.resumed_from.endswith("/checkpoints/2") and steps == [1, 2, 3, 4, 5]
+    on_disk = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in on_disk if "train/loss" in r] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]  # rows 3-4 of the killed session replaced, the cut line gone
+    assert out.plot_path and Path(out.plot_path).stat().st_size > 0
+
+
+def test_python_api_without_save_directory_gets_a_new_directory_per_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    outs = []
+    for lr in (1e-3, 2e-3):
+        t = trainer(None, learning_rate=lr, max_training_steps=2, save_directory=None)
+        outs.append((t.train(), t.arguments.save_directory))
+        t.finish()
+    (a, dir_a), (b, dir_b) = outs
+    assert dir_a != dir_b and dir_a.startswith("jaxloom-runs/run-") and dir_b.startswith("jaxloom-runs/run-")
+    assert int(a.state.step) == int(b.state.step) == 2 and b.resumed_from is None and b.metrics["loss"] is not None
+    assert TrainingArguments().save_directory is None
+
+
+def test_a_copied_run_directory_converts_and_generates_from_anywhere(tmp_path):
+    """The run trained on a relative data file with a relative tokenizer directory; copied elsewhere, its
+    directory alone rebuilds model and tokenizer (subprocesses, other working directories)."""
+    work = tmp_path / "work"
+    (work / "tok").mkdir(parents=True)
+    TOK.save_pretrained(str(work / "tok"))
+    (work / "data.jsonl").write_text("".join(json.dumps({"text": r["text"]}) + "\n" for r in CORPUS[:60]))
+    cmd = [sys.executable, "-m", "jaxloom.trainer.cli"]
+    train = subprocess.run(
+        [
+            *cmd,
+            "train",
+            *TINY,
+            "max_training_steps=2",
+            "save_directory=run",
+            "data.train=data.jsonl",
+            "data.tokenizer=tok",
+        ],
+        cwd=work,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    copied = tmp_path / "elsewhere" / "copied"
+    shutil.copytree(work / "run", copied)
+    shutil.rmtree(work)  # the data and the tokenizer are gone
+    other = tmp_path / "other"
+    other.mkdir()
+    conv = subprocess.run(
+        [*cmd, "convert", "--to-hf", str(copied), "hf"], cwd=other, env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    assert (other / "hf" / "model.safetensors").is_file() and (other / "hf" / "tokenizer.json").is_file()
+    gen = subprocess.run(
+        [*cmd, "generate", str(copied), "--prompt", "A list", "--max-new-tokens", "3"],
+        cwd=other,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert gen.returncode == 0 and gen.stdout.startswith("A list"), gen.stderr[-3000:]
+    # the same run cannot be resumed without its data, and says so by name (exit 2, not a traceback)
+    again = subprocess.run(
+        [*cmd, "train", str(copied), "max_training_steps=3"],
+        cwd=other,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 2 and "data.jsonl" in again.stderr, again.stderr[-3000:]
+
+
+def test_ctrl_c_after_a_clean_save_exits_130(tmp_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxloom.trainer.cli",
+            "train",
+            *TINY,
+            "max_training_steps=100000",
+            "logging_steps=1",
+            f"save_directory={tmp_path / 'run'}",
+        ],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    for line in proc.stdout:
+        if line.startswith("[train] step 2/100000"):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 130, rest[-3000:]
+    summary = _summary(rest)
+    assert summary["stop_reason"] == "stop signal received"
+    assert (tmp_path / "run" / "checkpoints" / str(summary["step"])).is_dir()
+
+
+def test_the_cli_lists_and_shows_its_settings(tmp_path, capsys):
+    for argv in (["--version"], ["train", "--help"]):
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert e.code == 0
+    out = capsys.readouterr().out
+    assert "jaxloom-trainer" in out and "jaxloom config keys" in out
+    assert main(["config", "keys"]) == 0
+    keys = capsys.readouterr().out
+    for f in TrainingArguments.fields():
+        assert f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}" in keys
+    assert "model.rope_theta: " in keys and "data.train " in keys
+    assert main(["config", "show", "learning_rate=1e-5", "model.rms_norm_eps=1e-6"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["learning_rate"] == 1e-5 and shown["model"]["rms_norm_eps"] == 1e-6
+    assert TrainingArguments(**{k: v for k, v in shown.items() if k not in ("model", "data")}).learning_rate == 1e-5
+    assert shown["adam_beta2"] == 0.95 and shown["data"]["train"] == "bundled"  # defaults and the demo's data
+    assert main(["config", "show", "learning_rate=fast"]) == 2
+
+
+def test_floats_written_as_1e_5_train_from_yaml_and_the_command_line(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        DEMO_CONFIG.read_text()
+        + "\nlearning_rate: 1e-5\n"
+        + "\n".join(f"{k}: {v}" for k, v in (x.split("=", 1) for x in TINY if not x.startswith("model.")))
+    )
+    assert (
+        main(
+            [
+                "train",
+                str(config),
+                "model.rms_norm_eps=1e-5",
+                "model.rope_theta=1e6",
+                "model.hidden_size=32",
+                "model.intermediate_size=64",
+                "model.num_hidden_layers=1",
+                "max_training_steps=1",
+                f"save_directory={tmp_path / 'run'}",
+            ]
+        )
+        == 0
+    )
+    out = _summary(capsys.readouterr().out)
+    saved = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert out["step"] == 1 and saved["learning_rate"] == 1e-5 and saved["model"]["rope_theta"] == 1e6
+
+
+def test_tensorboard_hparams_and_one_wandb_run_across_resumes(tmp_path, monkeypatch):
+    from tensorboardX.proto import plugin_hparams_pb2
+    from test_tbevents import read_events
+
+    inits = []
+    fake = types.ModuleType("wandb")  # stands in for wandb (an optional extra): records what it is given
+    fake.init = lambda **kw: inits.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for steps in (2, 3):
+        t = trainer(tmp_path, max_training_steps=steps, use_wandb=True, use_tensorboard=True, learning_rate=2e-3)
+        t.train()
+        t.finish()
+    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] and inits[1]["resume"] == "allow"
+    assert inits[0]["name"] == tmp_path.name and inits[0]["config"]["learning_rate"] == 2e-3
+    assert inits[0]["config"]["model.hidden_size"] == 32
+
+    starts = []
+    for path in sorted((tmp_path / "tensorboard").iterdir()):
+        for event in read_events(path):
+            for v in event.summary.value:
+                if v.tag == "_hparams_/session_start_info":
+                    data = plugin_hparams_pb2.HParamsPluginData.FromString(v.metadata.plugin_data.content)
+                    starts.append(data.session_start_info.hparams)
+    assert starts and starts[0]["learning_rate"].number_value == 2e-3
+    assert starts[0]["optimizer"].string_value == "adamw" and starts[0]["packing"].bool_value is True
