@@ -33,7 +33,7 @@ CASES: list[tuple[str, str, str]] = [  # (name, function below, regex the error 
     ("missing text column", "missing_column", r"'text'"),
     ("tokenizer without pad or eos", "no_pad_no_eos", r"neither a pad token nor an eos token"),
     ("unknown model type", "unknown_model_type", r"model_type 'gpt9' is not supported"),
-    ("checkpoint of another shape", "checkpoint_shape", r"shape"),
+    ("checkpoint of another shape", "checkpoint_shape", r"model\.hidden_size: 32 → 64"),
     ("scaling_index <= 0", "scaling_index_zero", r"scaling_index 0; expected a positive integer"),
     (
         "missing checkpoint (jaxloom convert)",
