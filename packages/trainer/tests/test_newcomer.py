@@ -13,18 +13,13 @@ import types
 from pathlib import Path
 
 import yaml
-from util import CORPUS, TOK, trainer
+from util import CLI_TINY, CORPUS, TOK, trainer
 
 from jaxloom.trainer import TrainingArguments
 from jaxloom.trainer.cli import DEMO_CONFIG, main
 
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=1",
-    "max_sequence_length=32",
-    "total_batch_size=8",
-    "progress_bar=false",
+    *CLI_TINY,
     "eval_batches=1",
     "evaluation_steps=null",
     "logging_steps=2",
@@ -74,6 +69,9 @@ def test_resume_is_explicit_and_summaries_cover_the_whole_run(tmp_path, capsys, 
     out = _summary(printed)
     assert out["step"] == 7 and out["resumed_from"].endswith("/checkpoints/4")
     assert "max_training_steps: 4 → 7" in caplog.text and "logging_steps: 2 → 1" in caplog.text
+    assert main(["config", "show", str(run)]) == 0  # a run directory stands for its resolved config
+    assert yaml.safe_load(capsys.readouterr().out)["save_directory"] == str(run)
+    assert main(["eval", str(run)]) == 0 and _summary(capsys.readouterr().out)["loss"] > 0
     train_steps = [s for s, kind in _rows(run) if kind == "train"]
     assert train_steps == [2, 4, 5, 6, 7]  # the first session's rows kept once, the second's added
     assert "[train] step 6/7 eta 0:00:0" in printed and "[train] step 7/7: loss=" in printed  # without a terminal
@@ -141,6 +139,9 @@ def test_a_copied_run_directory_converts_and_generates_from_anywhere(tmp_path):
         timeout=300,
     )
     assert train.returncode == 0, train.stderr[-3000:]
+    for noise in ("PyTorch was not found", "libtpu", "Unable to initialize backend"):  # start-up notices left out
+        assert noise not in train.stderr
+    assert "INFO jaxloom.trainer: training\n  model: LlamaForCausalLM" in train.stderr  # the start-up summary
     copied = tmp_path / "elsewhere" / "copied"
     shutil.copytree(work / "run", copied)
     shutil.rmtree(work)  # the data and the tokenizer are gone
@@ -274,3 +275,26 @@ def test_tensorboard_hparams_and_one_wandb_run_across_resumes(tmp_path, monkeypa
                     starts.append(data.session_start_info.hparams)
     assert starts and starts[0]["learning_rate"].number_value == 2e-3
     assert starts[0]["optimizer"].string_value == "adamw" and starts[0]["packing"].bool_value is True
+
+
+def test_what_a_resume_may_and_may_not_change():
+    """`resume.compare` on identities as checkpoints record them: the model, tokenizer, training data and
+    optimizer are the run; steps, cadences and runtime are not. Unrecorded parts (older checkpoints) pass."""
+    import datasets
+
+    from jaxloom.trainer.resume import compare, data_identity, run_identity
+
+    from util import tiny
+
+    base = run_identity(TrainingArguments(learning_rate=1e-3), tiny(), TOK, ["a.jsonl"])
+    same = run_identity(TrainingArguments(learning_rate=1e-3, max_training_steps=9, remat="full"), tiny(), TOK, ["a.jsonl"])
+    assert compare(base, same) == ([], ["max_training_steps: null → 9", "remat: null → 'full'"])
+    other = run_identity(TrainingArguments(learning_rate=1e-3, seed=1), tiny(hidden=64), TOK, ["b.jsonl"])
+    fixed, _ = compare(base, other)
+    assert "seed: 42 → 1" in fixed and "model.hidden_size: 32 → 64" in fixed
+    assert any(line.startswith("training data: ") for line in fixed)
+    assert compare({"arguments": base["arguments"]}, other)[0] == ["seed: 42 → 1"]  # model etc. not recorded
+    ds = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    assert data_identity(ds) == data_identity(datasets.Dataset.from_dict({"text": ["a", "b"]}))
+    assert data_identity(ds) != data_identity(datasets.Dataset.from_dict({"text": ["a", "c"]}))
+    assert data_identity([{"text": "a"}]) != data_identity([{"text": "b"}])

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from util import CLI_TINY
+
 from jaxloom.trainer.cli import DEMO_CONFIG, build_run, main
 
 WORKER = Path(__file__).with_name("run_worker.py")
@@ -77,12 +79,7 @@ def test_cli_train_plan_convert_and_errors(tmp_path, capsys):
     tiny = [
         f"save_directory={tmp_path}",
         "max_training_steps=4",
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_hidden_layers=1",
-        "max_sequence_length=32",
-        "total_batch_size=8",
-        "progress_bar=false",
+        *CLI_TINY,
         "eval_batches=2",
         "evaluation_steps=null",
     ]

@@ -11,6 +11,15 @@ from jaxloom.trainer import Trainer, TrainingArguments
 TOK = jd.load_processor()
 CORPUS = jd.JsonlSource(jd.bundled_corpus_path()).read_shard(str(jd.bundled_corpus_path()))
 TRAIN, EVAL = CORPUS[:-20], CORPUS[-20:]
+# `jaxloom` command overrides for a tiny, fast run of the demo config.
+CLI_TINY = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=1",
+    "max_sequence_length=32",
+    "total_batch_size=8",
+    "progress_bar=false",
+]
 
 
 def tiny(hidden=32, layers=2, **kw):

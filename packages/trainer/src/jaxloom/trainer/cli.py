@@ -223,30 +223,30 @@ def exit_after_training_error(error: BaseException) -> None:
     os._exit(code)
 
 
+class _StartupNoise(logging.Filter):
+    """Drops the start-up notices that never apply to a jaxloom run."""
+
+    NOISE = (
+        "Unable to initialize backend",
+        "libtpu",
+        "An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib is not installed",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(n in record.getMessage() for n in self.NOISE)
+
+
 def setup_console() -> None:
     """The command's console: jaxloom's own INFO lines, other libraries' warnings and errors only, and
     the start-up notices that never apply to a jaxloom run (transformers' note that no PyTorch is
-    installed, JAX's search for TPU and CUDA backends that are not there) filtered out."""
+    installed, JAX's search for TPU and CUDA backends that are not there) left out."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # read when transformers is imported
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's C++ INFO lines, read when jaxlib loads
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jaxloom").setLevel(logging.INFO)
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    quiet = logging.Filter()
-    quiet.filter = lambda record: not any(n in record.getMessage() for n in _NOISE)  # type: ignore[method-assign]
-    for name in ("jax._src.xla_bridge", "transformers", "transformers.utils.import_utils", "root"):
-        logging.getLogger(name).addFilter(quiet)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's INFO lines
     for handler in logging.getLogger().handlers:
-        handler.addFilter(quiet)
-
-
-_NOISE = (
-    "None of PyTorch, TensorFlow",
-    "PyTorch was not found",
-    "Unable to initialize backend",
-    "libtpu",
-    "An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib is not installed",
-)
+        handler.addFilter(_StartupNoise())
 
 
 def _launcher(name: str):
@@ -263,19 +263,13 @@ def _launcher(name: str):
 
 def versions() -> dict[str, str]:
     """The installed jaxloom parts and their versions."""
-    from importlib.metadata import PackageNotFoundError, distributions
+    from importlib.metadata import distributions
 
     found = {}
     for dist in distributions():
         name = (dist.metadata["Name"] or "").lower()
         if name == "jaxloom" or name.startswith("jaxloom-"):
             found[name] = dist.version
-    try:
-        from .__about__ import __version__
-
-        found.setdefault("jaxloom-trainer", __version__)
-    except PackageNotFoundError:  # pragma: no cover
-        pass
     return dict(sorted(found.items()))
 
 

@@ -390,7 +390,7 @@ class BaseTrainer:
         return self.state
 
     # What a run writes in its save_directory, removed by `overwrite_output_dir` (run_config.json is the
-    # new run's own, written by the command before training).
+    # new run's own, rewritten at setup from `run_config`).
     RUN_OUTPUTS = (
         "checkpoints",
         "metrics.jsonl",
@@ -776,11 +776,8 @@ class BaseTrainer:
         a = self.arguments
         history = MetricsWriter(a.save_directory, tensorboard=False, bar=_NoBar(), start_step=step)
         history.close()
-        last = {p: next((r for r in reversed(history.history) if f"{p}/loss" in r), {}) for p in ("train", "eval")}
-        final = {
-            **{k.split("/", 1)[1]: v for k, v in last["train"].items() if k != "step"},
-            **{f"eval_{k.split('/', 1)[1]}": v for k, v in last["eval"].items() if k != "step"},
-        }
+        last_eval = next((r for r in reversed(history.history) if "eval/loss" in r), {})
+        final = _final_metrics(history.history, {k.split("/", 1)[1]: v for k, v in last_eval.items() if k != "step"})
         self.writer = history
         directory = Path(a.save_directory)
         log.warning(
@@ -991,12 +988,8 @@ class BaseTrainer:
             if last_step != step:
                 final = self._evaluate_and_log(step)
         self.checkpoints.wait_until_finished()
-        train_rows = [r for r in writer.history if "train/loss" in r]
-        if train_rows:
-            final = {
-                **{k.split("/", 1)[1]: v for k, v in train_rows[-1].items() if k != "step"},
-                **{f"eval_{k}": v for k, v in final.items()},
-            }
+        if any("train/loss" in r for r in writer.history):
+            final = _final_metrics(writer.history, final)
         samples = []
         if a.generation_prompts:  # the final sample, unless the last step already made one
             samples = self._last_preview[1] if self._last_preview[0] == step else self.preview(step)
@@ -1388,6 +1381,16 @@ class _Profiler:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
+
+
+def _final_metrics(history: list[dict[str, Any]], evaluation: dict[str, Any]) -> dict[str, Any]:
+    """A run's final metrics: its last train row (names without the `train/` prefix), then `evaluation`
+    as `eval_*`."""
+    last = next((r for r in reversed(history) if "train/loss" in r), {})
+    return {
+        **{k.split("/", 1)[1]: v for k, v in last.items() if k != "step"},
+        **{f"eval_{k}": v for k, v in evaluation.items()},
+    }
 
 
 def _describe_data(identity: Any, data: Any) -> str:
