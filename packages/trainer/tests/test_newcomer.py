@@ -287,7 +287,9 @@ def test_what_a_resume_may_and_may_not_change():
     from util import tiny
 
     base = run_identity(TrainingArguments(learning_rate=1e-3), tiny(), TOK, ["a.jsonl"])
-    same = run_identity(TrainingArguments(learning_rate=1e-3, max_training_steps=9, remat="full"), tiny(), TOK, ["a.jsonl"])
+    same = run_identity(
+        TrainingArguments(learning_rate=1e-3, max_training_steps=9, remat="full"), tiny(), TOK, ["a.jsonl"]
+    )
     assert compare(base, same) == ([], ["max_training_steps: null → 9", "remat: null → 'full'"])
     other = run_identity(TrainingArguments(learning_rate=1e-3, seed=1), tiny(hidden=64), TOK, ["b.jsonl"])
     fixed, _ = compare(base, other)
