@@ -43,6 +43,11 @@ def test_a_stop_signal_to_the_driver_saves_the_gang_and_exits_cleanly(ray_cluste
                 assert driver.poll() is None and time.time() < deadline, (tmp_path / "driver.err").read_text()[-4000:]
                 time.sleep(0.1)
             os.killpg(driver.pid, signal.SIGTERM)
+            # Python runs pending handlers in signal-number order, so a Ctrl-C sent before the driver has
+            # taken the SIGTERM would be taken first: wait until it has, as a user would see it in the log
+            while "signal 15: asking the gang" not in (tmp_path / "driver.err").read_text():
+                assert driver.poll() is None and time.time() < deadline, (tmp_path / "driver.err").read_text()[-4000:]
+                time.sleep(0.05)
             for _ in range(2):  # an impatient user: Ctrl-C while the gang saves
                 time.sleep(0.2)
                 os.killpg(driver.pid, signal.SIGINT)
