@@ -31,7 +31,7 @@ TEST_ENV = {
 TARGETS = (*parts.PARTS, parts.META)
 # Parts whose tests compare against transformers' PyTorch models. Torch is installed from a local CPU
 # wheel only: a plain `torch` requirement would download a multi-GB CUDA build.
-NEEDS_TORCH = {"models", "state", "generation"}
+NEEDS_TORCH = {"models", "state", "generation", "trainer"}
 TORCH_WHEELS = "/opt/wheels/torch-2.13.0+cpu-*.whl"
 # Lint and format check (ruff, settings in pyproject.toml); the meta target runs them, so CI does.
 LINT_DEPS = ("ruff>=0.6",)

@@ -251,3 +251,49 @@ def test_a_dataset_that_shrank_since_the_position_was_saved_is_an_error(tmp_path
         r"has 6 record\(s\) for data rank 0, the position is after record 10",
     ):
         next(shrunk)
+
+
+def test_match_bos_makes_the_tokenizer_and_its_saved_copy_encode_as_training_does(tmp_path):
+    """Training puts BOS before each document (DataConfig.add_bos); the bundled tokenizer's own encoding
+    does not. `match_bos` returns a copy that does, and a saved copy keeps it when transformers loads it."""
+    from transformers import AutoTokenizer
+
+    text = "Some words, and more."
+    plain = TOK(text, add_special_tokens=False).input_ids
+    assert not jd.adds_bos(TOK) and TOK(text).input_ids == plain
+    matched = jd.match_bos(TOK, add_bos=True)
+    assert matched is not TOK and not jd.adds_bos(TOK)  # the caller's tokenizer is left as it was
+    assert matched(text).input_ids == [TOK.bos_token_id, *plain]
+    assert jd.match_bos(matched, add_bos=True) is matched  # already so: nothing to do
+    matched.save_pretrained(tmp_path / "tok")
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "tok"))(text).input_ids == [TOK.bos_token_id, *plain]
+    assert jd.load_processor(tmp_path / "tok")(text).input_ids == [TOK.bos_token_id, *plain]
+    # the other way round: a tokenizer that adds BOS, for a run that trains without it
+    assert jd.match_bos(matched, add_bos=False)(text).input_ids == plain
+    # the training pipeline itself never relies on the tokenizer's policy: same ids either way
+    config = jd.DataConfig(max_sequence_length=32, batch_size=1, prefetch=0)
+    rows = [{"text": text}]
+    first = next(jd.DataLoader(rows, TOK, config))["input_ids"]
+    np.testing.assert_array_equal(first, next(jd.DataLoader(rows, matched, config))["input_ids"])
+    assert first[0, 0] == TOK.bos_token_id
+
+
+def test_a_hub_id_that_cannot_be_reached_fails_at_once(monkeypatch):
+    """A tokenizer named by a Hub id, not cached, with the Hub unreachable: one error at once saying that
+    nothing is downloaded (huggingface_hub alone retries for about a minute)."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    for k in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(k, raising=False)
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match=r"cannot be reached.*nothing is downloaded"):
+        jd.load_processor("jaxloom-test-org/no-such-tokenizer")
+    assert time.monotonic() - start < 30
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE is set: nothing is downloaded"):
+        jd.load_processor("jaxloom-test-org/no-such-tokenizer")

@@ -122,6 +122,36 @@ def test_unified_with_text_and_chat():
     assert comp.shape == (2, 4)
 
 
+def test_prompts_follow_the_tokenizers_own_bos_policy():
+    """As transformers encodes them: BOS only where the tokenizer adds it itself (the trainer's tokenizer
+    does, as training did: `jaxloom.data.match_bos`); a chat template writes its own."""
+    tok = jd.load_processor()
+    assert jg.encode_prompts(tok, "A list") == [tok("A list").input_ids] == [tok.encode("A list")]
+    with_bos = jd.match_bos(tok, add_bos=True)
+    assert jg.encode_prompts(with_bos, ["A list"])[0] == [tok.bos_token_id, *tok.encode("A list")]
+    chat = [{"role": "user", "content": "hi"}]
+    for t in (tok, with_bos):  # the template's BOS, once
+        ids = jg.encode_prompts(t, chat, apply_chat_template=True)[0]
+        assert ids == tok.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
+        assert ids[:2].count(tok.bos_token_id) == 1
+
+
+def test_chat_generation_stops_at_the_templates_end_of_turn_token():
+    tok = jd.load_processor()
+    eot = tok.convert_tokens_to_ids("<|end|>")
+    assert jg.end_of_turn_ids(tok) == (eot,) and tok.eos_token_id != eot
+    model = jm.create_model(jm.LlamaConfig(**{**TINY, "vocab_size": len(tok)}), seed=0)
+    chat = [[{"role": "user", "content": "hi"}]]
+    before = jg.generate_unified(model, tok, prompts=chat, apply_chat_template=True, max_new_tokens=1)
+    first = int(before.completion_ids[0, 0])
+    kernel = model.lm_head.kernel  # make the model answer <|end|> at once: its logit now beats the old argmax
+    kernel[...] = kernel[...].at[:, eot].set(3 * kernel[:, first])
+    unstopped = jg.generate(model, before.prompt_ids, before.prompt_mask, jg.GenerationConfig(max_new_tokens=6))
+    assert int(unstopped.completion_ids[0, 0]) == eot and int(unstopped.completion_mask.sum()) == 6
+    res = jg.generate_unified(model, tok, prompts=chat, apply_chat_template=True, max_new_tokens=6)
+    assert res.completion_ids[0, 0] == eot and res.completion_mask.sum() == 1 and res.generation_results == [""]
+
+
 def test_stream_yields_the_same_tokens_as_generate():
     model = jm.create_model(jm.LlamaConfig(**TINY), seed=1)
     ids = np.random.default_rng(5).integers(1, 97, 7).astype(np.int32)

@@ -10,7 +10,7 @@ from .collate import (
 )
 from .mesh_loader import MeshLoader
 from .pipeline import DataConfig, DataLoader
-from .processor import bundled_corpus_path, bundled_tokenizer_path, load_processor
+from .processor import adds_bos, bundled_corpus_path, bundled_tokenizer_path, load_processor, match_bos
 from .sources import (
     HFDatasetSource,
     IterableSource,
@@ -35,6 +35,7 @@ __all__ = [
     "TextSource",
     "__version__",
     "addition_records",
+    "adds_bos",
     "as_source",
     "bundled_corpus_path",
     "bundled_tokenizer_path",
@@ -42,6 +43,7 @@ __all__ = [
     "exact_match",
     "extract_column_names",
     "load_processor",
+    "match_bos",
     "process_messages_data",
     "process_sample_data",
     "to_global",

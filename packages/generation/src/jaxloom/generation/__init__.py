@@ -5,7 +5,14 @@ from .config import GenerationConfig
 from .decode import Generated, create_generate_function, generate
 from .sampling import filter_logits, next_token
 from .streaming import stream
-from .unified import GenerationResults, encode_prompts, generate_aio, generate_unified
+from .unified import (
+    GenerationResults,
+    encode_prompts,
+    end_of_turn_ids,
+    generate_aio,
+    generate_unified,
+    with_stop_ids,
+)
 
 __all__ = [
     "GenerationConfig",
@@ -14,10 +21,12 @@ __all__ = [
     "__version__",
     "create_generate_function",
     "encode_prompts",
+    "end_of_turn_ids",
     "filter_logits",
     "generate",
     "generate_aio",
     "generate_unified",
     "next_token",
     "stream",
+    "with_stop_ids",
 ]

@@ -29,7 +29,9 @@ class GenerationResults(NamedTuple):
 def encode_prompts(tokenizer, prompts, *, apply_chat_template: bool = False) -> list[list[int]]:
     """The token ids `generate_unified` decodes after, one list per prompt: `prompts` is a text, a list of
     texts, or chat message lists (a list of `{"role", "content"}` dicts, or a list of those) rendered by
-    `tokenizer`'s chat template with `apply_chat_template=True`; plain text gets the tokenizer's BOS.
+    `tokenizer`'s chat template with `apply_chat_template=True`. Each is encoded as `transformers` does:
+    plain text with the tokenizer's own special-token policy (BOS where the tokenizer adds it), a rendered
+    chat template as it is (the template writes its special tokens itself).
     Raises ValueError for an empty list or an empty prompt."""
     prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) else list(prompts)
     if not prompts:
@@ -38,11 +40,44 @@ def encode_prompts(tokenizer, prompts, *, apply_chat_template: bool = False) -> 
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
         encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     else:
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        encoded = [bos + tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        encoded = [list(tokenizer(p)["input_ids"]) for p in prompts]
     if any(len(e) == 0 for e in encoded):
         raise ValueError("a prompt is empty")
     return encoded
+
+
+_TURN_MARK = "JAXLOOM-END-OF-CONTENT"
+
+
+def end_of_turn_ids(tokenizer) -> tuple[int, ...]:
+    """The special token the chat template of `tokenizer` writes right after an assistant message's
+    content (`<|eot_id|>`, `<|im_end|>`, `<|end|>`, ...): where a chat reply ends, so generation with the
+    template stops there. Empty when the tokenizer has no template or the template ends a turn with
+    plain text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _TURN_MARK}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses this conversation: nothing to learn from it
+        return ()
+    if _TURN_MARK not in text:
+        return ()
+    after = tokenizer.encode(text[text.index(_TURN_MARK) + len(_TURN_MARK) :], add_special_tokens=False)
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    for token in after:
+        if token in special:
+            return (int(token),)
+        if tokenizer.decode([token]).strip():  # visible text first: the template ends turns without a token
+            return ()
+    return ()
+
+
+def with_stop_ids(config: GenerationConfig, ids) -> GenerationConfig:
+    """`config` that also stops at `ids` (kept in order, without repeats)."""
+    merged = tuple(dict.fromkeys((*config.eos_ids, *ids)))
+    return config if merged == config.eos_ids else config.replace(eos_token_id=merged or None)
 
 
 def generate_unified(
@@ -59,7 +94,8 @@ def generate_unified(
 ) -> GenerationResults:
     """Generate with `model` from `input_ids` (+ `attention_mask`) or from `prompts` (text, or chat
     message lists with `apply_chat_template=True`, through the tokenizer's template), decoding with
-    `generation_config` updated by `overrides`, on `mesh` if given."""
+    `generation_config` updated by `overrides`, on `mesh` if given. With the chat template, generation
+    also stops at the template's end-of-turn token (`end_of_turn_ids`)."""
     if (input_ids is None) == (prompts is None):
         raise ValueError("give exactly one of input_ids or prompts")
     config = (generation_config or GenerationConfig()).replace(**overrides)
@@ -72,6 +108,8 @@ def generate_unified(
         if tokenizer is None:
             raise ValueError("prompts need a tokenizer")
         encoded = encode_prompts(tokenizer, prompts, apply_chat_template=apply_chat_template)
+        if apply_chat_template:
+            config = with_stop_ids(config, end_of_turn_ids(tokenizer))
         width = max(len(e) for e in encoded)
         input_ids = np.full((len(encoded), width), config.pad_token_id, np.int32)
         attention_mask = np.zeros_like(input_ids)

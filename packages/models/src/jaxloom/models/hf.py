@@ -250,16 +250,25 @@ def export_tensors(model: nnx.Module, dtype: Any) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_hf_files(model: nnx.Module, tensors: dict[str, np.ndarray], path: Path, *, max_shard_bytes: int) -> None:
-    """Write `config.json` and the safetensors files (with an index when sharded) of `tensors` into `path`."""
+def write_hf_files(
+    model: nnx.Module,
+    tensors: dict[str, np.ndarray],
+    path: Path,
+    *,
+    max_shard_bytes: int,
+    generation: dict[str, Any] | None = None,
+) -> None:
+    """Write `config.json`, `generation_config.json` (the model's special-token ids, updated by
+    `generation`) and the safetensors files (with an index when sharded) of `tensors` into `path`."""
     config = model.config.to_hf_dict()
     config["architectures"] = [type(model).__name__]
     config["dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     special = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
-    if special:  # what transformers writes beside a model's config, so generate() stops where it should
-        generation = {**special, "_from_model_config": True}
-        (path / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True))
+    given = {k: v for k, v in (generation or {}).items() if v is not None}
+    if special or given:  # what transformers writes beside a model's config, so generate() stops where it should
+        fields = {**special, "_from_model_config": not given, **given}
+        (path / "generation_config.json").write_text(json.dumps(fields, indent=2, sort_keys=True))
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name in sorted(tensors):

@@ -16,6 +16,7 @@ def save_pretrained(
     tokenizer: Any = None,
     dtype: Any = None,
     max_shard_bytes: int = 5 * 2**30,
+    generation_config: dict[str, Any] | None = None,
 ) -> Path:
     """`to_hf=True`: `config.json` + safetensors (sharded with an index past `max_shard_bytes`) and the
     tokenizer if given — a directory `transformers.AutoModelForCausalLM.from_pretrained` loads. It is
@@ -23,7 +24,9 @@ def save_pretrained(
     and no stale shard or index of it remains.
     Sharded params are gathered one array at a time; only process 0 writes.
     `to_hf=False`: an orbax checkpoint of the whole state at `path/<step>`. `dtype` casts floating
-    weights on the way out (e.g. `"bfloat16"`)."""
+    weights on the way out (e.g. `"bfloat16"`). `generation_config`: fields of `generation_config.json`
+    over the model config's special-token ids (e.g. `eos_token_id` as a list with a chat template's
+    end-of-turn token, so `transformers`' `generate` stops where the model was trained to stop)."""
     import jax
 
     path = Path(path)
@@ -40,7 +43,7 @@ def save_pretrained(
     if jax.process_index() != 0:
         return path
     with atomic_directory(path) as tmp:  # an interrupted export leaves the previous one intact
-        write_hf_files(state.model, tensors, tmp, max_shard_bytes=max_shard_bytes)
+        write_hf_files(state.model, tensors, tmp, max_shard_bytes=max_shard_bytes, generation=generation_config)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return path

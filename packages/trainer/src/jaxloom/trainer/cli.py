@@ -136,6 +136,7 @@ def _generate(ns) -> int:
     import jaxloom.models as jm
 
     path = Path(ns.path)
+    eos: Any = None
     if (path / RUN_CONFIG).is_file():
         trainer = _restored(path, None, params_only=True)
         model, tokenizer = trainer.state.model, trainer.tokenizer
@@ -143,6 +144,10 @@ def _generate(ns) -> int:
         model = jm.from_pretrained(path)
         has_tok = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
         tokenizer = jd.load_processor(path if has_tok else None)
+        # where transformers' generate() stops: generation_config.json, else the model config
+        for name in ("generation_config.json", "config.json"):
+            if eos is None and (path / name).is_file():
+                eos = json.loads((path / name).read_text()).get("eos_token_id")
     else:
         raise FileNotFoundError(
             f"{path} is neither a Hugging Face model directory (config.json) nor a jaxloom run directory ({RUN_CONFIG})"
@@ -155,9 +160,11 @@ def _generate(ns) -> int:
         top_k=ns.top_k,
         top_p=ns.top_p,
         seed=ns.seed,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos if eos is not None else tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id or 0,
     )
+    if ns.chat:  # a reply ends at the template's end-of-turn token
+        config = jg.with_stop_ids(config, jg.end_of_turn_ids(tokenizer))
     for prompt in ns.prompt:  # streamed: each token is printed as soon as it is decoded
         message = [{"role": "user", "content": prompt}] if ns.chat else prompt
         ids = jg.encode_prompts(tokenizer, message, apply_chat_template=ns.chat)[0]

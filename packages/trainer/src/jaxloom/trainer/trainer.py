@@ -149,6 +149,7 @@ class BaseTrainer:
         self._model_in = model if model is not None else model_state.model
         self._state_in = model_state
         self._tokenizer = processing_class
+        self._tokenizer_matched = False
         self._mesh = mesh
         # Filled by the builders.
         self.state: js.TrainState | None = None
@@ -168,11 +169,16 @@ class BaseTrainer:
     # ---- what the trainer is working on ---------------------------------------------------------------
     @property
     def tokenizer(self):
-        """The tokenizer (`processing_class`); the bundled one is loaded on first use."""
+        """The tokenizer (`processing_class`; the bundled one, loaded on first use), set to add BOS by itself
+        exactly when training does (`jaxloom.data.match_bos`): prompts, the run's copy of it and an HF
+        export encode text as the model saw it in training."""
         if self._tokenizer is None:
             self._tokenizer = jd.load_processor()
         if isinstance(self._tokenizer, Future):  # loaded in the background during setup
             self._tokenizer = self._tokenizer.result()
+        if not self._tokenizer_matched:
+            self._tokenizer = jd.match_bos(self._tokenizer, jd.DataConfig.add_bos)
+            self._tokenizer_matched = True
         return self._tokenizer
 
     processing_class = tokenizer
@@ -1335,7 +1341,13 @@ class BaseTrainer:
         assert isinstance(state, js.TrainState) and isinstance(save_directory, str | os.PathLike)
         extra = {"max_shard_bytes": _bytes(save_kw["max_shard_size"])} if "max_shard_size" in save_kw else {}
         return js.save_pretrained(
-            state, os.fspath(save_directory), to_hf=to_hf, tokenizer=self.tokenizer, dtype=convert.get("dtype"), **extra
+            state,
+            os.fspath(save_directory),
+            to_hf=to_hf,
+            tokenizer=self.tokenizer,
+            dtype=convert.get("dtype"),
+            generation_config=_hf_generation_fields(state.model.config, self.tokenizer),
+            **extra,
         )
 
     def save_information(
@@ -1469,6 +1481,22 @@ def _generation_config(config, tokenizer) -> jg.GenerationConfig:
     if config.eos_token_id is None and tokenizer.eos_token_id is not None:
         config = config.replace(eos_token_id=tokenizer.eos_token_id)
     return config
+
+
+def _hf_generation_fields(config, tokenizer) -> dict[str, Any]:
+    """The special-token ids of an export's `generation_config.json`: the model config's, else the
+    tokenizer's; EOS also lists the tokenizer's EOS and its chat template's end-of-turn token, so that
+    `transformers`' `generate` stops at the end of a document and of an assistant turn."""
+    given = config.eos_token_id
+    eos = [*((given,) if isinstance(given, int) else tuple(given or ()))]
+    eos += [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
+    eos += list(jg.end_of_turn_ids(tokenizer))
+    eos = list(dict.fromkeys(eos))
+    fields = {
+        k: getattr(config, k, None) if getattr(config, k, None) is not None else getattr(tokenizer, k, None)
+        for k in ("bos_token_id", "pad_token_id")
+    }
+    return {**fields, "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None}
 
 
 def _bytes(size: int | str) -> int:
