@@ -74,6 +74,21 @@ def test_resume_is_explicit_and_summaries_cover_the_whole_run(tmp_path, capsys, 
     assert main(["eval", str(run)]) == 0 and _summary(capsys.readouterr().out)["loss"] > 0
     train_steps = [s for s, kind in _rows(run) if kind == "train"]
     assert train_steps == [2, 4, 5, 6, 7]  # the first session's rows kept once, the second's added
+
+    # the report covers both segments: tokens and wall time of the whole run, every evaluation, versions
+    report = (run / "report.md").read_text()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["train/tokens_seen"] for r in train_rows] == [s * 8 * 32 for s in train_steps]
+    elapsed = [r["train/elapsed_time"] for r in train_rows]
+    assert elapsed == sorted(elapsed) and elapsed[2] > elapsed[1]  # the second segment continues the first's
+    assert "- steps: 7\n- tokens seen: 1,792\n- wall time training: 0:0" in report
+    assert "- training data: " in report and "- evaluation data: " in report
+    assert [r["step"] for r in rows if "eval/loss" in r] == [4, 7]
+    assert "| 4 | " in report.split("## Eval history")[1] and "| 7 | " in report.split("## Eval history")[1]
+    from importlib.metadata import version
+
+    assert f"- jaxloom-trainer {version('jaxloom-trainer')}" in report and f"- jax {version('jax')}" in report
     assert "[train] step 6/7 eta 0:00:0" in printed and "[train] step 7/7: loss=" in printed  # without a terminal
 
 
@@ -99,6 +114,15 @@ def test_resume_keeps_history_drops_rows_past_the_checkpoint_and_plots_it_all(tm
         5,
     ]  # rows 3-4 of the killed session replaced, the cut line gone
     assert out.plot_path and Path(out.plot_path).stat().st_size > 0
+    # the report ends with the last generated samples
+    t = trainer(
+        tmp_path, max_training_steps=6, save_steps=2, generation_prompts=["A list"], generation_max_new_tokens=2
+    )
+    out = t.train()
+    t.finish()
+    report = (tmp_path / "report.md").read_text()
+    assert out.samples and out.samples[0].startswith("A list")
+    assert f"## Last samples\n\n- {json.dumps(out.samples[0])}" in report
 
 
 def test_python_api_without_save_directory_gets_a_new_directory_per_run(tmp_path, monkeypatch):

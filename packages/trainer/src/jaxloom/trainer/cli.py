@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .report import versions
+
 DEMO_CONFIG = Path(__file__).with_name("configs") / "demo.yaml"
 RUN_CONFIG = "run_config.json"  # in a run directory: the resolved config (written by the trainer at setup)
 DATA_KEYS = {
@@ -266,18 +268,6 @@ def _launcher(name: str):
     if not found:
         raise ValueError(f"--{name} needs the jaxloom-{name} package, which registers it; pip install jaxloom-{name}")
     return found[0].load()
-
-
-def versions() -> dict[str, str]:
-    """The installed jaxloom parts and their versions."""
-    from importlib.metadata import distributions
-
-    found = {}
-    for dist in distributions():
-        name = (dist.metadata["Name"] or "").lower()
-        if name == "jaxloom" or name.startswith("jaxloom-"):
-            found[name] = dist.version
-    return dict(sorted(found.items()))
 
 
 def _config_keys(model_type: str) -> str:

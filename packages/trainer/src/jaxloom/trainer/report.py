@@ -39,6 +39,37 @@ def plot_history(history: list[dict[str, Any]], path: str | Path) -> Path | None
     return path
 
 
+# Besides jaxloom's own parts, the libraries whose versions decide a run's numbers.
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers", "tokenizers", "numpy")
+
+
+def versions(libraries: bool = False) -> dict[str, str]:
+    """The installed jaxloom parts and their versions; with `libraries`, also those of `LIBRARIES`."""
+    from importlib.metadata import PackageNotFoundError, distributions, version
+
+    found = {}
+    for dist in distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name == "jaxloom" or name.startswith("jaxloom-"):
+            found[name] = dist.version
+    found = dict(sorted(found.items()))
+    for name in LIBRARIES if libraries else ():
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _cell(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
 def write_report(
     path: str | Path,
     *,
@@ -49,22 +80,53 @@ def write_report(
     final: dict[str, Any],
     resumed_from: str | None,
     stop_reason: str,
+    history: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    data: dict[str, str] | None = None,
+    samples: list[str] = (),  # type: ignore[assignment]
 ) -> Path:
+    """`report.md`: what was trained on what, for how long (wall time and tokens over every segment of a
+    resumed run, from its metrics `history`), where it ended (`final`), the eval history, the last
+    generated `samples`, the config, and the versions it ran with."""
+    last = next((r for r in reversed(history) if "train/loss" in r), {})
+    evals = [r for r in history if "eval/loss" in r]
     lines = [
         "# jaxloom training report",
         "",
         f"- written: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"- model: {type(model).__name__} ({model.config.model_type}), {n_params:,} parameters",
         f"- mesh: {dict(mesh.shape)} over {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)",
+        *[f"- {name} data: {what}" for name, what in (data or {}).items()],
         f"- resumed from: {resumed_from or 'nothing (fresh start)'}",
         f"- stopped because: {stop_reason}",
+    ]
+    if last:
+        lines.append(f"- steps: {last['step']:,}")
+    if "train/tokens_seen" in last:
+        lines.append(f"- tokens seen: {int(last['train/tokens_seen']):,}")
+    if "train/elapsed_time" in last:
+        lines.append(f"- wall time training: {_duration(last['train/elapsed_time'])} (every segment of the run)")
+    lines += [
         "",
         "## Final metrics",
         "",
         "| metric | value |",
         "| --- | --- |",
-        *[f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in final.items()],
+        *[f"| {k} | {_cell(v)} |" for k, v in final.items()],
         "",
+    ]
+    if evals:
+        names = [k for k in ("eval/loss", "eval/accuracy", "eval/perplexity") if any(k in r for r in evals)]
+        lines += [
+            "## Eval history",
+            "",
+            "| step | " + " | ".join(n.split("/", 1)[1] for n in names) + " |",
+            "| --- |" + " --- |" * len(names),
+            *[f"| {r['step']} | " + " | ".join(_cell(r.get(n, "")) for n in names) + " |" for r in evals],
+            "",
+        ]
+    if samples:
+        lines += ["## Last samples", "", *[f"- {json.dumps(s, ensure_ascii=False)}" for s in samples], ""]
+    lines += [
         "## Model config",
         "",
         "```json",
@@ -76,6 +138,10 @@ def write_report(
         "```json",
         json.dumps(arguments.to_dict(), indent=2, default=str),
         "```",
+        "",
+        "## Versions",
+        "",
+        *[f"- {name} {v}" for name, v in versions(libraries=True).items()],
         "",
     ]
     path = Path(path)

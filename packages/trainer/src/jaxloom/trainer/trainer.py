@@ -45,7 +45,7 @@ from .outputs import (
     TrainerOutput,
 )
 from .report import plot_history, write_report
-from .resume import check_resume, fresh_run_directory, run_identity
+from .resume import check_resume, data_identity, fresh_run_directory, run_identity
 from .step import STOP_KEY, StepConfig, eval_step, train_step
 
 log = logging.getLogger("jaxloom.trainer")
@@ -162,6 +162,7 @@ class BaseTrainer:
         self._stop_code, self._stop_note = 0, ""  # this process's stop request (_STOP_* code)
         self._stop_reason: str | None = None
         self._t0 = self._eval_t0 = None
+        self._elapsed_base = 0.0
         # The resolved config of a `jaxloom train` run (sections model, data, arguments): written to
         # save_directory/run_config.json at setup, so that eval, generate, convert and plan rebuild the run.
         self.run_config: dict[str, Any] | None = None
@@ -953,6 +954,8 @@ class BaseTrainer:
             row.update(
                 perplexity=math.exp(min(row["loss"], 50)),
                 learning_rate=float(host[-1]["learning_rate"]),
+                tokens_seen=step * a.training_batch_size * a.max_sequence_length,
+                elapsed_time=self._elapsed_base + time.monotonic() - self._t0,  # over every segment of the run
                 tokens_per_second=tps,
                 step_time=dt / len(host),
                 tflops_per_device=self._flops_token * tps / self.mesh.devices.size / 1e12,
@@ -973,7 +976,7 @@ class BaseTrainer:
         self._peak = peak_flops(override=a.peak_flops_per_device)  # not of each log row
         identity = self._identity()
         config = {**identity["arguments"], **{f"model.{k}": v for k, v in identity["model"].items()}}
-        return MetricsWriter(
+        writer = MetricsWriter(
             a.save_directory,
             tensorboard=a.use_tensorboard,
             use_wandb=a.use_wandb,
@@ -983,6 +986,11 @@ class BaseTrainer:
             config=config,
             total_steps=self.total_steps,
         )
+        # training time of the segments before this one (their rows up to the checkpoint resumed from)
+        self._elapsed_base = next(
+            (r["train/elapsed_time"] for r in reversed(writer.history) if "train/elapsed_time" in r), 0.0
+        )
+        return writer
 
     def _finish(self, step: int, stop_reason: str) -> TrainerOutput:
         a, writer = self.arguments, self.writer
@@ -1002,7 +1010,7 @@ class BaseTrainer:
         plot = report = None
         if self.is_process_zero:
             plot = plot_history(writer.history, Path(a.save_directory) / "loss.png")
-            report = self.save_information(final=final, stop_reason=stop_reason)
+            report = self.save_information(final=final, stop_reason=stop_reason, samples=samples)
         writer.close()
         log.info("training stopped at step %d: %s", step, stop_reason)
         return TrainerOutput(
@@ -1351,15 +1359,26 @@ class BaseTrainer:
         )
 
     def save_information(
-        self, output_path: str | Path | None = None, *, final: dict | None = None, stop_reason: str = "not finished"
+        self,
+        output_path: str | Path | None = None,
+        *,
+        final: dict | None = None,
+        stop_reason: str = "not finished",
+        samples: list[str] | None = None,
     ) -> Path:
-        """A Markdown report of the run (model, parameters, mesh, arguments, `final` metrics and the
-        `stop_reason`) at `output_path` (default `save_directory/report.md`)."""
+        """A Markdown report of the run at `output_path` (default `save_directory/report.md`): model,
+        parameters, mesh, data, steps, tokens seen and wall time over every segment of the run, `final`
+        metrics, the eval history, the last generated `samples`, arguments, and package versions."""
         self._plan()
         path = Path(output_path or self._directory() / "report.md")
         path.parent.mkdir(parents=True, exist_ok=True)
-        return write_report(
-            path,
+        identity = self._identity()
+        data = {"training": _describe_data(identity["train_data"], self.dataset_train)}
+        if self.dataset_eval is not None:
+            data["evaluation"] = _describe_data(data_identity(self.dataset_eval), self.dataset_eval)
+        tmp = path.with_name(f".{path.name}.tmp")
+        write_report(
+            tmp,
             model=self._model_in,
             n_params=self.n_params,
             mesh=self.mesh,
@@ -1367,7 +1386,12 @@ class BaseTrainer:
             final=final or {},
             resumed_from=self.resumed_from,
             stop_reason=stop_reason,
+            history=self.writer.history if self.writer is not None else [],
+            data=data,
+            samples=samples or [],
         )
+        os.replace(tmp, path)
+        return path
 
 
 class _Profiler:
