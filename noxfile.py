@@ -8,6 +8,7 @@ cross-package tests), `docs` (the site), `bench`, `lint`.
 from __future__ import annotations
 
 import glob
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,10 @@ TARGETS = (*parts.PARTS, parts.META)
 # Parts whose tests compare against transformers' PyTorch models. Torch is installed from a local CPU
 # wheel only: a plain `torch` requirement would download a multi-GB CUDA build.
 NEEDS_TORCH = {"models", "state", "generation", "trainer"}
+# Targets whose tests run side by side (pytest-xdist, a worker per core up to 4). Not ray: each worker
+# would start its own local cluster.
+PARALLEL = {"models", "state", "generation", "trainer", parts.META}
+XDIST = "pytest-xdist>=3.5"
 TORCH_WHEELS = "/opt/wheels/torch-2.13.0+cpu-*.whl"
 # Lint and format check (ruff, settings in pyproject.toml); the meta target runs them, so CI does.
 LINT_DEPS = ("ruff>=0.6",)
@@ -114,7 +119,11 @@ def tests(session: nox.Session, target: str) -> None:
     else:
         # Exit code 5 (no tests collected) is not a failure for a placeholder part.
         skip = ["--ignore=tests/smoke"] if target == parts.META else []  # the smoke run is its own target
-        session.run("pytest", *paths, *skip, *session.posargs, env=TEST_ENV, success_codes=[0, 5])
+        workers = []
+        if target in PARALLEL and (os.cpu_count() or 1) > 1:  # compiles are single-threaded: 2 cores, 2 tests
+            session.install(XDIST)
+            workers = ["-n", str(min(4, os.cpu_count() or 1))]
+        session.run("pytest", *paths, *skip, *workers, *session.posargs, env=TEST_ENV, success_codes=[0, 5])
     session.log(f"tests({target}) took {time.perf_counter() - start:.1f} s")
 
 

@@ -1367,8 +1367,9 @@ class BaseTrainer:
         samples: list[str] | None = None,
     ) -> Path:
         """A Markdown report of the run at `output_path` (default `save_directory/report.md`): model,
-        parameters, mesh, data, steps, tokens seen and wall time over every segment of the run, `final`
-        metrics, the eval history, the last generated `samples`, arguments, and package versions."""
+        parameters, mesh, data, steps, tokens seen and wall time over every segment of the run, why it
+        stopped (`stop_reason`), `final` metrics, the eval history, the last generated `samples`,
+        arguments, and package versions."""
         self._plan()
         path = Path(output_path or self._directory() / "report.md")
         path.parent.mkdir(parents=True, exist_ok=True)
