@@ -155,3 +155,28 @@ def test_scaling_config_validation():
     with pytest.raises(ValueError, match=r"--ray 'workers=2'; expected key=value with key in"):
         ScalingConfig.from_items(["workers=2"])
     assert ScalingConfig.from_items(["num_workers=3", "progress_timeout_s=5"]).num_workers == 3
+
+
+def test_placement_needs_and_ray_train_names():
+    from jaxloom.ray.launcher import never_fits
+
+    nodes = [{"CPU": 2.0, "node_a": 1.0}, {"CPU": 2.0, "node_b": 1.0}]
+    assert never_fits(nodes, {"CPU": 1.0}, 4, "PACK") is None
+    assert "needs 5 × CPU 1 over its nodes" in never_fits(nodes, {"CPU": 1.0}, 5, "SPREAD")
+    assert never_fits(nodes, {"CPU": 2.0}, 2, "STRICT_SPREAD") is None
+    assert "needs one node with CPU 4" in never_fits(nodes, {"CPU": 2.0}, 2, "STRICT_PACK")
+    assert "node 0: CPU 2, node_b 0; node 1: CPU 2, node_b 1" in never_fits(
+        nodes, {"CPU": 1.0, "node_b": 1.0}, 2, "PACK"
+    )
+    gpu = ScalingConfig.from_items(["num_workers=2", "use_gpu=true", "placement_strategy=STRICT_SPREAD"])
+    assert gpu.bundle == {"CPU": 1.0, "GPU": 1.0} and gpu.worker_platform == "cuda"
+    assert ScalingConfig().bundle == {"CPU": 1.0} and ScalingConfig().worker_platform == "cpu"
+    assert ScalingConfig(use_gpu=True, resources_per_worker={"CPU": 8, "GPU": 4}).bundle == {"CPU": 8.0, "GPU": 4.0}
+    with pytest.raises(ValueError, match="asks for GPU=2.0 but use_gpu is false"):
+        ScalingConfig(resources_per_worker={"GPU": 2})
+    with pytest.raises(ValueError, match="use_gpu=true with platform='cpu'"):
+        ScalingConfig(use_gpu=True, platform="cpu")
+    with pytest.raises(ValueError, match="gives a worker no resources"):
+        ScalingConfig(resources_per_worker={"CPU": 0})
+    with pytest.raises(ValueError, match="placement_strategy"):
+        ScalingConfig(placement_strategy="EVERYWHERE")

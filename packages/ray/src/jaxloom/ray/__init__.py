@@ -7,7 +7,7 @@ from .cluster import init_ray, shutdown_ray
 from .config import RayDistributedConfig
 from .distributed_trainer import RayDistributedTrainer
 from .jobs import params_fingerprint, train_from_config
-from .launcher import Failure, GangFailedError, LaunchResult, ScalingConfig, launch
+from .launcher import Failure, GangFailedError, LaunchResult, PlacementError, ScalingConfig, launch
 from .tune import SweepResult, tune_sweep
 from .worker import WorkerContext
 
@@ -17,6 +17,7 @@ __all__ = [
     "LaunchResult",
     "RayDistributedConfig",
     "RayDistributedTrainer",
+    "PlacementError",
     "ScalingConfig",
     "SweepResult",
     "WorkerContext",

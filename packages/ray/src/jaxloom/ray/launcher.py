@@ -37,15 +37,27 @@ class GangFailedError(RuntimeError):
         self.failures = failures
 
 
+class PlacementError(ValueError):
+    """The gang cannot be placed on the cluster: it asks for more than the cluster has (at once), or the
+    resources did not become free within `startup_timeout_s`. The message gives both sides' numbers."""
+
+
 @config
 class ScalingConfig:
-    """How to run the gang.
+    """How to run the gang: Ray Train's names where the meaning is the same (`num_workers`, `use_gpu`,
+    `resources_per_worker`, `placement_strategy`; `max_failures` as in its `FailureConfig`).
 
     Attributes:
-      num_workers: JAX processes (Ray actors).
+      num_workers: JAX processes (Ray actors), one placement-group bundle each.
+      use_gpu: each worker gets GPUs (one unless `resources_per_worker` says `GPU`) and runs JAX on CUDA.
       resources_per_worker: Ray resources per actor, e.g. `{"CPU": 1}` or `{"CPU": 8, "GPU": 1}`.
+      placement_strategy: how the gang's placement group lays the workers over nodes: 'PACK' (few nodes),
+        'SPREAD', 'STRICT_PACK' (one node), 'STRICT_SPREAD' (one worker per node). The gang is placed all
+        or nothing.
+      wait_for_resources: on a cluster that grows (an autoscaler), wait up to `startup_timeout_s` for a
+        gang larger than the cluster instead of failing at once.
       devices_per_worker: on CPU, simulated devices per worker (None: one).
-      platform: JAX platform for the workers ('cpu', 'gpu', or None for JAX's choice).
+      platform: JAX platform for the workers (None: 'cuda' with `use_gpu`, else 'cpu').
       max_failures: gang restarts allowed before giving up (0: none).
       progress_timeout_s: a worker that reports no step for this long is taken as hung.
       startup_timeout_s: allowed from start to the first step (includes compilation).
@@ -54,14 +66,43 @@ class ScalingConfig:
     """
 
     num_workers: PositiveInt = 1
+    use_gpu: bool = False
     resources_per_worker: dict[str, float] | None = None
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    wait_for_resources: bool = False
     devices_per_worker: PositiveInt | None = None
-    platform: Literal["cpu", "gpu", "cuda", "tpu"] | None = "cpu"
+    platform: Literal["cpu", "gpu", "cuda", "tpu"] | None = None
     max_failures: NonNegativeInt = 0
     progress_timeout_s: PositiveFloat = 120.0
     startup_timeout_s: PositiveFloat = 300.0
     heartbeat_timeout_s: PositiveInt = 10
     env: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        gpus = (self.resources_per_worker or {}).get("GPU", 0)
+        if gpus and not self.use_gpu:
+            raise ValueError(f"resources_per_worker asks for GPU={gpus} but use_gpu is false; set use_gpu=true")
+        if self.use_gpu and self.platform == "cpu":
+            raise ValueError("use_gpu=true with platform='cpu'; leave platform unset (cuda) or set use_gpu=false")
+        if any(v < 0 for v in (self.resources_per_worker or {}).values()):
+            raise ValueError(f"resources_per_worker = {self.resources_per_worker}; expected amounts >= 0")
+        if not self.bundle:
+            raise ValueError(
+                f"resources_per_worker = {self.resources_per_worker} gives a worker no resources; expected at "
+                "least one amount > 0 (a placement group reserves something for each worker)"
+            )
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """One worker's Ray resources: `resources_per_worker` (CPU 1 by default), GPU 1 with `use_gpu`."""
+        bundle = {"CPU": 1.0, **(self.resources_per_worker or {})}
+        if self.use_gpu:
+            bundle.setdefault("GPU", 1.0)
+        return {k: float(v) for k, v in bundle.items() if v}
+
+    @property
+    def worker_platform(self) -> str:
+        return self.platform or ("cuda" if self.use_gpu else "cpu")
 
     @classmethod
     def from_items(cls, items: list[str]) -> ScalingConfig:
@@ -194,28 +235,85 @@ def _give_up_or_log(outcome: Failure, attempt: int, scaling: ScalingConfig, fail
         )
 
 
+def _place(ray, scaling: ScalingConfig, attempt: int):
+    """The gang's placement group, ready (every bundle reserved), or PlacementError: at once when the
+    cluster can never hold it, after `startup_timeout_s` when its resources stay busy."""
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    bundle, n, strategy = scaling.bundle, scaling.num_workers, scaling.placement_strategy
+    if not scaling.wait_for_resources:
+        problem = never_fits([node["Resources"] for node in ray.nodes() if node.get("Alive")], bundle, n, strategy)
+        if problem:
+            raise PlacementError(problem)
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name=f"jaxloom-gang-{attempt}")
+    if not pg.wait(timeout_seconds=scaling.startup_timeout_s):
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"the gang ({n} workers × {_amounts(bundle)}, placement_strategy={strategy}) could not be placed "
+            f"within startup_timeout_s={scaling.startup_timeout_s} s; free now: "
+            f"{_amounts({k: v for k, v in ray.available_resources().items() if k in bundle})}"
+        )
+    nodes = placement_group_table(pg).get("bundles_to_node_id", {})
+    log.info(
+        "gang attempt %d placed (%s) on %d node(s): %s",
+        attempt,
+        strategy,
+        len(set(nodes.values())),
+        ", ".join(f"rank {r} on {str(nodes.get(r, '?'))[:12]}" for r in range(n)),
+    )
+    return pg
+
+
+def never_fits(nodes: list[dict[str, float]], bundle: dict[str, float], n: int, strategy: str) -> str | None:
+    """Why `n` bundles `bundle` can never be placed with `strategy` on alive `nodes` (their total
+    resources), or None when they can (once the resources are free)."""
+    capacity = [int(min((res.get(k, 0.0) + 1e-9) // v for k, v in bundle.items())) for res in nodes]
+    if strategy == "STRICT_PACK":
+        ok, need = any(c >= n for c in capacity), f"one node with {_amounts({k: v * n for k, v in bundle.items()})}"
+    elif strategy == "STRICT_SPREAD":
+        ok, need = sum(c >= 1 for c in capacity) >= n, f"{n} nodes each with {_amounts(bundle)}"
+    else:
+        ok, need = sum(capacity) >= n, f"{n} × {_amounts(bundle)} over its nodes"
+    if ok:
+        return None
+    have = "; ".join(f"node {i}: {_amounts({k: res.get(k, 0.0) for k in bundle})}" for i, res in enumerate(nodes))
+    return (
+        f"the gang cannot be placed: num_workers={n} with placement_strategy={strategy} needs {need}; the cluster "
+        f"has {len(nodes)} node(s) ({have or 'none alive'}). Ask for fewer workers or resources per worker, "
+        "another placement_strategy, or add nodes (wait_for_resources=true waits for an autoscaler)"
+    )
+
+
+def _amounts(resources: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in resources.items())
+
+
 def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, failures: list[Failure], stop):
+    from ray.util.placement_group import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     settings = {
-        "platform": scaling.platform,
+        "platform": scaling.worker_platform,
         "devices": scaling.devices_per_worker,
         "env": scaling.env,
         "heartbeat_timeout_s": scaling.heartbeat_timeout_s,
         "init_timeout_s": min(int(scaling.startup_timeout_s), 300),
     }
-    resources = dict(scaling.resources_per_worker or {"CPU": 1})
+    resources = dict(scaling.bundle)
     options = {
-        "num_cpus": resources.pop("CPU", 1),
+        "num_cpus": resources.pop("CPU", 0),
         "num_gpus": resources.pop("GPU", 0),
         "resources": resources or None,
         "max_restarts": 0,
         "max_concurrency": 2,
-        # outside any placement group of the caller (a Tune trial's, say): the gang asks for its own
-        "scheduling_strategy": "DEFAULT",
     }
+    pg = _place(ray, scaling, attempt)  # all or nothing; outside any placement group of a caller (a Tune trial's)
     board = ray.remote(ProgressBoard).options(num_cpus=0, scheduling_strategy="DEFAULT").remote()
     worker_cls = ray.remote(GangWorker)
     workers = [
-        worker_cls.options(**options).remote(r, scaling.num_workers, attempt, board, settings)
+        worker_cls.options(
+            **options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
+        ).remote(r, scaling.num_workers, attempt, board, settings)
         for r in range(scaling.num_workers)
     ]
     started = time.time()
@@ -230,6 +328,7 @@ def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, fail
     finally:
         for w in [*workers, board]:
             ray.kill(w, no_restart=True)
+        remove_placement_group(pg)  # a restart places the gang again, on the nodes alive then
 
 
 def _supervise(ray, refs, board, scaling, attempt: int, started: float, failures: list[Failure], stop):
