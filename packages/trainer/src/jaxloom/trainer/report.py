@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -80,9 +81,9 @@ def write_report(
     final: dict[str, Any],
     resumed_from: str | None,
     stop_reason: str,
-    history: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    history: Sequence[dict[str, Any]] = (),
     data: dict[str, str] | None = None,
-    samples: list[str] = (),  # type: ignore[assignment]
+    samples: Sequence[str] = (),
 ) -> Path:
     """`report.md`: what was trained on what, for how long (wall time and tokens over every segment of a
     resumed run, from its metrics `history`), where it ended (`final`), the eval history, the last
