@@ -2,7 +2,9 @@
 and a second node (2 CPUs, `node_b`), each with its own raylet, object store and ports, started through
 `ray.cluster_utils.Cluster` as Ray's own multi-node tests do. (`ray start --address=127.0.0.1:P` cannot
 be used on loopback: Ray rewrites a loopback address to the machine's routable IP before joining.)
-Prints the cluster's address first."""
+Prints the cluster's address first. Commands on stdin, one per line, each answered `ok` on stdout:
+`lose` kills the second node's processes at once (a node loss: its raylet, object store and workers
+die without a goodbye), `add` starts a new second node (2 CPUs, `node_b`)."""
 
 import os
 import sys
@@ -12,11 +14,21 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every port on 127.0.0.1
 from ray.cluster_utils import Cluster  # noqa: E402
 
 common = {"num_cpus": 2, "node_ip_address": "127.0.0.1"}
+# A lost node is declared dead after ~3 s of missed health checks (Ray's default: ~30 s).
+health = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 cluster = Cluster(
-    initialize_head=True, head_node_args={**common, "resources": {"node_a": 1}, "include_dashboard": False}
+    initialize_head=True,
+    head_node_args={**common, "resources": {"node_a": 1}, "include_dashboard": False, "_system_config": health},
 )
-cluster.add_node(**common, resources={"node_b": 1})
+second = cluster.add_node(**common, resources={"node_b": 1})
 cluster.wait_for_nodes()
 print(cluster.address, flush=True)
-sys.stdin.read()  # until the test closes it
+for line in sys.stdin:  # until the test closes it
+    if line.strip() == "lose" and second is not None:
+        cluster.remove_node(second, allow_graceful=False)
+        second = None
+    elif line.strip() == "add" and second is None:
+        second = cluster.add_node(**common, resources={"node_b": 1})
+        cluster.wait_for_nodes()
+    print("ok", flush=True)
 cluster.shutdown()

@@ -1,6 +1,8 @@
 """A driver joined to the test's multi-node cluster (RAY_ADDRESS): `train` runs the same tiny run as a
-2-worker gang spread over both nodes and as 1 process with 2 devices; `place` asks for gangs the cluster
-can never hold. Prints one JSON line."""
+2-worker gang spread over both nodes and as 1 process with 2 devices, then twice more while the second
+node is lost mid-run (the test kills it when a worker logs `FaultInjector: hang`; this driver logs
+NEED-NODE when it wants it back): once with room to restart on the head node, once without;
+`place` asks for gangs the cluster can never hold. Prints one JSON line."""
 
 import json
 import logging
@@ -10,14 +12,21 @@ import time
 import ray
 from util import TINY_OVERRIDES
 
-from jaxloom.ray import PlacementError, ScalingConfig, init_ray, launch, train_from_config
+from jaxloom.ray import GangFailedError, PlacementError, ScalingConfig, init_ray, launch, train_from_config
+from jaxloom.ray.testing import FaultInjector
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 init_ray()
-deadline = time.time() + 90
-while sum(bool(n["Alive"]) for n in ray.nodes()) < 2:
-    assert time.time() < deadline, "the second node did not join"
-    time.sleep(0.5)
+
+
+def wait_for_two_nodes():
+    deadline = time.time() + 90
+    while sum(bool(n["Alive"]) for n in ray.nodes()) < 2:
+        assert time.time() < deadline, "the second node did not join"
+        time.sleep(0.5)
+
+
+wait_for_two_nodes()
 mode, root = sys.argv[1], sys.argv[2]
 
 
@@ -39,11 +48,42 @@ if mode == "train":
         [*overrides, f"save_directory={root}/one"],
         scaling=ScalingConfig(num_workers=1, devices_per_worker=2),
     )
+    # Node loss: rank 0 stalls at step 3 once checkpoint 2 is complete; the test then kills the second node.
+    stall = (FaultInjector(at_step=3, rank=0, kind="hang", seconds=150, wait_for_checkpoint=True),)
+    lost = launch(
+        train_from_config,
+        None,
+        [*overrides, f"save_directory={root}/lost"],
+        stall,
+        scaling=ScalingConfig(num_workers=2, placement_strategy="SPREAD", max_failures=1),
+    )
+    print("NEED-NODE", file=sys.stderr, flush=True)
+    wait_for_two_nodes()
+    t0 = time.monotonic()
+    try:  # one worker per node, and one node left: no restart can be placed
+        launch(
+            train_from_config,
+            None,
+            [*overrides, f"save_directory={root}/nowhere"],
+            stall,
+            scaling=ScalingConfig(num_workers=2, placement_strategy="STRICT_SPREAD", max_failures=1),
+        )
+        nowhere = None
+    except GangFailedError as e:
+        nowhere = {"error": str(e), "failures": [f.kind for f in e.failures], "type": type(e.__cause__).__name__}
     out = {
         "two": losses(two),
         "one": losses(one),
         "hashes": [r["params_sha256"] for r in two.results],
         "one_hash": one.result["params_sha256"],
+        "lost": {
+            "losses": losses(lost),
+            "attempts": lost.attempts,
+            "failures": [(f.kind, f.message) for f in lost.failures],
+            "resumed_from": lost.result["resumed_from"],
+            "restart_to_first_step_s": lost.failures[0].restart_to_first_step_s if lost.failures else None,
+        },
+        "nowhere": nowhere,
     }
 else:
     out = {}

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from jaxloom.mesh.schema import NonNegativeInt, PositiveFloat, PositiveInt, config
@@ -27,6 +28,8 @@ from .worker import GangWorker, ProgressBoard
 
 log = logging.getLogger("jaxloom.ray")
 
+_TICK_S = 1.0  # the driver wakes at least this often (to see a stop request), and at once on a worker's end
+
 
 class GangFailedError(RuntimeError):
     """The gang failed more than `max_failures` times: `message` says how the last attempt failed, and
@@ -35,6 +38,9 @@ class GangFailedError(RuntimeError):
     def __init__(self, message: str, failures: list[Failure]):
         super().__init__(message)
         self.failures = failures
+
+    def __reduce__(self):  # Ray and Tune copy and pickle errors: keep both arguments
+        return type(self), (str(self), self.failures)
 
 
 class PlacementError(ValueError):
@@ -60,6 +66,8 @@ class ScalingConfig:
       platform: JAX platform for the workers (None: 'cuda' with `use_gpu`, else 'cpu').
       max_failures: gang restarts allowed before giving up (0: none).
       progress_timeout_s: a worker that reports no step for this long is taken as hung.
+      report_interval_s: workers report progress (rank 0: metrics) at most this often, and on every
+        checkpoint; the driver reads the board as often. At least 3 reports fit in `progress_timeout_s`.
       startup_timeout_s: allowed from start to the first step (includes compilation).
       heartbeat_timeout_s: JAX coordination heartbeat; a silent peer aborts the others after it.
       env: extra environment variables for the workers.
@@ -74,6 +82,7 @@ class ScalingConfig:
     platform: Literal["cpu", "gpu", "cuda", "tpu"] | None = None
     max_failures: NonNegativeInt = 0
     progress_timeout_s: PositiveFloat = 120.0
+    report_interval_s: PositiveFloat = 2.0
     startup_timeout_s: PositiveFloat = 300.0
     heartbeat_timeout_s: PositiveInt = 10
     env: dict[str, str] | None = None
@@ -84,6 +93,11 @@ class ScalingConfig:
             raise ValueError(f"resources_per_worker asks for GPU={gpus} but use_gpu is false; set use_gpu=true")
         if self.use_gpu and self.platform == "cpu":
             raise ValueError("use_gpu=true with platform='cpu'; leave platform unset (cuda) or set use_gpu=false")
+        if self.progress_timeout_s < 3 * self.report_interval_s:
+            raise ValueError(
+                f"progress_timeout_s={self.progress_timeout_s} with report_interval_s={self.report_interval_s}: "
+                "a healthy worker would look hung; expected progress_timeout_s >= 3 × report_interval_s"
+            )
         if any(v < 0 for v in (self.resources_per_worker or {}).values()):
             raise ValueError(f"resources_per_worker = {self.resources_per_worker}; expected amounts >= 0")
         if not self.bundle:
@@ -151,13 +165,21 @@ class LaunchResult:
         return self.results[0]
 
 
-def launch(job, *args: Any, scaling: ScalingConfig | None = None, **kwargs: Any) -> LaunchResult:
+def launch(
+    job, *args: Any, scaling: ScalingConfig | None = None, on_report: Callable[[dict], Any] | None = None, **kwargs: Any
+) -> LaunchResult:
     """Run `job(ctx, *args, **kwargs)` on `scaling.num_workers` actors as one JAX process group;
     restart the whole gang on any failure (up to `scaling.max_failures`). `job` and its arguments
-    travel to the workers with Ray's serializer. Starts a local loopback cluster if Ray is not up."""
+    travel to the workers with Ray's serializer. Starts a local loopback cluster if Ray is not up.
+
+    `on_report(report)` is called on the driver with each of rank 0's reports (its newest metrics, `step`
+    and `checkpoint_dir`; every `report_interval_s` and after each checkpoint). By default, inside a Ray
+    Tune trial or Ray Train worker, they go to `ray.tune.report`, so Tune's results and schedulers see
+    the run as it trains."""
     import ray
 
     scaling = scaling or ScalingConfig()
+    on_report = on_report if on_report is not None else _session_reporter()
     init_ray()
     # Every gang of this launch owns the run directory in turn: a restarted gang takes over its lock.
     token = f"ray-launch-{uuid.uuid4().hex}"
@@ -165,7 +187,18 @@ def launch(job, *args: Any, scaling: ScalingConfig | None = None, **kwargs: Any)
     t0, failures = time.time(), []
     with _StopOnSignal() as stop:
         for attempt in range(scaling.max_failures + 1):
-            outcome = _run_gang(ray, job, args, kwargs, scaling, attempt, failures, stop)
+            try:
+                outcome = _run_gang(ray, job, args, kwargs, scaling, attempt, failures, stop, on_report)
+            except PlacementError as e:
+                if not failures:
+                    raise
+                last = failures[-1]
+                raise GangFailedError(
+                    f"the gang failed ({last.kind} on rank {last.rank}: {last.message}) and cannot be placed "
+                    f"again on what is left of the cluster: {e}. The newest complete checkpoint is kept: run "
+                    "again when the cluster has the resources, and the job resumes from it",
+                    failures,
+                ) from e
             if not isinstance(outcome, Failure):
                 return LaunchResult(outcome, attempt + 1, failures, time.time() - t0, stop.signum)
             failures.append(outcome)
@@ -176,6 +209,19 @@ def launch(job, *args: Any, scaling: ScalingConfig | None = None, **kwargs: Any)
         f"{scaling.max_failures}; last: {last.kind} on rank {last.rank}: {last.message}",
         failures,
     )
+
+
+def _session_reporter() -> Callable[[dict], Any] | None:
+    """`ray.tune.report` when this process is a Ray Tune trial (or a Ray Train worker), else None."""
+    try:
+        from ray.train._internal.session import get_session
+    except ImportError:  # pragma: no cover - Ray without its train/tune libraries
+        return None
+    if get_session() is None:
+        return None
+    from ray import tune
+
+    return lambda report: tune.report({k: v for k, v in report.items() if v is not None})
 
 
 class _StopOnSignal:
@@ -235,19 +281,30 @@ def _give_up_or_log(outcome: Failure, attempt: int, scaling: ScalingConfig, fail
         )
 
 
-def _place(ray, scaling: ScalingConfig, attempt: int):
+def _place(ray, scaling: ScalingConfig, attempt: int, stop):
     """The gang's placement group, ready (every bundle reserved), or PlacementError: at once when the
-    cluster can never hold it, after `startup_timeout_s` when its resources stay busy."""
+    cluster can never hold it, after `startup_timeout_s` when its resources stay busy (or at once when
+    the driver is asked to stop while it waits)."""
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     bundle, n, strategy = scaling.bundle, scaling.num_workers, scaling.placement_strategy
     if not scaling.wait_for_resources:
-        problem = never_fits([node["Resources"] for node in ray.nodes() if node.get("Alive")], bundle, n, strategy)
+        problem = never_fits(_alive(ray), bundle, n, strategy)
         if problem:
             raise PlacementError(problem)
     pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name=f"jaxloom-gang-{attempt}")
-    if not pg.wait(timeout_seconds=scaling.startup_timeout_s):
+    deadline = time.time() + scaling.startup_timeout_s
+    while not pg.wait(timeout_seconds=max(1, min(_TICK_S, deadline - time.time()))):
+        # A node that died a moment ago (a restart after a node loss) counts until Ray marks it dead:
+        # look again each second, and fail as soon as what is alive can never hold the gang.
+        problem = None if scaling.wait_for_resources else never_fits(_alive(ray), bundle, n, strategy)
+        if time.time() < deadline and not stop.requested and not problem:
+            continue
         remove_placement_group(pg)
+        if stop.requested:
+            raise GangFailedError("stopped while waiting for the cluster to place the gang", [])
+        if problem:
+            raise PlacementError(problem)
         raise PlacementError(
             f"the gang ({n} workers × {_amounts(bundle)}, placement_strategy={strategy}) could not be placed "
             f"within startup_timeout_s={scaling.startup_timeout_s} s; free now: "
@@ -262,6 +319,10 @@ def _place(ray, scaling: ScalingConfig, attempt: int):
         ", ".join(f"rank {r} on {str(nodes.get(r, '?'))[:12]}" for r in range(n)),
     )
     return pg
+
+
+def _alive(ray) -> list[dict[str, float]]:
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
 
 
 def never_fits(nodes: list[dict[str, float]], bundle: dict[str, float], n: int, strategy: str) -> str | None:
@@ -288,7 +349,7 @@ def _amounts(resources: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in resources.items())
 
 
-def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, failures: list[Failure], stop):
+def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, failures: list[Failure], stop, on_report):
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -297,6 +358,7 @@ def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, fail
         "devices": scaling.devices_per_worker,
         "env": scaling.env,
         "heartbeat_timeout_s": scaling.heartbeat_timeout_s,
+        "report_interval_s": scaling.report_interval_s,
         "init_timeout_s": min(int(scaling.startup_timeout_s), 300),
     }
     resources = dict(scaling.bundle)
@@ -307,37 +369,53 @@ def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, fail
         "max_restarts": 0,
         "max_concurrency": 2,
     }
-    pg = _place(ray, scaling, attempt)  # all or nothing; outside any placement group of a caller (a Tune trial's)
-    board = ray.remote(ProgressBoard).options(num_cpus=0, scheduling_strategy="DEFAULT").remote()
-    worker_cls = ray.remote(GangWorker)
-    workers = [
-        worker_cls.options(
-            **options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
-        ).remote(r, scaling.num_workers, attempt, board, settings)
-        for r in range(scaling.num_workers)
-    ]
-    started = time.time()
+    pg = _place(ray, scaling, attempt, stop)  # all or nothing; outside any placement group of a caller (Tune's)
+    board, workers, started = None, [], time.time()
     try:
+        # The board lives beside rank 0, in its bundle: on a node the gang was just placed on (a node that
+        # died a moment ago may not be known dead yet to the scheduler), and it goes with the gang.
+        board = (
+            ray.remote(ProgressBoard)
+            .options(
+                num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+            )
+            .remote()
+        )
+        worker_cls = ray.remote(GangWorker)
+        workers = [
+            worker_cls.options(
+                **options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
+            ).remote(r, scaling.num_workers, attempt, board, settings)
+            for r in range(scaling.num_workers)
+        ]
         coordinator = ray.get(workers[0].coordinator_address.remote(), timeout=scaling.startup_timeout_s)
         refs = [w.run.remote(coordinator, job, args, kwargs) for w in workers]
-        return _supervise(ray, refs, board, scaling, attempt, started, failures, stop)
+        return _supervise(ray, refs, board, scaling, attempt, started, failures, stop, on_report)
     except ray.exceptions.GetTimeoutError:
         return Failure(attempt, 0, "hung", f"workers did not start within {scaling.startup_timeout_s} s", time.time())
     except ray.exceptions.RayActorError as e:
         return Failure(attempt, 0, "died", str(e), time.time())
     finally:
         for w in [*workers, board]:
-            ray.kill(w, no_restart=True)
+            if w is not None:
+                ray.kill(w, no_restart=True)
         remove_placement_group(pg)  # a restart places the gang again, on the nodes alive then
 
 
-def _supervise(ray, refs, board, scaling, attempt: int, started: float, failures: list[Failure], stop):
+def _supervise(ray, refs, board, scaling, attempt: int, started: float, failures: list[Failure], stop, on_report):
+    """Wait for the gang: a worker's end (its result, error or death) wakes the driver at once; the board
+    is read every `report_interval_s` without blocking on it (beats, hangs, rank 0's reports); a stop
+    request is seen within a second. Returns the results, or the attempt's Failure."""
     pending, results, first_step_seen, stop_sent = list(refs), {}, False, False
+    asked, asked_at, answered_at = board.snapshot.remote(), time.time(), None
     while pending:
         if stop.requested and not stop_sent:  # the workers read it from their next beats
             board.request_stop.remote()
             stop_sent = True
-        done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
+        done, pending = ray.wait(pending, num_returns=1, timeout=min(_TICK_S, scaling.report_interval_s))
+        if done and pending:  # whatever else ended meanwhile
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            done += more
         errors = []
         for ref in done:
             rank = refs.index(ref)
@@ -350,7 +428,7 @@ def _supervise(ray, refs, board, scaling, attempt: int, started: float, failures
                 errors.append(Failure(attempt, rank, kind, _last_line(e), time.time()))
         if errors:
             # A death is the cause; the survivors' collective errors are its echo. Let them surface briefly.
-            more, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            more, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0) if pending else ([], [])
             for ref in more:
                 try:
                     ray.get(ref)
@@ -359,32 +437,45 @@ def _supervise(ray, refs, board, scaling, attempt: int, started: float, failures
                 except ray.exceptions.RayTaskError:
                     pass
             return min(errors, key=lambda f: (f.kind != "died", f.detected_at))
-        try:
-            beats = ray.get(board.snapshot.remote(), timeout=10)
-        except ray.exceptions.GetTimeoutError:
-            return Failure(attempt, None, "hung", "the progress board did not answer in 10 s", time.time())
-        stepping = {r: b for r, b in beats.items() if b[2] == "step"}
-        if stepping and not first_step_seen:
-            first_step_seen = True
-            if failures and failures[-1].restart_to_first_step_s is None:
-                failures[-1].restart_to_first_step_s = time.time() - failures[-1].detected_at
-                log.warning(
-                    "gang attempt %d: training resumed %.1f s after the failure was detected",
+        if asked is not None and ray.wait([asked], timeout=0)[0]:
+            beats, reports = ray.get(asked)
+            asked, answered_at = None, time.time()
+            for report in reports:
+                if on_report is not None:
+                    on_report(report)
+            stepping = {r: b for r, b in beats.items() if b[2] == "step"}
+            if stepping and not first_step_seen:
+                first_step_seen = True
+                _note_restart_time(failures, attempt)
+            hung = _hung_rank(beats, scaling, time.time() - started, {refs.index(r) for r in pending})
+            if hung is not None:
+                rank, age, step = hung
+                return Failure(
                     attempt,
-                    failures[-1].restart_to_first_step_s,
+                    rank,
+                    "hung",
+                    f"rank {rank} made no progress for {age:.1f} s (last step "
+                    f"{step}; limit {scaling.progress_timeout_s} s)",
+                    time.time(),
                 )
-        hung = _hung_rank(beats, scaling, time.time() - started, {refs.index(r) for r in pending})
-        if hung is not None:
-            rank, age, step = hung
-            return Failure(
-                attempt,
-                rank,
-                "hung",
-                f"rank {rank} made no progress for {age:.1f} s (last step "
-                f"{step}; limit {scaling.progress_timeout_s} s)",
-                time.time(),
-            )
+        elif asked is not None:
+            # The board starts with the gang (a process of its own): as long as the workers may take.
+            limit = scaling.startup_timeout_s if answered_at is None else max(scaling.progress_timeout_s, 30.0)
+            if time.time() - asked_at > limit:
+                return Failure(attempt, None, "hung", f"the progress board did not answer in {limit:g} s", time.time())
+        if asked is None and time.time() - (answered_at or 0.0) >= scaling.report_interval_s:
+            asked, asked_at = board.snapshot.remote(), time.time()
     return [results[r] for r in range(len(refs))]
+
+
+def _note_restart_time(failures: list[Failure], attempt: int) -> None:
+    if failures and failures[-1].restart_to_first_step_s is None:
+        failures[-1].restart_to_first_step_s = time.time() - failures[-1].detected_at
+        log.warning(
+            "gang attempt %d: training resumed %.1f s after the failure was detected",
+            attempt,
+            failures[-1].restart_to_first_step_s,
+        )
 
 
 def _hung_rank(beats: dict, scaling: ScalingConfig, since_start: float, running: set[int]):

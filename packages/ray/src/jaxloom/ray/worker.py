@@ -13,25 +13,30 @@ from typing import Any
 
 
 class ProgressBoard:
-    """A tiny actor the workers beat on (`beat(rank, step, phase)`); the driver reads `snapshot()` to see
-    who is alive and making progress, and sets `request_stop()` when it is asked to stop, which every
-    beat answers (True: stop). Ages use this actor's clock only."""
+    """A tiny actor the workers beat on (`beat(rank, step, phase, report)`); the driver reads `snapshot()`
+    to see who is alive and making progress (and takes rank 0's `report`s: metrics and the newest
+    checkpoint), and sets `request_stop()` when it is asked to stop, which every beat answers (True:
+    stop). Ages use this actor's clock only."""
 
     def __init__(self):
         self._beats: dict[int, tuple[float, int, str]] = {}
+        self._reports: list[dict[str, Any]] = []
         self._stop = False
 
-    def beat(self, rank: int, step: int, phase: str) -> bool:
+    def beat(self, rank: int, step: int, phase: str, report: dict[str, Any] | None = None) -> bool:
         self._beats[rank] = (time.time(), step, phase)
+        if report:
+            self._reports.append(report)
         return self._stop
 
     def request_stop(self) -> None:
         """The driver's stop (its SIGINT/SIGTERM): the workers learn it from their next beats."""
         self._stop = True
 
-    def snapshot(self) -> dict[int, tuple[float, int, str]]:
-        now = time.time()
-        return {r: (now - t, step, phase) for r, (t, step, phase) in self._beats.items()}
+    def snapshot(self) -> tuple[dict[int, tuple[float, int, str]], list[dict[str, Any]]]:
+        """(rank → (seconds since its last beat, step, phase)) and the reports not taken before."""
+        now, reports, self._reports = time.time(), self._reports, []
+        return {r: (now - t, step, phase) for r, (t, step, phase) in self._beats.items()}, reports
 
 
 @dataclasses.dataclass
@@ -44,46 +49,93 @@ class WorkerContext:
     attempt: int
     board: Any = dataclasses.field(repr=False, default=None)
     coordinator: str | None = None  # host:port of the JAX coordination service (rank 0)
+    report_interval_s: float = 2.0  # the step hooks beat at most this often (and on every checkpoint)
 
-    def beat(self, step: int = 0, phase: str = "step") -> Any:
-        """Tell the supervisor this worker is alive and at `step` (phase: 'joined', 'ready', 'step').
-        Returns the reply (a Ray reference to a bool: whether the driver asks the job to stop), or None."""
+    def beat(self, step: int = 0, phase: str = "step", report: dict[str, Any] | None = None) -> Any:
+        """Tell the supervisor this worker is alive and at `step` (phase: 'joined', 'ready', 'step'), with
+        an optional `report` (rank 0: metrics, the newest checkpoint). Returns the reply (a Ray reference
+        to a bool: whether the driver asks the job to stop), or None."""
         if self.board is not None:
-            return self.board.beat.remote(self.rank, int(step), phase)
+            return self.board.beat.remote(self.rank, int(step), phase, report)
         return None
 
     def hooks(self) -> list:
-        """Trainer hooks that beat after every step (give them to `BaseTrainer(hooks=...)`)."""
+        """Trainer hooks that beat after the first step, then at most every `report_interval_s` and on
+        every checkpoint (give them to `BaseTrainer(hooks=...)`)."""
         return [_BeatHook(self)]
 
 
 class _BeatHook:
-    """Beats after every step; when a beat's reply says the driver was asked to stop, asks the trainer to
-    stop (every rank stops after the same step: the trainer agrees on it). Replies are read without
-    waiting: the step loop never blocks on the board."""
+    """Beats after the first step, then at most every `report_interval_s` and after every checkpoint: a
+    Ray message every few seconds, whatever the step time. Rank 0's beats carry a report: its newest
+    logged metrics (train and, once there is one, eval; only once an evaluation ran when the run
+    evaluates, so every report has the same keys) and the newest checkpoint. When a reply says the
+    driver was asked to stop, it asks the trainer to stop (every rank stops after the same step: the
+    trainer agrees on it). Replies are read without waiting: the step loop never blocks on the board."""
 
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
         self._reply = None
+        self._last = -float("inf")
+        self._records = 0  # history records already looked at
+        self._latest: dict[str, Any] = {}
+        self._checkpoint: str | None = None
 
     def on_step_end(self, trainer, step, metrics) -> None:
-        previous, self._reply = self._reply, self.ctx.beat(step, "step")
-        if previous is None or not hasattr(trainer, "request_stop"):
+        self._read_reply(trainer)
+        if time.monotonic() - self._last >= self.ctx.report_interval_s:
+            self._beat(trainer, step)
+
+    def on_save(self, trainer, step) -> None:
+        checkpoints = getattr(trainer, "checkpoints", None)
+        if checkpoints is not None:
+            self._checkpoint = str(checkpoints.directory / str(step))
+        self._beat(trainer, step)
+
+    def _beat(self, trainer, step) -> None:
+        self._last = time.monotonic()
+        if self._reply is None:
+            self._reply = self.ctx.beat(step, "step", self._report(trainer, step))
+        else:  # keep the older unanswered reply: it is read first
+            self.ctx.beat(step, "step", self._report(trainer, step))
+
+    def _report(self, trainer, step) -> dict[str, Any] | None:
+        if self.ctx.rank != 0:
+            return None
+        history = getattr(getattr(trainer, "writer", None), "history", None) or []
+        for record in history[self._records :]:
+            for key, value in record.items():
+                if key != "step" and "/" in key:
+                    kind, name = key.split("/", 1)
+                    self._latest[name if kind == "train" else f"{kind}_{name}"] = value
+        self._records = len(history)
+        evaluates = getattr(trainer, "dataset_eval", None) is not None
+        if "loss" not in self._latest or (evaluates and "eval_loss" not in self._latest):
+            return None
+        return {**self._latest, "step": int(step), "checkpoint_dir": self._checkpoint}
+
+    def _read_reply(self, trainer) -> None:
+        if self._reply is None:
             return
         import ray
 
-        ready, _ = ray.wait([previous], timeout=0)  # an unanswered one is skipped: later replies say the same
-        if ready and ray.get(ready[0]):
+        ready, _ = ray.wait([self._reply], timeout=0)  # an unanswered one is kept for the next step
+        if not ready:
+            return
+        self._reply = None
+        if ray.get(ready[0]) and hasattr(trainer, "request_stop"):
             trainer.request_stop("stop requested by the Ray driver")
 
 
 class GangWorker:
     """One JAX process. `settings`: platform ('cpu' or None for the default), devices (simulated CPU
-    devices per worker), heartbeat_timeout_s and init_timeout_s for `jax.distributed`, env (extra)."""
+    devices per worker), heartbeat_timeout_s and init_timeout_s for `jax.distributed`, report_interval_s
+    (how often the step hooks beat), env (extra)."""
 
     def __init__(self, rank: int, world_size: int, attempt: int, board: Any, settings: dict[str, Any]):
         self.rank, self.world_size, self.attempt, self.board = rank, world_size, attempt, board
         self.settings = settings
+        self._port_hold: socket.socket | None = None
         for key, value in (settings.get("env") or {}).items():
             os.environ[key] = str(value)
         if settings.get("platform"):
@@ -101,10 +153,12 @@ class GangWorker:
         host = next(
             (n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node), ray.util.get_node_ip_address()
         )
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return f"{host}:{port}"
+        # Held, bound but not listening, until JAX's coordinator has bound it: nothing else on the node can
+        # take the port in between. SO_REUSEPORT lets the coordinator (gRPC sets it too) bind beside it.
+        self._port_hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._port_hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self._port_hold.bind((host, 0))
+        return f"{host}:{self._port_hold.getsockname()[1]}"
 
     def run(self, coordinator: str, fn, args: tuple, kwargs: dict) -> Any:
         import jax
@@ -121,6 +175,16 @@ class GangWorker:
             heartbeat_timeout_seconds=int(self.settings.get("heartbeat_timeout_s", 10)),
             coordinator_bind_address=coordinator if self.rank == 0 else None,
         )
-        ctx = WorkerContext(self.rank, self.world_size, self.attempt, self.board, coordinator)
+        if self._port_hold is not None:
+            self._port_hold.close()  # the coordinator listens on it now
+            self._port_hold = None
+        ctx = WorkerContext(
+            self.rank,
+            self.world_size,
+            self.attempt,
+            self.board,
+            coordinator,
+            float(self.settings.get("report_interval_s", 2.0)),
+        )
         ctx.beat(0, "joined")
         return fn(ctx, *args, **kwargs)

@@ -107,7 +107,8 @@ class BaseTrainer:
       new parameters drawn from `arguments.seed`.
     - `processing_class`: the tokenizer (default: the bundled one).
     - `mesh`: a `jax.sharding.Mesh` to use instead of the one the arguments describe.
-    - `hooks`: objects with optional `on_step_start(trainer, step)` / `on_step_end(trainer, step, metrics)`.
+    - `hooks`: objects with optional `on_step_start(trainer, step)` / `on_step_end(trainer, step, metrics)` /
+      `on_save(trainer, step)` (after checkpoint `step` is written, or handed to the async writer).
     - `deprecated_kwargs`: none are accepted; any name here is an error naming it.
 
     Subclasses may override `on_step_start(state, step)`, `on_step_end(state, metrics, step)`,
@@ -1036,6 +1037,8 @@ class BaseTrainer:
                 "run": self._identity(),
             },
         )
+        for h in self.hooks:
+            getattr(h, "on_save", lambda *_: None)(self, step)
 
     def _install_signal_handlers(self):
         if threading.current_thread() is not threading.main_thread():
