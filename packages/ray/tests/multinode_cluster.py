@@ -1,10 +1,11 @@
-"""Hosts a two-node Ray cluster on 127.0.0.1 until its stdin closes: a head (2 CPUs, resource `node_a`)
-and a second node (2 CPUs, `node_b`), each with its own raylet, object store and ports, started through
+"""Hosts a two-node Ray cluster on 127.0.0.1 until its stdin closes: a head (2 CPUs, 2 GPUs, resource
+`node_a`) and a second node (2 CPUs, 1 GPU, `node_b`) — GPUs Ray only counts (none exist), for the
+resource bookkeeping — each with its own raylet, object store and ports, started through
 `ray.cluster_utils.Cluster` as Ray's own multi-node tests do. (`ray start --address=127.0.0.1:P` cannot
 be used on loopback: Ray rewrites a loopback address to the machine's routable IP before joining.)
 Prints the cluster's address first. Commands on stdin, one per line, each answered `ok` on stdout:
 `lose` kills the second node's processes at once (a node loss: its raylet, object store and workers
-die without a goodbye), `add` starts a new second node (2 CPUs, `node_b`)."""
+die without a goodbye), `add` starts a new second node (the same as the first)."""
 
 import os
 import sys
@@ -18,9 +19,15 @@ common = {"num_cpus": 2, "node_ip_address": "127.0.0.1"}
 health = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 cluster = Cluster(
     initialize_head=True,
-    head_node_args={**common, "resources": {"node_a": 1}, "include_dashboard": False, "_system_config": health},
+    head_node_args={
+        **common,
+        "num_gpus": 2,
+        "resources": {"node_a": 1},
+        "include_dashboard": False,
+        "_system_config": health,
+    },
 )
-second = cluster.add_node(**common, resources={"node_b": 1})
+second = cluster.add_node(**common, num_gpus=1, resources={"node_b": 1})
 cluster.wait_for_nodes()
 print(cluster.address, flush=True)
 for line in sys.stdin:  # until the test closes it
@@ -28,7 +35,7 @@ for line in sys.stdin:  # until the test closes it
         cluster.remove_node(second, allow_graceful=False)
         second = None
     elif line.strip() == "add" and second is None:
-        second = cluster.add_node(**common, resources={"node_b": 1})
+        second = cluster.add_node(**common, num_gpus=1, resources={"node_b": 1})
         cluster.wait_for_nodes()
     print("ok", flush=True)
 cluster.shutdown()

@@ -12,7 +12,15 @@ import time
 import ray
 from util import TINY_OVERRIDES
 
-from jaxloom.ray import GangFailedError, PlacementError, ScalingConfig, init_ray, launch, train_from_config
+from jaxloom.ray import (
+    GangFailedError,
+    PlacementError,
+    ScalingConfig,
+    init_ray,
+    launch,
+    probe_gang,
+    train_from_config,
+)
 from jaxloom.ray.testing import FaultInjector
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -91,6 +99,7 @@ else:
         "spread": ScalingConfig(num_workers=3, placement_strategy="STRICT_SPREAD"),
         "custom": ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, "node_a": 1}),
         "cpus": ScalingConfig(num_workers=2, resources_per_worker={"CPU": 3}, placement_strategy="STRICT_PACK"),
+        "gpus": ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 2}),
     }.items():
         t0 = time.monotonic()
         try:
@@ -98,4 +107,7 @@ else:
             out[name] = {"error": None}
         except PlacementError as e:
             out[name] = {"error": str(e), "seconds": time.monotonic() - t0}
+    # GPU workers: three, one GPU each, over the head's 2 and the second node's 1 (GPUs Ray only counts)
+    out["seen"] = probe_gang(ScalingConfig(num_workers=3, use_gpu=True))
+    out["nodes"] = {n["NodeID"]: n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]}
 print(json.dumps(out))

@@ -57,7 +57,9 @@ def test_a_stop_signal_to_the_driver_saves_the_gang_and_exits_cleanly(ray_cluste
     log = (tmp_path / "driver.err").read_text()
     assert driver.returncode == 128 + signal.SIGTERM, log[-4000:]  # stopped by SIGTERM, after a clean save
     summary, _ = json.JSONDecoder().raw_decode(out[out.index("{\n") :])  # workers' lines may follow it
-    assert summary["stop_reason"] == "stop requested by the Ray driver" and summary["attempts"] == 1, summary
+    # the rank that read the driver's stop first names it; the others stop with it after the same step
+    assert summary["stop_reason"] in ("stop requested by the Ray driver", "stop requested by another process")
+    assert summary["attempts"] == 1, summary
     assert 3 <= summary["step"] < 100000
     assert "again: the gang is saving its final checkpoint" in log
     assert "Connecting to existing Ray cluster at address: " + ray_cluster["info"]["address"] in log  # RAY_ADDRESS

@@ -154,7 +154,9 @@ def test_scaling_config_validation():
         ScalingConfig(max_failures=-1)
     with pytest.raises(ValueError, match=r"--ray 'workers=2'; expected key=value with key in"):
         ScalingConfig.from_items(["workers=2"])
-    assert ScalingConfig.from_items(["num_workers=3", "progress_timeout_s=5"]).num_workers == 3
+    assert ScalingConfig.from_items(["num_workers=3", "progress_timeout_s=6"]).num_workers == 3
+    with pytest.raises(ValueError, match=r"progress_timeout_s=5.0 with report_interval_s=2.0: a healthy worker"):
+        ScalingConfig(progress_timeout_s=5)
 
 
 def test_placement_needs_and_ray_train_names():

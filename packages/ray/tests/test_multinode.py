@@ -99,14 +99,26 @@ def _driver(cluster, mode, root):
 
 def test_a_gang_the_cluster_can_never_hold_fails_at_once_with_the_numbers(two_nodes, tmp_path):
     result, _ = _driver(two_nodes, "place", tmp_path)
-    spread, custom, cpus = result["spread"], result["custom"], result["cpus"]
-    for r in (spread, custom, cpus):
+    spread, custom, cpus, gpus = result["spread"], result["custom"], result["cpus"], result["gpus"]
+    for r in (spread, custom, cpus, gpus):
         assert r["error"] and r["seconds"] < 10, r
     assert "num_workers=3 with placement_strategy=STRICT_SPREAD needs 3 nodes each with CPU 1" in spread["error"]
     assert "the cluster has 2 node(s)" in spread["error"]
     assert "needs 2 × CPU 1, node_a 1 over its nodes" in custom["error"]
     assert "node_a 1" in custom["error"] and "node_a 0" in custom["error"]  # what each node has
     assert "STRICT_PACK needs one node with CPU 6" in cpus["error"] and "CPU 2" in cpus["error"]
+    assert "needs 2 × CPU 1, GPU 2 over its nodes" in gpus["error"] and "GPU 1" in gpus["error"]
+
+    # use_gpu: each worker is given its own GPU (CUDA_VISIBLE_DEVICES is that one only) and runs JAX on CUDA
+    seen, nodes = result["seen"], result["nodes"]
+    assert all(w["JAX_PLATFORMS"] == "cuda" and len(w["gpu_ids"]) == 1 for w in seen), seen
+    assert all(w["CUDA_VISIBLE_DEVICES"] == w["gpu_ids"][0] for w in seen), seen
+    per_node: dict[str, list[str]] = {}
+    for w in seen:
+        per_node.setdefault(w["node_id"], []).append(w["gpu_ids"][0])
+    assert {n: sorted(g) for n, g in per_node.items()} == {
+        n: [str(i) for i in range(int(k))] for n, k in nodes.items()
+    }, (seen, nodes)  # every GPU of the cluster, each to one worker
 
 
 def test_a_gang_spread_over_two_nodes_trains_as_one_process_and_survives_losing_a_node(two_nodes, tmp_path):

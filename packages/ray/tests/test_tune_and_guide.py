@@ -29,9 +29,11 @@ def base(tmp_path_factory):
 
 def test_tune_sweep_over_scaling_index_returns_the_better_trial(ray_cluster, base, tmp_path):
     t = RayDistributedTrainer(str(base), config_scaling_variables=SCALING, config_variables=TWO_DEVICES)
-    a = args(tmp_path, total_batch_size=4, max_training_steps=3, eval_batches=1)
+    a = args(tmp_path, total_batch_size=4, max_training_steps=3, eval_batches=1, evaluation_steps=1, save_steps=1)
     sweep = t.tune({"scaling_index": [1, 2]}, a, TRAIN, EVAL, scaling=ScalingConfig(num_workers=1))
     assert len(sweep.trials) == 2
+    for trial in sweep.trials:  # progress while training (each checkpoint after an eval), then the summary
+        assert trial["reported_steps"][:2] == [2, 3] and trial["reported_steps"][-1] == 3, trial
     losses = {tr["config"]["scaling_index"]: tr["metrics"]["eval_loss"] for tr in sweep.trials}
     assert all(math.isfinite(v) for v in losses.values()) and losses[1] != losses[2]
     best = min(losses, key=losses.get)

@@ -7,7 +7,7 @@ from .cluster import init_ray, shutdown_ray
 from .config import RayDistributedConfig
 from .distributed_trainer import RayDistributedTrainer
 from .jobs import params_fingerprint, train_from_config
-from .launcher import Failure, GangFailedError, LaunchResult, PlacementError, ScalingConfig, launch
+from .launcher import Failure, GangFailedError, LaunchResult, PlacementError, ScalingConfig, launch, probe_gang
 from .tune import SweepResult, tune_sweep
 from .worker import WorkerContext
 
@@ -25,6 +25,7 @@ __all__ = [
     "init_ray",
     "launch",
     "params_fingerprint",
+    "probe_gang",
     "shutdown_ray",
     "train_from_config",
     "tune_sweep",

@@ -349,8 +349,9 @@ def _amounts(resources: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in resources.items())
 
 
-def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, failures: list[Failure], stop, on_report):
-    from ray.util.placement_group import remove_placement_group
+def _start(ray, scaling: ScalingConfig, pg, attempt: int):
+    """The progress board and the workers of one gang attempt, in placement group `pg` (rank r in bundle
+    r); each worker gets exactly its bundle's resources (Ray sets CUDA_VISIBLE_DEVICES to its GPUs)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     settings = {
@@ -369,25 +370,52 @@ def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, fail
         "max_restarts": 0,
         "max_concurrency": 2,
     }
+
+    def bundle(r: int):
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
+
+    # The board lives beside rank 0, in its bundle: on a node the gang was just placed on (a node that
+    # died a moment ago may not be known dead yet to the scheduler), and it goes with the gang.
+    board = ray.remote(ProgressBoard).options(num_cpus=0, scheduling_strategy=bundle(0)).remote()
+    worker_cls = ray.remote(GangWorker)
+    workers = [
+        worker_cls.options(**options, scheduling_strategy=bundle(r)).remote(
+            r, scaling.num_workers, attempt, board, settings
+        )
+        for r in range(scaling.num_workers)
+    ]
+    return board, workers
+
+
+def probe_gang(scaling: ScalingConfig | None = None) -> list[dict[str, Any]]:
+    """Place the gang exactly as `launch` would and return what each rank's worker sees, without starting
+    JAX: its `node_id`, `gpu_ids` (Ray's), `CUDA_VISIBLE_DEVICES` and `JAX_PLATFORMS`. For checking a
+    cluster (or a config) before a long run; the gang is released afterwards. PlacementError as in `launch`."""
+    import ray
+
+    scaling = scaling or ScalingConfig()
+    init_ray()
+    from ray.util.placement_group import remove_placement_group
+
+    pg = _place(ray, scaling, 0, _StopOnSignal())
+    board, workers = None, []
+    try:
+        board, workers = _start(ray, scaling, pg, 0)
+        return ray.get([w.visible.remote() for w in workers], timeout=scaling.startup_timeout_s)
+    finally:
+        for w in [*workers, board]:
+            if w is not None:
+                ray.kill(w, no_restart=True)
+        remove_placement_group(pg)
+
+
+def _run_gang(ray, job, args, kwargs, scaling: ScalingConfig, attempt: int, failures: list[Failure], stop, on_report):
+    from ray.util.placement_group import remove_placement_group
+
     pg = _place(ray, scaling, attempt, stop)  # all or nothing; outside any placement group of a caller (Tune's)
     board, workers, started = None, [], time.time()
     try:
-        # The board lives beside rank 0, in its bundle: on a node the gang was just placed on (a node that
-        # died a moment ago may not be known dead yet to the scheduler), and it goes with the gang.
-        board = (
-            ray.remote(ProgressBoard)
-            .options(
-                num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
-            )
-            .remote()
-        )
-        worker_cls = ray.remote(GangWorker)
-        workers = [
-            worker_cls.options(
-                **options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
-            ).remote(r, scaling.num_workers, attempt, board, settings)
-            for r in range(scaling.num_workers)
-        ]
+        board, workers = _start(ray, scaling, pg, attempt)
         coordinator = ray.get(workers[0].coordinator_address.remote(), timeout=scaling.startup_timeout_s)
         refs = [w.run.remote(coordinator, job, args, kwargs) for w in workers]
         return _supervise(ray, refs, board, scaling, attempt, started, failures, stop, on_report)
@@ -465,6 +493,12 @@ def _supervise(ray, refs, board, scaling, attempt: int, started: float, failures
                 return Failure(attempt, None, "hung", f"the progress board did not answer in {limit:g} s", time.time())
         if asked is None and time.time() - (answered_at or 0.0) >= scaling.report_interval_s:
             asked, asked_at = board.snapshot.remote(), time.time()
+    if on_report is not None:  # what rank 0 reported since the board was last read
+        try:
+            for report in ray.get(board.snapshot.remote(), timeout=30)[1]:
+                on_report(report)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            log.warning("the progress board did not answer at the end; its last reports are not passed on")
     return [results[r] for r in range(len(refs))]
 
 

@@ -15,7 +15,7 @@ class SweepResult:
     best_config: dict[str, Any]
     best_metrics: dict[str, Any]
     best_checkpoint_dir: str
-    trials: list[dict[str, Any]]  # {"config": ..., "metrics": ...} per trial, in Tune's order
+    trials: list[dict[str, Any]]  # {"config", "metrics", "reported_steps"} per trial, in Tune's order
 
 
 def tune_sweep(
@@ -38,7 +38,10 @@ def tune_sweep(
     the best trial by `metric` (an eval metric needs `dataset_eval`) is returned with its checkpoint.
     Every trial starts from `arguments` and trains on `dataset_train`; `mode` is 'min' or 'max';
     `max_concurrent_trials` gangs run at once; `trial_resources` is what a trial's supervisor asks Tune
-    for (default 0.01 CPU: the gang's workers hold the real resources)."""
+    for (default 0.01 CPU: the gang's workers hold the real resources). While a trial trains, rank 0's
+    newest metrics (with `step` and `checkpoint_dir`) are reported to Tune every `report_interval_s` and
+    after each checkpoint (once an evaluation ran, so `metric` is in every result), so Tune's schedulers
+    and result objects see its progress."""
     from ray import tune
 
     from .cluster import init_ray
@@ -76,9 +79,20 @@ def tune_sweep(
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(grid)} trials failed; first: {errors[0]}")
     best = grid.get_best_result(metric=metric, mode=mode)
-    trials = [{"config": dict(r.config), "metrics": _scalars(r.metrics)} for r in grid]
+    trials = [
+        {"config": dict(r.config), "metrics": _scalars(r.metrics), "reported_steps": _reported_steps(r)} for r in grid
+    ]
     metrics = best.metrics or {}
     return SweepResult(dict(best.config or {}), _scalars(metrics), metrics["checkpoint_dir"], trials)
+
+
+def _reported_steps(result) -> list[int]:
+    """The `step` of each result the trial reported to Tune: its progress while it trained (rank 0's
+    reports), then its final summary."""
+    frame = result.metrics_dataframe
+    if frame is None or "step" not in frame:
+        return []
+    return [int(s) for s in frame["step"].tolist()]
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -144,6 +144,17 @@ class GangWorker:
             flags = os.environ.get("XLA_FLAGS", "").split()
             os.environ["XLA_FLAGS"] = " ".join(f for f in flags if "xla_force_host_platform_device_count" not in f)
 
+    def visible(self) -> dict[str, Any]:
+        """What this worker was given: its node, Ray's GPU ids, CUDA_VISIBLE_DEVICES and JAX_PLATFORMS."""
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"),
+        }
+
     def coordinator_address(self) -> str:
         """host:port for `jax.distributed` (called on rank 0 only): this node's address as the Ray cluster
         knows it (127.0.0.1 for a local loopback cluster) and a free port."""

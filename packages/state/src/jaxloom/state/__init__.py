@@ -4,6 +4,7 @@ from .__about__ import __version__
 from .checkpoint import CheckpointConfig, CheckpointCorruptError, CheckpointManager, CheckpointSaveError, Restored
 from .lock import DirectoryLock, DirectoryLockedError
 from .export import save_pretrained
+from .shared import check_shared_directory
 from .serialization import from_jsonable, load_json, save_json, to_jsonable
 from .train_state import TrainState, abstract_state, convert_model_to_state, state_shardings
 
@@ -18,6 +19,7 @@ __all__ = [
     "TrainState",
     "__version__",
     "abstract_state",
+    "check_shared_directory",
     "convert_model_to_state",
     "from_jsonable",
     "load_json",

@@ -411,12 +411,18 @@ class BaseTrainer:
     )
 
     def _take_directory(self) -> None:
-        """One owner per `save_directory` (a lock file, process 0), and no earlier run replaced silently:
+        """One owner per `save_directory` (a lock file, process 0), seen by every process (multi-process
+        runs: `check_shared_directory`), and no earlier run replaced silently:
         checkpoints there are resumed (`resume_if_possible`), removed (`overwrite_output_dir`), or an error."""
         a = self.arguments
         directory = Path(a.save_directory)
         if self.is_process_zero:
             self._lock = js.DirectoryLock(directory).acquire()
+        try:  # every process writes its part of each checkpoint there, and reads it back after a restart
+            js.check_shared_directory(directory)
+        except ValueError:
+            self._release_directory()
+            raise
         ckpts = directory / "checkpoints"
         earlier = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.is_dir() else []
         if earlier and a.overwrite_output_dir:

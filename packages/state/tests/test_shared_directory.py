@@ -1,0 +1,53 @@
+"""`check_shared_directory` with two real JAX processes: a directory both see passes (and is left as it
+was); a relative path under each process's own working directory (a node-local run directory) is one
+error on every process, naming the process that cannot see it."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("shared_worker.py")
+
+
+def _two(root: Path, mode: str) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(port), str(rank), str(root), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a process hung")
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+def test_a_directory_every_process_sees_passes(tmp_path):
+    outs = _two(tmp_path, "shared")
+    assert [o["error"] for o in outs] == [None, None]
+    assert list((tmp_path / "run").iterdir()) == []  # the marker is removed
+
+
+def test_a_node_local_directory_is_one_clear_error_on_every_process(tmp_path):
+    outs = _two(tmp_path, "local")
+    for o in outs:
+        assert o["error"] and "save_directory run is not shared by the processes of this run" in o["error"]
+        assert f"process 1 on {socket.gethostname()} cannot see" in o["error"]
+        assert f"process 0 on {socket.gethostname()}" not in o["error"] and str(tmp_path / "0" / "run") in o["error"]
