@@ -153,7 +153,7 @@ def bench(session: nox.Session) -> None:
     # Byte-compiled as pip installs do by default (uv does not): start-up times must not include
     # compiling every imported module from source, which PYTHONDONTWRITEBYTECODE would repeat per run.
     session.env["UV_COMPILE_BYTECODE"] = "1"
-    install_parts(session, parts.closure("trainer"), extra="test")  # trainer's closure includes generation
+    install_parts(session, parts.closure("ray"), extra="test")  # the trainer's closure (and generation), and ray
     session.run("python", "tools/bench/run.py", env={"TF_CPP_MIN_LOG_LEVEL": "3", **session.env})
 
 

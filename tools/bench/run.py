@@ -187,6 +187,8 @@ def main() -> None:
     results["decode_cpu"] = d
     # Does cost follow the work? attention memory vs length, MoE FLOPs vs experts, start-up vs depth
     results["scale"] = run_process([str(HERE / "model_scale.py")], {"JAX_PLATFORMS": "cpu"})
+    # The gang: 2 Ray workers (2 JAX processes) vs 1 process on the same 2-device mesh; driver CPU
+    results["ray_gang"] = run_process([str(HERE / "ray_gang.py")], {"XLA_FLAGS": ""})
     results["imports_s"] = import_times()
     t = results["train_cpu"]["trainer"]["tokens_per_second"]
     results["data"] = data_pipeline(t)
@@ -326,6 +328,28 @@ def table(r: dict) -> str:
         ),
     )
     rows.extend(scale_rows(r["scale"]))
+    g = r["ray_gang"]
+    rows += [
+        (
+            "step time (ms), 2-worker Ray gang vs 1 process, same 2-device mesh",
+            f"{g['gang_step_s'] * 1000:.0f} vs {g['one_process_step_s'] * 1000:.0f}",
+            f"{g['gang_step_s'] / g['one_process_step_s']:.2f}",
+            "",
+        ),
+        (
+            "wall (s) incl. start-up, 2-worker gang vs 1 process",
+            f"{g['gang_wall_s']:.1f} vs {g['one_process_wall_s']:.1f}",
+            f"{g['gang_wall_s'] / g['one_process_wall_s']:.2f}",
+            "",
+        ),
+        ("gang vs 1 process: max |loss difference|", f"{g['max_loss_diff']:.2e}", "", "<= 1e-4"),
+        (
+            "driver CPU per worker-step (ms), whole launch",
+            f"{g['driver_cpu_ms_per_worker_step']:.1f} ({g['driver_cpu_s']:.1f} s)",
+            "",
+            "",
+        ),
+    ]
     for key in ("train_gpu_2048", "train_gpu_8192"):
         if key in r:
             rows.append(

@@ -388,9 +388,10 @@ def _start(ray, scaling: ScalingConfig, pg, attempt: int):
 
 
 def probe_gang(scaling: ScalingConfig | None = None) -> list[dict[str, Any]]:
-    """Place the gang exactly as `launch` would and return what each rank's worker sees, without starting
-    JAX: its `node_id`, `gpu_ids` (Ray's), `CUDA_VISIBLE_DEVICES` and `JAX_PLATFORMS`. For checking a
-    cluster (or a config) before a long run; the gang is released afterwards. PlacementError as in `launch`."""
+    """Place the gang `scaling` describes exactly as `launch` would and return what each rank's worker
+    sees, without starting JAX: its `node_id`, `gpu_ids` (Ray's), `CUDA_VISIBLE_DEVICES` and
+    `JAX_PLATFORMS`. For checking a cluster (or a config) before a long run; the gang is released
+    afterwards. PlacementError as in `launch`."""
     import ray
 
     scaling = scaling or ScalingConfig()

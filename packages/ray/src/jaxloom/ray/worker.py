@@ -42,7 +42,8 @@ class ProgressBoard:
 @dataclasses.dataclass
 class WorkerContext:
     """Given to the job function in each worker: who it is (`rank` of `world_size`), which `attempt`
-    this is, the progress `board` it reports to, and the JAX `coordinator` address (rank 0's host:port)."""
+    this is, the progress `board` it reports to, the JAX `coordinator` address (rank 0's host:port), and
+    `report_interval_s`: how often its step hooks report at most."""
 
     rank: int
     world_size: int
