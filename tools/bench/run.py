@@ -189,12 +189,52 @@ def main() -> None:
     results["scale"] = run_process([str(HERE / "model_scale.py")], {"JAX_PLATFORMS": "cpu"})
     # The gang: 2 Ray workers (2 JAX processes) vs 1 process on the same 2-device mesh; driver CPU
     results["ray_gang"] = run_process([str(HERE / "ray_gang.py")], {"XLA_FLAGS": ""})
+    # Data at scale: peak RSS and wall of `jaxloom train` on a small and a big JSONL, streamed and from a store
+    results["data_scale"] = run_process([str(HERE / "data_scale.py")], {"JAX_PLATFORMS": "cpu"})
     results["imports_s"] = import_times()
     t = results["train_cpu"]["trainer"]["tokens_per_second"]
     results["data"] = data_pipeline(t)
     results["checkpoint"] = checkpoints(8 * 256 / t)
     Path("bench-results.json").write_text(json.dumps(results, indent=2))
     print(table(results))
+
+
+def data_rows(d: dict, training_tokens_per_second: float) -> list[tuple[str, str, str, str]]:
+    size = f"{d['big_mb']} MB vs {d['small_mb']} MB JSONL"
+    out = []
+    for kind, what in (("stream", "streamed"), ("store", "from a token store")):
+        big, small = d[f"{kind}_big"], d[f"{kind}_small"]
+        out += [
+            (
+                f"peak RSS of `jaxloom train`, {what}: {size}",
+                f"{big['peak_rss_gb']:.2f} vs {small['peak_rss_gb']:.2f} GB",
+                f"{d[f'{kind}_rss_ratio']:.2f}",
+                "<= 1.15",
+            ),
+            (
+                f"wall of 4 steps incl. start-up, {what}: {size}",
+                f"{big['wall_s']:.1f} vs {small['wall_s']:.1f} s",
+                f"{d[f'{kind}_wall_ratio']:.2f}",
+                "<= 1.15",
+            ),
+        ]
+    out += [
+        ("`data prepare` tokens/s, 1 process", f"{d['prepare_tokens_per_s_1proc']:.0f}", "", ""),
+        ("`data prepare` tokens/s, 2 processes", f"{d['prepare_tokens_per_s_2proc']:.0f}", "", ""),
+        (
+            "loader tokens/s from a store (one thread) vs the 8.4M model's training",
+            f"{d['store_loader_tokens_per_s']:.0f} vs {training_tokens_per_second:.0f}",
+            f"{d['store_loader_tokens_per_s'] / training_tokens_per_second:.0f}",
+            ">= 100",
+        ),
+        (
+            "random document reads/s: token store vs Arrow (load_from_disk)",
+            f"{d['random_access']['store_docs_per_s']:.0f} vs {d['random_access']['arrow_docs_per_s']:.0f}",
+            f"{d['random_access']['store_docs_per_s'] / d['random_access']['arrow_docs_per_s']:.1f}",
+            "",
+        ),
+    ]
+    return out
 
 
 def scale_rows(s: dict) -> list[tuple[str, str, str, str]]:
@@ -328,6 +368,7 @@ def table(r: dict) -> str:
         ),
     )
     rows.extend(scale_rows(r["scale"]))
+    rows.extend(data_rows(r["data_scale"], r["train_cpu"]["trainer"]["tokens_per_second"]))
     g = r["ray_gang"]
     rows += [
         (

@@ -248,7 +248,7 @@ def test_a_dataset_that_shrank_since_the_position_was_saved_is_an_error(tmp_path
     with pytest.raises(
         ValueError,
         match=r"the dataset changed since this data position was saved: shard .*d.jsonl "
-        r"has 6 record\(s\) for data rank 0, the position is after record 10",
+        r"has 6 record\(s\) for data rank 0 from cursor 0, the position is after record 10",
     ):
         next(shrunk)
 

@@ -57,3 +57,33 @@ def test_export_loads_in_transformers_and_back_bitwise(tmp_path):
     again = jm.from_pretrained(tmp_path / "out")
     a, b = jm.to_hf_state_dict(model), jm.to_hf_state_dict(again)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_streamed_export_casts_and_shards_tensor_by_tensor(tmp_path):
+    """The export writes each tensor as it is gathered (a scanned stack's layers one by one), cast on the
+    way out and split over size-capped files: the files hold exactly the model's HF tensors, in bf16."""
+    import json
+
+    import jax.numpy as jnp
+
+    from jaxloom.models import safetensors_io
+
+    cfg = jm.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model = jm.create_model(cfg, jm.RuntimeConfig(scan_layers=True), seed=0)
+    jm.save_hf_model(model, tmp_path / "hf", dtype="bfloat16", max_shard_bytes=4000)
+    weight_map = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    got = {}
+    for file in set(weight_map.values()):
+        got.update(safetensors_io.load(tmp_path / "hf" / file))
+    ref = {k: np.asarray(v.astype(jnp.bfloat16)) for k, v in jm.to_hf_state_dict(model).items()}
+    assert len(set(weight_map.values())) > 5 and got.keys() == ref.keys() == weight_map.keys()
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype and np.array_equal(got[k].view(np.uint16), ref[k].view(np.uint16)), k

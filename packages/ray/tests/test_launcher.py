@@ -132,10 +132,11 @@ def test_cli_train_with_ray(ray_cluster, tmp_path, capsys):
             "train",
             *TINY_OVERRIDES,
             "max_training_steps=2",
-            f"save_directory={tmp_path / 'cli'}",
+            "save_directory=cli",  # relative: under storage_path, as Ray's RunConfig puts a run
             "--ray",
             "num_workers=2",
             "max_failures=1",
+            f"storage_path={tmp_path}",
         ]
     )
     out = capsys.readouterr().out
@@ -143,7 +144,10 @@ def test_cli_train_with_ray(ray_cluster, tmp_path, capsys):
     assert rc == 0 and summary["attempts"] == 1 and summary["step"] == 2
     assert tuple(summary)[: len(SUMMARY_KEYS)] == SUMMARY_KEYS  # what a plain run prints, then the gang's
     assert (tmp_path / "cli" / "run_config.json").is_file() and (tmp_path / "cli" / "report.md").is_file()
+    assert summary["checkpoints"].startswith(str(tmp_path / "cli"))
     assert main(["train", "--ray", "num_workers=two"]) == 2
+    assert main(["train", "--ray", "storage_path=s3://bucket/runs"]) == 2
+    assert "object-store URIs are not supported by jaxloom-state yet" in capsys.readouterr().err
     assert main(["train", "--ray", "workers=2"]) == 2
 
 

@@ -51,3 +51,10 @@ def test_a_node_local_directory_is_one_clear_error_on_every_process(tmp_path):
         assert o["error"] and "save_directory run is not shared by the processes of this run" in o["error"]
         assert f"process 1 on {socket.gethostname()} cannot see" in o["error"]
         assert f"process 0 on {socket.gethostname()}" not in o["error"] and str(tmp_path / "0" / "run") in o["error"]
+
+
+def test_save_minutes_shares_the_clock_every_few_steps_not_every_step(tmp_path):
+    """Two processes agree on time-based saves, decided by process 0 at every 4th step only: no collective
+    on the steps between."""
+    outs = _two(tmp_path, "timed")
+    assert [o["due"] for o in outs] == [[4, 8, 12], [4, 8, 12]]

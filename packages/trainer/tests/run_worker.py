@@ -1,4 +1,5 @@
-"""python run_worker.py OUT_DIR: a short deterministic run through the CLI's builder; prints each step."""
+"""python run_worker.py OUT_DIR MODE [key=value ...]: a short deterministic run through the CLI's builder;
+prints each step."""
 
 import sys
 
@@ -30,6 +31,7 @@ trainer, _ = build_run(
         "progress_bar=false",
         "use_tensorboard=false",
         f"async_checkpointing={mode == 'async'}",
+        *sys.argv[3:],
     ],
 )
 trainer.hooks.append(Announce())

@@ -122,6 +122,7 @@ DATA = {
     "truncation_mode": "keep_start",
     "packing": False,
     "shuffle_train_dataset": False,
+    "shuffle_buffer_size": 4,  # shuffled in blocks of 4 records instead of all at once
     "seed": 7,  # the shuffle order
     "evaluation_batch_size": 2,
 }

@@ -17,10 +17,10 @@ WORKER = Path(__file__).with_name("run_worker.py")
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
 
-def run(out, kill_after=None, mode="sync"):
+def run(out, kill_after=None, mode="sync", extra=()):
     err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads until the end (it can fill)
     proc = subprocess.Popen(
-        [sys.executable, str(WORKER), str(out), mode], stdout=subprocess.PIPE, stderr=err, text=True, env=ENV
+        [sys.executable, str(WORKER), str(out), mode, *extra], stdout=subprocess.PIPE, stderr=err, text=True, env=ENV
     )
     lines = []
     for line in proc.stdout:
@@ -34,14 +34,28 @@ def run(out, kill_after=None, mode="sync"):
         return proc, lines, err.read()
 
 
+def data_overrides(kind, tmp_path):
+    """The bundled records in memory, the bundled JSONL streamed in blocks, or a token store of it."""
+    import jaxloom.data as jd
+
+    if kind == "records":
+        return []
+    blocks = ["shuffle_buffer_size=64"]  # ~20 blocks: the kill lands mid-file
+    if kind == "stream":
+        return [f"data.train={jd.bundled_corpus_path()}", *blocks]
+    jd.prepare(jd.bundled_corpus_path(), tmp_path / "store", progress=False)
+    return [f"data.train={tmp_path / 'store'}", *blocks]
+
+
 # async saves (the default) killed at random steps: tests/reliability/test_faults.py
-@pytest.mark.parametrize("kill_after, mode", [(7, "sync")])
-def test_sigkill_then_resume_ends_bitwise_equal(tmp_path, kill_after, mode):
-    ref, _, err = run(tmp_path / "ref", mode=mode)
+@pytest.mark.parametrize("kill_after, mode, data", [(7, "sync", "stream"), (7, "sync", "store")])
+def test_sigkill_then_resume_ends_bitwise_equal(tmp_path, kill_after, mode, data):
+    extra = data_overrides(data, tmp_path)
+    ref, _, err = run(tmp_path / "ref", mode=mode, extra=extra)
     assert ref.returncode == 0, err[-3000:]
-    killed, _, _ = run(tmp_path / "run", kill_after=kill_after, mode=mode)
+    killed, _, _ = run(tmp_path / "run", kill_after=kill_after, mode=mode, extra=extra)
     assert killed.returncode == -signal.SIGKILL
-    again, lines, err = run(tmp_path / "run", mode=mode)
+    again, lines, err = run(tmp_path / "run", mode=mode, extra=extra)
     assert again.returncode == 0, err[-3000:]
     resumed = [line for line in lines if line.startswith("RESUMED_FROM")][0]
     step = int(resumed.rsplit("/", 1)[-1]) if "checkpoints/" in resumed else None
@@ -118,3 +132,32 @@ def test_ray_launcher_is_found_by_entry_point_and_missing_is_clear(monkeypatch, 
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
     assert main(["train", "max_training_steps=1", "--ray", "num_workers=1"]) == 2
     assert "--ray needs the jaxloom-ray package" in capsys.readouterr().err
+
+
+def test_data_prepare_then_train_on_a_mixture_of_a_store_and_a_stream(tmp_path, capsys):
+    """`jaxloom data prepare` makes a store; a config trains on a weighted mixture of it and a JSONL file,
+    and the metrics carry each part's share of the tokens."""
+    import jaxloom.data as jd
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"line {i} " + "words " * (i % 9)}) + "\n" for i in range(400)))
+    assert main(["data", "prepare", str(corpus), str(tmp_path / "store")]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["documents"] == 400 and printed["tokens"] > 400 and jd.is_store(tmp_path / "store")
+    assert main(["data", "prepare", str(corpus), str(tmp_path / "s2"), "--num-proc", "0"]) == 2
+    assert "--num-proc 0; expected a positive integer" in capsys.readouterr().err
+    assert main(["data", "prepare", str(tmp_path / "nothing*.jsonl"), str(tmp_path / "s3")]) == 2
+    config = tmp_path / "mix.yaml"
+    config.write_text(
+        "model: {num_attention_heads: 4, num_key_value_heads: 2}\ndata:\n  train:\n"
+        f"    - {{path: {tmp_path / 'store'}, weight: 3}}\n"
+        f"    - {{path: {jd.bundled_corpus_path()}, weight: 1}}\n"
+    )
+    run = [str(config), f"save_directory={tmp_path / 'run'}", "max_training_steps=4", "logging_steps=4", *CLI_TINY]
+    assert main(["train", *run]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    shares = [r for r in rows if "train/data_share_part0" in r][-1]
+    assert abs(shares["train/data_share_part0"] - 0.75) < 0.05 and abs(shares["train/data_share_part1"] - 0.25) < 0.05
+    config.write_text("data:\n  train:\n    - {path: a.jsonl, weight: -2}\n")
+    assert main(["train", *run]) == 2
+    assert "mixture part 0 (a.jsonl) has weight -2" in capsys.readouterr().err

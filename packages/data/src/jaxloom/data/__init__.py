@@ -9,7 +9,7 @@ from .collate import (
     to_global,
 )
 from .mesh_loader import MeshLoader
-from .pipeline import DataConfig, DataLoader
+from .pipeline import DataConfig, DataLoader, Mixture
 from .processor import adds_bos, bundled_corpus_path, bundled_tokenizer_path, load_processor, match_bos
 from .sources import (
     HFDatasetSource,
@@ -19,7 +19,9 @@ from .sources import (
     ShardedDataSource,
     TextSource,
     as_source,
+    iter_shard,
 )
+from .store import TokenStore, is_store, prepare, tokenizer_hash
 from .synthetic import addition_records, exact_match
 from .tokenize import tokenize_record
 
@@ -30,9 +32,11 @@ __all__ = [
     "IterableSource",
     "JsonlSource",
     "MeshLoader",
+    "Mixture",
     "ParquetSource",
     "ShardedDataSource",
     "TextSource",
+    "TokenStore",
     "__version__",
     "addition_records",
     "adds_bos",
@@ -42,10 +46,14 @@ __all__ = [
     "create_collect_function",
     "exact_match",
     "extract_column_names",
+    "is_store",
+    "iter_shard",
     "load_processor",
     "match_bos",
     "process_messages_data",
+    "prepare",
     "process_sample_data",
     "to_global",
     "tokenize_record",
+    "tokenizer_hash",
 ]

@@ -22,6 +22,23 @@ log = logging.getLogger(__name__)
 _KEYS = tuple(START)
 
 
+def _flat(state: dict) -> list[int]:
+    """A stream's position as ints (gathered across processes as one array)."""
+    if "components" in state:
+        return [v for c in state["components"] for v in _flat(c)] + list(state["tokens"])
+    return [state[k] for k in _KEYS]
+
+
+def _unflat(values: list[int], parts: int) -> dict:
+    n = len(_KEYS)
+    if parts == 1 and len(values) == n:
+        return dict(zip(_KEYS, values, strict=True))
+    return {
+        "components": [dict(zip(_KEYS, values[i * n : (i + 1) * n], strict=True)) for i in range(parts)],
+        "tokens": values[parts * n :],
+    }
+
+
 class MeshLoader:
     """Args:
     data, tokenizer: as for `DataLoader`. config: its `batch_size` is ignored (set from the mesh).
@@ -60,7 +77,7 @@ class MeshLoader:
     def _streams_from(self, state: dict | None) -> list[dict | None]:
         if state is None:
             return [None] * self.dp
-        if set(state) == set(_KEYS) and self.dp == 1:  # one stream's state
+        if (set(state) == set(_KEYS) or set(state) == {"components", "tokens"}) and self.dp == 1:  # one stream's
             return [state]
         if set(state) != {"data_parallel", "streams"} or len(state["streams"]) != state["data_parallel"]:
             raise ValueError(f"data iterator state {state!r}; expected {{'data_parallel': D, 'streams': [D states]}}")
@@ -108,16 +125,16 @@ class MeshLoader:
         """Every stream's position, gathered from all processes (a collective: call it on all)."""
         import jax
 
-        local = np.asarray(
-            [[self.first + i, *(s[k] for k in _KEYS)] for i, s in enumerate(self.state_dict()["streams"])], np.int64
-        )
+        local = np.asarray([[self.first + i, *_flat(s)] for i, s in enumerate(self.state_dict()["streams"])], np.int64)
+        width = local.shape[1]
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 1 + len(_KEYS))
+            local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, width)
+        parts = len(self.loaders[0].streams)
         streams: list[dict | None] = [None] * self.dp
         for row in local.tolist():
-            streams[row[0]] = dict(zip(_KEYS, row[1:], strict=True))
+            streams[row[0]] = _unflat(row[1:], parts)
         if any(s is None for s in streams):
             raise RuntimeError(f"data streams {[d for d, s in enumerate(streams) if s is None]} have no process")
         return {"data_parallel": self.dp, "streams": streams}

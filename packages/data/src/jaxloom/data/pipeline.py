@@ -1,25 +1,31 @@
 """`DataLoader`: a deterministic, resumable stream of fixed-shape batches for one process.
 
-Order: per epoch, the process's shards are visited in a seeded order and each shard's records in a
-seeded order. The position is `{"epoch", "shard_pos", "row_pos", "token_offset"}` — a small JSON
-object. Restoring it recomputes one permutation and re-tokenizes at most one record: nothing before
-the position is read again. Batches are numpy dicts: `input_ids`, `segment_ids` (0 = padding; one id
-per document within a packed row), `positions`, `loss_mask`, each `[batch_size, max_sequence_length]`.
+Order: per epoch, the process's shards are visited in a seeded order; each shard is streamed in
+blocks of `shuffle_buffer_size` records, and each block is visited in a seeded order. Memory holds one
+block, whatever the dataset's size. The position is `{"epoch", "shard_pos", "block_cursor",
+"block_record", "row_pos", "token_offset"}` — a small JSON object (`block_cursor` is the source's own
+cursor where the block starts: a byte offset, a row). Restoring it opens the shard at that cursor and
+reads one block again: nothing before the block is read (except from sources that cannot seek).
+Batches are numpy dicts: `input_ids`, `segment_ids` (0 = padding; one id per document within a packed
+row), `positions`, `loss_mask`, each `[batch_size, max_sequence_length]`. A `Mixture` of several
+datasets fills each row from one of them, by weight.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 
 from jaxloom.mesh.schema import NonNegativeInt, PositiveInt, config
 
-from .sources import ShardedDataSource, as_source
+from .sources import ShardedDataSource, as_source, describe, iter_shard
 from .tokenize import tokenize_record
 
 log = logging.getLogger(__name__)
@@ -40,6 +46,8 @@ class DataConfig:
       text, chat messages, and prompt/completion pairs.
     - `add_bos`, `add_eos`: put the tokenizer's bos/eos tokens around every document.
     - `shuffle`, `seed`: shuffle shards and records each epoch, deterministically from `seed`.
+    - `shuffle_buffer_size`: records read ahead from a shard (and shuffled together, when `shuffle`);
+      memory holds this many records and their tokens, whatever the dataset's size.
     - `num_epochs`: stop after this many passes (None: endless; the trainer counts steps).
     - `prefetch`: batches prepared ahead in a background thread (0: none).
     """
@@ -58,11 +66,12 @@ class DataConfig:
     add_eos: bool = True
     shuffle: bool = True
     seed: NonNegativeInt = 0
+    shuffle_buffer_size: PositiveInt = 8192
     num_epochs: PositiveInt | None = None
     prefetch: NonNegativeInt = 2
 
 
-START = {"epoch": 0, "shard_pos": 0, "row_pos": 0, "token_offset": 0}
+START = {"epoch": 0, "shard_pos": 0, "block_cursor": 0, "block_record": 0, "row_pos": 0, "token_offset": 0}
 
 
 class DataLoader:
@@ -83,23 +92,32 @@ class DataLoader:
     ):
         if not 0 <= data_rank < data_ranks:
             raise ValueError(f"data_rank {data_rank} must be in [0, {data_ranks})")
-        self.source: ShardedDataSource = as_source(data)
         self.tokenizer, self.config = tokenizer, config
         self.rank, self.ranks = data_rank, data_ranks
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; load it with jaxloom.data.load_processor")
-        shards = list(self.source.shard_names)
-        if not shards:
-            raise ValueError("the dataset has no shards")
-        if len(shards) % data_ranks == 0:  # whole shards per rank
-            self.shards, self.row_stride = shards[data_rank::data_ranks], 1
-        else:  # every rank reads every shard and keeps every data_ranks-th record
-            self.shards, self.row_stride = shards, data_ranks
-        self._state = dict(START if state is None else self._check_state(state))
+        self.mixture = data if isinstance(data, Mixture) else None
+        parts = self.mixture.parts if self.mixture is not None else [data]
+        self.streams = [_Stream(as_source(d), self) for d in parts]
+        self._state = self._check_state(state) if state is not None else self._start_state()
         self._resumed = state is not None  # the first batch checks that the saved position still exists
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
-        self._shard_memo: tuple = (None, None, None, None, None)
+
+    @property
+    def source(self) -> ShardedDataSource:
+        """The source read (the first part's, for a mixture)."""
+        return self.streams[0].source
+
+    @property
+    def shards(self) -> list[str]:
+        """This rank's shards of the (first) source."""
+        return self.streams[0].shards
+
+    def _start_state(self) -> dict:
+        if self.mixture is None:
+            return dict(START)
+        return {"components": [dict(START) for _ in self.streams], "tokens": [0] * len(self.streams)}
 
     @classmethod
     def for_mesh(cls, data, tokenizer, config: DataConfig, mesh, global_batch_size: int, **kw) -> DataLoader:
@@ -112,16 +130,37 @@ class DataLoader:
         config = dataclasses.replace(config, batch_size=n)
         return cls(data, tokenizer, config, data_rank=rows.start // n, data_ranks=global_batch_size // n, **kw)
 
+    def _check_state(self, state: dict) -> dict:
+        if self.mixture is not None:
+            ok = (
+                isinstance(state, dict)
+                and set(state) == {"components", "tokens"}
+                and len(state["components"]) == len(state["tokens"]) == len(self.streams)
+                and all(isinstance(t, int) and t >= 0 for t in state["tokens"])
+            )
+            if not ok:
+                raise ValueError(
+                    f"data iterator state {state!r:.300}; expected a mixture's position: "
+                    f"{{'components': [{len(self.streams)} positions], 'tokens': [{len(self.streams)} ints]}}"
+                )
+            return {"components": [self._check_one(c) for c in state["components"]], "tokens": list(state["tokens"])}
+        return self._check_one(state)
+
     @staticmethod
-    def _check_state(state: dict) -> dict:
+    def _check_one(state: dict) -> dict:
+        if set(state) == set(START) - {"block_cursor", "block_record"}:
+            raise ValueError(
+                f"data position {state!r} was saved by jaxloom-data < 0.6, which read whole shards in another order; "
+                "the streaming loader cannot continue it exactly (resume with jaxloom-data 0.5, or start a new run)"
+            )
         if set(state) != set(START) or not all(isinstance(v, int) and v >= 0 for v in state.values()):
             raise ValueError(f"data iterator state {state!r}; expected non-negative ints for {sorted(START)}")
-        return state
+        return dict(state)
 
     # ---- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
         """The position after the last batch returned by `next()`: restoring it continues exactly there."""
-        return dict(self._state)
+        return json.loads(json.dumps(self._state))
 
     # ---- iteration --------------------------------------------------------------------------------
     def __iter__(self):
@@ -165,20 +204,28 @@ class DataLoader:
         b, length = c.batch_size, c.max_sequence_length
         out = {k: np.zeros((b, length), np.int32) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
         out["input_ids"][:] = self.tokenizer.pad_token_id
-        cursor = _Cursor(self, state)
+        mixed = self.mixture is not None
+        states = state["components"] if mixed else [state]
+        cursors = [_Cursor(stream, st) for stream, st in zip(self.streams, states, strict=True)]
+        tokens = list(state["tokens"]) if mixed else [0]
         if self._resumed:
-            cursor.check_position()
+            for cursor in cursors:
+                cursor.check_position()
             self._resumed = False
         try:
             for r in range(b):
+                k = self.mixture.pick(tokens) if mixed else 0  # type: ignore[union-attr]
                 if c.packing:
-                    self._pack_row(cursor, out, r)
+                    self._pack_row(cursors[k], out, r)
                 else:
-                    self._pad_row(cursor, out, r)
+                    self._pad_row(cursors[k], out, r)
+                tokens[k] += int(np.count_nonzero(out["segment_ids"][r]))
         except StopIteration:  # the last epoch ended: a final, partly padded batch, then the end
             if not out["segment_ids"].any():
                 raise
-        return out, cursor.state
+        if mixed:
+            return out, {"components": [cur.state for cur in cursors], "tokens": tokens}
+        return out, cursors[0].state
 
     def _pack_row(self, cursor, out, r) -> None:
         length, filled, segment = self.config.max_sequence_length, 0, 0
@@ -213,12 +260,12 @@ class DataLoader:
 
 
 def _batch_tokenize(rows: list[dict], tokenizer, config: DataConfig) -> list[np.ndarray] | None:
-    """Plain-text shards are tokenized in one batched call when loaded (in the prefetch thread), so
-    training-time data work is slicing. Other record kinds go record by record."""
+    """Plain-text `rows` are tokenized in one batched call (in the prefetch thread), so training-time data
+    work is slicing; None when some row is not plain text (those go record by record)."""
     column = config.text_column
     if not rows or not all(
         set(r) & {column}
-        and not (set(r) & {config.messages_column, config.prompt_column})
+        and not (set(r) & {config.messages_column, config.prompt_column, "input_ids"})
         and isinstance(r[column], str)
         for r in rows
     ):
@@ -229,14 +276,106 @@ def _batch_tokenize(rows: list[dict], tokenizer, config: DataConfig) -> list[np.
     return [np.asarray(bos + ids + eos, np.int32) for ids in encoded]
 
 
-class _Cursor:
-    """Walks records from a state; caches the current shard's records and order and the current record's tokens."""
+class Mixture:
+    """Several datasets read as one, each contributing `weight` of the training tokens.
 
-    def __init__(self, loader: DataLoader, state: dict):
+    `parts`: `[(data, weight), ...]` or `[{"path": data, "weight": w}, ...]`, each `data` anything
+    `as_source` reads. Each row is filled from one part: the one whose share of the tokens so far is
+    furthest below its weight, so the realised shares follow the weights within one row at any step,
+    deterministically, and a resume continues exactly (the position holds each part's position and
+    token count). Token counts per part are in the loader's position (`state_dict()["tokens"]`).
+    """
+
+    def __init__(self, parts: Sequence[Any]):
+        items = [
+            (p.get("path", p.get("data")), p.get("weight", 1.0)) if isinstance(p, dict) else tuple(p) for p in parts
+        ]
+        if not items:
+            raise ValueError("a data mixture needs at least one part; expected [{path, weight}, ...]")
+        for i, (data, weight) in enumerate(items):
+            if data is None:
+                raise ValueError(f"mixture part {i} has no path; expected {{'path': ..., 'weight': ...}}")
+            if (
+                not isinstance(weight, int | float)
+                or isinstance(weight, bool)
+                or not weight >= 0
+                or weight == float("inf")
+            ):
+                raise ValueError(f"mixture part {i} ({data}) has weight {weight!r}; expected a finite number >= 0")
+        total = sum(w for _, w in items)
+        if total <= 0:
+            raise ValueError(f"mixture weights {[w for _, w in items]} sum to {total}; expected a positive sum")
+        self.parts = [d for d, _ in items]
+        self.weights = np.asarray([w / total for _, w in items], np.float64)
+
+    def pick(self, tokens: Sequence[int]) -> int:
+        """The part the next row comes from, given the tokens each part has given so far."""
+        t = np.asarray(tokens, np.float64)
+        live = self.weights > 0
+        deficit = np.where(live, self.weights * (t.sum() + 1) - t, -np.inf)
+        return int(np.argmax(deficit))
+
+
+class _Stream:
+    """One source as this rank reads it: its shards (whole shards per rank, or every `ranks`-th record of
+    each), and what is kept across batches: the current block and the open stream of its shard."""
+
+    def __init__(self, source: ShardedDataSource, loader: DataLoader):
+        self.source, self.tokenizer, self.config = source, loader.tokenizer, loader.config
+        self.rank, self.ranks = loader.rank, loader.ranks
+        check = getattr(source, "check", None)  # a token store: made with this tokenizer and BOS/EOS?
+        if check is not None:
+            check(loader.tokenizer, loader.config)
+        shards = list(source.shard_names)
+        if not shards:
+            raise ValueError("the dataset has no shards")
+        if len(shards) % self.ranks == 0:  # whole shards per rank
+            self.shards, self.row_stride = shards[self.rank :: self.ranks], 1
+        else:  # every rank reads every shard and keeps every ranks-th record
+            self.shards, self.row_stride = shards, self.ranks
+        self._block_memo: _Block | None = None
+        self._stream_memo: tuple = (None, None)
+
+
+TOKENIZE_CHUNK = 256  # plain-text records tokenized per call, in visiting order, when first needed
+
+
+class _Block:
+    """Up to `shuffle_buffer_size` records of one shard read from a cursor, in a seeded order. Plain text
+    is tokenized `TOKENIZE_CHUNK` records at a time in visiting order, when first needed: the first
+    batch waits for one chunk, not for the whole block, and no tokenizer output for the whole block
+    is ever held at once."""
+
+    def __init__(self, key, records, starts, order, end, next_record, last):
+        self.key, self.records, self.starts, self.order = key, records, starts, order
+        self.end, self.next_record, self.last = end, next_record, last
+        self.tokens: dict[int, np.ndarray] = {}  # record index → ids (plain text, tokenized in chunks)
+        self.plain: dict[int, bool] = {}  # chunk → whether it was plain text (tokenized together)
+
+    def plain_ids(self, row_pos: int, tokenizer, config) -> np.ndarray | None:
+        """The ids of the record visited at `row_pos` when its chunk is plain text, else None."""
+        chunk = row_pos // TOKENIZE_CHUNK
+        if chunk not in self.plain:
+            positions = range(chunk * TOKENIZE_CHUNK, min(len(self.order), (chunk + 1) * TOKENIZE_CHUNK))
+            indices = [int(self.order[p]) for p in positions]
+            ids = _batch_tokenize([self.records[i] for i in indices], tokenizer, config)
+            self.plain[chunk] = ids is not None
+            if ids is not None:
+                self.tokens.update(zip(indices, ids, strict=True))
+            for done in [c for c in self.plain if c < chunk]:  # visited: free their tokens
+                for p in range(done * TOKENIZE_CHUNK, min(len(self.order), (done + 1) * TOKENIZE_CHUNK)):
+                    self.tokens.pop(int(self.order[p]), None)
+        return self.tokens.get(int(self.order[row_pos])) if self.plain[chunk] else None
+
+
+class _Cursor:
+    """Walks records from a state. The current block (records, order, tokens) and the open stream of its
+    shard are kept on the loader across batches: each record is read and tokenized once, and a shard is
+    opened once per pass (a resume opens it at the saved cursor)."""
+
+    def __init__(self, loader: _Stream, state: dict):
         self.loader, self.state = loader, dict(state)
-        # The current shard (records, order, tokens) is kept on the loader across batches: reading and
-        # tokenizing a shard happens once per shard, not once per batch.
-        self._shard_key, self._rows, self._perm, self._name, self._tokens = loader._shard_memo
+        self._block: _Block | None = loader._block_memo
         self._tokens_key = None
 
     def check_position(self) -> None:
@@ -249,11 +388,12 @@ class _Cursor:
                 f"rank {self.loader.rank}, the position is in shard {s['shard_pos'] + 1}; expected the data the run "
                 "was started with (resume with that data, or start a new run)"
             )
-        rows = self._load_shard()
-        if s["row_pos"] > len(rows):
+        block = self._load_block()
+        if s["row_pos"] > len(block.records):
             raise ValueError(
-                f"the dataset changed since this data position was saved: shard {self._name} has {len(rows)} "
-                f"record(s) for data rank {self.loader.rank}, the position is after record {s['row_pos']}; "
+                f"the dataset changed since this data position was saved: shard {block.key[2]} has "
+                f"{len(block.records)} record(s) for data rank {self.loader.rank} from cursor {s['block_cursor']}, "
+                f"the position is after record {s['row_pos']}; "
                 "expected the data the run was started with (resume with that data, or start a new run)"
             )
 
@@ -264,54 +404,74 @@ class _Cursor:
             shards = [shards[i] for i in rng.permutation(len(shards))]
         return shards
 
-    def _load_shard(self):
-        key = (self.state["epoch"], self.state["shard_pos"])
-        if key != self._shard_key:
-            name = self._order(self.state["epoch"])[self.state["shard_pos"]]
-            rows = (
-                self.loader.source.read_shard(name)[self.loader.rank :: self.loader.row_stride]
-                if self.loader.row_stride > 1
-                else self.loader.source.read_shard(name)
-            )
-            order = np.arange(len(rows))
-            if self.loader.config.shuffle:
-                idx = self.loader.shards.index(name)
-                rng = np.random.default_rng([self.loader.config.seed, self.state["epoch"], idx + 1])
-                order = rng.permutation(len(rows))
-            self._rows, self._perm, self._name, self._shard_key = rows, order, name, key
-            self._tokens = _batch_tokenize(rows, self.loader.tokenizer, self.loader.config)
-            self.loader._shard_memo = (key, rows, order, name, self._tokens)
-        return self._rows
+    def _load_block(self) -> _Block:
+        s, loader = self.state, self.loader
+        name = self._order(s["epoch"])[s["shard_pos"]]
+        key = (s["epoch"], s["shard_pos"], name, s["block_cursor"])
+        if self._block is not None and self._block.key == key:
+            return self._block
+        c, stride, rank = loader.config, loader.row_stride, loader.rank
+        stream_key, stream = loader._stream_memo
+        if stream_key != key:
+            stream = iter_shard(loader.source, name, s["block_cursor"])
+        records, starts, pos, index, last = [], [], s["block_cursor"], s["block_record"], True
+        for record, after in stream:
+            if index % stride == rank % stride:
+                records.append(record)
+                starts.append(pos)
+            index, pos = index + 1, after
+            if len(records) == c.shuffle_buffer_size:
+                last = False
+                break
+        order = np.arange(len(records))
+        if c.shuffle:
+            idx = loader.shards.index(name)
+            seed = [c.seed, s["epoch"], idx + 1] + ([s["block_record"]] if s["block_record"] else [])
+            order = np.random.default_rng(seed).permutation(len(records))
+        self._block = _Block(key, records, starts, order, pos, index, last)
+        next_key = (s["epoch"], s["shard_pos"], name, pos)
+        loader._stream_memo = (next_key, stream) if not last else (None, None)
+        loader._block_memo = self._block
+        return self._block
+
+    def _advance(self, block: _Block) -> None:
+        """Past the end of `block`: the next block of the shard, or the next shard (and epoch)."""
+        s = self.state
+        if not block.last and block.records:
+            s.update(block_cursor=block.end, block_record=block.next_record, row_pos=0, token_offset=0)
+            return
+        s.update(shard_pos=s["shard_pos"] + 1, block_cursor=0, block_record=0, row_pos=0, token_offset=0)
+        if s["shard_pos"] >= len(self.loader.shards):
+            s.update(shard_pos=0, epoch=s["epoch"] + 1)
 
     def current(self) -> tuple[np.ndarray, np.ndarray, int]:
         epochs = self.loader.config.num_epochs
-        if epochs is not None and self.state["epoch"] >= epochs:
-            raise StopIteration
         seen_empty = 0
         while True:
-            rows = self._load_shard()
-            if self.state["row_pos"] < len(rows):
+            if epochs is not None and self.state["epoch"] >= epochs:
+                raise StopIteration
+            block = self._load_block()
+            if self.state["row_pos"] < len(block.records):
                 break
-            self.state.update(row_pos=0, token_offset=0, shard_pos=self.state["shard_pos"] + 1)
-            seen_empty = seen_empty + 1 if not rows else 0
-            if self.state["shard_pos"] >= len(self.loader.shards):
-                self.state.update(shard_pos=0, epoch=self.state["epoch"] + 1)
-                if epochs is not None and self.state["epoch"] >= epochs:
-                    raise StopIteration
+            seen_empty = seen_empty + 1 if not block.records and self.state["block_cursor"] == 0 else 0
             if seen_empty > len(self.loader.shards):
                 raise ValueError(
                     f"the dataset is empty: no records in its {len(self.loader.shards)} shard(s) "
                     f"for data rank {self.loader.rank} of {self.loader.ranks}"
                 )
-        key = (self._shard_key, self.state["row_pos"])
+            self._advance(block)
+        key = (block.key, self.state["row_pos"])
         if key != self._tokens_key:
-            index = int(self._perm[self.state["row_pos"]])
-            if self._tokens is not None:
-                self._ids = self._tokens[index]
+            index = int(block.order[self.state["row_pos"]])
+            plain = block.plain_ids(self.state["row_pos"], self.loader.tokenizer, self.loader.config)
+            if plain is not None:
+                self._ids = plain
                 self._mask = np.ones(len(self._ids), np.int32)
             else:
                 try:
-                    self._ids, self._mask = tokenize_record(rows[index], self.loader.tokenizer, self.loader.config)
+                    self._ids, self._mask = tokenize_record(
+                        block.records[index], self.loader.tokenizer, self.loader.config
+                    )
                 except (ValueError, TypeError) as e:
                     raise ValueError(f"{self.where()}: {e}") from None
             self._tokens_key = key
@@ -326,9 +486,7 @@ class _Cursor:
             self.state.update(row_pos=self.state["row_pos"] + 1, token_offset=0)
 
     def where(self) -> str:
-        """Where the current record comes from: `file:line` for JSONL, else `shard record N`."""
-        index = int(self._perm[self.state["row_pos"]])
-        if self.loader.row_stride > 1:
-            index = self.loader.rank + index * self.loader.row_stride
-        line = getattr(self.loader.source, "line_of", lambda *_: None)(self._name, index)
-        return f"{self._name}:{line}" if line is not None else f"{self._name} record {index}"
+        """Where the current record comes from: `file:line` for JSONL and text, else `shard record N`."""
+        block = self._load_block()
+        index = int(block.order[self.state["row_pos"]])
+        return describe(self.loader.source, block.key[2], block.starts[index])

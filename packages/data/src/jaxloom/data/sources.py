@@ -1,32 +1,68 @@
-"""`ShardedDataSource`: a list of shards, each opened on its own and read as records (dicts).
+"""`ShardedDataSource`: a list of shards, each read as a stream of records (dicts) from a cursor.
 
-A shard must be readable from its start; `read_shard` returns all its records so the loader can
-visit them in a seeded order and resume at any position without reading what came before.
+A shard is never read whole. `open_shard(name, cursor)` streams `(record, next_cursor)` pairs from
+`cursor`: a small integer the source defines (a byte offset for JSONL and text, a row for Parquet
+and HF datasets, a record count for iterables). Passing a `next_cursor` back continues right after
+that record, so a loader resumes by seeking, not by replaying — except where the format cannot seek
+(an HF `IterableDataset`, a Python generator): there it skips forward and says so once.
+
+A source written for an older jaxloom with only `read_shard(name) -> list` still works (its cursor
+is the record index), but is read whole; see `iter_shard`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-import numpy as np
-
 log = logging.getLogger(__name__)
 OnError = Literal["raise", "skip"]
+Stream = Iterator[tuple[dict[str, Any], int]]
+_CHUNK = 1 << 20  # bytes read per call when streaming lines
+_ROWS = 1024  # rows per slice for columnar sources
 
 
 @runtime_checkable
 class ShardedDataSource(Protocol):
-    """What the loaders read: named shards (`shard_names`), each a list of records (`read_shard`)."""
+    """What the loaders read: named shards (`shard_names`), each streamed as records from a cursor
+    (`open_shard`). `read_shard` (all records as a list) is kept for small data and old sources."""
 
     @property
     def shard_names(self) -> Sequence[str]: ...
 
     def read_shard(self, name: str) -> list[dict[str, Any]]:
         """The records of shard `name`, as dicts."""
+
+
+def iter_shard(source: Any, name: str, cursor: int = 0) -> Stream:
+    """`(record, next_cursor)` pairs of shard `name` of `source` from `cursor`: by `open_shard` when the
+    source streams, else from `read_shard` (the cursor is then the record index)."""
+    if hasattr(source, "open_shard"):
+        return source.open_shard(name, cursor)
+    rows = source.read_shard(name)
+    return ((r, i + 1) for i, r in enumerate(rows[cursor:], cursor))
+
+
+def describe(source: Any, name: str, cursor: int) -> str:
+    """Where the record at `cursor` of shard `name` is, for error messages (`file:line` where known)."""
+    fn = getattr(source, "describe", None)
+    return fn(name, cursor) if fn is not None else f"{name} record {cursor}"
+
+
+class _Streamed:
+    """`read_shard` for a streaming source: all its records as a list (small data, tests)."""
+
+    def read_shard(self, name: str) -> list[dict]:
+        """All records of shard `name` (reads it whole: for small data; loaders stream instead)."""
+        return [r for r, _ in self.open_shard(name, 0)]  # type: ignore[attr-defined]
+
+    def open_shard(self, name: str, cursor: int = 0) -> Stream:  # pragma: no cover - overridden
+        raise NotImplementedError
 
 
 def _paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
@@ -45,72 +81,116 @@ def _paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     return out
 
 
-class JsonlSource:
-    """One shard per `.jsonl` file in `paths` (a path, a glob or a list). A malformed line is an error
-    naming file and line, or is skipped with a warning (`on_error="skip"`)."""
+def _lines(name: str, offset: int) -> Iterator[tuple[bytes, int]]:
+    """`(line, offset_after)` for the lines of file `name` from byte `offset`, which must start a line."""
+    with open(name, "rb") as fh:
+        if offset:
+            fh.seek(offset - 1)
+            if fh.read(1) != b"\n":
+                raise ValueError(
+                    f"the dataset changed since this data position was saved: byte {offset} of {name} does not "
+                    "start a line; expected the file the run was started with (resume with it, or start a new run)"
+                )
+        pos = offset
+        for raw in fh:
+            pos += len(raw)
+            yield raw, pos
 
-    def __init__(self, paths, on_error: OnError = "raise"):
-        self.files = _paths(paths)
-        self.on_error = on_error
-        self._lines: dict[str, Any] = {}  # shard → line number of each record (for error messages)
+
+def _line_number(name: str, offset: int) -> int:
+    """1-based number of the line starting at byte `offset` of `name` (reads the bytes before it)."""
+    count, left = 1, offset
+    with open(name, "rb") as fh:
+        while left > 0:
+            chunk = fh.read(min(_CHUNK, left))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            left -= len(chunk)
+    return count
+
+
+class _LineFiles(_Streamed):
+    """Files read line by line; the cursor is a byte offset."""
+
+    files: list[Path]
 
     @property
     def shard_names(self) -> list[str]:
         return [str(f) for f in self.files]
 
-    def read_shard(self, name: str) -> list[dict]:
-        """The records of file `name`; a malformed line is an error naming file:line (or skipped)."""
-        rows, lines = [], []
+    def describe(self, name: str, cursor: int) -> str:
+        """`file:line` of the first non-blank line from byte `cursor` (where the record after `cursor` is)."""
+        line = _line_number(name, cursor)
         with open(name, "rb") as fh:
-            for n, raw in enumerate(fh, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{name}:{n}: not valid UTF-8 ({e}); expected UTF-8 text") from None
+            fh.seek(cursor)
+            for raw in fh:
+                if raw.strip():
+                    break
+                line += 1
+        return f"{name}:{line}"
+
+    def _decode(self, name: str, raw: bytes, start: int) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{self.describe(name, start)}: not valid UTF-8 ({e}); expected UTF-8 text") from None
+
+
+class JsonlSource(_LineFiles):
+    """One shard per `.jsonl` file in `paths` (a path, a glob or a list), streamed line by line. A
+    malformed line is an error naming file and line, or is skipped with a warning (`on_error="skip"`)."""
+
+    def __init__(self, paths, on_error: OnError = "raise"):
+        self.files = _paths(paths)
+        self.on_error = on_error
+
+    def open_shard(self, name: str, cursor: int = 0) -> Stream:
+        """`(record, byte offset after it)` from byte `cursor` of file `name`."""
+        start = cursor
+        for raw, end in _lines(name, cursor):
+            if raw.strip():
+                line = self._decode(name, raw, start)
                 try:
                     row = json.loads(line)
                     if not isinstance(row, dict):
                         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
                 except ValueError as e:
-                    msg = f"{name}:{n}: malformed JSONL line ({e})"
+                    msg = f"{self.describe(name, start)}: malformed JSONL line ({e})"
                     if self.on_error == "raise":
                         raise ValueError(msg) from None
                     log.warning("%s; skipped", msg)
-                    continue
-                rows.append(row)
-                lines.append(n)
-        self._lines = {name: np.asarray(lines, np.int64)}
-        return rows
-
-    def line_of(self, name: str, index: int) -> int | None:
-        """The line of file `name` that record `index` (of the last `read_shard(name)`) came from."""
-        lines = self._lines.get(name)
-        return int(lines[index]) if lines is not None and 0 <= index < len(lines) else None
+                else:
+                    yield row, end
+            start = end
 
 
-class TextSource:
-    """Plain text files in `paths`: one record `{"text": ...}` per non-empty line, or per file
+class TextSource(_LineFiles):
+    """Plain text files in `paths`: one record `{"text": ...}` per non-empty line (streamed), or per file
     (`per_file=True`)."""
 
     def __init__(self, paths, per_file: bool = False):
         self.files, self.per_file = _paths(paths), per_file
 
-    @property
-    def shard_names(self) -> list[str]:
-        return [str(f) for f in self.files]
-
-    def read_shard(self, name: str) -> list[dict]:
-        """The non-empty lines (or the whole file with `per_file`) of `name` as `{'text': ...}`."""
-        text = Path(name).read_text(encoding="utf-8")
+    def open_shard(self, name: str, cursor: int = 0) -> Stream:
+        """`(record, byte offset after it)` from byte `cursor` of file `name`."""
         if self.per_file:
-            return [{"text": text}] if text.strip() else []
-        return [{"text": line} for line in text.splitlines() if line.strip()]
+            if cursor == 0:
+                text = Path(name).read_text(encoding="utf-8")
+                if text.strip():
+                    yield {"text": text}, 1
+            return
+        start = cursor
+        for raw, end in _lines(name, cursor):
+            line = self._decode(name, raw, start).rstrip("\r\n")
+            if line.strip():
+                yield {"text": line}, end
+            start = end
 
 
-class ParquetSource:
-    """One shard per Parquet file in `paths` (a path, a glob or a list), read with pyarrow."""
+class ParquetSource(_Streamed):
+    """One shard per Parquet file in `paths` (a path, a glob or a list), streamed by row group with
+    pyarrow; the cursor is the row, and a resume opens the row group that holds it."""
 
     def __init__(self, paths):
         self.files = _paths(paths)
@@ -119,72 +199,124 @@ class ParquetSource:
     def shard_names(self) -> list[str]:
         return [str(f) for f in self.files]
 
-    def read_shard(self, name: str) -> list[dict]:
-        """The rows of file `name` as dicts."""
+    def open_shard(self, name: str, cursor: int = 0) -> Stream:
+        """`(record, row after it)` from row `cursor` of file `name`."""
         import pyarrow.parquet as pq
 
-        return pq.read_table(name).to_pylist()
+        pf = pq.ParquetFile(name)
+        meta, first, group = pf.metadata, 0, 0
+        while group < meta.num_row_groups and first + meta.row_group(group).num_rows <= cursor:
+            first += meta.row_group(group).num_rows
+            group += 1
+        if group == meta.num_row_groups:
+            if cursor > first:
+                raise ValueError(
+                    f"the dataset changed since this data position was saved: {name} has {first} rows, the "
+                    f"position is row {cursor}; expected the file the run was started with"
+                )
+            return
+        row = first
+        for batch in pf.iter_batches(batch_size=_ROWS, row_groups=range(group, meta.num_row_groups)):
+            for record in batch.to_pylist():
+                row += 1
+                if row > cursor:
+                    yield record, row
 
 
-class HFDatasetSource:
-    """`dataset`, a `datasets.Dataset`, split into `num_shards` contiguous shards, or an `IterableDataset`
-    (its own shards when it has several, else one)."""
+class HFDatasetSource(_Streamed):
+    """`dataset`, a `datasets.Dataset`, split into `num_shards` contiguous shards read in slices (the
+    cursor is the row), or an `IterableDataset` (its own shards when it has several, else one;
+    `streaming=True` datasets too), consumed in order: it cannot seek, so a resume skips forward."""
 
     def __init__(self, dataset, num_shards: int = 8):
         self.dataset = dataset
         self.iterable = not hasattr(dataset, "__len__")
         self.num_shards = max(1, getattr(dataset, "num_shards", 1)) if self.iterable else num_shards
+        self._warned = False
 
     @property
     def shard_names(self) -> list[str]:
         return [str(i) for i in range(self.num_shards)]
 
-    def read_shard(self, name: str) -> list[dict]:
-        """The records of shard `name`."""
+    def open_shard(self, name: str, cursor: int = 0) -> Stream:
+        """`(record, records read after it)` from `cursor` of shard `name`."""
         i = int(name)
         if self.iterable:
             ds = self.dataset.shard(num_shards=self.num_shards, index=i) if self.num_shards > 1 else self.dataset
-            return [dict(r) for r in ds]
+            yield from _skip_forward(self, ds, cursor, f"HF IterableDataset shard {i}")
+            return
         n = len(self.dataset)
         lo, hi = n * i // self.num_shards, n * (i + 1) // self.num_shards
-        return [dict(r) for r in self.dataset.select(range(lo, hi))]
+        for start in range(lo + cursor, hi, _ROWS):
+            cols = self.dataset[start : min(hi, start + _ROWS)]
+            keys = list(cols)
+            for j in range(len(cols[keys[0]]) if keys else 0):
+                yield {k: cols[k][j] for k in keys}, start + j + 1 - lo
 
 
-class IterableSource:
-    """`records` from Python: a list, or a callable returning an iterable, split contiguously into
-    `num_shards` shards."""
+def _skip_forward(source: Any, records: Iterable[dict], cursor: int, what: str) -> Stream:
+    if cursor and not source._warned:
+        source._warned = True
+        log.warning("%s cannot seek: resuming skips forward over %d record(s) (read, not trained on)", what, cursor)
+    for n, record in enumerate(itertools.islice(records, cursor, None), cursor + 1):
+        yield dict(record), n
+
+
+class IterableSource(_Streamed):
+    """`records` from Python: a list (split contiguously into `num_shards` shards), or a callable
+    returning an iterable (streamed when `num_shards` is 1; a resume skips forward)."""
 
     def __init__(self, records: Iterable[dict] | Callable[[], Iterable[dict]], num_shards: int = 1):
         self.records = records
         self.num_shards = num_shards
+        self._warned = False
 
     @property
     def shard_names(self) -> list[str]:
         return [str(i) for i in range(self.num_shards)]
 
-    def read_shard(self, name: str) -> list[dict]:
-        """The records of shard `name`."""
-        rows = list(self.records() if callable(self.records) else self.records)
+    def open_shard(self, name: str, cursor: int = 0) -> Stream:
+        """`(record, index after it)` from `cursor` of shard `name`."""
+        if callable(self.records) and self.num_shards == 1:
+            yield from _skip_forward(self, self.records(), cursor, "a Python iterable")
+            return
+        rows = self.records() if callable(self.records) else self.records
+        rows = rows if isinstance(rows, list | tuple) else list(rows)
         i = int(name)
-        return rows[len(rows) * i // self.num_shards : len(rows) * (i + 1) // self.num_shards]
+        lo, hi = len(rows) * i // self.num_shards, len(rows) * (i + 1) // self.num_shards
+        for j in range(lo + cursor, hi):
+            yield rows[j], j + 1 - lo
 
 
 def as_source(data: Any, **kwargs: Any) -> ShardedDataSource:
     """A source for `data`, whatever it is: a source, an HF dataset, a path (by suffix), or records;
     `kwargs` go to the source's constructor."""
-    if isinstance(data, ShardedDataSource):
+    if isinstance(data, ShardedDataSource) or hasattr(data, "open_shard"):
         return data
     if hasattr(data, "features") or type(data).__name__ in ("Dataset", "IterableDataset"):
         return HFDatasetSource(data, **kwargs)
-    if isinstance(data, str | Path) or (isinstance(data, list | tuple) and data and isinstance(data[0], str | Path)):
-        first = Path(data if isinstance(data, str | Path) else data[0])
+    if isinstance(data, str | os.PathLike) or (
+        isinstance(data, list | tuple) and data and isinstance(data[0], str | os.PathLike)
+    ):
+        first = Path(data if isinstance(data, str | os.PathLike) else data[0])
+        from .store import TokenStore, is_store
+
+        if is_store(first):
+            return TokenStore(data, **kwargs)
+        if first.is_dir() and (first / "dataset_info.json").is_file():  # datasets.save_to_disk
+            import datasets
+
+            return HFDatasetSource(datasets.load_from_disk(str(first)), **kwargs)
         if first.suffix == ".jsonl":
             return JsonlSource(data, **kwargs)
         if first.suffix == ".parquet":
             return ParquetSource(data)
         if first.suffix in (".txt", ".md", ".text"):
             return TextSource(data, **kwargs)
-        raise ValueError(f"cannot tell the format of {first}; expected .jsonl, .parquet or .txt")
+        raise ValueError(
+            f"cannot tell the format of {first}; expected .jsonl, .parquet, .txt, a saved HF dataset directory or "
+            "a token store (a directory made by `jaxloom data prepare`)"
+        )
     if isinstance(data, list | tuple) or callable(data):
         return IterableSource(data, **kwargs)
     raise TypeError(f"cannot read a dataset from {type(data).__name__}")

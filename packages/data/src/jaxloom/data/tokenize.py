@@ -17,7 +17,11 @@ def column_error(record: dict, config) -> ValueError:
 def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray, np.ndarray]:
     """`(ids, loss_mask)` for one record, by `tokenizer` under `config` (a `DataConfig`: columns, bos/eos);
     `loss_mask[t] = 1` when token t is a training target.
-    Text: every token. Prompt/completion: the completion (and eos). Messages: assistant turns."""
+    Text: every token. Prompt/completion: the completion (and eos). Messages: assistant turns.
+    Pre-tokenized (`input_ids`, with `loss_mask` or HF-style `labels` where -100 marks no target, or
+    neither: every token): used as they are, no BOS/EOS added."""
+    if "input_ids" in record:
+        return _pretokenized(record, len(tokenizer))
     bos = [tokenizer.bos_token_id] if config.add_bos and tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if config.add_eos and tokenizer.eos_token_id is not None else []
     if config.messages_column in record:
@@ -35,6 +39,26 @@ def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarr
         ids = bos + tokenizer.encode(text, add_special_tokens=False) + eos
         return np.asarray(ids, np.int32), np.ones(len(ids), np.int32)
     raise column_error(record, config)
+
+
+def _pretokenized(record: dict[str, Any], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.asarray(record["input_ids"])
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"input_ids must be a flat list of ints, got {ids.dtype} of shape {ids.shape}")
+    ids = ids.astype(np.int32)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(
+            f"input_ids hold {int(ids.min())}..{int(ids.max())}; expected ids in [0, {vocab}) of the tokenizer"
+        )
+    if record.get("loss_mask") is not None:
+        mask = np.asarray(record["loss_mask"]).astype(np.int32)
+    elif record.get("labels") is not None:
+        mask = (np.asarray(record["labels"]) != -100).astype(np.int32)
+    else:
+        mask = np.ones(len(ids), np.int32)
+    if mask.shape != ids.shape:
+        raise ValueError(f"loss_mask/labels have {mask.size} values for {ids.size} input_ids; expected one per token")
+    return ids, mask
 
 
 def _chat(messages: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:

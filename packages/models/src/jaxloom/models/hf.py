@@ -229,62 +229,121 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
 def save_hf_model(model: nnx.Module, path: str | Path, *, max_shard_bytes: int = 5 * 2**30, dtype: Any = None) -> Path:
     """Write `model`'s `config.json` and `model.safetensors` (sharded with an index past
     `max_shard_bytes`) into directory `path`, cast to `dtype` if given, loadable by `transformers` and
-    by `from_pretrained`. Only process 0 writes. The directory is replaced at once (`atomic_directory`):
-    an interrupted export leaves the previous one intact."""
+    by `from_pretrained`. Only process 0 writes; tensors are gathered and written one at a time
+    (`write_hf_export`). The directory is replaced at once (`atomic_directory`): an interrupted export
+    leaves the previous one intact."""
     path = Path(path)
-    tensors = export_tensors(model, dtype)
     if jax.process_index() != 0:
+        write_hf_export(model, None, dtype=dtype, max_shard_bytes=max_shard_bytes)  # its part of each gather
         return path
     with atomic_directory(path) as tmp:
-        write_hf_files(model, tensors, tmp, max_shard_bytes=max_shard_bytes)
+        write_hf_export(model, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return path
 
 
-def export_tensors(model: nnx.Module, dtype: Any) -> dict[str, np.ndarray]:
-    tensors = to_hf_state_dict(model)
-    if dtype is not None:
-        tensors = {
-            k: v.astype(jnp.dtype(dtype)) if np.issubdtype(v.dtype, np.floating) or v.dtype == jnp.bfloat16 else v
-            for k, v in tensors.items()
-        }
-    return tensors
+def _cast(dtype: Any, have: np.dtype) -> np.dtype:
+    if dtype is not None and (np.issubdtype(have, np.floating) or have == jnp.bfloat16):
+        return np.dtype(jnp.dtype(dtype))
+    return np.dtype(have)
 
 
-def write_hf_files(
+def export_plan(model: nnx.Module, dtype: Any = None) -> list[tuple[str, int, tuple[int, ...], bool, tuple, np.dtype]]:
+    """Every HF tensor of `model`, in the order an export writes them, from shapes alone (nothing is
+    gathered): `(name, parameter leaf, indices into its stacked axes, transposed, shape, dtype)`."""
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=is_variable)[0]
+    plan: list[tuple[str, int, tuple[int, ...], bool, tuple, np.dtype]] = []
+
+    def walk(src, leaf: int, index: tuple[int, ...], shape: tuple[int, ...], out_dtype: np.dtype) -> None:
+        if isinstance(src, tuple):
+            plan.append((src[0], leaf, index, src[1], tuple(reversed(shape)) if src[1] else shape, out_dtype))
+        else:
+            for i, s in enumerate(src):
+                walk(s, leaf, (*index, i), shape[1:], out_dtype)
+
+    for leaf, (path_keys, var) in enumerate(leaves):
+        value = var.get_value()
+        walk(hf_sources(_names(path_keys), model.config), leaf, (), tuple(value.shape), _cast(dtype, value.dtype))
+    return plan
+
+
+def _host_views(model: nnx.Module, plan) -> Iterator[np.ndarray]:
+    """For each entry of `plan` in order, the tensor as a host array in HF layout, possibly a
+    non-contiguous view (a transpose, a slice of a stacked leaf): gathered across processes one tensor
+    at a time (every process must iterate: the gathers are collective). On one CPU device a leaf is
+    viewed where it lies, without a copy; elsewhere a stacked leaf is sliced on the device first, so
+    the host holds one layer's tensor, not the stack."""
+    from jaxloom.mesh import gather
+
+    leaves = [v for _, v in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=is_variable)[0]]
+    for _, leaf, index, transposed, _, _ in plan:
+        value = leaves[leaf].get_value()
+        devices = getattr(getattr(value, "sharding", None), "device_set", set())
+        if len(devices) == 1 and next(iter(devices)).platform == "cpu":
+            host = np.asarray(value)  # the device buffer itself
+            for i in index:
+                host = host[i]
+        else:
+            for i in index:
+                value = value[i]
+            host = gather(value)
+        del value
+        yield host.T if transposed else host
+        del host  # written by the caller: nothing of this tensor is kept while the next is gathered
+
+
+def write_hf_export(
     model: nnx.Module,
-    tensors: dict[str, np.ndarray],
-    path: Path,
+    path: Path | None,
     *,
-    max_shard_bytes: int,
+    dtype: Any = None,
+    max_shard_bytes: int = 5 * 2**30,
     generation: dict[str, Any] | None = None,
 ) -> None:
     """Write `config.json`, `generation_config.json` (the model's special-token ids, updated by
-    `generation`) and the safetensors files (with an index when sharded) of `tensors` into `path`."""
+    `generation`) and safetensors files of at most `max_shard_bytes` (with an index when there are
+    several) into directory `path`, streaming: each tensor is gathered, cast to `dtype`, written and
+    dropped before the next, so host memory grows by about the largest tensor, not the model.
+    `path=None`: take part in the gathers only (processes other than 0)."""
+    plan = export_plan(model, dtype)
+    files: list[list[int]] = [[]]
+    size = 0
+    for i, (_, _, _, _, shape, dt) in enumerate(plan):
+        nbytes = int(np.prod(shape)) * dt.itemsize
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(i)
+        size += nbytes
+    names = (
+        ["model.safetensors"]
+        if len(files) == 1
+        else [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
+    )
+    views = _host_views(model, plan)
+    if path is None:
+        for _ in views:
+            pass
+        return
     config = model.config.to_hf_dict()
     config["architectures"] = [type(model).__name__]
-    config["dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
+    config["dtype"] = str(plan[0][5]) if plan else "float32"
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     special = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
     given = {k: v for k, v in (generation or {}).items() if v is not None}
     if special or given:  # what transformers writes beside a model's config, so generate() stops where it should
         fields = {**special, "_from_model_config": not given, **given}
         (path / "generation_config.json").write_text(json.dumps(fields, indent=2, sort_keys=True))
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        if shards[-1] and size + tensors[name].nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensors[name]
-        size += tensors[name].nbytes
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        safetensors_io.save(shards[0], path / "model.safetensors", meta)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        safetensors_io.save(shard, path / file, meta)
-        weight_map.update({k: file for k in shard})
-    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    weight_map, total = {}, 0
+    for file, members in zip(names, files, strict=True):
+        entries = [(plan[i][0], plan[i][4], plan[i][5]) for i in members]
+        with safetensors_io.StreamWriter(path / file, entries, {"format": "pt"}) as writer:
+            for i in members:
+                name, dt = plan[i][0], plan[i][5]
+                view = next(views)
+                writer.write(name, view, dtype=dt)  # cast and made contiguous a few MB at a time
+                total += view.size * dt.itemsize
+                weight_map[name] = file
+                del view  # the next tensor is gathered only now
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -120,3 +121,56 @@ def save(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, s
         f.write(blob)
         for arr in arrays:
             f.write(arr.tobytes())
+
+
+class StreamWriter:
+    """Write one safetensors file tensor by tensor: the header comes first, from `entries`
+    (`(name, shape, dtype)` in the order they will be written), then each `write(name, array)` appends
+    that tensor's bytes, so a file larger than memory can be written holding one tensor at a time.
+    Used as a context manager; leaving it checks that every entry was written."""
+
+    def __init__(self, path: str | Path, entries: list[tuple[str, tuple, np.dtype]], metadata: dict | None = None):
+        header, offset = {}, 0
+        self._order = []
+        for name, shape, dtype in entries:
+            dtype = np.dtype(dtype)
+            if dtype not in _NAMES:
+                raise ValueError(f"tensor {name!r}: dtype {dtype} cannot be stored in safetensors")
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._order.append((name, tuple(shape), dtype))
+            offset += nbytes
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self._path, self._next = Path(path), 0
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by __exit__
+        self._file.write(struct.pack("<Q", len(blob)))
+        self._file.write(blob)
+
+    def write(self, name: str, array: np.ndarray, dtype: Any = None, chunk_bytes: int = 4 << 20) -> None:
+        """Append `name`'s bytes; it must be the next entry, with that shape and dtype (`array`, cast to
+        `dtype` if given). `array` may be a non-contiguous view (a transpose): it is made contiguous and
+        cast `chunk_bytes` at a time, so no full copy of the tensor is made."""
+        dtype = np.dtype(dtype if dtype is not None else array.dtype)
+        want = self._order[self._next] if self._next < len(self._order) else None
+        if want is None or want[0] != name or want[1] != array.shape or want[2] != dtype:
+            raise ValueError(f"{self._path}: got tensor {name!r} {array.shape} {dtype}, expected {want}")
+        if array.ndim == 0 or (array.flags.c_contiguous and array.dtype == dtype):
+            self._file.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        else:
+            row = max(1, int(np.prod(array.shape[1:])) * max(dtype.itemsize, array.dtype.itemsize))
+            step = max(1, chunk_bytes // row)
+            for r in range(0, array.shape[0], step):
+                part = np.ascontiguousarray(array[r : r + step], dtype=dtype)
+                self._file.write(part.reshape(-1).view(np.uint8).data)
+        self._next += 1
+
+    def __enter__(self) -> StreamWriter:
+        return self
+
+    def __exit__(self, kind, *_: object) -> None:
+        self._file.close()
+        if kind is None and self._next != len(self._order):
+            raise ValueError(f"{self._path}: {len(self._order) - self._next} tensor(s) of the header were not written")

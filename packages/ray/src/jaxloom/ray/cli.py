@@ -7,6 +7,18 @@ import json
 import os
 
 
+def under_storage_path(config: str | None, items: list[str], storage_path: str) -> list[str]:
+    """`items` with the run's save_directory (from `config` and `items`) placed under `storage_path` when it
+    is relative (Ray's `RunConfig.storage_path`: where every run of the cluster writes)."""
+    from jaxloom.trainer.arguments import apply_overrides, load_config_file
+    from jaxloom.trainer.cli import DEMO_CONFIG
+
+    directory = apply_overrides(load_config_file(config or DEMO_CONFIG), items).get("save_directory")
+    if directory is None or os.path.isabs(str(directory)):
+        return items
+    return [*items, f"save_directory={os.path.join(os.path.abspath(storage_path), str(directory))}"]
+
+
 def train_on_ray(config: str | None, items: list[str], ray_items: list[str]) -> int:
     """The run of `config` (None: the bundled demo) with `items` (`key=value` overrides) as a supervised
     gang of Ray workers configured by `ray_items` (`ScalingConfig` settings); prints the summary."""
@@ -16,6 +28,8 @@ def train_on_ray(config: str | None, items: list[str], ray_items: list[str]) -> 
     from .launcher import ScalingConfig, launch
 
     scaling = ScalingConfig.from_items(ray_items)
+    if scaling.storage_path is not None:
+        items = under_storage_path(config, items, scaling.storage_path)
     res = launch(train_from_config, config, items, workdir=os.getcwd(), scaling=scaling)
     r = res.result
     summary = {  # the keys of a plain `jaxloom train`, then the gang's

@@ -450,3 +450,13 @@ class _Mapped:
 
     def read_shard(self, name):
         return [self.fn(r) for r in self.source.read_shard(name)]
+
+    def open_shard(self, name, cursor=0):
+        from jaxloom.data import iter_shard
+
+        return ((self.fn(r), after) for r, after in iter_shard(self.source, name, cursor))
+
+    def describe(self, name, cursor):
+        from jaxloom.data.sources import describe
+
+        return describe(self.source, name, cursor)

@@ -71,6 +71,11 @@ class ScalingConfig:
       startup_timeout_s: allowed from start to the first step (includes compilation).
       heartbeat_timeout_s: JAX coordination heartbeat; a silent peer aborts the others after it.
       env: extra environment variables for the workers.
+      storage_path: as Ray's `RunConfig.storage_path`: where runs write. A relative `save_directory`
+        (also the one chosen when none is given) goes under it; an absolute one stays. It must be a
+        directory every node mounts (NFS, a shared volume): each process checks before step 1 that it
+        sees it, so a restart on another node finds the checkpoints. Object-store URIs are refused for
+        now (jaxloom-state writes local paths).
     """
 
     num_workers: PositiveInt = 1
@@ -86,8 +91,14 @@ class ScalingConfig:
     startup_timeout_s: PositiveFloat = 300.0
     heartbeat_timeout_s: PositiveInt = 10
     env: dict[str, str] | None = None
+    storage_path: str | None = None
 
     def __post_init__(self) -> None:
+        if self.storage_path is not None and ("://" in self.storage_path or not self.storage_path.strip()):
+            raise ValueError(
+                f"storage_path = {self.storage_path!r}; expected a directory every node mounts (NFS, a shared "
+                "volume) — object-store URIs are not supported by jaxloom-state yet"
+            )
         gpus = (self.resources_per_worker or {}).get("GPU", 0)
         if gpus and not self.use_gpu:
             raise ValueError(f"resources_per_worker asks for GPU={gpus} but use_gpu is false; set use_gpu=true")

@@ -44,6 +44,8 @@ class CheckpointConfig:
     """Args:
     directory: where checkpoints live (local path, or any path orbax/etils supports).
     save_steps: save when `step % save_steps == 0`. save_minutes: also when this long passed since the last.
+    time_check_steps: with several processes, how often (in steps) process 0's clock is shared for
+      `save_minutes`: one small broadcast every this many steps instead of one per step.
     save_total_limit: keep the newest K. keep_period: also keep every step divisible by M.
     async_save: write in the background; training continues once arrays are copied to host.
     float_dtype: store floating parameters in this dtype (e.g. 'bfloat16'); restored to the target's.
@@ -53,6 +55,7 @@ class CheckpointConfig:
     directory: str
     save_steps: PositiveInt | None = None
     save_minutes: PositiveFloat | None = None
+    time_check_steps: PositiveInt = 10
     save_total_limit: PositiveInt | None = 3
     keep_period: PositiveInt | None = None
     async_save: bool = True
@@ -135,13 +138,16 @@ class CheckpointManager:
 
     # ---- saving -----------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Whether `step` is due, by step count or wall time. Time is decided by process 0 and shared,
-        so all processes always agree (they must all call `save` together)."""
+        """Whether `step` is due, by step count or wall time. With several processes, time is decided by
+        process 0 and shared every `time_check_steps` steps (no collective on the other steps), so all
+        processes always agree (they must all call `save` together)."""
         c = self.config
         due = bool(c.save_steps and step > 0 and step % c.save_steps == 0)
         if c.save_minutes and not due:
             late = time.monotonic() - self._last_save_time >= 60 * c.save_minutes
             if jax.process_count() > 1:
+                if step % c.time_check_steps:
+                    return False
                 from jax.experimental import multihost_utils
 
                 late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))

@@ -22,7 +22,8 @@ def save_pretrained(
     tokenizer if given — a directory `transformers.AutoModelForCausalLM.from_pretrained` loads. It is
     written beside `path` and renamed into place: a crash or a full disk leaves the previous export intact,
     and no stale shard or index of it remains.
-    Sharded params are gathered one array at a time; only process 0 writes.
+    Streaming: tensors are gathered, cast and written one at a time (a stacked layer's slice, not the
+    stack), so host memory grows by about the largest tensor; only process 0 writes.
     `to_hf=False`: an orbax checkpoint of the whole state at `path/<step>`. `dtype` casts floating
     weights on the way out (e.g. `"bfloat16"`). `generation_config`: fields of `generation_config.json`
     over the model config's special-token ids (e.g. `eos_token_id` as a list with a chat template's
@@ -37,13 +38,13 @@ def save_pretrained(
         manager.save(int(jax.device_get(state.step)), state)
         manager.close()
         return path
-    from jaxloom.models.hf import export_tensors, atomic_directory, write_hf_files
+    from jaxloom.models.hf import atomic_directory, write_hf_export
 
-    tensors = export_tensors(state.model, dtype)  # every process: sharded arrays are gathered together
-    if jax.process_index() != 0:
+    if jax.process_index() != 0:  # its part of each gather; process 0 writes
+        write_hf_export(state.model, None, dtype=dtype, max_shard_bytes=max_shard_bytes)
         return path
     with atomic_directory(path) as tmp:  # an interrupted export leaves the previous one intact
-        write_hf_files(state.model, tensors, tmp, max_shard_bytes=max_shard_bytes, generation=generation_config)
+        write_hf_export(state.model, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, generation=generation_config)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return path

@@ -134,10 +134,11 @@ class DataArgs(_Group):
     truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
     packing: bool = True
     shuffle_train_dataset: bool = True
+    shuffle_buffer_size: int = 8192
 
     @model_validator(mode="after")
     def _check(self):
-        _positive(self, "max_sequence_length")
+        _positive(self, "max_sequence_length", "shuffle_buffer_size")
         return self
 
 
@@ -371,6 +372,7 @@ DOCS: dict[str, str] = {
     "truncation_mode": "which end of a too-long unpacked record is kept",
     "packing": "pack documents into full rows (False: one record per row, padded)",
     "shuffle_train_dataset": "shuffle the training data (seeded, exactly resumable)",
+    "shuffle_buffer_size": "records read ahead per data stream and shuffled together (memory flat in dataset size)",
     "dtype": "computation dtype, e.g. bfloat16 (None: the model's)",
     "param_dtype": "parameter and optimizer-state dtype (None: the model's)",
     "attn_mechanism": "attention backend: auto, xla, chunked, cudnn, flash (EasyDeL's names too)",

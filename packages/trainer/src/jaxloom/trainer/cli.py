@@ -8,6 +8,8 @@ jaxloom plan [CONFIG.yaml | RUN_DIR] [key=value ...]  # params, FLOPs/token, mem
 jaxloom generate PATH --prompt TEXT [--max-new-tokens N] [--temperature T --top-k K --top-p P] [--chat]
                                                  # PATH: an HF model directory or a run directory
 jaxloom convert --to-hf RUN_DIR OUT              # newest checkpoint → Hugging Face directory
+jaxloom data prepare SOURCE OUT [--tokenizer DIR] [--num-proc N] [--max-sequence-length L]
+                                                 # tokenize once into a store; then data.train=OUT
 jaxloom config keys                              # every setting: type, default, what it does
 jaxloom config show [CONFIG.yaml | RUN_DIR] [key=value ...]  # the resolved config, as YAML
 
@@ -34,7 +36,8 @@ from .report import versions
 DEMO_CONFIG = Path(__file__).with_name("configs") / "demo.yaml"
 RUN_CONFIG = "run_config.json"  # in a run directory: the resolved config (written by the trainer at setup)
 DATA_KEYS = {
-    "train": "training data: 'bundled', or a path / glob / list of .jsonl, .parquet or .txt files",
+    "train": "training data: 'bundled'; a path / glob / list of .jsonl, .parquet or .txt files; a token store "
+    "(`jaxloom data prepare`); or a mixture: a list of {path, weight}",
     "eval": "evaluation data, as train (default: none; with train=bundled, a held-out part of it)",
     "eval_fraction": "with train=bundled: the fraction of its documents held out for evaluation",
     "tokenizer": "'bundled', a local tokenizer directory or a Hugging Face Hub id",
@@ -81,6 +84,8 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
         records = jd.JsonlSource(jd.bundled_corpus_path()).read_shard(str(jd.bundled_corpus_path()))
         held = max(1, int(len(records) * float(data_cfg.get("eval_fraction", 0.05))))
         train, evaluation = records[:-held], evaluation or records[-held:]
+    elif isinstance(train, list) and train and all(isinstance(p, dict) for p in train):
+        train = jd.Mixture(train)  # [{path, weight}, ...]
     # The arguments' runtime settings are applied by the trainer too; given here as well so that weights
     # loaded from Hugging Face are laid out (stacked for scan_layers) and cast as the run needs them.
     runtime = jm.RuntimeConfig(**args.runtime.runtime_overrides())
@@ -354,6 +359,17 @@ def _parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help=text, description=text)
     conv.add_argument("--to-hf", nargs=2, metavar=("RUN_DIR", "OUT"), required=True)
     conv.add_argument("--config", default=None, help="the run's config (default: RUN_DIR/run_config.json)")
+    text = "tokenize a corpus once into a token store that training reads by memory map (data.train=OUT)"
+    data = sub.add_parser("data", help=text, description=text)
+    dsub = data.add_subparsers(dest="action", required=True, metavar="ACTION")
+    prep = dsub.add_parser("prepare", help=text, description=text)
+    prep.add_argument("source", help="a .jsonl/.parquet/.txt file or glob (quoted), or a saved HF dataset directory")
+    prep.add_argument("out", help="the store directory to make (continues an unfinished one)")
+    prep.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the bundled one)")
+    prep.add_argument("--num-proc", type=int, default=1, help="processes tokenizing in parallel")
+    prep.add_argument("--max-sequence-length", type=int, default=None, help="split longer documents into rows")
+    prep.add_argument("--no-bos", action="store_true", help="do not put BOS before each document")
+    prep.add_argument("--no-eos", action="store_true", help="do not put EOS after each document")
     text = "list every setting (keys) or print a resolved config (show)"
     cfg = sub.add_parser("config", help=text, description=text)
     csub = cfg.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -365,6 +381,28 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _KEYS_HINT = "`jaxloom config keys` lists every setting"
+
+
+def _prepare(ns) -> int:
+    import jaxloom.data as jd
+
+    for flag in ("num_proc", "max_sequence_length"):
+        value = getattr(ns, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value}; expected a positive integer")
+    config = jd.DataConfig(add_bos=not ns.no_bos, add_eos=not ns.no_eos)
+    manifest = jd.prepare(
+        ns.source,  # a glob is expanded by the source
+        ns.out,
+        ns.tokenizer,
+        config=config,
+        num_proc=ns.num_proc,
+        max_sequence_length=ns.max_sequence_length,
+        progress=sys.stderr.isatty(),
+    )
+    keys = ("documents", "tokens", "dtype", "tokenizer")
+    print(json.dumps({"store": str(ns.out), **{k: manifest[k] for k in keys}, "shards": len(manifest["shards"])}))
+    return 0
 
 
 def _train(trainer, resolved: dict) -> int:
@@ -414,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if ns.command == "generate":
             return _generate(ns)
+        if ns.command == "data":
+            return _prepare(ns)
         if ns.command == "convert":
             trainer = _restored(ns.to_hf[0], ns.config, params_only=True)
             print(trainer.save_pretrained(ns.to_hf[1], to_torch=True))

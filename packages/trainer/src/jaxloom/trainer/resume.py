@@ -94,6 +94,9 @@ def data_identity(data: Any) -> Any:
         return os.fspath(data)
     if isinstance(data, list | tuple) and data and all(isinstance(x, str | os.PathLike) for x in data):
         return [os.fspath(x) for x in data]
+    parts, weights = getattr(data, "parts", None), getattr(data, "weights", None)
+    if isinstance(parts, list) and weights is not None:  # a jaxloom.data.Mixture
+        return {"mixture": [[data_identity(p), float(w)] for p, w in zip(parts, weights, strict=True)]}
     fingerprint = getattr(data, "_fingerprint", None)
     if isinstance(fingerprint, str):
         return {"dataset_fingerprint": fingerprint}

@@ -646,6 +646,7 @@ class BaseTrainer:
             packing=a.packing,
             truncation_mode=a.truncation_mode,
             shuffle=a.shuffle_train_dataset,
+            shuffle_buffer_size=a.shuffle_buffer_size,
             seed=a.seed,
         )
         cfg = jd.DataConfig(**{**settings, **overrides})
@@ -970,11 +971,21 @@ class BaseTrainer:
             )
             if self._peak:
                 row["mfu"] = self._flops_token * tps / self.mesh.devices.size / self._peak
+            row.update(self._mixture_shares())
             self.log_metrics(row, self.pbar, step)
             if a.log_weight_distribution and self.state is not None:
                 self.log_weight_distribution(self.state, step)
             self._window, self._t_log = [], now
         self.pbar.update(1)
+
+    def _mixture_shares(self) -> dict[str, float]:
+        """With a data mixture: each part's share of the tokens read so far (this process's streams)."""
+        loaders = getattr(self.train_loader, "loaders", None) or []
+        if not loaders or getattr(loaders[0], "mixture", None) is None:
+            return {}
+        tokens = np.sum([loader.state_dict()["tokens"] for loader in loaders], axis=0)
+        total = float(tokens.sum())
+        return {f"data_share_part{i}": float(t) / total for i, t in enumerate(tokens)} if total else {}
 
     def _metrics_writer(self) -> MetricsWriter:
         a = self.arguments
