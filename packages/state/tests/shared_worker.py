@@ -1,6 +1,7 @@
 """One of two JAX processes (gloo over 127.0.0.1) asking `check_shared_directory`. argv: port, rank, root,
 mode ('shared': both name ROOT/run; 'local': each names the relative `run` from its own ROOT/<rank>;
-'timed': which steps `save_minutes` makes due).
+'timed': which steps `save_minutes` makes due; 'restore': four devices each, save a state sharded over the
+eight, restore it, and count the bytes this process read doing so).
 Prints one JSON line: the error, or null."""
 
 import json
@@ -8,7 +9,7 @@ import os
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = ""
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4" if sys.argv[4] == "restore" else ""
 import jax  # noqa: E402
 
 from jaxloom.state import check_shared_directory  # noqa: E402
@@ -21,6 +22,41 @@ if mode == "timed":  # save_minutes over two processes: which steps are due (alw
 
     manager = CheckpointManager(f"{root}/timed", save_minutes=1e-9, time_check_steps=4)
     print(json.dumps({"due": [step for step in range(1, 14) if manager.should_save(step)]}))
+    jax.distributed.shutdown()
+    sys.exit(0)
+if mode == "restore":
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxloom.state import CheckpointManager, TrainState
+
+    def bytes_read() -> int:
+        return int(dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())["rchar"])
+
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    shard, rep = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P())
+    params = jax.jit(
+        lambda: {f"w{i}": jax.random.normal(jax.random.key(i), (2048, 1024)) for i in range(4)}, out_shardings=shard
+    )()
+    step, rng = jax.jit(lambda: (jax.numpy.zeros((), jax.numpy.int32), jax.random.PRNGKey(0)), out_shardings=rep)()
+    state = TrainState(step=step, params=params, opt_state={}, rng=rng)
+    CheckpointManager(f"{root}/ck", async_save=False).save(1, state)
+    multihost_utils.sync_global_devices("saved")
+    target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    jax.block_until_ready(CheckpointManager(f"{root}/ck").restore(target).state.params)  # imports, compiles
+    before = bytes_read()
+    restored = CheckpointManager(f"{root}/ck").restore(target).state.params
+    jax.block_until_ready(restored)
+    read = bytes_read() - before
+    equal = all(
+        np.array_equal(np.asarray(a.data), np.asarray(b.data))
+        for k in params
+        for a, b in zip(params[k].addressable_shards, restored[k].addressable_shards, strict=True)
+    )
+    share = sum(x.nbytes for x in params.values()) // 2
+    print(json.dumps({"read": read, "share": share, "equal": equal}))
     jax.distributed.shutdown()
     sys.exit(0)
 if mode == "local":

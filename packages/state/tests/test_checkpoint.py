@@ -16,6 +16,16 @@ import jaxloom.state as js
 from jaxloom.mesh import gather
 
 
+def flip(raw: bytes) -> bytes:
+    out = bytearray(raw)
+    out[len(out) // 2] ^= 0xFF
+    return bytes(out)
+
+
+def size(path: Path) -> int:
+    return path.stat().st_size
+
+
 def leaves_equal(a, b):
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     return len(la) == len(lb) and all(np.array_equal(gather(x), gather(y)) for x, y in zip(la, lb, strict=True))
@@ -95,18 +105,26 @@ def test_corruption_is_detected_and_falls_back(tmp_path):
     manager.save(1, s1)
     manager.save(2, s2)
     manager.wait_until_finished()
-    data_files = sorted(p for p in (tmp_path / "2" / "params").rglob("*") if p.is_file() and p.stat().st_size > 1000)
-    victim = data_files[0]
-    raw = bytearray(victim.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    victim.write_bytes(bytes(raw))
-    with pytest.raises(js.CheckpointCorruptError, match="file params/.* is corrupt"):
+    meta_file = tmp_path / "2" / "params" / "_METADATA"  # metadata: hashed, a few KB
+    good_meta = meta_file.read_bytes()
+    meta_file.write_bytes(flip(good_meta))
+    with pytest.raises(js.CheckpointCorruptError, match="file params/_METADATA is corrupt"):
+        manager.restore(target(mesh), step=2)
+    meta_file.write_bytes(good_meta)
+    # array data is not hashed: a flipped byte is found by the arrays' digests, over what the restore read
+    data = sorted((p for p in (tmp_path / "2").rglob("*") if p.is_file() and "d" in p.parent.name), key=size)
+    victim = data[-1]
+    good = victim.read_bytes()
+    victim.write_bytes(flip(good))
+    with pytest.raises(js.CheckpointCorruptError, match=r"array data differs from what was saved in 1 array\(s\): "):
         manager.restore(target(mesh), step=2)
     with pytest.raises(js.CheckpointCorruptError):
         manager.restore(target(mesh), fallback=False)
-    # truncation
-    victim.write_bytes(bytes(raw[: len(raw) // 3]))
-    with pytest.raises(js.CheckpointCorruptError, match="is corrupt"):
+    victim.write_bytes(good[: len(good) // 3])  # truncation: the size, from a stat
+    with pytest.raises(js.CheckpointCorruptError, match=r"is corrupt \(size \d+ vs \d+ written\)"):
+        manager.restore(target(mesh), step=2)
+    victim.unlink()
+    with pytest.raises(js.CheckpointCorruptError, match="is missing"):
         manager.restore(target(mesh), step=2)
     restored = manager.restore(target(mesh))  # newest is corrupt: set aside, falls back to step 1
     assert restored.step == 1 and leaves_equal(restored.state.params, s1.params)

@@ -1,4 +1,4 @@
-"""`check_shared_directory` with two real JAX processes: a directory both see passes (and is left as it
+"""Two real JAX processes: `check_shared_directory`: a directory both see passes (and is left as it
 was); a relative path under each process's own working directory (a node-local run directory) is one
 error on every process, naming the process that cannot see it."""
 
@@ -58,3 +58,13 @@ def test_save_minutes_shares_the_clock_every_few_steps_not_every_step(tmp_path):
     on the steps between."""
     outs = _two(tmp_path, "timed")
     assert [o["due"] for o in outs] == [[4, 8, 12], [4, 8, 12]]
+
+
+def test_each_process_reads_about_its_share_of_a_sharded_restore(tmp_path):
+    """Two processes of four devices restore a 32 MB state sharded over the eight: integrity is checked in
+    the same read, so each reads (rchar: every byte through read/pread, page cache or not) little more than
+    its half, never every file of the checkpoint."""
+    outs = _two(tmp_path, "restore")
+    for rank, o in enumerate(outs):
+        assert o["equal"], rank
+        assert o["read"] <= 1.2 * o["share"], (rank, o)

@@ -2,8 +2,15 @@
 
 A checkpoint `DIR/<step>/` holds three items: `params`, `opt_state` (orbax arrays) and `meta` (JSON:
 step, rng, the data iterator's state, run metadata, versions). Orbax makes a step visible only once
-complete; after it is finalised, process 0 adds `jaxloom_checksums.json` (size and SHA-256 of every
-file), which `restore` verifies before reading, falling back to older steps when asked.
+complete; after it is finalised, process 0 adds `jaxloom_checksums.json`: the size of every file, the
+SHA-256 of every file that is not array data (metadata, a few KB), and a digest of every saved array
+(computed on the devices while the write runs).
+
+Integrity costs no extra read. A restore checks sizes (a `stat` per file) and the small files' hashes,
+then each process reads only the array shards it restores, and the arrays' digests (see `integrity`) are
+recomputed on the devices over what was read and compared with the saved ones. No process hashes a file;
+a flipped, truncated or missing file is a `CheckpointCorruptError` all the same, and `restore` falls back
+to an older step.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import numpy as np
 
 from jaxloom.mesh.schema import PositiveFloat, PositiveInt, config
 
+from . import integrity
 from .train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -49,7 +57,8 @@ class CheckpointConfig:
     save_total_limit: keep the newest K. keep_period: also keep every step divisible by M.
     async_save: write in the background; training continues once arrays are copied to host.
     float_dtype: store floating parameters in this dtype (e.g. 'bfloat16'); restored to the target's.
-    verify: check checksums before restoring.
+    verify: check files (sizes, metadata checksums) before restoring and the arrays' digests as they are
+      read (no extra read of the array data).
     """
 
     directory: str
@@ -75,7 +84,8 @@ class Restored:
 
 class CheckpointManager:
     """Orbax checkpoints of a `TrainState` plus the data position and run metadata, with
-    SHA-256 manifests, keep-N/keep-every-M retention, async writes, and restore onto any mesh.
+    integrity checked in the same read (file sizes, metadata checksums, array digests), keep-N/keep-every-M
+    retention, async writes, and restore onto any mesh.
     `config`: a `CheckpointConfig` or a directory (with `overrides` as its fields)."""
 
     def __init__(self, config: CheckpointConfig | str, **overrides: Any):
@@ -88,6 +98,7 @@ class CheckpointManager:
         self._manager = None  # orbax.checkpoint.CheckpointManager, opened on first use
         self._last_save_time = time.monotonic()
         self._lock = threading.Lock()
+        self._digests: dict[int, dict] = {}  # step -> array digests dispatched by `save`, not yet written
         if self.directory.is_dir():
             self._open()
 
@@ -165,6 +176,9 @@ class CheckpointManager:
             params = jax.tree_util.tree_map(
                 lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params
             )
+        arrays = {"params": params}
+        if jax.tree_util.tree_leaves(state.opt_state):  # orbax refuses empty trees (e.g. optax.identity)
+            arrays["opt_state"] = state.opt_state
         meta = {
             "step": int(step),
             "rng": np.asarray(jax.device_get(state.rng)).tolist(),
@@ -173,9 +187,13 @@ class CheckpointManager:
             "versions": _versions(),
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         }
-        items = {"params": ocp.args.StandardSave(params), "meta": ocp.args.JsonSave(meta)}
-        if jax.tree_util.tree_leaves(state.opt_state):  # orbax refuses empty trees (e.g. optax.identity)
-            items["opt_state"] = ocp.args.StandardSave(state.opt_state)
+        items = {k: ocp.args.StandardSave(v) for k, v in arrays.items()}
+        items["meta"] = ocp.args.JsonSave(meta)
+        if self.config.verify:  # computed on the devices beside training; fetched once the write is finalised
+            pending = integrity.dispatch(_named(arrays))  # every process takes part; process 0 keeps them
+            if jax.process_index() == 0:
+                with self._lock:
+                    self._digests[int(step)] = pending
         try:
             manager.save(int(step), args=ocp.args.Composite(**items), force=True)
             self._last_save_time = time.monotonic()
@@ -213,46 +231,59 @@ class CheckpointManager:
             self._manager = None
 
     def _write_checksums(self) -> None:
+        """After a write is finalised, process 0 records `{"files": {path: [size, sha256 or None]},
+        "arrays": {name: digest}}` beside it (the manifest's presence marks a verified checkpoint)."""
         if jax.process_index() != 0 or self._manager is None:
             return
         with self._lock:
-            for step in self._manager.all_steps():
+            steps = self._manager.all_steps()
+            for step in steps:
                 folder = self.directory / str(step)
                 if (folder / CHECKSUMS).exists():
                     continue
                 try:
-                    sums = _checksums(folder)
+                    files = _checksums(folder)
+                    sums = {"files": files, "arrays": integrity.fetch(self._digests.get(step, {}))}
                     tmp = folder / (CHECKSUMS + ".tmp")
                     tmp.write_text(json.dumps(sums, sort_keys=True))
                     tmp.replace(folder / CHECKSUMS)
-                except FileNotFoundError:  # deleted by keep-N meanwhile
+                    self._digests.pop(step, None)
+                except FileNotFoundError:  # not renamed into place yet, or deleted by keep-N meanwhile
                     continue
+            for step in [s for s in self._digests if steps and s < min(steps)]:  # removed by keep-N
+                del self._digests[step]
 
     # ---- restoring --------------------------------------------------------------------------------
-    def verify(self, step: int) -> None:
-        """Raise `CheckpointCorruptError` if any file of checkpoint `step` differs from its checksum."""
+    def verify(self, step: int) -> dict[str, list]:
+        """Raise `CheckpointCorruptError` if a file of checkpoint `step` is missing, has another size than
+        written, or (metadata files, not array data) another checksum. Reads only the small files; array
+        data is checked by `restore` as it is read, against the digests returned here (`{}` when the
+        checkpoint has none)."""
         folder = self.directory / str(step)
         manifest = folder / CHECKSUMS
         if not manifest.exists():
             log.warning("checkpoint %s has no checksums (written before finalisation ended); not verified", folder)
-            return
+            return {}
         try:
-            expected = json.loads(manifest.read_text())
-            if not isinstance(expected, dict):
-                raise ValueError(f"expected a JSON object, found {type(expected).__name__}")
+            written = json.loads(manifest.read_text())
+            if not isinstance(written, dict):
+                raise ValueError(f"expected a JSON object, found {type(written).__name__}")
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointCorruptError(
                 f"checkpoint {folder}: checksum manifest {CHECKSUMS} is unreadable ({e})"
             ) from e
+        expected = written["files"] if "files" in written else written  # state < 0.8: {path: [size, sha256]}
         actual = _checksums(folder)
         for name, (size, digest) in sorted(expected.items()):
             if name not in actual:
                 raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is missing")
-            if actual[name] != [size, digest]:
+            if actual[name][0] != size:
                 raise CheckpointCorruptError(
-                    f"checkpoint {folder}: file {name} is corrupt "
-                    f"(size {actual[name][0]} vs {size} written, checksum differs)"
+                    f"checkpoint {folder}: file {name} is corrupt (size {actual[name][0]} vs {size} written)"
                 )
+            if actual[name][1] is not None and actual[name][1] != digest:  # array data: checked as read
+                raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is corrupt (checksum differs)")
+        return written.get("arrays") or {}
 
     def restore(
         self, target: TrainState, step: int | None = None, *, params_only: bool = False, fallback: bool = True
@@ -304,19 +335,29 @@ class CheckpointManager:
         return dest
 
     def _restore_one(self, target: TrainState, step: int, params_only: bool) -> Restored:
-        if self.config.verify:
-            self.verify(step)
+        expected = self.verify(step) if self.config.verify else {}
         self._check_target(target, step, params_only)
         ocp = _ocp()
         items = {"params": ocp.args.StandardRestore(_as_abstract(target.params)), "meta": ocp.args.JsonRestore()}
         if not params_only and jax.tree_util.tree_leaves(target.opt_state):
             items["opt_state"] = ocp.args.StandardRestore(_as_abstract(target.opt_state))
+        error = None
         try:
             out = self._open().restore(step, args=ocp.args.Composite(**items))
         except (ValueError, OSError, RuntimeError, KeyError) as e:
-            raise CheckpointCorruptError(
-                f"checkpoint {self.directory / str(step)} could not be read: {type(e).__name__}: {str(e)[:500]}"
-            ) from e
+            error = f"could not be read: {type(e).__name__}: {str(e)[:500]}"
+        error = _agree(error)  # every process raises, or none: no process waits on another that gave up
+        if error is None and expected:
+            read = {"params": out.params, **({"opt_state": out.opt_state} if "opt_state" in items else {})}
+            bad = integrity.mismatches(_named(read), expected)
+            if bad:
+                error = (
+                    f"array data differs from what was saved in {len(bad)} array(s): "
+                    + ", ".join(bad[:5])
+                    + (" …" if len(bad) > 5 else "")
+                )
+        if error is not None:
+            raise CheckpointCorruptError(f"checkpoint {self.directory / str(step)} {error}")
         meta = out.meta
         rng_sharding = getattr(target.rng, "sharding", None)
         rng = np.asarray(meta["rng"], dtype=np.uint32)
@@ -422,15 +463,42 @@ def _flat(tree: Any) -> dict[str, Any]:
     return dict(named_leaves(tree))
 
 
+def _named(items: dict[str, Any]) -> dict[str, Any]:
+    """`{"params": tree, ...}` to `{"params/<leaf path>": array}`."""
+    return {f"{item}/{name}": leaf for item, tree in items.items() for name, leaf in _flat(tree).items()}
+
+
+def _agree(error: str | None) -> str | None:
+    """The same outcome on every process: the first error any process met, or None."""
+    if jax.process_count() == 1:
+        return error
+    from jax.experimental import multihost_utils
+
+    failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
+    if error is None and failed.any():
+        error = f"could not be read by process {int(np.argmax(failed))} (see its log)"
+    return error
+
+
+def _is_array_data(relative: Path) -> bool:
+    """Array bytes (orbax/OCDBT `d/` files): checked by the arrays' digests as they are read, not hashed."""
+    return "d" in relative.parts[:-1]
+
+
 def _checksums(folder: Path) -> dict[str, list]:
-    out = {}
+    """`{relative path: [size, sha256 or None]}`: array data files get only their size (a `stat`)."""
+    out: dict[str, list] = {}
     for f in sorted(folder.rglob("*")):
         if f.is_file() and not f.name.startswith(CHECKSUMS):
-            h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-            out[str(f.relative_to(folder))] = [f.stat().st_size, h.hexdigest()]
+            relative = f.relative_to(folder)
+            digest = None
+            if not _is_array_data(relative):
+                h = hashlib.sha256()
+                with open(f, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):  # noqa: B023 - consumed at once
+                        h.update(chunk)
+                digest = h.hexdigest()
+            out[str(relative)] = [f.stat().st_size, digest]
     return out
 
 
