@@ -147,7 +147,7 @@ def test_cli_train_with_ray(ray_cluster, tmp_path, capsys):
     assert summary["checkpoints"].startswith(str(tmp_path / "cli"))
     assert main(["train", "--ray", "num_workers=two"]) == 2
     assert main(["train", "--ray", "storage_path=s3://bucket/runs"]) == 2
-    assert "object-store URIs are not supported by jaxloom-state yet" in capsys.readouterr().err
+    assert "set checkpoint_directory=gs://bucket/path instead" in capsys.readouterr().err
     assert main(["train", "--ray", "workers=2"]) == 2
 
 

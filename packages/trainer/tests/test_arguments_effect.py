@@ -82,6 +82,7 @@ SETUP = {
     "sharding_axis_dims": ((2, -1, 1, 1, 1), lambda t: dict(t.mesh.shape)),
     "sharding_axis_names": (("dp", "fsdp", "ep", "mp", "sp"), lambda t: tuple(t.mesh.shape)),
     "save_directory": ("elsewhere", lambda t: Path(t.checkpoints.directory).parent.name),
+    "checkpoint_directory": ("ckpts", lambda t: Path(t.checkpoints.directory).name),
 }
 
 
@@ -94,7 +95,7 @@ def _stacked(t):
 def test_setup_field_changes_what_setup_builds(tmp_path, name):
     value, read = SETUP[name]
     base = {"max_training_steps": None} if name == "num_train_epochs" else {}
-    if name == "save_directory":
+    if name in ("save_directory", "checkpoint_directory"):
         value = str(tmp_path / value)
     default = read(_setup(tmp_path / "a", **base))
     changed = read(_setup(tmp_path / "b", **{**base, name: value}))

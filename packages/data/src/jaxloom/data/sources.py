@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from jaxloom.mesh import paths as _pathlayer
+
 log = logging.getLogger(__name__)
 OnError = Literal["raise", "skip"]
 Stream = Iterator[tuple[dict[str, Any], int]]
@@ -65,10 +67,16 @@ class _Streamed:
         raise NotImplementedError
 
 
-def _paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
+def _paths(paths: str | Path | Sequence[str | Path]) -> list[Any]:
+    """The files `paths` names (a path, a glob or a list of them): `Path`s, and object-store URIs
+    (`gs://bucket/x/*.jsonl`) as strings, listed through `jaxloom.mesh.paths`."""
     items = [paths] if isinstance(paths, str | Path) else list(paths)
-    out = []
-    for p in map(Path, items):
+    out: list[Any] = []
+    for item in items:
+        if _pathlayer.is_uri(str(item)):
+            out.extend(_uri_files(str(item)))
+            continue
+        p = Path(item)
         matches = sorted(p.parent.glob(p.name)) if any(c in p.name for c in "*?[") else [p]
         if not matches:
             raise FileNotFoundError(f"no file matches {p}")
@@ -81,9 +89,22 @@ def _paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     return out
 
 
+def _uri_files(uri: str) -> list[str]:
+    fs, path = _pathlayer._fs(uri)
+    scheme = uri.split("://", 1)[0]
+    if any(c in path for c in "*?["):
+        found = sorted(fs.glob(path))
+        if not found:
+            raise FileNotFoundError(f"no file matches {uri}")
+        return [f"{scheme}://{f}" for f in found]
+    if not fs.isfile(path):
+        raise FileNotFoundError(f"dataset file {uri} does not exist")
+    return [uri]
+
+
 def _lines(name: str, offset: int) -> Iterator[tuple[bytes, int]]:
     """`(line, offset_after)` for the lines of file `name` from byte `offset`, which must start a line."""
-    with open(name, "rb") as fh:
+    with _pathlayer.open_binary(name) as fh:
         if offset:
             fh.seek(offset - 1)
             if fh.read(1) != b"\n":
@@ -100,7 +121,7 @@ def _lines(name: str, offset: int) -> Iterator[tuple[bytes, int]]:
 def _line_number(name: str, offset: int) -> int:
     """1-based number of the line starting at byte `offset` of `name` (reads the bytes before it)."""
     count, left = 1, offset
-    with open(name, "rb") as fh:
+    with _pathlayer.open_binary(name) as fh:
         while left > 0:
             chunk = fh.read(min(_CHUNK, left))
             if not chunk:
@@ -122,7 +143,7 @@ class _LineFiles(_Streamed):
     def describe(self, name: str, cursor: int) -> str:
         """`file:line` of the first non-blank line from byte `cursor` (where the record after `cursor` is)."""
         line = _line_number(name, cursor)
-        with open(name, "rb") as fh:
+        with _pathlayer.open_binary(name) as fh:
             fh.seek(cursor)
             for raw in fh:
                 if raw.strip():
@@ -176,7 +197,8 @@ class TextSource(_LineFiles):
         """`(record, byte offset after it)` from byte `cursor` of file `name`."""
         if self.per_file:
             if cursor == 0:
-                text = Path(name).read_text(encoding="utf-8")
+                with _pathlayer.open_binary(name) as fh:
+                    text = fh.read().decode("utf-8")
                 if text.strip():
                     yield {"text": text}, 1
             return
@@ -203,7 +225,7 @@ class ParquetSource(_Streamed):
         """`(record, row after it)` from row `cursor` of file `name`."""
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(name)
+        pf = pq.ParquetFile(_pathlayer.open_binary(name) if _pathlayer.is_uri(name) else name)
         meta, first, group = pf.metadata, 0, 0
         while group < meta.num_row_groups and first + meta.row_group(group).num_rows <= cursor:
             first += meta.row_group(group).num_rows
@@ -298,9 +320,19 @@ def as_source(data: Any, **kwargs: Any) -> ShardedDataSource:
     if isinstance(data, str | os.PathLike) or (
         isinstance(data, list | tuple) and data and isinstance(data[0], str | os.PathLike)
     ):
-        first = Path(data if isinstance(data, str | os.PathLike) else data[0])
+        given = data if isinstance(data, str | os.PathLike) else data[0]
+        first = Path(given)
         from .store import TokenStore, is_store
 
+        if _pathlayer.is_uri(str(given)):  # an object store: files read through jaxloom.mesh.paths
+            suffix = Path(str(given).split("://", 1)[1]).suffix
+            kinds = {".jsonl": JsonlSource, ".parquet": ParquetSource, ".txt": TextSource, ".md": TextSource}
+            if suffix not in kinds:
+                raise ValueError(
+                    f"cannot read {given} from an object store; expected .jsonl, .parquet or .txt files there "
+                    "(token stores are memory-mapped: copy one to a local or mounted disk)"
+                )
+            return kinds[suffix](data) if suffix == ".parquet" else kinds[suffix](data, **kwargs)
         if is_store(first):
             return TokenStore(data, **kwargs)
         if first.is_dir() and (first / "dataset_info.json").is_file():  # datasets.save_to_disk

@@ -74,8 +74,9 @@ class ScalingConfig:
       storage_path: as Ray's `RunConfig.storage_path`: where runs write. A relative `save_directory`
         (also the one chosen when none is given) goes under it; an absolute one stays. It must be a
         directory every node mounts (NFS, a shared volume): each process checks before step 1 that it
-        sees it, so a restart on another node finds the checkpoints. Object-store URIs are refused for
-        now (jaxloom-state writes local paths).
+        sees it, so a restart on another node finds the checkpoints. It holds run directories (logs,
+        reports), so it is a mounted path, not a URI: to keep checkpoints in an object store, set the
+        training argument `checkpoint_directory=gs://bucket/path`.
     """
 
     num_workers: PositiveInt = 1
@@ -97,7 +98,7 @@ class ScalingConfig:
         if self.storage_path is not None and ("://" in self.storage_path or not self.storage_path.strip()):
             raise ValueError(
                 f"storage_path = {self.storage_path!r}; expected a directory every node mounts (NFS, a shared "
-                "volume) — object-store URIs are not supported by jaxloom-state yet"
+                "volume); for checkpoints in an object store, set checkpoint_directory=gs://bucket/path instead"
             )
         gpus = (self.resources_per_worker or {}).get("GPU", 0)
         if gpus and not self.use_gpu:

@@ -30,11 +30,14 @@ import numpy as np
 
 from jaxloom.mesh.schema import PositiveFloat, PositiveInt, config
 
+from jaxloom.mesh import paths
+
 from . import integrity
 from .train_state import TrainState
 
 log = logging.getLogger(__name__)
 CHECKSUMS = "jaxloom_checksums.json"
+DIGESTS = "jaxloom_digests.process_"  # + "<process index>.json": that process's partial array digests
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -94,7 +97,7 @@ class CheckpointManager:
         elif overrides:
             config = dataclasses.replace(config, **overrides)
         self.config = config
-        self.directory = Path(config.directory).absolute()
+        self.directory = paths.as_path(config.directory)  # a local Path, or an epath.Path for a URI
         self._manager = None  # orbax.checkpoint.CheckpointManager, opened on first use
         self._last_save_time = time.monotonic()
         self._lock = threading.Lock()
@@ -170,6 +173,7 @@ class CheckpointManager:
         host; the write continues in the background when `async_save`. `data_state` (the loaders'
         position) and `metadata` are stored as JSON beside the arrays."""
         manager, ocp = self._open(), _ocp()
+        self._write_checksums()  # digest parts of earlier saves finalised since (every process writes its own)
         params = state.params
         if self.config.float_dtype:
             dtype = np.dtype(jax.numpy.dtype(self.config.float_dtype))
@@ -190,10 +194,9 @@ class CheckpointManager:
         items = {k: ocp.args.StandardSave(v) for k, v in arrays.items()}
         items["meta"] = ocp.args.JsonSave(meta)
         if self.config.verify:  # computed on the devices beside training; fetched once the write is finalised
-            pending = integrity.dispatch(_named(arrays))  # every process takes part; process 0 keeps them
-            if jax.process_index() == 0:
-                with self._lock:
-                    self._digests[int(step)] = pending
+            pending = integrity.dispatch(_named(arrays))  # this process's shards, on their devices
+            with self._lock:
+                self._digests[int(step)] = pending
         try:
             manager.save(int(step), args=ocp.args.Composite(**items), force=True)
             self._last_save_time = time.monotonic()
@@ -231,23 +234,25 @@ class CheckpointManager:
             self._manager = None
 
     def _write_checksums(self) -> None:
-        """After a write is finalised, process 0 records `{"files": {path: [size, sha256 or None]},
-        "arrays": {name: digest}}` beside it (the manifest's presence marks a verified checkpoint)."""
-        if jax.process_index() != 0 or self._manager is None:
+        """After a write is finalised, every process records the partial digests of the shards it saved
+        (`jaxloom_digests.process_<i>.json`), and process 0 the manifest: `{"files": {path: [size, sha256
+        or None]}}` (its presence marks a verified checkpoint)."""
+        if self._manager is None:
             return
+        me = jax.process_index()
         with self._lock:
             steps = self._manager.all_steps()
             for step in steps:
                 folder = self.directory / str(step)
-                if (folder / CHECKSUMS).exists():
-                    continue
                 try:
-                    files = _checksums(folder)
-                    sums = {"files": files, "arrays": integrity.fetch(self._digests.get(step, {}))}
-                    tmp = folder / (CHECKSUMS + ".tmp")
-                    tmp.write_text(json.dumps(sums, sort_keys=True))
-                    tmp.replace(folder / CHECKSUMS)
-                    self._digests.pop(step, None)
+                    if step in self._digests and folder.is_dir():
+                        part = {"process_count": jax.process_count(), "arrays": integrity.fetch(self._digests[step])}
+                        paths.write_atomic(folder / f"{DIGESTS}{me}.json", json.dumps(part, sort_keys=True))
+                        del self._digests[step]
+                    if me == 0 and not (folder / CHECKSUMS).exists():
+                        paths.write_atomic(
+                            folder / CHECKSUMS, json.dumps({"files": _checksums(folder)}, sort_keys=True)
+                        )
                 except FileNotFoundError:  # not renamed into place yet, or deleted by keep-N meanwhile
                     continue
             for step in [s for s in self._digests if steps and s < min(steps)]:  # removed by keep-N
@@ -273,7 +278,8 @@ class CheckpointManager:
                 f"checkpoint {folder}: checksum manifest {CHECKSUMS} is unreadable ({e})"
             ) from e
         expected = written["files"] if "files" in written else written  # state < 0.8: {path: [size, sha256]}
-        actual = _checksums(folder)
+        listed = paths.files_with_sizes(folder)
+        actual = _checksums(folder, listed)
         for name, (size, digest) in sorted(expected.items()):
             if name not in actual:
                 raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is missing")
@@ -283,7 +289,23 @@ class CheckpointManager:
                 )
             if actual[name][1] is not None and actual[name][1] != digest:  # array data: checked as read
                 raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is corrupt (checksum differs)")
-        return written.get("arrays") or {}
+        return self._saved_digests(folder, listed)
+
+    def _saved_digests(self, folder: Any, listed: dict[str, int]) -> dict[str, list]:
+        """The arrays' digests: every saving process's part added up; `{}` (not checked, with a warning)
+        when a part is missing (a process stopped before writing it)."""
+        names = sorted(n for n in listed if n.startswith(DIGESTS))
+        try:
+            parts = [json.loads((folder / n).read_text()) for n in names]
+            count = parts[0]["process_count"] if parts else 0
+            if not parts or len(parts) != count:
+                log.warning(
+                    "checkpoint %s has %d of %d digest parts; array data not verified", folder, len(parts), count
+                )
+                return {}
+            return integrity.combine([p["arrays"] for p in parts])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise CheckpointCorruptError(f"checkpoint {folder}: array digests unreadable ({e})") from e
 
     def restore(
         self, target: TrainState, step: int | None = None, *, params_only: bool = False, fallback: bool = True
@@ -326,7 +348,7 @@ class CheckpointManager:
         while dest.exists():
             dest, n = folder.with_name(f"{step}.corrupt.{n}"), n + 1
         if jax.process_index() == 0:
-            folder.rename(dest)
+            paths.move(folder, dest)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -485,20 +507,29 @@ def _is_array_data(relative: Path) -> bool:
     return "d" in relative.parts[:-1]
 
 
-def _checksums(folder: Path) -> dict[str, list]:
-    """`{relative path: [size, sha256 or None]}`: array data files get only their size (a `stat`)."""
+# Files orbax may rewrite after a step is committed on an object store (the commit time stamped into
+# _CHECKPOINT_METADATA, OCDBT manifests updated as the per-process databases are merged): not in the manifest.
+# Nothing is restored from the first two; a damaged OCDBT manifest fails the read itself (-> corrupt).
+_ORBAX_BOOKKEEPING = ("_CHECKPOINT_METADATA", "commit_success.txt", "manifest.ocdbt")
+
+
+def _checksums(folder: Any, listed: dict[str, int] | None = None) -> dict[str, list]:
+    """`{relative path: [size, sha256 or None]}`: array data files get only their size (from the listing).
+    jaxloom's own files (the manifest, the digest parts, written beside it) are not listed."""
     out: dict[str, list] = {}
-    for f in sorted(folder.rglob("*")):
-        if f.is_file() and not f.name.startswith(CHECKSUMS):
-            relative = f.relative_to(folder)
-            digest = None
-            if not _is_array_data(relative):
-                h = hashlib.sha256()
-                with open(f, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(1 << 20), b""):  # noqa: B023 - consumed at once
-                        h.update(chunk)
-                digest = h.hexdigest()
-            out[str(relative)] = [f.stat().st_size, digest]
+    listed = paths.files_with_sizes(folder) if listed is None else listed
+    for name, size in sorted(listed.items()):
+        base = name.rsplit("/", 1)[-1]
+        if base.startswith("jaxloom_") or base in _ORBAX_BOOKKEEPING:
+            continue
+        digest = None
+        if not _is_array_data(Path(name)):
+            h = hashlib.sha256()
+            with (folder / name).open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):  # noqa: B023 - consumed at once
+                    h.update(chunk)
+            digest = h.hexdigest()
+        out[name] = [size, digest]
     return out
 
 

@@ -4,13 +4,15 @@ how the array is sharded, computed on the devices that hold it.
 The digest of an array `x` is two sums, modulo 2**32, of `bits(x[i]) * w(i)` over every element, where
 `bits` is the element's bit pattern (as unsigned integers) and `w(i)` an odd weight mixed from the
 element's global index and a seed taken from the array's name. Integer sums modulo 2**32 do not depend on
-the order of summation, so every device sums the elements it holds and XLA adds the partial sums: the same
-two numbers come out for any mesh and any number of processes, and computing them reads each byte once,
-from device memory, where the restore has just put it. Because every weight is odd, changing one bit of
-one element always changes the digest; swapping two equal-shaped arrays changes it too (other seeds).
+the order of summation, so each process sums the shards it holds (one small program per shard, on that
+shard's device: no collective, nothing waits on another process) and the partial sums add up to the same
+two numbers for any mesh and any number of processes. Computing them reads each byte once, from device
+memory, where the restore has just put it. Because every weight is odd, changing one bit of one element
+always changes the digest; swapping two equal-shaped arrays changes it too (other seeds).
 
-A checkpoint stores the digests of what it saved; a restore recomputes them over what it read and calls
-any difference corruption. No process reads a file it does not restore.
+A checkpoint stores each process's partial digests of what it saved; a restore recomputes them over what
+it read, adds up every process's (one gather) and calls any difference corruption. No process reads a file
+it does not restore.
 """
 
 from __future__ import annotations
@@ -52,50 +54,86 @@ def _bits(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _digest(x: jax.Array, seed: jax.Array) -> jax.Array:
+def _partial(x: jax.Array, seed: jax.Array, offsets: jax.Array, strides: jax.Array) -> jax.Array:
+    """The two sums over one shard `x`'s bit patterns, whose element [i, j, ...] is the global element
+    [offsets + (i, j, ...)] of an array (of bit patterns) with row-major `strides` (uint32, wrapping)."""
     u = _bits(x)
     index = jnp.zeros(u.shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(u.ndim)):  # the global flat index, built from per-axis iotas (shards cleanly)
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, u.shape, axis) * np.uint32(stride % 2**32)
-        stride *= u.shape[axis]
+    for axis in range(u.ndim):  # the global flat index
+        index = index + (jax.lax.broadcasted_iota(jnp.uint32, u.shape, axis) + offsets[axis]) * strides[axis]
     first = _mix(index ^ seed) | np.uint32(1)
     second = _mix(index * _GOLDEN + (seed ^ _M2)) | np.uint32(1)
     return jnp.stack([jnp.sum(u * first, dtype=jnp.uint32), jnp.sum(u * second, dtype=jnp.uint32)])
 
 
-def array_digest(name: str, x: jax.Array) -> jax.Array:
-    """The (not yet fetched) digest of array `x` named `name`: a uint32[2] array, replicated."""
-    seed = np.uint32(zlib.crc32(name.encode()))
-    return _digest(x, seed)
+Pending = dict[str, tuple[list[jax.Array], str]]
 
 
-def dispatch(named: dict[str, Any]) -> dict[str, tuple[jax.Array, str]]:
-    """Start computing the digests of `{name: array}` on the devices, without waiting: `{name: (pending
-    digest, dtype)}` for `fetch`. Every process calls this together (the digest of an array sharded over
-    processes is one computation across them). Arrays of dtypes without a digest are left out."""
-    pending = {}
+def dispatch(named: dict[str, Any]) -> Pending:
+    """Start computing this process's partial digests of `{name: array}` (the shards it holds whose
+    replica id is 0), without waiting: `{name: (pending sums, dtype)}` for `fetch`. Every program runs on
+    one device: no collective, so it may run beside training on any number of processes. Arrays of
+    dtypes without a digest are left out."""
+    pending: Pending = {}
     for name, x in named.items():
         try:
-            pending[name] = (array_digest(name, x), str(x.dtype))
+            bits_shape = jax.eval_shape(_bits, jax.ShapeDtypeStruct(x.shape, x.dtype)).shape
         except TypeError:
             continue
+        shape = tuple(bits_shape)
+        strides, acc = [], 1
+        for size in reversed(shape):
+            strides.append(acc % 2**32)
+            acc *= size
+        strides_arr = np.asarray(strides[::-1], np.uint32)
+        seed = np.uint32(zlib.crc32(name.encode()))
+        sums = []
+        for shard in x.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            starts = [sl.indices(dim)[0] for sl, dim in zip(shard.index, x.shape, strict=False)]
+            starts += [0] * (len(shape) - len(starts))
+            offsets = np.asarray([v % 2**32 for v in starts], np.uint32)
+            sums.append(_partial(shard.data, seed, offsets, strides_arr))
+        pending[name] = (sums, str(x.dtype))
     return pending
 
 
-def fetch(pending: dict[str, tuple[jax.Array, str]]) -> dict[str, list]:
-    """Wait for `dispatch`ed digests: `{name: [a, b, dtype]}`, JSON-ready, on any process."""
-    return {name: [*(int(v) for v in _fetch(d)), dtype] for name, (d, dtype) in sorted(pending.items())}
+def fetch(pending: Pending) -> dict[str, list]:
+    """Wait for `dispatch`ed sums: `{name: [a, b, dtype]}`, this process's part, JSON-ready."""
+    out = {}
+    for name, (sums, dtype) in sorted(pending.items()):
+        a = b = 0
+        for d in sums:
+            va, vb = (int(v) for v in np.asarray(d))
+            a, b = (a + va) % 2**32, (b + vb) % 2**32
+        out[name] = [a, b, dtype]
+    return out
+
+
+def combine(parts: list[dict[str, list]]) -> dict[str, list]:
+    """Every process's `fetch` added up: the arrays' digests."""
+    out: dict[str, list] = {}
+    for part in parts:
+        for name, (a, b, dtype) in part.items():
+            sa, sb, _ = out.get(name, [0, 0, dtype])
+            out[name] = [(sa + a) % 2**32, (sb + b) % 2**32, dtype]
+    return out
 
 
 def digests(named: dict[str, Any]) -> dict[str, list]:
-    """`fetch(dispatch(named))`: the digests of `{name: array}`, computed now."""
-    return fetch(dispatch(named))
+    """The digests of `{name: array}`, computed now. Every process calls this together: their parts are
+    added with one gather (a collective: call it where every process is, e.g. in a restore)."""
+    mine = fetch(dispatch(named))
+    if jax.process_count() == 1:
+        return mine
+    from jax.experimental import multihost_utils
 
-
-def _fetch(d: jax.Array) -> np.ndarray:
-    """A replicated result's value on any process (`device_get` refuses arrays spanning processes)."""
-    return np.asarray(d.addressable_shards[0].data)
+    names = sorted(mine)
+    local = np.asarray([mine[n][:2] for n in names], np.uint32).reshape(len(names), 2)
+    every = np.asarray(multihost_utils.process_allgather(local))  # [processes, names, 2]
+    totals = every.astype(np.uint64).sum(axis=0) % 2**32
+    return {n: [int(totals[i, 0]), int(totals[i, 1]), mine[n][2]] for i, n in enumerate(names)}
 
 
 def mismatches(named: dict[str, Any], expected: dict[str, list]) -> list[str]:

@@ -112,6 +112,9 @@ class LoopArgs(_Group):
 class CheckpointArgs(_Group):
     # None: a new directory for every run, jaxloom-runs/run-<date>-<time>-<random> (logged at the start).
     save_directory: str | None = None
+    # Where checkpoints go: None is save_directory/checkpoints; a path or an object-store URI (gs://bucket/run)
+    # puts them there, with the run's logs and report staying in save_directory.
+    checkpoint_directory: str | None = None
     save_steps: int | None = None
     save_minutes: float | None = None
     save_total_limit: int | None = 3
@@ -126,6 +129,15 @@ class CheckpointArgs(_Group):
         _positive(self, "save_steps", "save_minutes", "save_total_limit", allow_none=True)
         if self.save_directory is not None and not self.save_directory.strip():
             raise ValueError("save_directory = ''; expected a directory path")
+        if self.checkpoint_directory is not None:
+            if not self.checkpoint_directory.strip():
+                raise ValueError("checkpoint_directory = ''; expected a directory path or a gs:// URI")
+            if self.checkpoint_directory.startswith("s3://"):
+                raise ValueError(
+                    f"checkpoint_directory = {self.checkpoint_directory!r}: orbax-checkpoint cannot write s3:// "
+                    "(its OCDBT writer rejects the path as not absolute); expected a local path or gs://. Mount the "
+                    "bucket (s3fs, mountpoint-s3) and give the local path to use S3."
+                )
         return self
 
 
@@ -364,6 +376,7 @@ DOCS: dict[str, str] = {
     "save_directory": "the run's directory: checkpoints, logs, report (None: a new one per run)",
     "save_steps": "checkpoint every this many steps",
     "save_minutes": "checkpoint every this many minutes",
+    "checkpoint_directory": "where checkpoints go: a path or gs://bucket/path (None: save_directory/checkpoints)",
     "save_total_limit": "checkpoints kept (the newest)",
     "resume_if_possible": "continue the run found in save_directory",
     "overwrite_output_dir": "replace the run found in save_directory (its checkpoints and logs)",

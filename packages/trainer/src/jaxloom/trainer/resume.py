@@ -30,6 +30,7 @@ CHANGEABLE = frozenset(
         "nan_policy",
         # checkpointing (save_directory is the run itself)
         "save_directory",
+        "checkpoint_directory",
         "save_steps",
         "save_minutes",
         "save_total_limit",

@@ -31,7 +31,7 @@ import jaxloom.data as jd
 import jaxloom.generation as jg
 import jaxloom.models as jmod
 import jaxloom.state as js
-from jaxloom.mesh import DATA_AXES, MeshConfig, local_batch_slice, named_leaves
+from jaxloom.mesh import DATA_AXES, MeshConfig, local_batch_slice, named_leaves, paths
 
 from .arguments import TrainingArguments
 from .callbacks import Callback
@@ -259,7 +259,7 @@ class BaseTrainer:
         a = self.arguments
         return js.CheckpointManager(
             js.CheckpointConfig(
-                directory=str(Path(a.save_directory) / "checkpoints"),
+                directory=a.checkpoint_directory or str(Path(a.save_directory) / "checkpoints"),
                 save_steps=a.save_steps,
                 save_minutes=a.save_minutes,
                 save_total_limit=a.save_total_limit,
@@ -418,12 +418,14 @@ class BaseTrainer:
         directory = Path(a.save_directory)
         if self.is_process_zero:
             self._lock = js.DirectoryLock(directory).acquire()
-        try:  # every process writes its part of each checkpoint there, and reads it back after a restart
-            js.check_shared_directory(directory)
+        shared = a.checkpoint_directory or directory  # every process writes its part of each checkpoint there
+        try:  # ... and reads it back after a restart (an object store is shared by every host)
+            if not paths.is_uri(shared):
+                js.check_shared_directory(shared)
         except ValueError:
             self._release_directory()
             raise
-        ckpts = directory / "checkpoints"
+        ckpts = paths.as_path(a.checkpoint_directory or directory / "checkpoints")
         earlier = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.is_dir() else []
         if earlier and a.overwrite_output_dir:
             log.warning("overwrite_output_dir: removing the earlier run in %s (checkpoints %s)", directory, earlier)
@@ -434,6 +436,8 @@ class BaseTrainer:
                         shutil.rmtree(target)
                     else:
                         target.unlink(missing_ok=True)
+                if a.checkpoint_directory:
+                    paths.remove_tree(paths.as_path(a.checkpoint_directory))
             if jax.process_count() > 1:
                 from jax.experimental import multihost_utils
 

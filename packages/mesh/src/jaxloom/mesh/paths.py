@@ -1,0 +1,120 @@
+"""One small path layer: a local path or an object-store URI (`gs://bucket/run`, and the other schemes
+`etils.epath`/`fsspec` support), never `pathlib` on a URI.
+
+`as_path` gives a `pathlib.Path` (absolute) for local paths and an `etils.epath.Path` for URIs; both answer
+`/`, `exists`, `is_dir`, `iterdir`, `read_text`, `write_text`, `name`, `open`. What differs is here:
+listing a tree with sizes (one listing request on an object store, not one per file), writing a small file
+atomically, moving a folder and removing one.
+
+Used by checkpoints (jaxloom-state), data files (jaxloom-data) and the trainer. Object stores need the
+store's fsspec package (`gcsfs` for gs://: `pip install jaxloom-mesh[gcs]`).
+
+`as_path` refuses `s3://` with the reason: orbax-checkpoint 0.12 writes its OCDBT files through a path it
+normalises to `s3:/bucket/...` and then rejects as not absolute; `gs://` works (and a bucket mounted as a
+local path works for any store).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+WORKING_SCHEMES = ("gs",)
+
+
+def is_uri(path: Any) -> bool:
+    """Whether `path` names an object-store location (`scheme://...`) rather than a local path."""
+    return "://" in os.fspath(path) if isinstance(path, str | os.PathLike) else False
+
+
+def as_path(path: Any) -> Any:
+    """`path` as a `pathlib.Path` (local, made absolute) or an `etils.epath.Path` (a URI). An `s3://` URI
+    is a ValueError saying why and what works."""
+    text = str(path) if is_uri(str(path)) else os.fspath(path)
+    if not is_uri(text):
+        return Path(text).absolute()
+    scheme = text.split("://", 1)[0]
+    if scheme == "s3":
+        raise ValueError(
+            f"checkpoint directory {text}: orbax-checkpoint cannot write s3:// (its OCDBT writer normalises the "
+            "path to s3:/... and rejects it as not absolute). Use gs://, or mount the bucket (s3fs, mountpoint-s3) "
+            "and give the local path."
+        )
+    from etils import epath
+
+    return epath.Path(text)
+
+
+def open_binary(path: Any) -> Any:
+    """`path` opened for reading bytes: a local file, or a seekable object-store file (fsspec)."""
+    if not is_uri(str(path)):
+        return open(path, "rb")  # noqa: SIM115 - the caller closes it
+    fs, p = _fs(path)
+    return fs.open(p, "rb")
+
+
+def _fs(path: Any) -> tuple[Any, str]:
+    """The fsspec filesystem etils (and so orbax) uses for `path`, and the path within it: one instance, so
+    a listing cached by one is invalidated by the other's changes."""
+    from etils.epath import backend
+
+    fs = backend.fsspec_backend.fs(str(path))
+    return fs, fs._strip_protocol(str(path))
+
+
+def files_with_sizes(folder: Any) -> dict[str, int]:
+    """`{path relative to folder (with /): size in bytes}` of every file under `folder`: `os.walk` locally,
+    one recursive listing on an object store."""
+    if not is_uri(str(folder)):
+        out = {}
+        for root, _, names in os.walk(folder):
+            for name in names:
+                full = os.path.join(root, name)
+                out[os.path.relpath(full, folder).replace(os.sep, "/")] = os.stat(full).st_size
+        return out
+    fs, base = _fs(folder)
+    base = base.rstrip("/")
+    found = fs.find(base, detail=True)
+    return {
+        name[len(base) + 1 :]: int(info.get("size") or 0)
+        for name, info in found.items()
+        if info.get("type") != "directory" and name.startswith(base + "/")
+    }
+
+
+def write_atomic(path: Any, text: str) -> None:
+    """Write `text` to `path` so that a reader sees the old content or the new, never a part: a rename
+    locally; on an object store one upload is already all or nothing."""
+    if is_uri(str(path)):
+        path.write_text(text)
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def move(src: Any, dst: Any) -> None:
+    """Rename folder `src` to `dst` (on an object store: a server-side copy of each object, then delete)."""
+    if is_uri(str(src)):
+        fs, a = _fs(src)
+        b = _fs(dst)[1]
+        for name in files_with_sizes(src):
+            fs.copy(f"{a.rstrip('/')}/{name}", f"{b.rstrip('/')}/{name}")
+        fs.rm(a, recursive=True)
+        return
+    src.rename(dst)
+
+
+def remove_tree(path: Any) -> None:
+    """Remove folder or file `path` if it exists."""
+    if is_uri(str(path)):
+        fs, p = _fs(path)
+        if fs.exists(p):
+            fs.rm(p, recursive=True)
+        return
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
