@@ -55,3 +55,35 @@ def test_checkpoints_on_gcs_save_restore_and_fall_back(caplog):
 def test_s3_is_refused_with_the_reason():
     with pytest.raises(ValueError, match=r"orbax-checkpoint cannot write s3://.*Use gs://"):
         js.CheckpointManager("s3://bucket/run")
+
+
+def test_hf_export_to_gcs_streams_and_loads_back(tmp_path):
+    """save_pretrained(to_hf=True) into gs://: written beside the destination, then swapped in; a re-export
+    leaves no stale shard and keeps the user's own files; the bucket's copy loads as the same model."""
+    import jaxloom.models as jm
+
+    state = make_state(mesh_of(fsdp=2))
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")), unk_token="[UNK]"
+    )
+    with gcs_emulator() as bucket:
+        fs, _ = fsspec.core.url_to_fs(bucket)
+        js.save_pretrained(state, f"{bucket}/hf", tokenizer=tok, max_shard_bytes=20_000)  # several shards
+        root = fs._strip_protocol(f"{bucket}/hf")
+        first = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, refresh=True))
+        assert "tokenizer.json" in first and "model.safetensors.index.json" in first  # uploaded beside the shards
+        fs.pipe_file(f"{root}/README.md", b"my notes")
+        js.save_pretrained(train_steps(state, 1), f"{bucket}/hf")  # one file now, over the sharded one
+        names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, refresh=True))
+        assert "model.safetensors" in names and "README.md" in names and "tokenizer.json" not in names
+        assert not [n for n in names if n.startswith("model-0")] and "model.safetensors.index.json" not in names
+        assert not [p for p in fs.ls(fs._strip_protocol(bucket), refresh=True) if ".tmp-" in p or ".old-" in p]
+        fs.get(root + "/", str(tmp_path / "local") + "/", recursive=True)
+    loaded = jm.to_hf_state_dict(jm.from_pretrained(tmp_path / "local"))
+    expected = jm.to_hf_state_dict(__import__("flax").nnx.merge(state.graphdef, train_steps(state, 1).params))
+    assert sorted(loaded) == sorted(expected)
+    for k in expected:
+        np.testing.assert_array_equal(np.asarray(loaded[k]), gather(expected[k]), err_msg=k)

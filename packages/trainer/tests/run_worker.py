@@ -1,6 +1,7 @@
 """python run_worker.py OUT_DIR MODE [key=value ...]: a short deterministic run through the CLI's builder;
 prints each step."""
 
+import os
 import sys
 
 import numpy as np
@@ -38,3 +39,5 @@ trainer.hooks.append(Announce())
 result = trainer.train()
 np.savez(f"{out}/final.npz", **{k: gather(v) for k, v in named_leaves(result.state.params)})
 print("RESUMED_FROM", result.resumed_from, flush=True)
+if os.environ.get("EXPORT_TO"):  # a Hugging Face export of the final state (a path or a gs:// URI)
+    trainer.save_pretrained(save_directory=os.environ["EXPORT_TO"], to_torch=True)

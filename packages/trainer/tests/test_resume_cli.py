@@ -94,9 +94,23 @@ def test_data_and_checkpoints_on_gcs_sigkill_then_resume_ends_bitwise_equal(tmp_
         resumed = [line for line in lines if line.startswith("RESUMED_FROM")][0]
         assert resumed.startswith(f"RESUMED_FROM {bucket}/runs/a/") and resumed.rsplit("/", 1)[-1] in ("4", "8")
         assert not (tmp_path / "run" / "checkpoints").exists()  # nothing local but the run's logs
+        # the resumed run's HF export, written into the bucket (run_worker: EXPORT_TO)
+        os.environ["EXPORT_TO"] = f"{bucket}/hf"
+        try:
+            exported_run, _, err = run(tmp_path / "exported", extra=data)
+        finally:
+            del os.environ["EXPORT_TO"]
+        assert exported_run.returncode == 0, err[-3000:]
+        fs.get(f"{fs._strip_protocol(bucket)}/hf/", str(tmp_path / "hf") + "/", recursive=True)
+    import jaxloom.models as jm
+
+    exported = jm.to_hf_state_dict(jm.from_pretrained(tmp_path / "hf"))
     a, b = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "run" / "final.npz")
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    c = np.load(tmp_path / "exported" / "final.npz")
+    embed = np.asarray(exported["model.embed_tokens.weight"])
+    assert any(np.array_equal(embed, c[k]) for k in c), "the export holds that run's final parameters"
 
 
 def test_shipped_configs_parse():

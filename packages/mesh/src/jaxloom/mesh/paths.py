@@ -55,6 +55,22 @@ def open_binary(path: Any) -> Any:
     return fs.open(p, "rb")
 
 
+def open_write(path: Any) -> Any:
+    """`path` opened for writing bytes: a local file, or an object-store upload (fsspec; streamed in
+    blocks, visible once closed)."""
+    if not is_uri(str(path)):
+        return open(path, "wb")  # noqa: SIM115 - the caller closes it
+    fs, p = _fs(path)
+    return fs.open(p, "wb")
+
+
+def upload_tree(local: Any, dest: Any) -> None:
+    """Copy the files of local folder `local` to `dest` (a URI or a local folder)."""
+    for name in files_with_sizes(local):
+        with open(os.path.join(local, name), "rb") as src, open_write(f"{os.fspath(dest).rstrip('/')}/{name}") as out:
+            shutil.copyfileobj(src, out, 4 << 20)
+
+
 def _fs(path: Any) -> tuple[Any, str]:
     """The fsspec filesystem etils (and so orbax) uses for `path`, and the path within it: one instance, so
     a listing cached by one is invalidated by the other's changes."""
@@ -100,6 +116,10 @@ def move(src: Any, dst: Any) -> None:
     if is_uri(str(src)):
         fs, a = _fs(src)
         b = _fs(dst)[1]
+        if fs.isfile(a):
+            fs.copy(a, b)
+            fs.rm(a)
+            return
         for name in files_with_sizes(src):
             fs.copy(f"{a.rstrip('/')}/{name}", f"{b.rstrip('/')}/{name}")
         fs.rm(a, recursive=True)

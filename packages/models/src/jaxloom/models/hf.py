@@ -202,7 +202,14 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Write a directory all at once: yields a temporary directory beside `path`; on success it replaces
     `path` (files there that an export does not write are carried over; stale shards and indexes are
     not), on failure it is removed and `path` is untouched. A crash leaves at worst a hidden
-    `.NAME.tmp-PID` (or the previous export as `.NAME.old-PID`) beside it."""
+    `.NAME.tmp-PID` (or the previous export as `.NAME.old-PID`) beside it. On an object store (`gs://`) the
+    same steps run as server-side copies: not one atomic step, but the previous export is only removed once
+    the new one is complete, and is kept as `.NAME.old-PID` if the swap itself is cut."""
+    from jaxloom.mesh import paths
+
+    if paths.is_uri(str(path)):
+        yield from _atomic_remote_directory(paths.as_path(str(path)))
+        return
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -226,13 +233,41 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_hf_model(model: nnx.Module, path: str | Path, *, max_shard_bytes: int = 5 * 2**30, dtype: Any = None) -> Path:
+def _atomic_remote_directory(path: Any) -> Iterator[Any]:
+    from jaxloom.mesh import paths
+
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    paths.remove_tree(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        paths.remove_tree(tmp)
+        raise
+    if path.exists() and not path.is_dir():
+        paths.remove_tree(tmp)
+        raise NotADirectoryError(f"{path} exists and is not a directory; expected a directory to export into")
+    old = path.parent / f".{path.name}.old-{os.getpid()}"
+    if path.is_dir():
+        written = set(paths.files_with_sizes(tmp))
+        for entry in path.iterdir():  # the user's own files (a README, ...) are carried over
+            if not _EXPORT_FILE.match(entry.name) and entry.name not in written:
+                paths.move(entry, tmp / entry.name)
+        paths.move(path, old)
+    paths.move(tmp, path)
+    paths.remove_tree(old)
+
+
+def save_hf_model(
+    model: nnx.Module, path: str | Path, *, max_shard_bytes: int = 5 * 2**30, dtype: Any = None
+) -> Path | str:
     """Write `model`'s `config.json` and `model.safetensors` (sharded with an index past
     `max_shard_bytes`) into directory `path`, cast to `dtype` if given, loadable by `transformers` and
     by `from_pretrained`. Only process 0 writes; tensors are gathered and written one at a time
     (`write_hf_export`). The directory is replaced at once (`atomic_directory`): an interrupted export
-    leaves the previous one intact."""
-    path = Path(path)
+    leaves the previous one intact. `path` may be an object-store URI (`gs://bucket/model`)."""
+    from jaxloom.mesh import paths
+
+    path = path if paths.is_uri(str(path)) else Path(path)
     if jax.process_index() != 0:
         write_hf_export(model, None, dtype=dtype, max_shard_bytes=max_shard_bytes)  # its part of each gather
         return path
@@ -293,7 +328,7 @@ def _host_views(model: nnx.Module, plan) -> Iterator[np.ndarray]:
 
 def write_hf_export(
     model: nnx.Module,
-    path: Path | None,
+    path: Any,
     *,
     dtype: Any = None,
     max_shard_bytes: int = 5 * 2**30,

@@ -144,8 +144,10 @@ class StreamWriter:
             header["__metadata__"] = dict(metadata)
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
-        self._path, self._next = Path(path), 0
-        self._file = open(path, "wb")  # noqa: SIM115 - closed by __exit__
+        self._path, self._next = path, 0
+        from jaxloom.mesh import paths
+
+        self._file = paths.open_write(path)  # a local file or an object-store upload; closed by __exit__
         self._file.write(struct.pack("<Q", len(blob)))
         self._file.write(blob)
 

@@ -17,20 +17,24 @@ def save_pretrained(
     dtype: Any = None,
     max_shard_bytes: int = 5 * 2**30,
     generation_config: dict[str, Any] | None = None,
-) -> Path:
+) -> Path | str:
     """`to_hf=True`: `config.json` + safetensors (sharded with an index past `max_shard_bytes`) and the
     tokenizer if given — a directory `transformers.AutoModelForCausalLM.from_pretrained` loads. It is
     written beside `path` and renamed into place: a crash or a full disk leaves the previous export intact,
     and no stale shard or index of it remains.
     Streaming: tensors are gathered, cast and written one at a time (a stacked layer's slice, not the
     stack), so host memory grows by about the largest tensor; only process 0 writes.
+    `path` may be an object-store URI (`gs://bucket/model`; see jaxloom.mesh.paths).
     `to_hf=False`: an orbax checkpoint of the whole state at `path/<step>`. `dtype` casts floating
     weights on the way out (e.g. `"bfloat16"`). `generation_config`: fields of `generation_config.json`
     over the model config's special-token ids (e.g. `eos_token_id` as a list with a chat template's
     end-of-turn token, so `transformers`' `generate` stops where the model was trained to stop)."""
     import jax
 
-    path = Path(path)
+    from jaxloom.mesh import paths
+
+    uri = paths.is_uri(str(path))
+    path = str(path) if uri else Path(path)  # type: ignore[assignment]
     if not to_hf:
         from .checkpoint import CheckpointManager
 
@@ -45,6 +49,12 @@ def save_pretrained(
         return path
     with atomic_directory(path) as tmp:  # an interrupted export leaves the previous one intact
         write_hf_export(state.model, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, generation=generation_config)
-        if tokenizer is not None:
+        if tokenizer is not None and uri:  # tokenizers write local files: written here, then uploaded
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as local:
+                tokenizer.save_pretrained(local)
+                paths.upload_tree(local, tmp)
+        elif tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return path

@@ -1343,7 +1343,7 @@ class BaseTrainer:
         torch_save_pretrained_kwargs: dict | None = None,
         *,
         to_hf: bool | None = None,
-    ) -> Path:
+    ) -> Path | str:
         """Write `state` (default: the trainer's) to `save_directory`: with `to_torch` (or `to_hf`) a
         Hugging Face directory `transformers` loads (safetensors, config, tokenizer), else an orbax
         checkpoint of the whole state. The protocol's order `save_pretrained(ckpt_path, state)` works too.
