@@ -1,6 +1,7 @@
 """Checkpoints on an object store: a real GCS server on loopback (`jaxloom.state.testing.gcs_emulator`),
 orbax writing through tensorstore's gcs driver, listings and metadata through gcsfs. Save, restore onto
-another mesh bitwise, corruption found in the same read and set aside, and that step written again."""
+another mesh bitwise; a truncated, deleted or flipped data object is corruption (the flip found in the same
+read), set aside, the previous step restored, and that step written again. The HF export into a bucket."""
 
 import fsspec
 import jax
@@ -37,7 +38,14 @@ def test_checkpoints_on_gcs_save_restore_and_fall_back(caplog):
         fs, root = fsspec.core.url_to_fs(f"{bucket}/run/checkpoints/2")  # a user's own client
         data = {k: v["size"] for k, v in fs.find(root, detail=True).items() if "/d/" in k}
         victim = max(data, key=data.get)
-        raw = bytearray(fs.cat_file(victim))
+        good = fs.cat_file(victim)
+        fs.pipe_file(victim, good[: len(good) // 3])  # truncated: its size, from one listing
+        with pytest.raises(js.CheckpointCorruptError, match=r"is corrupt \(size \d+ vs \d+ written\)"):
+            js.CheckpointManager(f"{bucket}/run/checkpoints").restore(target(mesh_of(fsdp=2)), step=2)
+        fs.rm(victim)  # deleted
+        with pytest.raises(js.CheckpointCorruptError, match="is missing"):
+            js.CheckpointManager(f"{bucket}/run/checkpoints").restore(target(mesh_of(fsdp=2)), step=2)
+        raw = bytearray(good)
         raw[len(raw) // 2] ^= 0xFF
         fs.pipe_file(victim, bytes(raw))
         with caplog.at_level("ERROR"):
