@@ -7,6 +7,7 @@ Prints one JSON line: the error, or null."""
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4" if sys.argv[4] == "restore" else ""
@@ -42,7 +43,9 @@ if mode == "restore":
     )()
     step, rng = jax.jit(lambda: (jax.numpy.zeros((), jax.numpy.int32), jax.random.PRNGKey(0)), out_shardings=rep)()
     state = TrainState(step=step, params=params, opt_state={}, rng=rng)
-    CheckpointManager(f"{root}/ck", async_save=False).save(1, state)
+    saver = CheckpointManager(f"{root}/ck")  # async: digests are computed beside the write, parts written after
+    saver.save(1, state)
+    saver.wait_until_finished()
     multihost_utils.sync_global_devices("saved")
     target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     jax.block_until_ready(CheckpointManager(f"{root}/ck").restore(target).state.params)  # imports, compiles
@@ -56,7 +59,8 @@ if mode == "restore":
         for a, b in zip(params[k].addressable_shards, restored[k].addressable_shards, strict=True)
     )
     share = sum(x.nbytes for x in params.values()) // 2
-    print(json.dumps({"read": read, "share": share, "equal": equal}))
+    parts = sorted(p.name for p in (Path(root) / "ck" / "1").iterdir() if p.name.startswith("jaxloom_digests"))
+    print(json.dumps({"read": read, "share": share, "equal": equal, "parts": parts}))
     jax.distributed.shutdown()
     sys.exit(0)
 if mode == "local":
