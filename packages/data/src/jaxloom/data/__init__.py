@@ -23,7 +23,7 @@ from .sources import (
 )
 from .store import TokenStore, is_store, prepare, tokenizer_hash
 from .synthetic import addition_records, exact_match
-from .tokenize import tokenize_record
+from .tokenize import tokenize_pair, tokenize_record
 
 __all__ = [
     "DataConfig",
@@ -54,6 +54,7 @@ __all__ = [
     "prepare",
     "process_sample_data",
     "to_global",
+    "tokenize_pair",
     "tokenize_record",
     "tokenizer_hash",
 ]

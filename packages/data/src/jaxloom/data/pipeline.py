@@ -26,7 +26,7 @@ import numpy as np
 from jaxloom.mesh.schema import NonNegativeInt, PositiveInt, config
 
 from .sources import ShardedDataSource, as_source, describe, iter_shard
-from .tokenize import tokenize_record
+from .tokenize import tokenize_pair, tokenize_record
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,14 @@ class DataConfig:
       padded row per document.
     - `truncation_mode`, `padding_side`: for unpacked rows.
     - `long_records`: unpacked records longer than a row are truncated ('truncate') or an error ('raise').
+    - `pairs`: each row holds one preference record (`prompt`, `chosen`, `rejected`; see `tokenize_pair`):
+      its chosen sequence in the first `max_sequence_length` columns and its rejected one in the next, each
+      right-padded, so a row is `2 × max_sequence_length` wide and the two stay together on one data shard.
+    - `bad_records`: a record that cannot be tokenized is an error naming its file and line ('raise'), or
+      is skipped and counted (`DataLoader.skipped`) ('skip').
     - `text_column`, `messages_column`, `prompt_column`, `completion_column`: the record fields read for plain
-      text, chat messages, and prompt/completion pairs.
+      text, chat messages, and prompt/completion pairs; `chosen_column`, `rejected_column`: a preference
+      record's completions (with `pairs`).
     - `add_bos`, `add_eos`: put the tokenizer's bos/eos tokens around every document.
     - `shuffle`, `seed`: shuffle shards and records each epoch, deterministically from `seed`.
     - `shuffle_buffer_size`: records read ahead from a shard (and shuffled together, when `shuffle`);
@@ -62,6 +68,10 @@ class DataConfig:
     messages_column: str = "messages"
     prompt_column: str = "prompt"
     completion_column: str = "completion"
+    chosen_column: str = "chosen"
+    rejected_column: str = "rejected"
+    pairs: bool = False
+    bad_records: Literal["raise", "skip"] = "raise"
     add_bos: bool = True
     add_eos: bool = True
     shuffle: bool = True
@@ -98,6 +108,8 @@ class DataLoader:
             raise ValueError("the tokenizer has no pad token; load it with jaxloom.data.load_processor")
         self.mixture = data if isinstance(data, Mixture) else None
         parts = self.mixture.parts if self.mixture is not None else [data]
+        if config.pairs and config.packing:
+            raise ValueError("pairs=True needs packing=False: each row holds one preference pair, padded")
         self.streams = [_Stream(as_source(d), self) for d in parts]
         self._state = self._check_state(state) if state is not None else self._start_state()
         self._resumed = state is not None  # the first batch checks that the saved position still exists
@@ -158,6 +170,11 @@ class DataLoader:
         return dict(state)
 
     # ---- state ------------------------------------------------------------------------------------
+    @property
+    def skipped(self) -> int:
+        """Records skipped as bad so far (`bad_records='skip'`), over every stream of this loader."""
+        return sum(s.skipped for s in self.streams)
+
     def state_dict(self) -> dict[str, int]:
         """The position after the last batch returned by `next()`: restoring it continues exactly there."""
         return json.loads(json.dumps(self._state))
@@ -201,7 +218,7 @@ class DataLoader:
     # ---- batch making (pure function of the state) ---------------------------------------------------
     def _produce(self, state: dict) -> tuple[dict[str, np.ndarray], dict]:
         c = self.config
-        b, length = c.batch_size, c.max_sequence_length
+        b, length = c.batch_size, c.max_sequence_length * (2 if c.pairs else 1)
         out = {k: np.zeros((b, length), np.int32) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
         out["input_ids"][:] = self.tokenizer.pad_token_id
         mixed = self.mixture is not None
@@ -215,7 +232,9 @@ class DataLoader:
         try:
             for r in range(b):
                 k = self.mixture.pick(tokens) if mixed else 0  # type: ignore[union-attr]
-                if c.packing:
+                if c.pairs:
+                    self._pair_row(cursors[k], out, r)
+                elif c.packing:
                     self._pack_row(cursors[k], out, r)
                 else:
                     self._pad_row(cursors[k], out, r)
@@ -241,6 +260,17 @@ class DataLoader:
             filled += take
             cursor.consume(take)
 
+    def _pair_row(self, cursor, out, r) -> None:
+        length = self.config.max_sequence_length
+        ids, mask, _ = cursor.current()
+        split = cursor.split
+        for half, part in enumerate((slice(0, split), slice(split, len(ids)))):
+            n = part.stop - part.start
+            sl = slice(half * length, half * length + n)
+            out["input_ids"][r, sl], out["loss_mask"][r, sl] = ids[part], mask[part]
+            out["segment_ids"][r, sl], out["positions"][r, sl] = 1, np.arange(n)
+        cursor.consume(len(ids) - cursor.state["token_offset"])
+
     def _pad_row(self, cursor, out, r) -> None:
         c, length = self.config, self.config.max_sequence_length
         ids, mask, _ = cursor.current()
@@ -263,11 +293,15 @@ def _batch_tokenize(rows: list[dict], tokenizer, config: DataConfig) -> list[np.
     """Plain-text `rows` are tokenized in one batched call (in the prefetch thread), so training-time data
     work is slicing; None when some row is not plain text (those go record by record)."""
     column = config.text_column
-    if not rows or not all(
-        set(r) & {column}
-        and not (set(r) & {config.messages_column, config.prompt_column, "input_ids"})
-        and isinstance(r[column], str)
-        for r in rows
+    if (
+        config.pairs
+        or not rows
+        or not all(
+            set(r) & {column}
+            and not (set(r) & {config.messages_column, config.prompt_column, "input_ids"})
+            and isinstance(r[column], str)
+            for r in rows
+        )
     ):
         return None
     bos = [tokenizer.bos_token_id] if config.add_bos and tokenizer.bos_token_id is not None else []
@@ -335,6 +369,7 @@ class _Stream:
             self.shards, self.row_stride = shards, self.ranks
         self._block_memo: _Block | None = None
         self._stream_memo: tuple = (None, None)
+        self.skipped = 0  # bad records skipped (bad_records='skip')
 
 
 TOKENIZE_CHUNK = 256  # plain-text records tokenized per call, in visiting order, when first needed
@@ -377,6 +412,7 @@ class _Cursor:
         self.loader, self.state = loader, dict(state)
         self._block: _Block | None = loader._block_memo
         self._tokens_key = None
+        self.split = 0  # pairs: where the rejected sequence starts in the current record's ids
 
     def check_position(self) -> None:
         """A restored position must still exist: a dataset that shrank since it was saved would otherwise
@@ -445,6 +481,15 @@ class _Cursor:
             s.update(shard_pos=0, epoch=s["epoch"] + 1)
 
     def current(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """The record at the position (its ids, mask, and the tokens of it already used); records with no
+        tokens (and skipped bad ones) are stepped over."""
+        while True:
+            found = self._current_once()
+            if found is not None:
+                return found
+            self.state.update(row_pos=self.state["row_pos"] + 1, token_offset=0)
+
+    def _current_once(self) -> tuple[np.ndarray, np.ndarray, int] | None:
         epochs = self.loader.config.num_epochs
         seen_empty = 0
         while True:
@@ -469,16 +514,27 @@ class _Cursor:
                 self._mask = np.ones(len(self._ids), np.int32)
             else:
                 try:
-                    self._ids, self._mask = tokenize_record(
-                        block.records[index], self.loader.tokenizer, self.loader.config
-                    )
+                    self._ids, self._mask = self._tokenize(block.records[index])
                 except (ValueError, TypeError) as e:
-                    raise ValueError(f"{self.where()}: {e}") from None
+                    if self.loader.config.bad_records == "raise":
+                        raise ValueError(f"{self.where()}: {e}") from None
+                    log.debug("skipped bad record %s: %s", self.where(), e)
+                    self.loader.skipped += 1
+                    self._ids, self._mask = np.zeros(0, np.int32), np.zeros(0, np.int32)  # skipped below
             self._tokens_key = key
         if len(self._ids) == 0:
-            self.state.update(row_pos=self.state["row_pos"] + 1, token_offset=0)
-            return self.current()
+            return None
         return self._ids, self._mask, self.state["token_offset"]
+
+    def _tokenize(self, record: dict) -> tuple[np.ndarray, np.ndarray]:
+        tokenizer, config = self.loader.tokenizer, self.loader.config
+        if not config.pairs:
+            return tokenize_record(record, tokenizer, config)
+        if not isinstance(record, dict):
+            raise ValueError(f"a preference record must be an object, got {type(record).__name__}")
+        chosen, chosen_mask, rejected, rejected_mask = tokenize_pair(record, tokenizer, config)
+        self.split = len(chosen)
+        return np.concatenate([chosen, rejected]), np.concatenate([chosen_mask, rejected_mask])
 
     def consume(self, n: int) -> None:
         self.state["token_offset"] += n

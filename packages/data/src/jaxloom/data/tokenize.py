@@ -93,3 +93,91 @@ def _chat(messages: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
         ids += new
         mask += [0] * header + [1 if m["role"] == "assistant" else 0] * (len(new) - header)
     return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+
+
+# ---- preference pairs -------------------------------------------------------------------------------------
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _implicit_prompt(chosen, rejected):
+    """TRL's `extract_prompt`: without a prompt, the prompt is what chosen and rejected share at the start
+    (whole messages for chat; characters, less a trailing space, for text)."""
+    n = _common_prefix(chosen, rejected)
+    if isinstance(chosen, str) and 0 < n < len(chosen) and chosen[n - 1] == " ":
+        n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _ids(tokenizer, value, *, generation_prompt: bool = False) -> list[int]:
+    if isinstance(value, list):  # chat messages: the template decides the special tokens
+        out = tokenizer.apply_chat_template(
+            value, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt
+        )
+        return list(out["input_ids"])
+    return list(tokenizer(value)["input_ids"])  # the tokenizer's own special-token policy (BOS or not)
+
+
+def _check_messages(value, name: str) -> None:
+    if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        raise ValueError(f"{name} must be text or a list of {{'role', 'content'}} messages, got {value!r:.200}")
+
+
+def tokenize_pair(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`(chosen_ids, chosen_mask, rejected_ids, rejected_mask)` of one preference record, tokenized as TRL's
+    `DPOTrainer` does, so that losses compare token for token: text completions end with the EOS token
+    (appended as text when missing); prompt + completion are tokenized together with the tokenizer's own
+    special-token policy (chat: its template, the prompt with the generation prompt) and the prompt is their
+    common prefix with the prompt alone; each sequence is cut to `config.max_sequence_length` by
+    `config.truncation_mode` ('keep_start': its first tokens, 'keep_end': its last). Masks are 1 on
+    completion tokens. Columns: `config.prompt_column` (optional: absent, the shared start of chosen and
+    rejected is the prompt), `config.chosen_column`, `config.rejected_column`.
+
+    A bad record is a ValueError saying what is wrong: a column missing, text mixed with messages, an
+    empty completion, or a prompt that leaves no completion token within the length."""
+    cc, rc, pc = config.chosen_column, config.rejected_column, config.prompt_column
+    missing = [c for c in (cc, rc) if c not in record or record[c] is None]
+    if missing:
+        raise ValueError(
+            f"preference record has no {' or '.join(map(repr, missing))} column; expected {pc!r} (optional), "
+            f"{cc!r} and {rc!r}; columns present: {sorted(record)}"
+        )
+    chosen, rejected, prompt = record[cc], record[rc], record.get(pc)
+    chat = isinstance(chosen, list)
+    for name, value in ((cc, chosen), (rc, rejected)) + (((pc, prompt),) if prompt is not None else ()):
+        if chat:
+            _check_messages(value, name)
+        elif not isinstance(value, str):
+            raise ValueError(f"column {name!r} holds {type(value).__name__}; expected text like {cc!r} (or messages)")
+    if prompt is None:
+        prompt, chosen, rejected = _implicit_prompt(chosen, rejected)
+    for name, value in ((cc, chosen), (rc, rejected)):
+        empty = not value if chat else not value.strip()
+        if empty or (chat and not any(str(m["content"]).strip() for m in value)):
+            raise ValueError(f"the {name!r} completion is empty; expected a non-empty completion")
+    if not chat:
+        eos = tokenizer.eos_token or ""
+        chosen = chosen if chosen.endswith(eos) else chosen + eos
+        rejected = rejected if rejected.endswith(eos) else rejected + eos
+    p = _ids(tokenizer, prompt, generation_prompt=True) if prompt or not chat else []
+    pc_ids, pr_ids = _ids(tokenizer, prompt + chosen), _ids(tokenizer, prompt + rejected)
+    n = min(_common_prefix(p, pc_ids), _common_prefix(p, pr_ids))
+    length = config.max_sequence_length
+    cut = slice(None, length) if config.truncation_mode == "keep_start" else slice(-length, None)
+    out = []
+    for name, ids in ((cc, pc_ids), (rc, pr_ids)):
+        mask = np.zeros(len(ids), np.int32)
+        mask[n:] = 1
+        ids_a, mask = np.asarray(ids, np.int32)[cut], mask[cut]
+        if not mask.any():
+            raise ValueError(
+                f"the prompt is {n} tokens, which leaves no {name!r} token within max_length = {length} "
+                f"(truncation_mode={config.truncation_mode!r}); expected a shorter prompt or a larger max_length"
+            )
+        out += [ids_a, mask]
+    return out[0], out[1], out[2], out[3]

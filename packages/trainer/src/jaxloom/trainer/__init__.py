@@ -1,9 +1,10 @@
 """jaxloom.trainer: the training loop, its arguments, metrics, and the `jaxloom` command."""
 
 from .__about__ import __version__
-from .arguments import TrainingArguments
+from .arguments import DPOConfig, TrainingArguments
 from .callbacks import Callback
 from .deployer import Deployer
+from .dpo import DPOTrainer
 from .optim import get_lr_schedule_fn, make_optimizer
 from .outputs import (
     TrainerConfigureDataloaderOutput,
@@ -12,15 +13,18 @@ from .outputs import (
     TrainerOutput,
 )
 from .protocol import BaseTrainerProtocol, TrainerProtocol
-from .step import StepConfig, eval_step, train_step
+from .step import Objective, StepConfig, eval_step, train_step
 from .trainer import BaseTrainer, NonFiniteLossError, Trainer
 
 __all__ = [
     "BaseTrainer",
     "BaseTrainerProtocol",
     "Callback",
+    "DPOConfig",
+    "DPOTrainer",
     "Deployer",
     "NonFiniteLossError",
+    "Objective",
     "StepConfig",
     "Trainer",
     "TrainerConfigureDataloaderOutput",

@@ -266,6 +266,26 @@ GROUPS: dict[str, type[_Group]] = {
 _OWNER = {name: g for g, cls in GROUPS.items() for name in cls.model_fields}
 
 
+class PreferenceArgs(_Group):
+    """The settings of preference training (`DPOConfig`), TRL's names and defaults."""
+
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    label_smoothing: float = 0.0
+    ref_model: str | None = None  # an HF directory or a jaxloom run directory; None: the starting policy, frozen
+    precompute_ref_log_probs: bool = False
+    skip_bad_records: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        _positive(self, "beta")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing = {self.label_smoothing}; expected a value in [0, 0.5)")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ValueError(f"label_smoothing = {self.label_smoothing} applies to loss_type='sigmoid' only")
+        return self
+
+
 class TrainingArguments:
     """All training arguments, written flat as EasyDeL users write them:
 
@@ -277,50 +297,59 @@ class TrainingArguments:
     one. `TrainingArguments.fields()` lists every argument with its group, type and default.
     """
 
+    GROUPS: dict[str, type[_Group]] = GROUPS
+
     def __init__(self, **kwargs: Any):
-        unknown = [k for k in kwargs if k not in _OWNER]
+        owner = self._owner()
+        unknown = [k for k in kwargs if k not in owner]
         if unknown:
-            hints = {k: difflib.get_close_matches(k, list(_OWNER), n=1) for k in unknown}
+            hints = {k: difflib.get_close_matches(k, list(owner), n=1) for k in unknown}
             text = "; ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
             raise ValueError(f"unknown training argument(s): {text}")
-        for group, cls in GROUPS.items():
+        for group, cls in self.GROUPS.items():
             values = {k: v for k, v in kwargs.items() if k in cls.model_fields}
             try:
                 object.__setattr__(self, group, cls(**values))
             except ValidationError as e:
                 raise explain_validation_error(e) from None
 
+    @classmethod
+    def _owner(cls) -> dict[str, str]:
+        return {name: g for g, group in cls.GROUPS.items() for name in group.model_fields}
+
     def __getattr__(self, name: str) -> Any:
-        if name in _OWNER:
-            return getattr(object.__getattribute__(self, _OWNER[name]), name)
-        raise AttributeError(f"TrainingArguments has no argument {name!r}")
+        owner = type(self)._owner()
+        if name in owner:
+            return getattr(object.__getattribute__(self, owner[name]), name)
+        raise AttributeError(f"{type(self).__name__} has no argument {name!r}")
 
     def __setattr__(self, name, value):
         raise AttributeError("TrainingArguments is frozen; use .replace(**changes)")
 
     def to_dict(self) -> dict[str, Any]:
         """Every argument by its flat name."""
-        return {name: getattr(getattr(self, g), name) for g, cls in GROUPS.items() for name in cls.model_fields}
+        return {name: getattr(getattr(self, g), name) for g, cls in self.GROUPS.items() for name in cls.model_fields}
 
     def replace(self, **changes: Any) -> TrainingArguments:
         """A copy with `changes` (flat names) applied and validated."""
-        return TrainingArguments(**{**self.to_dict(), **changes})
+        return type(self)(**{**self.to_dict(), **changes})
 
     def __eq__(self, other):
-        return isinstance(other, TrainingArguments) and self.to_dict() == other.to_dict()
+        return type(other) is type(self) and self.to_dict() == other.to_dict()
 
     def __repr__(self) -> str:
-        changed = {k: v for k, v in self.to_dict().items() if _DEFAULTS[k] != v}
-        return f"TrainingArguments({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
+        defaults = {name: f.default for cls in self.GROUPS.values() for name, f in cls.model_fields.items()}
+        changed = {k: v for k, v in self.to_dict().items() if defaults[k] != v}
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
 
-    @staticmethod
-    def fields() -> list[dict[str, Any]]:
+    @classmethod
+    def fields(cls) -> list[dict[str, Any]]:
         """Every argument: `{"name", "group", "type", "default", "doc"}`, in group order (the schema the
         command line, files and the Python API share)."""
         return [
             {"name": name, "group": g, "type": _type_text(f.annotation), "default": f.default, "doc": DOCS[name]}
-            for g, cls in GROUPS.items()
-            for name, f in cls.model_fields.items()
+            for g, group in cls.GROUPS.items()
+            for name, f in group.model_fields.items()
         ]
 
     # ---- derived --------------------------------------------------------------------------------------
@@ -410,8 +439,13 @@ DOCS: dict[str, str] = {
     "generation_max_new_tokens": "tokens per preview",
     "generation_num_samples": "previews per prompt",
     "generation_temperature": "sampling temperature of the previews (0: greedy)",
+    "beta": "DPO: how far the policy may move from the reference (higher: less); IPO's tau",
+    "loss_type": "DPO: the preference loss, as TRL defines it: sigmoid (DPO), ipo, hinge",
+    "label_smoothing": "DPO sigmoid: the probability that a preference label is wrong (conservative DPO)",
+    "ref_model": "DPO: the reference, an HF directory or a jaxloom run directory (None: the starting policy)",
+    "precompute_ref_log_probs": "DPO: compute the reference log-probs in one pass before training; no reference held",
+    "skip_bad_records": "DPO: skip (and count) preference records that cannot be used instead of stopping",
 }
-_DEFAULTS = {name: f.default for cls in GROUPS.values() for name, f in cls.model_fields.items()}
 # help() shows every argument by group, from the schema itself (so the list cannot go stale).
 TrainingArguments.__doc__ = (
     (TrainingArguments.__doc__ or "")
@@ -422,12 +456,58 @@ TrainingArguments.__doc__ = (
         for g, cls in GROUPS.items()
     )
 )
-# help(), IDEs and inspect see every argument with its type and default.
-TrainingArguments.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+
+
+def _signature(groups: dict[str, type[_Group]]) -> inspect.Signature:
+    """help(), IDEs and inspect see every argument with its type and default."""
+    return inspect.Signature(
+        [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.annotation)
+            for cls in groups.values()
+            for name, f in cls.model_fields.items()
+        ]
+    )
+
+
+TrainingArguments.__signature__ = _signature(GROUPS)  # type: ignore[attr-defined]
+
+
+class DPOConfig(TrainingArguments):
+    """The arguments of `DPOTrainer`: every `TrainingArguments` argument, and the `preference` group —
+    `beta`, `loss_type` (`sigmoid`, `ipo`, `hinge`), `label_smoothing`, `ref_model`,
+    `precompute_ref_log_probs`, `skip_bad_records` — plus TRL's `max_length`, the tokens of one sequence
+    (prompt + chosen, or prompt + rejected), the same as `max_sequence_length`. `truncation_mode` defaults
+    to TRL's `keep_start`; `packing` is off (each row holds one pair).
+
+        DPOConfig(beta=0.1, loss_type="sigmoid", max_length=1024, learning_rate=5e-7)
+    """
+
+    GROUPS = {**GROUPS, "preference": PreferenceArgs}
+
+    def __init__(self, **kwargs: Any):
+        if "max_length" in kwargs:
+            length = kwargs.pop("max_length")
+            if "max_sequence_length" in kwargs and kwargs["max_sequence_length"] != length:
+                raise ValueError(
+                    f"max_length = {length!r} and max_sequence_length = {kwargs['max_sequence_length']!r}: "
+                    "they are one setting (tokens per sequence); give one"
+                )
+            kwargs["max_sequence_length"] = length
+        kwargs.setdefault("truncation_mode", "keep_start")
+        if kwargs.setdefault("packing", False):
+            raise ValueError("packing = true: preference pairs are not packed (one pair per row); set packing=false")
+        super().__init__(**kwargs)
+
+    @property
+    def max_length(self) -> int:
+        """TRL's name of `max_sequence_length`: tokens per sequence."""
+        return self.max_sequence_length
+
+
+DPOConfig.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.annotation)
-        for cls in GROUPS.values()
-        for name, f in cls.model_fields.items()
+        *(p for p in _signature(DPOConfig.GROUPS).parameters.values() if p.name != "max_sequence_length"),
+        inspect.Parameter("max_length", inspect.Parameter.KEYWORD_ONLY, default=512, annotation=int),
     ]
 )
 

@@ -21,20 +21,9 @@ STOP_KEY = "stop_request"
 the same key, so every process learns of any process's request after the same step."""
 
 
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """The train step's static settings: `z_loss` weight, MoE `aux_loss_coef`, `skip_nonfinite` (keep the
-    old parameters when loss or gradients are not finite) and the learning-rate `schedule` (for the
-    logged learning rate)."""
-
-    z_loss: float = 0.0
-    aux_loss_coef: float = 0.0  # MoE load balancing (router_aux_loss_coef)
-    skip_nonfinite: bool = False  # nan_policy="skip": keep the old params when loss/grads are not finite
-    schedule: Callable | None = None
-
-
 def token_loss(state: TrainState, params, batch, cfg: StepConfig):
-    """Sum of masked next-token cross entropy over one micro-batch, and its counts."""
+    """Sum of masked next-token cross entropy over one micro-batch, and its sums: `tokens` (the targets,
+    the loss's normaliser) and `correct` (targets with the highest logit)."""
     ids, seg = batch["input_ids"], batch["segment_ids"]
     out = state.replace(params=params).model(ids, positions=batch["positions"], segment_ids=seg)
     logits = out.logits[:, :-1].astype(jnp.float32)
@@ -53,7 +42,42 @@ def token_loss(state: TrainState, params, batch, cfg: StepConfig):
     # the target has the highest logit: a max, where argmax is a (value, index) reduction XLA's CPU backend
     # runs ~25x slower (10% of a small model's step)
     correct = jnp.sum((target_logit >= jnp.max(logits, axis=-1)) * weight)
-    return loss_sum, (n, correct)
+    return loss_sum, {"tokens": n, "correct": correct}
+
+
+def token_metrics(sums):
+    """The next-token objective's metrics from its summed statistics: `accuracy` and `tokens`."""
+    return {"accuracy": sums["correct"] / jnp.maximum(sums["tokens"], 1.0), "tokens": sums["tokens"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a trainer minimises, as the core's steps use it:
+
+    - `loss(state, params, micro_batch, cfg) -> (loss_sum, sums)`: the loss summed over the micro-batch's
+      units (target tokens, preference pairs) and additive statistics, `sums[weight]` counting the units;
+      the step divides the summed loss (and gradients) by the summed `weight` once, over all micro-batches.
+    - `metrics(sums) -> dict`: the logged metrics from the statistics summed over a step (or an evaluation).
+    - `perplexity`: whether exp(loss) means something (next-token losses) and is logged.
+    """
+
+    loss: Callable = token_loss
+    metrics: Callable = token_metrics
+    weight: str = "tokens"
+    perplexity: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """The train step's static settings: `z_loss` weight, MoE `aux_loss_coef`, `skip_nonfinite` (keep the
+    old parameters when loss or gradients are not finite), the learning-rate `schedule` (for the logged
+    learning rate) and the `objective` (default: next-token cross entropy)."""
+
+    z_loss: float = 0.0
+    aux_loss_coef: float = 0.0  # MoE load balancing (router_aux_loss_coef)
+    skip_nonfinite: bool = False  # nan_policy="skip": keep the old params when loss/grads are not finite
+    schedule: Callable | None = None
+    objective: Objective = Objective()
 
 
 def train_step(state: TrainState, batch, cfg: StepConfig):
@@ -63,20 +87,24 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
     entry of `batch` (not model input) comes back as its maximum in the metrics."""
     batch = dict(batch)
     stop = batch.pop(STOP_KEY, None)
-    grad_fn = jax.value_and_grad(lambda p, mb: token_loss(state, p, mb, cfg), has_aux=True)
+    objective = cfg.objective
+    grad_fn = jax.value_and_grad(lambda p, mb: objective.loss(state, p, mb, cfg), has_aux=True)
 
     def micro(carry, mb):
-        grads, loss, n, correct = carry
-        (part, (k, c)), g = grad_fn(state.params, mb)
-        return (jax.tree_util.tree_map(jnp.add, grads, g), loss + part, n + k, correct + c), None
+        grads, loss, sums = carry
+        (part, s), g = grad_fn(state.params, mb)
+        return (jax.tree_util.tree_map(jnp.add, grads, g), loss + part, jax.tree_util.tree_map(jnp.add, sums, s)), None
 
     zero = jnp.zeros((), jnp.float32)
     if jax.tree_util.tree_leaves(batch)[0].shape[0] == 1:  # one micro-batch: no loop for XLA to see through
-        (loss_sum, (n, correct)), grads = grad_fn(state.params, jax.tree_util.tree_map(lambda x: x[0], batch))
+        (loss_sum, sums), grads = grad_fn(state.params, jax.tree_util.tree_map(lambda x: x[0], batch))
     else:
-        init = (jax.tree_util.tree_map(jnp.zeros_like, state.params), zero, zero, zero)
-        (grads, loss_sum, n, correct), _ = jax.lax.scan(micro, init, batch)
-    denom = jnp.maximum(n, 1.0)
+        first = jax.tree_util.tree_map(lambda x: x[0], batch)
+        shapes = jax.eval_shape(lambda mb: objective.loss(state, state.params, mb, cfg)[1], first)
+        sums0 = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        init = (jax.tree_util.tree_map(jnp.zeros_like, state.params), zero, sums0)
+        (grads, loss_sum, sums), _ = jax.lax.scan(micro, init, batch)
+    denom = jnp.maximum(sums[objective.weight], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
     loss = loss_sum / denom
     grad_norm = optax.tree.norm(grads)
@@ -89,9 +117,8 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
         new = new.replace(params=kept[0], opt_state=kept[1])
     metrics = {
         "loss": loss,
-        "accuracy": correct / denom,
+        **objective.metrics(sums),
         "grad_norm": grad_norm,
-        "tokens": n,
         "finite": finite,
         "learning_rate": cfg.schedule(state.step) if cfg.schedule else zero,
     }
@@ -101,7 +128,7 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
 
 
 def eval_step(state: TrainState, batch, cfg: StepConfig):
-    """Loss sum, token count and correct count of `state`'s model on one eval `batch` `[B, L]` (no
-    accumulation axis), with the losses of `cfg`."""
-    loss_sum, (n, correct) = token_loss(state, state.params, batch, dataclasses.replace(cfg, aux_loss_coef=0.0))
-    return {"loss_sum": loss_sum, "tokens": n, "correct": correct}
+    """The summed loss (`loss_sum`) and the objective's summed statistics (for next-token losses: `tokens`,
+    `correct`) of `state`'s model on one eval `batch` `[B, L]` (no accumulation axis), with `cfg`'s losses."""
+    loss_sum, sums = cfg.objective.loss(state, state.params, batch, dataclasses.replace(cfg, aux_loss_coef=0.0))
+    return {"loss_sum": loss_sum, **sums}

@@ -46,13 +46,15 @@ from .outputs import (
 )
 from .report import plot_history, write_report
 from .resume import check_resume, data_identity, fresh_run_directory, run_identity
-from .step import STOP_KEY, StepConfig, eval_step, train_step
+from .step import STOP_KEY, Objective, StepConfig, eval_step, train_step
 
 log = logging.getLogger("jaxloom.trainer")
 
 # Why a process asks to stop; with several processes the largest code of any process wins (see request_stop).
 _STOP_SIGNAL, _STOP_TIME_LIMIT, _STOP_REQUESTED = 1, 2, 3
 RUN_CONFIG = "run_config.json"
+# Step metrics that are not averaged into a log row (bookkeeping; tokens and the learning rate are logged apart).
+_NOT_AVERAGED = {"finite", "learning_rate", "tokens", STOP_KEY}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -311,12 +313,44 @@ class BaseTrainer:
         self._train_fn = self._setup_pool().submit(self._compile_train_step)
         return TrainerConfigureFunctionOutput(self._train_jit, self._eval_jit, self.mesh, self.checkpoints)
 
+    # ---- what a trainer on this core supplies (a subclass overrides these: see DPOTrainer) -------------------
+    def objective(self) -> Objective:
+        """What the steps minimise and log: next-token cross entropy over the loss-masked tokens."""
+        return Objective()
+
+    @property
+    def row_width(self) -> int:
+        """Token columns of one batch row (`max_sequence_length`; a preference pair's row holds two sequences)."""
+        return self.arguments.max_sequence_length
+
+    def data_settings(self) -> dict[str, Any]:
+        """`jaxloom.data.DataConfig` fields of this trainer's loaders (rows, packing, truncation, shuffling)."""
+        a = self.arguments
+        return dict(
+            max_sequence_length=a.max_sequence_length,
+            packing=a.packing,
+            truncation_mode=a.truncation_mode,
+            shuffle=a.shuffle_train_dataset,
+            shuffle_buffer_size=a.shuffle_buffer_size,
+            seed=a.seed,
+        )
+
+    def batch_spec(self, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """`{key: (shape, dtype)}` of the train step's batch for `rows` global rows per micro-batch, with the
+        accumulation axis first: what the step is compiled for and what `_global_batch` makes."""
+        shape = (self.arguments.gradient_accumulation_steps, rows, self.row_width)
+        return {k: (shape, np.int32) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
+
     def _jit_steps(self) -> None:
         self._plan()
         a = self.arguments
         aux = getattr(self.config, "router_aux_loss_coef", 0.0)
         self.step_config = StepConfig(
-            z_loss=a.z_loss, aux_loss_coef=aux, skip_nonfinite=a.nan_policy == "skip", schedule=self.schedule
+            z_loss=a.z_loss,
+            aux_loss_coef=aux,
+            skip_nonfinite=a.nan_policy == "skip",
+            schedule=self.schedule,
+            objective=self.objective(),
         )
         repl = NamedSharding(self.mesh, PartitionSpec())
         donate = a.donate_state if a.donate_state is not None else self.mesh.devices.flat[0].platform != "cpu"
@@ -645,15 +679,7 @@ class BaseTrainer:
         on the mesh's data-parallel size only, not on how many processes share it."""
         a = self.arguments
         accum = overrides.pop("accumulation", a.gradient_accumulation_steps)
-        settings = dict(
-            max_sequence_length=a.max_sequence_length,
-            packing=a.packing,
-            truncation_mode=a.truncation_mode,
-            shuffle=a.shuffle_train_dataset,
-            shuffle_buffer_size=a.shuffle_buffer_size,
-            seed=a.seed,
-        )
-        cfg = jd.DataConfig(**{**settings, **overrides})
+        cfg = jd.DataConfig(**{**self.data_settings(), **overrides})
         return jd.MeshLoader(
             data, self.tokenizer, cfg, self.mesh, global_rows or a.total_batch_size, accumulation=accum, state=state
         )
@@ -684,13 +710,13 @@ class BaseTrainer:
         if not hasattr(self, "_train_jit"):
             self._jit_steps()
         a = self.arguments
-        shape = (a.gradient_accumulation_steps, a.total_batch_size, a.max_sequence_length)
         batch = {
-            k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self._batch_sharding)
-            for k in ("input_ids", "segment_ids", "positions", "loss_mask")
+            k: jax.ShapeDtypeStruct(shape, dtype, sharding=self._batch_sharding)
+            for k, (shape, dtype) in self.batch_spec(a.total_batch_size).items()
         }
         if jax.process_count() > 1:
-            batch[STOP_KEY] = jax.ShapeDtypeStruct((*shape[:2], 1), np.int32, sharding=self._batch_sharding)
+            shape = (a.gradient_accumulation_steps, a.total_batch_size, 1)
+            batch[STOP_KEY] = jax.ShapeDtypeStruct(shape, np.int32, sharding=self._batch_sharding)
         state = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._abstract_state, self.state_shardings
         )
@@ -776,14 +802,14 @@ class BaseTrainer:
         if not self.is_process_zero:
             return
         a, devices = self.arguments, self.mesh.devices
-        tokens = a.training_batch_size * a.max_sequence_length
+        tokens = a.training_batch_size * self.row_width
         start = f"resumed from {self.resumed_from}" if self.resumed_from else "a new run"
         lines = [
             f"model: {self.model_class.__name__} ({self.config.model_type}), {self.n_params:,} parameters",
             f"mesh: {dict(self.mesh.shape)} over {devices.size} × {devices.flat[0].device_kind}"
             f" in {jax.process_count()} process(es)",
             f"data: {_describe_data(self._identity()['train_data'], self.dataset_train)}; "
-            f"{a.training_batch_size} rows × {a.max_sequence_length} tokens = {tokens:,} tokens per step",
+            f"{a.training_batch_size} rows × {self.row_width} tokens = {tokens:,} tokens per step",
             f"steps: {step} → {self.total_steps} ({start})",
             f"save_directory: {a.save_directory}",
         ]
@@ -961,12 +987,13 @@ class BaseTrainer:
         if step % a.logging_steps == 0 or step == self.total_steps:
             host, now = jax.device_get(self._window), time.perf_counter()
             dt = now - self._t_log
-            tps = a.training_batch_size * a.max_sequence_length * len(host) / dt
-            row = {k: float(np.mean([m[k] for m in host])) for k in ("loss", "accuracy", "grad_norm")}
+            tps = a.training_batch_size * self.row_width * len(host) / dt
+            row = {k: float(np.mean([m[k] for m in host])) for k in host[-1] if k not in _NOT_AVERAGED}
+            if self.step_config.objective.perplexity:
+                row["perplexity"] = math.exp(min(row["loss"], 50))
             row.update(
-                perplexity=math.exp(min(row["loss"], 50)),
                 learning_rate=float(host[-1]["learning_rate"]),
-                tokens_seen=step * a.training_batch_size * a.max_sequence_length,
+                tokens_seen=step * a.training_batch_size * self.row_width,
                 elapsed_time=self._elapsed_base + time.monotonic() - self._t0,  # over every segment of the run
                 tokens_per_second=tps,
                 step_time=dt / len(host),
@@ -975,12 +1002,16 @@ class BaseTrainer:
             )
             if self._peak:
                 row["mfu"] = self._flops_token * tps / self.mesh.devices.size / self._peak
-            row.update(self._mixture_shares())
+            row.update(self.data_metrics())
             self.log_metrics(row, self.pbar, step)
             if a.log_weight_distribution and self.state is not None:
                 self.log_weight_distribution(self.state, step)
             self._window, self._t_log = [], now
         self.pbar.update(1)
+
+    def data_metrics(self) -> dict[str, float]:
+        """Metrics of the data read so far, added to each log row (a mixture's shares)."""
+        return self._mixture_shares()
 
     def _mixture_shares(self) -> dict[str, float]:
         """With a data mixture: each part's share of the tokens read so far (this process's streams)."""
@@ -1053,7 +1084,7 @@ class BaseTrainer:
             self.state,
             data_state=self.train_loader.global_state_dict(),
             metadata={
-                "tokens_seen": step * self.arguments.training_batch_size * self.arguments.max_sequence_length,
+                "tokens_seen": step * self.arguments.training_batch_size * self.row_width,
                 "arguments": js.to_jsonable(self.arguments.to_dict()),
                 "run": self._identity(),
             },
@@ -1105,32 +1136,37 @@ class BaseTrainer:
             self._jit_steps()
         self.start_evaluation_hook()
         a = self.arguments
-        total = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0}
+        total: dict[str, float] = {}
         custom: dict[str, list[float]] = {}
-        shape = (a.eval_batch_size, a.max_sequence_length)
+        shape = (a.eval_batch_size, self.row_width)
         with jax.set_mesh(self.mesh):
             loader = self._eval_loader()
             assert loader is not None  # dataset_eval was checked above
             for i, local in enumerate(loader):
                 if i >= a.eval_batches:
                     break
-                batch = {
-                    k: jax.make_array_from_process_local_data(self._eval_sharding, v, shape) for k, v in local.items()
-                }
+                batch = self._eval_batch(local, shape)
                 out = jax.device_get(self._eval_jit(state, batch))
-                total = {k: total[k] + float(out[k]) for k in total}
+                total = {k: total.get(k, 0.0) + float(v) for k, v in out.items()}
                 for k, v in (metric_calculator(state, batch) if metric_calculator else {}).items():
                     custom.setdefault(k, []).append(float(v))
-        if total["tokens"] == 0:
-            raise ValueError("dataset_eval gave no tokens to evaluate")
-        loss = total["loss_sum"] / total["tokens"]
+        objective = self.step_config.objective
+        if not total.get(objective.weight):
+            raise ValueError(f"dataset_eval gave no {objective.weight} to evaluate")
+        loss = total["loss_sum"] / total[objective.weight]
+        sums = {k: np.float64(v) for k, v in total.items() if k != "loss_sum"}
+        metrics = {k: float(v) for k, v in objective.metrics(sums).items() if k != objective.weight}
         return {
             "loss": loss,
-            "perplexity": math.exp(min(loss, 50)),
-            "accuracy": total["correct"] / total["tokens"],
+            **({"perplexity": math.exp(min(loss, 50))} if objective.perplexity else {}),
+            **metrics,
             **{k: float(np.mean(v)) for k, v in custom.items()},
             "evaluation_time": time.monotonic() - self._eval_t0,
         }
+
+    def _eval_batch(self, local: dict[str, np.ndarray], shape: tuple[int, int]) -> dict[str, jax.Array]:
+        """This process's rows of an evaluation batch as one global on-device batch of `shape`."""
+        return {k: jax.make_array_from_process_local_data(self._eval_sharding, v, shape) for k, v in local.items()}
 
     def _as_own_state(self, state: js.TrainState) -> js.TrainState:
         """A state from elsewhere (another trainer, a restore) in this run's tree and shardings: its

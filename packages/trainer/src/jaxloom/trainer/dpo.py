@@ -1,0 +1,380 @@
+"""`DPOTrainer`: preference training (DPO, IPO, hinge) on the core of `BaseTrainer`.
+
+The trainer supplies only what differs from next-token training: its rows (one preference pair per row,
+chosen and rejected side by side: `jaxloom.data.DataConfig(pairs=True)`), its objective (the preference
+loss of the policy's and the reference's sequence log-probabilities, TRL's metrics) and its extra state
+(the frozen reference model, which computes `ref_logps` for each batch before the step). The loop,
+checkpoints and exact resume, evaluation, metrics, async saves, HF export, `plan` and callbacks are the
+core's. The reference is rebuilt from its source on every start, so checkpoints hold only the policy.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxloom.models as jmod
+import jaxloom.state as js
+
+from .arguments import DPOConfig
+from .step import Objective, StepConfig
+from .trainer import BaseTrainer
+
+log = logging.getLogger("jaxloom.trainer")
+REF_KEY = "ref_logps"
+"""Batch key of the reference model's `[rows, 2]` sequence log-probabilities (chosen, rejected)."""
+
+
+# ---- the objective: pure functions, jitted inside the core's step ----------------------------------------
+def sequence_logps(logits, ids, mask):
+    """Per row: the summed log-probability of the tokens where `mask` is 1 (each predicted from the tokens
+    before it), the summed vocabulary-mean logit at the positions predicting them (TRL's `logits/*`
+    metrics), and how many there are."""
+    logits = logits[:, :-1].astype(jnp.float32)
+    target = jnp.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
+    weight = (mask[:, 1:] > 0).astype(jnp.float32)
+    logp = target - jax.nn.logsumexp(logits, axis=-1)
+    return jnp.sum(logp * weight, -1), jnp.sum(jnp.mean(logits, -1) * weight, -1), jnp.sum(weight, -1)
+
+
+def _pairs_as_rows(x):
+    """`[B, 2L]` rows of pairs → `[2B, L]` sequences (chosen, rejected, chosen, ...); the data axis stays
+    the leading one, so no data moves between devices."""
+    b, w = x.shape
+    return x.reshape(b * 2, w // 2)
+
+
+def forward_logps(model, batch):
+    """`(logps [B, 2], logit sums [B, 2], target counts [B, 2])` of `model` on a batch of pair rows."""
+    ids = _pairs_as_rows(batch["input_ids"])
+    out = model(ids, positions=_pairs_as_rows(batch["positions"]), segment_ids=_pairs_as_rows(batch["segment_ids"]))
+    parts = sequence_logps(out.logits, ids, _pairs_as_rows(batch["loss_mask"]))
+    return tuple(p.reshape(-1, 2) for p in parts), out
+
+
+def preference_loss(delta, chosen_ratio, rejected_ratio, chosen_n, rejected_n, *, beta, loss_type, label_smoothing):
+    """Per-pair loss, as TRL 1.16 defines it: `sigmoid` −log σ(β·Δ) (with `label_smoothing` ε: conservative
+    DPO, (1−ε)·that + ε·(−log σ(−β·Δ))), `hinge` relu(1 − β·Δ), `ipo` ((chosen − rejected log-ratio, each
+    averaged over its completion tokens) − 1/(2β))². Δ = chosen log-ratio − rejected log-ratio."""
+    if loss_type == "sigmoid":
+        return (
+            -jax.nn.log_sigmoid(beta * delta) * (1 - label_smoothing)
+            - jax.nn.log_sigmoid(-beta * delta) * label_smoothing
+        )
+    if loss_type == "hinge":
+        return jax.nn.relu(1 - beta * delta)
+    if loss_type == "ipo":
+        avg = chosen_ratio / jnp.maximum(chosen_n, 1.0) - rejected_ratio / jnp.maximum(rejected_n, 1.0)
+        return jnp.square(avg - 1 / (2 * beta))
+    raise ValueError(f"loss_type {loss_type!r}; expected sigmoid, ipo or hinge")
+
+
+def dpo_loss(state: js.TrainState, params, batch, cfg: StepConfig, *, beta, loss_type, label_smoothing):
+    """The preference loss summed over the micro-batch's pairs, and TRL's statistics summed (`pairs` counts
+    the pairs with completion tokens: padding rows at the end of the data count for nothing)."""
+    (logps, logit_sums, counts), out = forward_logps(state.replace(params=params).model, batch)
+    ref = jax.lax.stop_gradient(batch[REF_KEY].astype(jnp.float32))
+    chosen, rejected = logps[:, 0], logps[:, 1]
+    ratio_c, ratio_r = chosen - ref[:, 0], rejected - ref[:, 1]
+    # completion tokens as TRL counts them for IPO (the unshifted mask)
+    completion = jnp.sum(batch["loss_mask"].reshape(-1, 2, batch["loss_mask"].shape[-1] // 2) > 0, -1)
+    per_pair = preference_loss(
+        ratio_c - ratio_r,
+        ratio_c,
+        ratio_r,
+        completion[:, 0].astype(jnp.float32),
+        completion[:, 1].astype(jnp.float32),
+        beta=beta,
+        loss_type=loss_type,
+        label_smoothing=label_smoothing,
+    )
+    valid = (counts[:, 0] > 0).astype(jnp.float32)
+    n = valid.sum()
+    loss_sum = jnp.sum(per_pair * valid)
+    if out.aux_loss is not None and cfg.aux_loss_coef:
+        loss_sum = loss_sum + cfg.aux_loss_coef * out.aux_loss * n
+    reward_c, reward_r = jax.lax.stop_gradient(beta * ratio_c), jax.lax.stop_gradient(beta * ratio_r)
+    sums = {
+        "pairs": n,
+        "rewards/chosen": jnp.sum(reward_c * valid),
+        "rewards/rejected": jnp.sum(reward_r * valid),
+        "rewards/accuracies": jnp.sum((reward_c > reward_r) * valid),
+        "rewards/margins": jnp.sum((reward_c - reward_r) * valid),
+        "logps/chosen": jnp.sum(jax.lax.stop_gradient(chosen) * valid),
+        "logps/rejected": jnp.sum(jax.lax.stop_gradient(rejected) * valid),
+        "logits_sum/chosen": jnp.sum(jax.lax.stop_gradient(logit_sums[:, 0]) * valid),
+        "logits_sum/rejected": jnp.sum(jax.lax.stop_gradient(logit_sums[:, 1]) * valid),
+        "targets/chosen": jnp.sum(counts[:, 0] * valid),
+        "targets/rejected": jnp.sum(counts[:, 1] * valid),
+        "tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
+    }
+    return loss_sum, sums
+
+
+def dpo_metrics(sums):
+    """TRL's metric names from the summed statistics: `rewards/*` and `logps/*` are per-pair means,
+    `logits/*` means over completion tokens."""
+    pairs = jnp.maximum(sums["pairs"], 1.0)
+    out = {k: sums[k] / pairs for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")}
+    out.update({k: sums[k] / pairs for k in ("logps/chosen", "logps/rejected")})
+    for side in ("chosen", "rejected"):
+        out[f"logits/{side}"] = sums[f"logits_sum/{side}"] / jnp.maximum(sums[f"targets/{side}"], 1.0)
+    out["tokens"] = sums["tokens"]
+    return out
+
+
+def reference_logps(ref: js.TrainState, batch):
+    """The frozen reference's `[..., B, 2]` sequence log-probabilities on pair rows `[..., B, 2L]` (a
+    leading accumulation axis is mapped over, one micro-batch at a time)."""
+    keys = ("input_ids", "positions", "segment_ids", "loss_mask")
+    rows = {k: batch[k] for k in keys}
+    if rows["input_ids"].ndim == 3:
+        return jax.lax.map(lambda mb: forward_logps(ref.model, mb)[0][0], rows)
+    return forward_logps(ref.model, rows)[0][0]
+
+
+# ---- the trainer -------------------------------------------------------------------------------------------
+class DPOTrainer(BaseTrainer):
+    """Direct preference optimisation of `model` against a frozen reference, as TRL's `DPOTrainer`
+    computes it, on jaxloom's core (one jitted step, exact resume, the same outputs and commands).
+
+    - `arguments`: a `DPOConfig` (`beta`, `loss_type`, `label_smoothing`, `max_length`, ...).
+    - `dataset_train`, `dataset_eval`: preference records — `prompt` (optional), `chosen`, `rejected`, as
+      text or chat messages — from anything `jaxloom.data.as_source` reads (JSONL, Parquet, HF datasets).
+    - `ref_model`: the reference: an `nnx` model, an HF directory or a jaxloom run directory (default:
+      `arguments.ref_model`, else the starting policy, frozen). It holds no optimizer state, is sharded
+      like the policy and cast to its parameter dtype.
+    - the rest as `BaseTrainer`.
+
+    `total_batch_size` counts pairs; each step reads `2 × total_batch_size` sequences of `max_length`.
+    """
+
+    def __init__(
+        self,
+        arguments: DPOConfig | None = None,
+        model_state: js.TrainState | None = None,
+        model: nnx.Module | None = None,
+        dataset_train: Any = None,
+        dataset_eval: Any = None,
+        data_collator: Any = None,
+        finetune: bool = True,
+        processing_class: Any = None,
+        *,
+        ref_model: Any = None,
+        mesh=None,
+        hooks: list | None = None,
+        **deprecated_kwargs: Any,
+    ):
+        arguments = arguments if arguments is not None else DPOConfig()
+        if not isinstance(arguments, DPOConfig):
+            raise TypeError(
+                f"DPOTrainer takes a DPOConfig (beta, loss_type, max_length, ...), got {type(arguments).__name__}"
+            )
+        super().__init__(
+            arguments,
+            model_state,
+            model,
+            dataset_train,
+            dataset_eval,
+            data_collator,
+            finetune,
+            processing_class,
+            mesh=mesh,
+            hooks=hooks,
+            **deprecated_kwargs,
+        )
+        # Pairs are tokenized with the tokenizer's own special-token policy, as TRL does: it is kept as given
+        # (not set to add BOS the way next-token training's documents get it).
+        self._tokenizer_matched = True
+        self._ref_in = ref_model if ref_model is not None else arguments.ref_model
+        self.ref_state: js.TrainState | None = None  # built with the model (configure_model)
+        self._ref_cache: dict[bytes, np.ndarray] | None = None
+
+    # ---- what this trainer gives the core --------------------------------------------------------------
+    def objective(self) -> Objective:
+        """The preference loss of `loss_type` with `beta` and `label_smoothing`; TRL's metrics."""
+        a = self.arguments
+        loss = functools.partial(dpo_loss, beta=a.beta, loss_type=a.loss_type, label_smoothing=a.label_smoothing)
+        return Objective(loss=loss, metrics=dpo_metrics, weight="pairs", perplexity=False)
+
+    @property
+    def row_width(self) -> int:
+        """A row holds a pair: chosen and rejected, `max_length` tokens each."""
+        return 2 * self.arguments.max_sequence_length
+
+    def data_settings(self) -> dict[str, Any]:
+        """Pairs, one per row, unpacked; bad records skipped and counted when `skip_bad_records`."""
+        return {
+            **super().data_settings(),
+            "packing": False,
+            "pairs": True,
+            "bad_records": "skip" if self.arguments.skip_bad_records else "raise",
+        }
+
+    def batch_spec(self, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """The core's token arrays (rows of pairs) and the reference's log-probs `[A, rows, 2]`."""
+        spec = super().batch_spec(rows)
+        return {**spec, REF_KEY: ((self.arguments.gradient_accumulation_steps, rows, 2), np.float32)}
+
+    def configure_model(self):
+        """The policy (as the core builds or restores it), then the frozen reference."""
+        out = super().configure_model()
+        if self.ref_state is None and self._ref_cache is None:
+            self.ref_state = self._build_reference()
+            self._ref_jit = jax.jit(reference_logps, out_shardings=self._batch_sharding)
+            self._ref_eval_jit = jax.jit(reference_logps, out_shardings=self._eval_sharding)
+            if self.arguments.precompute_ref_log_probs:
+                self._precompute()
+        return out
+
+    def _global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        batch = super()._global_batch(local)
+        a = self.arguments
+        if self._ref_cache is not None:
+            values = self._cached_logps(local).reshape(a.gradient_accumulation_steps, -1, 2)
+            shape = (a.gradient_accumulation_steps, a.total_batch_size, 2)
+            batch[REF_KEY] = jax.make_array_from_process_local_data(self._batch_sharding, values, shape)
+        else:
+            batch[REF_KEY] = self._ref_jit(self.ref_state, batch)
+        return batch
+
+    def _eval_batch(self, local: dict[str, np.ndarray], shape: tuple[int, int]) -> dict[str, jax.Array]:
+        batch = super()._eval_batch(local, shape)
+        if self._ref_cache is not None:
+            values = self._cached_logps(local)
+            batch[REF_KEY] = jax.make_array_from_process_local_data(self._eval_sharding, values, (shape[0], 2))
+        else:
+            batch[REF_KEY] = self._ref_eval_jit(self.ref_state, batch)
+        return batch
+
+    def data_metrics(self) -> dict[str, float]:
+        """The core's data metrics and the bad records skipped so far (with `skip_bad_records`)."""
+        out = super().data_metrics()
+        if self.arguments.skip_bad_records:
+            loaders = getattr(self.train_loader, "loaders", None) or []
+            out["skipped_records"] = float(sum(loader.skipped for loader in loaders))
+        return out
+
+    # ---- the reference -----------------------------------------------------------------------------------
+    def _build_reference(self) -> js.TrainState:
+        """The reference as a `TrainState` with no optimizer (`optax.identity`), sharded like the policy."""
+        frozen = optax.identity()
+        if self._ref_in is None:  # the starting policy, rebuilt from its source: the same on every resume
+            fn, inputs = self._build
+            abstract = jax.eval_shape(lambda *i: _frozen(fn(*i), frozen), *inputs)
+            shardings = js.state_shardings(abstract, self.state_shardings.params, self.mesh)
+            return jax.jit(lambda *i: _frozen(fn(*i), frozen), out_shardings=shardings)(*inputs)
+        model = self._ref_in if isinstance(self._ref_in, nnx.Module) else self._load_reference(str(self._ref_in))
+        if model.config.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"ref_model has vocab_size {model.config.vocab_size}, the policy {self.config.vocab_size}; expected "
+                "the same vocabulary (a reference scores the policy's tokens)"
+            )
+        runtime = model.runtime.replace(**self.arguments.runtime.runtime_overrides())
+        abstract_model = jmod.create_model(model.config, runtime, lazy=True, model_class=type(model))
+        graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)  # type: ignore[misc]
+        _, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+        params = jax.tree_util.tree_map(
+            lambda p, t: p.astype(t.dtype), nnx.to_pure_dict(params), nnx.to_pure_dict(target)
+        )
+        state = js.TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=frozen.init(params),
+            rng=jax.random.PRNGKey(0),
+            model_state=nnx.to_pure_dict(rest),
+            graphdef=graphdef,
+            tx=frozen,
+        )
+        shardings = js.state_shardings(
+            jax.eval_shape(lambda: state), jmod.param_shardings(abstract_model, self.mesh), self.mesh
+        )
+        return jax.device_put(state, shardings)
+
+    def _load_reference(self, path: str) -> nnx.Module:
+        """An HF model directory, or a jaxloom run directory (its newest checkpoint's parameters)."""
+        where = Path(path)
+        if (where / "run_config.json").is_file():
+            from .cli import build_run, split_target
+
+            trainer, _ = build_run(*split_target([str(where)]))
+            return trainer.restore_checkpoint(params_only=True).model
+        if (where / "config.json").is_file():
+            return jmod.from_pretrained(str(where))
+        raise FileNotFoundError(
+            f"ref_model = {path!r}: expected a Hugging Face model directory (with config.json) or a jaxloom run "
+            "directory (with run_config.json)"
+        )
+
+    # ---- precomputed reference log-probs ----------------------------------------------------------------
+    def _precompute(self) -> None:
+        """One pass over the training data computes the reference's log-probs of every pair (this process's
+        rows), keyed by the pair's tokens; then the reference is released for training."""
+        cache: dict[bytes, np.ndarray] = {}
+        loaders = [self._loader(self.dataset_train, num_epochs=1, shuffle=False, prefetch=0)]
+        evaluation = self._eval_loader()
+        if evaluation is not None:
+            loaders.append(evaluation)
+        with jax.set_mesh(self.mesh):
+            for loader in loaders:
+                for local in loader:
+                    batch = (
+                        super()._global_batch(local)
+                        if loader is loaders[0]
+                        else super()._eval_batch(local, (loader.per_shard * loader.dp, self.row_width))
+                    )
+                    jitted = self._ref_jit if loader is loaders[0] else self._ref_eval_jit
+                    values = _local_rows(jitted(self.ref_state, batch), self.mesh)
+                    for key, value in zip(_row_keys(local), values.reshape(-1, 2), strict=True):
+                        cache[key] = value
+        log.info("precomputed reference log-probs of %d pairs; the reference is released", len(cache))
+        self._ref_cache, self.ref_state = cache, None
+
+    def _cached_logps(self, local: dict[str, np.ndarray]) -> np.ndarray:
+        keys = _row_keys(local)
+        out = np.zeros((len(keys), 2), np.float32)
+        for i, key in enumerate(keys):
+            if key in self._ref_cache:  # type: ignore[operator]
+                out[i] = self._ref_cache[key]  # type: ignore[index]
+            elif local["loss_mask"][i].any():
+                raise KeyError("a training pair has no precomputed reference log-probs (the data changed?)")
+        return out
+
+
+def _frozen(state: js.TrainState, tx) -> js.TrainState:
+    return js.TrainState(
+        step=state.step,
+        params=state.params,
+        opt_state=tx.init(state.params),
+        rng=state.rng,
+        model_state=state.model_state,
+        graphdef=state.graphdef,
+        tx=tx,
+    )
+
+
+def _row_keys(local: dict[str, np.ndarray]) -> list[bytes]:
+    """One key per pair row: its tokens and completion mask (rows of the same pair are the same key)."""
+    ids, mask = local["input_ids"], local["loss_mask"]
+    return [ids[i].tobytes() + mask[i].astype(np.int8).tobytes() for i in range(len(ids))]
+
+
+def _local_rows(values: jax.Array, mesh) -> np.ndarray:
+    """This process's rows of a `[A, B, 2]` global array (every process gathers the small array, then
+    keeps its rows)."""
+    from jaxloom.mesh import local_batch_slice
+
+    if jax.process_count() == 1:
+        return np.asarray(values)
+    from jax.experimental import multihost_utils
+
+    full = np.asarray(multihost_utils.process_allgather(values, tiled=True))
+    return full[..., local_batch_slice(mesh, full.shape[-2]), :]
