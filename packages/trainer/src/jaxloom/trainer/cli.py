@@ -62,9 +62,28 @@ def split_target(items: list[str]) -> tuple[str | None, list[str]]:
     return first, items
 
 
+TRAINERS = ("sft", "dpo")
+"""The `trainer=` key: `sft` (next-token training, the default) or `dpo` (preference training)."""
+
+
+def arguments_of(data: dict[str, Any]):
+    """`(kind, arguments)` of a config's top-level keys (the `model` and `data` sections already removed):
+    `trainer` picks the trainer (`sft`, `dpo`) and with it the arguments class."""
+    from .arguments import DPOConfig, TrainingArguments
+
+    data = dict(data)
+    kind = data.pop("trainer", "sft") or "sft"
+    if kind not in TRAINERS:
+        raise ValueError(f"trainer = {kind!r}; expected one of {', '.join(TRAINERS)}")
+    if kind == "dpo" and "max_length" in data:  # TRL's name, given on top of a config: it is the setting
+        data["max_sequence_length"] = data.pop("max_length")
+    return kind, (DPOConfig if kind == "dpo" else TrainingArguments)(**data)
+
+
 def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]:
-    """Config file + overrides → (Trainer, info). Sections `model` and `data`; the rest are arguments."""
-    from .arguments import TrainingArguments, apply_overrides, load_config_file
+    """Config file + overrides → (trainer, resolved config). Sections `model` and `data`; `trainer`
+    (`sft` or `dpo`) picks the trainer; the rest are its arguments."""
+    from .arguments import apply_overrides, load_config_file
 
     data = apply_overrides(load_config_file(config_path or DEMO_CONFIG), overrides)
     resolved = json.loads(json.dumps(data))
@@ -72,14 +91,20 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
     unknown = sorted(set(data_cfg) - {"train", "eval", "eval_fraction", "tokenizer"})
     if unknown:
         raise ValueError(f"unknown key(s) in section data: {unknown}; expected train, eval, eval_fraction, tokenizer")
-    args = TrainingArguments(**data)
+    kind, args = arguments_of(data)
 
     import jaxloom.data as jd
     import jaxloom.models as jm
+    from .dpo import DPOTrainer
     from .trainer import Trainer
 
     tokenizer = jd.load_processor(None if data_cfg.get("tokenizer", "bundled") == "bundled" else data_cfg["tokenizer"])
     train, evaluation = data_cfg.get("train", "bundled"), data_cfg.get("eval")
+    if kind == "dpo" and train == "bundled":
+        raise ValueError(
+            "trainer=dpo needs preference data: data.train=pairs.jsonl (records with prompt, chosen, rejected); "
+            "the bundled corpus is plain text"
+        )
     if train == "bundled":
         records = jd.JsonlSource(jd.bundled_corpus_path()).read_shard(str(jd.bundled_corpus_path()))
         held = max(1, int(len(records) * float(data_cfg.get("eval_fraction", 0.05))))
@@ -89,6 +114,10 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
     # The arguments' runtime settings are applied by the trainer too; given here as well so that weights
     # loaded from Hugging Face are laid out (stacked for scan_layers) and cast as the run needs them.
     runtime = jm.RuntimeConfig(**args.runtime.runtime_overrides())
+    explicit = {o.split("=", 1)[0].removeprefix("model.") for o in overrides if o.startswith("model.")}
+    if "from_pretrained" in explicit:  # the pretrained model brings its architecture: the file's is not applied
+        model_cfg = {k: v for k, v in model_cfg.items() if k in explicit}
+        resolved["model"] = json.loads(json.dumps(model_cfg))  # what the run directory rebuilds
     pretrained = model_cfg.pop("from_pretrained", None)
     if pretrained:
         model = jm.from_pretrained(pretrained, runtime, config_overrides=model_cfg or None)
@@ -98,7 +127,8 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
             raise ValueError(f"model_type {kind!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
         model_cfg.setdefault("vocab_size", len(tokenizer))
         model = jm.create_model(jm.CONFIG_CLASSES[kind].from_hf_dict(model_cfg), runtime, lazy=True)
-    trainer = Trainer(args, model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
+    cls = DPOTrainer if kind == "dpo" else Trainer
+    trainer = cls(args, model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
     return trainer, resolved
 
 
@@ -282,7 +312,7 @@ def _config_keys(model_type: str) -> str:
 
     import jaxloom.models as jm
 
-    from .arguments import TrainingArguments
+    from .arguments import DPOConfig
 
     if model_type not in jm.CONFIG_CLASSES:
         raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
@@ -297,7 +327,8 @@ def _config_keys(model_type: str) -> str:
         default = f.default if f.default is not dataclasses.MISSING else "(required)"
         lines.append(f"model.{f.name}: {f.type} = {default!r}")
     group = None
-    for f in TrainingArguments.fields():
+    lines += ["", "# trainer", f"trainer: str = 'sft'  which trainer: {', '.join(TRAINERS)} (dpo adds # preference)"]
+    for f in DPOConfig.fields():
         if f["group"] != group:
             group = f["group"]
             lines += ["", f"# {group}"]
@@ -310,12 +341,13 @@ def _config_show(config: str | None, items: list[str]) -> str:
     overrides applied and every training argument resolved to its value (defaults included)."""
     import yaml
 
-    from .arguments import TrainingArguments, apply_overrides, load_config_file
+    from .arguments import apply_overrides, load_config_file
 
     data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)
     model, data_section = data.pop("model", {}) or {}, data.pop("data", {}) or {}
-    args = TrainingArguments(**data)  # checked as a run would check them
-    resolved = {"model": model, "data": data_section, **json.loads(json.dumps(args.to_dict(), default=str))}
+    kind, args = arguments_of(data)  # checked as a run would check them
+    head = {"trainer": kind} if kind != "sft" else {}
+    resolved = {**head, "model": model, "data": data_section, **json.loads(json.dumps(args.to_dict(), default=str))}
     return yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True)
 
 
@@ -460,10 +492,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config, items = split_target(ns.items)
         if getattr(ns, "ray", None) is not None:
-            from .arguments import TrainingArguments, apply_overrides, load_config_file
+            from .arguments import apply_overrides, load_config_file
 
             data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)  # fail fast, before Ray starts
-            args = TrainingArguments(**{k: v for k, v in data.items() if k not in ("model", "data")})
+            _, args = arguments_of({k: v for k, v in data.items() if k not in ("model", "data")})
             if args.save_directory is None:  # chosen once by the driver: every restart of the gang resumes it
                 from .resume import fresh_run_directory
 

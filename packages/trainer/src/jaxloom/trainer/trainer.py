@@ -1155,7 +1155,7 @@ class BaseTrainer:
             raise ValueError(f"dataset_eval gave no {objective.weight} to evaluate")
         loss = total["loss_sum"] / total[objective.weight]
         sums = {k: np.float64(v) for k, v in total.items() if k != "loss_sum"}
-        metrics = {k: float(v) for k, v in objective.metrics(sums).items() if k != objective.weight}
+        metrics = {k: float(v) for k, v in objective.metrics(sums).items() if k not in (objective.weight, "tokens")}
         return {
             "loss": loss,
             **({"perplexity": math.exp(min(loss, 50))} if objective.perplexity else {}),
