@@ -37,6 +37,9 @@ NEEDS_TORCH = {"models", "state", "generation", "trainer"}
 # would start its own local cluster.
 PARALLEL = {"models", "state", "generation", "trainer", parts.META}
 XDIST = "pytest-xdist>=3.5"
+# DPOTrainer's numbers are compared with TRL's DPOTrainer (test-only; installed next to the local CPU torch).
+NEEDS_TRL = {"trainer"}
+TRL = "trl==1.16.0"
 TORCH_WHEELS = "/opt/wheels/torch-2.13.0+cpu-*.whl"
 # Lint and format check (ruff, settings in pyproject.toml); the meta target runs them, so CI does.
 LINT_DEPS = ("ruff>=0.6",)
@@ -105,6 +108,8 @@ def tests(session: nox.Session, target: str) -> None:
         wheels = sorted(glob.glob(TORCH_WHEELS))
         if wheels:
             session.install(wheels[-1])
+            if target in NEEDS_TRL:  # after torch: TRL must not pull a CUDA build of it
+                session.install(TRL)
         else:
             session.warn(f"no local CPU torch wheel ({TORCH_WHEELS}): parity tests against transformers will skip")
     paths = [f"packages/{target}/tests"]

@@ -113,6 +113,7 @@ class DataLoader:
         self.streams = [_Stream(as_source(d), self) for d in parts]
         self._state = self._check_state(state) if state is not None else self._start_state()
         self._resumed = state is not None  # the first batch checks that the saved position still exists
+        self._skipped_returned = 0
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
 
@@ -172,7 +173,11 @@ class DataLoader:
     # ---- state ------------------------------------------------------------------------------------
     @property
     def skipped(self) -> int:
-        """Records skipped as bad so far (`bad_records='skip'`), over every stream of this loader."""
+        """Bad records skipped (`bad_records='skip'`) to make the batches returned so far (not those made
+        ahead by the prefetch thread)."""
+        return self._skipped_returned
+
+    def _skipped_now(self) -> int:
         return sum(s.skipped for s in self.streams)
 
     def state_dict(self) -> dict[str, int]:
@@ -193,13 +198,14 @@ class DataLoader:
     def __next__(self) -> dict[str, np.ndarray]:
         if self.config.prefetch <= 0:
             batch, self._state = self._produce(self._state)
+            self._skipped_returned = self._skipped_now()
             return batch
         self.start()
         item = self._queue.get()
         if isinstance(item, BaseException):
             self._queue = None
             raise item
-        batch, self._state = item
+        batch, self._state, self._skipped_returned = item
         return batch
 
     def close(self) -> None:
@@ -211,7 +217,7 @@ class DataLoader:
         try:
             while not self._stop.is_set():
                 batch, state = self._produce(state)
-                q.put((batch, dict(state)))
+                q.put((batch, dict(state), self._skipped_now()))
         except BaseException as e:  # noqa: BLE001 — handed to the consumer
             q.put(e)
 

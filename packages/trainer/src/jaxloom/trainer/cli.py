@@ -122,11 +122,11 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
     if pretrained:
         model = jm.from_pretrained(pretrained, runtime, config_overrides=model_cfg or None)
     else:
-        kind = model_cfg.pop("model_type", "llama")
-        if kind not in jm.CONFIG_CLASSES:
-            raise ValueError(f"model_type {kind!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
+        model_type = model_cfg.pop("model_type", "llama")
+        if model_type not in jm.CONFIG_CLASSES:
+            raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
         model_cfg.setdefault("vocab_size", len(tokenizer))
-        model = jm.create_model(jm.CONFIG_CLASSES[kind].from_hf_dict(model_cfg), runtime, lazy=True)
+        model = jm.create_model(jm.CONFIG_CLASSES[model_type].from_hf_dict(model_cfg), runtime, lazy=True)
     cls = DPOTrainer if kind == "dpo" else Trainer
     trainer = cls(args, model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
     return trainer, resolved
