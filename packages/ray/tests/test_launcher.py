@@ -186,3 +186,24 @@ def test_placement_needs_and_ray_train_names():
         ScalingConfig(resources_per_worker={"CPU": 0})
     with pytest.raises(ValueError, match="placement_strategy"):
         ScalingConfig(placement_strategy="EVERYWHERE")
+
+
+def test_cli_dpo_with_ray_two_workers(ray_cluster, tmp_path, capsys):
+    """Preference training through the same front door: `trainer=dpo` runs as a 2-worker gang."""
+    from jaxloom.trainer.cli import main
+
+    pairs = tmp_path / "pairs.jsonl"
+    words = ["red", "blue", "green", "cat", "dog", "sun"]
+    lines = [
+        json.dumps({"prompt": f"say {w}:", "chosen": f" {w}", "rejected": f" {words[(i + 1) % len(words)]}"})
+        for i, w in enumerate(words * 4)
+    ]
+    pairs.write_text("\n".join(lines) + "\n")
+    argv = ["train", *TINY_OVERRIDES, "trainer=dpo", f"data.train={pairs}", "beta=0.1", "max_length=16"]
+    argv += ["max_training_steps=2", "save_directory=dpo", "--ray", "num_workers=2", f"storage_path={tmp_path}"]
+    rc = main(argv)
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{\n") :])
+    assert rc == 0 and summary["attempts"] == 1 and summary["step"] == 2
+    assert "rewards/margins" in summary["final"] and "logps/chosen" in summary["final"]
+    assert json.loads((tmp_path / "dpo" / "run_config.json").read_text())["trainer"] == "dpo"

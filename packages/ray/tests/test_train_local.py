@@ -106,3 +106,22 @@ def test_resume_wins_and_data_collator_applies(setup):
     qa = [{"question": f"What is {i}?", "answer": f"It is {i}."} for i in range(64)]
     out = t.train(1, args(root / "collate", max_training_steps=2), qa, data_collator=collator)
     assert int(out.state.step) == 2 and seen and set(seen[0]) == {"question", "answer"}
+
+
+def test_trainer_module_dpo_trains_preference_pairs(tmp_path):
+    """`RayDistributedTrainer(..., trainer_module=DPOTrainer)`: the documented way to run another trainer."""
+    from jaxloom.trainer import DPOConfig, DPOTrainer
+
+    t = RayDistributedTrainer(
+        str(base_model_dir(tmp_path)),
+        config_scaling_variables=SCALING,
+        config_variables=FIXED,
+        trainer_module=DPOTrainer,
+    )
+    pairs = [{"prompt": f"say {w}:", "chosen": f" {w}", "rejected": " no"} for w in ("red", "blue", "cat", "dog")] * 4
+    a = args(tmp_path / "dpo", max_training_steps=2).to_dict()
+    a.pop("packing"), a.pop("truncation_mode")
+    out = t.train(1, DPOConfig(**{**a, "max_sequence_length": 16, "beta": 0.2}), pairs)
+    assert isinstance(t.create_trainer(DPOConfig(), pairs, state=out.state), DPOTrainer)
+    assert out.stop_reason == "max_training_steps reached" and int(out.state.step) == 2
+    assert {"rewards/accuracies", "logps/rejected"} <= set(out.metrics)

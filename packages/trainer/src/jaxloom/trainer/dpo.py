@@ -131,9 +131,11 @@ def dpo_metrics(sums):
     return out
 
 
-def reference_logps(ref: js.TrainState, batch):
+def reference_logps(ref: js.TrainState, batch, after=None):
     """The frozen reference's `[..., B, 2]` sequence log-probabilities on pair rows `[..., B, 2L]` (a
-    leading accumulation axis is mapped over, one micro-batch at a time)."""
+    leading accumulation axis is mapped over, one micro-batch at a time). `after` is not read: passing the
+    policy's step makes this program wait for the train step in flight, so programs with collectives run
+    in one order on every process (two in flight at once can deadlock a multi-process CPU run)."""
     keys = ("input_ids", "positions", "segment_ids", "loss_mask")
     rows = {k: batch[k] for k in keys}
     if rows["input_ids"].ndim == 3:
@@ -228,9 +230,10 @@ class DPOTrainer(BaseTrainer):
         """The policy (as the core builds or restores it), then the frozen reference."""
         out = super().configure_model()
         if self.ref_state is None and self._ref_cache is None:
-            self.ref_state = self._build_reference()
-            self._ref_jit = jax.jit(reference_logps, out_shardings=self._batch_sharding)
-            self._ref_eval_jit = jax.jit(reference_logps, out_shardings=self._eval_sharding)
+            jax.block_until_ready(self.state)  # one program at a time on every process (see reference_logps)
+            self.ref_state = jax.block_until_ready(self._build_reference())
+            self._ref_jit = jax.jit(reference_logps, out_shardings=self._batch_sharding, keep_unused=True)
+            self._ref_eval_jit = jax.jit(reference_logps, out_shardings=self._eval_sharding, keep_unused=True)
             if self.arguments.precompute_ref_log_probs:
                 self._precompute()
         return out
@@ -243,7 +246,7 @@ class DPOTrainer(BaseTrainer):
             shape = (a.gradient_accumulation_steps, a.total_batch_size, 2)
             batch[REF_KEY] = jax.make_array_from_process_local_data(self._batch_sharding, values, shape)
         else:
-            batch[REF_KEY] = self._ref_jit(self.ref_state, batch)
+            batch[REF_KEY] = self._ref_jit(self.ref_state, batch, self.state.step)  # type: ignore[union-attr]
         return batch
 
     def _eval_batch(self, local: dict[str, np.ndarray], shape: tuple[int, int]) -> dict[str, jax.Array]:

@@ -988,7 +988,8 @@ class BaseTrainer:
             host, now = jax.device_get(self._window), time.perf_counter()
             dt = now - self._t_log
             tps = a.training_batch_size * self.row_width * len(host) / dt
-            row = {k: float(np.mean([m[k] for m in host])) for k in host[-1] if k not in _NOT_AVERAGED}
+            keys = ["loss", *sorted(k for k in host[-1] if k not in _NOT_AVERAGED and k != "loss")]
+            row = {k: float(np.mean([m[k] for m in host])) for k in keys}
             if self.step_config.objective.perplexity:
                 row["perplexity"] = math.exp(min(row["loss"], 50))
             row.update(
