@@ -79,6 +79,28 @@ def training(reps: int, steps: int, cfg: dict, env: dict | None = None) -> dict:
     }
 
 
+def preference(reps: int, steps: int, cfg: dict) -> dict:
+    """DPO against SFT on the same model and tokens per step (tools/bench/dpo_run.py), alternating processes."""
+    kinds = ("sft", "dpo", "dpo_precomputed")
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    for _ in range(reps):
+        for kind in kinds:
+            with tempfile.TemporaryDirectory() as d:
+                args = [str(HERE / "dpo_run.py"), kind, str(steps), json.dumps({**cfg, "out": d})]
+                runs[kind].append(run_process(args, {"JAX_PLATFORMS": "cpu"}))
+    med = {
+        k: {m: statistics.median(r[m] for r in v) for m in ("tokens_per_second", "peak_rss_gb")}
+        for k, v in runs.items()
+    }
+    sft = med["sft"]
+    return {
+        **med,
+        "dpo_throughput_ratio": med["dpo"]["tokens_per_second"] / sft["tokens_per_second"],
+        "precomputed_throughput_ratio": med["dpo_precomputed"]["tokens_per_second"] / sft["tokens_per_second"],
+        "dpo_memory_ratio": med["dpo"]["peak_rss_gb"] / sft["peak_rss_gb"],
+    }
+
+
 def import_times() -> dict:
     out = {}
     for name, code in (
@@ -191,6 +213,7 @@ def main() -> None:
     results["ray_gang"] = run_process([str(HERE / "ray_gang.py")], {"XLA_FLAGS": ""})
     # Data at scale: peak RSS and wall of `jaxloom train` on a small and a big JSONL, streamed and from a store
     results["data_scale"] = run_process([str(HERE / "data_scale.py")], {"JAX_PLATFORMS": "cpu"})
+    results["dpo"] = preference(reps, 30, {"model": CPU_MODEL, "pairs": 4, "seq": 256, "dtype": "float32", "warmup": 5})
     results["imports_s"] = import_times()
     t = results["train_cpu"]["trainer"]["tokens_per_second"]
     results["data"] = data_pipeline(t)
@@ -269,6 +292,31 @@ def scale_rows(s: dict) -> list[tuple[str, str, str, str]]:
             "start to end of first step (s), 48 vs 4 layers",
             f"{depth['48']:.2f} vs {depth['4']:.2f}",
             f"{depth['48'] / depth['4']:.2f}",
+            "<= 1.5",
+        ),
+    ]
+
+
+def dpo_rows(p: dict) -> list[tuple[str, str, str, str]]:
+    """DPO vs SFT on the same model and tokens per step (8.4M model, 4 pairs = 8 sequences of 256)."""
+    sft = p["sft"]
+    return [
+        (
+            "DPO tokens/s with a reference model vs SFT (chosen + rejected tokens)",
+            f"{p['dpo']['tokens_per_second']:.0f} vs {sft['tokens_per_second']:.0f}",
+            f"{p['dpo_throughput_ratio']:.3f}",
+            ">= 0.70",
+        ),
+        (
+            "DPO tokens/s with precomputed reference log-probs vs SFT",
+            f"{p['dpo_precomputed']['tokens_per_second']:.0f} vs {sft['tokens_per_second']:.0f}",
+            f"{p['precomputed_throughput_ratio']:.3f}",
+            ">= 0.95",
+        ),
+        (
+            "DPO peak RSS with a reference model vs SFT (GB)",
+            f"{p['dpo']['peak_rss_gb']:.2f} vs {sft['peak_rss_gb']:.2f}",
+            f"{p['dpo_memory_ratio']:.2f}",
             "<= 1.5",
         ),
     ]
@@ -369,6 +417,7 @@ def table(r: dict) -> str:
     )
     rows.extend(scale_rows(r["scale"]))
     rows.extend(data_rows(r["data_scale"], r["train_cpu"]["trainer"]["tokens_per_second"]))
+    rows.extend(dpo_rows(r["dpo"]))
     g = r["ray_gang"]
     rows += [
         (
