@@ -59,7 +59,7 @@ def main():
         trainer = Trainer(args, model, dataset_train=records, processing_class=tok, mesh=mesh, hooks=[Clock()])
     else:
         records = [
-            {"prompt": words(length // 2), "chosen": words(length), "rejected": words(length)} for _ in range(64)
+            {"prompt": words(length // 16), "chosen": words(length), "rejected": words(length)} for _ in range(64)
         ]
         args = DPOConfig(**common, total_batch_size=pairs, precompute_ref_log_probs=kind == "dpo_precomputed")
         trainer = DPOTrainer(args, model, dataset_train=records, processing_class=tok, mesh=mesh, hooks=[Clock()])
