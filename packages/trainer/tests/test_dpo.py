@@ -102,7 +102,8 @@ def test_sigkill_then_resume_ends_bitwise_equal(tmp_path):
     assert any("train/rewards/margins" in r for r in rows(tmp_path / "run"))
 
 
-def test_precomputed_reference_log_probs_equal_the_live_reference_and_free_it(tmp_path):
+def test_precomputed_reference_log_probs_equal_the_live_reference_and_free_it(tmp_path, caplog):
+    caplog.set_level("INFO", logger="jaxloom.trainer")
     train = rule_pairs(16, 3)
     live = dpo_trainer(tmp_path / "live", train, max_training_steps=2).train()
     t = dpo_trainer(tmp_path / "pre", train, max_training_steps=2, precompute_ref_log_probs=True)
@@ -113,6 +114,14 @@ def test_precomputed_reference_log_probs_equal_the_live_reference_and_free_it(tm
         a, b = rows(tmp_path / "live")[0][f"train/{k}"], rows(tmp_path / "pre")[0][f"train/{k}"]
         np.testing.assert_allclose(a, b, rtol=1e-5, err_msg=k)
     assert pre.metrics["loss"] == pytest.approx(live.metrics["loss"], rel=1e-5)
+    saved = list((tmp_path / "pre" / "ref_logps").glob("*.process_0.npz"))
+    assert len(saved) == 1  # kept beside the run: a resume reads it instead of computing again
+    again = dpo_trainer(tmp_path / "pre", train, max_training_steps=3, precompute_ref_log_probs=True)
+    again.train()
+    assert again.ref_state is None and sorted(again._ref_cache) == sorted(t._ref_cache)
+    for k, v in t._ref_cache.items():
+        np.testing.assert_array_equal(again._ref_cache[k], v)
+    assert "read from" in caplog.text and str(saved[0]) in caplog.text
 
 
 def test_a_bad_record_is_named_or_skipped_and_counted(tmp_path):

@@ -11,7 +11,10 @@ core's. The reference is rebuilt from its source on every start, so checkpoints 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -318,10 +321,39 @@ class DPOTrainer(BaseTrainer):
         )
 
     # ---- precomputed reference log-probs ----------------------------------------------------------------
+    def _ref_cache_file(self) -> Path:
+        """Where this process's precomputed log-probs are kept: `save_directory/ref_logps/`, named by the
+        reference's parameters (their digests), the data and the data settings, so that a resume (or
+        another run of the same reference on the same data in this directory) reads them instead of
+        recomputing, and any change makes a new file."""
+        from jaxloom.mesh import named_leaves
+        from jaxloom.state import integrity
+
+        from .resume import data_identity
+
+        ref = integrity.digests(dict(named_leaves(self.ref_state.params)))  # type: ignore[union-attr]
+        key = {
+            "reference": ref,
+            "train": data_identity(self.dataset_train),
+            "eval": data_identity(self.dataset_eval),
+            "settings": self.data_settings(),
+            "batches": [self.arguments.total_batch_size, self.arguments.eval_batch_size],
+        }
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return self._directory() / "ref_logps" / f"{digest}.process_{jax.process_index()}.npz"
+
     def _precompute(self) -> None:
-        """One pass over the training data computes the reference's log-probs of every pair (this process's
-        rows), keyed by the pair's tokens; then the reference is released for training."""
+        """One pass over the training (and evaluation) data computes the reference's log-probs of every pair
+        (this process's rows), keyed by a hash of the pair's tokens, and keeps them in a file; then the
+        reference is released for training. A file made earlier for the same reference and data is read."""
+        path = self._ref_cache_file()
         cache: dict[bytes, np.ndarray] = {}
+        if path.is_file():
+            with np.load(path) as saved:
+                cache = {bytes(k): v for k, v in zip(saved["keys"], saved["values"], strict=True)}
+            log.info("reference log-probs of %d pairs read from %s; no reference is held", len(cache), path)
+            self._ref_cache, self.ref_state = cache, None
+            return
         loaders = [self._loader(self.dataset_train, num_epochs=1, shuffle=False, prefetch=0)]
         evaluation = self._eval_loader()
         if evaluation is not None:
@@ -338,7 +370,13 @@ class DPOTrainer(BaseTrainer):
                     values = _local_rows(jitted(self.ref_state, batch), self.mesh)
                     for key, value in zip(_row_keys(local), values.reshape(-1, 2), strict=True):
                         cache[key] = value
-        log.info("precomputed reference log-probs of %d pairs; the reference is released", len(cache))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:  # written whole, then renamed: a killed run never leaves half a file
+            keys = np.frombuffer(b"".join(cache), np.uint8).reshape(len(cache), -1) if cache else np.zeros((0, 16))
+            np.savez(f, keys=keys, values=np.asarray(list(cache.values()), np.float32).reshape(-1, 2))
+        os.replace(tmp, path)
+        log.info("precomputed reference log-probs of %d pairs (%s); the reference is released", len(cache), path)
         self._ref_cache, self.ref_state = cache, None
 
     def _cached_logps(self, local: dict[str, np.ndarray]) -> np.ndarray:
@@ -348,7 +386,10 @@ class DPOTrainer(BaseTrainer):
             if key in self._ref_cache:  # type: ignore[operator]
                 out[i] = self._ref_cache[key]  # type: ignore[index]
             elif local["loss_mask"][i].any():
-                raise KeyError("a training pair has no precomputed reference log-probs (the data changed?)")
+                raise KeyError(
+                    f"a pair has no precomputed reference log-probs in {self._directory() / 'ref_logps'}: the data "
+                    "changed since they were computed; remove that folder to compute them again"
+                )
         return out
 
 
@@ -365,9 +406,12 @@ def _frozen(state: js.TrainState, tx) -> js.TrainState:
 
 
 def _row_keys(local: dict[str, np.ndarray]) -> list[bytes]:
-    """One key per pair row: its tokens and completion mask (rows of the same pair are the same key)."""
+    """One 16-byte key per pair row: a hash of its tokens and completion mask (the same pair, the same key)."""
     ids, mask = local["input_ids"], local["loss_mask"]
-    return [ids[i].tobytes() + mask[i].astype(np.int8).tobytes() for i in range(len(ids))]
+    return [
+        hashlib.blake2b(ids[i].tobytes() + mask[i].astype(np.int8).tobytes(), digest_size=16).digest()
+        for i in range(len(ids))
+    ]
 
 
 def _local_rows(values: jax.Array, mesh) -> np.ndarray:
