@@ -8,6 +8,7 @@ import resource
 import signal
 import sys
 
+import jax
 import numpy as np
 
 from faultrun import TINY
@@ -47,6 +48,8 @@ except BaseException as e:  # as the jaxloom command does: report, then exit wit
         print(f"ERROR {e}", flush=True)
     exit_after_training_error(e)
 trainer.finish()
-np.savez(f"{out}/final.npz", **{k: gather(v) for k, v in named_leaves(result.state.params)})
+final = {k: gather(v) for k, v in named_leaves(result.state.params)}  # every process gathers
+if jax.process_index() == 0:  # one writer: the processes share `out`
+    np.savez(f"{out}/final.npz", **final)
 print("RESUMED_FROM", result.resumed_from, flush=True)
 print("STOP_REASON", result.stop_reason, flush=True)
