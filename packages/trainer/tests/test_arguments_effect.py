@@ -251,6 +251,7 @@ RUN_LEVEL = {
     # one process: DCN dims are ignored (nothing crosses hosts); with many, the mesh multiplies them
     "sharding_dcn_axis_dims": "../../mesh/tests/test_config.py::test_dcn_dims_multiply_per_axis",
     "profile_steps": "test_training.py::test_profiler_trace_of_chosen_steps",
+    "loss_block_size": "test_training.py::test_fused_loss_blocks_train_as_the_whole_logits_do_without_holding_them",
     "generation_interval": "test_training.py::test_eval_loss_falls_on_the_corpus",
     "generation_prompts": "test_training.py::test_eval_loss_falls_on_the_corpus",
     "overwrite_output_dir": (

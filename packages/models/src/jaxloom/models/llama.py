@@ -25,12 +25,14 @@ REMAT_POLICIES = {
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class CausalLMOutput:
-    """What a causal LM returns: `logits [B, T, V]`, the MoE `aux_loss` (None for dense models) and the
-    updated KV `cache` when called with one."""
+    """What a causal LM returns: `logits [B, T, V]`, the MoE `aux_loss` (None for dense models), the
+    updated KV `cache` when called with one, and, when called with `return_hidden=True`, the final normed
+    `hidden [B, T, D]` in place of the logits (None)."""
 
-    logits: jax.Array  # [B, T, V]
+    logits: jax.Array | None  # [B, T, V]
     aux_loss: jax.Array | None = None  # MoE load-balancing loss (unscaled), None for dense models
     cache: Any = None  # per layer (k, v) `[B, S, KV, H]`, or stacked `[L, B, S, KV, H]` when scanned
+    hidden: jax.Array | None = None  # [B, T, D], what the output projection reads
 
 
 class MLP(nnx.Module):
@@ -131,9 +133,12 @@ class CausalLM(nnx.Module):
         cache_index=None,
         kv_positions=None,
         kv_segment_ids=None,
+        return_hidden: bool = False,
     ) -> CausalLMOutput:
         """Decoding: pass `cache` (from `init_cache`), the write offset `cache_index`, and the cache's
-        `kv_positions` / `kv_segment_ids` `[B, S]` already holding this call's tokens (segment 0 = empty)."""
+        `kv_positions` / `kv_segment_ids` `[B, S]` already holding this call's tokens (segment 0 = empty).
+        `return_hidden=True` stops before the output projection: the output holds `hidden`, not `logits`
+        (for a loss that applies `output_projection()` itself, e.g. `linear_cross_entropy`)."""
         b, t = input_ids.shape
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
@@ -159,11 +164,22 @@ class CausalLM(nnx.Module):
                 if aux is not None:
                     aux_total = aux if aux_total is None else aux_total + aux
         x = self.model.norm(x)
-        logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        logits = constrain(logits, ("batch", "length", "vocab"), self.runtime)
         if aux_total is not None:
             aux_total = aux_total / self.config.num_hidden_layers
-        return CausalLMOutput(logits=logits, aux_loss=aux_total, cache=new_cache if cache is not None else None)
+        new_cache = new_cache if cache is not None else None
+        if return_hidden:
+            return CausalLMOutput(logits=None, aux_loss=aux_total, cache=new_cache, hidden=x)
+        logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        logits = constrain(logits, ("batch", "length", "vocab"), self.runtime)
+        return CausalLMOutput(logits=logits, aux_loss=aux_total, cache=new_cache)
+
+    def output_projection(self) -> tuple[jax.Array, Any, Any]:
+        """`(kernel [D, V], dtype, precision)`: the output layer as `logits = hidden @ kernel` computed in
+        `dtype` at `precision` (the tied embedding, transposed, when `tie_word_embeddings`)."""
+        if self.lm_head is None:
+            e = self.model.embed_tokens
+            return e.embedding[...].T, e.dtype, e.precision
+        return self.lm_head.kernel[...], self.lm_head.dtype, self.lm_head.precision
 
     def _scan(self, run, x, cache, remat: bool):
         """The stacked layers as one `lax.scan`: the body is one layer, traced and compiled once whatever

@@ -89,6 +89,7 @@ class LoopArgs(_Group):
     seed: int = 42
     nan_policy: Literal["stop", "skip"] = "stop"
     z_loss: float = 0.0
+    loss_block_size: int = 512
 
     @model_validator(mode="after")
     def _check(self):
@@ -103,7 +104,7 @@ class LoopArgs(_Group):
             "training_time_limit",
             allow_none=True,
         )
-        _positive(self, "z_loss", allow_zero=True)
+        _positive(self, "z_loss", "loss_block_size", allow_zero=True)
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed = {self.seed}; expected an integer in [0, 2**32)")
         return self
@@ -402,6 +403,7 @@ DOCS: dict[str, str] = {
     "seed": "seed of the initial parameters, dropout and data order",
     "nan_policy": "a non-finite loss stops the run, or its update is skipped",
     "z_loss": "weight of the log(Z)^2 auxiliary loss (0: off)",
+    "loss_block_size": "positions per device in each block of the fused output projection and loss (0: whole logits)",
     "save_directory": "the run's directory: checkpoints, logs, report (None: a new one per run)",
     "save_steps": "checkpoint every this many steps",
     "save_minutes": "checkpoint every this many minutes",

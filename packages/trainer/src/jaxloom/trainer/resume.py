@@ -43,6 +43,7 @@ CHANGEABLE = frozenset(
         "attn_block_size",
         "remat",
         "moe_implementation",
+        "loss_block_size",
         "sharding_axis_dims",
         "sharding_axis_names",
         "sharding_dcn_axis_dims",

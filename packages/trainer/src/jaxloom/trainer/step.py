@@ -8,12 +8,14 @@ update as one batch of A·B rows.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxloom.models.losses import block_count, linear_cross_entropy
 from jaxloom.state import TrainState
 
 STOP_KEY = "stop_request"
@@ -23,26 +25,55 @@ the same key, so every process learns of any process's request after the same st
 
 def token_loss(state: TrainState, params, batch, cfg: StepConfig):
     """Sum of masked next-token cross entropy over one micro-batch, and its sums: `tokens` (the targets,
-    the loss's normaliser) and `correct` (targets with the highest logit)."""
+    the loss's normaliser) and `correct` (targets with the highest logit).
+
+    A model with an `output_projection()` (jaxloom's causal LMs) is run up to its final hidden states and
+    the projection and loss are fused in blocks of at most `cfg.loss_block_size` positions per data shard
+    (`jaxloom.models.linear_cross_entropy`: the `[B, T, V]` logits are never held whole); other models,
+    or `loss_block_size=0`, compute the logits and then the loss."""
     ids, seg = batch["input_ids"], batch["segment_ids"]
-    out = state.replace(params=params).model(ids, positions=batch["positions"], segment_ids=seg)
-    logits = out.logits[:, :-1].astype(jnp.float32)
-    targets = ids[:, 1:]
+    model = state.replace(params=params).model
     valid = (batch["loss_mask"][:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    ce = lse - target_logit  # softmax cross entropy, sharing log-sum-exp with the z-loss
-    if cfg.z_loss:
-        ce = ce + cfg.z_loss * jnp.square(lse)
     weight = valid.astype(jnp.float32)
     n = weight.sum()
-    loss_sum = jnp.sum(ce * weight)
+    if cfg.loss_block_size > 0 and _fusable(model):
+        out = model(ids, positions=batch["positions"], segment_ids=seg, return_hidden=True)
+        kernel, dtype, precision = model.output_projection()
+        b, t = ids.shape
+        blocks = block_count(max(1, b // cfg.data_shards), t, cfg.loss_block_size)
+        # the last position predicts nothing: targets and weights padded by one column of zeros
+        targets = jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))
+        loss_sum, correct = linear_cross_entropy(
+            out.hidden,
+            kernel,
+            targets,
+            jnp.pad(weight, ((0, 0), (0, 1))),
+            blocks=blocks,
+            z_loss=cfg.z_loss,
+            dtype=dtype,
+            precision=precision,
+        )
+    else:
+        out = model(ids, positions=batch["positions"], segment_ids=seg)
+        logits = out.logits[:, :-1].astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
+        ce = lse - target_logit  # softmax cross entropy, sharing log-sum-exp with the z-loss
+        if cfg.z_loss:
+            ce = ce + cfg.z_loss * jnp.square(lse)
+        loss_sum = jnp.sum(ce * weight)
+        # the target has the highest logit: a max, where argmax is a (value, index) reduction XLA's CPU
+        # backend runs ~25x slower (10% of a small model's step)
+        correct = jnp.sum((target_logit >= jnp.max(logits, axis=-1)) * weight)
     if out.aux_loss is not None and cfg.aux_loss_coef:
         loss_sum = loss_sum + cfg.aux_loss_coef * out.aux_loss * n
-    # the target has the highest logit: a max, where argmax is a (value, index) reduction XLA's CPU backend
-    # runs ~25x slower (10% of a small model's step)
-    correct = jnp.sum((target_logit >= jnp.max(logits, axis=-1)) * weight)
     return loss_sum, {"tokens": n, "correct": correct}
+
+
+def _fusable(model) -> bool:
+    """The model stops before its output layer on request and gives that layer (jaxloom's causal LMs, and
+    subclasses that keep their call signature)."""
+    return hasattr(model, "output_projection") and "return_hidden" in inspect.signature(model.__call__).parameters
 
 
 def token_metrics(sums):
@@ -71,9 +102,13 @@ class Objective:
 class StepConfig:
     """The train step's static settings: `z_loss` weight, MoE `aux_loss_coef`, `skip_nonfinite` (keep the
     old parameters when loss or gradients are not finite), the learning-rate `schedule` (for the logged
-    learning rate) and the `objective` (default: next-token cross entropy)."""
+    learning rate), the `objective` (default: next-token cross entropy), and for that objective's fused
+    output projection `loss_block_size` (positions per data shard in a block; 0: whole logits) and
+    `data_shards` (how many ways the batch rows are split)."""
 
     z_loss: float = 0.0
+    loss_block_size: int = 0
+    data_shards: int = 1
     aux_loss_coef: float = 0.0  # MoE load balancing (router_aux_loss_coef)
     skip_nonfinite: bool = False  # nan_policy="skip": keep the old params when loss/grads are not finite
     schedule: Callable | None = None

@@ -345,8 +345,12 @@ class BaseTrainer:
         self._plan()
         a = self.arguments
         aux = getattr(self.config, "router_aux_loss_coef", 0.0)
+        rows = a.total_batch_size
+        rows_per_shard = self._batch_sharding.shard_shape((a.gradient_accumulation_steps, rows, self.row_width))[1]
         self.step_config = StepConfig(
             z_loss=a.z_loss,
+            loss_block_size=a.loss_block_size,
+            data_shards=max(1, rows // rows_per_shard),
             aux_loss_coef=aux,
             skip_nonfinite=a.nan_policy == "skip",
             schedule=self.schedule,

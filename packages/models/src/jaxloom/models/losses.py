@@ -1,0 +1,127 @@
+"""The output projection and next-token cross entropy fused, in blocks of positions: the `[B, T, V]` logits
+are never held whole.
+
+`linear_cross_entropy(hidden, kernel, targets, weight, ...)` equals projecting `hidden [B, T, D]` with
+`kernel [D, V]` to logits and summing the weighted softmax cross entropy (plus an optional z-loss), but it
+computes the logits one block of positions at a time (`lax.scan`), so its memory is `O(B·T/n·V)` for `n`
+blocks instead of `O(B·T·V)` — the largest array of a large-vocabulary step (32k vocabulary × 8k tokens
+is 1 GB in float32). Differentiated, each block's gradients are made while its logits are at hand, in the
+forward pass (the loss is a sum, so the incoming cotangent only scales them): no logits are recomputed or
+kept for the backward pass, and the matrix products are the same three as the unfused path. On a CPU the
+blocks also stay in cache: the train step of a small-hidden, 4k-vocabulary model is measurably faster.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def block_count(rows_per_shard: int, length: int, block_size: int) -> int:
+    """The fewest blocks `n` (a divisor of `length`) whose `rows_per_shard * length / n` positions per device
+    are at most `block_size` (1 position per row at worst). `block_size <= 0`: one block."""
+    if block_size <= 0:
+        return 1
+    for n in range(1, length + 1):
+        if length % n == 0 and rows_per_shard * (length // n) <= block_size:
+            return n
+    return length
+
+
+def linear_cross_entropy(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    weight: jax.Array,
+    *,
+    blocks: int = 1,
+    z_loss: float = 0.0,
+    dtype=None,
+    precision=None,
+) -> tuple[jax.Array, jax.Array]:
+    """`(loss_sum, correct)` for `hidden [B, T, D]`, `kernel [D, V]`, `targets [B, T]` and `weight [B, T]`:
+
+    - `loss_sum = Σ weight · (logsumexp(z) - z[target] + z_loss · logsumexp(z)²)`, with the logits
+      `z = hidden @ kernel` computed in `dtype` (default: the kernel's) at `precision` and read in float32,
+      as a model's output layer and the unfused loss compute them;
+    - `correct = Σ weight · [z[target] is the largest logit]`, not differentiated.
+
+    The positions are taken in `blocks` blocks of `T / blocks` (`blocks` must divide `T`), each block every
+    `blocks`-th position of every row, so a sharded batch or sequence axis stays sharded within a block.
+    Gradients flow to `hidden` and `kernel` (not to `targets` or `weight`)."""
+    b, t, d = hidden.shape
+    if t % blocks:
+        raise ValueError(f"blocks = {blocks} does not divide the sequence length {t}")
+    dtype = jnp.dtype(dtype or kernel.dtype)
+    return _fused(hidden, kernel, targets, weight.astype(jnp.float32), blocks, float(z_loss), dtype, precision)
+
+
+def _split(x: jax.Array, blocks: int) -> jax.Array:
+    """`[B, T, ...]` → `[blocks, B, T / blocks, ...]`, block `i` holding positions `i, i + blocks, ...`."""
+    b, t = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, t // blocks, blocks, *x.shape[2:]), 2, 0)
+
+
+def _join(x: jax.Array) -> jax.Array:
+    """The inverse of `_split`."""
+    blocks, b, per = x.shape[:3]
+    return jnp.moveaxis(x, 0, 2).reshape(b, per * blocks, *x.shape[3:])
+
+
+def _block_stats(h, kernel, targets, weight, z_loss, dtype, precision):
+    """One block's logits (float32), its log-sum-exp, the targets' logits and the summed loss and hits."""
+    logits = jnp.dot(h.astype(dtype), kernel.astype(dtype), precision=precision).astype(jnp.float32)
+    top = jnp.max(logits, axis=-1)
+    shifted = jnp.exp(logits - top[..., None])
+    total = jnp.sum(shifted, axis=-1)
+    lse = top + jnp.log(total)
+    onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
+    target_logit = jnp.sum(logits * onehot, axis=-1)
+    loss = jnp.sum(weight * (lse - target_logit + z_loss * jnp.square(lse)))
+    correct = jnp.sum(weight * (target_logit >= top))
+    return loss, correct, (shifted, total, lse, onehot)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision):
+    def body(_, xs):
+        h, tg, w = xs
+        loss, correct, _ = _block_stats(h, kernel, tg, w, z_loss, dtype, precision)
+        return None, (loss, correct)
+
+    _, (loss, correct) = jax.lax.scan(
+        body, None, (_split(hidden, blocks), _split(targets, blocks), _split(weight, blocks))
+    )
+    return jnp.sum(loss), jnp.sum(correct)
+
+
+def _fused_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision):
+    k = kernel.astype(dtype)
+
+    def body(d_kernel, xs):
+        h, tg, w = xs
+        loss, correct, (shifted, total, lse, onehot) = _block_stats(h, kernel, tg, w, z_loss, dtype, precision)
+        # d loss / d logits = weight · (softmax · (1 + 2 z_loss · lse) − onehot)
+        scale = (1.0 + 2.0 * z_loss * lse) / total
+        d_logits = (w[..., None] * (shifted * scale[..., None] - onehot)).astype(dtype)
+        d_h = jnp.dot(d_logits, k.T, precision=precision, preferred_element_type=jnp.float32)
+        d_k = jnp.einsum(
+            "btd,btv->dv", h.astype(dtype), d_logits, precision=precision, preferred_element_type=jnp.float32
+        )
+        return d_kernel + d_k, (loss, correct, d_h)
+
+    xs = (_split(hidden, blocks), _split(targets, blocks), _split(weight, blocks))
+    d_kernel, (loss, correct, d_h) = jax.lax.scan(body, jnp.zeros(kernel.shape, jnp.float32), xs)
+    residuals = (_join(d_h).astype(hidden.dtype), d_kernel.astype(kernel.dtype))
+    return (jnp.sum(loss), jnp.sum(correct)), residuals
+
+
+def _fused_bwd(blocks, z_loss, dtype, precision, residuals, cotangents):
+    d_h, d_kernel = residuals
+    g = cotangents[0]  # `correct` is not differentiated
+    return (g * d_h).astype(d_h.dtype), (g * d_kernel).astype(d_kernel.dtype), None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)

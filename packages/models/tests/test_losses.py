@@ -1,0 +1,137 @@
+"""The fused output projection and cross entropy equals the unfused one: values, gradients, dtypes, shardings."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import jaxloom.models as jm
+from jaxloom.models.losses import block_count, linear_cross_entropy
+
+B, T, D, V = 4, 16, 8, 50
+
+
+def inputs(seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    hidden = jax.random.normal(k[0], (B, T, D))
+    kernel = jax.random.normal(k[1], (D, V))
+    targets = jax.random.randint(k[2], (B, T), 0, V)
+    weight = (jax.random.uniform(k[3], (B, T)) > 0.3).astype(jnp.float32)
+    return hidden, kernel, targets, weight
+
+
+def unfused(hidden, kernel, targets, weight, z_loss=0.0, dtype=jnp.float32):
+    logits = jnp.dot(hidden.astype(dtype), kernel.astype(dtype)).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, -1)
+    target = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    loss = jnp.sum(weight * (lse - target + z_loss * lse**2))
+    return loss, jnp.sum(weight * (target >= logits.max(-1)))
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 4, T])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+def test_values_and_gradients_equal_the_unfused_loss(blocks, z_loss):
+    hidden, kernel, targets, weight = inputs()
+
+    def fused(h, k):
+        return linear_cross_entropy(h, k, targets, weight, blocks=blocks, z_loss=z_loss)
+
+    (loss, correct), grads = jax.value_and_grad(fused, argnums=(0, 1), has_aux=True)(hidden, kernel)
+    (ref_loss, ref_correct), ref = jax.value_and_grad(
+        lambda h, k: unfused(h, k, targets, weight, z_loss), argnums=(0, 1), has_aux=True
+    )(hidden, kernel)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert float(correct) == float(ref_correct)
+    for g, r in zip(grads, ref, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    # undifferentiated (an eval step): the plain blockwise forward, the same numbers
+    np.testing.assert_allclose(jax.jit(fused)(hidden, kernel)[0], ref_loss, rtol=1e-6)
+    # the cotangent scales the gradients (the step divides the summed loss by the token count)
+    half = jax.grad(lambda h, k: fused(h, k)[0] / 2, argnums=1)(hidden, kernel)
+    np.testing.assert_allclose(half, ref[1] / 2, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_logits_as_the_model_computes_them():
+    hidden, kernel, targets, weight = inputs(1)
+    loss, grads = jax.value_and_grad(
+        lambda h, k: linear_cross_entropy(h, k, targets, weight, blocks=4, dtype=jnp.bfloat16)[0], argnums=(0, 1)
+    )(hidden.astype(jnp.bfloat16), kernel)
+    ref, ref_grads = jax.value_and_grad(
+        lambda h, k: unfused(h, k, targets, weight, dtype=jnp.bfloat16)[0], argnums=(0, 1)
+    )(hidden.astype(jnp.bfloat16), kernel)
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+    assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.float32  # each input's own dtype
+    np.testing.assert_allclose(grads[1], ref_grads[1], rtol=2e-2, atol=2e-2)
+
+
+def test_sharded_batch_and_vocabulary_give_the_same_numbers():
+    """Rows over `fsdp`, the vocabulary over `tp` (8 devices): a block keeps the batch split."""
+    hidden, kernel, targets, weight = inputs(2)
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
+    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    placed = (
+        jax.device_put(hidden, rows),
+        jax.device_put(kernel, NamedSharding(mesh, PartitionSpec(None, "tp"))),
+        jax.device_put(targets, rows),
+        jax.device_put(weight, rows),
+    )
+
+    @jax.jit
+    def step(h, k, t, w):
+        return jax.value_and_grad(lambda h, k: linear_cross_entropy(h, k, t, w, blocks=4)[0], argnums=(0, 1))(h, k)
+
+    loss, grads = step(*placed)
+    ref, ref_grads = jax.value_and_grad(lambda h, k: unfused(h, k, targets, weight)[0], argnums=(0, 1))(hidden, kernel)
+    np.testing.assert_allclose(loss, ref, rtol=1e-6)
+    np.testing.assert_allclose(grads[1], ref_grads[1], rtol=1e-5, atol=1e-5)
+    assert grads[0].sharding.spec[0] == "fsdp"  # the hidden's gradient stays split by rows
+
+
+def test_the_whole_logits_are_never_held():
+    """The compiled gradient of 16 blocks needs a fraction of the unfused one's temporary memory."""
+    b, t, d, v = 2, 256, 16, 4096
+    hidden, kernel = jnp.ones((b, t, d)), jnp.ones((d, v)) * 0.01
+    targets, weight = jnp.zeros((b, t), jnp.int32), jnp.ones((b, t))
+
+    def temp(fn):
+        grad = jax.jit(jax.grad(lambda h, k: fn(h, k)[0], argnums=(0, 1)))
+        return grad.lower(hidden, kernel).compile().memory_analysis().temp_size_in_bytes
+
+    whole = temp(lambda h, k: unfused(h, k, targets, weight))
+    fused = temp(lambda h, k: linear_cross_entropy(h, k, targets, weight, blocks=16))
+    logits_bytes = b * t * v * 4
+    assert whole >= logits_bytes and fused < logits_bytes / 4, (whole, fused)
+
+
+def test_block_count_and_bad_blocks():
+    assert block_count(rows_per_shard=8, length=128, block_size=512) == 2  # 8 rows x 64 positions
+    assert block_count(8, 128, 1024) == 1
+    assert block_count(8, 128, 0) == 1  # 0: whole logits
+    assert block_count(64, 128, 16) == 128  # at worst one position per row
+    assert block_count(2, 24, 16) == 3  # a divisor of the length
+    hidden, kernel, targets, weight = inputs()
+    with pytest.raises(ValueError, match="blocks = 3 does not divide the sequence length 16"):
+        linear_cross_entropy(hidden, kernel, targets, weight, blocks=3)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_hidden_and_output_projection_give_its_logits(tied):
+    config = jm.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    model = jm.create_model(config)
+    ids = jnp.arange(12).reshape(2, 6) % 64
+    out = model(ids)
+    hidden = model(ids, return_hidden=True)
+    assert hidden.logits is None
+    kernel, dtype, precision = model.output_projection()
+    assert kernel.shape == (16, 64)
+    logits = jnp.dot(hidden.hidden.astype(dtype), kernel.astype(dtype), precision=precision)
+    np.testing.assert_allclose(logits, out.logits, rtol=1e-6, atol=1e-6)
