@@ -55,7 +55,7 @@ def main():
         )
         if cfg.get("mesh"):  # every weight split over its first axis, the batch split by rows
             n = jax.device_count()
-            mesh = jax.make_mesh((n,), ("fsdp",))
+            mesh = jax.make_mesh((n,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
             rows, repl = NamedSharding(mesh, PartitionSpec("fsdp")), NamedSharding(mesh, PartitionSpec())
             params = jax.tree_util.tree_map(lambda x: jax.device_put(x, rows if x.shape[0] % n == 0 else repl), params)
             fixed = jax.device_put(fixed, rows)
@@ -96,6 +96,7 @@ def main():
             overwrite_output_dir=True,  # every repeat starts over in the same directory
             dtype=cfg["dtype"],
             adam_beta2=0.95,
+            **({"loss_block_size": cfg["loss_block_size"]} if "loss_block_size" in cfg else {}),
         )
         runtime = jm.RuntimeConfig(dtype=cfg["dtype"], param_dtype="float32")
         model = jm.create_model(jm.LlamaConfig(**m), runtime, lazy=True)
