@@ -29,7 +29,7 @@ def unfused(hidden, kernel, targets, weight, z_loss=0.0, dtype=jnp.float32):
     return loss, jnp.sum(weight * (target >= logits.max(-1)))
 
 
-@pytest.mark.parametrize("blocks", [1, 2, 4, T])
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, T])  # 3 does not divide T: padded
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
 def test_values_and_gradients_equal_the_unfused_loss(blocks, z_loss):
     hidden, kernel, targets, weight = inputs()
@@ -109,10 +109,11 @@ def test_block_count_and_bad_blocks():
     assert block_count(8, 128, 1024) == 1
     assert block_count(8, 128, 0) == 1  # 0: whole logits
     assert block_count(64, 128, 16) == 128  # at worst one position per row
-    assert block_count(2, 24, 16) == 3  # a divisor of the length
+    assert block_count(8, 127, 512) == 2  # a prime length: two blocks of 64 positions, one padded
     hidden, kernel, targets, weight = inputs()
-    with pytest.raises(ValueError, match="blocks = 3 does not divide the sequence length 16"):
-        linear_cross_entropy(hidden, kernel, targets, weight, blocks=3)
+    for bad in (0, T + 1):
+        with pytest.raises(ValueError, match=f"blocks = {bad}; expected 1 to the sequence length 16"):
+            linear_cross_entropy(hidden, kernel, targets, weight, blocks=bad)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -20,14 +20,12 @@ import jax.numpy as jnp
 
 
 def block_count(rows_per_shard: int, length: int, block_size: int) -> int:
-    """The fewest blocks `n` (a divisor of `length`) whose `rows_per_shard * length / n` positions per device
-    are at most `block_size` (1 position per row at worst). `block_size <= 0`: one block."""
+    """How many blocks keep each at most `block_size` positions per device (`rows_per_shard` rows times the
+    positions of a row in the block; at worst one position per row): `ceil(rows * length / block_size)`,
+    at most `length`. `block_size <= 0`: one block."""
     if block_size <= 0:
         return 1
-    for n in range(1, length + 1):
-        if length % n == 0 and rows_per_shard * (length // n) <= block_size:
-            return n
-    return length
+    return max(1, min(length, -(-rows_per_shard * length // block_size)))
 
 
 def linear_cross_entropy(
@@ -48,14 +46,22 @@ def linear_cross_entropy(
       as a model's output layer and the unfused loss compute them;
     - `correct = Σ weight · [z[target] is the largest logit]`, not differentiated.
 
-    The positions are taken in `blocks` blocks of `T / blocks` (`blocks` must divide `T`), each block every
-    `blocks`-th position of every row, so a sharded batch or sequence axis stays sharded within a block.
-    Gradients flow to `hidden` and `kernel` (not to `targets` or `weight`)."""
-    b, t, d = hidden.shape
-    if t % blocks:
-        raise ValueError(f"blocks = {blocks} does not divide the sequence length {t}")
+    The positions are taken in `blocks` blocks of `ceil(T / blocks)`, each block every `blocks`-th position
+    of every row (a sharded batch or sequence axis stays sharded within a block); when `blocks` does not
+    divide `T`, the rows are padded with positions of weight 0. Gradients flow to `hidden` and `kernel`
+    (not to `targets` or `weight`)."""
+    t = hidden.shape[1]
+    if not 1 <= blocks <= t:
+        raise ValueError(f"blocks = {blocks}; expected 1 to the sequence length {t}")
     dtype = jnp.dtype(dtype or kernel.dtype)
-    return _fused(hidden, kernel, targets, weight.astype(jnp.float32), blocks, float(z_loss), dtype, precision)
+    weight = weight.astype(jnp.float32)
+    pad = -t % blocks
+    if pad:
+        hidden, targets, weight = (
+            jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in (hidden, targets, weight)
+        )
+    loss, correct = _fused(hidden, kernel, targets, weight, blocks, float(z_loss), dtype, precision)
+    return loss, correct
 
 
 def _split(x: jax.Array, blocks: int) -> jax.Array:
