@@ -7,7 +7,7 @@ import signal
 import numpy as np
 import pytest
 from test_resume_cli import run
-from util import TOK, mesh, tiny
+from util import TOK, mesh, params_of, tiny
 
 import jaxloom.models as jm
 from jaxloom.trainer import DPOConfig, DPOTrainer
@@ -149,3 +149,27 @@ def test_dpo_config_takes_trl_names_and_refuses_what_it_cannot_do():
         from jaxloom.trainer import TrainingArguments
 
         DPOTrainer(TrainingArguments(), model=jm.create_model(tiny(), lazy=True), dataset_train=[])
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_fused_output_layer_trains_as_the_whole_logits_do(tmp_path, loss_type):
+    """With `loss_block_size` the policy's and the reference's log-probs come from blocks (no logits) and
+    the gradient through `linear_cross_entropy` weighted by d loss / d logp: the same metrics and the same
+    parameters after three updates as with the whole logits (`loss_block_size=0`), on two data shards."""
+    train = rule_pairs(64, 3)
+    out = {}
+    for size in (0, 4):
+        t = DPOTrainer(
+            dpo_args(tmp_path / str(size), max_training_steps=3, loss_type=loss_type, loss_block_size=size),
+            model=jm.create_model(tiny(), lazy=True),
+            dataset_train=train,
+            processing_class=TOK,
+            mesh=mesh(2),
+        )
+        out[size] = (t.train(), rows(tmp_path / str(size)))
+    for a, b in zip(out[0][1], out[4][1], strict=True):
+        for k in ("train/loss", "train/rewards/margins", "train/logps/chosen", "train/logits/rejected"):
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    whole, fused = params_of(out[0][0].state), params_of(out[4][0].state)
+    for k in whole:
+        np.testing.assert_allclose(whole[k], fused[k], rtol=1e-4, atol=1e-6, err_msg=k)

@@ -64,6 +64,46 @@ def linear_cross_entropy(
     return loss, correct
 
 
+def linear_log_probs(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    weight: jax.Array,
+    *,
+    blocks: int = 1,
+    dtype=None,
+    precision=None,
+) -> tuple[jax.Array, jax.Array]:
+    """Per row, `(Σ_t weight · log p(target), Σ_t weight · mean_v z)` for the logits `z = hidden @ kernel`
+    (as in `linear_cross_entropy`), in blocks of positions: a sequence's log-probability and its summed
+    vocabulary-mean logit, without holding the logits. Not differentiated (inputs are taken as constants):
+    a loss of these sums gets its gradient from `linear_cross_entropy` with the loss's per-row derivative in
+    the weights (see jaxloom.trainer's DPO)."""
+    t = hidden.shape[1]
+    if not 1 <= blocks <= t:
+        raise ValueError(f"blocks = {blocks}; expected 1 to the sequence length {t}")
+    dtype = jnp.dtype(dtype or kernel.dtype)
+    hidden, kernel = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(kernel)
+    weight = weight.astype(jnp.float32)
+    pad = -t % blocks
+    if pad:
+        hidden, targets, weight = (
+            jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in (hidden, targets, weight)
+        )
+
+    def body(_, xs):
+        h, tg, w = xs
+        logits = jnp.dot(h.astype(dtype), kernel.astype(dtype), precision=precision).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.sum(logits * jax.nn.one_hot(tg, logits.shape[-1], dtype=jnp.float32), axis=-1)
+        return None, (jnp.sum(w * (target - lse), -1), jnp.sum(w * jnp.mean(logits, -1), -1))
+
+    _, (logp, mean_logit) = jax.lax.scan(
+        body, None, (_split(hidden, blocks), _split(targets, blocks), _split(weight, blocks))
+    )
+    return jnp.sum(logp, 0), jnp.sum(mean_logit, 0)
+
+
 def _split(x: jax.Array, blocks: int) -> jax.Array:
     """`[B, T, ...]` → `[blocks, B, T / blocks, ...]`, block `i` holding positions `i, i + blocks, ...`."""
     b, t = x.shape[:2]

@@ -25,10 +25,11 @@ import optax
 from flax import nnx
 
 import jaxloom.models as jmod
+from jaxloom.models.losses import block_count, linear_cross_entropy
 import jaxloom.state as js
 
 from .arguments import DPOConfig
-from .step import Objective, StepConfig
+from .step import Objective, StepConfig, _fusable
 from .trainer import BaseTrainer
 
 log = logging.getLogger("jaxloom.trainer")
@@ -55,12 +56,32 @@ def _pairs_as_rows(x):
     return x.reshape(b * 2, w // 2)
 
 
-def forward_logps(model, batch):
-    """`(logps [B, 2], logit sums [B, 2], target counts [B, 2])` of `model` on a batch of pair rows."""
+def forward_logps(model, batch, fuse: tuple[int, int] = (0, 1)):
+    """`(logps [B, 2], logit sums [B, 2], target counts [B, 2])` of `model` on a batch of pair rows, the
+    model's output, and `head`: None, or, when `fuse = (loss_block_size, data_shards)` asks for it and the
+    model can (see `step.token_loss`), the fused output layer's inputs `(hidden, kernel, targets, weight,
+    blocks, dtype, precision)`. Then the log-probs are computed in blocks without the logits and carry no
+    gradient: `dpo_loss` gives the gradient through `linear_cross_entropy`."""
     ids = _pairs_as_rows(batch["input_ids"])
-    out = model(ids, positions=_pairs_as_rows(batch["positions"]), segment_ids=_pairs_as_rows(batch["segment_ids"]))
-    parts = sequence_logps(out.logits, ids, _pairs_as_rows(batch["loss_mask"]))
-    return tuple(p.reshape(-1, 2) for p in parts), out
+    mask = _pairs_as_rows(batch["loss_mask"])
+    kw = dict(positions=_pairs_as_rows(batch["positions"]), segment_ids=_pairs_as_rows(batch["segment_ids"]))
+    block_size, data_shards = fuse
+    if block_size > 0 and _fusable(model):
+        out = model(ids, **kw, return_hidden=True)
+        kernel, dtype, precision = model.output_projection()
+        b, t = ids.shape
+        blocks = block_count(max(1, b // data_shards), t, block_size)
+        targets = jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))  # the last position predicts nothing
+        weight = jnp.pad((mask[:, 1:] > 0).astype(jnp.float32), ((0, 0), (0, 1)))
+        logps, logit_sums = jmod.linear_log_probs(
+            out.hidden, kernel, targets, weight, blocks=blocks, dtype=dtype, precision=precision
+        )
+        parts = (logps, logit_sums, weight.sum(-1))
+        head = (out.hidden, kernel, targets, weight, blocks, dtype, precision)
+    else:
+        out = model(ids, **kw)
+        parts, head = sequence_logps(out.logits, ids, mask), None
+    return tuple(p.reshape(-1, 2) for p in parts), out, head
 
 
 def preference_loss(delta, chosen_ratio, rejected_ratio, chosen_n, rejected_n, *, beta, loss_type, label_smoothing):
@@ -82,26 +103,45 @@ def preference_loss(delta, chosen_ratio, rejected_ratio, chosen_n, rejected_n, *
 
 def dpo_loss(state: js.TrainState, params, batch, cfg: StepConfig, *, beta, loss_type, label_smoothing):
     """The preference loss summed over the micro-batch's pairs, and TRL's statistics summed (`pairs` counts
-    the pairs with completion tokens: padding rows at the end of the data count for nothing)."""
-    (logps, logit_sums, counts), out = forward_logps(state.replace(params=params).model, batch)
+    the pairs with completion tokens: padding rows at the end of the data count for nothing).
+
+    With the fused output layer (`cfg.loss_block_size`), the log-probs come without logits or gradient,
+    and the gradient comes from `linear_cross_entropy` over the same tokens weighted by d loss / d logp of
+    each sequence: `loss + s − stop_gradient(s)` has the loss's value and, through `s`, its gradient."""
+    model = state.replace(params=params).model
+    (logps, logit_sums, counts), out, head = forward_logps(model, batch, (cfg.loss_block_size, cfg.data_shards))
     ref = jax.lax.stop_gradient(batch[REF_KEY].astype(jnp.float32))
-    chosen, rejected = logps[:, 0], logps[:, 1]
-    ratio_c, ratio_r = chosen - ref[:, 0], rejected - ref[:, 1]
     # completion tokens as TRL counts them for IPO (the unshifted mask)
     completion = jnp.sum(batch["loss_mask"].reshape(-1, 2, batch["loss_mask"].shape[-1] // 2) > 0, -1)
-    per_pair = preference_loss(
-        ratio_c - ratio_r,
-        ratio_c,
-        ratio_r,
-        completion[:, 0].astype(jnp.float32),
-        completion[:, 1].astype(jnp.float32),
-        beta=beta,
-        loss_type=loss_type,
-        label_smoothing=label_smoothing,
-    )
     valid = (counts[:, 0] > 0).astype(jnp.float32)
     n = valid.sum()
-    loss_sum = jnp.sum(per_pair * valid)
+
+    def pair_loss(logps):
+        ratio_c, ratio_r = logps[:, 0] - ref[:, 0], logps[:, 1] - ref[:, 1]
+        per_pair = preference_loss(
+            ratio_c - ratio_r,
+            ratio_c,
+            ratio_r,
+            completion[:, 0].astype(jnp.float32),
+            completion[:, 1].astype(jnp.float32),
+            beta=beta,
+            loss_type=loss_type,
+            label_smoothing=label_smoothing,
+        )
+        return jnp.sum(per_pair * valid), (ratio_c, ratio_r)
+
+    if head is None:
+        loss_sum, (ratio_c, ratio_r) = pair_loss(logps)
+    else:
+        (loss_sum, (ratio_c, ratio_r)), d_logps = jax.value_and_grad(pair_loss, has_aux=True)(logps)
+        hidden, kernel, targets, weight, blocks, dtype, precision = head
+        d_rows = jax.lax.stop_gradient(d_logps).reshape(-1, 1)  # [2B, 1], rows (chosen, rejected, ...)
+        # Σ_rows d·logp = −Σ_rows d·Σ_t ce: its gradient is the loss's
+        surrogate = -linear_cross_entropy(
+            hidden, kernel, targets, weight * d_rows, blocks=blocks, dtype=dtype, precision=precision
+        )[0]
+        loss_sum = loss_sum + surrogate - jax.lax.stop_gradient(surrogate)
+    chosen, rejected = logps[:, 0], logps[:, 1]
     if out.aux_loss is not None and cfg.aux_loss_coef:
         loss_sum = loss_sum + cfg.aux_loss_coef * out.aux_loss * n
     reward_c, reward_r = jax.lax.stop_gradient(beta * ratio_c), jax.lax.stop_gradient(beta * ratio_r)
@@ -134,7 +174,7 @@ def dpo_metrics(sums):
     return out
 
 
-def reference_logps(ref: js.TrainState, batch, after=None):
+def reference_logps(ref: js.TrainState, batch, after=None, fuse: tuple[int, int] = (0, 1)):
     """The frozen reference's `[..., B, 2]` sequence log-probabilities on pair rows `[..., B, 2L]` (a
     leading accumulation axis is mapped over, one micro-batch at a time). `after` is not read: passing the
     policy's step makes this program wait for the train step in flight, so programs with collectives run
@@ -142,8 +182,8 @@ def reference_logps(ref: js.TrainState, batch, after=None):
     keys = ("input_ids", "positions", "segment_ids", "loss_mask")
     rows = {k: batch[k] for k in keys}
     if rows["input_ids"].ndim == 3:
-        return jax.lax.map(lambda mb: forward_logps(ref.model, mb)[0][0], rows)
-    return forward_logps(ref.model, rows)[0][0]
+        return jax.lax.map(lambda mb: forward_logps(ref.model, mb, fuse)[0][0], rows)
+    return forward_logps(ref.model, rows, fuse)[0][0]
 
 
 # ---- the trainer -------------------------------------------------------------------------------------------
@@ -235,8 +275,9 @@ class DPOTrainer(BaseTrainer):
         if self.ref_state is None and self._ref_cache is None:
             jax.block_until_ready(self.state)  # one program at a time on every process (see reference_logps)
             self.ref_state = jax.block_until_ready(self._build_reference())
-            self._ref_jit = jax.jit(reference_logps, out_shardings=self._batch_sharding, keep_unused=True)
-            self._ref_eval_jit = jax.jit(reference_logps, out_shardings=self._eval_sharding, keep_unused=True)
+            ref_fn = functools.partial(reference_logps, fuse=(self.arguments.loss_block_size, self.data_shards()))
+            self._ref_jit = jax.jit(ref_fn, out_shardings=self._batch_sharding, keep_unused=True)
+            self._ref_eval_jit = jax.jit(ref_fn, out_shardings=self._eval_sharding, keep_unused=True)
             if self.arguments.precompute_ref_log_probs:
                 self._precompute()
         return out

@@ -335,6 +335,14 @@ class BaseTrainer:
             seed=a.seed,
         )
 
+    def data_shards(self) -> int:
+        """How many ways the batch rows are split over the mesh (the data-parallel size)."""
+        a = self.arguments
+        rows = a.total_batch_size
+        return max(
+            1, rows // self._batch_sharding.shard_shape((a.gradient_accumulation_steps, rows, self.row_width))[1]
+        )
+
     def batch_spec(self, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
         """`{key: (shape, dtype)}` of the train step's batch for `rows` global rows per micro-batch, with the
         accumulation axis first: what the step is compiled for and what `_global_batch` makes."""
@@ -345,12 +353,10 @@ class BaseTrainer:
         self._plan()
         a = self.arguments
         aux = getattr(self.config, "router_aux_loss_coef", 0.0)
-        rows = a.total_batch_size
-        rows_per_shard = self._batch_sharding.shard_shape((a.gradient_accumulation_steps, rows, self.row_width))[1]
         self.step_config = StepConfig(
             z_loss=a.z_loss,
             loss_block_size=a.loss_block_size,
-            data_shards=max(1, rows // rows_per_shard),
+            data_shards=self.data_shards(),
             aux_loss_coef=aux,
             skip_nonfinite=a.nan_policy == "skip",
             schedule=self.schedule,
