@@ -74,8 +74,9 @@ def linear_log_probs(
     dtype=None,
     precision=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Per row, `(Σ_t weight · log p(target), Σ_t weight · mean_v z)` for the logits `z = hidden @ kernel`
-    (as in `linear_cross_entropy`), in blocks of positions: a sequence's log-probability and its summed
+    """Per row, `(Σ_t weight · log p(target), Σ_t weight · mean_v z)` for `hidden [B, T, D]`, `targets` and
+    `weight [B, T]`, and the logits `z = hidden @ kernel` computed in `dtype` at `precision` (as in
+    `linear_cross_entropy`), in `blocks` blocks of positions: a sequence's log-probability and its summed
     vocabulary-mean logit, without holding the logits. Not differentiated (inputs are taken as constants):
     a loss of these sums gets its gradient from `linear_cross_entropy` with the loss's per-row derivative in
     the weights (see jaxloom.trainer's DPO)."""
