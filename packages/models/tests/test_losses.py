@@ -136,3 +136,29 @@ def test_model_hidden_and_output_projection_give_its_logits(tied):
     assert kernel.shape == (16, 64)
     logits = jnp.dot(hidden.hidden.astype(dtype), kernel.astype(dtype), precision=precision)
     np.testing.assert_allclose(logits, out.logits, rtol=1e-6, atol=1e-6)
+
+
+def test_cross_entropy_gradient_is_zero_with_the_loss_gradient_and_free_undifferentiated():
+    """A loss of per-row log-probs (`linear_log_probs`, no gradient) gets its gradient from
+    `cross_entropy_gradient` with d loss / d logp in the weights; evaluated alone it computes nothing."""
+    hidden, kernel, targets, weight = inputs(3)
+    per_row = jnp.arange(1.0, B + 1.0)[:, None]  # a different derivative for each row
+
+    def via_gradient(h, k):
+        logp, _ = jm.linear_log_probs(h, k, targets, weight, blocks=4)
+        value = jnp.sum(jnp.arange(1.0, B + 1.0) * logp)  # d value / d logp_row = row + 1
+        return value - jm.cross_entropy_gradient(h, k, targets, weight * per_row, blocks=4)
+
+    def reference(h, k):
+        logits = h @ k
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+        return jnp.sum(jnp.arange(1.0, B + 1.0) * jnp.sum(weight * logp, -1))
+
+    value, grads = jax.value_and_grad(via_gradient, argnums=(0, 1))(hidden, kernel)
+    ref_value, ref_grads = jax.value_and_grad(reference, argnums=(0, 1))(hidden, kernel)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    alone = jax.jit(lambda h, k: jm.cross_entropy_gradient(h, k, targets, weight, blocks=4))
+    assert float(alone(hidden, kernel)) == 0.0
+    assert " dot(" not in alone.lower(hidden, kernel).compile().as_text()  # no pass over the output layer

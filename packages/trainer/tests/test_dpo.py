@@ -154,8 +154,9 @@ def test_dpo_config_takes_trl_names_and_refuses_what_it_cannot_do():
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_fused_output_layer_trains_as_the_whole_logits_do(tmp_path, loss_type):
     """With `loss_block_size` the policy's and the reference's log-probs come from blocks (no logits) and
-    the gradient through `linear_cross_entropy` weighted by d loss / d logp: the same metrics and the same
-    parameters after three updates as with the whole logits (`loss_block_size=0`), on two data shards."""
+    the gradient through `cross_entropy_gradient` weighted by d loss / d logp: the same metrics and the same
+    parameters after three updates as with the whole logits (`loss_block_size=0`), on two data shards, and
+    a step that needs less temporary memory than the policy's logits of a micro-batch."""
     train = rule_pairs(64, 3)
     out = {}
     for size in (0, 4):
@@ -166,10 +167,13 @@ def test_fused_output_layer_trains_as_the_whole_logits_do(tmp_path, loss_type):
             processing_class=TOK,
             mesh=mesh(2),
         )
-        out[size] = (t.train(), rows(tmp_path / str(size)))
+        temp = t.compiled_train_step().memory_analysis().temp_size_in_bytes
+        out[size] = (t.train(), rows(tmp_path / str(size)), temp)
     for a, b in zip(out[0][1], out[4][1], strict=True):
         for k in ("train/loss", "train/rewards/margins", "train/logps/chosen", "train/logits/rejected"):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    logits_per_device = 8 * 16 * len(TOK) * 4  # 4 pairs (8 sequences) x 16 positions x vocabulary, float32
+    assert out[0][2] - out[4][2] > logits_per_device, (out[0][2], out[4][2])
     whole, fused = params_of(out[0][0].state), params_of(out[4][0].state)
     for k in whole:
         np.testing.assert_allclose(whole[k], fused[k], rtol=1e-4, atol=1e-6, err_msg=k)

@@ -5,7 +5,7 @@ from .attention import AttentionUnavailableError, attend, choose_implementation,
 from .build import count_params, create_model, flops_per_token, param_shardings, param_specs
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
 from .hf import from_pretrained, save_hf_model, to_hf_state_dict
-from .losses import linear_cross_entropy, linear_log_probs
+from .losses import cross_entropy_gradient, linear_cross_entropy, linear_log_probs
 from .llama import CausalLMOutput, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from .mixtral import MixtralForCausalLM, grouped_matmul
 from .registry import TaskType, get_model_class, register, registered
@@ -18,6 +18,7 @@ __all__ = [
     "attend",
     "choose_implementation",
     "grouped_matmul",
+    "cross_entropy_gradient",
     "linear_cross_entropy",
     "linear_log_probs",
     "SCAN_ABOVE_LAYERS",

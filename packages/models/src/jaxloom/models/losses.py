@@ -50,18 +50,26 @@ def linear_cross_entropy(
     of every row (a sharded batch or sequence axis stays sharded within a block); when `blocks` does not
     divide `T`, the rows are padded with positions of weight 0. Gradients flow to `hidden` and `kernel`
     (not to `targets` or `weight`)."""
-    t = hidden.shape[1]
-    if not 1 <= blocks <= t:
-        raise ValueError(f"blocks = {blocks}; expected 1 to the sequence length {t}")
-    dtype = jnp.dtype(dtype or kernel.dtype)
-    weight = weight.astype(jnp.float32)
-    pad = -t % blocks
-    if pad:
-        hidden, targets, weight = (
-            jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in (hidden, targets, weight)
-        )
-    loss, correct = _fused(hidden, kernel, targets, weight, blocks, float(z_loss), dtype, precision)
-    return loss, correct
+    hidden, targets, weight, dtype = _prepare(hidden, kernel, targets, weight, blocks, dtype)
+    return _fused(hidden, kernel, targets, weight, blocks, float(z_loss), dtype, precision)
+
+
+def cross_entropy_gradient(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    weight: jax.Array,
+    *,
+    blocks: int = 1,
+    dtype=None,
+    precision=None,
+) -> jax.Array:
+    """Zero, whose gradient is that of `linear_cross_entropy(hidden, kernel, targets, weight, blocks=,
+    dtype=, precision=)[0]`: the way to give a loss of per-sequence log-probs (computed without gradient by
+    `linear_log_probs`) its gradient, with the loss's derivative for each row put into `weight`. Computes
+    nothing unless differentiated (an evaluation pays no extra pass over the output layer)."""
+    hidden, targets, weight, dtype = _prepare(hidden, kernel, targets, weight, blocks, dtype)
+    return _gradient_only(hidden, kernel, targets, weight, blocks, 0.0, dtype, precision)
 
 
 def linear_log_probs(
@@ -78,19 +86,10 @@ def linear_log_probs(
     `weight [B, T]`, and the logits `z = hidden @ kernel` computed in `dtype` at `precision` (as in
     `linear_cross_entropy`), in `blocks` blocks of positions: a sequence's log-probability and its summed
     vocabulary-mean logit, without holding the logits. Not differentiated (inputs are taken as constants):
-    a loss of these sums gets its gradient from `linear_cross_entropy` with the loss's per-row derivative in
-    the weights (see jaxloom.trainer's DPO)."""
-    t = hidden.shape[1]
-    if not 1 <= blocks <= t:
-        raise ValueError(f"blocks = {blocks}; expected 1 to the sequence length {t}")
-    dtype = jnp.dtype(dtype or kernel.dtype)
+    a loss of these sums gets its gradient from `cross_entropy_gradient` with the loss's per-row derivative
+    in the weights (see jaxloom.trainer's DPO)."""
     hidden, kernel = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(kernel)
-    weight = weight.astype(jnp.float32)
-    pad = -t % blocks
-    if pad:
-        hidden, targets, weight = (
-            jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in (hidden, targets, weight)
-        )
+    hidden, targets, weight, dtype = _prepare(hidden, kernel, targets, weight, blocks, dtype)
 
     def body(_, xs):
         h, tg, w = xs
@@ -103,6 +102,21 @@ def linear_log_probs(
         body, None, (_split(hidden, blocks), _split(targets, blocks), _split(weight, blocks))
     )
     return jnp.sum(logp, 0), jnp.sum(mean_logit, 0)
+
+
+def _prepare(hidden, kernel, targets, weight, blocks: int, dtype):
+    """Check `blocks`, read `weight` in float32, pad the positions to a multiple of `blocks` (weight 0) and
+    default `dtype` to the kernel's."""
+    t = hidden.shape[1]
+    if not 1 <= blocks <= t:
+        raise ValueError(f"blocks = {blocks}; expected 1 to the sequence length {t}")
+    weight = weight.astype(jnp.float32)
+    pad = -t % blocks
+    if pad:
+        hidden, targets, weight = (
+            jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in (hidden, targets, weight)
+        )
+    return hidden, targets, weight, jnp.dtype(dtype or kernel.dtype)
 
 
 def _split(x: jax.Array, blocks: int) -> jax.Array:
@@ -172,3 +186,20 @@ def _fused_bwd(blocks, z_loss, dtype, precision, residuals, cotangents):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _gradient_only(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision):
+    return jnp.zeros((), jnp.float32)
+
+
+def _gradient_only_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision):
+    _, residuals = _fused_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision)
+    return jnp.zeros((), jnp.float32), residuals
+
+
+def _gradient_only_bwd(blocks, z_loss, dtype, precision, residuals, g):
+    return _fused_bwd(blocks, z_loss, dtype, precision, residuals, (g, None))
+
+
+_gradient_only.defvjp(_gradient_only_fwd, _gradient_only_bwd)

@@ -25,11 +25,10 @@ import optax
 from flax import nnx
 
 import jaxloom.models as jmod
-from jaxloom.models.losses import block_count, linear_cross_entropy
 import jaxloom.state as js
 
 from .arguments import DPOConfig
-from .step import Objective, StepConfig, _fusable
+from .step import Objective, StepConfig, forward_for_loss
 from .trainer import BaseTrainer
 
 log = logging.getLogger("jaxloom.trainer")
@@ -58,29 +57,29 @@ def _pairs_as_rows(x):
 
 def forward_logps(model, batch, fuse: tuple[int, int] = (0, 1)):
     """`(logps [B, 2], logit sums [B, 2], target counts [B, 2])` of `model` on a batch of pair rows, the
-    model's output, and `head`: None, or, when `fuse = (loss_block_size, data_shards)` asks for it and the
-    model can (see `step.token_loss`), the fused output layer's inputs `(hidden, kernel, targets, weight,
-    blocks, dtype, precision)`. Then the log-probs are computed in blocks without the logits and carry no
-    gradient: `dpo_loss` gives the gradient through `linear_cross_entropy`."""
+    model's output, and the `FusedHead` when `fuse = (loss_block_size, data_shards)` fuses the output
+    layer (see `step.forward_for_loss`), else None. Fused, the log-probs are computed in blocks without the
+    logits and carry no gradient: `dpo_loss` gives the gradient through `cross_entropy_gradient`."""
     ids = _pairs_as_rows(batch["input_ids"])
     mask = _pairs_as_rows(batch["loss_mask"])
-    kw = dict(positions=_pairs_as_rows(batch["positions"]), segment_ids=_pairs_as_rows(batch["segment_ids"]))
+    weight = (mask[:, 1:] > 0).astype(jnp.float32)
     block_size, data_shards = fuse
-    if block_size > 0 and _fusable(model):
-        out = model(ids, **kw, return_hidden=True)
-        kernel, dtype, precision = model.output_projection()
-        b, t = ids.shape
-        blocks = block_count(max(1, b // data_shards), t, block_size)
-        targets = jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))  # the last position predicts nothing
-        weight = jnp.pad((mask[:, 1:] > 0).astype(jnp.float32), ((0, 0), (0, 1)))
+    out, head = forward_for_loss(
+        model,
+        ids,
+        weight,
+        positions=_pairs_as_rows(batch["positions"]),
+        segment_ids=_pairs_as_rows(batch["segment_ids"]),
+        block_size=block_size,
+        data_shards=data_shards,
+    )
+    if head is None:
+        parts = sequence_logps(out.logits, ids, mask)
+    else:
         logps, logit_sums = jmod.linear_log_probs(
-            out.hidden, kernel, targets, weight, blocks=blocks, dtype=dtype, precision=precision
+            head.hidden, head.kernel, head.targets, head.weight, **head.settings()
         )
         parts = (logps, logit_sums, weight.sum(-1))
-        head = (out.hidden, kernel, targets, weight, blocks, dtype, precision)
-    else:
-        out = model(ids, **kw)
-        parts, head = sequence_logps(out.logits, ids, mask), None
     return tuple(p.reshape(-1, 2) for p in parts), out, head
 
 
@@ -106,8 +105,8 @@ def dpo_loss(state: js.TrainState, params, batch, cfg: StepConfig, *, beta, loss
     the pairs with completion tokens: padding rows at the end of the data count for nothing).
 
     With the fused output layer (`cfg.loss_block_size`), the log-probs come without logits or gradient,
-    and the gradient comes from `linear_cross_entropy` over the same tokens weighted by d loss / d logp of
-    each sequence: `loss + s − stop_gradient(s)` has the loss's value and, through `s`, its gradient."""
+    and the gradient from `cross_entropy_gradient` (zero, computing nothing unless differentiated) over the
+    same tokens, each sequence weighted by d loss / d logp."""
     model = state.replace(params=params).model
     (logps, logit_sums, counts), out, head = forward_logps(model, batch, (cfg.loss_block_size, cfg.data_shards))
     ref = jax.lax.stop_gradient(batch[REF_KEY].astype(jnp.float32))
@@ -134,13 +133,11 @@ def dpo_loss(state: js.TrainState, params, batch, cfg: StepConfig, *, beta, loss
         loss_sum, (ratio_c, ratio_r) = pair_loss(logps)
     else:
         (loss_sum, (ratio_c, ratio_r)), d_logps = jax.value_and_grad(pair_loss, has_aux=True)(logps)
-        hidden, kernel, targets, weight, blocks, dtype, precision = head
         d_rows = jax.lax.stop_gradient(d_logps).reshape(-1, 1)  # [2B, 1], rows (chosen, rejected, ...)
-        # Σ_rows d·logp = −Σ_rows d·Σ_t ce: its gradient is the loss's
-        surrogate = -linear_cross_entropy(
-            hidden, kernel, targets, weight * d_rows, blocks=blocks, dtype=dtype, precision=precision
-        )[0]
-        loss_sum = loss_sum + surrogate - jax.lax.stop_gradient(surrogate)
+        # d loss = Σ_rows d·d(logp) = −Σ_rows d·d(Σ_t ce): zero added, the loss's gradient carried
+        loss_sum = loss_sum - jmod.cross_entropy_gradient(
+            head.hidden, head.kernel, head.targets, head.weight * d_rows, **head.settings()
+        )
     chosen, rejected = logps[:, 0], logps[:, 1]
     if out.aux_loss is not None and cfg.aux_loss_coef:
         loss_sum = loss_sum + cfg.aux_loss_coef * out.aux_loss * n

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,29 +33,23 @@ def token_loss(state: TrainState, params, batch, cfg: StepConfig):
     (`jaxloom.models.linear_cross_entropy`: the `[B, T, V]` logits are never held whole); other models,
     or `loss_block_size=0`, compute the logits and then the loss."""
     ids, seg = batch["input_ids"], batch["segment_ids"]
-    model = state.replace(params=params).model
     valid = (batch["loss_mask"][:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
     weight = valid.astype(jnp.float32)
     n = weight.sum()
-    if cfg.loss_block_size > 0 and _fusable(model):
-        out = model(ids, positions=batch["positions"], segment_ids=seg, return_hidden=True)
-        kernel, dtype, precision = model.output_projection()
-        b, t = ids.shape
-        blocks = block_count(max(1, b // cfg.data_shards), t, cfg.loss_block_size)
-        # the last position predicts nothing: targets and weights padded by one column of zeros
-        targets = jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))
+    out, head = forward_for_loss(
+        state.replace(params=params).model,
+        ids,
+        weight,
+        positions=batch["positions"],
+        segment_ids=seg,
+        block_size=cfg.loss_block_size,
+        data_shards=cfg.data_shards,
+    )
+    if head is not None:
         loss_sum, correct = linear_cross_entropy(
-            out.hidden,
-            kernel,
-            targets,
-            jnp.pad(weight, ((0, 0), (0, 1))),
-            blocks=blocks,
-            z_loss=cfg.z_loss,
-            dtype=dtype,
-            precision=precision,
+            head.hidden, head.kernel, head.targets, head.weight, z_loss=cfg.z_loss, **head.settings()
         )
     else:
-        out = model(ids, positions=batch["positions"], segment_ids=seg)
         logits = out.logits[:, :-1].astype(jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
         target_logit = jnp.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
@@ -70,10 +65,42 @@ def token_loss(state: TrainState, params, batch, cfg: StepConfig):
     return loss_sum, {"tokens": n, "correct": correct}
 
 
-def _fusable(model) -> bool:
-    """The model stops before its output layer on request and gives that layer (jaxloom's causal LMs, and
-    subclasses that keep their call signature)."""
-    return hasattr(model, "output_projection") and "return_hidden" in inspect.signature(model.__call__).parameters
+class FusedHead(NamedTuple):
+    """What a fused output layer and loss read: the final `hidden [B, T, D]`, the output `kernel [D, V]`,
+    `targets` and `weight [B, T]` (position t predicts `targets[:, t]`; the last position has weight 0),
+    and the `blocks`, `dtype` and `precision` to compute the logits with."""
+
+    hidden: jax.Array
+    kernel: jax.Array
+    targets: jax.Array
+    weight: jax.Array
+    blocks: int
+    dtype: Any
+    precision: Any
+
+    def settings(self) -> dict[str, Any]:
+        """`blocks`, `dtype` and `precision` as keywords of `jaxloom.models.linear_cross_entropy` & co."""
+        return {"blocks": self.blocks, "dtype": self.dtype, "precision": self.precision}
+
+
+def forward_for_loss(model, ids, weight, *, positions, segment_ids, block_size: int, data_shards: int):
+    """Run `model` on `ids [B, T]` for a loss over next-token targets with `weight [B, T-1]`: `(out, head)`.
+    When `block_size > 0` and the model can stop before its output layer (jaxloom's causal LMs, and
+    subclasses that keep the call signature), `out` has no logits and `head` is the `FusedHead` for a fused
+    loss in blocks of at most `block_size` positions per data shard (`data_shards`: how many ways the rows
+    are split); otherwise `out` has the logits and `head` is None. `positions` and `segment_ids` go to the
+    model."""
+    fusable = hasattr(model, "output_projection") and "return_hidden" in inspect.signature(model.__call__).parameters
+    if block_size <= 0 or not fusable:
+        return model(ids, positions=positions, segment_ids=segment_ids), None
+    out = model(ids, positions=positions, segment_ids=segment_ids, return_hidden=True)
+    kernel, dtype, precision = model.output_projection()
+    b, t = ids.shape
+    last = ((0, 0), (0, 1))  # the last position predicts nothing
+    blocks = block_count(max(1, b // data_shards), t, block_size)
+    return out, FusedHead(
+        out.hidden, kernel, jnp.pad(ids[:, 1:], last), jnp.pad(weight, last), blocks, dtype, precision
+    )
 
 
 def token_metrics(sums):
