@@ -144,3 +144,21 @@ def test_processor_and_sample_processing(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         tok = RayDistributedTrainer(str(base)).load_processor()
     assert tok.pad_token == tok.eos_token
+
+
+def test_progress_board_remembers_when_training_began():
+    """A gang that finishes before the driver reads the board still says when it made its first step
+    (the driver's restart-to-first-step time after a failure needs it)."""
+    import time
+
+    from jaxloom.ray.worker import ProgressBoard
+
+    board = ProgressBoard()
+    board.beat(0, 0, "joined")
+    assert board.snapshot()[2] is None
+    board.beat(0, 1, "step", {"step": 1})
+    time.sleep(0.05)
+    board.beat(0, 3, "step")
+    beats, reports, first_step_ago = board.snapshot()
+    assert beats[0][1:] == (3, "step") and reports == [{"step": 1}]
+    assert first_step_ago is not None and first_step_ago >= 0.05 > beats[0][0]

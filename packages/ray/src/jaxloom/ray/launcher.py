@@ -479,15 +479,14 @@ def _supervise(ray, refs, board, scaling, attempt: int, started: float, failures
                     pass
             return min(errors, key=lambda f: (f.kind != "died", f.detected_at))
         if asked is not None and ray.wait([asked], timeout=0)[0]:
-            beats, reports = ray.get(asked)
+            beats, reports, first_step_ago = ray.get(asked)
             asked, answered_at = None, time.time()
             for report in reports:
                 if on_report is not None:
                     on_report(report)
-            stepping = {r: b for r, b in beats.items() if b[2] == "step"}
-            if stepping and not first_step_seen:
+            if first_step_ago is not None and not first_step_seen:
                 first_step_seen = True
-                _note_restart_time(failures, attempt)
+                _note_restart_time(failures, attempt, first_step_ago)
             hung = _hung_rank(beats, scaling, time.time() - started, {refs.index(r) for r in pending})
             if hung is not None:
                 rank, age, step = hung
@@ -506,18 +505,26 @@ def _supervise(ray, refs, board, scaling, attempt: int, started: float, failures
                 return Failure(attempt, None, "hung", f"the progress board did not answer in {limit:g} s", time.time())
         if asked is None and time.time() - (answered_at or 0.0) >= scaling.report_interval_s:
             asked, asked_at = board.snapshot.remote(), time.time()
-    if on_report is not None:  # what rank 0 reported since the board was last read
-        try:
-            for report in ray.get(board.snapshot.remote(), timeout=30)[1]:
+    # What rank 0 reported since the board was last read, and when training began if the gang was done
+    # before the board was read after its first step.
+    try:
+        _, reports, first_step_ago = ray.get(board.snapshot.remote(), timeout=30)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+        log.warning("the progress board did not answer at the end; its last reports are not passed on")
+    else:
+        for report in reports:
+            if on_report is not None:
                 on_report(report)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
-            log.warning("the progress board did not answer at the end; its last reports are not passed on")
+        if first_step_ago is not None and not first_step_seen:
+            _note_restart_time(failures, attempt, first_step_ago)
     return [results[r] for r in range(len(refs))]
 
 
-def _note_restart_time(failures: list[Failure], attempt: int) -> None:
+def _note_restart_time(failures: list[Failure], attempt: int, first_step_ago: float) -> None:
+    """The time from the failure's detection to the first step of the gang that followed it (`ago`:
+    seconds since that step, by the board's clock)."""
     if failures and failures[-1].restart_to_first_step_s is None:
-        failures[-1].restart_to_first_step_s = time.time() - failures[-1].detected_at
+        failures[-1].restart_to_first_step_s = max(0.0, time.time() - first_step_ago - failures[-1].detected_at)
         log.warning(
             "gang attempt %d: training resumed %.1f s after the failure was detected",
             attempt,

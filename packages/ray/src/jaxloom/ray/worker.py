@@ -16,15 +16,20 @@ class ProgressBoard:
     """A tiny actor the workers beat on (`beat(rank, step, phase, report)`); the driver reads `snapshot()`
     to see who is alive and making progress (and takes rank 0's `report`s: metrics and the newest
     checkpoint), and sets `request_stop()` when it is asked to stop, which every beat answers (True:
-    stop). Ages use this actor's clock only."""
+    stop). It remembers when the gang first beat from a step, so that a gang that ends before the driver
+    looks still says when it started training. Ages use this actor's clock only."""
 
     def __init__(self):
         self._beats: dict[int, tuple[float, int, str]] = {}
         self._reports: list[dict[str, Any]] = []
         self._stop = False
+        self._first_step_at: float | None = None
 
     def beat(self, rank: int, step: int, phase: str, report: dict[str, Any] | None = None) -> bool:
-        self._beats[rank] = (time.time(), step, phase)
+        now = time.time()
+        self._beats[rank] = (now, step, phase)
+        if phase == "step" and self._first_step_at is None:
+            self._first_step_at = now
         if report:
             self._reports.append(report)
         return self._stop
@@ -33,10 +38,12 @@ class ProgressBoard:
         """The driver's stop (its SIGINT/SIGTERM): the workers learn it from their next beats."""
         self._stop = True
 
-    def snapshot(self) -> tuple[dict[int, tuple[float, int, str]], list[dict[str, Any]]]:
-        """(rank → (seconds since its last beat, step, phase)) and the reports not taken before."""
+    def snapshot(self) -> tuple[dict[int, tuple[float, int, str]], list[dict[str, Any]], float | None]:
+        """(rank → (seconds since its last beat, step, phase)), the reports not taken before, and the
+        seconds since the first beat from a step (None before one)."""
         now, reports, self._reports = time.time(), self._reports, []
-        return {r: (now - t, step, phase) for r, (t, step, phase) in self._beats.items()}, reports
+        first = None if self._first_step_at is None else now - self._first_step_at
+        return {r: (now - t, step, phase) for r, (t, step, phase) in self._beats.items()}, reports, first
 
 
 @dataclasses.dataclass
