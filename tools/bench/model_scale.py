@@ -27,6 +27,17 @@ NARROW = [
     "model.tie_word_embeddings=true",
 ]
 
+MIXTRAL = dict(  # the MoE rows' model (here and in moe_parallel.py), k=2
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+)
+
 
 def plan_temporaries(seq: int, attn: str) -> float:
     with tempfile.TemporaryDirectory() as d:
@@ -60,17 +71,7 @@ def moe_flops(experts: int, impl: str) -> float:
 
     import jaxloom.models as jm
 
-    config = jm.MixtralConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        num_local_experts=experts,
-        num_experts_per_tok=2,
-        max_position_embeddings=512,
-    )
+    config = jm.MixtralConfig(**MIXTRAL, num_local_experts=experts)
     model = jm.create_model(config, jm.RuntimeConfig(moe_implementation=impl), lazy=True)
     graphdef, state = nnx.split(model)
     ids = jax.ShapeDtypeStruct((8, 256), jnp.int32)

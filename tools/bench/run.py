@@ -245,6 +245,8 @@ def main() -> None:
     results["decode_cpu"] = d
     # Does cost follow the work? attention memory vs length, MoE FLOPs vs experts, start-up vs depth
     results["scale"] = run_process([str(HERE / "model_scale.py")], {"JAX_PLATFORMS": "cpu"})
+    # Expert parallelism on 8 devices: what a Mixtral step moves and holds, ep=8 vs fsdp=8, E=8 and 32
+    results["moe_parallel"] = run_process([str(HERE / "moe_parallel.py")], eight)
     # The gang: 2 Ray workers (2 JAX processes) vs 1 process on the same 2-device mesh; driver CPU
     results["ray_gang"] = run_process([str(HERE / "ray_gang.py")], {"XLA_FLAGS": ""})
     # Data at scale: peak RSS and wall of `jaxloom train` on a small and a big JSONL, streamed and from a store
@@ -329,6 +331,37 @@ def scale_rows(s: dict) -> list[tuple[str, str, str, str]]:
             f"{depth['48']:.2f} vs {depth['4']:.2f}",
             f"{depth['48'] / depth['4']:.2f}",
             "<= 1.5",
+        ),
+    ]
+
+
+def moe_parallel_rows(m: dict) -> list[tuple[str, str, str, str]]:
+    ep, fsdp = m["ep8"], m["fsdp8"]
+    return [
+        (
+            "MoE step, MB moved between devices, E=32 vs E=8 (k=2), experts over ep=8 (tokens move)",
+            f"{ep['32']['collective_mb']:.1f} vs {ep['8']['collective_mb']:.1f}",
+            f"{ep['32']['collective_mb'] / ep['8']['collective_mb']:.2f}",
+            "~1: flat in E",
+        ),
+        (
+            "the same, experts over fsdp=8 (their weights gathered)",
+            f"{fsdp['32']['collective_mb']:.1f} vs {fsdp['8']['collective_mb']:.1f}",
+            f"{fsdp['32']['collective_mb'] / fsdp['8']['collective_mb']:.2f}",
+            "",
+        ),
+        (
+            "MoE step (E=32), MB moved: ep=8 vs fsdp=8",
+            f"{ep['32']['collective_mb']:.1f} vs {fsdp['32']['collective_mb']:.1f}",
+            f"{ep['32']['collective_mb'] / fsdp['32']['collective_mb']:.2f}",
+            "",
+        ),
+        (
+            "MoE step (E=32), per-device temporaries MB / step s (CPU): ep=8 vs fsdp=8",
+            f"{ep['32']['temporaries_mb']:.0f} / {ep['32']['step_s']:.2f} vs "
+            f"{fsdp['32']['temporaries_mb']:.0f} / {fsdp['32']['step_s']:.2f}",
+            f"{ep['32']['step_s'] / fsdp['32']['step_s']:.2f}",
+            "",
         ),
     ]
 
@@ -465,6 +498,7 @@ def table(r: dict) -> str:
         ),
     )
     rows.extend(scale_rows(r["scale"]))
+    rows.extend(moe_parallel_rows(r["moe_parallel"]))
     rows.extend(data_rows(r["data_scale"], r["train_cpu"]["trainer"]["tokens_per_second"]))
     rows.extend(dpo_rows(r["dpo"]))
     g = r["ray_gang"]

@@ -61,11 +61,18 @@ def test_cached_greedy_equals_naive_recomputation(config, scan):
     np.testing.assert_array_equal(np.asarray(out.sequences)[:, :12], ids)
 
 
-def test_on_a_mesh_equals_one_device():
-    config = jm.LlamaConfig(**{**TINY, "vocab_size": 96})  # tp=2 must divide the vocabulary
+@pytest.mark.parametrize(
+    ("config", "axes"),
+    [
+        (jm.LlamaConfig(**{**TINY, "vocab_size": 96}), dict(fsdp=2, tp=2)),  # tp=2 must divide the vocabulary
+        (jm.MixtralConfig(**TINY, num_local_experts=4), dict(ep=2, fsdp=2)),  # experts split: tokens move
+    ],
+    ids=["llama-fsdp-tp", "mixtral-ep"],
+)
+def test_on_a_mesh_equals_one_device(config, axes):
     ids, mask = prompts()
     ref = jg.generate(jm.create_model(config, seed=2), ids, mask, jg.GenerationConfig(max_new_tokens=8))
-    mesh = MeshConfig.from_axes(fsdp=2, tp=2).build(jax.devices()[:4])
+    mesh = MeshConfig.from_axes(**axes).build(jax.devices()[:4])
     sharded = jm.create_model(config, seed=2, mesh=mesh)
     out = jg.generate(sharded, ids, mask, jg.GenerationConfig(max_new_tokens=8), mesh=mesh)
     np.testing.assert_array_equal(np.asarray(out.completion_ids), np.asarray(ref.completion_ids))

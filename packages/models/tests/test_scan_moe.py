@@ -119,6 +119,33 @@ def test_grouped_matmul_handles_empty_and_uneven_groups():
     assert tile_rows(8192, 8) == 128 and tile_rows(64, 8) == 8
 
 
+@pytest.mark.parametrize("skip_unused", [False, True])
+def test_grouped_matmul_rows_after_the_groups_give_zeros(skip_unused):
+    """Groups covering fewer rows than the buffer (an expert-parallel device's share): the rows after
+    them give zeros and no gradient; with `skip_unused` the tiles after the groups are not computed,
+    and the values and gradients are the same."""
+    rng = np.random.default_rng(1)
+    sizes = jnp.asarray([30, 0, 90], jnp.int32)
+    x = jnp.asarray(rng.normal(size=(512, 32)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, 32, 48)) / 6, jnp.float32)
+    group = np.repeat(np.arange(3), np.asarray(sizes))
+    expected = np.zeros((512, 48), np.float32)
+    expected[:120] = np.einsum("md,mdf->mf", np.asarray(x)[:120], np.asarray(w)[group])
+    for impl in ("tiled", "ragged"):
+
+        def f(x, w, impl=impl):
+            return grouped_matmul(x, w, sizes, implementation=impl, tile=8, skip_unused=skip_unused)
+
+        np.testing.assert_allclose(np.asarray(f(x, w)), expected, rtol=1e-5, atol=1e-5)
+        gx, gw = jax.grad(lambda x, w, f=f: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))(x, w)
+        assert not np.any(np.asarray(gx)[120:]) and np.all(np.any(np.asarray(gx)[:120], axis=1))
+        ref = jax.grad(lambda w: jnp.sum(jnp.sin(jnp.einsum("md,mdf->mf", x[:120], w[group]))))(w)
+        np.testing.assert_allclose(np.asarray(gw), np.asarray(ref), rtol=1e-4, atol=1e-4)
+    if skip_unused:  # the chunks after the groups are skipped by a conditional in the program
+        program = jax.jit(lambda x, w: grouped_matmul(x, w, sizes, implementation="tiled", tile=8, skip_unused=True))
+        assert "conditional" in program.lower(x, w).compile().as_text()
+
+
 def _step_flops(experts, impl):
     config = jm.MixtralConfig(**SMALL, num_hidden_layers=1, num_local_experts=experts, num_experts_per_tok=2)
     graphdef, state = nnx.split(jm.create_model(config, jm.RuntimeConfig(moe_implementation=impl), lazy=True))

@@ -311,3 +311,45 @@ def test_fused_loss_blocks_train_as_the_whole_logits_do_without_holding_them(tmp
         np.testing.assert_allclose(pw[k], pb[k], rtol=1e-4, atol=1e-6, err_msg=k)
     logits_per_device = 2 * 32 * (len(util.TOK) // 2) * 4  # rows x positions x vocabulary shard, float32
     assert runs["whole"][0] - runs["blocks"][0] > logits_per_device, (runs["whole"][0], runs["blocks"][0])
+
+
+def test_expert_parallel_mixtral_trains_as_fully_sharded_with_its_tokens_moving(tmp_path):
+    """A Mixtral whose batch rows are split over `ep` too (`partition_axis.batch_axis=("fsdp", "dp", "ep")`):
+    the loaders lay the rows out over fsdp × ep, each device keeps 2 of the 8 experts and the tokens travel
+    to them (an all-gather and a reduce-scatter in the step); it trains the curve and weights of the same
+    run fully sharded over fsdp=8 (the same 8 data shards, every expert's weights gathered)."""
+    from jaxloom.mesh import PartitionAxis
+    from jaxloom.trainer import Trainer
+
+    config = jm.MixtralConfig(
+        vocab_size=len(util.TOK),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
+    runs = {}
+    for name, axes, batch_axis in (
+        ("fsdp", dict(fsdp=8), ("fsdp", "dp")),
+        ("ep", dict(fsdp=2, ep=4), ("fsdp", "dp", "ep")),
+    ):
+        runtime = jm.RuntimeConfig(moe_implementation="tiled", partition_axis=PartitionAxis(batch_axis=batch_axis))
+        t = Trainer(
+            util.args(tmp_path / name, max_training_steps=3),
+            jm.create_model(config, runtime, lazy=True),
+            dataset_train=util.TRAIN,
+            processing_class=util.TOK,
+            mesh=mesh(8, **axes),
+        )
+        hlo = t.compiled_train_step().as_text()
+        assert t.data_shards() == 8 and t.data_axes == batch_axis
+        runs[name] = (hlo, t.train())
+    hlo = runs["ep"][0]
+    assert "reduce-scatter" in hlo and "all-gather" in hlo
+    np.testing.assert_allclose(losses(tmp_path / "ep"), losses(tmp_path / "fsdp"), rtol=1e-5)
+    pf, pe = params_of(runs["fsdp"][1].state), params_of(runs["ep"][1].state)
+    for k in pf:
+        np.testing.assert_allclose(pe[k], pf[k], rtol=1e-4, atol=1e-6, err_msg=k)

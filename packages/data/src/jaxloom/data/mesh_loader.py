@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,8 @@ class MeshLoader:
       major, so `batch.reshape(accumulation, -1, length)` gives each micro-batch's local rows.
     state: from `global_state_dict()` (any process count with the same data-parallel size), or a
       single stream's 4-integer state when the data-parallel size is 1.
+    data_axes: the mesh axes the batch rows are split over, in order (default `DATA_AXES`, fsdp then dp);
+      the model's `partition_axis.batch_axis`, e.g. with `ep` for expert parallelism that moves tokens.
     """
 
     def __init__(
@@ -59,11 +62,13 @@ class MeshLoader:
         *,
         accumulation: int = 1,
         state: dict | None = None,
+        data_axes: Sequence[str] | None = None,
     ):
-        from jaxloom.mesh import data_parallel_size, local_batch_slice
+        from jaxloom.mesh import DATA_AXES, data_parallel_size, local_batch_slice
 
-        self.dp = data_parallel_size(mesh)
-        rows = local_batch_slice(mesh, global_batch_size)
+        axes = DATA_AXES if data_axes is None else tuple(data_axes)
+        self.dp = data_parallel_size(mesh, axes)
+        rows = local_batch_slice(mesh, global_batch_size, axes)
         self.per_shard = global_batch_size // self.dp
         self.first = rows.start // self.per_shard
         self.accumulation = accumulation

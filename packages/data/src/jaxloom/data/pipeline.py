@@ -135,10 +135,12 @@ class DataLoader:
     @classmethod
     def for_mesh(cls, data, tokenizer, config: DataConfig, mesh, global_batch_size: int, **kw) -> DataLoader:
         """The loader of `data` for this process's rows of a global batch of `global_batch_size` on
-        `mesh` (`config.batch_size` is replaced); `tokenizer` as for `DataLoader`."""
-        from jaxloom.mesh import local_batch_slice
+        `mesh` (`config.batch_size` is replaced), its rows split over `data_axes` (default `DATA_AXES`);
+        `tokenizer` as for `DataLoader`."""
+        from jaxloom.mesh import DATA_AXES, local_batch_slice
 
-        rows = local_batch_slice(mesh, global_batch_size)
+        axes = kw.pop("data_axes", None)
+        rows = local_batch_slice(mesh, global_batch_size, DATA_AXES if axes is None else tuple(axes))
         n = rows.stop - rows.start
         config = dataclasses.replace(config, batch_size=n)
         return cls(data, tokenizer, config, data_rank=rows.start // n, data_ranks=global_batch_size // n, **kw)

@@ -7,7 +7,7 @@ from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, 
 from .hf import from_pretrained, save_hf_model, to_hf_state_dict
 from .losses import cross_entropy_gradient, linear_cross_entropy, linear_log_probs
 from .llama import CausalLMOutput, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-from .mixtral import MixtralForCausalLM, grouped_matmul
+from .mixtral import MixtralForCausalLM, dispatch_tokens, expert_parallel_dispatch, grouped_matmul
 from .registry import TaskType, get_model_class, register, registered
 from .runtime import SCAN_ABOVE_LAYERS, AttentionMechanisms, EasyDeLGradientCheckPointers, RuntimeConfig
 
@@ -18,6 +18,8 @@ __all__ = [
     "attend",
     "choose_implementation",
     "grouped_matmul",
+    "dispatch_tokens",
+    "expert_parallel_dispatch",
     "cross_entropy_gradient",
     "linear_cross_entropy",
     "linear_log_probs",

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from .configs import MixtralConfig
 from .layers import ACTIVATIONS, Linear, constrain
@@ -31,31 +35,67 @@ def tile_rows(rows: int, groups: int, largest: int = 128) -> int:
 
 
 def grouped_matmul(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str, tile: int | None = None
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    implementation: str,
+    tile: int | None = None,
+    skip_unused: bool = False,
 ) -> jax.Array:
-    """`x [M, D]` whose rows are sorted by group, `w [E, D, F]`, `group_sizes [E]` (summing to M) →
-    `[M, F]`, row i multiplied by the weights of its group.
+    """`x [M, D]` whose rows are sorted by group, `w [E, D, F]`, `group_sizes [E]` → `[M, F]`, row i
+    multiplied by the weights of its group. The groups may cover fewer than M rows: the rows after them
+    give zeros.
 
     `implementation` `ragged`: `lax.ragged_dot`. `tiled`: each group's rows are placed into `tile`-row tiles (a group
     starts a new tile), every tile gathers its one expert's weights and the tiles run as one batched
     matmul: `(M + E·tile)·D·F` multiply-adds instead of `E·M·D·F`, static shapes, any platform.
-    `tile` defaults to `tile_rows(M, E)`.
+    `tile` defaults to `tile_rows(M, E)`. With `skip_unused` (tiled), the tiles run in chunks under
+    `lax.cond` and the chunks after the groups' rows are skipped at run time: the cost follows the rows
+    the groups hold, not M (an expert-parallel device's buffer is sized for the worst case, all of its
+    group's tokens routed to its experts, and holds about `1/ep` of that).
     """
     if implementation == "ragged":
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=x.dtype)
     m, d = x.shape
-    e = w.shape[0]
+    e, f = w.shape[0], w.shape[-1]
     tile = tile or tile_rows(m, e)
     tiles = -(-m // tile) + e  # enough: sum over groups of ceil(size / tile) < m / tile + e
     padded = -(-group_sizes // tile) * tile  # each group's rows rounded up to tiles
     padded_end = jnp.cumsum(padded)
-    start = jnp.cumsum(group_sizes) - group_sizes  # first sorted row of each group
-    group_of_row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
-    dest = (padded_end - padded)[group_of_row] + jnp.arange(m) - start[group_of_row]
-    x_tiles = jnp.zeros((tiles * tile, d), x.dtype).at[dest].set(x).reshape(tiles, tile, d)
+    ends = jnp.cumsum(group_sizes)
+    start = ends - group_sizes  # first sorted row of each group
+    rows = jnp.arange(m)
+    group_of_row = jnp.searchsorted(ends, rows, side="right")  # e: after every group
+    g = jnp.minimum(group_of_row, e - 1)
+    dest = jnp.where(group_of_row < e, (padded_end - padded)[g] + rows - start[g], tiles * tile)
+    x_tiles = jnp.zeros((tiles * tile, d), x.dtype).at[dest].set(x, mode="drop").reshape(tiles, tile, d)
     tile_group = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(tiles) * tile, side="right"), e - 1)
-    y = jnp.einsum("tmd,tdf->tmf", x_tiles, w[tile_group])
-    return y.reshape(tiles * tile, -1)[dest]
+    if not skip_unused:
+        y = jnp.einsum("tmd,tdf->tmf", x_tiles, w[tile_group])
+    else:
+        chunk = max(1, 512 // tile)  # tiles per chunk: about 512 rows
+        chunks = -(-tiles // chunk)
+        extra = chunks * chunk - tiles
+        x_tiles = jnp.pad(x_tiles, ((0, extra), (0, 0), (0, 0))).reshape(chunks, chunk, tile, d)
+        tile_group = jnp.pad(tile_group, (0, extra), constant_values=e - 1).reshape(chunks, chunk)
+        used = padded_end[-1] // tile  # tiles holding the groups' rows come first
+
+        def run(_, c):
+            xc, gc, first = c
+            yc = jax.lax.cond(
+                first < used,
+                lambda: jnp.einsum("tmd,tdf->tmf", xc, w[gc]),
+                # zeros typed like the product (under shard_map: varying over the same mesh axes)
+                lambda: jnp.broadcast_to(
+                    jnp.where(True, 0, xc[0, 0, 0] * w[0, 0, 0]).astype(y_dtype), (chunk, tile, f)
+                ),
+            )
+            return None, yc
+
+        y_dtype = jnp.result_type(x.dtype, w.dtype)
+        _, y = jax.lax.scan(run, None, (x_tiles, tile_group, jnp.arange(chunks) * chunk))
+    return y.reshape(-1, f).at[dest].get(mode="fill", fill_value=0)
 
 
 class SparseMoE(nnx.Module):
@@ -67,6 +107,10 @@ class SparseMoE(nnx.Module):
     back and combined with the router weights, so FLOPs follow `k`, not `E`. `moe_implementation=
     "dense"` runs every expert on every token instead (exact, `E/k` times the FLOPs): the reference
     the tests compare against.
+
+    Expert parallelism: on a mesh whose expert axis (`ep`) has more than one device, the dispatch runs
+    under `shard_map` (`expert_parallel_dispatch`): every device keeps only its `E/ep` experts'
+    weights and the tokens move to them, never the weights to the tokens.
     """
 
     def __init__(self, config: MixtralConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
@@ -98,7 +142,10 @@ class SparseMoE(nnx.Module):
             h = constrain(h, ("batch", "length", "expert", "mlp"), self.runtime)
             out = jnp.einsum("btef,efd,bte->btd", h, w_down, weights.astype(dtype))
         else:
-            out = self._dispatch(x.astype(dtype), top_i, top_w, w_gate, w_up, w_down, impl)
+            dispatch = functools.partial(expert_parallel_dispatch, runtime=self.runtime)
+            if expert_parallel_mesh(self.runtime, self.e) is None:
+                dispatch = dispatch_tokens
+            out = dispatch(x.astype(dtype), top_i, top_w, w_gate, w_up, w_down, act=self.act, implementation=impl)
         # Switch-style load balancing: E · Σ_e (share of routed slots to e) · (mean router prob of e).
         mask = jnp.ones(x.shape[:2], jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
         n = jnp.maximum(mask.sum(), 1.0)
@@ -107,18 +154,133 @@ class SparseMoE(nnx.Module):
         aux = self.e * jnp.sum(routed * mean_prob)
         return out, aux
 
-    def _dispatch(self, x, top_i, top_w, w_gate, w_up, w_down, impl):
-        """Sort the (token, expert) pairs by expert, run each expert on its rows, scatter back, combine."""
-        b, t, d = x.shape
-        flat_expert = top_i.reshape(-1)  # [N·k]
-        order = jnp.argsort(flat_expert, stable=True)
-        rows = x.reshape(b * t, d)[order // self.k]  # [N·k, D] sorted by expert
-        sizes = jnp.bincount(flat_expert, length=self.e).astype(jnp.int32)
-        h = self.act(grouped_matmul(rows, w_gate, sizes, implementation=impl))
-        h = h * grouped_matmul(rows, w_up, sizes, implementation=impl)
-        y = grouped_matmul(h, w_down, sizes, implementation=impl)  # [N·k, D]
-        y = jnp.zeros_like(y).at[order].set(y).reshape(b, t, self.k, d)
-        return jnp.einsum("btkd,btk->btd", y, top_w.astype(y.dtype))
+
+def _expert_rows(x, top_i, experts: int, first_expert):
+    """The (token, expert) pairs of `x [B, T, D]` routed by `top_i [B, T, k]`, sorted by expert for
+    the experts `first_expert .. first_expert + experts - 1`; pairs for other experts come last.
+
+    Returns `(rows [N·k, D], order, sizes [experts], local [N·k])`: `rows` in expert order, the sort
+    `order`, each expert's row count (the pairs routed elsewhere are in no group), and which pairs (in
+    their original order) are routed here."""
+    b, t, d = x.shape
+    k = top_i.shape[-1]
+    expert = top_i.reshape(-1) - first_expert  # [N·k]
+    local = (expert >= 0) & (expert < experts)
+    key = jnp.where(local, expert, experts)
+    order = jnp.argsort(key, stable=True)
+    rows = x.reshape(b * t, d)[order // k]
+    sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
+    return rows, order, sizes, local
+
+
+def dispatch_tokens(
+    x, top_i, top_w, w_gate, w_up, w_down, *, act, implementation: str, first_expert=0, some_experts=False
+):
+    """Route `x [B, T, D]` to the experts `top_i [B, T, k]` chose: sort the (token, expert) pairs by
+    expert, run each expert's gated MLP `act(x @ w_gate) * (x @ w_up) @ w_down` on its rows
+    (`grouped_matmul` with `implementation`; `w_gate`, `w_up [E, D, F]`, `w_down [E, F, D]`), scatter back
+    and combine with the router weights `top_w [B, T, k]`. With `some_experts`, the weights hold experts
+    `first_expert .. first_expert + E - 1` only; pairs routed to other experts contribute zero and cost
+    nothing."""
+    b, t, d = x.shape
+    k, experts = top_i.shape[-1], w_gate.shape[0]
+    rows, order, sizes, local = _expert_rows(x, top_i, experts, first_expert)
+    matmul = functools.partial(grouped_matmul, implementation=implementation, skip_unused=some_experts)
+    h = act(matmul(rows, w_gate, sizes)) * matmul(rows, w_up, sizes)
+    y = matmul(h, w_down, sizes)  # [N·k, D]
+    y = jnp.zeros_like(y).at[order].set(y)
+    y = jnp.where(local[:, None], y, 0).reshape(b, t, k, d)
+    return jnp.einsum("btkd,btk->btd", y, top_w.astype(y.dtype))
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def expert_parallel_mesh(runtime: RuntimeConfig, experts: int):
+    """The current mesh (`jax.set_mesh`) when its expert axes hold more than one device and split the
+    `experts` evenly, else None (the experts' weights are then gathered where they are used)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    size = math.prod(mesh.shape[a] for a in _axes(runtime.partition_axis.spec(("expert",), "param", mesh=mesh)[0]))
+    return mesh if size > 1 and experts % size == 0 else None
+
+
+def _dividing(spec: P, shape: tuple[int, ...], mesh) -> P:
+    """`spec` without the mesh axes that would split a dim unevenly (kept in order while they divide)."""
+    out = []
+    for entry, n in zip(spec, shape, strict=False):
+        keep, size = [], 1
+        for a in _axes(entry):
+            if n % (size * mesh.shape[a]):
+                break
+            keep.append(a)
+            size *= mesh.shape[a]
+        out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
+    return P(*out)
+
+
+def expert_parallel_dispatch(x, top_i, top_w, w_gate, w_up, w_down, *, act, implementation: str, runtime):
+    """`dispatch_tokens(x, top_i, top_w, w_gate, w_up, w_down, act=, implementation=)` with the experts
+    split over the current mesh's expert axes (`ep`, as `runtime.partition_axis` maps them), under
+    `shard_map`.
+
+    Each device holds `E/ep` experts' weights (their `mlp` dim stays split over `tp`; `fsdp` is
+    gathered, as for any layer) and is never sent the others. Tokens move instead: when the batch is
+    split over `ep` too (`PartitionAxis(batch_axis=(..., "ep"))`, each expert-parallel device a data
+    shard elsewhere) the ep group's tokens are all-gathered, each device runs the pairs routed to its
+    experts, and the outputs are reduce-scattered back to the tokens' owners; when the batch is
+    replicated over `ep` (the default rules), the tokens are there already and the outputs are summed.
+    Dropless, static shapes: the all-gather moves `N·D` per device, where a padded dropless all-to-all
+    would move `k·N·D`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    pa = runtime.partition_axis
+    x_spec = _dividing(pa.spec(("batch", "length", None), "activation", mesh=mesh), x.shape, mesh)
+    ep = _axes(pa.spec(("expert",), "param", mesh=mesh)[0])
+    token_axes = {a for entry in x_spec for a in _axes(entry)}
+    mlp = tuple(a for a in _axes(pa.spec(("mlp",), "param", mesh=mesh)[0]) if a not in ep and a not in token_axes)
+    moving = tuple(a for a in ep if a in token_axes)  # tokens differ across these expert-parallel devices
+    mlp_entry = None if not mlp else mlp[0] if len(mlp) == 1 else mlp
+    ep_entry = ep[0] if len(ep) == 1 else ep
+    w_in, w_out = P(ep_entry, None, mlp_entry), P(ep_entry, mlp_entry, None)
+
+    summed = tuple(a for a in (*ep, *mlp) if a not in moving)  # partial sums: other experts, mlp slices
+
+    def local(x, top_i, top_w, w_gate, w_up, w_down):
+        if moving:  # the ep group's tokens, in its devices' order
+            x, top_i, top_w = (jax.lax.all_gather(a, moving, axis=0, tiled=True) for a in (x, top_i, top_w))
+        if summed:
+            # Said explicitly: the tokens are the same on these devices, what each computes from them is
+            # not. (Left implicit, jax 0.10 transposes the gather of the rows by expert without summing
+            # the tokens' gradient over these devices: measured wrong.)
+            x, top_w = (jax.lax.pcast(a, summed, to="varying") for a in (x, top_w))
+        index = 0
+        for a in ep:  # this device's position along the expert axes (row-major, as the spec splits E)
+            index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+        out = dispatch_tokens(
+            x,
+            top_i,
+            top_w,
+            w_gate,
+            w_up,
+            w_down,
+            act=act,
+            implementation=implementation,
+            first_expert=index * w_gate.shape[0],
+            some_experts=True,
+        )
+        if summed:
+            out = jax.lax.psum(out, summed)
+        if moving:
+            out = jax.lax.psum_scatter(out, moving, scatter_dimension=0, tiled=True)
+        return out
+
+    return jax.shard_map(
+        local,
+        in_specs=(x_spec, x_spec, x_spec, w_in, w_in, w_out),
+        out_specs=x_spec,
+    )(x, top_i, top_w, w_gate, w_up, w_down)
 
 
 @register("mixtral", TaskType.CAUSAL_LM)

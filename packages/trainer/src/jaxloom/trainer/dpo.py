@@ -405,7 +405,7 @@ class DPOTrainer(BaseTrainer):
                         else super()._eval_batch(local, (loader.per_shard * loader.dp, self.row_width))
                     )
                     jitted = self._ref_jit if loader is loaders[0] else self._ref_eval_jit
-                    values = _local_rows(jitted(self.ref_state, batch), self.mesh)
+                    values = _local_rows(jitted(self.ref_state, batch), self.mesh, self.data_axes)
                     for key, value in zip(_row_keys(local), values.reshape(-1, 2), strict=True):
                         cache[key] = value
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -452,7 +452,7 @@ def _row_keys(local: dict[str, np.ndarray]) -> list[bytes]:
     ]
 
 
-def _local_rows(values: jax.Array, mesh) -> np.ndarray:
+def _local_rows(values: jax.Array, mesh, data_axes: tuple[str, ...]) -> np.ndarray:
     """This process's rows of a `[A, B, 2]` global array (every process gathers the small array, then
     keeps its rows)."""
     from jaxloom.mesh import local_batch_slice
@@ -462,4 +462,4 @@ def _local_rows(values: jax.Array, mesh) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     full = np.asarray(multihost_utils.process_allgather(values, tiled=True))
-    return full[..., local_batch_slice(mesh, full.shape[-2]), :]
+    return full[..., local_batch_slice(mesh, full.shape[-2], data_axes), :]

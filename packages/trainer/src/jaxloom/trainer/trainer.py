@@ -31,7 +31,7 @@ import jaxloom.data as jd
 import jaxloom.generation as jg
 import jaxloom.models as jmod
 import jaxloom.state as js
-from jaxloom.mesh import DATA_AXES, MeshConfig, local_batch_slice, named_leaves, paths
+from jaxloom.mesh import MeshConfig, local_batch_slice, named_leaves, paths
 
 from .arguments import TrainingArguments
 from .callbacks import Callback
@@ -242,7 +242,6 @@ class BaseTrainer:
         self.config, self.model_class = template.config, type(template)
         runtime = self.runtime
         self._check_attention(runtime)
-        self._check_batch_axes(runtime)
         self._check_shapes()
         self.total_steps = a.max_training_steps or self._steps_for_epochs()
         self.tx, self.schedule = make_optimizer(a.optim, self.total_steps)
@@ -584,15 +583,15 @@ class BaseTrainer:
         cast = jax.tree_util.tree_map(lambda p, t: p.astype(t.dtype) if p.dtype != t.dtype else p, params, target)
         return (lambda p: state_cls.create(nnx.merge(graphdef, p, rest), tx, seed=seed)), (cast,)
 
-    def _check_batch_axes(self, runtime) -> None:
-        """The loaders lay batch rows out over `DATA_AXES`; a model whose activations expect another batch
-        layout would reshard every batch inside the step (or disagree with the loader's rows)."""
-        used = tuple(x for x in runtime.partition_axis.batch_axis or () if x in self.mesh.shape)
-        if used != tuple(x for x in DATA_AXES if x in self.mesh.shape):
-            raise ValueError(
-                f"partition_axis.batch_axis {runtime.partition_axis.batch_axis!r}; jaxloom's loaders split "
-                f"batches over {DATA_AXES} (in that order): leave batch_axis at its default"
-            )
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch rows are split over, in order: the model's `partition_axis.batch_axis`
+        (default fsdp, then dp) as far as the mesh has them. The loaders lay rows out the same way, so
+        no batch is resharded inside the step; with `ep` in it, a mixture of experts moves its tokens
+        between the expert-parallel devices, which are data-parallel everywhere else."""
+        axes = self.runtime.partition_axis.batch_axis
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        return tuple(x for x in axes if x in self.mesh.shape)
 
     def _check_shapes(self) -> None:
         """Before anything runs: rows fit the model's positions, and both batch sizes divide over the
@@ -604,10 +603,10 @@ class BaseTrainer:
                 f"max_position_embeddings ({self.config.max_position_embeddings}): positions past it were never "
                 "trained and exported models refuse them. Shorten the rows or raise model.max_position_embeddings"
             )
-        local_batch_slice(self.mesh, a.total_batch_size)
+        local_batch_slice(self.mesh, a.total_batch_size, self.data_axes)
         if self.dataset_eval is not None:
             try:
-                local_batch_slice(self.mesh, a.eval_batch_size)
+                local_batch_slice(self.mesh, a.eval_batch_size, self.data_axes)
             except ValueError as e:
                 raise ValueError(f"evaluation_batch_size = {a.eval_batch_size}: {e}") from None
 
@@ -691,7 +690,14 @@ class BaseTrainer:
         accum = overrides.pop("accumulation", a.gradient_accumulation_steps)
         cfg = jd.DataConfig(**{**self.data_settings(), **overrides})
         return jd.MeshLoader(
-            data, self.tokenizer, cfg, self.mesh, global_rows or a.total_batch_size, accumulation=accum, state=state
+            data,
+            self.tokenizer,
+            cfg,
+            self.mesh,
+            global_rows or a.total_batch_size,
+            accumulation=accum,
+            state=state,
+            data_axes=self.data_axes,
         )
 
     def _eval_loader(self) -> jd.MeshLoader | None:
@@ -708,7 +714,7 @@ class BaseTrainer:
         )
 
     def _batch_shardings(self):
-        axes = tuple(x for x in DATA_AXES if x in self.mesh.shape) or None
+        axes = self.data_axes or None
         return NamedSharding(self.mesh, PartitionSpec(None, axes)), NamedSharding(self.mesh, PartitionSpec(axes))
 
     def _compile_train_step(self):
