@@ -162,3 +162,29 @@ def test_progress_board_remembers_when_training_began():
     beats, reports, first_step_ago = board.snapshot()
     assert beats[0][1:] == (3, "step") and reports == [{"step": 1}]
     assert first_step_ago is not None and first_step_ago >= 0.05 > beats[0][0]
+
+
+def test_a_step_that_saves_reports_once_with_its_checkpoint(tmp_path):
+    """Rank 0's beat hook: a step's interval beat waits for the next step's start, so a step that saves
+    sends one report (with its checkpoint), and a step that does not is still reported."""
+    import types
+
+    from jaxloom.ray.worker import WorkerContext
+
+    sent = []
+    board = types.SimpleNamespace(beat=types.SimpleNamespace(remote=lambda *a: sent.append(a)))
+    (hook,) = WorkerContext(rank=0, world_size=1, attempt=0, board=board, report_interval_s=0.0).hooks()
+    trainer = types.SimpleNamespace(
+        writer=types.SimpleNamespace(history=[]),
+        checkpoints=types.SimpleNamespace(directory=tmp_path),
+        dataset_eval=None,
+    )
+    for step, saves in ((1, True), (2, False), (3, True)):
+        hook.on_step_start(trainer, step)
+        trainer.writer.history.append({"step": step, "train/loss": 1.0 / step})
+        hook.on_step_end(trainer, step, {})
+        if saves:
+            hook.on_save(trainer, step)
+    hook.on_step_start(trainer, 4)
+    reports = [(step, report["step"], report["checkpoint_dir"]) for _, step, _, report in sent]
+    assert reports == [(1, 1, str(tmp_path / "1")), (2, 2, str(tmp_path / "1")), (3, 3, str(tmp_path / "3"))]

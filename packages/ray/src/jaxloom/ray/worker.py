@@ -75,11 +75,13 @@ class WorkerContext:
 
 class _BeatHook:
     """Beats after the first step, then at most every `report_interval_s` and after every checkpoint: a
-    Ray message every few seconds, whatever the step time. Rank 0's beats carry a report: its newest
-    logged metrics (train and, once there is one, eval; only once an evaluation ran when the run
-    evaluates, so every report has the same keys) and the newest checkpoint. When a reply says the
-    driver was asked to stop, it asks the trainer to stop (every rank stops after the same step: the
-    trainer agrees on it). Replies are read without waiting: the step loop never blocks on the board."""
+    Ray message every few seconds, whatever the step time, and one report per step at most (a step's
+    interval beat goes out when the next step starts, so a step that saves reports once). Rank 0's
+    beats carry a report: its newest logged metrics (train and, once there is one, eval; only once an
+    evaluation ran when the run evaluates, so every report has the same keys) and the newest
+    checkpoint. When a reply says the driver was asked to stop, it asks the trainer to stop (every rank
+    stops after the same step: the trainer agrees on it). Replies are read without waiting: the step
+    loop never blocks on the board."""
 
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
@@ -88,11 +90,18 @@ class _BeatHook:
         self._records = 0  # history records already looked at
         self._latest: dict[str, Any] = {}
         self._checkpoint: str | None = None
+        self._due: int | None = None  # a step whose beat is owed
+
+    def on_step_start(self, trainer, step) -> None:
+        if self._due is not None:  # the finished step's beat, unless its checkpoint sent one
+            self._beat(trainer, self._due)
 
     def on_step_end(self, trainer, step, metrics) -> None:
         self._read_reply(trainer)
         if time.monotonic() - self._last >= self.ctx.report_interval_s:
-            self._beat(trainer, step)
+            # Sent when the next step starts, after this step's evaluation and checkpoint: a step that
+            # saves reports once (with its checkpoint), not once before the save and once after.
+            self._due = step
 
     def on_save(self, trainer, step) -> None:
         checkpoints = getattr(trainer, "checkpoints", None)
@@ -101,7 +110,7 @@ class _BeatHook:
         self._beat(trainer, step)
 
     def _beat(self, trainer, step) -> None:
-        self._last = time.monotonic()
+        self._last, self._due = time.monotonic(), None
         if self._reply is None:
             self._reply = self.ctx.beat(step, "step", self._report(trainer, step))
         else:  # keep the older unanswered reply: it is read first
