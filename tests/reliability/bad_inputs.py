@@ -73,6 +73,7 @@ OVERRIDES: list[tuple[str, str, str]] = [
     ("unknown MoE implementation", "moe_implementation=magic", r"moe_implementation = 'magic'; expected 'auto'"),
     ("zero attn_block_size", "attn_block_size=0", r"attn_block_size = 0; expected a positive"),
     ("mesh dims and names of different lengths", "sharding_axis_dims=[1,-1]", r"sharding_axis_dims \(1, -1\)"),
+    ("batch split over an axis the mesh lacks", "batch_axis=[fsdp,expert]", r"batch_axis \('fsdp', 'expert'\)"),
     (
         "boolean as a number",
         "max_training_steps=true",

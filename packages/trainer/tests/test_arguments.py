@@ -46,6 +46,8 @@ def test_flat_names_live_in_groups():
         (dict(sharding_axis_dims=[1, -1]), r"sharding_axis_dims \(1, -1\) and sharding_axis_names"),
         (dict(dtype="float33"), r"'float33' is not a dtype"),
         (dict(remat="sometimes"), r"remat = 'sometimes'; expected one of"),
+        (dict(batch_axis=["fsdp", "exp"]), r"batch_axis \('fsdp', 'exp'\); expected distinct names of mesh axes"),
+        (dict(batch_axis=[]), r"batch_axis \(\); expected distinct names of mesh axes"),
     ],
 )
 def test_bad_arguments_are_clear(kwargs, message):

@@ -246,6 +246,22 @@ def test_attention_backend_is_checked_at_setup_before_anything_compiles(tmp_path
         trainer_from(tmp_path, cudnn).configure_model()
 
 
+# `jaxloom` command overrides for a tiny Mixtral run without evaluation, previews or TensorBoard.
+MIXTRAL_CLI = [
+    "model.model_type=mixtral",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.num_local_experts=4",
+    "progress_bar=false",
+    "use_tensorboard=false",
+    "evaluation_steps=null",
+    "generation_prompts=[]",
+]
+
+
 def test_runtime_settings_from_the_command_reach_the_model(tmp_path):
     """`scan_layers`, `attn_mechanism`, `attn_block_size`, `moe_implementation` given as arguments
     (as `jaxloom train key=value` does) build the model they name, and it trains."""
@@ -260,17 +276,7 @@ def test_runtime_settings_from_the_command_reach_the_model(tmp_path):
         "attn_mechanism=chunked",
         "attn_block_size=8",
         "moe_implementation=dense",
-        "model.model_type=mixtral",
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_hidden_layers=2",
-        "model.num_attention_heads=4",
-        "model.num_key_value_heads=2",
-        "model.num_local_experts=4",
-        "progress_bar=false",
-        "use_tensorboard=false",
-        "evaluation_steps=null",
-        "generation_prompts=[]",
+        *MIXTRAL_CLI,
     ]
     t, _ = build_run(None, overrides)
     rt = t.runtime
@@ -353,3 +359,27 @@ def test_expert_parallel_mixtral_trains_as_fully_sharded_with_its_tokens_moving(
     pf, pe = params_of(runs["fsdp"][1].state), params_of(runs["ep"][1].state)
     for k in pf:
         np.testing.assert_allclose(pe[k], pf[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_batch_axis_from_the_command_moves_a_mixtures_tokens(tmp_path):
+    """`jaxloom train batch_axis=[fsdp,dp,ep]` on an fsdp=2 × ep=4 mesh: the rows are split over ep too, the
+    experts stay on their devices and the tokens travel (all-gather and reduce-scatter in the step)."""
+    from jaxloom.trainer.cli import build_run
+
+    overrides = [
+        f"save_directory={tmp_path}",
+        "max_training_steps=2",
+        "total_batch_size=8",
+        "max_sequence_length=32",
+        "sharding_axis_dims=[1,2,4,1,1]",
+        "batch_axis=[fsdp,dp,ep]",
+        "moe_implementation=tiled",
+        *MIXTRAL_CLI,
+    ]
+    t, _ = build_run(None, overrides)
+    assert t.data_axes == ("fsdp", "dp", "ep")
+    hlo = t.compiled_train_step().as_text()
+    assert t.data_shards() == 8 and "reduce-scatter" in hlo
+    out = t.train()
+    assert np.isfinite(out.metrics["loss"]) and t.model.model.layers[0].mlp.w_up[...].sharding.spec[0] == "ep"
+    t.finish()

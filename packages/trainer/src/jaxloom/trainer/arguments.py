@@ -3,6 +3,8 @@ one schema (types, defaults, checks) for the Python API, YAML/JSON files and `ke
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 import functools
 import inspect
@@ -168,6 +170,10 @@ class RuntimeArgs(_Group):
     scan_layers: bool | None = None
     # MoE experts: auto (ragged on GPU/TPU, tiled on CPU), ragged, tiled, dense (reference).
     moe_implementation: str | None = None
+    # The mesh axes batch rows are split over, in order. None: the model's `partition_axis.batch_axis`
+    # (fsdp, then dp). Add "ep" for expert parallelism that moves tokens: the ep devices then hold
+    # different rows (data-parallel outside the experts) instead of repeating the same ones.
+    batch_axis: tuple[str, ...] | None = None
     sharding_axis_dims: tuple[int, ...] = (1, -1, 1, 1, 1)
     sharding_axis_names: tuple[str, ...] = ("dp", "fsdp", "ep", "tp", "sp")
     sharding_dcn_axis_dims: tuple[int, ...] | None = None
@@ -201,6 +207,13 @@ class RuntimeArgs(_Group):
             from jaxloom.models import RuntimeConfig
 
             RuntimeConfig(**overrides)  # the same checks the model applies, now: one clear error
+        if self.batch_axis is not None:
+            unknown = [a for a in self.batch_axis if a not in self.sharding_axis_names]
+            if not self.batch_axis or unknown or len(set(self.batch_axis)) != len(self.batch_axis):
+                raise ValueError(
+                    f"batch_axis {tuple(self.batch_axis)}; expected distinct names of mesh axes, some of "
+                    f"sharding_axis_names {self.sharding_axis_names}, e.g. ('fsdp', 'dp', 'ep')"
+                )
         if len(self.sharding_axis_dims) != len(self.sharding_axis_names):
             raise ValueError(
                 f"sharding_axis_dims {self.sharding_axis_dims} and sharding_axis_names "
@@ -220,6 +233,15 @@ class RuntimeArgs(_Group):
             "moe_implementation",
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def apply(self, runtime: Any) -> Any:
+        """`runtime` (a model's `RuntimeConfig`) with these arguments' settings applied: the overridden
+        fields, and `batch_axis` into its `partition_axis`."""
+        runtime = runtime.replace(**self.runtime_overrides())
+        if self.batch_axis is not None:
+            axes = dataclasses.replace(runtime.partition_axis, batch_axis=tuple(self.batch_axis))
+            runtime = runtime.replace(partition_axis=axes)
+        return runtime
 
 
 class LoggingArgs(_Group):

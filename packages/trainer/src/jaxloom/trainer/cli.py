@@ -113,7 +113,7 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
         train = jd.Mixture(train)  # [{path, weight}, ...]
     # The arguments' runtime settings are applied by the trainer too; given here as well so that weights
     # loaded from Hugging Face are laid out (stacked for scan_layers) and cast as the run needs them.
-    runtime = jm.RuntimeConfig(**args.runtime.runtime_overrides())
+    runtime = args.runtime.apply(jm.RuntimeConfig())
     explicit = {o.split("=", 1)[0].removeprefix("model.") for o in overrides if o.startswith("model.")}
     if "from_pretrained" in explicit:  # the pretrained model brings its architecture: the file's is not applied
         model_cfg = {k: v for k, v in model_cfg.items() if k in explicit}

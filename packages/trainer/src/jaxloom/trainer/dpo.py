@@ -322,7 +322,7 @@ class DPOTrainer(BaseTrainer):
                 f"ref_model has vocab_size {model.config.vocab_size}, the policy {self.config.vocab_size}; expected "
                 "the same vocabulary (a reference scores the policy's tokens)"
             )
-        runtime = model.runtime.replace(**self.arguments.runtime.runtime_overrides())
+        runtime = self.arguments.runtime.apply(model.runtime)
         abstract_model = jmod.create_model(model.config, runtime, lazy=True, model_class=type(model))
         graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)  # type: ignore[misc]
         _, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]

@@ -198,7 +198,7 @@ class BaseTrainer:
     @property
     def runtime(self) -> jmod.RuntimeConfig:
         """The model's `RuntimeConfig` with the arguments that set runtime fields applied."""
-        return self._model_in.runtime.replace(**self.arguments.runtime.runtime_overrides())
+        return self.arguments.runtime.apply(self._model_in.runtime)
 
     dtype = property(lambda self: self.runtime.dtype, doc="Computation dtype (the arguments', else the model's).")
     param_dtype = property(
