@@ -446,6 +446,7 @@ DOCS: dict[str, str] = {
     "remat": "activation rematerialisation policy (None: the model's)",
     "scan_layers": "scan the decoder stack: compile time flat in depth (None: above 16 layers)",
     "moe_implementation": "MoE expert computation: auto, ragged, tiled, dense",
+    "batch_axis": "mesh axes the batch rows are split over (None: the model's; [fsdp,dp,ep]: tokens move to experts)",
     "sharding_axis_dims": "mesh shape over (dp, fsdp, ep, tp, sp); -1 takes the remaining devices",
     "sharding_axis_names": "mesh axis names",
     "sharding_dcn_axis_dims": "mesh shape across hosts (multi-slice / multi-node)",
