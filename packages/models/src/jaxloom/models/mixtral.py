@@ -142,10 +142,11 @@ class SparseMoE(nnx.Module):
             h = constrain(h, ("batch", "length", "expert", "mlp"), self.runtime)
             out = jnp.einsum("btef,efd,bte->btd", h, w_down, weights.astype(dtype))
         else:
-            dispatch = functools.partial(expert_parallel_dispatch, runtime=self.runtime)
+            args = (x.astype(dtype), top_i, top_w, w_gate, w_up, w_down)
             if expert_parallel_mesh(self.runtime, self.e) is None:
-                dispatch = dispatch_tokens
-            out = dispatch(x.astype(dtype), top_i, top_w, w_gate, w_up, w_down, act=self.act, implementation=impl)
+                out = dispatch_tokens(*args, act=self.act, implementation=impl)
+            else:
+                out = expert_parallel_dispatch(*args, act=self.act, implementation=impl, runtime=self.runtime)
         # Switch-style load balancing: E · Σ_e (share of routed slots to e) · (mean router prob of e).
         mask = jnp.ones(x.shape[:2], jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
         n = jnp.maximum(mask.sum(), 1.0)
@@ -189,7 +190,9 @@ def dispatch_tokens(
     h = act(matmul(rows, w_gate, sizes)) * matmul(rows, w_up, sizes)
     y = matmul(h, w_down, sizes)  # [N·k, D]
     y = jnp.zeros_like(y).at[order].set(y)
-    y = jnp.where(local[:, None], y, 0).reshape(b, t, k, d)
+    if some_experts:  # pairs routed to other devices' experts: no group ran them
+        y = jnp.where(local[:, None], y, 0)
+    y = y.reshape(b, t, k, d)
     return jnp.einsum("btkd,btk->btd", y, top_w.astype(y.dtype))
 
 
