@@ -34,7 +34,12 @@ if mode == "restore":
     from jaxloom.state import CheckpointManager, TrainState
 
     def bytes_read() -> int:
-        return int(dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())["rchar"])
+        """Bytes through read/pread (rchar, page cache or not) plus bytes of checkpoint files mapped (a local
+        checkpoint file is mapped, not read)."""
+        from jaxloom.state import arrays
+
+        rchar = int(dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())["rchar"])
+        return rchar + arrays.mapped_bytes()
 
     mesh = jax.make_mesh((8,), ("fsdp",))
     shard, rep = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P())
@@ -43,7 +48,7 @@ if mode == "restore":
     )()
     step, rng = jax.jit(lambda: (jax.numpy.zeros((), jax.numpy.int32), jax.random.PRNGKey(0)), out_shardings=rep)()
     state = TrainState(step=step, params=params, opt_state={}, rng=rng)
-    saver = CheckpointManager(f"{root}/ck")  # async: digests are computed beside the write, parts written after
+    saver = CheckpointManager(f"{root}/ck")  # async: each process writes its shards and their pieces' digests
     saver.save(1, state)
     saver.wait_until_finished()
     multihost_utils.sync_global_devices("saved")
@@ -59,7 +64,7 @@ if mode == "restore":
         for a, b in zip(params[k].addressable_shards, restored[k].addressable_shards, strict=True)
     )
     share = sum(x.nbytes for x in params.values()) // 2
-    parts = sorted(p.name for p in (Path(root) / "ck" / "1").iterdir() if p.name.startswith("jaxloom_digests"))
+    parts = sorted(p.name for p in (Path(root) / "ck" / "1" / "params").iterdir() if "process" in p.name)
     print(json.dumps({"read": read, "share": share, "equal": equal, "parts": parts}))
     jax.distributed.shutdown()
     sys.exit(0)

@@ -105,18 +105,22 @@ def test_corruption_is_detected_and_falls_back(tmp_path):
     manager.save(1, s1)
     manager.save(2, s2)
     manager.wait_until_finished()
-    meta_file = tmp_path / "2" / "params" / "_METADATA"  # metadata: hashed, a few KB
-    good_meta = meta_file.read_bytes()
-    meta_file.write_bytes(flip(good_meta))
-    with pytest.raises(js.CheckpointCorruptError, match="file params/_METADATA is corrupt"):
-        manager.restore(target(mesh), step=2)
-    meta_file.write_bytes(good_meta)
-    # array data is not hashed: a flipped byte is found by the arrays' digests, over what the restore read
-    data = sorted((p for p in (tmp_path / "2").rglob("*") if p.is_file() and "d" in p.parent.name), key=size)
+    for small in ("params/arrays.json", "params/process_0.json"):  # metadata and the pieces' digests: hashed
+        meta_file = tmp_path / "2" / small
+        good_meta = meta_file.read_bytes()
+        meta_file.write_bytes(flip(good_meta))
+        with pytest.raises(js.CheckpointCorruptError, match=f"file {small} is corrupt"):
+            manager.restore(target(mesh), step=2)
+        meta_file.write_bytes(good_meta)
+    # array data is not hashed: a flipped byte is found by its piece's digest, as the restore reads it
+    data = sorted((p for p in (tmp_path / "2").rglob("*.bin")), key=size)
     victim = data[-1]
     good = victim.read_bytes()
     victim.write_bytes(flip(good))
-    with pytest.raises(js.CheckpointCorruptError, match=r"array data differs from what was saved in 1 array\(s\): "):
+    with pytest.raises(
+        js.CheckpointCorruptError,
+        match=r"process_0.bin bytes \d+\.\.\d+ \(.+\): piece \d+ differs from what was written",
+    ):
         manager.restore(target(mesh), step=2)
     with pytest.raises(js.CheckpointCorruptError):
         manager.restore(target(mesh), fallback=False)

@@ -36,7 +36,7 @@ def test_checkpoints_on_gcs_save_restore_and_fall_back(caplog):
         assert fresh.restore(target(mesh_of(fsdp=1)), step=1).data_state == {"epoch": 0}
 
         fs, root = fsspec.core.url_to_fs(f"{bucket}/run/checkpoints/2")  # a user's own client
-        data = {k: v["size"] for k, v in fs.find(root, detail=True).items() if "/d/" in k}
+        data = {k: v["size"] for k, v in fs.find(root, detail=True).items() if k.endswith(".bin")}
         victim = max(data, key=data.get)
         good = fs.cat_file(victim)
         fs.pipe_file(victim, good[: len(good) // 3])  # truncated: its size, from one listing
@@ -51,7 +51,7 @@ def test_checkpoints_on_gcs_save_restore_and_fall_back(caplog):
         with caplog.at_level("ERROR"):
             back = js.CheckpointManager(f"{bucket}/run/checkpoints").restore(target(mesh_of(fsdp=2)))
         assert back.step == 1 and equal(back.state.params, s1.params)
-        assert "array data differs from what was saved" in caplog.text and "2.corrupt" in caplog.text
+        assert "differs from what was written" in caplog.text and "2.corrupt" in caplog.text
         names = {p.rsplit("/", 1)[-1] for p in fs.ls(fs._strip_protocol(f"{bucket}/run/checkpoints"), refresh=True)}
         assert "2.corrupt" in names and "2" not in names
         again = js.CheckpointManager(f"{bucket}/run/checkpoints")

@@ -62,11 +62,10 @@ def test_save_minutes_shares_the_clock_every_few_steps_not_every_step(tmp_path):
 
 def test_each_process_reads_about_its_share_of_a_sharded_restore(tmp_path):
     """Two processes of four devices restore a 32 MB state sharded over the eight: integrity is checked in
-        the same read, so each reads (rchar: every byte through read/pread, page cache or not) little more than
-        its half, never every file of the checkpoint. The save is async: each process's digest part is
-    computed beside the write on its own devices (no collective) and written after."""
+    the same read, so each reads (rchar, plus the file pages it mapped) little more than its half, never
+    every file of the checkpoint. Each process wrote the shards it owns, with their pieces' digests."""
     outs = _two(tmp_path, "restore")
     for rank, o in enumerate(outs):
         assert o["equal"], rank
-        assert o["parts"] == ["jaxloom_digests.process_0.json", "jaxloom_digests.process_1.json"]
-        assert o["read"] <= 1.2 * o["share"], (rank, o)
+        assert o["parts"] == ["process_0.bin", "process_0.json", "process_1.bin", "process_1.json"]
+        assert 0.9 * o["share"] <= o["read"] <= 1.2 * o["share"], (rank, o)

@@ -1,16 +1,18 @@
-"""`CheckpointManager`: orbax checkpoints that are async, atomic, verified and restorable onto any mesh.
+"""`CheckpointManager`: checkpoints that are async, atomic, verified and restorable onto any mesh.
 
-A checkpoint `DIR/<step>/` holds three items: `params`, `opt_state` (orbax arrays) and `meta` (JSON:
-step, rng, the data iterator's state, run metadata, versions). Orbax makes a step visible only once
-complete; after it is finalised, process 0 adds `jaxloom_checksums.json`: the size of every file, the
-SHA-256 of every file that is not array data (metadata, a few KB), and a digest of every saved array
-(computed on the devices while the write runs).
+A checkpoint `DIR/<step>/` holds three items: `params`, `opt_state` (arrays in jaxloom's format, see
+`arrays`: each process writes the shards it owns as raw bytes with a digest per 4 MiB piece) and `meta`
+(JSON: step, rng, the data iterator's state, run metadata, versions). Orbax runs the writes in the
+background and makes a step visible only once complete; after it is finalised, process 0 adds
+`jaxloom_checksums.json`: the size of every file and the SHA-256 of every file that is not array data
+(metadata and the pieces' digests, a few KB).
 
 Integrity costs no extra read. A restore checks sizes (a `stat` per file) and the small files' hashes,
-then each process reads only the array shards it restores, and the arrays' digests (see `integrity`) are
-recomputed on the devices over what was read and compared with the saved ones. No process hashes a file;
-a flipped, truncated or missing file is a `CheckpointCorruptError` all the same, and `restore` falls back
-to an older step.
+then each process reads only the pieces its devices restore (a local file is mapped: no copy) and checks
+each against its digest as it reads it. No process hashes a file it does not restore; a flipped,
+truncated or missing file is a `CheckpointCorruptError`, and `restore` falls back to an older step.
+Checkpoints of jaxloom-state < 0.9 (orbax's own array format, with on-device digests, see `integrity`)
+are still restored.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import logging
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +35,13 @@ from jaxloom.mesh.schema import PositiveFloat, PositiveInt, config
 
 from jaxloom.mesh import paths
 
-from . import integrity
+from . import arrays, integrity
+from .arrays import CheckpointCorruptError
 from .train_state import TrainState
 
 log = logging.getLogger(__name__)
 CHECKSUMS = "jaxloom_checksums.json"
 DIGESTS = "jaxloom_digests.process_"  # + "<process index>.json": that process's partial array digests
-
-
-class CheckpointCorruptError(RuntimeError):
-    """A checkpoint's files do not match what was written."""
 
 
 class CheckpointSaveError(OSError):
@@ -101,7 +101,6 @@ class CheckpointManager:
         self._manager = None  # orbax.checkpoint.CheckpointManager, opened on first use
         self._last_save_time = time.monotonic()
         self._lock = threading.Lock()
-        self._digests: dict[int, dict] = {}  # step -> array digests dispatched by `save`, not yet written
         if self.directory.is_dir():
             self._open()
 
@@ -125,9 +124,10 @@ class CheckpointManager:
                 if c.async_save
                 else None,
             )
+            handler, _, _ = arrays.orbax_types()
             handlers = {
-                "params": ocp.StandardCheckpointHandler(),
-                "opt_state": ocp.StandardCheckpointHandler(),
+                "params": handler(),
+                "opt_state": handler(),
                 "meta": ocp.JsonCheckpointHandler(),
             }
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -142,13 +142,22 @@ class CheckpointManager:
         if self.directory.is_dir():
             self._open()
 
+    def _listing(self) -> Any:
+        """orbax's manager for the step listing (opened again after a checkpoint was set aside); None while
+        the directory does not exist."""
+        if self._manager is None and self.directory.is_dir():
+            self._open()
+        return self._manager
+
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step (partial writes are never counted)."""
-        return None if self._manager is None else self._manager.latest_step()
+        manager = self._listing()
+        return None if manager is None else manager.latest_step()
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
-        return [] if self._manager is None else sorted(self._manager.all_steps())
+        manager = self._listing()
+        return [] if manager is None else sorted(manager.all_steps())
 
     # ---- saving -----------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -173,16 +182,16 @@ class CheckpointManager:
         host; the write continues in the background when `async_save`. `data_state` (the loaders'
         position) and `metadata` are stored as JSON beside the arrays."""
         manager, ocp = self._open(), _ocp()
-        self._write_checksums()  # digest parts of earlier saves finalised since (every process writes its own)
+        self._write_checksums()  # the manifests of earlier saves finalised since
         params = state.params
         if self.config.float_dtype:
             dtype = np.dtype(jax.numpy.dtype(self.config.float_dtype))
             params = jax.tree_util.tree_map(
                 lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params
             )
-        arrays = {"params": params}
-        if jax.tree_util.tree_leaves(state.opt_state):  # orbax refuses empty trees (e.g. optax.identity)
-            arrays["opt_state"] = state.opt_state
+        trees = {"params": params}
+        if jax.tree_util.tree_leaves(state.opt_state):  # no item for an empty tree (e.g. optax.identity)
+            trees["opt_state"] = state.opt_state
         meta = {
             "step": int(step),
             "rng": np.asarray(jax.device_get(state.rng)).tolist(),
@@ -191,12 +200,9 @@ class CheckpointManager:
             "versions": _versions(),
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         }
-        items = {k: ocp.args.StandardSave(v) for k, v in arrays.items()}
+        _, save_args, _ = arrays.orbax_types()
+        items = {k: save_args(v) for k, v in trees.items()}
         items["meta"] = ocp.args.JsonSave(meta)
-        if self.config.verify:  # computed on the devices beside training; fetched once the write is finalised
-            pending = integrity.dispatch(_named(arrays))  # this process's shards, on their devices
-            with self._lock:
-                self._digests[int(step)] = pending
         try:
             manager.save(int(step), args=ocp.args.Composite(**items), force=True)
             self._last_save_time = time.monotonic()
@@ -234,29 +240,21 @@ class CheckpointManager:
             self._manager = None
 
     def _write_checksums(self) -> None:
-        """After a write is finalised, every process records the partial digests of the shards it saved
-        (`jaxloom_digests.process_<i>.json`), and process 0 the manifest: `{"files": {path: [size, sha256
-        or None]}}` (its presence marks a verified checkpoint)."""
-        if self._manager is None:
+        """After a write is finalised, process 0 records the manifest: `{"files": {path: [size, sha256
+        or None]}}` (its presence marks a verified checkpoint). Array data files get only their size: their
+        pieces' digests are in the item's index files, which the manifest hashes."""
+        if self._manager is None or jax.process_index() != 0:
             return
-        me = jax.process_index()
         with self._lock:
-            steps = self._manager.all_steps()
-            for step in steps:
+            for step in self._manager.all_steps():
                 folder = self.directory / str(step)
                 try:
-                    if step in self._digests and folder.is_dir():
-                        part = {"process_count": jax.process_count(), "arrays": integrity.fetch(self._digests[step])}
-                        paths.write_atomic(folder / f"{DIGESTS}{me}.json", json.dumps(part, sort_keys=True))
-                        del self._digests[step]
-                    if me == 0 and not (folder / CHECKSUMS).exists():
+                    if not (folder / CHECKSUMS).exists():
                         paths.write_atomic(
                             folder / CHECKSUMS, json.dumps({"files": _checksums(folder)}, sort_keys=True)
                         )
                 except FileNotFoundError:  # not renamed into place yet, or deleted by keep-N meanwhile
                     continue
-            for step in [s for s in self._digests if steps and s < min(steps)]:  # removed by keep-N
-                del self._digests[step]
 
     # ---- restoring --------------------------------------------------------------------------------
     def verify(self, step: int) -> dict[str, list]:
@@ -295,6 +293,8 @@ class CheckpointManager:
         """The arrays' digests: every saving process's part added up; `{}` (not checked, with a warning)
         when a part is missing (a process stopped before writing it)."""
         names = sorted(n for n in listed if n.startswith(DIGESTS))
+        if not names:  # jaxloom's array format: each piece is checked against its digest as it is read
+            return {}
         try:
             parts = [json.loads((folder / n).read_text()) for n in names]
             count = parts[0]["process_count"] if parts else 0
@@ -359,18 +359,17 @@ class CheckpointManager:
     def _restore_one(self, target: TrainState, step: int, params_only: bool) -> Restored:
         expected = self.verify(step) if self.config.verify else {}
         self._check_target(target, step, params_only)
-        ocp = _ocp()
-        items = {"params": ocp.args.StandardRestore(_as_abstract(target.params)), "meta": ocp.args.JsonRestore()}
+        trees = {"params": target.params}
         if not params_only and jax.tree_util.tree_leaves(target.opt_state):
-            items["opt_state"] = ocp.args.StandardRestore(_as_abstract(target.opt_state))
+            trees["opt_state"] = target.opt_state
         error = None
         try:
-            out = self._open().restore(step, args=ocp.args.Composite(**items))
+            out = self._read(step, trees)
         except (ValueError, OSError, RuntimeError, KeyError) as e:
             error = f"could not be read: {type(e).__name__}: {str(e)[:500]}"
         error = _agree(error)  # every process raises, or none: no process waits on another that gave up
         if error is None and expected:
-            read = {"params": out.params, **({"opt_state": out.opt_state} if "opt_state" in items else {})}
+            read = {"params": out.params, **({"opt_state": out.opt_state} if "opt_state" in trees else {})}
             bad = integrity.mismatches(_named(read), expected)
             if bad:
                 error = (
@@ -390,12 +389,25 @@ class CheckpointManager:
         step_sharding = getattr(target.step, "sharding", None)
         step_arr = np.asarray(meta["step"], np.int32)
         step_arr = jax.device_put(step_arr, step_sharding) if step_sharding is not None else jax.numpy.asarray(step_arr)
-        opt_state = out.opt_state if "opt_state" in items else target.opt_state
+        opt_state = out.opt_state if "opt_state" in trees else target.opt_state
         state = target.replace(step=step_arr, params=out.params, opt_state=opt_state, rng=rng)
         log.info("restored checkpoint %s (step %d)", self.directory / str(step), meta["step"])
         return Restored(
             state=state, step=int(meta["step"]), data_state=meta.get("data"), metadata=meta.get("metadata", {})
         )
+
+    def _read(self, step: int, trees: dict[str, Any]) -> Any:
+        """The items `trees` names (onto their shapes and shardings) and `meta` of checkpoint `step`: read
+        directly in jaxloom's format, through orbax for a checkpoint of jaxloom-state < 0.9."""
+        folder = self.directory / str(step)
+        if arrays.is_ours(folder / "params"):
+            out = {k: arrays.restore(folder / k, _as_abstract(v), verify=self.config.verify) for k, v in trees.items()}
+            meta = json.loads((folder / "meta" / "metadata").read_text())
+            return types.SimpleNamespace(meta=meta, **out)
+        ocp = _ocp()
+        _, _, restore_args = arrays.orbax_types()
+        items = {k: restore_args(_as_abstract(v), self.config.verify) for k, v in trees.items()}
+        return self._open().restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
 
     def restore_shapes(self, step: int | None = None, item: str = "params") -> Any:
         """The stored shapes and dtypes (`jax.ShapeDtypeStruct` tree) of `item` (`"params"` or
@@ -404,6 +416,9 @@ class CheckpointManager:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        folder = self.directory / str(step) / item
+        if arrays.is_ours(self.directory / str(step) / "params"):
+            return arrays.shapes(folder) if folder.exists() else None
         tree = self._open().item_metadata(step).get(item)
         if tree is None:
             return None
@@ -503,8 +518,9 @@ def _agree(error: str | None) -> str | None:
 
 
 def _is_array_data(relative: Path) -> bool:
-    """Array bytes (orbax/OCDBT `d/` files): checked by the arrays' digests as they are read, not hashed."""
-    return "d" in relative.parts[:-1]
+    """Array bytes (jaxloom's `process_<i>.bin`, or orbax/OCDBT `d/` files of jaxloom-state < 0.9): checked by
+    their digests as they are read, not hashed."""
+    return relative.suffix == ".bin" or "d" in relative.parts[:-1]
 
 
 # Files orbax may rewrite after a step is committed on an object store (the commit time stamped into

@@ -1,0 +1,90 @@
+"""jaxloom's array format: partial reads of pieces when the restoring mesh differs, only the pieces read
+are checked, `verify=False` skips the check, typed PRNG keys round-trip, and checkpoints of
+jaxloom-state < 0.9 (orbax's own arrays) still restore."""
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from state_util import make_state, mesh_of, target, train_steps
+
+import jaxloom.state as js
+from jaxloom.mesh import gather
+from jaxloom.state import arrays
+
+
+def equal(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(gather(x), gather(y)) for x, y in zip(la, lb, strict=True))
+
+
+def test_small_pieces_partial_reads_and_only_what_is_read_is_checked(tmp_path, monkeypatch):
+    monkeypatch.setattr(arrays, "PIECE", 256)  # several pieces per shard: a resharded restore reads part of one
+    state = train_steps(make_state(mesh_of(fsdp=2)), 1)
+    manager = js.CheckpointManager(str(tmp_path), async_save=False)
+    manager.save(1, state)
+    index = (tmp_path / "1" / "params" / "process_0.json").read_text()
+    assert '"piece_bytes": 256' in index
+    for axes in (dict(fsdp=4), dict(fsdp=2, tp=2), dict(fsdp=8), dict(fsdp=1)):
+        assert equal(js.CheckpointManager(str(tmp_path)).restore(target(mesh_of(**axes))).state, state), axes
+    # flip one byte of the embedding's first rows: a restore that reads them fails, naming the piece
+    import json
+
+    chunks = json.loads(index)["chunks"]
+    embed = next(c for c in chunks if "embed" in c["name"] and c["start"][0] == 0)
+    data = tmp_path / "1" / "params" / "process_0.bin"
+    raw = bytearray(data.read_bytes())
+    raw[embed["offset"] + 3] ^= 0x40
+    data.write_bytes(bytes(raw))
+    (tmp_path / "1" / js.checkpoint.CHECKSUMS).unlink()  # sizes unchanged anyway; digests are in the index
+    with pytest.raises(
+        js.CheckpointCorruptError, match=r"process_0.bin bytes \d+\.\.\d+ \(.*embed.*\): piece 0 differs"
+    ):
+        js.CheckpointManager(str(tmp_path)).restore(target(mesh_of(fsdp=4)), step=1)
+    # verify=False takes effect: the same file restores, with the flipped bit in it
+    loose = js.CheckpointManager(str(tmp_path), verify=False).restore(target(mesh_of(fsdp=4)), step=1)
+    assert not equal(loose.state.params, state.params)
+
+
+def test_typed_keys_and_scalars_round_trip(tmp_path):
+    mesh = mesh_of(fsdp=2)
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    tree = {
+        "key": jax.device_put(jax.random.key(7), sharded),
+        "scalar": jax.device_put(np.float32(2.5), sharded),
+        "empty": jax.device_put(np.zeros((0, 3), np.int32), sharded),
+        "rows": jax.device_put(np.arange(12, dtype=np.int8).reshape(6, 2), sharded),
+    }
+    info, shards = arrays.host_copy(tree)
+    (tmp_path / "t").mkdir()
+    arrays.write(tmp_path / "t", info, shards)
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    back = arrays.restore(tmp_path / "t", abstract)
+    assert jax.random.key_data(back["key"]).tolist() == jax.random.key_data(tree["key"]).tolist()
+    assert float(back["scalar"]) == 2.5 and back["empty"].shape == (0, 3)
+    assert np.array_equal(np.asarray(back["rows"]), np.asarray(tree["rows"]))
+    shapes = arrays.shapes(tmp_path / "t")
+    assert shapes["rows"].shape == (6, 2) and shapes["rows"].dtype == np.int8
+
+
+def test_a_checkpoint_of_the_previous_format_still_restores(tmp_path):
+    """jaxloom-state < 0.9 wrote orbax's own arrays (StandardCheckpointHandler) and on-device digests."""
+    state = make_state(mesh_of(fsdp=2))
+    old = ocp.CheckpointManager(
+        tmp_path,
+        item_handlers={
+            "params": ocp.StandardCheckpointHandler(),
+            "opt_state": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        },
+    )
+    meta = {"step": 4, "rng": np.asarray(jax.random.key_data(state.rng)).tolist(), "data": {"i": 1}, "metadata": {}}
+    args = {"params": ocp.args.StandardSave(state.params), "opt_state": ocp.args.StandardSave(state.opt_state)}
+    old.save(4, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args))
+    old.wait_until_finished()
+    old.close()
+    manager = js.CheckpointManager(str(tmp_path))
+    assert manager.restore_shapes()["model"]["embed_tokens"]["embedding"].shape == (64, 32)
+    restored = manager.restore(target(mesh_of(fsdp=4)))
+    assert restored.step == 4 and restored.data_state == {"i": 1} and equal(restored.state.params, state.params)
+    assert equal(restored.state.opt_state, state.opt_state)
