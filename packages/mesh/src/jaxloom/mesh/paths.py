@@ -9,9 +9,10 @@ atomically, moving a folder and removing one.
 Used by checkpoints (jaxloom-state), data files (jaxloom-data) and the trainer. Object stores need the
 store's fsspec package (`gcsfs` for gs://: `pip install jaxloom-mesh[gcs]`).
 
-`as_path` refuses `s3://` with the reason: orbax-checkpoint 0.12 writes its OCDBT files through a path it
-normalises to `s3:/bucket/...` and then rejects as not absolute; `gs://` works (and a bucket mounted as a
-local path works for any store).
+`as_path` refuses `s3://` with the reason: orbax-checkpoint 0.12, which commits jaxloom's checkpoint steps,
+commits a step outside gs:// by renaming its temporary folder, which on S3 is a copy object by object (not
+atomic; tried against moto's S3 server, the second step's rename failed), and lists a step as complete by
+its name alone; `gs://` works (and a bucket mounted as a local path works for any store).
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def as_path(path: Any) -> Any:
     scheme = text.split("://", 1)[0]
     if scheme == "s3":
         raise ValueError(
-            f"checkpoint directory {text}: orbax-checkpoint cannot write s3:// (its OCDBT writer normalises the "
-            "path to s3:/... and rejects it as not absolute). Use gs://, or mount the bucket (s3fs, mountpoint-s3) "
-            "and give the local path."
+            f"checkpoint directory {text}: orbax-checkpoint cannot write s3:// safely (it commits a step there by "
+            "renaming its folder, a copy object by object, and would list a half-copied step as complete). Use "
+            "gs://, or mount the bucket (s3fs, mountpoint-s3) and give the local path."
         )
     from etils import epath
 

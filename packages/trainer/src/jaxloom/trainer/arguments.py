@@ -138,7 +138,8 @@ class CheckpointArgs(_Group):
             if self.checkpoint_directory.startswith("s3://"):
                 raise ValueError(
                     f"checkpoint_directory = {self.checkpoint_directory!r}: orbax-checkpoint cannot write s3:// "
-                    "(its OCDBT writer rejects the path as not absolute); expected a local path or gs://. Mount the "
+                    "safely (it commits a step there by renaming its folder, object by object); expected a local "
+                    "path or gs://. Mount the "
                     "bucket (s3fs, mountpoint-s3) and give the local path to use S3."
                 )
         return self
