@@ -43,6 +43,9 @@ FORMAT = 1
 PIECE = 4 << 20  # bytes hashed as one piece: the granularity of a partial read
 INDEX = "arrays.json"
 ALIGN = 4096  # where each shard starts in a `.bin` file
+# Bytes per write call. Measured on the CI machine (Firecracker VM, Linux 6.18), 100 MiB into the page cache:
+# 30-37 ms in calls of 64 KiB-1 MiB, 190-260 ms in calls of 2-4 MiB.
+WRITE = 512 << 10
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -125,10 +128,12 @@ class Staging:
                 self._free.setdefault((s.data.shape, s.data.dtype), []).append(s.data)
 
 
-def host_copy(tree: Any, staging: Staging | None = None) -> tuple[dict, list[_Shard]]:
-    """The synchronous part of a save: `(arrays.json content, this process's shards copied to host)`.
-    Copies start on every device at once, then are collected (into `staging`'s buffers when given);
-    training may continue (and donate the arrays) once this returns."""
+def host_copy(tree: Any, staging: Staging | None = None, *, copy: bool = True) -> tuple[dict, list[_Shard]]:
+    """The synchronous part of a save: `(arrays.json content, this process's shards on the host)`.
+    Transfers start on every device at once, then are collected, copied into `staging`'s buffers when
+    given (two at a time); training may continue (and donate the arrays) once this returns. `copy=False`
+    (a save that finishes before training continues): the host views of the device buffers themselves,
+    no copy on the CPU backend."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     info: dict[str, Any] = {"format": FORMAT, "process_count": jax.process_count(), "arrays": {}}
     pending = []
@@ -150,8 +155,12 @@ def host_copy(tree: Any, staging: Staging | None = None) -> tuple[dict, list[_Sh
                     shard.data.copy_to_host_async()
                     pending.append((name, *_box(shard.index, leaf.shape), shard.data))
         info["arrays"][name] = entry
-    take = staging.take if staging is not None else (lambda x: np.array(x, copy=True, order="C"))
-    return info, [_Shard(name, a, b, take(x)) for name, a, b, x in pending]
+    if not copy:
+        take: Any = np.asarray
+    else:
+        take = staging.take if staging is not None else (lambda x: np.array(x, copy=True, order="C"))
+    hosts = list(_pool(2).map(take, [x for _, _, _, x in pending]))
+    return info, [_Shard(name, a, b, host) for (name, a, b, _), host in zip(pending, hosts, strict=True)]
 
 
 def _as_bytes(x: np.ndarray) -> memoryview:
@@ -195,7 +204,7 @@ def write(directory: Any, info: dict, shards: list[_Shard], *, threads: int = 2)
 
                 def put(view: memoryview) -> None:
                     while len(view):
-                        n = os.pwrite(fd, view, at[0])
+                        n = os.pwrite(fd, view[:WRITE], at[0])
                         view, at[0] = view[n:], at[0] + n
 
                 c["pieces"] = _write_piecewise(s.data, put)
@@ -469,16 +478,17 @@ def orbax_types() -> tuple[type, type, type]:
             self._staging = Staging()  # the host copies of one async save, reused by the next
 
         async def async_save(self, directory, item=None, args=None):
-            info, shards = host_copy(args.item, self._staging)
+            info, shards = host_copy(args.item, self._staging, copy=args.copy)
 
             async def commit():
                 write(directory, info, shards)
-                self._staging.give_back(shards)
+                if args.copy:
+                    self._staging.give_back(shards)
 
             return [future.CommitFutureAwaitingContractedSignals(commit(), name="jaxloom_arrays_save")]
 
         def save(self, directory, item=None, args=None):
-            info, shards = host_copy(args.item)
+            info, shards = host_copy(args.item, copy=False)  # written before the caller continues
             write(directory, info, shards)
 
         def restore(self, directory, item=None, args=None):
@@ -494,7 +504,11 @@ def orbax_types() -> tuple[type, type, type]:
     @ocp.args.register_with_handler(ArrayHandler, for_save=True)
     @dataclasses.dataclass
     class Save(ocp.args.CheckpointArgs):
+        """`item`: the tree of arrays. `copy=False` only for a save the caller waits for (orbax's sync
+        checkpointer): the write reads the device buffers' host views, with no staging copy."""
+
         item: Any
+        copy: bool = True
 
     @ocp.args.register_with_handler(ArrayHandler, for_restore=True)
     @dataclasses.dataclass

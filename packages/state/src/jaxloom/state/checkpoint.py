@@ -201,7 +201,7 @@ class CheckpointManager:
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         }
         _, save_args, _ = arrays.orbax_types()
-        items = {k: save_args(v) for k, v in trees.items()}
+        items = {k: save_args(v, copy=self.config.async_save) for k, v in trees.items()}  # sync: no staging copy
         items["meta"] = ocp.args.JsonSave(meta)
         try:
             manager.save(int(step), args=ocp.args.Composite(**items), force=True)
