@@ -364,8 +364,9 @@ def restore(directory: Any, abstract: Any, *, verify: bool = True, threads: int 
     hosts: list[dict] = [{} for _ in flat]
     for job, host in zip(jobs, done, strict=True):
         hosts[job.leaf][(tuple(job.start), tuple(job.stop))] = host
-    out = [_place(leaf, info["arrays"][path_str(path)], host) for (path, leaf), host in zip(flat, hosts, strict=True)]
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return jax.tree_util.tree_unflatten(
+        treedef, _place([leaf for _, leaf in flat], [info["arrays"][path_str(p)] for p, _ in flat], hosts)
+    )
 
 
 @functools.cache
@@ -446,20 +447,25 @@ def _aligned_empty(shape: list[int], dtype: np.dtype, align: int = 64) -> np.nda
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def _place(leaf: Any, entry: dict, hosts: dict[tuple, np.ndarray]) -> Any:
-    """The host arrays of one array put on the target's devices as one global array."""
-    shape = tuple(entry["shape"])
-    sharding = _sharding(leaf)
-    key = "key_impl" in entry
-    singles = []
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        start, stop = _box(index, shape)
-        host = np.asarray(hosts[(tuple(start), tuple(stop))])
-        if not key and host.dtype != np.dtype(leaf.dtype):
-            host = host.astype(leaf.dtype)
-        singles.append(jax.device_put(host, device))
-    out = jax.make_array_from_single_device_arrays(shape, sharding, singles)
-    return jax.random.wrap_key_data(out, impl=entry["key_impl"]) if key else out
+def _place(leaves: list, entries: list[dict], hosts: list[dict[tuple, np.ndarray]]) -> list:
+    """Each array's host boxes put on its target devices (one batched `device_put` for all of them), then
+    assembled into global arrays."""
+    plans, buffers, devices = [], [], []
+    for leaf, entry, boxes in zip(leaves, entries, hosts, strict=True):
+        shape, sharding, key = tuple(entry["shape"]), _sharding(leaf), "key_impl" in entry
+        first = len(buffers)
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            start, stop = _box(index, shape)
+            host = np.asarray(boxes[(tuple(start), tuple(stop))])
+            buffers.append(host if key or host.dtype == np.dtype(leaf.dtype) else host.astype(leaf.dtype))
+            devices.append(device)
+        plans.append((shape, sharding, entry.get("key_impl"), first, len(buffers)))
+    singles = jax.device_put(buffers, devices)
+    out = []
+    for shape, sharding, impl, a, b in plans:
+        array = jax.make_array_from_single_device_arrays(shape, sharding, singles[a:b])
+        out.append(jax.random.wrap_key_data(array, impl=impl) if impl else array)
+    return out
 
 
 # ---- orbax ------------------------------------------------------------------------------------------
