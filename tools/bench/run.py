@@ -165,6 +165,8 @@ def checkpoints(step_seconds: float, reps: int = 5) -> dict:
         m.save(0, state)  # the first save also opens the manager
         first_block = time.perf_counter() - t0
         m.wait_until_finished()
+        sync = js.CheckpointManager(d + "/sync", async_save=False, save_total_limit=None)
+        sync.save(0, state)  # opened, like `m`
         for rep in range(1, reps + 1):
 
             def save(rep=rep):
@@ -172,9 +174,7 @@ def checkpoints(step_seconds: float, reps: int = 5) -> dict:
                 m.wait_until_finished()
 
             timed("save", save)
-            sync = js.CheckpointManager(d + "/sync", async_save=False, save_total_limit=2)
-            timed("sync_save", lambda rep=rep, sync=sync: sync.save(rep, state))
-            sync.close()
+            timed("sync_save", lambda rep=rep: sync.save(rep, state))
             timed(
                 "restore",
                 lambda rep=rep: jax.block_until_ready(js.CheckpointManager(d + "/c").restore(target, rep).state.params),

@@ -119,6 +119,7 @@ class CheckpointManager:
                 keep_period=c.keep_period,
                 enable_async_checkpointing=c.async_save,
                 cleanup_tmp_directories=True,
+                lightweight_initialize=True,  # no per-step metadata read on open: retention here is by step
                 create=True,
                 async_options=ocp.AsyncOptions(post_finalization_callback=self._write_checksums)
                 if c.async_save
