@@ -88,3 +88,24 @@ def test_a_checkpoint_of_the_previous_format_still_restores(tmp_path):
     restored = manager.restore(target(mesh_of(fsdp=4)))
     assert restored.step == 4 and restored.data_state == {"i": 1} and equal(restored.state.params, state.params)
     assert equal(restored.state.opt_state, state.opt_state)
+
+
+def test_a_failed_read_raises_only_once_every_reader_has_stopped():
+    """A restore that meets a corrupt piece must not return while other readers still touch the mapped
+    files: the caller may cut those files short next (a SIGBUS in a reader thread kills the process)."""
+    import threading
+    import time
+
+    finished = threading.Event()
+
+    def slow():
+        time.sleep(0.3)
+        finished.set()
+
+    def bad():
+        raise arrays.CheckpointCorruptError("piece 0 differs")
+
+    with pytest.raises(arrays.CheckpointCorruptError):
+        arrays._all_or_raise(arrays._pool(4), [bad, slow])
+    assert finished.is_set()
+    assert arrays._all_or_raise(arrays._pool(4), [lambda: 1, lambda: 2]) == [1, 2]

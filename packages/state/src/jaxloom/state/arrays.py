@@ -159,7 +159,7 @@ def host_copy(tree: Any, staging: Staging | None = None, *, copy: bool = True) -
         take: Any = np.asarray
     else:
         take = staging.take if staging is not None else (lambda x: np.array(x, copy=True, order="C"))
-    hosts = list(_pool(2).map(take, [x for _, _, _, x in pending]))
+    hosts = _all_or_raise(_pool(2, "copy"), [functools.partial(take, x) for _, _, _, x in pending])
     return info, [_Shard(name, a, b, host) for (name, a, b, _), host in zip(pending, hosts, strict=True)]
 
 
@@ -209,7 +209,9 @@ def write(directory: Any, info: dict, shards: list[_Shard], *, threads: int = 2)
 
                 c["pieces"] = _write_piecewise(s.data, put)
 
-            list(_pool(threads).map(one, zip(shards, chunks, strict=True)))
+            _all_or_raise(
+                _pool(threads, "write"), [functools.partial(one, p) for p in zip(shards, chunks, strict=True)]
+            )
         finally:
             os.close(fd)
     text = json.dumps({"format": FORMAT, "piece_bytes": PIECE, "chunks": chunks})
@@ -360,7 +362,7 @@ def restore(directory: Any, abstract: Any, *, verify: bool = True, threads: int 
             jobs.append(_Job(name, leaf_index, list(start), list(stop), dtype, chunks.get(name, []), directory))
     reader = _Reader(directory)
     workers = threads or (4 if reader.local else 16)
-    done = list(_pool(workers).map(lambda job: job.run(reader, verify), jobs))
+    done = _all_or_raise(_pool(workers), [lambda job=job: job.run(reader, verify) for job in jobs])
     hosts: list[dict] = [{} for _ in flat]
     for job, host in zip(jobs, done, strict=True):
         hosts[job.leaf][(tuple(job.start), tuple(job.stop))] = host
@@ -369,10 +371,27 @@ def restore(directory: Any, abstract: Any, *, verify: bool = True, threads: int 
     )
 
 
+def _all_or_raise(pool: concurrent.futures.ThreadPoolExecutor, calls: list) -> list:
+    """Run `calls` in `pool`: their results, or the first error, raised only once no call is still running
+    (a reader still touching a mapped file after the restore gave up could meet that file cut short by the
+    caller, a fatal SIGBUS; a writer could write through a descriptor already closed and reused)."""
+    futures = [pool.submit(call) for call in calls]
+    concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+    if failed is not None:
+        for f in futures:
+            f.cancel()  # not started yet: never will
+        concurrent.futures.wait(futures)  # the running ones end
+        raise failed.exception()  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
 @functools.cache
-def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """Reader threads, kept between restores (starting them costs more than a small restore's reads)."""
-    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxloom-restore")
+def _pool(workers: int, role: str = "read") -> concurrent.futures.ThreadPoolExecutor:
+    """Threads kept between saves and restores (starting them costs more than a small restore's reads);
+    one pool per `role` ("read", "copy", "write"), so a background write never delays a restore or the
+    next save's host copy."""
+    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"jaxloom-{role}")
 
 
 def _sharding(leaf: Any) -> Any:
