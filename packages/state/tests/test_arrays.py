@@ -96,13 +96,15 @@ def test_a_failed_read_raises_only_once_every_reader_has_stopped():
     import threading
     import time
 
-    finished = threading.Event()
+    started, finished = threading.Event(), threading.Event()
 
     def slow():
+        started.set()
         time.sleep(0.3)
         finished.set()
 
     def bad():
+        assert started.wait(10)  # fail while the other reader is running
         raise arrays.CheckpointCorruptError("piece 0 differs")
 
     with pytest.raises(arrays.CheckpointCorruptError):
