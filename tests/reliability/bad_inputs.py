@@ -172,7 +172,7 @@ def _tiny(tmp: Path, *extra: str) -> list[str]:
 
 
 def malformed_yaml(tmp):
-    from jaxloom.trainer.cli import build_run
+    from jaxloom.trainer.compose import build_run
 
     (tmp / "c.yaml").write_text("learning_rate: 0.1\nmodel: [unclosed\n")
     build_run(str(tmp / "c.yaml"), [])
@@ -192,13 +192,13 @@ def unknown_key(tmp):
 
 
 def unknown_data_key(tmp):
-    from jaxloom.trainer.cli import build_run
+    from jaxloom.trainer.compose import build_run
 
     build_run(None, _tiny(tmp, "data.trian=x.jsonl"))
 
 
 def wrong_type(tmp):
-    from jaxloom.trainer.cli import build_run
+    from jaxloom.trainer.compose import build_run
 
     build_run(None, _tiny(tmp, "max_training_steps=many"))
 
@@ -218,7 +218,7 @@ def impossible_mesh(tmp):
 def _set_up(tmp, *items):
     """What `jaxloom train` does before step 1: build the run, then its builders (constructing a trainer
     does no work of its own)."""
-    from jaxloom.trainer.cli import build_run
+    from jaxloom.trainer.compose import build_run
 
     trainer, _ = build_run(None, _tiny(tmp, *items))
     try:
@@ -270,13 +270,13 @@ def no_pad_no_eos(tmp):
 
 
 def unknown_model_type(tmp):
-    from jaxloom.trainer.cli import build_run
+    from jaxloom.trainer.compose import build_run
 
     build_run(None, _tiny(tmp, "model.model_type=gpt9"))
 
 
 def checkpoint_shape(tmp):
-    from jaxloom.trainer.cli import build_run
+    from jaxloom.trainer.compose import build_run
 
     trainer, _ = build_run(None, _tiny(tmp, "save_steps=2"))
     trainer.train()
@@ -323,10 +323,10 @@ def unknown_ray_key(tmp):
 
 def _override(tmp, item):
     """The `jaxloom train` path up to the first step: parse, build, and set up (validation before step 1)."""
-    from jaxloom.trainer.cli import build_run
+    from jaxloom.trainer.compose import build_run
 
     trainer, _ = build_run(None, _tiny(tmp, item))
-    trainer._plan()
+    trainer.plan  # everything abstract: the settings checked against the model and mesh
     trainer.configure_dataloaders()
 
 

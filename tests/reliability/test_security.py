@@ -65,7 +65,7 @@ def test_ray_binds_loopback_by_default():
 
 
 def test_a_run_writes_only_inside_its_save_directory(tmp_path):
-    from jaxloom.trainer.cli import build_run
+    from jaxloom.trainer.compose import build_run
 
     outside = tmp_path / "outside"
     outside.mkdir()

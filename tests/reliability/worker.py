@@ -15,7 +15,8 @@ from faultrun import TINY
 
 from jaxloom.mesh import gather, named_leaves
 from jaxloom.state import CheckpointSaveError
-from jaxloom.trainer.cli import build_run, exit_after_training_error
+from jaxloom.trainer.cli import exit_after_training_error
+from jaxloom.trainer.compose import build_run
 
 
 class Announce:

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from jaxloom.mesh import gather, named_leaves
-from jaxloom.trainer.cli import build_run
+from jaxloom.trainer.compose import build_run
 
 
 class Announce:

@@ -64,7 +64,7 @@ def test_optimizer_field_changes_the_updates(name):
 # ---- what setup builds ----------------------------------------------------------------------------------
 def _setup(tmp_path, **kw):
     t = Trainer(args(tmp_path, **kw), jm.create_model(tiny(), lazy=True), dataset_train=TRAIN, processing_class=TOK)
-    t._plan()
+    t.plan  # everything abstract, nothing allocated
     return t
 
 
@@ -73,11 +73,11 @@ SETUP = {
     "max_training_steps": (3, lambda t: t.total_steps),
     "num_train_epochs": (2, lambda t: t.total_steps),  # with max_training_steps=None
     "dtype": ("bfloat16", lambda t: t.runtime.dtype),
-    "param_dtype": ("bfloat16", lambda t: jax.tree_util.tree_leaves(t._abstract_state.params)[0].dtype),
+    "param_dtype": ("bfloat16", lambda t: jax.tree_util.tree_leaves(t.plan.abstract.params)[0].dtype),
     "attn_mechanism": ("chunked", lambda t: t.runtime.attn_mechanism),
     "attn_block_size": (8, lambda t: t.runtime.attn_block_size),
     "remat": ("full", lambda t: t.runtime.remat),
-    "scan_layers": (True, lambda t: "layers" in t._abstract_state.params["model"] and _stacked(t)),
+    "scan_layers": (True, lambda t: "layers" in t.plan.abstract.params["model"] and _stacked(t)),
     "moe_implementation": ("dense", lambda t: t.runtime.moe_implementation),
     "batch_axis": (("fsdp", "dp", "ep"), lambda t: (t.data_axes, t.runtime.partition_axis.batch_axis)),
     "sharding_axis_dims": ((2, -1, 1, 1, 1), lambda t: dict(t.mesh.shape)),
@@ -88,7 +88,7 @@ SETUP = {
 
 
 def _stacked(t):
-    leaves = jax.tree_util.tree_leaves(t._abstract_state.params["model"]["layers"])
+    leaves = jax.tree_util.tree_leaves(t.plan.abstract.params["model"]["layers"])
     return leaves[0].shape[0] == t.config.num_hidden_layers
 
 
@@ -112,9 +112,8 @@ def _first_batches(tmp_path, **kw):
         processing_class=TOK,
         mesh=mesh(1),
     )
-    t._plan()
     t.configure_dataloaders()
-    return {**next(t.train_loader), "eval_input_ids": next(iter(t._eval_loader()))["input_ids"]}
+    return {**next(t.train_loader), "eval_input_ids": next(iter(t.batches.eval_loader()))["input_ids"]}
 
 
 DATA = {

@@ -109,7 +109,7 @@ def test_precomputed_reference_log_probs_equal_the_live_reference_and_free_it(tm
     t = dpo_trainer(tmp_path / "pre", train, max_training_steps=2, precompute_ref_log_probs=True)
     pre = t.train()
     distinct = {json.dumps(r, sort_keys=True) for r in train}
-    assert t.ref_state is None and len(t._ref_cache) == len(distinct)  # the reference is not held in training
+    assert t.ref_state is None and len(t.reference.cache) == len(distinct)  # the reference is not held in training
     for k in ("loss", "logps/chosen", "rewards/margins"):
         a, b = rows(tmp_path / "live")[0][f"train/{k}"], rows(tmp_path / "pre")[0][f"train/{k}"]
         np.testing.assert_allclose(a, b, rtol=1e-5, err_msg=k)
@@ -118,9 +118,9 @@ def test_precomputed_reference_log_probs_equal_the_live_reference_and_free_it(tm
     assert len(saved) == 1  # kept beside the run: a resume reads it instead of computing again
     again = dpo_trainer(tmp_path / "pre", train, max_training_steps=3, precompute_ref_log_probs=True)
     again.train()
-    assert again.ref_state is None and sorted(again._ref_cache) == sorted(t._ref_cache)
-    for k, v in t._ref_cache.items():
-        np.testing.assert_array_equal(again._ref_cache[k], v)
+    assert again.ref_state is None and sorted(again.reference.cache) == sorted(t.reference.cache)
+    for k, v in t.reference.cache.items():
+        np.testing.assert_array_equal(again.reference.cache[k], v)
     assert "read from" in caplog.text and str(saved[0]) in caplog.text
 
 

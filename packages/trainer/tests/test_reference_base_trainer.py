@@ -45,9 +45,14 @@ def test_constructing_a_trainer_does_no_io_no_threads_no_compile(tmp_path):
     assert not run.exists() and not (tmp_path / "cache").exists()
     assert threading.active_count() == threads and compiles == []
     assert jax.config.jax_compilation_cache_dir == cache
-    assert t.state is None and t.model_state is None and t.optimizer is None  # available after configure_model
-    t.configure_model()
-    assert t.state is not None and t.optimizer is not None and t.scheduler is not None
+    # The documented attributes are there from construction, built on first access (as the docs show a user
+    # inspecting them before training): the optimizer and schedule from the plan, the state on its shards.
+    assert t.state is None
+    assert t.optimizer is not None and t.scheduler is not None
+    assert not run.exists()  # planning is abstract (shapes, shardings) and writes nothing
+    state = t.model_state
+    assert t.state is state and int(state.step) == 0 and t.model is state.model
+    assert not run.exists()  # still nothing written: the run directory belongs to the start of training
 
 
 def test_base_trainer_members_in_the_reference_order(tmp_path):

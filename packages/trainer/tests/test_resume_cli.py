@@ -11,7 +11,8 @@ import pytest
 
 from util import CLI_TINY
 
-from jaxloom.trainer.cli import DEMO_CONFIG, build_run, main
+from jaxloom.trainer.cli import main
+from jaxloom.trainer.compose import DEMO_CONFIG, build_run
 
 WORKER = Path(__file__).with_name("run_worker.py")
 

@@ -107,10 +107,10 @@ def test_one_step_stays_in_flight_and_the_next_batch_is_staged_before_the_host_r
             events.append(("dispatched", step))
 
     t = trainer(tmp_path, hooks=[Order()], max_training_steps=6, save_steps=4, logging_steps=2, evaluation=None)
-    stage, check, save = t._global_batch, t.apply_training_hooks, t._save
-    t._global_batch = lambda local: (events.append(("staged", None)), stage(local))[1]
+    stage, check, save = t.batches.global_batch, t.apply_training_hooks, t.save_checkpoint
+    t.batches.global_batch = lambda local, **kw: (events.append(("staged", None)), stage(local, **kw))[1]
     t.apply_training_hooks = lambda m: (events.append(("checked", m["step"])), check(m))[1]
-    t._save = lambda step: (events.append(("saved", step)), save(step))[1]
+    t.save_checkpoint = lambda step: (events.append(("saved", step)), save(step))[1]
     t.train()
     assert events[:9] == [
         ("staged", None),
@@ -265,7 +265,7 @@ MIXTRAL_CLI = [
 def test_runtime_settings_from_the_command_reach_the_model(tmp_path):
     """`scan_layers`, `attn_mechanism`, `attn_block_size`, `moe_implementation` given as arguments
     (as `jaxloom train key=value` does) build the model they name, and it trains."""
-    from jaxloom.trainer.cli import build_run
+    from jaxloom.trainer.compose import build_run
 
     overrides = [
         f"save_directory={tmp_path}",
@@ -364,7 +364,7 @@ def test_expert_parallel_mixtral_trains_as_fully_sharded_with_its_tokens_moving(
 def test_batch_axis_from_the_command_moves_a_mixtures_tokens(tmp_path):
     """`jaxloom train batch_axis=[fsdp,dp,ep]` on an fsdp=2 × ep=4 mesh: the rows are split over ep too, the
     experts stay on their devices and the tokens travel (all-gather and reduce-scatter in the step)."""
-    from jaxloom.trainer.cli import build_run
+    from jaxloom.trainer.compose import build_run
 
     overrides = [
         f"save_directory={tmp_path}",

@@ -11,7 +11,7 @@ def under_storage_path(config: str | None, items: list[str], storage_path: str) 
     """`items` with the run's save_directory (from `config` and `items`) placed under `storage_path` when it
     is relative (Ray's `RunConfig.storage_path`: where every run of the cluster writes)."""
     from jaxloom.trainer.arguments import apply_overrides, load_config_file
-    from jaxloom.trainer.cli import DEMO_CONFIG
+    from jaxloom.trainer.compose import DEMO_CONFIG
 
     directory = apply_overrides(load_config_file(config or DEMO_CONFIG), items).get("save_directory")
     if directory is None or os.path.isabs(str(directory)):

@@ -54,7 +54,7 @@ def train_from_config(
     demo) with `overrides`, and `faults` (`jaxloom.ray.testing.FaultInjector`s) as trainer hooks. After a
     restart it always resumes.
     `workdir`: where relative paths in the config point (the driver's directory; kept if absent here)."""
-    from jaxloom.trainer.cli import build_run
+    from jaxloom.trainer.compose import build_run
 
     if workdir and os.path.isdir(workdir):
         os.chdir(workdir)

@@ -538,6 +538,22 @@ DPOConfig.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
 )
 
 
+TRAINERS = ("sft", "dpo")
+"""The `trainer=` key: `sft` (next-token training, the default) or `dpo` (preference training)."""
+
+
+def arguments_of(data: dict[str, Any]) -> tuple[str, TrainingArguments]:
+    """`(kind, arguments)` of a config's top-level keys (the `model` and `data` sections already removed):
+    `trainer` picks the trainer (`sft`, `dpo`) and with it the arguments class."""
+    data = dict(data)
+    kind = data.pop("trainer", "sft") or "sft"
+    if kind not in TRAINERS:
+        raise ValueError(f"trainer = {kind!r}; expected one of {', '.join(TRAINERS)}")
+    if kind == "dpo" and "max_length" in data:  # TRL's name, given on top of a config: it is the setting
+        data["max_sequence_length"] = data.pop("max_length")
+    return kind, (DPOConfig if kind == "dpo" else TrainingArguments)(**data)
+
+
 @functools.cache
 def _yaml_loader():
     """PyYAML's safe loader reading numbers as YAML 1.2 does: `1e-5` and `1e6` are floats (YAML 1.1, which

@@ -1,9 +1,19 @@
-"""Work done after a step on its own cadence: checkpoints, evaluation, previews, and users' own."""
+"""The one mechanism for work around the steps: a `Callback` has events and, optionally, a cadence.
+
+- `fn(trainer, step)` runs after `step` when it is due: every `every` steps and/or whenever `when(step)` is
+  true. Checkpoints, evaluation and previews are such callbacks; so is a user's `add_callback(fn, every=N)`.
+- `on_step_start(trainer, step)`, `on_step_end(trainer, step, metrics)`, `on_save(trainer, step)` are events
+  that every callback may handle. EasyDeL's `hooks=[obj]` objects (with any of these methods) are adapted
+  onto it with `Callback.of(obj)`, and so are the trainer's overridable `on_step_start(state, step)` /
+  `on_step_end(state, metrics, step)` (`trainer_hooks`), which the reference documents.
+
+`Callbacks` holds them in order and fires the events; the loop only asks it what is due.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -14,22 +24,95 @@ class Callback:
     time-based checkpoint decision). Callbacks see the state of their own step: the loop settles it
     before the first due callback runs. They run in the order they were added; the trainer adds the
     checkpoint first, so a step is saved before anything that can fail runs on it. `name` labels it
-    in errors and listings."""
+    in errors and listings.
 
-    fn: Callable[[Any, int], Any]
+    Events, each optional: `on_step_start(trainer, step)` before a step is dispatched;
+    `on_step_end(trainer, step, metrics)` after it is dispatched (its on-device `metrics`; a returned
+    dict replaces them); `on_save(trainer, step)` after checkpoint `step` is written (or handed to the
+    async writer). A callback with events only needs no cadence."""
+
+    fn: Callable[[Any, int], Any] | None = None
     every: int | None = None
     when: Callable[[int], bool] | None = None
     name: str = ""
+    on_step_start: Callable[[Any, int], Any] | None = None
+    on_step_end: Callable[[Any, int, dict], Any] | None = None
+    on_save: Callable[[Any, int], Any] | None = None
 
     def __post_init__(self) -> None:
+        label = self.name or self.fn
         if self.every is not None and (
             isinstance(self.every, bool) or not isinstance(self.every, int) or self.every <= 0
         ):
-            raise ValueError(f"callback {self.name or self.fn!r}: every={self.every!r}; expected a positive integer")
-        if self.every is None and self.when is None:
-            raise ValueError(f"callback {self.name or self.fn!r}: give every=N steps and/or when=fn(step)")
+            raise ValueError(f"callback {label!r}: every={self.every!r}; expected a positive integer")
+        events = (self.on_step_start, self.on_step_end, self.on_save)
+        if self.fn is not None and self.every is None and self.when is None:
+            raise ValueError(f"callback {label!r}: give every=N steps and/or when=fn(step)")
+        if self.fn is None and (self.every is not None or self.when is not None):
+            raise ValueError(f"callback {label!r}: a cadence (every/when) needs fn(trainer, step) to run")
+        if self.fn is None and not any(e is not None for e in events):
+            raise ValueError(f"callback {label!r}: give fn with every=N or when=fn(step), or an event handler")
 
     def due(self, step: int) -> bool:
-        """Whether the callback runs after `step` (`when` is asked even if `every` already says yes)."""
+        """Whether `fn` runs after `step` (`when` is asked even if `every` already says yes)."""
+        if self.fn is None:
+            return False
         by_time = bool(self.when(step)) if self.when is not None else False
         return bool(self.every and step % self.every == 0) or by_time
+
+    @classmethod
+    def of(cls, hook: Any) -> Callback:
+        """A `Callback` from an EasyDeL-style hook object: its `on_step_start(trainer, step)`,
+        `on_step_end(trainer, step, metrics)` and `on_save(trainer, step)`, whichever it has (a
+        `Callback` is returned as it is)."""
+        if isinstance(hook, Callback):
+            return hook
+        events = {e: getattr(hook, e, None) for e in ("on_step_start", "on_step_end", "on_save")}
+        events = {e: f for e, f in events.items() if callable(f)}
+        if not events:
+            raise TypeError(
+                f"hook {hook!r} has none of on_step_start(trainer, step), on_step_end(trainer, step, metrics), "
+                "on_save(trainer, step); expected at least one"
+            )
+        return cls(name=type(hook).__name__, **events)
+
+
+def trainer_hooks() -> Callback:
+    """The trainer's own overridable `on_step_start(state, step) -> state` and
+    `on_step_end(state, metrics, step) -> (state, metrics)` (EasyDeL's names and signatures) as a callback."""
+
+    def start(trainer, step):
+        trainer.state = trainer.on_step_start(trainer.state, step)
+
+    def end(trainer, step, metrics):
+        trainer.state, metrics = trainer.on_step_end(trainer.state, metrics, step)
+        return metrics
+
+    return Callback(name="trainer", on_step_start=start, on_step_end=end)
+
+
+class Callbacks:
+    """Callbacks in order, and their events fired on each."""
+
+    def __init__(self, callbacks: Iterable[Callback] = ()):
+        self.items: list[Callback] = list(callbacks)
+
+    def step_start(self, trainer: Any, step: int) -> None:
+        for cb in self.items:
+            if cb.on_step_start is not None:
+                cb.on_step_start(trainer, step)
+
+    def step_end(self, trainer: Any, step: int, metrics: dict) -> dict:
+        for cb in self.items:
+            if cb.on_step_end is not None:
+                out = cb.on_step_end(trainer, step, metrics)
+                metrics = out if isinstance(out, dict) else metrics
+        return metrics
+
+    def saved(self, trainer: Any, step: int) -> None:
+        for cb in self.items:
+            if cb.on_save is not None:
+                cb.on_save(trainer, step)
+
+    def due(self, step: int) -> list[Callback]:
+        return [cb for cb in self.items if cb.due(step)]

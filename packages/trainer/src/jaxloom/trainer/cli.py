@@ -33,103 +33,8 @@ from typing import Any
 
 from .report import versions
 
-DEMO_CONFIG = Path(__file__).with_name("configs") / "demo.yaml"
-RUN_CONFIG = "run_config.json"  # in a run directory: the resolved config (written by the trainer at setup)
-DATA_KEYS = {
-    "train": "training data: 'bundled'; a path / glob / list of .jsonl, .parquet or .txt files; a token store "
-    "(`jaxloom data prepare`); or a mixture: a list of {path, weight}",
-    "eval": "evaluation data, as train (default: none; with train=bundled, a held-out part of it)",
-    "eval_fraction": "with train=bundled: the fraction of its documents held out for evaluation",
-    "tokenizer": "'bundled', a local tokenizer directory or a Hugging Face Hub id",
-}
-
-
-def split_target(items: list[str]) -> tuple[str | None, list[str]]:
-    """`[CONFIG | RUN_DIR] key=value ...` → (config file, overrides). A run directory stands for its
-    resolved config, with its own save_directory and its copy of the tokenizer."""
-    items = list(items)
-    first = items.pop(0) if items and "=" not in items[0] else None
-    if first is not None and Path(first).is_dir():
-        run = Path(first)
-        if not (run / RUN_CONFIG).is_file():
-            raise FileNotFoundError(
-                f"{run} is a directory without {RUN_CONFIG}; expected a run directory or a config file"
-            )
-        pinned = [f"save_directory={run}"]
-        if (run / "tokenizer").is_dir():
-            pinned.append(f"data.tokenizer={(run / 'tokenizer').absolute()}")
-        return str(run / RUN_CONFIG), pinned + items
-    return first, items
-
-
-TRAINERS = ("sft", "dpo")
-"""The `trainer=` key: `sft` (next-token training, the default) or `dpo` (preference training)."""
-
-
-def arguments_of(data: dict[str, Any]):
-    """`(kind, arguments)` of a config's top-level keys (the `model` and `data` sections already removed):
-    `trainer` picks the trainer (`sft`, `dpo`) and with it the arguments class."""
-    from .arguments import DPOConfig, TrainingArguments
-
-    data = dict(data)
-    kind = data.pop("trainer", "sft") or "sft"
-    if kind not in TRAINERS:
-        raise ValueError(f"trainer = {kind!r}; expected one of {', '.join(TRAINERS)}")
-    if kind == "dpo" and "max_length" in data:  # TRL's name, given on top of a config: it is the setting
-        data["max_sequence_length"] = data.pop("max_length")
-    return kind, (DPOConfig if kind == "dpo" else TrainingArguments)(**data)
-
-
-def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]:
-    """Config file + overrides → (trainer, resolved config). Sections `model` and `data`; `trainer`
-    (`sft` or `dpo`) picks the trainer; the rest are its arguments."""
-    from .arguments import apply_overrides, load_config_file
-
-    data = apply_overrides(load_config_file(config_path or DEMO_CONFIG), overrides)
-    resolved = json.loads(json.dumps(data))
-    model_cfg, data_cfg = dict(data.pop("model", {}) or {}), dict(data.pop("data", {}) or {})
-    unknown = sorted(set(data_cfg) - {"train", "eval", "eval_fraction", "tokenizer"})
-    if unknown:
-        raise ValueError(f"unknown key(s) in section data: {unknown}; expected train, eval, eval_fraction, tokenizer")
-    kind, args = arguments_of(data)
-
-    import jaxloom.data as jd
-    import jaxloom.models as jm
-    from .dpo import DPOTrainer
-    from .trainer import Trainer
-
-    tokenizer = jd.load_processor(None if data_cfg.get("tokenizer", "bundled") == "bundled" else data_cfg["tokenizer"])
-    train, evaluation = data_cfg.get("train", "bundled"), data_cfg.get("eval")
-    if kind == "dpo" and train == "bundled":
-        raise ValueError(
-            "trainer=dpo needs preference data: data.train=pairs.jsonl (records with prompt, chosen, rejected); "
-            "the bundled corpus is plain text"
-        )
-    if train == "bundled":
-        records = jd.JsonlSource(jd.bundled_corpus_path()).read_shard(str(jd.bundled_corpus_path()))
-        held = max(1, int(len(records) * float(data_cfg.get("eval_fraction", 0.05))))
-        train, evaluation = records[:-held], evaluation or records[-held:]
-    elif isinstance(train, list) and train and all(isinstance(p, dict) for p in train):
-        train = jd.Mixture(train)  # [{path, weight}, ...]
-    # The arguments' runtime settings are applied by the trainer too; given here as well so that weights
-    # loaded from Hugging Face are laid out (stacked for scan_layers) and cast as the run needs them.
-    runtime = args.runtime.apply(jm.RuntimeConfig())
-    explicit = {o.split("=", 1)[0].removeprefix("model.") for o in overrides if o.startswith("model.")}
-    if "from_pretrained" in explicit:  # the pretrained model brings its architecture: the file's is not applied
-        model_cfg = {k: v for k, v in model_cfg.items() if k in explicit}
-        resolved["model"] = json.loads(json.dumps(model_cfg))  # what the run directory rebuilds
-    pretrained = model_cfg.pop("from_pretrained", None)
-    if pretrained:
-        model = jm.from_pretrained(pretrained, runtime, config_overrides=model_cfg or None)
-    else:
-        model_type = model_cfg.pop("model_type", "llama")
-        if model_type not in jm.CONFIG_CLASSES:
-            raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
-        model_cfg.setdefault("vocab_size", len(tokenizer))
-        model = jm.create_model(jm.CONFIG_CLASSES[model_type].from_hf_dict(model_cfg), runtime, lazy=True)
-    cls = DPOTrainer if kind == "dpo" else Trainer
-    trainer = cls(args, model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
-    return trainer, resolved
+from .compose import DATA_KEYS, DEMO_CONFIG, READ_ONLY, build_run, restored, split_target  # noqa: F401
+from .run_directory import RUN_CONFIG
 
 
 def _plan(trainer) -> dict[str, Any]:
@@ -175,7 +80,7 @@ def _generate(ns) -> int:
     path = Path(ns.path)
     eos: Any = None
     if (path / RUN_CONFIG).is_file():
-        trainer = _restored(path, None, params_only=True)
+        trainer = restored(path, None, params_only=True)
         model, tokenizer = trainer.state.model, trainer.tokenizer
     elif (path / "config.json").is_file():
         model = jm.from_pretrained(path)
@@ -214,29 +119,6 @@ def _generate(ns) -> int:
             shown = text
         print(flush=True)
     return 0
-
-
-# A run directory is data: commands that read one never take process-level or write-location settings
-# from it (where compiled code is cached, profiles or W&B runs are written).
-READ_ONLY = [
-    "resume_if_possible=true",
-    "overwrite_output_dir=false",
-    "compilation_cache_dir=null",
-    "profile_steps=null",
-    "use_wandb=false",
-    "use_tensorboard=false",
-]
-
-
-def _restored(run_dir: str | Path, config: str | None, *, params_only: bool):
-    """The trainer of a finished or running run with its newest checkpoint restored, and nothing else
-    set up (no data loading, no compile); FileNotFoundError when the run has no checkpoint."""
-    # max_training_steps: the run's length is not needed to read its weights, and counting an epoch-based
-    # run's steps would read its training data, which may be long gone
-    config_path, items = split_target([str(run_dir)]) if config is None else (config, [f"save_directory={run_dir}"])
-    trainer, _ = build_run(config_path, [*items, *READ_ONLY, "max_training_steps=1"])
-    trainer.restore_checkpoint(params_only=params_only)
-    return trainer
 
 
 def exit_after_training_error(error: BaseException) -> None:
@@ -312,7 +194,7 @@ def _config_keys(model_type: str) -> str:
 
     import jaxloom.models as jm
 
-    from .arguments import DPOConfig
+    from .arguments import TRAINERS, DPOConfig
 
     if model_type not in jm.CONFIG_CLASSES:
         raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
@@ -341,7 +223,7 @@ def _config_show(config: str | None, items: list[str]) -> str:
     overrides applied and every training argument resolved to its value (defaults included)."""
     import yaml
 
-    from .arguments import apply_overrides, load_config_file
+    from .arguments import apply_overrides, arguments_of, load_config_file
 
     data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)
     model, data_section = data.pop("model", {}) or {}, data.pop("data", {}) or {}
@@ -487,12 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "data":
             return _prepare(ns)
         if ns.command == "convert":
-            trainer = _restored(ns.to_hf[0], ns.config, params_only=True)
+            trainer = restored(ns.to_hf[0], ns.config, params_only=True)
             print(trainer.save_pretrained(ns.to_hf[1], to_torch=True))
             return 0
         config, items = split_target(ns.items)
         if getattr(ns, "ray", None) is not None:
-            from .arguments import apply_overrides, load_config_file
+            from .arguments import apply_overrides, arguments_of, load_config_file
 
             data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)  # fail fast, before Ray starts
             _, args = arguments_of({k: v for k, v in data.items() if k not in ("model", "data")})

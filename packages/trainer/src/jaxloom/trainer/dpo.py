@@ -28,6 +28,8 @@ import jaxloom.models as jmod
 import jaxloom.state as js
 
 from .arguments import DPOConfig
+from .batches import DataSpec
+from .runs import run_model
 from .step import Objective, StepConfig, forward_for_loss
 from .trainer import BaseTrainer
 
@@ -183,6 +185,178 @@ def reference_logps(ref: js.TrainState, batch, after=None, fuse: tuple[int, int]
     return forward_logps(ref.model, rows, fuse)[0][0]
 
 
+# ---- the reference: the extra frozen state of this trainer kind --------------------------------------------
+class Reference:
+    """The frozen reference of preference training and its `[rows, 2]` sequence log-probs for each batch
+    (`extend`): computed by the reference on the mesh, or read from log-probs precomputed in one pass before
+    training (`precompute_ref_log_probs`; then no reference is held: `state` is None). `source`: an `nnx`
+    model, an HF directory, a jaxloom run directory, or None (the starting policy, rebuilt from the plan)."""
+
+    def __init__(self, trainer: Any, source: Any):
+        self.trainer, self.source = trainer, source
+        self.state: js.TrainState | None = None
+        self.cache: dict[bytes, np.ndarray] | None = None
+
+    def ready(self) -> None:
+        """Build the reference (once), after the policy: one program at a time on every process."""
+        if self.state is not None or self.cache is not None:
+            return
+        t = self.trainer
+        jax.block_until_ready(t.state)  # one program at a time on every process (see reference_logps)
+        self.state = jax.block_until_ready(self._build())
+        fn = functools.partial(reference_logps, fuse=(t.arguments.loss_block_size, t.data_shards()))
+        self._train_fn = jax.jit(fn, out_shardings=t.batches.sharding, keep_unused=True)
+        self._eval_fn = jax.jit(fn, out_shardings=t.batches.eval_sharding, keep_unused=True)
+        if t.arguments.precompute_ref_log_probs:
+            self._precompute()
+
+    def extend(self, local: dict[str, np.ndarray], batch: dict[str, jax.Array], training: bool) -> dict:
+        """`batch` with the reference's log-probs of its pairs (`REF_KEY`)."""
+        t = self.trainer
+        a, data = t.arguments, t.batches
+        if self.cache is not None:
+            values = self._cached_logps(local)
+            if training:
+                accum = a.gradient_accumulation_steps
+                shape = (accum, a.total_batch_size, 2)
+                batch[REF_KEY] = jax.make_array_from_process_local_data(
+                    data.sharding, values.reshape(accum, -1, 2), shape
+                )
+            else:
+                rows = batch["input_ids"].shape[0]
+                batch[REF_KEY] = jax.make_array_from_process_local_data(data.eval_sharding, values, (rows, 2))
+        elif training:
+            batch[REF_KEY] = self._train_fn(self.state, batch, t.state.step)
+        else:
+            batch[REF_KEY] = self._eval_fn(self.state, batch)
+        return batch
+
+    def _build(self) -> js.TrainState:
+        """The reference as a `TrainState` with no optimizer (`optax.identity`), sharded like the policy."""
+        t = self.trainer
+        frozen, plan = optax.identity(), t.plan
+        if self.source is None:  # the starting policy, rebuilt from its source: the same on every resume
+            fn, inputs = plan.build_fn, plan.build_inputs
+            abstract = jax.eval_shape(lambda *i: _frozen(fn(*i), frozen), *inputs)
+            shardings = js.state_shardings(abstract, plan.shardings.params, t.mesh)
+            return jax.jit(lambda *i: _frozen(fn(*i), frozen), out_shardings=shardings)(*inputs)
+        model = self.source if isinstance(self.source, nnx.Module) else _load_reference(str(self.source))
+        if model.config.vocab_size != plan.config.vocab_size:
+            raise ValueError(
+                f"ref_model has vocab_size {model.config.vocab_size}, the policy {plan.config.vocab_size}; expected "
+                "the same vocabulary (a reference scores the policy's tokens)"
+            )
+        runtime = t.arguments.runtime.apply(model.runtime)
+        abstract_model = jmod.create_model(model.config, runtime, lazy=True, model_class=type(model))
+        graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)  # type: ignore[misc]
+        _, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+        params = jax.tree_util.tree_map(
+            lambda p, t: p.astype(t.dtype), nnx.to_pure_dict(params), nnx.to_pure_dict(target)
+        )
+        state = js.TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=frozen.init(params),
+            rng=jax.random.PRNGKey(0),
+            model_state=nnx.to_pure_dict(rest),
+            graphdef=graphdef,
+            tx=frozen,
+        )
+        shardings = js.state_shardings(
+            jax.eval_shape(lambda: state), jmod.param_shardings(abstract_model, t.mesh), t.mesh
+        )
+        return jax.device_put(state, shardings)
+
+    # ---- precomputed reference log-probs ----------------------------------------------------------------
+    def cache_file(self) -> Path:
+        """Where this process's precomputed log-probs are kept: `save_directory/ref_logps/`, named by the
+        reference's parameters (their digests), the data and the data settings, so that a resume (or
+        another run of the same reference on the same data in this directory) reads them instead of
+        recomputing, and any change makes a new file."""
+        from jaxloom.mesh import named_leaves
+        from jaxloom.state import integrity
+
+        from .resume import data_identity
+
+        t = self.trainer
+        ref = integrity.digests(dict(named_leaves(self.state.params)))  # type: ignore[union-attr]
+        key = {
+            "reference": ref,
+            "train": data_identity(t.dataset_train),
+            "eval": data_identity(t.dataset_eval),
+            "settings": t.data_settings(),
+            "batches": [t.arguments.total_batch_size, t.arguments.eval_batch_size],
+        }
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return Path(t.arguments.save_directory) / "ref_logps" / f"{digest}.process_{jax.process_index()}.npz"
+
+    def _precompute(self) -> None:
+        """One pass over the training (and evaluation) data computes the reference's log-probs of every pair
+        (this process's rows), keyed by a hash of the pair's tokens, and keeps them in a file; then the
+        reference is released for training. A file made earlier for the same reference and data is read."""
+        t = self.trainer
+        data = t.batches
+        path = self.cache_file()
+        cache: dict[bytes, np.ndarray] = {}
+        if path.is_file():
+            with np.load(path) as saved:
+                cache = {bytes(k): v for k, v in zip(saved["keys"], saved["values"], strict=True)}
+            log.info("reference log-probs of %d pairs read from %s; no reference is held", len(cache), path)
+            self.cache, self.state = cache, None
+            return
+        loaders = [data.loader(t.dataset_train, num_epochs=1, shuffle=False, prefetch=0)]
+        evaluation = data.eval_loader()
+        if evaluation is not None:
+            loaders.append(evaluation)
+        with jax.set_mesh(t.mesh):
+            for loader in loaders:
+                training = loader is loaders[0]
+                if training:
+                    batch_of = data.tokens
+                else:
+                    batch_of = functools.partial(data.eval_tokens, rows=loader.per_shard * loader.dp)
+                fn = self._train_fn if training else self._eval_fn
+                for local in loader:
+                    values = _local_rows(fn(self.state, batch_of(local)), t.mesh, t.data_axes)
+                    for key, value in zip(_row_keys(local), values.reshape(-1, 2), strict=True):
+                        cache[key] = value
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:  # written whole, then renamed: a killed run never leaves half a file
+            keys = np.frombuffer(b"".join(cache), np.uint8).reshape(len(cache), -1) if cache else np.zeros((0, 16))
+            np.savez(f, keys=keys, values=np.asarray(list(cache.values()), np.float32).reshape(-1, 2))
+        os.replace(tmp, path)
+        log.info("precomputed reference log-probs of %d pairs (%s); the reference is released", len(cache), path)
+        self.cache, self.state = cache, None
+
+    def _cached_logps(self, local: dict[str, np.ndarray]) -> np.ndarray:
+        keys = _row_keys(local)
+        out = np.zeros((len(keys), 2), np.float32)
+        for i, key in enumerate(keys):
+            if key in self.cache:  # type: ignore[operator]
+                out[i] = self.cache[key]  # type: ignore[index]
+            elif local["loss_mask"][i].any():
+                folder = Path(self.trainer.arguments.save_directory) / "ref_logps"
+                raise KeyError(
+                    f"a pair has no precomputed reference log-probs in {folder}: the data "
+                    "changed since they were computed; remove that folder to compute them again"
+                )
+        return out
+
+
+def _load_reference(path: str) -> nnx.Module:
+    """An HF directory, or a jaxloom run directory (its newest checkpoint's parameters)."""
+    where = Path(path)
+    if (where / "run_config.json").is_file():
+        return run_model(where)
+    if (where / "config.json").is_file():
+        return jmod.from_pretrained(str(where))
+    raise FileNotFoundError(
+        f"ref_model = {path!r}: expected a Hugging Face model directory (with config.json) or a jaxloom run "
+        "directory (with run_config.json)"
+    )
+
+
 # ---- the trainer -------------------------------------------------------------------------------------------
 class DPOTrainer(BaseTrainer):
     """Direct preference optimisation of `model` against a frozen reference, as TRL's `DPOTrainer`
@@ -197,7 +371,13 @@ class DPOTrainer(BaseTrainer):
     - the rest as `BaseTrainer`.
 
     `total_batch_size` counts pairs; each step reads `2 × total_batch_size` sequences of `max_length`.
+    What it gives the core: `objective()` (the preference loss), `data_spec()` (pair rows and the
+    reference's log-probs) and the `reference` (built with the policy in `configure_model()`).
     """
+
+    # Pairs are tokenized with the tokenizer's own special-token policy, as TRL does: it is kept as given
+    # (not set to add BOS the way next-token training's documents get it).
+    MATCH_BOS = False
 
     def __init__(
         self,
@@ -233,12 +413,12 @@ class DPOTrainer(BaseTrainer):
             hooks=hooks,
             **deprecated_kwargs,
         )
-        # Pairs are tokenized with the tokenizer's own special-token policy, as TRL does: it is kept as given
-        # (not set to add BOS the way next-token training's documents get it).
-        self._tokenizer_matched = True
-        self._ref_in = ref_model if ref_model is not None else arguments.ref_model
-        self.ref_state: js.TrainState | None = None  # built with the model (configure_model)
-        self._ref_cache: dict[bytes, np.ndarray] | None = None
+        self.reference = Reference(self, ref_model if ref_model is not None else arguments.ref_model)
+
+    @property
+    def ref_state(self) -> js.TrainState | None:
+        """The reference's state (None before `configure_model()`, and once log-probs are precomputed)."""
+        return self.reference.state
 
     # ---- what this trainer gives the core --------------------------------------------------------------
     def objective(self) -> Objective:
@@ -247,187 +427,30 @@ class DPOTrainer(BaseTrainer):
         loss = functools.partial(dpo_loss, beta=a.beta, loss_type=a.loss_type, label_smoothing=a.label_smoothing)
         return Objective(loss=loss, metrics=dpo_metrics, weight="pairs", perplexity=False)
 
-    @property
-    def row_width(self) -> int:
-        """A row holds a pair: chosen and rejected, `max_length` tokens each."""
-        return 2 * self.arguments.max_sequence_length
-
-    def data_settings(self) -> dict[str, Any]:
-        """Pairs, one per row, unpacked; bad records skipped and counted when `skip_bad_records`."""
-        return {
-            **super().data_settings(),
-            "packing": False,
-            "pairs": True,
-            "bad_records": "skip" if self.arguments.skip_bad_records else "raise",
-        }
-
-    def batch_spec(self, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """The core's token arrays (rows of pairs) and the reference's log-probs `[A, rows, 2]`."""
-        spec = super().batch_spec(rows)
-        return {**spec, REF_KEY: ((self.arguments.gradient_accumulation_steps, rows, 2), np.float32)}
+    def data_spec(self) -> DataSpec:
+        """Pairs, one per row (chosen and rejected side by side: `2 × max_length` tokens), unpacked; bad
+        records skipped and counted when `skip_bad_records`; the reference's log-probs `[rows, 2]` added
+        to every batch."""
+        a = self.arguments
+        return DataSpec.tokens(
+            a,
+            row_width=2 * a.max_sequence_length,
+            settings={"packing": False, "pairs": True, "bad_records": "skip" if a.skip_bad_records else "raise"},
+            extra={REF_KEY: ((2,), np.float32)},
+            extend=self.reference.extend,
+        )
 
     def configure_model(self):
         """The policy (as the core builds or restores it), then the frozen reference."""
         out = super().configure_model()
-        if self.ref_state is None and self._ref_cache is None:
-            jax.block_until_ready(self.state)  # one program at a time on every process (see reference_logps)
-            self.ref_state = jax.block_until_ready(self._build_reference())
-            ref_fn = functools.partial(reference_logps, fuse=(self.arguments.loss_block_size, self.data_shards()))
-            self._ref_jit = jax.jit(ref_fn, out_shardings=self._batch_sharding, keep_unused=True)
-            self._ref_eval_jit = jax.jit(ref_fn, out_shardings=self._eval_sharding, keep_unused=True)
-            if self.arguments.precompute_ref_log_probs:
-                self._precompute()
+        self.reference.ready()
         return out
-
-    def _global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        batch = super()._global_batch(local)
-        a = self.arguments
-        if self._ref_cache is not None:
-            values = self._cached_logps(local).reshape(a.gradient_accumulation_steps, -1, 2)
-            shape = (a.gradient_accumulation_steps, a.total_batch_size, 2)
-            batch[REF_KEY] = jax.make_array_from_process_local_data(self._batch_sharding, values, shape)
-        else:
-            batch[REF_KEY] = self._ref_jit(self.ref_state, batch, self.state.step)  # type: ignore[union-attr]
-        return batch
-
-    def _eval_batch(self, local: dict[str, np.ndarray], shape: tuple[int, int]) -> dict[str, jax.Array]:
-        batch = super()._eval_batch(local, shape)
-        if self._ref_cache is not None:
-            values = self._cached_logps(local)
-            batch[REF_KEY] = jax.make_array_from_process_local_data(self._eval_sharding, values, (shape[0], 2))
-        else:
-            batch[REF_KEY] = self._ref_eval_jit(self.ref_state, batch)
-        return batch
 
     def data_metrics(self) -> dict[str, float]:
         """The core's data metrics and the bad records skipped so far (with `skip_bad_records`)."""
         out = super().data_metrics()
         if self.arguments.skip_bad_records:
-            loaders = getattr(self.train_loader, "loaders", None) or []
-            out["skipped_records"] = float(sum(loader.skipped for loader in loaders))
-        return out
-
-    # ---- the reference -----------------------------------------------------------------------------------
-    def _build_reference(self) -> js.TrainState:
-        """The reference as a `TrainState` with no optimizer (`optax.identity`), sharded like the policy."""
-        frozen = optax.identity()
-        if self._ref_in is None:  # the starting policy, rebuilt from its source: the same on every resume
-            fn, inputs = self._build
-            abstract = jax.eval_shape(lambda *i: _frozen(fn(*i), frozen), *inputs)
-            shardings = js.state_shardings(abstract, self.state_shardings.params, self.mesh)
-            return jax.jit(lambda *i: _frozen(fn(*i), frozen), out_shardings=shardings)(*inputs)
-        model = self._ref_in if isinstance(self._ref_in, nnx.Module) else self._load_reference(str(self._ref_in))
-        if model.config.vocab_size != self.config.vocab_size:
-            raise ValueError(
-                f"ref_model has vocab_size {model.config.vocab_size}, the policy {self.config.vocab_size}; expected "
-                "the same vocabulary (a reference scores the policy's tokens)"
-            )
-        runtime = self.arguments.runtime.apply(model.runtime)
-        abstract_model = jmod.create_model(model.config, runtime, lazy=True, model_class=type(model))
-        graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)  # type: ignore[misc]
-        _, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-        params = jax.tree_util.tree_map(
-            lambda p, t: p.astype(t.dtype), nnx.to_pure_dict(params), nnx.to_pure_dict(target)
-        )
-        state = js.TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=frozen.init(params),
-            rng=jax.random.PRNGKey(0),
-            model_state=nnx.to_pure_dict(rest),
-            graphdef=graphdef,
-            tx=frozen,
-        )
-        shardings = js.state_shardings(
-            jax.eval_shape(lambda: state), jmod.param_shardings(abstract_model, self.mesh), self.mesh
-        )
-        return jax.device_put(state, shardings)
-
-    def _load_reference(self, path: str) -> nnx.Module:
-        """An HF model directory, or a jaxloom run directory (its newest checkpoint's parameters)."""
-        where = Path(path)
-        if (where / "run_config.json").is_file():
-            from .cli import build_run, split_target
-
-            trainer, _ = build_run(*split_target([str(where)]))
-            return trainer.restore_checkpoint(params_only=True).model
-        if (where / "config.json").is_file():
-            return jmod.from_pretrained(str(where))
-        raise FileNotFoundError(
-            f"ref_model = {path!r}: expected a Hugging Face model directory (with config.json) or a jaxloom run "
-            "directory (with run_config.json)"
-        )
-
-    # ---- precomputed reference log-probs ----------------------------------------------------------------
-    def _ref_cache_file(self) -> Path:
-        """Where this process's precomputed log-probs are kept: `save_directory/ref_logps/`, named by the
-        reference's parameters (their digests), the data and the data settings, so that a resume (or
-        another run of the same reference on the same data in this directory) reads them instead of
-        recomputing, and any change makes a new file."""
-        from jaxloom.mesh import named_leaves
-        from jaxloom.state import integrity
-
-        from .resume import data_identity
-
-        ref = integrity.digests(dict(named_leaves(self.ref_state.params)))  # type: ignore[union-attr]
-        key = {
-            "reference": ref,
-            "train": data_identity(self.dataset_train),
-            "eval": data_identity(self.dataset_eval),
-            "settings": self.data_settings(),
-            "batches": [self.arguments.total_batch_size, self.arguments.eval_batch_size],
-        }
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return self._directory() / "ref_logps" / f"{digest}.process_{jax.process_index()}.npz"
-
-    def _precompute(self) -> None:
-        """One pass over the training (and evaluation) data computes the reference's log-probs of every pair
-        (this process's rows), keyed by a hash of the pair's tokens, and keeps them in a file; then the
-        reference is released for training. A file made earlier for the same reference and data is read."""
-        path = self._ref_cache_file()
-        cache: dict[bytes, np.ndarray] = {}
-        if path.is_file():
-            with np.load(path) as saved:
-                cache = {bytes(k): v for k, v in zip(saved["keys"], saved["values"], strict=True)}
-            log.info("reference log-probs of %d pairs read from %s; no reference is held", len(cache), path)
-            self._ref_cache, self.ref_state = cache, None
-            return
-        loaders = [self._loader(self.dataset_train, num_epochs=1, shuffle=False, prefetch=0)]
-        evaluation = self._eval_loader()
-        if evaluation is not None:
-            loaders.append(evaluation)
-        with jax.set_mesh(self.mesh):
-            for loader in loaders:
-                for local in loader:
-                    batch = (
-                        super()._global_batch(local)
-                        if loader is loaders[0]
-                        else super()._eval_batch(local, (loader.per_shard * loader.dp, self.row_width))
-                    )
-                    jitted = self._ref_jit if loader is loaders[0] else self._ref_eval_jit
-                    values = _local_rows(jitted(self.ref_state, batch), self.mesh, self.data_axes)
-                    for key, value in zip(_row_keys(local), values.reshape(-1, 2), strict=True):
-                        cache[key] = value
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:  # written whole, then renamed: a killed run never leaves half a file
-            keys = np.frombuffer(b"".join(cache), np.uint8).reshape(len(cache), -1) if cache else np.zeros((0, 16))
-            np.savez(f, keys=keys, values=np.asarray(list(cache.values()), np.float32).reshape(-1, 2))
-        os.replace(tmp, path)
-        log.info("precomputed reference log-probs of %d pairs (%s); the reference is released", len(cache), path)
-        self._ref_cache, self.ref_state = cache, None
-
-    def _cached_logps(self, local: dict[str, np.ndarray]) -> np.ndarray:
-        keys = _row_keys(local)
-        out = np.zeros((len(keys), 2), np.float32)
-        for i, key in enumerate(keys):
-            if key in self._ref_cache:  # type: ignore[operator]
-                out[i] = self._ref_cache[key]  # type: ignore[index]
-            elif local["loss_mask"][i].any():
-                raise KeyError(
-                    f"a pair has no precomputed reference log-probs in {self._directory() / 'ref_logps'}: the data "
-                    "changed since they were computed; remove that folder to compute them again"
-                )
+            out["skipped_records"] = float(self.batches.skipped_records())
         return out
 
 

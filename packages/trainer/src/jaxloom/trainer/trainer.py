@@ -1,22 +1,30 @@
-"""`BaseTrainer`: a composition root of builders around one jitted step, and a one-screen loop.
+"""`BaseTrainer`: EasyDeL's documented surface as a facade over components that own their state.
 
-Constructing a trainer stores what it was given and nothing else: no file, thread, device query or
-compilation. The builders (`configure_model`, `configure_dataloaders`, `configure_functions`, each
-returning EasyDeL's output type) do the work when called; `initialize_trainer_utils()` calls them in
-the order that overlaps the slow parts (compiling, tokenizing, restoring), and `train()`, `evaluate()`
-and the generation methods call it on first use. Checkpoints, evaluation and previews are `Callback`s
-with their own cadence; the loop only runs steps and asks which callbacks are due."""
+The components, each built from its part of the arguments on first use (`functools.cached_property`):
+
+| attribute | component | owns |
+| --- | --- | --- |
+| `run_directory` | `RunDirectory` | the lock, an earlier run's fate, run_config.json and the tokenizer copy |
+| `plan` | `Plan` | mesh, runtime, optimizer and schedule, the state's shapes and shardings, checks |
+| `batches` | `Batches` | train/eval loaders and global batches (the kind's `DataSpec`) |
+| `functions` | `StepFunctions` | the jitted train and eval steps |
+| `checkpointing` | `Checkpointing` | the checkpoint manager, its cadence, resume |
+| `step_log` | `StepLog` | progress bar, metrics rows, TensorBoard, W&B |
+| `evaluator` | `Evaluator` | evaluation and its last result |
+| `generation` | `Generation` | generate_unified/aio, previews |
+| `stop_control` | `StopControl` | signals, time limit, non-finite loss, stop requests |
+
+A trainer kind (SFT here, `DPOTrainer`, ...) is an `objective()` and a `data_spec()` (plus any frozen state
+it builds in `configure_model()`); the loop (`loop.run_loop`) is the same for all. Constructing a trainer
+stores what it was given and nothing else: no file, thread, device query or compilation.
+"""
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
-import shutil
-import signal
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -31,12 +39,18 @@ import jaxloom.data as jd
 import jaxloom.generation as jg
 import jaxloom.models as jmod
 import jaxloom.state as js
-from jaxloom.mesh import MeshConfig, local_batch_slice, named_leaves, paths
+from jaxloom.mesh import MeshConfig
 
+from . import export
 from .arguments import TrainingArguments
-from .callbacks import Callback
-from .metrics import MetricsWriter, _NoBar, create_progress_bar, memory_in_use, peak_flops
-from .optim import make_optimizer
+from .batches import Batches, DataSpec
+from .callbacks import Callback, Callbacks, trainer_hooks
+from .checkpointing import Checkpointing
+from .evaluation import Evaluator
+from .functions import StepFunctions
+from .loop import run_loop
+from .metrics import MetricsWriter, _NoBar
+from .monitor import StepLog
 from .outputs import (
     ALREADY_COMPLETE,
     TrainerConfigureDataloaderOutput,
@@ -44,21 +58,17 @@ from .outputs import (
     TrainerConfigureModelOutput,
     TrainerOutput,
 )
-from .report import plot_history, write_report
-from .resume import check_resume, data_identity, fresh_run_directory, run_identity
-from .step import STOP_KEY, Objective, StepConfig, eval_step, train_step
+from .plan import Plan, data_axes
+from .previews import Generation
+from .report import plot_history
+from .resume import fresh_run_directory, run_identity
+from .run_directory import RUN_CONFIG, RUN_OUTPUTS, RunDirectory
+from .step import Objective, StepConfig
+from .stopping import NonFiniteLossError, StopControl
 
+__all__ = ["RUN_CONFIG", "BaseTrainer", "NonFiniteLossError", "Trainer", "use_compilation_cache"]
 log = logging.getLogger("jaxloom.trainer")
-
-# Why a process asks to stop; with several processes the largest code of any process wins (see request_stop).
-_STOP_SIGNAL, _STOP_TIME_LIMIT, _STOP_REQUESTED = 1, 2, 3
-RUN_CONFIG = "run_config.json"
-# Step metrics that are not averaged into a log row (bookkeeping; tokens and the learning rate are logged apart).
-_NOT_AVERAGED = {"finite", "learning_rate", "tokens", STOP_KEY}
-
-
-class NonFiniteLossError(FloatingPointError):
-    """Training produced a NaN or infinite loss or gradient (with `nan_policy="stop"`)."""
+_PLANNED = ("plan", "functions", "evaluator", "batches", "run_identity")  # rebuilt when the starting point changes
 
 
 class _Finish:
@@ -81,11 +91,13 @@ def _finish_logging() -> None:
 
 
 def _finish_trainer(trainer: BaseTrainer) -> None:
-    trainer._release_directory()
-    if trainer.checkpoints is not None:
-        trainer.checkpoints.close()
-    if trainer.train_loader is not None:
-        trainer.train_loader.close()
+    built = trainer.__dict__
+    if "run_directory" in built:
+        trainer.run_directory.release()
+    if "checkpointing" in built:
+        trainer.checkpointing.close()
+    if "batches" in built:
+        trainer.batches.close()
     if trainer._pool is not None:
         trainer._pool.shutdown(wait=False)
     _finish_logging()
@@ -110,14 +122,18 @@ class BaseTrainer:
     - `processing_class`: the tokenizer (default: the bundled one).
     - `mesh`: a `jax.sharding.Mesh` to use instead of the one the arguments describe.
     - `hooks`: objects with optional `on_step_start(trainer, step)` / `on_step_end(trainer, step, metrics)` /
-      `on_save(trainer, step)` (after checkpoint `step` is written, or handed to the async writer).
+      `on_save(trainer, step)` (after checkpoint `step` is written, or handed to the async writer); each
+      becomes a `Callback` (`Callback.of`).
     - `deprecated_kwargs`: none are accepted; any name here is an error naming it.
 
     Subclasses may override `on_step_start(state, step)`, `on_step_end(state, metrics, step)`,
-    `start_training_hook()` and `start_evaluation_hook()`; the loop calls them.
+    `start_training_hook()` and `start_evaluation_hook()`; a trainer kind overrides `objective()` and
+    `data_spec()` (see `DPOTrainer`).
     """
 
     finish = _Finish()
+    RUN_OUTPUTS = RUN_OUTPUTS
+    MATCH_BOS = True  # the tokenizer adds BOS exactly when training does (next-token data); DPO keeps its own
 
     def __init__(
         self,
@@ -149,26 +165,107 @@ class BaseTrainer:
         self.data_collator, self.finetune = data_collator, bool(finetune)
         self.hooks = list(hooks or [])
         self.callbacks: list[Callback] = []
-        self._model_in = model if model is not None else model_state.model
+        self._model_in: nnx.Module = model if model is not None else model_state.model  # type: ignore[union-attr]
         self._state_in = model_state
         self._tokenizer = processing_class
-        self._tokenizer_matched = False
         self._mesh = mesh
-        # Filled by the builders.
-        self.state: js.TrainState | None = None
-        self.tx = self.schedule = self.checkpoints = self.writer = self.pbar = None
-        self.train_loader: Any = None  # set by configure_dataloaders()
+        self.state: js.TrainState | None = None  # the state being trained, once configure_model() has run
         self.resumed_from: str | None = None
+        self.current_step = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._planned = self._initialized = False
-        self._data_state = None
-        self._stop_code, self._stop_note = 0, ""  # this process's stop request (_STOP_* code)
-        self._stop_reason: str | None = None
-        self._t0 = self._eval_t0 = None
-        self._elapsed_base = 0.0
+        self._train_fn: Any = None  # the compiled train step (a Future while it compiles)
+        self._initialized = False
         # The resolved config of a `jaxloom train` run (sections model, data, arguments): written to
         # save_directory/run_config.json at setup, so that eval, generate, convert and plan rebuild the run.
         self.run_config: dict[str, Any] | None = None
+
+    # ---- the components ----------------------------------------------------------------------------
+    @functools.cached_property
+    def plan(self) -> Plan:
+        """Everything abstract about the run (`Plan.build`): nothing is allocated or compiled."""
+        a = self.arguments
+        steps = a.max_training_steps or self.batches.steps_for_epochs()
+        return Plan.build(
+            a,
+            self._model_in,
+            mesh=self.mesh,
+            total_steps=steps,
+            state=self._state_in,
+            finetune=self.finetune,
+            check_eval=self.dataset_eval is not None,
+        )
+
+    @functools.cached_property
+    def batches(self) -> Batches:
+        """The run's loaders and global batches, for this trainer kind's `data_spec()`."""
+        return Batches(
+            self.arguments,
+            self.data_spec(),
+            mesh=self.mesh,
+            data_axes=self.data_axes,
+            tokenizer=lambda: self.tokenizer,
+            dataset_train=self.dataset_train,
+            dataset_eval=self.dataset_eval,
+            collator=self.data_collator,
+        )
+
+    @functools.cached_property
+    def functions(self) -> StepFunctions:
+        """The train and eval steps jitted over the plan's shardings, for this kind's `objective()`."""
+        a, plan = self.arguments, self.plan
+        config = StepConfig(
+            z_loss=a.z_loss,
+            loss_block_size=a.loss_block_size,
+            data_shards=self.batches.data_shards(),
+            aux_loss_coef=getattr(plan.config, "router_aux_loss_coef", 0.0),
+            skip_nonfinite=a.nan_policy == "skip",
+            schedule=plan.schedule,
+            objective=self.objective(),
+        )
+        accumulation = a.gradient_accumulation_steps
+        return StepFunctions.build(plan, self.batches.spec, config, accumulation=accumulation, donate=a.donate_state)
+
+    @functools.cached_property
+    def run_directory(self) -> RunDirectory:
+        self._directory()
+        return RunDirectory(self.arguments.checkpoint)
+
+    @functools.cached_property
+    def checkpointing(self) -> Checkpointing:
+        return Checkpointing(self.arguments.checkpoint, self.run_directory.checkpoints)
+
+    @functools.cached_property
+    def step_log(self) -> StepLog:
+        return StepLog(
+            self.arguments,
+            config=self.config,
+            row_width=self.row_width,
+            devices=self.mesh.devices.size,
+            is_process_zero=self.is_process_zero,
+            perplexity=self.step_config.objective.perplexity,
+        )
+
+    @functools.cached_property
+    def evaluator(self) -> Evaluator:
+        fns = self.functions
+        return Evaluator(
+            self.batches, fns.evaluate, fns.config.objective, eval_batches=self.arguments.eval_batches, mesh=self.mesh
+        )
+
+    @functools.cached_property
+    def generation(self) -> Generation:
+        return Generation(self.arguments, tokenizer=lambda: self.tokenizer, mesh=self.mesh)
+
+    @functools.cached_property
+    def stop_control(self) -> StopControl:
+        a = self.arguments
+        where = f" in {a.checkpoint_directory or Path(a.save_directory or '.') / 'checkpoints'}"
+        return StopControl(a.nan_policy, a.training_time_limit, where=where)
+
+    @functools.cached_property
+    def run_identity(self) -> dict[str, Any]:
+        """What this run is (arguments, model config, tokenizer, training data), recorded in every checkpoint."""
+        return run_identity(self.arguments, self.config, self.tokenizer, self.dataset_train)
 
     # ---- what the trainer is working on ---------------------------------------------------------------
     @property
@@ -180,9 +277,8 @@ class BaseTrainer:
             self._tokenizer = jd.load_processor()
         if isinstance(self._tokenizer, Future):  # loaded in the background during setup
             self._tokenizer = self._tokenizer.result()
-        if not self._tokenizer_matched:
+        if self.MATCH_BOS:
             self._tokenizer = jd.match_bos(self._tokenizer, jd.DataConfig.add_bos)
-            self._tokenizer_matched = True
         return self._tokenizer
 
     processing_class = tokenizer
@@ -200,15 +296,30 @@ class BaseTrainer:
         """The model's `RuntimeConfig` with the arguments that set runtime fields applied."""
         return self.arguments.runtime.apply(self._model_in.runtime)
 
+    @property
+    def model_state(self) -> js.TrainState:
+        """The `TrainState` being trained: built (restored, or created on its shards) on first access."""
+        return self.state if self.state is not None else self.configure_model().state
+
+    _model_state = model_state
     dtype = property(lambda self: self.runtime.dtype, doc="Computation dtype (the arguments', else the model's).")
     param_dtype = property(
         lambda self: self.runtime.param_dtype, doc="Parameter dtype (the arguments', else the model's)."
     )
-    model_state = property(lambda self: self.state, doc="The `TrainState` (None before `configure_model()`).")
-    _model_state = model_state
-    optimizer = property(lambda self: self.tx, doc="The optax optimizer (None before `configure_model()`).")
-    scheduler = property(lambda self: self.schedule, doc="The learning-rate schedule (None before configuring).")
-    checkpoint_manager = property(lambda self: self.checkpoints, doc="The run's `jaxloom.state.CheckpointManager`.")
+    optimizer = property(lambda self: self.plan.tx, doc="The optax optimizer of the run.")
+    tx = optimizer
+    scheduler = property(lambda self: self.plan.schedule, doc="The learning-rate schedule of the run.")
+    schedule = scheduler
+    config = property(lambda self: self.plan.config, doc="The model's config.")
+    model_class = property(lambda self: self.plan.model_class, doc="The model's class.")
+    n_params = property(lambda self: self.plan.n_params, doc="Parameters of the model.")
+    total_steps = property(lambda self: self.plan.total_steps, doc="Optimizer steps of the run.")
+    state_shardings = property(lambda self: self.plan.shardings, doc="The state's shardings.")
+    step_config = property(lambda self: self.functions.config, doc="The steps' static `StepConfig`.")
+    data_axes = property(lambda self: data_axes(self.runtime, self.mesh), doc="Mesh axes the batch rows split over.")
+    train_loader = property(lambda self: self.batches.train, doc="This process's training loader (once set up).")
+    writer = property(lambda self: self.step_log.writer, doc="The run's `MetricsWriter` (once training started).")
+    pbar = property(lambda self: self.step_log.pbar, doc="The progress bar (once training started).")
     is_process_zero = property(lambda self: jax.process_index() == 0, doc="Whether this is process 0.")
     process_zero_is_admin = property(lambda self: True, doc="Process 0 writes logs, reports and exports: always.")
     is_enable = property(
@@ -227,153 +338,78 @@ class BaseTrainer:
     )
 
     @property
+    def checkpoints(self) -> js.CheckpointManager | None:
+        """The run's `jaxloom.state.CheckpointManager` (None while the run has no save_directory)."""
+        return None if self.arguments.save_directory is None else self.checkpointing.manager
+
+    checkpoint_manager = checkpoints
+
+    @property
     def model(self):
         """The model: the trained state's once `configure_model()` has run, else the one given."""
         return self.state.model if self.state is not None else self._model_in
 
-    # ---- builders ------------------------------------------------------------------------------------
-    def _plan(self) -> None:
-        """Everything abstract: mesh, runtime, optimizer and schedule, the state's shapes and shardings,
-        the checkpoint manager. Nothing is allocated or compiled."""
-        if self._planned:
-            return
-        a = self.arguments
-        template = self._model_in
-        self.config, self.model_class = template.config, type(template)
-        runtime = self.runtime
-        self._check_attention(runtime)
-        self._check_shapes()
-        self.total_steps = a.max_training_steps or self._steps_for_epochs()
-        self.tx, self.schedule = make_optimizer(a.optim, self.total_steps)
-        self.n_params = jmod.count_params(template)
-        abstract_model = jmod.create_model(self.config, runtime, lazy=True, model_class=self.model_class)
-        self._build = self._state_builder(template, abstract_model, runtime)
-        self._abstract_state = jax.eval_shape(self._build[0], *self._build[1])
-        self.state_shardings = js.state_shardings(
-            self._abstract_state, jmod.param_shardings(abstract_model, self.mesh), self.mesh
-        )
-        self._batch_sharding, self._eval_sharding = self._batch_shardings()
-        self.checkpoints = self._checkpoint_manager() if a.save_directory is not None else None
-        self._planned = True
+    # ---- what a trainer kind supplies (public extension points; see DPOTrainer) --------------------------
+    def objective(self) -> Objective:
+        """What the steps minimise and log: next-token cross entropy over the loss-masked tokens."""
+        return Objective()
 
-    def _checkpoint_manager(self) -> js.CheckpointManager:
-        a = self.arguments
-        return js.CheckpointManager(
-            js.CheckpointConfig(
-                directory=a.checkpoint_directory or str(Path(a.save_directory) / "checkpoints"),
-                save_steps=a.save_steps,
-                save_minutes=a.save_minutes,
-                save_total_limit=a.save_total_limit,
-                async_save=a.async_checkpointing,
-            )
-        )
+    def data_spec(self) -> DataSpec:
+        """What this trainer reads and feeds its step: next-token rows of `max_sequence_length` tokens."""
+        return DataSpec.tokens(self.arguments)
 
-    def _directory(self) -> Path:
-        """The run's `save_directory`; without one, a new one for this run (chosen once, at setup)."""
-        if self.arguments.save_directory is None:
-            self.arguments = self.arguments.replace(save_directory=fresh_run_directory())
-            log.info("save_directory not set: this run writes to %s", self.arguments.save_directory)
-            if self._planned:
-                self.checkpoints = self._checkpoint_manager()
-        return Path(self.arguments.save_directory)
+    def data_metrics(self) -> dict[str, float]:
+        """Metrics of the data read so far, added to each log row (a mixture's shares)."""
+        return self.batches.mixture_shares()
 
+    @property
+    def row_width(self) -> int:
+        """Token columns of one batch row (`data_spec().row_width`)."""
+        return self.batches.spec.row_width
+
+    def data_settings(self) -> dict[str, Any]:
+        """`jaxloom.data.DataConfig` fields of this trainer's loaders (`data_spec().settings`)."""
+        return dict(self.batches.spec.settings)
+
+    def data_shards(self) -> int:
+        """How many ways the batch rows are split over the mesh (the data-parallel size)."""
+        return self.batches.data_shards()
+
+    def batch_spec(self, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """`{key: (shape, dtype)}` of the train step's batch for `rows` global rows per micro-batch."""
+        return self.batches.spec.batch_spec(self.arguments.gradient_accumulation_steps, rows)
+
+    # ---- builders (EasyDeL's) --------------------------------------------------------------------------
     def configure_model(self) -> TrainerConfigureModelOutput:
         """The state this run trains, on its shards: restored from the newest checkpoint of
         `save_directory` (`resume_if_possible`), else from the given state or model, else new from
         `seed`. Also builds the mesh, the optimizer and schedule (`optimizer`, `scheduler`)."""
-        self._plan()
+        plan = self.plan
         if self.state is None:
             self.state = self._restore() if self._resume_step() is not None else self._initial_state()
         return TrainerConfigureModelOutput(
-            model=self.state.model, state=self.state, tx=self.tx, scheduler=self.schedule, config=self.config
+            model=self.state.model, state=self.state, tx=plan.tx, scheduler=plan.schedule, config=plan.config
         )
 
     def configure_dataloaders(self) -> TrainerConfigureDataloaderOutput:
         """This process's training loader, started at the restored data position (so call it after
         `configure_model()` when resuming), and a fresh evaluation loader."""
-        self._plan()
-        if self.train_loader is None:
-            self._check_vocab()
-            self._check_previews()
-            self._check_eval_data()
-            self.train_loader = self._loader(self.dataset_train, state=self._data_state)
-            self.train_loader.start()  # the first batches are made while the step compiles
-        return TrainerConfigureDataloaderOutput(
-            self.train_loader,
-            self._eval_loader(),
-            self.total_steps,
-            self.arguments.eval_batches if self.dataset_eval is not None else None,
-        )
+        plan, data = self.plan, self.batches
+        if data.train is None:
+            data.check_vocab(plan.config.vocab_size)
+            self.generation.check_prompts(plan.config.max_position_embeddings)
+            data.check_eval_data()
+            restored = self.checkpointing.data_state if "checkpointing" in self.__dict__ else None
+            data.train_loader(state=restored)
+        evaluation = self.arguments.eval_batches if self.dataset_eval is not None else None
+        return TrainerConfigureDataloaderOutput(data.train, data.eval_loader(), plan.total_steps, evaluation)
 
     def configure_functions(self) -> TrainerConfigureFunctionOutput:
         """The train and eval steps jitted with explicit shardings and donation; the train step starts
         compiling for the exact shapes in the background."""
-        self._jit_steps()
-        self._train_fn = self._setup_pool().submit(self._compile_train_step)
-        return TrainerConfigureFunctionOutput(self._train_jit, self._eval_jit, self.mesh, self.checkpoints)
-
-    # ---- what a trainer on this core supplies (a subclass overrides these: see DPOTrainer) -------------------
-    def objective(self) -> Objective:
-        """What the steps minimise and log: next-token cross entropy over the loss-masked tokens."""
-        return Objective()
-
-    @property
-    def row_width(self) -> int:
-        """Token columns of one batch row (`max_sequence_length`; a preference pair's row holds two sequences)."""
-        return self.arguments.max_sequence_length
-
-    def data_settings(self) -> dict[str, Any]:
-        """`jaxloom.data.DataConfig` fields of this trainer's loaders (rows, packing, truncation, shuffling)."""
-        a = self.arguments
-        return dict(
-            max_sequence_length=a.max_sequence_length,
-            packing=a.packing,
-            truncation_mode=a.truncation_mode,
-            shuffle=a.shuffle_train_dataset,
-            shuffle_buffer_size=a.shuffle_buffer_size,
-            seed=a.seed,
-        )
-
-    def data_shards(self) -> int:
-        """How many ways the batch rows are split over the mesh (the data-parallel size)."""
-        a = self.arguments
-        rows = a.total_batch_size
-        return max(
-            1, rows // self._batch_sharding.shard_shape((a.gradient_accumulation_steps, rows, self.row_width))[1]
-        )
-
-    def batch_spec(self, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """`{key: (shape, dtype)}` of the train step's batch for `rows` global rows per micro-batch, with the
-        accumulation axis first: what the step is compiled for and what `_global_batch` makes."""
-        shape = (self.arguments.gradient_accumulation_steps, rows, self.row_width)
-        return {k: (shape, np.int32) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
-
-    def _jit_steps(self) -> None:
-        self._plan()
-        a = self.arguments
-        aux = getattr(self.config, "router_aux_loss_coef", 0.0)
-        self.step_config = StepConfig(
-            z_loss=a.z_loss,
-            loss_block_size=a.loss_block_size,
-            data_shards=self.data_shards(),
-            aux_loss_coef=aux,
-            skip_nonfinite=a.nan_policy == "skip",
-            schedule=self.schedule,
-            objective=self.objective(),
-        )
-        repl = NamedSharding(self.mesh, PartitionSpec())
-        donate = a.donate_state if a.donate_state is not None else self.mesh.devices.flat[0].platform != "cpu"
-        self._train_jit = jax.jit(
-            functools.partial(train_step, cfg=self.step_config),
-            in_shardings=(self.state_shardings, self._batch_sharding),
-            out_shardings=(self.state_shardings, repl),
-            donate_argnums=0 if donate else (),
-        )
-        self._eval_jit = jax.jit(
-            functools.partial(eval_step, cfg=self.step_config),
-            in_shardings=(self.state_shardings, self._eval_sharding),
-            out_shardings=repl,
-        )
+        fns = self.functions
+        self._train_fn = self._setup_pool().submit(lambda: self.lower_train_step().compile())
+        return TrainerConfigureFunctionOutput(fns.train, fns.evaluate, self.mesh, self.checkpoints)
 
     def initialize_trainer_utils(self) -> None:
         """Run the builders once, ordered so that the slow parts overlap: the tokenizer loads and the
@@ -382,123 +418,44 @@ class BaseTrainer:
         Process-wide settings (the compilation cache) are applied here, at the start of a run."""
         if self._initialized:
             return
-        self._directory()
-        self._take_directory()
+        if self.run_directory.take(is_process_zero=self.is_process_zero) and "checkpointing" in self.__dict__:
+            self.checkpointing.manager.reload()
         if self.arguments.compilation_cache_dir:
             use_compilation_cache(self.arguments.compilation_cache_dir)
         pool = self._setup_pool()
         if self._tokenizer is None:
             self._tokenizer = pool.submit(jd.load_processor)
         pool.submit(js.CheckpointManager.prepare)
-        self._plan()
-        if not hasattr(self, "_train_fn"):
+        if self._train_fn is None:
             self.configure_functions()
         if self.state is None and self._resume_step() is not None:
-            self._check_resume()
+            self.checkpointing.check_resume(self.arguments.save_directory, self.run_identity)
             self.configure_model()
             self.configure_dataloaders()
         else:
             self.configure_dataloaders()
             self.configure_model()
-        self._add_builtin_callbacks()
-        self._identity()  # recorded by every checkpoint: computed once, now, not at the first save
-        self._write_run_files()
+        if self.is_process_zero:  # what rebuilds the run from its directory, once the run is known to be valid
+            self.run_directory.write_run_files(self.run_config, self.tokenizer)
         self._initialized = True
-
-    def _write_run_files(self) -> None:
-        """What rebuilds the run from its directory alone, written by process 0 once the run is known to be
-        valid: `run_config.json` (the resolved config, when the `jaxloom` command gave one as
-        `run_config`) and a copy of the tokenizer in `tokenizer/` (kept once written), each atomically."""
-        if not self.is_process_zero:
-            return
-        directory = self._directory()
-        if self.run_config is not None:
-            tmp = directory / f".{RUN_CONFIG}.tmp"
-            tmp.write_text(json.dumps(self.run_config, indent=2, default=str))
-            os.replace(tmp, directory / RUN_CONFIG)
-        target = directory / "tokenizer"
-        if not target.is_dir() and hasattr(self.tokenizer, "save_pretrained"):
-            tmp_dir = directory / ".tokenizer.tmp"
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            self.tokenizer.save_pretrained(str(tmp_dir))
-            os.replace(tmp_dir, target)
 
     def restore_checkpoint(self, *, params_only: bool = False) -> js.TrainState:
         """The newest checkpoint of `save_directory` as this trainer's state, with nothing else set up
         (no loader, no compile): for commands that only read a run (`eval`, `generate`, `convert`).
         `params_only` leaves the optimizer state abstract. FileNotFoundError when there is none."""
-        self._plan()
         if self.checkpoints is None:
             raise FileNotFoundError("save_directory is not set: there is no run to restore a checkpoint from")
-        if self.checkpoints.latest_step() is None:
-            raise FileNotFoundError(f"no checkpoint under {self.checkpoints.directory} (none complete)")
-        target = jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._abstract_state, self.state_shardings
-        )
-        restored = self.checkpoints.restore(target, params_only=params_only)
-        self.resumed_from = f"{self.checkpoints.directory}/{restored.step or self.checkpoints.latest_step()}"
+        restored = self.checkpointing.restore(self.plan.target(), params_only=params_only)
+        self.resumed_from = f"{self.checkpointing.manager.directory}/{restored.step}"
         self.state = restored.state
         return self.state
 
-    # What a run writes in its save_directory, removed by `overwrite_output_dir` (run_config.json is the
-    # new run's own, rewritten at setup from `run_config`).
-    RUN_OUTPUTS = (
-        "checkpoints",
-        "metrics.jsonl",
-        "tensorboard",
-        "report.md",
-        "loss.png",
-        "profile",
-        "tokenizer",
-        "wandb_run_id",
-    )
-
-    def _take_directory(self) -> None:
-        """One owner per `save_directory` (a lock file, process 0), seen by every process (multi-process
-        runs: `check_shared_directory`), and no earlier run replaced silently:
-        checkpoints there are resumed (`resume_if_possible`), removed (`overwrite_output_dir`), or an error."""
-        a = self.arguments
-        directory = Path(a.save_directory)
-        if self.is_process_zero:
-            self._lock = js.DirectoryLock(directory).acquire()
-        shared = a.checkpoint_directory or directory  # every process writes its part of each checkpoint there
-        try:  # ... and reads it back after a restart (an object store is shared by every host)
-            if not paths.is_uri(shared):
-                js.check_shared_directory(shared)
-        except ValueError:
-            self._release_directory()
-            raise
-        ckpts = paths.as_path(a.checkpoint_directory or directory / "checkpoints")
-        earlier = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.is_dir() else []
-        if earlier and a.overwrite_output_dir:
-            log.warning("overwrite_output_dir: removing the earlier run in %s (checkpoints %s)", directory, earlier)
-            if self.is_process_zero:
-                for name in self.RUN_OUTPUTS:
-                    target = directory / name
-                    if target.is_dir():
-                        shutil.rmtree(target)
-                    else:
-                        target.unlink(missing_ok=True)
-                if a.checkpoint_directory:
-                    paths.remove_tree(paths.as_path(a.checkpoint_directory))
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices("jaxloom-overwrite-output-dir")
-            if self.checkpoints is not None:
-                self.checkpoints.reload()
-        elif earlier and not a.resume_if_possible:
-            self._release_directory()
-            raise ValueError(
-                f"save_directory {directory} holds checkpoints {earlier} of an earlier run and "
-                "resume_if_possible=false; expected an empty directory. Set resume_if_possible=true to continue "
-                "that run, overwrite_output_dir=true to replace it, or choose a new save_directory."
-            )
-
-    def _release_directory(self) -> None:
-        lock = getattr(self, "_lock", None)
-        if lock is not None:
-            lock.release()
+    def _directory(self) -> Path:
+        """The run's `save_directory`; without one, a new one for this run (chosen once, at setup)."""
+        if self.arguments.save_directory is None:
+            self.arguments = self.arguments.replace(save_directory=fresh_run_directory())
+            log.info("save_directory not set: this run writes to %s", self.arguments.save_directory)
+        return Path(self.arguments.save_directory)
 
     def _setup_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -506,243 +463,34 @@ class BaseTrainer:
         return self._pool
 
     def _resume_step(self) -> int | None:
-        if not self.arguments.resume_if_possible:
-            return None
-        return self.checkpoints.latest_step()
-
-    def _identity(self) -> dict[str, Any]:
-        """What this run is (arguments, model config, tokenizer, training data), recorded in every checkpoint."""
-        if getattr(self, "_run_identity", None) is None:
-            self._run_identity = run_identity(self.arguments, self.config, self.tokenizer, self.dataset_train)
-        return self._run_identity
-
-    def _check_resume(self) -> None:
-        """Before restoring: the run in `save_directory` must be one this run can continue (the same model,
-        tokenizer, training data and optimizer); what may change (steps, cadences, logging) is printed."""
-        step = self._resume_step()
-        assert step is not None
-        try:
-            recorded = self.checkpoints.read_meta(step).get("metadata", {}).get("run") or {}
-        except (OSError, ValueError):
-            recorded = {}  # unreadable metadata: the restore reports it
-        changed = check_resume(self.arguments.save_directory, step, recorded, self._identity())
-        if changed:
-            log.warning(
-                "resuming the run in %s with changed settings:\n  %s",
-                self.arguments.save_directory,
-                "\n  ".join(changed),
-            )
+        return None if self.checkpoints is None else self.checkpointing.resume_step()
 
     def _restore(self) -> js.TrainState:
-        target = jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._abstract_state, self.state_shardings
-        )
-        restored = self.checkpoints.restore(target)
-        self._data_state = restored.data_state
-        self.resumed_from = f"{self.checkpoints.directory}/{restored.step}"
+        restored = self.checkpointing.restore(self.plan.target())
+        self.checkpointing.data_state = restored.data_state
+        self.resumed_from = f"{self.checkpointing.manager.directory}/{restored.step}"
         # a warning: a Python user who configured no logging still sees that the run continued an earlier one
         log.warning("resumed from checkpoint %s (step %d)", self.resumed_from, restored.step)
         log.debug("data position at step %d: %s", restored.step, restored.data_state)
         return restored.state
 
     def _initial_state(self) -> js.TrainState:
-        """The state created on its shards by one jitted program. From a seed on a one-device mesh, op by
-        op instead: a few small kernels shared by same-shaped layers compile faster than one program with
-        a random-number pipeline per parameter (seconds of start-up on CPU; same values to rounding)."""
-        if self.arguments.resume_if_possible:
+        if self.arguments.resume_if_possible and self.checkpoints is not None:
             log.info(
                 "resume_if_possible: no complete checkpoint in %s; starting from scratch", self.checkpoints.directory
             )
-        fn, inputs = self._build
-        if self._state_in is not None and _matches(self._state_in, self._abstract_state):
-            return jax.jit(lambda s: s, out_shardings=self.state_shardings)(self._state_in)  # its optimizer state too
-        if self.mesh.devices.size > 1 or inputs:  # from given parameters: copies, never aliases of them
-            return jax.jit(fn, out_shardings=self.state_shardings)(*inputs)
-        return jax.device_put(fn(*inputs), self.state_shardings)
+        return self.plan.initial_state()
 
-    def _state_builder(self, template, abstract_model, runtime):
-        """`(fn, inputs)`: `fn(*inputs)` makes the initial state. From the seed when the model is abstract
-        (or `finetune=False`); else from the given parameters, cast to `param_dtype` and put into the
-        model rebuilt with this run's runtime."""
-        seed, tx, config, cls = self.arguments.seed, self.tx, self.config, self.model_class
-        # The given state's class (EasyDeL's `state_class`, a `TrainState` subclass) is kept for the run.
-        state_cls = type(self._state_in) if isinstance(self._state_in, js.TrainState) else js.TrainState
-        leaves = jax.tree_util.tree_leaves(nnx.state(template, nnx.Param))
-        if not self.finetune or (leaves and isinstance(leaves[0], jax.ShapeDtypeStruct)):
-            return (
-                lambda: state_cls.create(jmod.create_model(config, runtime, seed=seed, model_class=cls), tx, seed=seed)
-            ), ()
-        _, params, rest = nnx.split(template, nnx.Param, ...)
-        graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)
-        if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(target):
-            raise ValueError(
-                "the arguments change the layout of the given model's parameters (scan_layers "
-                f"{self._model_in.runtime.scan_layers} -> {runtime.scan_layers}); create the model with "
-                "the layout you want, or leave scan_layers unset"
-            )
-        cast = jax.tree_util.tree_map(lambda p, t: p.astype(t.dtype) if p.dtype != t.dtype else p, params, target)
-        return (lambda p: state_cls.create(nnx.merge(graphdef, p, rest), tx, seed=seed)), (cast,)
-
-    @property
-    def data_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch rows are split over, in order: the model's `partition_axis.batch_axis`
-        (default fsdp, then dp) as far as the mesh has them. The loaders lay rows out the same way, so
-        no batch is resharded inside the step; with `ep` in it, a mixture of experts moves its tokens
-        between the expert-parallel devices, which are data-parallel everywhere else."""
-        axes = self.runtime.partition_axis.batch_axis
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        return tuple(x for x in axes if x in self.mesh.shape)
-
-    def _check_shapes(self) -> None:
-        """Before anything runs: rows fit the model's positions, and both batch sizes divide over the
-        data axes (the evaluation batch is checked now, not at the first evaluation, after training)."""
-        a = self.arguments
-        if a.max_sequence_length > self.config.max_position_embeddings:
-            raise ValueError(
-                f"max_sequence_length = {a.max_sequence_length}; expected at most the model's "
-                f"max_position_embeddings ({self.config.max_position_embeddings}): positions past it were never "
-                "trained and exported models refuse them. Shorten the rows or raise model.max_position_embeddings"
-            )
-        local_batch_slice(self.mesh, a.total_batch_size, self.data_axes)
-        if self.dataset_eval is not None:
-            try:
-                local_batch_slice(self.mesh, a.eval_batch_size, self.data_axes)
-            except ValueError as e:
-                raise ValueError(f"evaluation_batch_size = {a.eval_batch_size}: {e}") from None
-
-    def _check_vocab(self) -> None:
-        """Every token id the tokenizer can produce has a row in the model's embedding (a larger id
-        would be clamped by the gather: a silently wrong model, NaN soon after)."""
-        n = len(self.tokenizer)
-        if n > self.config.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {n} tokens but the model's vocab_size is {self.config.vocab_size}; expected "
-                f"vocab_size >= {n} (set model.vocab_size, or use the model's own tokenizer)"
-            )
-
-    def _check_previews(self) -> None:
-        """Every preview prompt, with the tokens to generate after it, fits the model's positions: checked
-        now, not at the first preview (which comes after training steps that would then be lost)."""
-        a = self.arguments
-        if not a.generation_prompts:
-            return
-        try:
-            encoded = jg.encode_prompts(self.tokenizer, list(a.generation_prompts))
-        except ValueError as e:
-            raise ValueError(f"generation_prompts {list(a.generation_prompts)!r}: {e}") from None
-        limit = self.config.max_position_embeddings
-        for i, (prompt, ids) in enumerate(zip(a.generation_prompts, encoded, strict=True)):
-            if len(ids) + a.generation_max_new_tokens > limit:
-                raise ValueError(
-                    f"generation_prompts[{i}] = {prompt[:60]!r}{'...' if len(prompt) > 60 else ''} is {len(ids)} "
-                    f"tokens, + generation_max_new_tokens = {a.generation_max_new_tokens}; expected at most the "
-                    f"model's max_position_embeddings ({limit}) in all: shorten the prompt or generate fewer tokens"
-                )
-
-    def _check_eval_data(self) -> None:
-        """The first evaluation batch is read and tokenized now: a bad evaluation file fails before the
-        first step, not at the first evaluation after training steps that would then be lost."""
-        loader = self._eval_loader()
-        if loader is None:
-            return
-        try:
-            first = next(iter(loader), None)
-        except (ValueError, TypeError, KeyError, OSError) as e:
-            e.add_note("jaxloom: while reading the first batch of the evaluation data (dataset_eval), before training")
-            raise
-        if first is None:
-            raise ValueError(
-                f"dataset_eval gives no batch of evaluation_batch_size = {self.arguments.eval_batch_size} rows; "
-                "expected at least one (add evaluation records, lower the batch size, or drop dataset_eval)"
-            )
-
-    def _check_attention(self, runtime) -> None:
-        """The attention backend must run on this mesh's platform at this length, before anything
-        compiles; cuDNN's kernel cannot keep packed documents apart."""
-        a = self.arguments
-        platform = self.mesh.devices.flat[0].platform
-        jmod.choose_implementation(
-            runtime.attn_mechanism,
-            q_len=a.max_sequence_length,
-            kv_len=a.max_sequence_length,
-            cached=False,
-            window=self.config.sliding_window,
-            platform=platform,
-        )
-        if runtime.attn_mechanism == "cudnn" and a.packing:
-            raise ValueError(
-                "attn_mechanism='cudnn' cannot keep packed documents apart (it knows lengths, not "
-                "segments): set packing=false, or use attn_mechanism='flash' or 'auto'"
-            )
-
-    def _steps_for_epochs(self) -> int:
-        """Optimizer steps in `num_train_epochs` passes, counted by running the loader over one epoch."""
-        loader = self._loader(self.dataset_train, num_epochs=1, shuffle=False, prefetch=0)
-        batches = sum(1 for _ in loader)
-        if batches == 0:
-            raise ValueError("dataset_train is empty")
-        return max(1, batches * self.arguments.num_train_epochs)
-
-    def _loader(self, data, *, global_rows=None, state=None, **overrides) -> jd.MeshLoader:
-        """This process's rows of global batches: one stream per data-parallel shard, so the data depends
-        on the mesh's data-parallel size only, not on how many processes share it."""
-        a = self.arguments
-        accum = overrides.pop("accumulation", a.gradient_accumulation_steps)
-        cfg = jd.DataConfig(**{**self.data_settings(), **overrides})
-        return jd.MeshLoader(
-            data,
-            self.tokenizer,
-            cfg,
-            self.mesh,
-            global_rows or a.total_batch_size,
-            accumulation=accum,
-            state=state,
-            data_axes=self.data_axes,
-        )
-
-    def _eval_loader(self) -> jd.MeshLoader | None:
-        """A new pass over `dataset_eval` (not started), or None without evaluation data."""
-        if self.dataset_eval is None:
-            return None
-        return self._loader(
-            self.dataset_eval,
-            global_rows=self.arguments.eval_batch_size,
-            accumulation=1,
-            num_epochs=1,
-            shuffle=False,
-            prefetch=0,
-        )
-
-    def _batch_shardings(self):
-        axes = self.data_axes or None
-        return NamedSharding(self.mesh, PartitionSpec(None, axes)), NamedSharding(self.mesh, PartitionSpec(axes))
-
-    def _compile_train_step(self):
-        return self.lower_train_step().compile()
-
+    # ---- compiling ------------------------------------------------------------------------------------
     def lower_train_step(self):
         """The train step lowered for the run's exact shapes and shardings (`jax.stages.Lowered`:
         `.as_text()` is the program before XLA's optimisations, `.compile()` the executable)."""
-        if not hasattr(self, "_train_jit"):
-            self._jit_steps()
-        a = self.arguments
-        batch = {
-            k: jax.ShapeDtypeStruct(shape, dtype, sharding=self._batch_sharding)
-            for k, (shape, dtype) in self.batch_spec(a.total_batch_size).items()
-        }
-        if jax.process_count() > 1:
-            shape = (a.gradient_accumulation_steps, a.total_batch_size, 1)
-            batch[STOP_KEY] = jax.ShapeDtypeStruct(shape, np.int32, sharding=self._batch_sharding)
-        state = jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._abstract_state, self.state_shardings
-        )
-        with jax.set_mesh(self.mesh):
-            return self._train_jit.lower(state, batch)
+        return self.functions.lower(self.arguments.total_batch_size)
 
     def compile_aot(self) -> bool:
         """Compile the train step for the run's exact shapes and shardings now, before the first batch
         (the loop uses this executable). Returns True when it compiled it, False when it already was."""
-        if not self._planned or not hasattr(self, "_train_fn"):
+        if self._train_fn is None:
             self.configure_functions()
         if isinstance(self._train_fn, Future):
             self._train_fn = self._train_fn.result()
@@ -754,25 +502,43 @@ class BaseTrainer:
         self.compile_aot()
         return self._train_fn
 
-    def _add_builtin_callbacks(self) -> None:
-        """Checkpoint first (saved before anything that can fail runs on the step), then evaluation and
-        the generation preview, each on its cadence; users' callbacks after them."""
-        a = self.arguments
-        builtin = [Callback(lambda t, step: t._save(step), when=self.checkpoints.should_save, name="checkpoint")]
-        if a.evaluation_steps and self.dataset_eval is not None:
-            builtin.append(
-                Callback(lambda t, step: t._evaluate_and_log(step), every=a.evaluation_steps, name="evaluation")
-            )
-        if a.generation_interval and a.generation_prompts:
-            builtin.append(Callback(lambda t, step: t.preview(step), every=a.generation_interval, name="preview"))
-        self.callbacks[:0] = builtin
-
+    # ---- callbacks --------------------------------------------------------------------------------------
     def add_callback(self, fn, *, every: int | None = None, when=None, name: str = "") -> Callback:
         """Run `fn(trainer, step)` after every `every`-th step (and/or whenever `when(step)` is true),
         on that step's state; `name` labels it. Returns the `Callback`."""
         cb = Callback(fn, every=every, when=when, name=name)
         self.callbacks.append(cb)
         return cb
+
+    def all_callbacks(self) -> Callbacks:
+        """Every callback in the order they run: checkpoint first (saved before anything that can fail runs
+        on the step), evaluation and preview on their cadence, the trainer's own hooks, `hooks`, then
+        `callbacks` added with `add_callback`."""
+        a = self.arguments
+        builtin = [Callback(lambda t, step: t.save_checkpoint(step), when=self.checkpointing.should_save,
+                            name="checkpoint")]
+        if a.evaluation_steps and self.dataset_eval is not None:
+            builtin.append(
+                Callback(lambda t, step: t._evaluate_and_log(step), every=a.evaluation_steps, name="evaluation")
+            )
+        if a.generation_interval and a.generation_prompts:
+            builtin.append(Callback(lambda t, step: t.preview(step), every=a.generation_interval, name="preview"))
+        return Callbacks([*builtin, trainer_hooks(), *map(Callback.of, self.hooks), *self.callbacks])
+
+    def save_checkpoint(self, step: int) -> None:
+        """Save the current state as checkpoint `step` with the data position and the run's identity, then
+        tell the callbacks (`on_save`)."""
+        self.checkpointing.save(
+            step,
+            self.state,  # type: ignore[arg-type]
+            data_state=self.batches.train.global_state_dict(),  # type: ignore[union-attr]
+            metadata={
+                "tokens_seen": step * self.arguments.training_batch_size * self.row_width,
+                "arguments": js.to_jsonable(self.arguments.to_dict()),
+                "run": self.run_identity,
+            },
+        )
+        self.all_callbacks().saved(self, step)
 
     # ---- the loop --------------------------------------------------------------------------------------
     def train(self, model_parameters: Any = None, state: js.TrainState | None = None) -> TrainerOutput:
@@ -781,11 +547,7 @@ class BaseTrainer:
         its optimizer state is kept when it fits this run's optimizer) or `model_parameters` (the model's
         `nnx.Param` state) when given, else from what the trainer was given; a checkpoint in
         `save_directory` wins when `resume_if_possible`. Returns a `TrainerOutput` (`.state` is the final
-        state).
-
-        One step is always in flight: step n+1 is dispatched (its batch staged on the device meanwhile)
-        before step n's metrics are read, so the host's checks, logging and progress bar run while the
-        device computes. Callbacks need their own step's state; the loop settles it first."""
+        state)."""
         self._take_starting_point(model_parameters, state)
         try:
             self.initialize_trainer_utils()
@@ -793,25 +555,25 @@ class BaseTrainer:
             _note_out_of_memory(e)
             raise
         self.start_training_hook()
-        step = int(jax.device_get(self.state.step))
+        step = self.current_step = int(jax.device_get(self.model_state.step))
         if self.resumed_from and step >= self.total_steps:
             return self._already_complete(step)
         self._announce(step)
-        self.pbar = self.create_progress_bar(
-            self.total_steps, desc="train", disabled=not self.arguments.progress_bar, initial=step
-        )
-        self._step = step
-        self.writer = self._metrics_writer()
-        restore_signals = self._install_signal_handlers()
+        identity = self.run_identity
+        self.step_log.open(step, self.total_steps, {**identity["arguments"], **_prefixed(identity["model"])})
+        restore_signals = self.stop_control.install_signal_handlers()
         try:
-            step, stop_reason = self._loop(step)
+            self.compile_aot()  # usually done already: it compiled in the background during setup
+            step, stop_reason = run_loop(self, step, self.all_callbacks(), self._train_fn)
             return self._finish(step, stop_reason)
         except BaseException as e:
-            self._after_error(e)
+            e.add_note(f"jaxloom: training stopped during step {self.current_step + 1}; "
+                       f"{self.checkpointing.safe_on_disk()}")
+            _note_out_of_memory(e)
             raise
         finally:  # after the final save: a second Ctrl-C while it is written is absorbed, not fatal
             restore_signals()
-            self._release_directory()
+            self.run_directory.release()
 
     def _announce(self, step: int) -> None:
         """One start-up summary on process 0: model, mesh, data and tokens per step, steps, where it writes."""
@@ -824,7 +586,7 @@ class BaseTrainer:
             f"model: {self.model_class.__name__} ({self.config.model_type}), {self.n_params:,} parameters",
             f"mesh: {dict(self.mesh.shape)} over {devices.size} × {devices.flat[0].device_kind}"
             f" in {jax.process_count()} process(es)",
-            f"data: {_describe_data(self._identity()['train_data'], self.dataset_train)}; "
+            f"data: {export.describe_data(self.run_identity['train_data'], self.dataset_train)}; "
             f"{a.training_batch_size} rows × {self.row_width} tokens = {tokens:,} tokens per step",
             f"steps: {step} → {self.total_steps} ({start})",
             f"save_directory: {a.save_directory}",
@@ -833,14 +595,13 @@ class BaseTrainer:
 
     def _already_complete(self, step: int) -> TrainerOutput:
         """Resumed at or past its last step: nothing to train, and nothing rewritten (report, plot, logs)."""
-        self._release_directory()
-        a = self.arguments
-        history = MetricsWriter(a.save_directory, tensorboard=False, bar=_NoBar(), start_step=step)
+        self.run_directory.release()
+        directory = Path(self.arguments.save_directory)
+        history = MetricsWriter(directory, tensorboard=False, bar=_NoBar(), start_step=step)
         history.close()
         last_eval = next((r for r in reversed(history.history) if "eval/loss" in r), {})
         final = _final_metrics(history.history, {k.split("/", 1)[1]: v for k, v in last_eval.items() if k != "step"})
-        self.writer = history
-        directory = Path(a.save_directory)
+        self.step_log.writer = history
         log.warning(
             "the run in %s is already complete (checkpoint %d, max_training_steps=%d): nothing to train. Raise "
             "max_training_steps to train it further, or choose a new save_directory for a new run.",
@@ -848,280 +609,51 @@ class BaseTrainer:
             step,
             self.total_steps,
         )
+        report, plot = directory / "report.md", directory / "loss.png"
         return TrainerOutput(
             self.state,
             final,
             f"{ALREADY_COMPLETE}: step {step} of {self.total_steps}",
             self.resumed_from,
-            str(self.checkpoints.directory),
-            str(directory / "report.md") if (directory / "report.md").is_file() else None,
-            str(directory / "loss.png") if (directory / "loss.png").is_file() else None,
+            str(self.checkpointing.manager.directory),
+            str(report) if report.is_file() else None,
+            str(plot) if plot.is_file() else None,
         )
-
-    def _after_error(self, error: BaseException) -> None:
-        """Training stopped on `error`: let the checkpoint being written finish (never leave it half
-        written), and say in the error at which step training stopped and what is safe on disk."""
-        try:
-            self.checkpoints.wait_until_finished()
-            latest = self.checkpoints.latest_step()
-            safe = (
-                f"the newest complete checkpoint is {self.checkpoints.directory}/{latest}"
-                if latest
-                else ("no checkpoint was complete")
-            )
-        except Exception as e:  # noqa: BLE001 - the first error is the one to report
-            safe = f"the checkpoint in flight failed too ({type(e).__name__}: {str(e)[:200]})"
-        error.add_note(f"jaxloom: training stopped during step {self._step + 1}; {safe}")
-        _note_out_of_memory(error)
-
-    def _loop(self, step: int) -> tuple[int, str]:
-        self.compile_aot()  # usually done already: it compiled in the background during setup
-        profiler = _Profiler(self.arguments.profile_steps, Path(self.arguments.save_directory) / "profile")
-        pending, stop_reason = None, "max_training_steps reached"
-        try:
-            while step < self.total_steps and not self._stop_reason:
-                self._call_step_start(step + 1)  # steps are numbered like checkpoints: updates after the step
-                profiler.before(step + 1)
-                try:
-                    local = next(self.train_loader)
-                except StopIteration:
-                    stop_reason = "training data exhausted"
-                    break
-                self.state, metrics = self._train_fn(self.state, self._global_batch(local))
-                step = self._step = step + 1
-                metrics = self._call_step_end(step, metrics)
-                profiler.after(step, metrics)
-                if pending:
-                    self._after_step(*pending)  # the previous step, now done on the device
-                pending = (step, metrics)
-                due = [c for c in self.callbacks if c.due(step)]
-                if due:  # they need this step's state: settle it first
-                    self._after_step(*pending)
-                    pending = None
-                    for cb in due:
-                        cb.fn(self, step)
-            if pending:
-                self._after_step(*pending)
-        finally:
-            profiler.close()
-        return step, self._stop_reason or stop_reason
-
-    def _call_step_start(self, step: int) -> None:
-        assert self.state is not None
-        self.state = self.on_step_start(self.state, step)
-        for h in self.hooks:
-            getattr(h, "on_step_start", lambda *_: None)(self, step)
-
-    def _call_step_end(self, step: int, metrics: dict) -> dict:
-        assert self.state is not None
-        self.state, metrics = self.on_step_end(self.state, metrics, step)
-        for h in self.hooks:
-            getattr(h, "on_step_end", lambda *_: None)(self, step, metrics)
-        return metrics
-
-    def on_step_start(self, state: js.TrainState, step: int) -> js.TrainState:
-        """Called before training step `step`; returns the state to train on (override to change it)."""
-        return state
-
-    def on_step_end(self, state: js.TrainState, metrics: dict[str, Any], step: int) -> tuple[js.TrainState, dict]:
-        """Called after step `step` is dispatched with its (on-device) `metrics`; returns the state and
-        metrics to go on with (override to change them). Reading a metric here waits for the step."""
-        return state, metrics
-
-    def start_training_hook(self) -> None:
-        """Called when `train()` starts, after setup: records the start time (for `training_time_limit`)."""
-        self._t0 = time.monotonic()
-        self._stop_reason, self._skipped = None, 0
-        self._stop_code, self._stop_note, self._signal = 0, "", None
-        self._last_eval, self._last_preview = (None, {}), (None, [])
-
-    def start_evaluation_hook(self) -> None:
-        """Called when an evaluation starts: records its start time (`evaluation_time` in its metrics)."""
-        self._eval_t0 = time.monotonic()
-
-    def _global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        a = self.arguments
-        if self.data_collator is not None:
-            local = _collated(self.data_collator, local)
-        accum = a.gradient_accumulation_steps
-        if jax.process_count() > 1:  # every process's stop request rides with its rows: see request_stop()
-            local = {**local, STOP_KEY: np.full((len(next(iter(local.values()))), 1), self._stop_code, np.int32)}
-        return {
-            k: jax.make_array_from_process_local_data(
-                self._batch_sharding,
-                v.reshape(accum, -1, v.shape[-1]),
-                (accum, a.total_batch_size, v.shape[-1]),
-            )
-            for k, v in local.items()
-        }
-
-    def request_stop(self, reason: str = "stop requested") -> None:
-        """Ask training to stop: the step in flight finishes, a checkpoint is saved and `train()` returns
-        with `reason` as its `stop_reason`. With several processes, a request made by any one of them
-        (here, in a hook or from another thread) stops all of them after the same step: the request
-        travels inside the next step's batch and comes back in its metrics. Later requests change nothing."""
-        if not self._stop_code:
-            self._stop_code, self._stop_note = _STOP_REQUESTED, reason
-
-    def apply_training_hooks(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """The built-in checks on a finished step's host `metrics` (with its `step`): a non-finite loss
-        raises `NonFiniteLossError` naming the step (`nan_policy="stop"`) or counts a skipped update; the
-        wall-clock limit and a stop signal end training after this step. Returns the metrics."""
-        step = metrics["step"]
-        if not bool(metrics["finite"]):
-            if self.arguments.nan_policy == "stop":
-                raise NonFiniteLossError(
-                    f"loss is {float(metrics['loss'])} (grad norm "
-                    f"{float(metrics['grad_norm'])}) at step {step}; stopping. The last "
-                    f"checkpoint in {self.checkpoints.directory} is untouched."
-                )
-            self._skipped += 1
-            log.warning("non-finite loss at step %d: update skipped (%d so far)", step, self._skipped)
-        limit = self.arguments.training_time_limit
-        if limit and not self._stop_code and time.monotonic() - self._t0 >= limit:
-            self._stop_code = _STOP_TIME_LIMIT  # each process's own clock: agreed through the batch below
-        agreed = int(metrics[STOP_KEY]) if STOP_KEY in metrics else self._stop_code
-        if agreed and not self._stop_reason:
-            self._stop_reason = {
-                _STOP_SIGNAL: "stop signal received",
-                _STOP_TIME_LIMIT: f"training_time_limit of {limit} s reached",
-                _STOP_REQUESTED: self._stop_note or "stop requested by another process",
-            }[agreed]
-        return metrics
-
-    def _after_step(self, step: int, metrics: dict[str, Any]) -> None:
-        """The host's share of `step`, run once the next step is dispatched: the checks, the metrics row
-        every `logging_steps` (and at the last step), the progress bar."""
-        a = self.arguments
-        self.apply_training_hooks(
-            {
-                **jax.device_get({k: metrics[k] for k in ("finite", "loss", "grad_norm", STOP_KEY) if k in metrics}),
-                "step": step,
-            }
-        )
-        self._window.append(metrics)
-        if step % a.logging_steps == 0 or step == self.total_steps:
-            host, now = jax.device_get(self._window), time.perf_counter()
-            dt = now - self._t_log
-            tps = a.training_batch_size * self.row_width * len(host) / dt
-            keys = ["loss", *sorted(k for k in host[-1] if k not in _NOT_AVERAGED and k != "loss")]
-            row = {k: float(np.mean([m[k] for m in host])) for k in keys}
-            if self.step_config.objective.perplexity:
-                row["perplexity"] = math.exp(min(row["loss"], 50))
-            row.update(
-                learning_rate=float(host[-1]["learning_rate"]),
-                tokens_seen=step * a.training_batch_size * self.row_width,
-                elapsed_time=self._elapsed_base + time.monotonic() - self._t0,  # over every segment of the run
-                tokens_per_second=tps,
-                step_time=dt / len(host),
-                tflops_per_device=self._flops_token * tps / self.mesh.devices.size / 1e12,
-                **memory_in_use(),
-            )
-            if self._peak:
-                row["mfu"] = self._flops_token * tps / self.mesh.devices.size / self._peak
-            row.update(self.data_metrics())
-            self.log_metrics(row, self.pbar, step)
-            if a.log_weight_distribution and self.state is not None:
-                self.log_weight_distribution(self.state, step)
-            self._window, self._t_log = [], now
-        self.pbar.update(1)
-
-    def data_metrics(self) -> dict[str, float]:
-        """Metrics of the data read so far, added to each log row (a mixture's shares)."""
-        return self._mixture_shares()
-
-    def _mixture_shares(self) -> dict[str, float]:
-        """With a data mixture: each part's share of the tokens read so far (this process's streams)."""
-        loaders = getattr(self.train_loader, "loaders", None) or []
-        if not loaders or getattr(loaders[0], "mixture", None) is None:
-            return {}
-        tokens = np.sum([loader.state_dict()["tokens"] for loader in loaders], axis=0)
-        total = float(tokens.sum())
-        return {f"data_share_part{i}": float(t) / total for i, t in enumerate(tokens)} if total else {}
-
-    def _metrics_writer(self) -> MetricsWriter:
-        a = self.arguments
-        self._window, self._t_log = [], time.perf_counter()
-        self._flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)  # constants of the run,
-        self._peak = peak_flops(override=a.peak_flops_per_device)  # not of each log row
-        identity = self._identity()
-        config = {**identity["arguments"], **{f"model.{k}": v for k, v in identity["model"].items()}}
-        writer = MetricsWriter(
-            a.save_directory,
-            tensorboard=a.use_tensorboard,
-            use_wandb=a.use_wandb,
-            wandb_project=a.wandb_project,
-            bar=self.pbar,
-            start_step=self._step,
-            config=config,
-            total_steps=self.total_steps,
-        )
-        # training time of the segments before this one (their rows up to the checkpoint resumed from)
-        self._elapsed_base = next(
-            (r["train/elapsed_time"] for r in reversed(writer.history) if "train/elapsed_time" in r), 0.0
-        )
-        return writer
 
     def _finish(self, step: int, stop_reason: str) -> TrainerOutput:
-        a, writer = self.arguments, self.writer
-        if self.checkpoints.latest_step() != step:  # save first: the evaluation below can fail
-            self._save(step)
+        a, manager = self.arguments, self.checkpointing.manager
+        if manager.latest_step() != step:  # save first: the evaluation below can fail
+            self.save_checkpoint(step)
         final = {}
         if self.dataset_eval is not None:
-            last_step, final = self._last_eval
+            last_step, final = self.evaluator.last
             if last_step != step:
                 final = self._evaluate_and_log(step)
-        self.checkpoints.wait_until_finished()
-        if any("train/loss" in r for r in writer.history):
-            final = _final_metrics(writer.history, final)
+        manager.wait_until_finished()
+        history = self.step_log.history
+        if any("train/loss" in r for r in history):
+            final = _final_metrics(history, final)
         samples = []
         if a.generation_prompts:  # the final sample, unless the last step already made one
-            samples = self._last_preview[1] if self._last_preview[0] == step else self.preview(step)
+            last_step, last = self.generation.last
+            samples = last if last_step == step else self.preview(step)
         plot = report = None
         if self.is_process_zero:
-            plot = plot_history(writer.history, Path(a.save_directory) / "loss.png")
+            plot = plot_history(history, Path(a.save_directory) / "loss.png")
             report = self.save_information(final=final, stop_reason=stop_reason, samples=samples)
-        writer.close()
+        self.step_log.close()
         log.info("training stopped at step %d: %s", step, stop_reason)
         return TrainerOutput(
             self.state,
             final,
             stop_reason,
             self.resumed_from,
-            str(self.checkpoints.directory),
+            str(manager.directory),
             str(report) if report else None,
             str(plot) if plot else None,
             samples,
-            self._signal,
+            self.stop_control.signal,
         )
-
-    def _save(self, step: int) -> None:
-        self.checkpoints.save(
-            step,
-            self.state,
-            data_state=self.train_loader.global_state_dict(),
-            metadata={
-                "tokens_seen": step * self.arguments.training_batch_size * self.row_width,
-                "arguments": js.to_jsonable(self.arguments.to_dict()),
-                "run": self._identity(),
-            },
-        )
-        for h in self.hooks:
-            getattr(h, "on_save", lambda *_: None)(self, step)
-
-    def _install_signal_handlers(self):
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def handler(signum, _frame):
-            if self._stop_code:
-                log.warning("signal %d again: still saving the final checkpoint; it is not interrupted", signum)
-                return
-            log.warning("signal %d: finishing this step, saving a checkpoint and stopping", signum)
-            self._stop_code, self._signal = _STOP_SIGNAL, signum
-
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        return lambda: [signal.signal(s, h) for s, h in old.items()]
 
     def _take_starting_point(self, model_parameters: Any, state: js.TrainState | None) -> None:
         """`train(model_parameters=..., state=...)`: what the run starts from (before setup)."""
@@ -1137,7 +669,41 @@ class BaseTrainer:
         else:
             graphdef, _, rest = nnx.split(self._model_in, nnx.Param, ...)  # type: ignore[misc]
             self._state_in, self._model_in = None, nnx.merge(graphdef, model_parameters, rest)
-        self.state, self._planned = None, False
+        self.state = None
+        for name in _PLANNED:
+            self.__dict__.pop(name, None)
+
+    # ---- hooks (EasyDeL's names; the loop calls them through `trainer_hooks()`) --------------------------
+    def on_step_start(self, state: js.TrainState, step: int) -> js.TrainState:
+        """Called before training step `step`; returns the state to train on (override to change it)."""
+        return state
+
+    def on_step_end(self, state: js.TrainState, metrics: dict[str, Any], step: int) -> tuple[js.TrainState, dict]:
+        """Called after step `step` is dispatched with its (on-device) `metrics`; returns the state and
+        metrics to go on with (override to change them). Reading a metric here waits for the step."""
+        return state, metrics
+
+    def start_training_hook(self) -> None:
+        """Called when `train()` starts, after setup: starts the clock of `training_time_limit` and clears
+        any earlier stop request."""
+        self.stop_control.start()
+
+    def start_evaluation_hook(self) -> None:
+        """Called when an evaluation starts: records its start time (`evaluation_time` in its metrics)."""
+        self.evaluator.started = time.monotonic()
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Ask training to stop: the step in flight finishes, a checkpoint is saved and `train()` returns
+        with `reason` as its `stop_reason`. With several processes, a request made by any one of them
+        (here, in a hook or from another thread) stops all of them after the same step: the request
+        travels inside the next step's batch and comes back in its metrics. Later requests change nothing."""
+        self.stop_control.request(reason)
+
+    def apply_training_hooks(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The built-in checks on a finished step's host `metrics` (with its `step`): a non-finite loss
+        raises `NonFiniteLossError` naming the step (`nan_policy="stop"`) or counts a skipped update; the
+        wall-clock limit and a stop signal end training after this step. Returns the metrics."""
+        return self.stop_control.check(metrics)
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self, state: js.TrainState | None = None, metric_calculator=None) -> dict[str, float]:
@@ -1148,55 +714,13 @@ class BaseTrainer:
             raise ValueError("no dataset_eval was given")
         if state is None and self.state is None:
             self.initialize_trainer_utils()
-        state = self.state if state is None else self._as_own_state(state)
-        if not hasattr(self, "_eval_jit"):
-            self._jit_steps()
+        state = self.state if state is None else self.plan.as_own(state, lambda: self.model_state)
         self.start_evaluation_hook()
-        a = self.arguments
-        total: dict[str, float] = {}
-        custom: dict[str, list[float]] = {}
-        shape = (a.eval_batch_size, self.row_width)
-        with jax.set_mesh(self.mesh):
-            loader = self._eval_loader()
-            assert loader is not None  # dataset_eval was checked above
-            for i, local in enumerate(loader):
-                if i >= a.eval_batches:
-                    break
-                batch = self._eval_batch(local, shape)
-                out = jax.device_get(self._eval_jit(state, batch))
-                total = {k: total.get(k, 0.0) + float(v) for k, v in out.items()}
-                for k, v in (metric_calculator(state, batch) if metric_calculator else {}).items():
-                    custom.setdefault(k, []).append(float(v))
-        objective = self.step_config.objective
-        if not total.get(objective.weight):
-            raise ValueError(f"dataset_eval gave no {objective.weight} to evaluate")
-        loss = total["loss_sum"] / total[objective.weight]
-        sums = {k: np.float64(v) for k, v in total.items() if k != "loss_sum"}
-        metrics = {k: float(v) for k, v in objective.metrics(sums).items() if k not in (objective.weight, "tokens")}
-        return {
-            "loss": loss,
-            **({"perplexity": math.exp(min(loss, 50))} if objective.perplexity else {}),
-            **metrics,
-            **{k: float(np.mean(v)) for k, v in custom.items()},
-            "evaluation_time": time.monotonic() - self._eval_t0,
-        }
-
-    def _eval_batch(self, local: dict[str, np.ndarray], shape: tuple[int, int]) -> dict[str, jax.Array]:
-        """This process's rows of an evaluation batch as one global on-device batch of `shape`."""
-        return {k: jax.make_array_from_process_local_data(self._eval_sharding, v, shape) for k, v in local.items()}
-
-    def _as_own_state(self, state: js.TrainState) -> js.TrainState:
-        """A state from elsewhere (another trainer, a restore) in this run's tree and shardings: its
-        parameters in this trainer's state."""
-        self._plan()
-        if jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(self._abstract_state):
-            return state
-        own = self.state if self.state is not None else self.configure_model().state
-        return own.replace(params=jax.device_put(state.params, self.state_shardings.params))
+        return self.evaluator.run(state, metric_calculator, started=getattr(self.evaluator, "started", None))
 
     def _evaluate_and_log(self, step: int) -> dict[str, float]:
         metrics = self.evaluate()
-        self._last_eval = (step, metrics)
+        self.evaluator.last = (step, metrics)
         self.log_metrics(metrics, self.pbar, step, mode="eval")
         return metrics
 
@@ -1204,19 +728,16 @@ class BaseTrainer:
     def create_progress_bar(self, total: int, desc: str = "", disabled: bool = False, initial: int = 0):
         """A progress bar over `total` steps labelled `desc`, starting at `initial` (a no-op object when
         `disabled`, or on any process but 0): `update(n)`, `set_postfix(...)`, `write(line)`, `close()`."""
-        return create_progress_bar(total, desc, disabled=disabled or not self.is_process_zero, initial=initial)
+        return self.step_log.progress_bar(total, desc, disabled=disabled, initial=initial)
 
     def log_metrics(self, metrics: dict[str, Any], pbar, step: int, mode: str = "train") -> None:
         """Write `metrics` of `step` as `mode/name` to metrics.jsonl, TensorBoard, wandb and the console
         (through `pbar`, whose postfix shows the loss)."""
-        self.writer.write(step, metrics, prefix=mode)
-        if pbar is not None and "loss" in metrics:
-            pbar.set_postfix({f"{mode}_loss": f"{metrics['loss']:.4g}"})
+        self.step_log.write(metrics, step, mode, pbar)
 
     def log_weight_distribution(self, state: js.TrainState, step: int) -> None:
         """A TensorBoard histogram of every parameter of `state`, labelled `step`."""
-        for name, leaf in named_leaves(state.params):
-            self.writer.histogram(step, f"weights/{name}", np.asarray(jax.device_get(leaf)))
+        self.step_log.histograms(state, step)
 
     # ---- generation -------------------------------------------------------------------------------------
     def maybe_generate(self, state: js.TrainState, step: int, metrics: dict | None = None) -> list[str] | None:
@@ -1230,20 +751,8 @@ class BaseTrainer:
     def preview(self, step: int, state: js.TrainState | None = None) -> list[str]:
         """Generate from `generation_prompts` with `state` (default: the current one) and log the samples
         under `step` (also the sampling seed). Every process runs the (sharded) decode; process 0 writes."""
-        a = self.arguments
-        prompts = [p for p in a.generation_prompts for _ in range(a.generation_num_samples)]
-        res = self.generate_unified(
-            prompts=prompts,
-            state=state,
-            max_new_tokens=a.generation_max_new_tokens,
-            seed=step,
-            do_sample=a.generation_temperature > 0,
-            temperature=a.generation_temperature,
-        )
-        if self.writer is not None:
-            self.writer.samples(step, res.decoded_prompts, res.generation_results)
-        self._last_preview = (step, res.completion_prompts)
-        return res.completion_prompts
+        state = state if state is not None else self.model_state
+        return self.generation.preview(state.model, step, self.step_log)
 
     def generate_unified(
         self,
@@ -1266,19 +775,16 @@ class BaseTrainer:
         `generate_kwargs`. `shard_inputs` (default True) spreads the batch over the mesh. Results are on
         the host of every process, so `all_gather` changes nothing. `use_esurge=True` is an error: there
         is no eSurge engine here."""
-        model, config, mesh = self._generation_setup(
-            state, use_esurge, generation_config, shard_inputs, config_overrides, generate_kwargs
-        )
         del all_gather  # always gathered: the results are numpy arrays on every process
-        return jg.generate_unified(
-            model,
-            self.tokenizer,
+        return self.generation.unified(
+            self._generation_state(state, use_esurge).model,
             input_ids,
             attention_mask,
             prompts,
             apply_chat_template=apply_chat_template,
-            generation_config=config,
-            mesh=mesh,
+            generation_config=generation_config,
+            shard_inputs=shard_inputs,
+            **{**(config_overrides or {}), **generate_kwargs},
         )
 
     def generate_aio(
@@ -1298,11 +804,15 @@ class BaseTrainer:
         with `state`'s model; `generation_config`, `shard_inputs`, `config_overrides`, `all_gather` and
         `generate_kwargs` as in `generate_unified`. With `return_metadata`, also a dict with the
         `generation_config` used and the `prompt_length`."""
-        model, config, mesh = self._generation_setup(
-            state, None, generation_config, shard_inputs, config_overrides, generate_kwargs
-        )
         del all_gather
-        out = jg.generate_aio(model, input_ids, attention_mask, generation_config=config, mesh=mesh)
+        out, config = self.generation.aio(
+            self._generation_state(state, None).model,
+            input_ids,
+            attention_mask,
+            generation_config=generation_config,
+            shard_inputs=shard_inputs,
+            **{**(config_overrides or {}), **generate_kwargs},
+        )
         if return_metadata:
             return out, {"generation_config": config, "prompt_length": int(np.shape(input_ids)[-1])}
         return out
@@ -1318,15 +828,11 @@ class BaseTrainer:
         """`fn(state, input_ids, attention_mask) -> (sequences, completion_ids, completion_mask)` decoding
         with `generation_config` updated by `config_overrides` and `generate_kwargs`; with `shard_inputs`
         the prompts are spread over this mesh's batch axes."""
-        config = _generation_config(generation_config, self.tokenizer)
-        return jg.create_generate_function(
-            config,
-            shard_inputs=shard_inputs,
-            config_overrides={**(config_overrides or {}), **generate_kwargs},
-            mesh=self.mesh,
+        return self.generation.function(
+            generation_config, shard_inputs=shard_inputs, config_overrides=config_overrides, **generate_kwargs
         )
 
-    def _generation_setup(self, state, use_esurge, generation_config, shard_inputs, config_overrides, kwargs):
+    def _generation_state(self, state, use_esurge) -> js.TrainState:
         if use_esurge:
             raise ValueError(
                 "use_esurge=True: jaxloom has no eSurge engine; it decodes with a KV cache (leave use_esurge unset)"
@@ -1334,8 +840,7 @@ class BaseTrainer:
         if state is None:
             self.initialize_trainer_utils()
             state = self.state
-        config = _generation_config(generation_config, self.tokenizer).replace(**{**(config_overrides or {}), **kwargs})
-        return state.model, config, (self.mesh if shard_inputs is not False else None)
+        return state
 
     # ---- data helpers -------------------------------------------------------------------------------------
     def create_collect_function(
@@ -1379,7 +884,6 @@ class BaseTrainer:
         """FLOPs of one optimizer step (`training_batch_size × max_sequence_length` tokens) of a model
         with `params`: `2·N` per token for the weights (N counted from `params`) plus causal attention
         from the config, tripled when `is_training` (forward and backward)."""
-        self._plan()
         a, c = self.arguments, self.config
         attention = 2 * c.num_hidden_layers * a.max_sequence_length * c.num_attention_heads * c.head_dim
         per_token = 2 * self.count_model_parameters(params) + attention
@@ -1409,31 +913,14 @@ class BaseTrainer:
             raise ValueError("save_pretrained needs a save_directory")
         if gather_fns is not None:
             raise ValueError("gather_fns is not used by jaxloom: the exporter gathers each sharded array itself")
-        to_hf = bool(to_torch) if to_hf is None else to_hf
-        convert = dict(easystate_to_huggingface_model_kwargs or {})
-        save_kw = dict(torch_save_pretrained_kwargs or {})
-        unknown = sorted(set(convert) - {"dtype"}) + sorted(set(save_kw) - {"max_shard_size"})
-        if unknown:
-            raise ValueError(
-                f"save_pretrained: unsupported export option(s) {unknown}; supported: "
-                "easystate_to_huggingface_model_kwargs={'dtype'}, "
-                "torch_save_pretrained_kwargs={'max_shard_size'}"
-            )
+        options = export.export_options(easystate_to_huggingface_model_kwargs, torch_save_pretrained_kwargs)
         if state is None:
             if self.state is None:  # a restored state (jaxloom convert) needs no loader, compile or lock
                 self.initialize_trainer_utils()
             state = self.state
         assert isinstance(state, js.TrainState) and isinstance(save_directory, str | os.PathLike)
-        extra = {"max_shard_bytes": _bytes(save_kw["max_shard_size"])} if "max_shard_size" in save_kw else {}
-        return js.save_pretrained(
-            state,
-            os.fspath(save_directory),
-            to_hf=to_hf,
-            tokenizer=self.tokenizer,
-            dtype=convert.get("dtype"),
-            generation_config=_hf_generation_fields(state.model.config, self.tokenizer),
-            **extra,
-        )
+        to_hf = bool(to_torch) if to_hf is None else to_hf
+        return export.export(state, save_directory, tokenizer=self.tokenizer, to_hf=to_hf, **options)
 
     def save_information(
         self,
@@ -1447,16 +934,12 @@ class BaseTrainer:
         parameters, mesh, data, steps, tokens seen and wall time over every segment of the run, why it
         stopped (`stop_reason`), `final` metrics, the eval history, the last generated `samples`,
         arguments, and package versions."""
-        self._plan()
         path = Path(output_path or self._directory() / "report.md")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        identity = self._identity()
-        data = {"training": _describe_data(identity["train_data"], self.dataset_train)}
-        if self.dataset_eval is not None:
-            data["evaluation"] = _describe_data(data_identity(self.dataset_eval), self.dataset_eval)
-        tmp = path.with_name(f".{path.name}.tmp")
-        write_report(
-            tmp,
+        return export.report(
+            path,
+            dataset_train=self.dataset_train,
+            dataset_eval=self.dataset_eval,
+            identity=self.run_identity,
             model=self._model_in,
             n_params=self.n_params,
             mesh=self.mesh,
@@ -1464,37 +947,20 @@ class BaseTrainer:
             final=final or {},
             resumed_from=self.resumed_from,
             stop_reason=stop_reason,
-            history=self.writer.history if self.writer is not None else [],
-            data=data,
+            history=self.step_log.history if "step_log" in self.__dict__ else [],
             samples=samples or [],
         )
-        os.replace(tmp, path)
-        return path
 
 
-class _Profiler:
-    """A JAX profiler trace of steps `first..last` (`profile_steps`) into `directory`."""
+class Trainer(BaseTrainer):
+    """Causal language modelling: pretraining on text, SFT on prompt/completion or chat records (loss
+    on completions only). MoE load balancing is weighted by the config's `router_aux_loss_coef`.
+    Arguments as `BaseTrainer`'s: `arguments`, `model_state`, `model`, `dataset_train`, `dataset_eval`,
+    `data_collator`, `finetune`, `processing_class`, `mesh`, `hooks`, `deprecated_kwargs`."""
 
-    def __init__(self, steps, directory: Path):
-        self.steps, self.directory, self.active = steps, directory, False
 
-    def before(self, step: int) -> None:
-        if self.steps and step == self.steps[0]:
-            jax.profiler.start_trace(str(self.directory))
-            self.active = True
-
-    def after(self, step: int, metrics) -> None:
-        if self.active and step == self.steps[1]:
-            jax.block_until_ready(metrics)
-            self.close()
-            log.warning(
-                "profiler trace of steps %d-%d in %s (TensorBoard's profile plugin)", *self.steps, self.directory
-            )
-
-    def close(self) -> None:
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active = False
+def _prefixed(model: dict[str, Any]) -> dict[str, Any]:
+    return {f"model.{k}": v for k, v in model.items()}
 
 
 def _final_metrics(history: list[dict[str, Any]], evaluation: dict[str, Any]) -> dict[str, Any]:
@@ -1505,16 +971,6 @@ def _final_metrics(history: list[dict[str, Any]], evaluation: dict[str, Any]) ->
         **{k.split("/", 1)[1]: v for k, v in last.items() if k != "step"},
         **{f"eval_{k}": v for k, v in evaluation.items()},
     }
-
-
-def _describe_data(identity: Any, data: Any) -> str:
-    if isinstance(identity, str):
-        return identity
-    if isinstance(identity, list):
-        return identity[0] + (f" (+{len(identity) - 1} more)" if len(identity) > 1 else "")
-    if isinstance(identity, dict) and "records" in identity:
-        return f"{identity['records']:,} records in memory"
-    return type(data).__name__
 
 
 def _note_out_of_memory(error: BaseException) -> None:
@@ -1538,82 +994,3 @@ def use_compilation_cache(directory: str | Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # small programs too: start-up
     compilation_cache.reset_cache()  # takes effect even if something was compiled before
-
-
-def _matches(state: js.TrainState, abstract: js.TrainState) -> bool:
-    """Whether a given state fits this run's state exactly (same tree, shapes and dtypes): then its
-    optimizer state and step are kept; otherwise only its parameters are."""
-    try:
-        pairs = zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(abstract), strict=True)
-        same = jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(abstract)
-        return same and all(
-            isinstance(x, jax.Array | np.ndarray) and x.shape == y.shape and x.dtype == y.dtype for x, y in pairs
-        )
-    except (ValueError, AttributeError):
-        return False
-
-
-def _collated(collator, local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    out = collator(dict(local))
-    bad = {
-        k: (np.shape(out.get(k)), np.asarray(v).dtype)
-        for k, v in local.items()
-        if k not in out or np.shape(out[k]) != v.shape
-    }
-    if bad or set(out) != set(local):
-        raise ValueError(
-            f"data_collator must return the batch's keys {sorted(local)} with their shapes "
-            f"{ {k: v.shape for k, v in local.items()} }; got {sorted(out)} "
-            f"{ {k: np.shape(v) for k, v in out.items()} }"
-        )
-    return {k: np.asarray(out[k], local[k].dtype) for k in local}
-
-
-def _generation_config(config, tokenizer) -> jg.GenerationConfig:
-    """A `jaxloom.generation.GenerationConfig` from ours, a transformers `GenerationConfig` or None, with
-    the tokenizer's EOS and pad ids where the config has none."""
-    if config is None:
-        config = jg.GenerationConfig()
-    elif not isinstance(config, jg.GenerationConfig):  # transformers' GenerationConfig
-        fields = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
-        given = {k: getattr(config, k) for k in fields if getattr(config, k, None) is not None}
-        if isinstance(given.get("eos_token_id"), list | tuple):
-            given["eos_token_id"] = tuple(given["eos_token_id"])
-        config = jg.GenerationConfig(**given)
-    if config.eos_token_id is None and tokenizer.eos_token_id is not None:
-        config = config.replace(eos_token_id=tokenizer.eos_token_id)
-    return config
-
-
-def _hf_generation_fields(config, tokenizer) -> dict[str, Any]:
-    """The special-token ids of an export's `generation_config.json`: the model config's, else the
-    tokenizer's; EOS also lists the tokenizer's EOS and its chat template's end-of-turn token, so that
-    `transformers`' `generate` stops at the end of a document and of an assistant turn."""
-    given = config.eos_token_id
-    eos = [*((given,) if isinstance(given, int) else tuple(given or ()))]
-    eos += [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
-    eos += list(jg.end_of_turn_ids(tokenizer))
-    eos = list(dict.fromkeys(eos))
-    fields = {
-        k: getattr(config, k, None) if getattr(config, k, None) is not None else getattr(tokenizer, k, None)
-        for k in ("bos_token_id", "pad_token_id")
-    }
-    return {**fields, "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None}
-
-
-def _bytes(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
-    text = str(size).strip().upper()
-    for unit, scale in units.items():
-        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(text[: -len(unit)]) * scale)
-    raise ValueError(f"max_shard_size {size!r}; expected bytes or e.g. '500MB', '2GB'")
-
-
-class Trainer(BaseTrainer):
-    """Causal language modelling: pretraining on text, SFT on prompt/completion or chat records (loss
-    on completions only). MoE load balancing is weighted by the config's `router_aux_loss_coef`.
-    Arguments as `BaseTrainer`'s: `arguments`, `model_state`, `model`, `dataset_train`, `dataset_eval`,
-    `data_collator`, `finetune`, `processing_class`, `mesh`, `hooks`, `deprecated_kwargs`."""

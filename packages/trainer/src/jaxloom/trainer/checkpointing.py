@@ -1,0 +1,93 @@
+"""A run's checkpoints: the manager (orbax underneath; opened on first use), its cadence, what each
+checkpoint records besides the state (the data position, tokens seen, the arguments, the run's
+identity), and the resume decision. Built from the arguments' checkpoint group.
+
+    ckpt = Checkpointing(arguments.checkpoint, directory="run/checkpoints")
+    ckpt.resume_step()                      # newest complete step, when resume_if_possible
+    ckpt.save(step, state, data_state=..., metadata={...})
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jaxloom.state as js
+
+from .resume import check_resume
+
+log = logging.getLogger("jaxloom.trainer")
+
+
+class Checkpointing:
+    """`manager` (a `jaxloom.state.CheckpointManager` of `directory`, opened when first used) with the
+    settings of `config` (`save_steps`, `save_minutes`, `save_total_limit`, `async_checkpointing`,
+    `resume_if_possible`)."""
+
+    def __init__(self, config: Any, directory: str):
+        self.config, self.directory = config, directory
+        self._manager: js.CheckpointManager | None = None
+        self.data_state: Any = None  # the loaders' position restored with the state (a resumed run)
+
+    @property
+    def manager(self) -> js.CheckpointManager:
+        if self._manager is None:
+            c = self.config
+            self._manager = js.CheckpointManager(
+                js.CheckpointConfig(
+                    directory=self.directory,
+                    save_steps=c.save_steps,
+                    save_minutes=c.save_minutes,
+                    save_total_limit=c.save_total_limit,
+                    async_save=c.async_checkpointing,
+                )
+            )
+        return self._manager
+
+    def should_save(self, step: int) -> bool:
+        """Whether `step` is due (by steps or wall time; every process agrees)."""
+        return self.manager.should_save(step)
+
+    def resume_step(self) -> int | None:
+        """The step a new start resumes from: the newest complete checkpoint when `resume_if_possible`."""
+        return self.manager.latest_step() if self.config.resume_if_possible else None
+
+    def check_resume(self, save_directory: str, identity: dict[str, Any]) -> None:
+        """Before restoring: the run here must be one this run can continue (the same model, tokenizer,
+        training data and optimizer); what may change (steps, cadences, logging) is printed."""
+        step = self.resume_step()
+        assert step is not None
+        try:
+            recorded = self.manager.read_meta(step).get("metadata", {}).get("run") or {}
+        except (OSError, ValueError):
+            recorded = {}  # unreadable metadata: the restore reports it
+        changed = check_resume(save_directory, step, recorded, identity)
+        if changed:
+            log.warning("resuming the run in %s with changed settings:\n  %s", save_directory, "\n  ".join(changed))
+
+    def restore(self, target: js.TrainState, *, params_only: bool = False) -> js.Restored:
+        """The newest complete checkpoint into `target`'s shapes and shardings (FileNotFoundError without one)."""
+        if self.manager.latest_step() is None:
+            raise FileNotFoundError(f"no checkpoint under {self.manager.directory} (none complete)")
+        return self.manager.restore(target, params_only=params_only)
+
+    def save(self, step: int, state: js.TrainState, *, data_state: Any, metadata: dict[str, Any]) -> None:
+        self.manager.save(step, state, data_state=data_state, metadata=metadata)
+
+    def safe_on_disk(self) -> str:
+        """After an error: wait for the checkpoint in flight (never leave it half written) and say what is
+        safe on disk."""
+        try:
+            self.manager.wait_until_finished()
+            latest = self.manager.latest_step()
+            return (
+                f"the newest complete checkpoint is {self.manager.directory}/{latest}"
+                if latest
+                else "no checkpoint was complete"
+            )
+        except Exception as e:  # noqa: BLE001 - the first error is the one to report
+            return f"the checkpoint in flight failed too ({type(e).__name__}: {str(e)[:200]})"
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()

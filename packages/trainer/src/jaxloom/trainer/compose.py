@@ -1,0 +1,110 @@
+"""The composition root: a resolved config (a file, a run directory or the demo, with `key=value`
+overrides) becomes a trainer of the right kind with its model, data and tokenizer. The `jaxloom` command,
+`jaxloom.ray` and every trainer kind use this; nothing imports the command line module.
+
+    trainer, resolved = build_run("configs/demo.yaml", ["max_training_steps=20"])
+    trainer = restored("runs/a", params_only=True)      # a run's newest checkpoint, nothing else set up
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .arguments import TRAINERS, apply_overrides, arguments_of, load_config_file
+from .dpo import DPOTrainer
+from .run_directory import RUN_CONFIG
+from .runs import model_of, tokenizer_of
+from .trainer import BaseTrainer, Trainer
+
+__all__ = ["DATA_KEYS", "DEMO_CONFIG", "KINDS", "READ_ONLY", "TRAINERS", "build_run", "restored", "split_target"]
+
+DEMO_CONFIG = Path(__file__).with_name("configs") / "demo.yaml"
+DATA_KEYS = {
+    "train": "training data: 'bundled'; a path / glob / list of .jsonl, .parquet or .txt files; a token store "
+    "(`jaxloom data prepare`); or a mixture: a list of {path, weight}",
+    "eval": "evaluation data, as train (default: none; with train=bundled, a held-out part of it)",
+    "eval_fraction": "with train=bundled: the fraction of its documents held out for evaluation",
+    "tokenizer": "'bundled', a local tokenizer directory or a Hugging Face Hub id",
+}
+KINDS: dict[str, type[BaseTrainer]] = {"sft": Trainer, "dpo": DPOTrainer}
+"""The trainer class of each `trainer=` kind."""
+
+# A run directory is data: commands that read one never take process-level or write-location settings
+# from it (where compiled code is cached, profiles or W&B runs are written).
+READ_ONLY = [
+    "resume_if_possible=true",
+    "overwrite_output_dir=false",
+    "compilation_cache_dir=null",
+    "profile_steps=null",
+    "use_wandb=false",
+    "use_tensorboard=false",
+]
+
+
+def split_target(items: list[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG | RUN_DIR] key=value ...` → (config file, overrides). A run directory stands for its
+    resolved config, with its own save_directory and its copy of the tokenizer."""
+    items = list(items)
+    first = items.pop(0) if items and "=" not in items[0] else None
+    if first is not None and Path(first).is_dir():
+        run = Path(first)
+        if not (run / RUN_CONFIG).is_file():
+            raise FileNotFoundError(
+                f"{run} is a directory without {RUN_CONFIG}; expected a run directory or a config file"
+            )
+        pinned = [f"save_directory={run}"]
+        if (run / "tokenizer").is_dir():
+            pinned.append(f"data.tokenizer={(run / 'tokenizer').absolute()}")
+        return str(run / RUN_CONFIG), pinned + items
+    return first, items
+
+
+def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]:
+    """Config file + overrides → (trainer, resolved config). Sections `model` and `data`; `trainer`
+    (`sft` or `dpo`) picks the trainer; the rest are its arguments."""
+    import jaxloom.data as jd
+    import jaxloom.models as jm
+
+    data = apply_overrides(load_config_file(config_path or DEMO_CONFIG), overrides)
+    resolved = json.loads(json.dumps(data))
+    model_cfg, data_cfg = dict(data.pop("model", {}) or {}), dict(data.pop("data", {}) or {})
+    unknown = sorted(set(data_cfg) - set(DATA_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) in section data: {unknown}; expected train, eval, eval_fraction, tokenizer")
+    kind, args = arguments_of(data)
+    tokenizer = tokenizer_of(data_cfg)
+    train, evaluation = data_cfg.get("train", "bundled"), data_cfg.get("eval")
+    if kind == "dpo" and train == "bundled":
+        raise ValueError(
+            "trainer=dpo needs preference data: data.train=pairs.jsonl (records with prompt, chosen, rejected); "
+            "the bundled corpus is plain text"
+        )
+    if train == "bundled":
+        records = jd.JsonlSource(jd.bundled_corpus_path()).read_shard(str(jd.bundled_corpus_path()))
+        held = max(1, int(len(records) * float(data_cfg.get("eval_fraction", 0.05))))
+        train, evaluation = records[:-held], evaluation or records[-held:]
+    elif isinstance(train, list) and train and all(isinstance(p, dict) for p in train):
+        train = jd.Mixture(train)  # [{path, weight}, ...]
+    # The arguments' runtime settings are applied by the trainer too; given here as well so that weights
+    # loaded from Hugging Face are laid out (stacked for scan_layers) and cast as the run needs them.
+    runtime = args.runtime.apply(jm.RuntimeConfig())
+    explicit = {o.split("=", 1)[0].removeprefix("model.") for o in overrides if o.startswith("model.")}
+    if "from_pretrained" in explicit:  # the pretrained model brings its architecture: the file's is not applied
+        model_cfg = {k: v for k, v in model_cfg.items() if k in explicit}
+        resolved["model"] = json.loads(json.dumps(model_cfg))  # what the run directory rebuilds
+    model = model_of(model_cfg, runtime, vocab_size=len(tokenizer))
+    trainer = KINDS[kind](args, model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
+    return trainer, resolved
+
+
+def restored(run_dir: str | Path, config: str | None = None, *, params_only: bool):
+    """The trainer of a finished or running run with its newest checkpoint restored, and nothing else
+    set up (no data loading, no compile); FileNotFoundError when the run has no checkpoint."""
+    # max_training_steps: the run's length is not needed to read its weights, and counting an epoch-based
+    # run's steps would read its training data, which may be long gone
+    config_path, items = split_target([str(run_dir)]) if config is None else (config, [f"save_directory={run_dir}"])
+    trainer, _ = build_run(config_path, [*items, *READ_ONLY, "max_training_steps=1"])
+    trainer.restore_checkpoint(params_only=params_only)
+    return trainer

@@ -1,0 +1,207 @@
+"""The plan of a run: everything abstract about the state it trains, built by one pure function.
+
+`Plan.build(arguments, model, ...)` checks the settings against the model and the mesh, and gives the
+optimizer and schedule, the state's shapes and shardings, the batch shardings and how the initial state
+is made — without allocating or compiling anything. `plan.initial_state()` makes that state on its
+shards; `plan.target()` is the tree a restore fills.
+
+    plan = Plan.build(arguments, model, mesh=mesh, total_steps=100)
+    state = plan.initial_state()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import jaxloom.models as jmod
+import jaxloom.state as js
+from jaxloom.mesh import local_batch_slice
+
+from .optim import make_optimizer
+
+
+def data_axes(runtime: jmod.RuntimeConfig, mesh) -> tuple[str, ...]:
+    """The mesh axes the batch rows are split over, in order: the model's `partition_axis.batch_axis`
+    (default fsdp, then dp) as far as the mesh has them. The loaders lay rows out the same way, so
+    no batch is resharded inside the step; with `ep` in it, a mixture of experts moves its tokens
+    between the expert-parallel devices, which are data-parallel everywhere else."""
+    axes = runtime.partition_axis.batch_axis
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return tuple(x for x in axes if x in mesh.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a run trains, abstractly: the model's `config` and class, the `runtime`, the mesh, the
+    optimizer `tx` and `schedule` over `total_steps`, the state's `abstract` tree and `shardings`, the
+    train and eval batch shardings, and `build = (fn, inputs)`, where `fn(*inputs)` makes the state."""
+
+    config: Any
+    model_class: type
+    runtime: jmod.RuntimeConfig
+    mesh: Any
+    total_steps: int
+    tx: Any
+    schedule: Any
+    n_params: int
+    build_fn: Callable[..., js.TrainState]
+    build_inputs: tuple
+    abstract: js.TrainState
+    shardings: Any
+    batch_sharding: NamedSharding
+    eval_sharding: NamedSharding
+    given: js.TrainState | None = None
+
+    @classmethod
+    def build(
+        cls,
+        arguments: Any,
+        model: nnx.Module,
+        *,
+        mesh,
+        total_steps: int,
+        state: js.TrainState | None = None,
+        finetune: bool = True,
+        check_eval: bool = True,
+    ) -> Plan:
+        """The plan of training `model` (or the given `state`, whose class is kept) with `arguments` on
+        `mesh` for `total_steps`. Raises before anything runs when the settings cannot work (the evaluation
+        batch size too with `check_eval`)."""
+        runtime = arguments.runtime.apply(model.runtime)
+        config, model_class = model.config, type(model)
+        _check_attention(arguments, config, runtime, mesh)
+        axes = data_axes(runtime, mesh)
+        _check_shapes(arguments, config, mesh, axes, check_eval)
+        tx, schedule = make_optimizer(arguments.optim, total_steps)
+        abstract_model = jmod.create_model(config, runtime, lazy=True, model_class=model_class)
+        fn, inputs = _state_builder(arguments.seed, tx, model, abstract_model, runtime, state, finetune)
+        abstract = jax.eval_shape(fn, *inputs)
+        shardings = js.state_shardings(abstract, jmod.param_shardings(abstract_model, mesh), mesh)
+        spec = axes or None
+        return cls(
+            config=config,
+            model_class=model_class,
+            runtime=runtime,
+            mesh=mesh,
+            total_steps=total_steps,
+            tx=tx,
+            schedule=schedule,
+            n_params=jmod.count_params(model),
+            build_fn=fn,
+            build_inputs=inputs,
+            abstract=abstract,
+            shardings=shardings,
+            batch_sharding=NamedSharding(mesh, PartitionSpec(None, spec)),
+            eval_sharding=NamedSharding(mesh, PartitionSpec(spec)),
+            given=state,
+        )
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        return data_axes(self.runtime, self.mesh)
+
+    def target(self) -> js.TrainState:
+        """The state's shapes, dtypes and shardings: what a restore or a lowering is given."""
+        return jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.abstract, self.shardings
+        )
+
+    def initial_state(self) -> js.TrainState:
+        """The state created on its shards by one jitted program. From a seed on a one-device mesh, op by
+        op instead: a few small kernels shared by same-shaped layers compile faster than one program with
+        a random-number pipeline per parameter (seconds of start-up on CPU; same values to rounding)."""
+        if self.given is not None and _matches(self.given, self.abstract):
+            return jax.jit(lambda s: s, out_shardings=self.shardings)(self.given)  # its optimizer state too
+        fn, inputs = self.build_fn, self.build_inputs
+        if self.mesh.devices.size > 1 or inputs:  # from given parameters: copies, never aliases of them
+            return jax.jit(fn, out_shardings=self.shardings)(*inputs)
+        return jax.device_put(fn(*inputs), self.shardings)
+
+    def as_own(self, state: js.TrainState, own: Callable[[], js.TrainState]) -> js.TrainState:
+        """A state from elsewhere (another trainer, a restore) in this run's tree and shardings: its
+        parameters in `own()`'s state."""
+        if jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(self.abstract):
+            return state
+        return own().replace(params=jax.device_put(state.params, self.shardings.params))
+
+
+def _state_builder(seed, tx, template, abstract_model, runtime, state_in, finetune):
+    """`(fn, inputs)`: `fn(*inputs)` makes the initial state. From the seed when the model is abstract
+    (or `finetune=False`); else from the given parameters, cast to `param_dtype` and put into the
+    model rebuilt with this run's runtime."""
+    config, cls = template.config, type(template)
+    # The given state's class (EasyDeL's `state_class`, a `TrainState` subclass) is kept for the run.
+    state_cls = type(state_in) if isinstance(state_in, js.TrainState) else js.TrainState
+    leaves = jax.tree_util.tree_leaves(nnx.state(template, nnx.Param))
+    if not finetune or (leaves and isinstance(leaves[0], jax.ShapeDtypeStruct)):
+        return (
+            lambda: state_cls.create(jmod.create_model(config, runtime, seed=seed, model_class=cls), tx, seed=seed)
+        ), ()
+    _, params, rest = nnx.split(template, nnx.Param, ...)
+    graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)
+    if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(target):
+        raise ValueError(
+            "the arguments change the layout of the given model's parameters (scan_layers "
+            f"{template.runtime.scan_layers} -> {runtime.scan_layers}); create the model with "
+            "the layout you want, or leave scan_layers unset"
+        )
+    cast = jax.tree_util.tree_map(lambda p, t: p.astype(t.dtype) if p.dtype != t.dtype else p, params, target)
+    return (lambda p: state_cls.create(nnx.merge(graphdef, p, rest), tx, seed=seed)), (cast,)
+
+
+def _check_shapes(arguments, config, mesh, axes, check_eval: bool) -> None:
+    """Before anything runs: rows fit the model's positions, and both batch sizes divide over the
+    data axes (the evaluation batch is checked now, not at the first evaluation, after training)."""
+    a = arguments
+    if a.max_sequence_length > config.max_position_embeddings:
+        raise ValueError(
+            f"max_sequence_length = {a.max_sequence_length}; expected at most the model's "
+            f"max_position_embeddings ({config.max_position_embeddings}): positions past it were never "
+            "trained and exported models refuse them. Shorten the rows or raise model.max_position_embeddings"
+        )
+    local_batch_slice(mesh, a.total_batch_size, axes)
+    if not check_eval:
+        return
+    try:
+        local_batch_slice(mesh, a.eval_batch_size, axes)
+    except ValueError as e:
+        raise ValueError(f"evaluation_batch_size = {a.eval_batch_size}: {e}") from None
+
+
+def _check_attention(arguments, config, runtime, mesh) -> None:
+    """The attention backend must run on this mesh's platform at this length, before anything
+    compiles; cuDNN's kernel cannot keep packed documents apart."""
+    a = arguments
+    jmod.choose_implementation(
+        runtime.attn_mechanism,
+        q_len=a.max_sequence_length,
+        kv_len=a.max_sequence_length,
+        cached=False,
+        window=config.sliding_window,
+        platform=mesh.devices.flat[0].platform,
+    )
+    if runtime.attn_mechanism == "cudnn" and a.packing:
+        raise ValueError(
+            "attn_mechanism='cudnn' cannot keep packed documents apart (it knows lengths, not "
+            "segments): set packing=false, or use attn_mechanism='flash' or 'auto'"
+        )
+
+
+def _matches(state: js.TrainState, abstract: js.TrainState) -> bool:
+    """Whether a given state fits this run's state exactly (same tree, shapes and dtypes): then its
+    optimizer state and step are kept; otherwise only its parameters are."""
+    try:
+        pairs = zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(abstract), strict=True)
+        same = jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(abstract)
+        return same and all(
+            isinstance(x, jax.Array | np.ndarray) and x.shape == y.shape and x.dtype == y.dtype for x, y in pairs
+        )
+    except (ValueError, AttributeError):
+        return False

@@ -1,0 +1,68 @@
+"""Configs and run directories as data: the model a config's `model` section describes, and the model of a
+run directory's newest checkpoint, with no trainer built.
+
+    model = model_of({"hidden_size": 64, ...}, runtime, vocab_size=4096)
+    model = run_model("runs/a", mesh=mesh)          # its newest checkpoint's parameters, on `mesh`
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+import jaxloom.data as jd
+import jaxloom.models as jm
+from jaxloom.mesh import MeshConfig
+
+from .arguments import arguments_of
+from .checkpointing import Checkpointing
+from .plan import Plan
+from .run_directory import RUN_CONFIG, RunDirectory
+
+
+def tokenizer_of(data_section: dict[str, Any], run_dir: str | Path | None = None):
+    """The tokenizer a config names (`data.tokenizer`: 'bundled', a directory or a Hub id); a run
+    directory's own copy (`RUN_DIR/tokenizer`) when there is one."""
+    if run_dir is not None and (Path(run_dir) / "tokenizer").is_dir():
+        return jd.load_processor(str(Path(run_dir) / "tokenizer"))
+    name = data_section.get("tokenizer", "bundled")
+    return jd.load_processor(None if name == "bundled" else name)
+
+
+def model_of(model_section: dict[str, Any], runtime: jm.RuntimeConfig, *, vocab_size: int) -> nnx.Module:
+    """The model a config's `model` section describes: `from_pretrained: DIR` (other keys override its
+    config), else a new abstract model of `model_type` (default llama) whose `vocab_size` defaults to the
+    tokenizer's (`vocab_size`)."""
+    section = dict(model_section)
+    pretrained = section.pop("from_pretrained", None)
+    if pretrained:
+        return jm.from_pretrained(pretrained, runtime, config_overrides=section or None)
+    model_type = section.pop("model_type", "llama")
+    if model_type not in jm.CONFIG_CLASSES:
+        raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
+    section.setdefault("vocab_size", vocab_size)
+    return jm.create_model(jm.CONFIG_CLASSES[model_type].from_hf_dict(section), runtime, lazy=True)
+
+
+def run_model(run_dir: str | Path, *, mesh=None) -> nnx.Module:
+    """The model of the newest checkpoint of the run in `run_dir` (parameters only), laid out on `mesh`
+    (default: the mesh the run's arguments describe). Reads the run and changes nothing in it."""
+    run = Path(run_dir)
+    config = json.loads((run / RUN_CONFIG).read_text())
+    model_section, data_section = dict(config.pop("model", {}) or {}), dict(config.pop("data", {}) or {})
+    config.update(save_directory=str(run), resume_if_possible=True, overwrite_output_dir=False)
+    config.update(max_training_steps=1)  # its length is not needed to read its weights
+    _, args = arguments_of(config)
+    runtime = args.runtime.apply(jm.RuntimeConfig())
+    model = model_of(model_section, runtime, vocab_size=len(tokenizer_of(data_section, run)))
+    if mesh is None:
+        mesh = MeshConfig(args.sharding_axis_dims, args.sharding_axis_names, args.sharding_dcn_axis_dims).build()
+    plan = Plan.build(args, model, mesh=mesh, total_steps=1, check_eval=False)
+    checkpoints = Checkpointing(args.checkpoint, RunDirectory(args.checkpoint).checkpoints)
+    try:
+        return checkpoints.restore(plan.target(), params_only=True).state.model
+    finally:
+        checkpoints.close()
