@@ -29,8 +29,18 @@ class Generation:
         tokenizer's EOS where none is set."""
         return generation_config_of(generation_config, self.tokenizer()).replace(**(overrides or {}))
 
-    def unified(self, model, input_ids=None, attention_mask=None, prompts=None, *, apply_chat_template=False,
-                generation_config=None, shard_inputs: bool | None = None, **overrides) -> jg.GenerationResults:
+    def unified(
+        self,
+        model,
+        input_ids=None,
+        attention_mask=None,
+        prompts=None,
+        *,
+        apply_chat_template=False,
+        generation_config=None,
+        shard_inputs: bool | None = None,
+        **overrides,
+    ) -> jg.GenerationResults:
         """`jaxloom.generation.generate_unified` with the run's tokenizer, on the mesh unless
         `shard_inputs` is False."""
         return jg.generate_unified(

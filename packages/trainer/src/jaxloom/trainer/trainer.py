@@ -41,30 +41,22 @@ import jaxloom.models as jmod
 import jaxloom.state as js
 from jaxloom.mesh import MeshConfig
 
-from . import export
+from . import components, export
 from .arguments import TrainingArguments
-from .batches import Batches, DataSpec
+from .batches import DataSpec
 from .callbacks import Callback, Callbacks, trainer_hooks
-from .checkpointing import Checkpointing
-from .evaluation import Evaluator
-from .functions import StepFunctions
-from .loop import run_loop
-from .metrics import MetricsWriter, _NoBar
-from .monitor import StepLog
 from .outputs import (
-    ALREADY_COMPLETE,
     TrainerConfigureDataloaderOutput,
     TrainerConfigureFunctionOutput,
     TrainerConfigureModelOutput,
     TrainerOutput,
 )
-from .plan import Plan, data_axes
-from .previews import Generation
-from .report import plot_history
+from .plan import data_axes
 from .resume import fresh_run_directory, run_identity
-from .run_directory import RUN_CONFIG, RUN_OUTPUTS, RunDirectory
-from .step import Objective, StepConfig
-from .stopping import NonFiniteLossError, StopControl
+from .run_directory import RUN_CONFIG, RUN_OUTPUTS
+from .session import train
+from .step import Objective
+from .stopping import NonFiniteLossError
 
 __all__ = ["RUN_CONFIG", "BaseTrainer", "NonFiniteLossError", "Trainer", "use_compilation_cache"]
 log = logging.getLogger("jaxloom.trainer")
@@ -179,88 +171,16 @@ class BaseTrainer:
         # save_directory/run_config.json at setup, so that eval, generate, convert and plan rebuild the run.
         self.run_config: dict[str, Any] | None = None
 
-    # ---- the components ----------------------------------------------------------------------------
-    @functools.cached_property
-    def plan(self) -> Plan:
-        """Everything abstract about the run (`Plan.build`): nothing is allocated or compiled."""
-        a = self.arguments
-        steps = a.max_training_steps or self.batches.steps_for_epochs()
-        return Plan.build(
-            a,
-            self._model_in,
-            mesh=self.mesh,
-            total_steps=steps,
-            state=self._state_in,
-            finetune=self.finetune,
-            check_eval=self.dataset_eval is not None,
-        )
-
-    @functools.cached_property
-    def batches(self) -> Batches:
-        """The run's loaders and global batches, for this trainer kind's `data_spec()`."""
-        return Batches(
-            self.arguments,
-            self.data_spec(),
-            mesh=self.mesh,
-            data_axes=self.data_axes,
-            tokenizer=lambda: self.tokenizer,
-            dataset_train=self.dataset_train,
-            dataset_eval=self.dataset_eval,
-            collator=self.data_collator,
-        )
-
-    @functools.cached_property
-    def functions(self) -> StepFunctions:
-        """The train and eval steps jitted over the plan's shardings, for this kind's `objective()`."""
-        a, plan = self.arguments, self.plan
-        config = StepConfig(
-            z_loss=a.z_loss,
-            loss_block_size=a.loss_block_size,
-            data_shards=self.batches.data_shards(),
-            aux_loss_coef=getattr(plan.config, "router_aux_loss_coef", 0.0),
-            skip_nonfinite=a.nan_policy == "skip",
-            schedule=plan.schedule,
-            objective=self.objective(),
-        )
-        accumulation = a.gradient_accumulation_steps
-        return StepFunctions.build(plan, self.batches.spec, config, accumulation=accumulation, donate=a.donate_state)
-
-    @functools.cached_property
-    def run_directory(self) -> RunDirectory:
-        self._directory()
-        return RunDirectory(self.arguments.checkpoint)
-
-    @functools.cached_property
-    def checkpointing(self) -> Checkpointing:
-        return Checkpointing(self.arguments.checkpoint, self.run_directory.checkpoints)
-
-    @functools.cached_property
-    def step_log(self) -> StepLog:
-        return StepLog(
-            self.arguments,
-            config=self.config,
-            row_width=self.row_width,
-            devices=self.mesh.devices.size,
-            is_process_zero=self.is_process_zero,
-            perplexity=self.step_config.objective.perplexity,
-        )
-
-    @functools.cached_property
-    def evaluator(self) -> Evaluator:
-        fns = self.functions
-        return Evaluator(
-            self.batches, fns.evaluate, fns.config.objective, eval_batches=self.arguments.eval_batches, mesh=self.mesh
-        )
-
-    @functools.cached_property
-    def generation(self) -> Generation:
-        return Generation(self.arguments, tokenizer=lambda: self.tokenizer, mesh=self.mesh)
-
-    @functools.cached_property
-    def stop_control(self) -> StopControl:
-        a = self.arguments
-        where = f" in {a.checkpoint_directory or Path(a.save_directory or '.') / 'checkpoints'}"
-        return StopControl(a.nan_policy, a.training_time_limit, where=where)
+    # ---- the components (built on first use from the arguments: see components.py) ------------------------
+    plan = functools.cached_property(components.plan)
+    batches = functools.cached_property(components.batches)
+    functions = functools.cached_property(components.functions)
+    run_directory = functools.cached_property(components.run_directory)
+    checkpointing = functools.cached_property(components.checkpointing)
+    step_log = functools.cached_property(components.step_log)
+    evaluator = functools.cached_property(components.evaluator)
+    generation = functools.cached_property(components.generation)
+    stop_control = functools.cached_property(components.stop_control)
 
     @functools.cached_property
     def run_identity(self) -> dict[str, Any]:
@@ -515,8 +435,9 @@ class BaseTrainer:
         on the step), evaluation and preview on their cadence, the trainer's own hooks, `hooks`, then
         `callbacks` added with `add_callback`."""
         a = self.arguments
-        builtin = [Callback(lambda t, step: t.save_checkpoint(step), when=self.checkpointing.should_save,
-                            name="checkpoint")]
+        builtin = [
+            Callback(lambda t, step: t.save_checkpoint(step), when=self.checkpointing.should_save, name="checkpoint")
+        ]
         if a.evaluation_steps and self.dataset_eval is not None:
             builtin.append(
                 Callback(lambda t, step: t._evaluate_and_log(step), every=a.evaluation_steps, name="evaluation")
@@ -549,111 +470,7 @@ class BaseTrainer:
         `save_directory` wins when `resume_if_possible`. Returns a `TrainerOutput` (`.state` is the final
         state)."""
         self._take_starting_point(model_parameters, state)
-        try:
-            self.initialize_trainer_utils()
-        except BaseException as e:
-            _note_out_of_memory(e)
-            raise
-        self.start_training_hook()
-        step = self.current_step = int(jax.device_get(self.model_state.step))
-        if self.resumed_from and step >= self.total_steps:
-            return self._already_complete(step)
-        self._announce(step)
-        identity = self.run_identity
-        self.step_log.open(step, self.total_steps, {**identity["arguments"], **_prefixed(identity["model"])})
-        restore_signals = self.stop_control.install_signal_handlers()
-        try:
-            self.compile_aot()  # usually done already: it compiled in the background during setup
-            step, stop_reason = run_loop(self, step, self.all_callbacks(), self._train_fn)
-            return self._finish(step, stop_reason)
-        except BaseException as e:
-            e.add_note(f"jaxloom: training stopped during step {self.current_step + 1}; "
-                       f"{self.checkpointing.safe_on_disk()}")
-            _note_out_of_memory(e)
-            raise
-        finally:  # after the final save: a second Ctrl-C while it is written is absorbed, not fatal
-            restore_signals()
-            self.run_directory.release()
-
-    def _announce(self, step: int) -> None:
-        """One start-up summary on process 0: model, mesh, data and tokens per step, steps, where it writes."""
-        if not self.is_process_zero:
-            return
-        a, devices = self.arguments, self.mesh.devices
-        tokens = a.training_batch_size * self.row_width
-        start = f"resumed from {self.resumed_from}" if self.resumed_from else "a new run"
-        lines = [
-            f"model: {self.model_class.__name__} ({self.config.model_type}), {self.n_params:,} parameters",
-            f"mesh: {dict(self.mesh.shape)} over {devices.size} × {devices.flat[0].device_kind}"
-            f" in {jax.process_count()} process(es)",
-            f"data: {export.describe_data(self.run_identity['train_data'], self.dataset_train)}; "
-            f"{a.training_batch_size} rows × {self.row_width} tokens = {tokens:,} tokens per step",
-            f"steps: {step} → {self.total_steps} ({start})",
-            f"save_directory: {a.save_directory}",
-        ]
-        log.info("training\n  %s", "\n  ".join(lines))
-
-    def _already_complete(self, step: int) -> TrainerOutput:
-        """Resumed at or past its last step: nothing to train, and nothing rewritten (report, plot, logs)."""
-        self.run_directory.release()
-        directory = Path(self.arguments.save_directory)
-        history = MetricsWriter(directory, tensorboard=False, bar=_NoBar(), start_step=step)
-        history.close()
-        last_eval = next((r for r in reversed(history.history) if "eval/loss" in r), {})
-        final = _final_metrics(history.history, {k.split("/", 1)[1]: v for k, v in last_eval.items() if k != "step"})
-        self.step_log.writer = history
-        log.warning(
-            "the run in %s is already complete (checkpoint %d, max_training_steps=%d): nothing to train. Raise "
-            "max_training_steps to train it further, or choose a new save_directory for a new run.",
-            directory,
-            step,
-            self.total_steps,
-        )
-        report, plot = directory / "report.md", directory / "loss.png"
-        return TrainerOutput(
-            self.state,
-            final,
-            f"{ALREADY_COMPLETE}: step {step} of {self.total_steps}",
-            self.resumed_from,
-            str(self.checkpointing.manager.directory),
-            str(report) if report.is_file() else None,
-            str(plot) if plot.is_file() else None,
-        )
-
-    def _finish(self, step: int, stop_reason: str) -> TrainerOutput:
-        a, manager = self.arguments, self.checkpointing.manager
-        if manager.latest_step() != step:  # save first: the evaluation below can fail
-            self.save_checkpoint(step)
-        final = {}
-        if self.dataset_eval is not None:
-            last_step, final = self.evaluator.last
-            if last_step != step:
-                final = self._evaluate_and_log(step)
-        manager.wait_until_finished()
-        history = self.step_log.history
-        if any("train/loss" in r for r in history):
-            final = _final_metrics(history, final)
-        samples = []
-        if a.generation_prompts:  # the final sample, unless the last step already made one
-            last_step, last = self.generation.last
-            samples = last if last_step == step else self.preview(step)
-        plot = report = None
-        if self.is_process_zero:
-            plot = plot_history(history, Path(a.save_directory) / "loss.png")
-            report = self.save_information(final=final, stop_reason=stop_reason, samples=samples)
-        self.step_log.close()
-        log.info("training stopped at step %d: %s", step, stop_reason)
-        return TrainerOutput(
-            self.state,
-            final,
-            stop_reason,
-            self.resumed_from,
-            str(manager.directory),
-            str(report) if report else None,
-            str(plot) if plot else None,
-            samples,
-            self.stop_control.signal,
-        )
+        return train(self)
 
     def _take_starting_point(self, model_parameters: Any, state: js.TrainState | None) -> None:
         """`train(model_parameters=..., state=...)`: what the run starts from (before setup)."""
@@ -957,32 +774,6 @@ class Trainer(BaseTrainer):
     on completions only). MoE load balancing is weighted by the config's `router_aux_loss_coef`.
     Arguments as `BaseTrainer`'s: `arguments`, `model_state`, `model`, `dataset_train`, `dataset_eval`,
     `data_collator`, `finetune`, `processing_class`, `mesh`, `hooks`, `deprecated_kwargs`."""
-
-
-def _prefixed(model: dict[str, Any]) -> dict[str, Any]:
-    return {f"model.{k}": v for k, v in model.items()}
-
-
-def _final_metrics(history: list[dict[str, Any]], evaluation: dict[str, Any]) -> dict[str, Any]:
-    """A run's final metrics: its last train row (names without the `train/` prefix), then `evaluation`
-    as `eval_*`."""
-    last = next((r for r in reversed(history) if "train/loss" in r), {})
-    return {
-        **{k.split("/", 1)[1]: v for k, v in last.items() if k != "step"},
-        **{f"eval_{k}": v for k, v in evaluation.items()},
-    }
-
-
-def _note_out_of_memory(error: BaseException) -> None:
-    """A device out of memory gets a note saying how to see the run's memory and what shrinks it."""
-    text = str(error)
-    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
-        error.add_note(
-            "jaxloom: the device ran out of memory. `jaxloom plan CONFIG [key=value ...]` prints the memory per "
-            "device without running (parameters, optimizer state, activations, against the device's capacity); "
-            "lower total_batch_size or max_sequence_length (raise gradient_accumulation_steps to keep the batch), "
-            "set remat (e.g. remat=checkpoint_dots), or shard parameters over more devices (sharding_axis_dims)"
-        )
 
 
 def use_compilation_cache(directory: str | Path) -> None:

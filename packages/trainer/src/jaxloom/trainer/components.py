@@ -1,0 +1,106 @@
+"""How the trainer's components are built: one pure builder each, from the trainer's arguments and inputs
+(what it was given, and the trainer kind's `objective()` and `data_spec()`). `BaseTrainer` holds each as a
+`functools.cached_property`, so a component is built on first use and the constructor does no work.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .batches import Batches
+from .checkpointing import Checkpointing
+from .evaluation import Evaluator
+from .functions import StepFunctions
+from .monitor import StepLog
+from .plan import Plan
+from .previews import Generation
+from .run_directory import RunDirectory
+from .step import StepConfig
+from .stopping import StopControl
+
+
+def plan(trainer: Any) -> Plan:
+    """Everything abstract about the run (`Plan.build`): nothing is allocated or compiled."""
+    a = trainer.arguments
+    steps = a.max_training_steps or trainer.batches.steps_for_epochs()
+    return Plan.build(
+        a,
+        trainer._model_in,
+        mesh=trainer.mesh,
+        total_steps=steps,
+        state=trainer._state_in,
+        finetune=trainer.finetune,
+        check_eval=trainer.dataset_eval is not None,
+    )
+
+
+def batches(trainer: Any) -> Batches:
+    """The run's loaders and global batches, for this trainer kind's `data_spec()`."""
+    return Batches(
+        trainer.arguments,
+        trainer.data_spec(),
+        mesh=trainer.mesh,
+        data_axes=trainer.data_axes,
+        tokenizer=lambda: trainer.tokenizer,
+        dataset_train=trainer.dataset_train,
+        dataset_eval=trainer.dataset_eval,
+        collator=trainer.data_collator,
+    )
+
+
+def functions(trainer: Any) -> StepFunctions:
+    """The train and eval steps jitted over the plan's shardings, for this kind's `objective()`."""
+    a, plan = trainer.arguments, trainer.plan
+    config = StepConfig(
+        z_loss=a.z_loss,
+        loss_block_size=a.loss_block_size,
+        data_shards=trainer.batches.data_shards(),
+        aux_loss_coef=getattr(plan.config, "router_aux_loss_coef", 0.0),
+        skip_nonfinite=a.nan_policy == "skip",
+        schedule=plan.schedule,
+        objective=trainer.objective(),
+    )
+    accumulation = a.gradient_accumulation_steps
+    return StepFunctions.build(plan, trainer.batches.spec, config, accumulation=accumulation, donate=a.donate_state)
+
+
+def run_directory(trainer: Any) -> RunDirectory:
+    trainer._directory()
+    return RunDirectory(trainer.arguments.checkpoint)
+
+
+def checkpointing(trainer: Any) -> Checkpointing:
+    return Checkpointing(trainer.arguments.checkpoint, trainer.run_directory.checkpoints)
+
+
+def step_log(trainer: Any) -> StepLog:
+    return StepLog(
+        trainer.arguments,
+        config=trainer.config,
+        row_width=trainer.row_width,
+        devices=trainer.mesh.devices.size,
+        is_process_zero=trainer.is_process_zero,
+        perplexity=trainer.step_config.objective.perplexity,
+    )
+
+
+def evaluator(trainer: Any) -> Evaluator:
+    fns = trainer.functions
+    return Evaluator(
+        trainer.batches,
+        fns.evaluate,
+        fns.config.objective,
+        eval_batches=trainer.arguments.eval_batches,
+        mesh=trainer.mesh,
+    )
+
+
+def generation(trainer: Any) -> Generation:
+    return Generation(trainer.arguments, tokenizer=lambda: trainer.tokenizer, mesh=trainer.mesh)
+
+
+def stop_control(trainer: Any) -> StopControl:
+    a = trainer.arguments
+    where = f" in {a.checkpoint_directory or Path(a.save_directory or '.') / 'checkpoints'}"
+    return StopControl(a.nan_policy, a.training_time_limit, where=where)
