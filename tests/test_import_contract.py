@@ -69,3 +69,95 @@ def test_the_contract_catches_a_back_import(tmp_path, monkeypatch):
     assert imported_parts("mesh") == {"trainer": ["packages/mesh/src/jaxloom/mesh/bad.py:2"]}
     with pytest.raises(AssertionError, match="imports the later part jaxloom.trainer"):
         test_a_part_imports_only_earlier_parts_it_declares("mesh")
+
+
+# ---- inside a part: modules form a DAG too, and only the command line imports the command line ----------
+def module_imports(part: str, root: Path | None = None) -> dict[str, set[str]]:
+    """`{module: {modules of the same part it imports}}` (relative or absolute, at module level or inside a
+    function), module names relative to `jaxloom.<part>`; `__init__` is left out (it only re-exports)."""
+    src = (root or parts.PACKAGES) / part / "src" / "jaxloom" / part
+    names = {p.relative_to(src).with_suffix("").as_posix().replace("/", "."): p for p in sorted(src.rglob("*.py"))}
+    names = {n: p for n, p in names.items() if not n.endswith("__init__")}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name.rsplit(".", 1)[0] if "." in name else ""
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".") if package else []
+                    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                    mod = ".".join([*base, *([node.module] if node.module else [])])
+                elif node.module and node.module.startswith(f"jaxloom.{part}"):
+                    mod = node.module.removeprefix(f"jaxloom.{part}").lstrip(".")
+                else:
+                    continue
+                targets = [mod, *(f"{mod}.{a.name}".lstrip(".") for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [
+                    a.name.removeprefix(f"jaxloom.{part}.") for a in node.names if a.name.startswith(f"jaxloom.{part}.")
+                ]
+            out |= {t for t in targets if t in names and t != name}
+        graph[name] = out
+    return graph
+
+
+def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that import each other in a loop (strongly connected groups of more than one)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    loops: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                loops.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return loops
+
+
+@pytest.mark.parametrize("part", parts.PARTS)
+def test_no_import_loop_inside_a_part(part):
+    assert import_loops(module_imports(part)) == []
+
+
+@pytest.mark.parametrize("part", parts.PARTS)
+def test_only_the_command_line_imports_the_command_line_module(part):
+    for module, deps in module_imports(part).items():
+        if module.split(".")[-1] not in ("cli", "__main__"):
+            assert "cli" not in deps, f"jaxloom.{part}.{module} imports the command line module jaxloom.{part}.cli"
+    for other in parts.PARTS:  # no other part's library module reaches a part's CLI either
+        for path in sorted((parts.PACKAGES / other / "src").rglob("*.py")):
+            if path.stem == "cli":
+                continue
+            text = path.read_text()
+            assert f"jaxloom.{part}.cli" not in text, f"{path} imports jaxloom.{part}.cli"
+
+
+def test_the_loop_check_catches_a_loop(tmp_path):
+    """Two modules of one part that import each other (one inside a function) are a loop."""
+    src = tmp_path / "data" / "src" / "jaxloom" / "data"
+    src.mkdir(parents=True)
+    (src / "a.py").write_text("from .b import x\n")
+    (src / "b.py").write_text("x = 1\ndef f():\n    from jaxloom.data.a import y\n")
+    (src / "c.py").write_text("from . import a\n")
+    assert import_loops(module_imports("data", tmp_path)) == [["a", "b"]]

@@ -222,7 +222,7 @@ def test_a_killed_prepare_resumes_to_the_same_store_and_processes_do_not_change_
 
     killed = tmp_path / "killed"
     code = (
-        "import time, jaxloom.data as jd, jaxloom.data.store as s\n"
+        "import time, jaxloom.data as jd, jaxloom.data.store_prepare as s\n"
         "real = s._tokenize_unit\n"
         "def slow(args):\n    time.sleep(0.2)\n    return real(args)\n"
         "s._tokenize_unit = slow\n"

@@ -21,7 +21,8 @@ from .sources import (
     as_source,
     iter_shard,
 )
-from .store import TokenStore, is_store, prepare, tokenizer_hash
+from .store_prepare import prepare
+from .store import TokenStore, is_store, tokenizer_hash
 from .synthetic import addition_records, exact_match
 from .tokenize import tokenize_pair, tokenize_record
 
