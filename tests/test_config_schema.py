@@ -1,4 +1,4 @@
-"""One config system: every user-facing config is a `@config` dataclass (jaxloom.mesh.schema), so values are
+"""One config system: every user-facing config is a `@config` dataclass (jaxloom.core.schema), so values are
 converted by their types and every bad value is one `ValueError` naming the config, the key and the value."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import pytest
 from jaxloom.data import DataConfig
 from jaxloom.generation import GenerationConfig
 from jaxloom.mesh import MeshConfig, PartitionAxis
-from jaxloom.mesh.schema import is_config
+from jaxloom.core.schema import is_config
 from jaxloom.models import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, RuntimeConfig
 from jaxloom.ray import ScalingConfig
 from jaxloom.state import CheckpointConfig

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ROOT / "packages"
 META = "jaxloom"
 # Dependency order (lower parts first).
-PARTS: tuple[str, ...] = ("mesh", "models", "state", "data", "generation", "trainer", "ray")
+PARTS: tuple[str, ...] = ("core", "mesh", "models", "state", "data", "generation", "trainer", "ray")
 _REQ = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*(\[[^\]]*\])?\s*(.*)$")
 
 

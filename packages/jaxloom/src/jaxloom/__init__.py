@@ -15,7 +15,7 @@ __path__ = extend_path(__path__, __name__)
 from .__about__ import __version__ as __version__  # noqa: E402
 
 # Dependency order: lower parts first, so a name is looked up in the cheapest part that has it.
-PARTS: tuple[str, ...] = ("mesh", "models", "state", "data", "generation", "trainer", "ray")
+PARTS: tuple[str, ...] = ("core", "mesh", "models", "state", "data", "generation", "trainer", "ray")
 
 
 def _part(name: str):

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from jaxloom.mesh.schema import NonNegativeInt, PositiveInt, config
+from jaxloom.core.schema import NonNegativeInt, PositiveInt, config
 
 from .sources import ShardedDataSource, as_source, describe, iter_shard
 from .tokenize import tokenize_pair, tokenize_record

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxloom.mesh import paths as _pathlayer
+from jaxloom.core import paths as _pathlayer
 
 from .streams import OnError, ShardedDataSource, Stream, _Streamed, describe, iter_shard  # noqa: F401
 
@@ -31,7 +31,7 @@ _ROWS = 1024  # rows per slice for columnar sources
 
 def _paths(paths: str | Path | Sequence[str | Path]) -> list[Any]:
     """The files `paths` names (a path, a glob or a list of them): `Path`s, and object-store URIs
-    (`gs://bucket/x/*.jsonl`) as strings, listed through `jaxloom.mesh.paths`."""
+    (`gs://bucket/x/*.jsonl`) as strings, listed through `jaxloom.core.paths`."""
     items = [paths] if isinstance(paths, str | Path) else list(paths)
     out: list[Any] = []
     for item in items:
@@ -286,7 +286,7 @@ def as_source(data: Any, **kwargs: Any) -> ShardedDataSource:
         first = Path(given)
         from .store import TokenStore, is_store
 
-        if _pathlayer.is_uri(str(given)):  # an object store: files read through jaxloom.mesh.paths
+        if _pathlayer.is_uri(str(given)):  # an object store: files read through jaxloom.core.paths
             suffix = Path(str(given).split("://", 1)[1]).suffix
             kinds = {".jsonl": JsonlSource, ".parquet": ParquetSource, ".txt": TextSource, ".md": TextSource}
             if suffix not in kinds:

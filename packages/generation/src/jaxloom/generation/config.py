@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxloom.mesh.schema import NonNegativeInt, PositiveInt, config
+from jaxloom.core.schema import NonNegativeInt, PositiveInt, config
 
 
 @config

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 from jax.sharding import PartitionSpec
 from pydantic import BeforeValidator
 
-from .schema import config
+from jaxloom.core.schema import config
 
 AxisSpec = Union[str, tuple[str, ...], None]
 Kind = Literal["param", "activation", "decode"]

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .schema import config
+from jaxloom.core.schema import config
 
 DEFAULT_AXIS_NAMES: tuple[str, ...] = ("dp", "fsdp", "ep", "tp", "sp")
 DEFAULT_AXIS_DIMS: tuple[int, ...] = (1, -1, 1, 1, 1)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from jaxloom.mesh.schema import config
+from jaxloom.core.schema import config
 
 # HF config.json keys that carry no architecture and are accepted and dropped on load.
 _IGNORED_HF_KEYS = {

@@ -205,7 +205,7 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     `.NAME.tmp-PID` (or the previous export as `.NAME.old-PID`) beside it. On an object store (`gs://`) the
     same steps run as server-side copies: not one atomic step, but the previous export is only removed once
     the new one is complete, and is kept as `.NAME.old-PID` if the swap itself is cut."""
-    from jaxloom.mesh import paths
+    from jaxloom.core import paths
 
     if paths.is_uri(str(path)):
         yield from _atomic_remote_directory(paths.as_path(str(path)))
@@ -234,7 +234,7 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
 
 
 def _atomic_remote_directory(path: Any) -> Iterator[Any]:
-    from jaxloom.mesh import paths
+    from jaxloom.core import paths
 
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     paths.remove_tree(tmp)
@@ -265,7 +265,7 @@ def save_hf_model(
     by `from_pretrained`. Only process 0 writes; tensors are gathered and written one at a time
     (`write_hf_export`). The directory is replaced at once (`atomic_directory`): an interrupted export
     leaves the previous one intact. `path` may be an object-store URI (`gs://bucket/model`)."""
-    from jaxloom.mesh import paths
+    from jaxloom.core import paths
 
     path = path if paths.is_uri(str(path)) else Path(path)
     if jax.process_index() != 0:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from pydantic import AfterValidator, BeforeValidator
 
 from jaxloom.mesh import PartitionAxis
-from jaxloom.mesh.schema import PositiveInt, config
+from jaxloom.core.schema import PositiveInt, config
 
 AttnMechanism = Literal["auto", "xla", "chunked", "cudnn", "flash"]
 RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"]

@@ -145,7 +145,7 @@ class StreamWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
         self._path, self._next = path, 0
-        from jaxloom.mesh import paths
+        from jaxloom.core import paths
 
         self._file = paths.open_write(path)  # a local file or an object-store upload; closed by __exit__
         self._file.write(struct.pack("<Q", len(blob)))

@@ -9,10 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from jaxloom.mesh import PartitionAxis
-
-# config_variables holding dtypes; stored as their names ("bfloat16") in JSON.
-DTYPE_KEYS = ("dtype", "param_dtype", "attn_dtype", "attn_softmax_dtype")
+from jaxloom.state.serialization import decode_variables, encode_variables  # the one JSON codec
 
 
 class RayDistributedConfig(BaseModel):
@@ -39,12 +36,12 @@ class RayDistributedConfig(BaseModel):
     def _saving_preprocess(self) -> RayDistributedConfig:
         """Make `config_variables` JSON data in place (dtypes → names, PartitionAxis → dict, enums →
         values, tuples → lists), as EasyDeL does before saving; returns this config."""
-        self.config_variables = _encode(self.config_variables)
+        self.config_variables = encode_variables(self.config_variables)
         return self
 
     def _loading_postprocess(self) -> RayDistributedConfig:
         """The inverse of `_saving_preprocess`, in place (after loading); returns this config."""
-        self.config_variables = _decode(self.config_variables)
+        self.config_variables = decode_variables(self.config_variables)
         return self
 
     def save(self, path: str | Path) -> Path:
@@ -69,55 +66,3 @@ class RayDistributedConfig(BaseModel):
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
         return cls.model_validate(data)._loading_postprocess()
-
-
-def _encode(variables: dict[str, Any] | None) -> dict[str, Any] | None:
-    import jax.numpy as jnp
-
-    if variables is None:
-        return None
-    out = {}
-    for key, value in variables.items():
-        if key in DTYPE_KEYS and value is not None:
-            value = jnp.dtype(value).name
-        elif key == "precision" and isinstance(value, enum.Enum):
-            value = value.name.lower()  # jax.lax.Precision.DEFAULT → "default"
-        elif isinstance(value, PartitionAxis):
-            value = value.to_dict()
-        elif isinstance(value, enum.Enum):
-            value = value.value
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[key] = value
-    return out
-
-
-def _decode(variables: dict[str, Any] | None) -> dict[str, Any] | None:
-    import jax.numpy as jnp
-
-    if variables is None:
-        return None
-    out = {}
-    for key, value in variables.items():
-        if key in DTYPE_KEYS and isinstance(value, str):
-            try:
-                value = jnp.dtype(value)
-            except TypeError:
-                raise ValueError(
-                    f"config_variables[{key!r}] = {value!r} is not a dtype; expected e.g. 'float32' or 'bfloat16'"
-                ) from None
-        elif key == "precision" and isinstance(value, str):
-            import jax
-
-            try:
-                value = jax.lax.Precision[value.upper()]
-            except KeyError:
-                raise ValueError(
-                    f"config_variables['precision'] = {value!r}; expected 'default', 'high' or 'highest'"
-                ) from None
-        elif key == "partition_axis" and isinstance(value, dict):
-            value = PartitionAxis.from_dict(value)
-        elif key.startswith("sharding_") and isinstance(value, list):
-            value = tuple(value)
-        out[key] = value
-    return out

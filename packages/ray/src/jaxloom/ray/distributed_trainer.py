@@ -17,7 +17,9 @@ import jaxloom.models as jm
 import jaxloom.state as js
 from jaxloom.mesh import MeshConfig, PartitionAxis
 
-from .config import DTYPE_KEYS, RayDistributedConfig, _decode
+from jaxloom.state.serialization import DTYPE_KEYS, decode_variables
+
+from .config import RayDistributedConfig
 
 log = logging.getLogger("jaxloom.ray")
 
@@ -118,7 +120,9 @@ class RayDistributedTrainer:
         if bad:
             raise ValueError(f"config_scaling_variables {bad}; expected positive integers")
         self.config_scaling_variables = scaling
-        self.config_variables: dict[str, Any] = _decode({**self.CONFIG_VARIABLES, **(config_variables or {})}) or {}
+        self.config_variables: dict[str, Any] = (
+            decode_variables({**self.CONFIG_VARIABLES, **(config_variables or {})}) or {}
+        )
         self._check_variables()
 
     # ---- configuration ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from jaxloom.mesh.schema import NonNegativeInt, PositiveFloat, PositiveInt, config
+from jaxloom.core.schema import NonNegativeInt, PositiveFloat, PositiveInt, config
 from jaxloom.state.lock import OWNER_ENV
 
 from .cluster import init_ray

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxloom.mesh import paths
+from jaxloom.core import paths
 from jaxloom.mesh.rules import path_str
 
 FORMAT = 1

@@ -31,9 +31,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxloom.mesh.schema import PositiveFloat, PositiveInt, config
+from jaxloom.core.schema import PositiveFloat, PositiveInt, config
 
-from jaxloom.mesh import paths
+from jaxloom.core import paths
 
 from . import arrays, integrity
 from .arrays import CheckpointCorruptError

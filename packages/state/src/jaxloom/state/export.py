@@ -24,14 +24,14 @@ def save_pretrained(
     and no stale shard or index of it remains.
     Streaming: tensors are gathered, cast and written one at a time (a stacked layer's slice, not the
     stack), so host memory grows by about the largest tensor; only process 0 writes.
-    `path` may be an object-store URI (`gs://bucket/model`; see jaxloom.mesh.paths).
+    `path` may be an object-store URI (`gs://bucket/model`; see jaxloom.core.paths).
     `to_hf=False`: an orbax checkpoint of the whole state at `path/<step>`. `dtype` casts floating
     weights on the way out (e.g. `"bfloat16"`). `generation_config`: fields of `generation_config.json`
     over the model config's special-token ids (e.g. `eos_token_id` as a list with a chat template's
     end-of-turn token, so `transformers`' `generate` stops where the model was trained to stop)."""
     import jax
 
-    from jaxloom.mesh import paths
+    from jaxloom.core import paths
 
     uri = paths.is_uri(str(path))
     path = str(path) if uri else Path(path)  # type: ignore[assignment]

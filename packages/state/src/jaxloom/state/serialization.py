@@ -1,7 +1,9 @@
-"""JSON for configs: dataclasses, pydantic models, JAX dtypes, enums, tuples and `PartitionAxis`.
+"""The one JSON codec for configs: dataclasses, pydantic models, JAX dtypes, enums, tuples and `PartitionAxis`.
 
 `to_jsonable` turns a value into plain JSON data with markers where a type must come back;
-`from_jsonable` turns it back. No pickle, and no arbitrary imports: only the types listed here.
+`from_jsonable` turns it back. `encode_variables` / `decode_variables` write a flat dict of model config
+variables the way EasyDeL's `RayDistributedConfig` persists them (dtypes as names, keyed by `DTYPE_KEYS`).
+No pickle, and no arbitrary imports: only the types listed here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import numpy as np
 from jaxloom.mesh import PartitionAxis
 
 _DTYPE, _TUPLE, _PA = "__dtype__", "__tuple__", "__partition_axis__"
+# Model config variables holding dtypes: stored as their names ("bfloat16") by `encode_variables`.
+DTYPE_KEYS = ("dtype", "param_dtype", "attn_dtype", "attn_softmax_dtype")
 
 
 def _is_dtype(value: Any) -> bool:
@@ -88,3 +92,59 @@ def load_json(path: str | Path) -> Any:
         return from_jsonable(json.loads(path.read_text()))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+
+
+def encode_variables(variables: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A flat dict of model config variables as EasyDeL persists them (`RayDistributedConfig`): dtypes under
+    `DTYPE_KEYS` as their names, `precision` as its name, `PartitionAxis` as a dict, enums as their values,
+    tuples as lists. The inverse is `decode_variables`."""
+    import jax.numpy as jnp
+
+    if variables is None:
+        return None
+    out = {}
+    for key, value in variables.items():
+        if key in DTYPE_KEYS and value is not None:
+            value = jnp.dtype(value).name
+        elif key == "precision" and isinstance(value, enum.Enum):
+            value = value.name.lower()  # jax.lax.Precision.DEFAULT → "default"
+        elif isinstance(value, PartitionAxis):
+            value = value.to_dict()
+        elif isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[key] = value
+    return out
+
+
+def decode_variables(variables: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The inverse of `encode_variables`; a name that is not a dtype or precision is an error naming the key."""
+    import jax.numpy as jnp
+
+    if variables is None:
+        return None
+    out = {}
+    for key, value in variables.items():
+        if key in DTYPE_KEYS and isinstance(value, str):
+            try:
+                value = jnp.dtype(value)
+            except TypeError:
+                raise ValueError(
+                    f"config_variables[{key!r}] = {value!r} is not a dtype; expected e.g. 'float32' or 'bfloat16'"
+                ) from None
+        elif key == "precision" and isinstance(value, str):
+            import jax
+
+            try:
+                value = jax.lax.Precision[value.upper()]
+            except KeyError:
+                raise ValueError(
+                    f"config_variables['precision'] = {value!r}; expected 'default', 'high' or 'highest'"
+                ) from None
+        elif key == "partition_axis" and isinstance(value, dict):
+            value = PartitionAxis.from_dict(value)
+        elif key.startswith("sharding_") and isinstance(value, list):
+            value = tuple(value)
+        out[key] = value
+    return out

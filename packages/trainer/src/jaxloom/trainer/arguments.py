@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from jaxloom.mesh.schema import explain_validation_error
+from jaxloom.core.schema import explain_validation_error
 
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 SCHEDULERS = ("linear", "cosine", "constant")
@@ -49,19 +49,23 @@ class _Group(BaseModel):
 
 
 class OptimizerArgs(_Group):
-    learning_rate: float = 3e-4
-    optimizer: Literal["adamw", "adafactor", "lion", "sgd"] = "adamw"
-    scheduler: Literal["linear", "cosine", "constant"] = "cosine"
-    warmup_steps: int | None = None
-    warmup_ratio: float = 0.0
-    init_learning_rate: float = 0.0
-    end_learning_rate: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_epsilon: float = 1e-8
-    momentum: float = 0.0
+    learning_rate: float = Field(3e-4, description="peak learning rate of the schedule")
+    optimizer: Literal["adamw", "adafactor", "lion", "sgd"] = Field("adamw", description="the optax optimizer")
+    scheduler: Literal["linear", "cosine", "constant"] = Field(
+        "cosine", description="learning-rate decay after the warmup, over the run's steps"
+    )
+    warmup_steps: int | None = Field(
+        None, description="steps of linear warmup from init_learning_rate (None: warmup_ratio of the run)"
+    )
+    warmup_ratio: float = Field(0.0, description="warmup as a fraction of the run's steps, when warmup_steps is None")
+    init_learning_rate: float = Field(0.0, description="learning rate at step 0, where the warmup starts")
+    end_learning_rate: float = Field(0.0, description="learning rate at the last step")
+    weight_decay: float = Field(0.0, description="decoupled weight decay (adamw, lion, adafactor)")
+    max_grad_norm: float | None = Field(1.0, description="clip gradients to this global norm (None: no clipping)")
+    adam_beta1: float = Field(0.9, description="first-moment decay (adamw, lion)")
+    adam_beta2: float = Field(0.95, description="second-moment decay (adamw, lion)")
+    adam_epsilon: float = Field(1e-8, description="adamw's epsilon")
+    momentum: float = Field(0.0, description="sgd's momentum (0: none)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -79,19 +83,29 @@ class OptimizerArgs(_Group):
 
 
 class LoopArgs(_Group):
-    total_batch_size: int = 8  # global rows per micro-batch
-    gradient_accumulation_steps: int = 1
-    max_training_steps: int | None = None  # optimizer steps; None: from num_train_epochs
-    num_train_epochs: int = 1
-    evaluation_steps: int | None = None
-    eval_batches: int = 8
-    evaluation_batch_size: int | None = None  # default: total_batch_size
-    logging_steps: int = 10
-    training_time_limit: float | None = None  # seconds; then save and stop cleanly
-    seed: int = 42
-    nan_policy: Literal["stop", "skip"] = "stop"
-    z_loss: float = 0.0
-    loss_block_size: int = 512
+    # global rows per micro-batch
+    total_batch_size: int = Field(8, description="rows (sequences) per micro-batch, over all devices")
+    gradient_accumulation_steps: int = Field(1, description="micro-batches per optimizer step")
+    # optimizer steps; None: from num_train_epochs
+    max_training_steps: int | None = Field(
+        None, description="optimizer steps of the run (None: num_train_epochs over the data)"
+    )
+    num_train_epochs: int = Field(1, description="passes over the training data, when max_training_steps is None")
+    evaluation_steps: int | None = Field(None, description="evaluate every this many steps (None: at the end only)")
+    eval_batches: int = Field(8, description="batches per evaluation")
+    # default: total_batch_size
+    evaluation_batch_size: int | None = Field(None, description="rows per evaluation batch (None: total_batch_size)")
+    logging_steps: int = Field(10, description="a metrics row every this many steps")
+    # seconds; then save and stop cleanly
+    training_time_limit: float | None = Field(None, description="seconds; then save and stop cleanly")
+    seed: int = Field(42, description="seed of the initial parameters, dropout and data order")
+    nan_policy: Literal["stop", "skip"] = Field(
+        "stop", description="a non-finite loss stops the run, or its update is skipped"
+    )
+    z_loss: float = Field(0.0, description="weight of the log(Z)^2 auxiliary loss (0: off)")
+    loss_block_size: int = Field(
+        512, description="positions per device in each block of the fused output projection and loss (0: whole logits)"
+    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -114,18 +128,24 @@ class LoopArgs(_Group):
 
 class CheckpointArgs(_Group):
     # None: a new directory for every run, jaxloom-runs/run-<date>-<time>-<random> (logged at the start).
-    save_directory: str | None = None
+    save_directory: str | None = Field(
+        None, description="the run's directory: checkpoints, logs, report (None: a new one per run)"
+    )
     # Where checkpoints go: None is save_directory/checkpoints; a path or an object-store URI (gs://bucket/run)
     # puts them there, with the run's logs and report staying in save_directory.
-    checkpoint_directory: str | None = None
-    save_steps: int | None = None
-    save_minutes: float | None = None
-    save_total_limit: int | None = 3
-    resume_if_possible: bool = True
+    checkpoint_directory: str | None = Field(
+        None, description="where checkpoints go: a path or gs://bucket/path (None: save_directory/checkpoints)"
+    )
+    save_steps: int | None = Field(None, description="checkpoint every this many steps")
+    save_minutes: float | None = Field(None, description="checkpoint every this many minutes")
+    save_total_limit: int | None = Field(3, description="checkpoints kept (the newest)")
+    resume_if_possible: bool = Field(True, description="continue the run found in save_directory")
     # A save_directory with checkpoints of an earlier run: continue it (resume_if_possible), or start over
     # only when this is true (its checkpoints and logs are removed). Never replaced silently.
-    overwrite_output_dir: bool = False
-    async_checkpointing: bool = True
+    overwrite_output_dir: bool = Field(
+        False, description="replace the run found in save_directory (its checkpoints and logs)"
+    )
+    async_checkpointing: bool = Field(True, description="write checkpoints in the background while training goes on")
 
     @model_validator(mode="after")
     def _check(self):
@@ -146,11 +166,15 @@ class CheckpointArgs(_Group):
 
 
 class DataArgs(_Group):
-    max_sequence_length: int = 512
-    truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
-    packing: bool = True
-    shuffle_train_dataset: bool = True
-    shuffle_buffer_size: int = 8192
+    max_sequence_length: int = Field(512, description="tokens per row")
+    truncation_mode: Literal["keep_end", "keep_start"] = Field(
+        "keep_end", description="which end of a too-long unpacked record is kept"
+    )
+    packing: bool = Field(True, description="pack documents into full rows (False: one record per row, padded)")
+    shuffle_train_dataset: bool = Field(True, description="shuffle the training data (seeded, exactly resumable)")
+    shuffle_buffer_size: int = Field(
+        8192, description="records read ahead per data stream and shuffled together (memory flat in dataset size)"
+    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -161,30 +185,45 @@ class DataArgs(_Group):
 class RuntimeArgs(_Group):
     # How the model computes. None: the model's own setting (its `RuntimeConfig`); a value replaces it for
     # this run, in the Python API and the `jaxloom` command alike (the trainer rebuilds the model with it).
-    dtype: str | None = None  # computation dtype, e.g. "bfloat16"
-    param_dtype: str | None = None  # storage dtype of parameters (and optimizer state)
+    # computation dtype, e.g. "bfloat16"
+    dtype: str | None = Field(None, description="computation dtype, e.g. bfloat16 (None: the model's)")
+    # storage dtype of parameters (and optimizer state)
+    param_dtype: str | None = Field(None, description="parameter and optimizer-state dtype (None: the model's)")
     # Attention backend: auto, xla, chunked (linear memory, any platform), cudnn, flash (GPU/TPU).
-    attn_mechanism: str | None = None
-    attn_block_size: int | None = None
-    remat: str | None = None
+    attn_mechanism: str | None = Field(
+        None, description="attention backend: auto, xla, chunked, cudnn, flash (EasyDeL's names too)"
+    )
+    attn_block_size: int | None = Field(None, description="query/key block of the chunked and flash backends")
+    remat: str | None = Field(None, description="activation rematerialisation policy (None: the model's)")
     # Scan the decoder stack (compile time flat in depth); the model's default scans above 16 layers.
-    scan_layers: bool | None = None
+    scan_layers: bool | None = Field(
+        None, description="scan the decoder stack: compile time flat in depth (None: above 16 layers)"
+    )
     # MoE experts: auto (ragged on GPU/TPU, tiled on CPU), ragged, tiled, dense (reference).
-    moe_implementation: str | None = None
+    moe_implementation: str | None = Field(None, description="MoE expert computation: auto, ragged, tiled, dense")
     # The mesh axes batch rows are split over, in order. None: the model's `partition_axis.batch_axis`
     # (fsdp, then dp). Add "ep" for expert parallelism that moves tokens: the ep devices then hold
     # different rows (data-parallel outside the experts) instead of repeating the same ones.
-    batch_axis: tuple[str, ...] | None = None
-    sharding_axis_dims: tuple[int, ...] = (1, -1, 1, 1, 1)
-    sharding_axis_names: tuple[str, ...] = ("dp", "fsdp", "ep", "tp", "sp")
-    sharding_dcn_axis_dims: tuple[int, ...] | None = None
+    batch_axis: tuple[str, ...] | None = Field(
+        None,
+        description="mesh axes the batch rows are split over (None: the model's; [fsdp,dp,ep]: tokens move to experts)",
+    )
+    sharding_axis_dims: tuple[int, ...] = Field(
+        (1, -1, 1, 1, 1), description="mesh shape over (dp, fsdp, ep, tp, sp); -1 takes the remaining devices"
+    )
+    sharding_axis_names: tuple[str, ...] = Field(("dp", "fsdp", "ep", "tp", "sp"), description="mesh axis names")
+    sharding_dcn_axis_dims: tuple[int, ...] | None = Field(
+        None, description="mesh shape across hosts (multi-slice / multi-node)"
+    )
     # Donate the state's buffers to the step (one copy of it in memory instead of two). None: on GPU/TPU
     # yes; on CPU no, where XLA runs a donated step ~6% slower (measured, docs/performance.md).
-    donate_state: bool | None = None
+    donate_state: bool | None = Field(
+        None, description="donate the state's buffers to the step (None: yes on GPU/TPU, no on CPU)"
+    )
     # JAX's persistent compilation cache: a rerun or a restart after a crash loads the compiled train
     # step (and every other program) from here instead of compiling it. Process-wide: `train()` turns
     # it on when it starts (never the constructor, nor commands that only read a run).
-    compilation_cache_dir: str | None = None
+    compilation_cache_dir: str | None = Field(None, description="JAX's persistent compilation cache directory")
 
     @field_validator("dtype", "param_dtype", "attn_mechanism", "remat", mode="before")
     @classmethod
@@ -246,13 +285,19 @@ class RuntimeArgs(_Group):
 
 
 class LoggingArgs(_Group):
-    use_tensorboard: bool = True
-    use_wandb: bool = False
-    wandb_project: str | None = None
-    progress_bar: bool = True
-    log_weight_distribution: bool = False
-    peak_flops_per_device: float | None = None  # override the table used for MFU
-    profile_steps: tuple[int, ...] | None = None  # (first, last): a JAX profiler trace of these steps
+    use_tensorboard: bool = Field(True, description="write TensorBoard events in save_directory/tensorboard")
+    use_wandb: bool = Field(False, description="log to Weights & Biases (resumed runs continue their W&B run)")
+    wandb_project: str | None = Field(None, description="the W&B project (None: jaxloom)")
+    progress_bar: bool = Field(True, description="a progress bar on a terminal; step lines with ETA otherwise")
+    log_weight_distribution: bool = Field(False, description="parameter histograms to TensorBoard at each log row")
+    # override the table used for MFU
+    peak_flops_per_device: float | None = Field(
+        None, description="peak FLOP/s per device for MFU (None: from the device table)"
+    )
+    # (first, last): a JAX profiler trace of these steps
+    profile_steps: tuple[int, ...] | None = Field(
+        None, description="[first, last]: a JAX profiler trace of these steps"
+    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -264,11 +309,11 @@ class LoggingArgs(_Group):
 
 
 class GenerationArgs(_Group):
-    generation_interval: int | None = None
-    generation_prompts: tuple[str, ...] = ()
-    generation_max_new_tokens: int = 32
-    generation_num_samples: int = 1
-    generation_temperature: float = 0.0
+    generation_interval: int | None = Field(None, description="generate previews every this many steps")
+    generation_prompts: tuple[str, ...] = Field((), description="prompts of the previews")
+    generation_max_new_tokens: int = Field(32, description="tokens per preview")
+    generation_num_samples: int = Field(1, description="previews per prompt")
+    generation_temperature: float = Field(0.0, description="sampling temperature of the previews (0: greedy)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -293,12 +338,25 @@ _OWNER = {name: g for g, cls in GROUPS.items() for name in cls.model_fields}
 class PreferenceArgs(_Group):
     """The settings of preference training (`DPOConfig`), TRL's names and defaults."""
 
-    beta: float = 0.1
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    label_smoothing: float = 0.0
-    ref_model: str | None = None  # an HF directory or a jaxloom run directory; None: the starting policy, frozen
-    precompute_ref_log_probs: bool = False
-    skip_bad_records: bool = False
+    beta: float = Field(
+        0.1, description="DPO: how far the policy may move from the reference (higher: less); IPO's tau"
+    )
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
+        "sigmoid", description="DPO: the preference loss, as TRL defines it: sigmoid (DPO), ipo, hinge"
+    )
+    label_smoothing: float = Field(
+        0.0, description="DPO sigmoid: the probability that a preference label is wrong (conservative DPO)"
+    )
+    # an HF directory or a jaxloom run directory; None: the starting policy, frozen
+    ref_model: str | None = Field(
+        None, description="DPO: the reference, an HF directory or a jaxloom run directory (None: the starting policy)"
+    )
+    precompute_ref_log_probs: bool = Field(
+        False, description="DPO: compute the reference log-probs in one pass before training; no reference held"
+    )
+    skip_bad_records: bool = Field(
+        False, description="DPO: skip (and count) preference records that cannot be used instead of stopping"
+    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -371,7 +429,13 @@ class TrainingArguments:
         """Every argument: `{"name", "group", "type", "default", "doc"}`, in group order (the schema the
         command line, files and the Python API share)."""
         return [
-            {"name": name, "group": g, "type": _type_text(f.annotation), "default": f.default, "doc": DOCS[name]}
+            {
+                "name": name,
+                "group": g,
+                "type": _type_text(f.annotation),
+                "default": f.default,
+                "doc": f.description or "",
+            }
             for g, group in cls.GROUPS.items()
             for name, f in group.model_fields.items()
         ]
@@ -399,79 +463,6 @@ def _type_text(annotation: Any) -> str:
     return str(annotation).replace("typing.", "")
 
 
-# One line per argument: `jaxloom config keys`, `jaxloom train --help` and `TrainingArguments.fields()`.
-DOCS: dict[str, str] = {
-    "learning_rate": "peak learning rate of the schedule",
-    "optimizer": "the optax optimizer",
-    "scheduler": "learning-rate decay after the warmup, over the run's steps",
-    "warmup_steps": "steps of linear warmup from init_learning_rate (None: warmup_ratio of the run)",
-    "warmup_ratio": "warmup as a fraction of the run's steps, when warmup_steps is None",
-    "init_learning_rate": "learning rate at step 0, where the warmup starts",
-    "end_learning_rate": "learning rate at the last step",
-    "weight_decay": "decoupled weight decay (adamw, lion, adafactor)",
-    "max_grad_norm": "clip gradients to this global norm (None: no clipping)",
-    "adam_beta1": "first-moment decay (adamw, lion)",
-    "adam_beta2": "second-moment decay (adamw, lion)",
-    "adam_epsilon": "adamw's epsilon",
-    "momentum": "sgd's momentum (0: none)",
-    "total_batch_size": "rows (sequences) per micro-batch, over all devices",
-    "gradient_accumulation_steps": "micro-batches per optimizer step",
-    "max_training_steps": "optimizer steps of the run (None: num_train_epochs over the data)",
-    "num_train_epochs": "passes over the training data, when max_training_steps is None",
-    "evaluation_steps": "evaluate every this many steps (None: at the end only)",
-    "eval_batches": "batches per evaluation",
-    "evaluation_batch_size": "rows per evaluation batch (None: total_batch_size)",
-    "logging_steps": "a metrics row every this many steps",
-    "training_time_limit": "seconds; then save and stop cleanly",
-    "seed": "seed of the initial parameters, dropout and data order",
-    "nan_policy": "a non-finite loss stops the run, or its update is skipped",
-    "z_loss": "weight of the log(Z)^2 auxiliary loss (0: off)",
-    "loss_block_size": "positions per device in each block of the fused output projection and loss (0: whole logits)",
-    "save_directory": "the run's directory: checkpoints, logs, report (None: a new one per run)",
-    "save_steps": "checkpoint every this many steps",
-    "save_minutes": "checkpoint every this many minutes",
-    "checkpoint_directory": "where checkpoints go: a path or gs://bucket/path (None: save_directory/checkpoints)",
-    "save_total_limit": "checkpoints kept (the newest)",
-    "resume_if_possible": "continue the run found in save_directory",
-    "overwrite_output_dir": "replace the run found in save_directory (its checkpoints and logs)",
-    "async_checkpointing": "write checkpoints in the background while training goes on",
-    "max_sequence_length": "tokens per row",
-    "truncation_mode": "which end of a too-long unpacked record is kept",
-    "packing": "pack documents into full rows (False: one record per row, padded)",
-    "shuffle_train_dataset": "shuffle the training data (seeded, exactly resumable)",
-    "shuffle_buffer_size": "records read ahead per data stream and shuffled together (memory flat in dataset size)",
-    "dtype": "computation dtype, e.g. bfloat16 (None: the model's)",
-    "param_dtype": "parameter and optimizer-state dtype (None: the model's)",
-    "attn_mechanism": "attention backend: auto, xla, chunked, cudnn, flash (EasyDeL's names too)",
-    "attn_block_size": "query/key block of the chunked and flash backends",
-    "remat": "activation rematerialisation policy (None: the model's)",
-    "scan_layers": "scan the decoder stack: compile time flat in depth (None: above 16 layers)",
-    "moe_implementation": "MoE expert computation: auto, ragged, tiled, dense",
-    "batch_axis": "mesh axes the batch rows are split over (None: the model's; [fsdp,dp,ep]: tokens move to experts)",
-    "sharding_axis_dims": "mesh shape over (dp, fsdp, ep, tp, sp); -1 takes the remaining devices",
-    "sharding_axis_names": "mesh axis names",
-    "sharding_dcn_axis_dims": "mesh shape across hosts (multi-slice / multi-node)",
-    "donate_state": "donate the state's buffers to the step (None: yes on GPU/TPU, no on CPU)",
-    "compilation_cache_dir": "JAX's persistent compilation cache directory",
-    "use_tensorboard": "write TensorBoard events in save_directory/tensorboard",
-    "use_wandb": "log to Weights & Biases (resumed runs continue their W&B run)",
-    "wandb_project": "the W&B project (None: jaxloom)",
-    "progress_bar": "a progress bar on a terminal; step lines with ETA otherwise",
-    "log_weight_distribution": "parameter histograms to TensorBoard at each log row",
-    "peak_flops_per_device": "peak FLOP/s per device for MFU (None: from the device table)",
-    "profile_steps": "[first, last]: a JAX profiler trace of these steps",
-    "generation_interval": "generate previews every this many steps",
-    "generation_prompts": "prompts of the previews",
-    "generation_max_new_tokens": "tokens per preview",
-    "generation_num_samples": "previews per prompt",
-    "generation_temperature": "sampling temperature of the previews (0: greedy)",
-    "beta": "DPO: how far the policy may move from the reference (higher: less); IPO's tau",
-    "loss_type": "DPO: the preference loss, as TRL defines it: sigmoid (DPO), ipo, hinge",
-    "label_smoothing": "DPO sigmoid: the probability that a preference label is wrong (conservative DPO)",
-    "ref_model": "DPO: the reference, an HF directory or a jaxloom run directory (None: the starting policy)",
-    "precompute_ref_log_probs": "DPO: compute the reference log-probs in one pass before training; no reference held",
-    "skip_bad_records": "DPO: skip (and count) preference records that cannot be used instead of stopping",
-}
 # help() shows every argument by group, from the schema itself (so the list cannot go stale).
 TrainingArguments.__doc__ = (
     (TrainingArguments.__doc__ or "")

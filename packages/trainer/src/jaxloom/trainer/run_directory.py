@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 import jaxloom.state as js
-from jaxloom.mesh import paths
+from jaxloom.core import paths
 
 log = logging.getLogger("jaxloom.trainer")
 RUN_CONFIG = "run_config.json"

@@ -7,7 +7,7 @@ listing a tree with sizes (one listing request on an object store, not one per f
 atomically, moving a folder and removing one.
 
 Used by checkpoints (jaxloom-state), data files (jaxloom-data) and the trainer. Object stores need the
-store's fsspec package (`gcsfs` for gs://: `pip install jaxloom-mesh[gcs]`).
+store's fsspec package (`gcsfs` for gs://: `pip install jaxloom-core[gcs]`).
 
 `as_path` refuses `s3://` with the reason: orbax-checkpoint 0.12, which commits jaxloom's checkpoint steps,
 commits a step outside gs:// by renaming its temporary folder, which on S3 is a copy object by object (not

@@ -1,0 +1,32 @@
+"""`jaxloom.core.paths` on local paths: atomic writes, moves, listings with sizes, removal, refusals."""
+
+import pytest
+
+from jaxloom.core import paths
+
+
+def test_local_paths_are_pathlib_and_uris_are_not(tmp_path):
+    assert not paths.is_uri(tmp_path) and paths.is_uri("gs://bucket/run")
+    assert paths.as_path(tmp_path / "x") == (tmp_path / "x").absolute()
+
+
+def test_write_atomic_move_list_and_remove(tmp_path):
+    target = tmp_path / "a" / "config.json"
+    target.parent.mkdir()
+    paths.write_atomic(target, '{"x": 1}')
+    assert target.read_text() == '{"x": 1}' and not list(target.parent.glob("*.tmp*"))
+    paths.write_atomic(target, '{"x": 2}')  # replaced whole
+    assert target.read_text() == '{"x": 2}'
+    (tmp_path / "a" / "sub").mkdir()
+    (tmp_path / "a" / "sub" / "b.bin").write_bytes(b"12345")
+    sizes = paths.files_with_sizes(tmp_path / "a")
+    assert sizes == {"config.json": 8, "sub/b.bin": 5}
+    paths.move(tmp_path / "a", tmp_path / "b")
+    assert not (tmp_path / "a").exists() and (tmp_path / "b" / "sub" / "b.bin").read_bytes() == b"12345"
+    paths.remove_tree(tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
+def test_s3_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="s3://"):
+        paths.as_path("s3://bucket/run")
