@@ -107,3 +107,13 @@ def test_lr_schedules():
     assert np.all(np.diff([float(c(i)) for i in range(5, 50)]) <= 1e-7)
     constant = get_lr_schedule_fn(learning_rate=0.3, schedule_type="constant", total_steps=5)
     assert float(constant(4)) == pytest.approx(0.3)
+
+
+def test_every_argument_has_its_help_text_on_its_field():
+    """The help `jaxloom config keys` prints sits on each field (one place), for every group and DPO's too."""
+    from jaxloom.trainer import DPOConfig
+
+    for f in DPOConfig.fields():
+        assert f["doc"].strip(), f"{f['group']}.{f['name']} has no description on its field"
+        group = DPOConfig.GROUPS[f["group"]]
+        assert group.model_fields[f["name"]].description == f["doc"]

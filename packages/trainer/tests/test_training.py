@@ -383,3 +383,39 @@ def test_batch_axis_from_the_command_moves_a_mixtures_tokens(tmp_path):
     out = t.train()
     assert np.isfinite(out.metrics["loss"]) and t.model.model.layers[0].mlp.w_up[...].sharding.spec[0] == "ep"
     t.finish()
+
+
+def test_a_new_trainer_kind_is_an_objective_and_a_data_spec(tmp_path):
+    """A kind the core has never seen arrives through the public extension points alone (no private method
+    overridden): its data spec adds a per-row array to every batch (`extend`), its objective reads it. Here
+    each row's token loss is scaled by that array (2.0): the logged loss is twice next-token training's on
+    the same data and seed, and evaluation goes through the same spec."""
+    import jax.numpy as jnp
+
+    from util import TOK
+
+    from jaxloom.trainer import DataSpec, Objective, Trainer, token_loss
+
+    def scaled_loss(state, params, batch, cfg):
+        tokens = {k: batch[k] for k in DataSpec.TOKEN_KEYS}
+        loss_sum, sums = token_loss(state, params, tokens, cfg)
+        return loss_sum * batch["row_scale"][0, 0], sums
+
+    def add_scale(local, batch, training):  # laid out like the token arrays (rows over the data axes)
+        rows = batch["input_ids"].shape[:-1]
+        batch["row_scale"] = jax.device_put(jnp.full((*rows, 1), 2.0, jnp.float32), batch["input_ids"].sharding)
+        return batch
+
+    class Scaled(Trainer):
+        def objective(self):
+            return Objective(loss=scaled_loss)
+
+        def data_spec(self):
+            return DataSpec.tokens(self.arguments, extra={"row_scale": ((1,), np.float32)}, extend=add_scale)
+
+    plain = trainer(tmp_path / "plain", max_training_steps=1, logging_steps=1).train()
+    t = trainer(tmp_path / "scaled", max_training_steps=1, logging_steps=1)
+    kw = dict(dataset_train=t.dataset_train, dataset_eval=t.dataset_eval, processing_class=TOK, mesh=t.mesh)
+    scaled = Scaled(t.arguments, t.model, **kw).train()
+    assert scaled.metrics["loss"] == pytest.approx(2 * plain.metrics["loss"], rel=1e-5)
+    assert scaled.metrics["eval_loss"] == pytest.approx(2 * plain.metrics["eval_loss"], rel=1e-5)

@@ -2,7 +2,8 @@
 
 from .__about__ import __version__
 from .arguments import DPOConfig, TrainingArguments
-from .callbacks import Callback
+from .batches import DataSpec
+from .callbacks import Callback, Callbacks
 from .deployer import Deployer
 from .dpo import DPOTrainer
 from .optim import get_lr_schedule_fn, make_optimizer
@@ -13,18 +14,22 @@ from .outputs import (
     TrainerOutput,
 )
 from .protocol import BaseTrainerProtocol, TrainerProtocol
-from .step import Objective, StepConfig, eval_step, train_step
+from .plan import Plan
+from .step import Objective, StepConfig, eval_step, token_loss, train_step
 from .trainer import BaseTrainer, NonFiniteLossError, Trainer
 
 __all__ = [
     "BaseTrainer",
     "BaseTrainerProtocol",
     "Callback",
+    "Callbacks",
     "DPOConfig",
     "DPOTrainer",
+    "DataSpec",
     "Deployer",
     "NonFiniteLossError",
     "Objective",
+    "Plan",
     "StepConfig",
     "Trainer",
     "TrainerConfigureDataloaderOutput",
@@ -37,5 +42,6 @@ __all__ = [
     "eval_step",
     "get_lr_schedule_fn",
     "make_optimizer",
+    "token_loss",
     "train_step",
 ]

@@ -97,10 +97,42 @@ def evaluator(trainer: Any) -> Evaluator:
 
 
 def generation(trainer: Any) -> Generation:
-    return Generation(trainer.arguments, tokenizer=lambda: trainer.tokenizer, mesh=trainer.mesh)
+    return Generation(
+        trainer.arguments,
+        tokenizer=lambda: trainer.tokenizer,
+        mesh=trainer.mesh,
+        current=lambda: trainer.model_state,
+        setup=trainer.initialize_trainer_utils,
+        log=lambda: trainer.step_log if "step_log" in trainer.__dict__ else None,
+    )
 
 
 def stop_control(trainer: Any) -> StopControl:
     a = trainer.arguments
     where = f" in {a.checkpoint_directory or Path(a.save_directory or '.') / 'checkpoints'}"
     return StopControl(a.nan_policy, a.training_time_limit, where=where)
+
+
+class forward:  # noqa: N801 - used like a decorator-less property
+    """A facade member that is a component's method under the same name: `generate_aio = forward("generation")`
+    on the trainer gives `trainer.generation.generate_aio`, with that method's signature and docstring (on the
+    class, the component class's function, so `help()` and the API docs show them)."""
+
+    def __init__(self, component: str):
+        self.component = component
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            built = owner.__dict__.get(self.component) if owner is not None else None
+            builder = getattr(built, "func", None)
+            cls = getattr(builder, "__annotations__", {}).get("return") if builder is not None else None
+            cls = COMPONENT_CLASSES.get(self.component, cls)
+            return getattr(cls, self.name) if cls is not None else self
+        return getattr(getattr(obj, self.component), self.name)
+
+
+COMPONENT_CLASSES: dict[str, type] = {"generation": Generation, "batches": Batches}

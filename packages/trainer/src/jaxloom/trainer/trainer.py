@@ -28,7 +28,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
@@ -36,12 +36,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxloom.data as jd
-import jaxloom.generation as jg
 import jaxloom.models as jmod
 import jaxloom.state as js
 from jaxloom.mesh import MeshConfig
 
 from . import components, export
+from .components import forward
 from .arguments import TrainingArguments
 from .batches import DataSpec
 from .callbacks import Callback, Callbacks, trainer_hooks
@@ -556,132 +556,17 @@ class BaseTrainer:
         """A TensorBoard histogram of every parameter of `state`, labelled `step`."""
         self.step_log.histograms(state, step)
 
-    # ---- generation -------------------------------------------------------------------------------------
-    def maybe_generate(self, state: js.TrainState, step: int, metrics: dict | None = None) -> list[str] | None:
-        """A preview from `generation_prompts` with `state` when one is due at `step` (every
-        `generation_interval`); returns the samples, or None when none was due. `metrics` is unused."""
-        a = self.arguments
-        if not (a.generation_interval and a.generation_prompts and step % a.generation_interval == 0):
-            return None
-        return self.preview(step, state)
-
-    def preview(self, step: int, state: js.TrainState | None = None) -> list[str]:
-        """Generate from `generation_prompts` with `state` (default: the current one) and log the samples
-        under `step` (also the sampling seed). Every process runs the (sharded) decode; process 0 writes."""
-        state = state if state is not None else self.model_state
-        return self.generation.preview(state.model, step, self.step_log)
-
-    def generate_unified(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        prompts=None,
-        *,
-        state=None,
-        use_esurge: bool | None = None,
-        apply_chat_template: bool = False,
-        generation_config=None,
-        shard_inputs: bool | None = None,
-        config_overrides: dict | None = None,
-        all_gather: bool = False,
-        **generate_kwargs,
-    ) -> jg.GenerationResults:
-        """Generate from `input_ids` (+ `attention_mask`) or text `prompts` (chat messages with
-        `apply_chat_template`) with `state`'s model (default: the trained one); `generation_config` (a
-        `jaxloom.generation.GenerationConfig` or a transformers one) updated by `config_overrides` and
-        `generate_kwargs`. `shard_inputs` (default True) spreads the batch over the mesh. Results are on
-        the host of every process, so `all_gather` changes nothing. `use_esurge=True` is an error: there
-        is no eSurge engine here."""
-        del all_gather  # always gathered: the results are numpy arrays on every process
-        return self.generation.unified(
-            self._generation_state(state, use_esurge).model,
-            input_ids,
-            attention_mask,
-            prompts,
-            apply_chat_template=apply_chat_template,
-            generation_config=generation_config,
-            shard_inputs=shard_inputs,
-            **{**(config_overrides or {}), **generate_kwargs},
-        )
-
-    def generate_aio(
-        self,
-        input_ids,
-        attention_mask=None,
-        *,
-        state=None,
-        generation_config=None,
-        shard_inputs: bool | None = None,
-        config_overrides: dict | None = None,
-        return_metadata: bool = False,
-        all_gather: bool = False,
-        **generate_kwargs,
-    ):
-        """`(sequences, completion_ids, completion_mask)` decoded after `input_ids` (+ `attention_mask`)
-        with `state`'s model; `generation_config`, `shard_inputs`, `config_overrides`, `all_gather` and
-        `generate_kwargs` as in `generate_unified`. With `return_metadata`, also a dict with the
-        `generation_config` used and the `prompt_length`."""
-        del all_gather
-        out, config = self.generation.aio(
-            self._generation_state(state, None).model,
-            input_ids,
-            attention_mask,
-            generation_config=generation_config,
-            shard_inputs=shard_inputs,
-            **{**(config_overrides or {}), **generate_kwargs},
-        )
-        if return_metadata:
-            return out, {"generation_config": config, "prompt_length": int(np.shape(input_ids)[-1])}
-        return out
-
-    def create_generate_function(
-        self,
-        generation_config=None,
-        *,
-        shard_inputs: bool = True,
-        config_overrides: dict | None = None,
-        **generate_kwargs,
-    ):
-        """`fn(state, input_ids, attention_mask) -> (sequences, completion_ids, completion_mask)` decoding
-        with `generation_config` updated by `config_overrides` and `generate_kwargs`; with `shard_inputs`
-        the prompts are spread over this mesh's batch axes."""
-        return self.generation.function(
-            generation_config, shard_inputs=shard_inputs, config_overrides=config_overrides, **generate_kwargs
-        )
-
-    def _generation_state(self, state, use_esurge) -> js.TrainState:
-        if use_esurge:
-            raise ValueError(
-                "use_esurge=True: jaxloom has no eSurge engine; it decodes with a KV cache (leave use_esurge unset)"
-            )
-        if state is None:
-            self.initialize_trainer_utils()
-            state = self.state
-        return state
+    # ---- generation (EasyDeL's names, with their signatures: the `generation` component's) --------------
+    maybe_generate = forward("generation")
+    preview = forward("generation")
+    generate_unified = forward("generation")
+    generate_aio = forward("generation")
+    create_generate_function = forward("generation")
 
     # ---- data helpers -------------------------------------------------------------------------------------
-    def create_collect_function(
-        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
-    ):
-        """`collate(examples) -> dict of arrays`: tokenized examples (`{"input_ids": [...], ...}`) truncated
-        by `truncation_mode` and right-padded with the tokenizer's pad id to `max_sequence_length`."""
-        return jd.create_collect_function(
-            max_sequence_length, truncation_mode, pad_token_id=self.tokenizer.pad_token_id or 0
-        )
-
-    def create_grain_collect_function(
-        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
-    ):
-        """The same collate function as `create_collect_function(max_sequence_length, truncation_mode)`,
-        for a grain pipeline's batch map."""
-        return self.create_collect_function(max_sequence_length, truncation_mode)
-
-    def create_tfds_collect_function(
-        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
-    ):
-        """The same collate function as `create_collect_function(max_sequence_length, truncation_mode)`,
-        for TFDS-style batches of examples."""
-        return self.create_collect_function(max_sequence_length, truncation_mode)
+    create_collect_function = forward("batches")
+    create_grain_collect_function = forward("batches")
+    create_tfds_collect_function = forward("batches")
 
     def specs_to_name_sharding(self, tree, mesh=None):
         """`tree` with every `PartitionSpec` replaced by a `NamedSharding` on `mesh` (default: the trainer's)."""
