@@ -51,3 +51,15 @@ def test_sibling_graph_is_a_dag_in_dependency_order():
     for p in parts.PARTS:
         for s in parts.siblings(p):
             assert order[s] < order[p], f"{p} depends on {s}, which comes later"
+
+
+def test_the_readme_table_shows_each_part_at_its_version():
+    """The root README's table of parts names every part with the version its package has (no drift)."""
+    import re
+
+    text = (parts.ROOT / "README.md").read_text()
+    for part in (*parts.PARTS, parts.META):
+        name = "jaxloom" if part == parts.META else f"jaxloom-{part}"
+        row = re.search(rf"^\| \[`{re.escape(name)}`\]\(packages/{part}\) \| [^|]+ \| (\S+) ", text, re.M)
+        assert row, f"README.md has no row for {name}"
+        assert row.group(1) == parts.version(part), f"README.md shows {name} {row.group(1)}; the package is {parts.version(part)}"
