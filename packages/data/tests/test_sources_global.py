@@ -32,6 +32,15 @@ def test_hf_and_parquet_sources(tmp_path):
     text = jd.as_source(str(tmp_path / "t.txt"))
     assert text.read_shard(str(tmp_path / "t.txt")) == [{"text": "one"}, {"text": "two"}]
     assert jd.extract_column_names(ds) == ["text"] and jd.extract_column_names(object()) is None
+    # a streaming dataset whose features are unknown until read: its first record names them, none consumed
+    import datasets
+
+    def gen():
+        yield from ({"prompt": f"p{i}", "completion": f"c{i}"} for i in range(3))
+
+    streaming = datasets.IterableDataset.from_generator(gen)
+    assert jd.extract_column_names(streaming) == ["prompt", "completion"]
+    assert len(list(streaming)) == 3
 
 
 def test_loader_for_mesh_builds_global_arrays():

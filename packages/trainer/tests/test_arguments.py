@@ -117,3 +117,15 @@ def test_every_argument_has_its_help_text_on_its_field():
         assert f["doc"].strip(), f"{f['group']}.{f['name']} has no description on its field"
         group = DPOConfig.GROUPS[f["group"]]
         assert group.model_fields[f["name"]].description == f["doc"]
+
+
+def test_other_frameworks_names_are_understood_or_refused_with_the_name_to_use():
+    """The names EasyDeL's Ray guide and HF/TRL users write: same meaning → accepted; another meaning →
+    refused naming jaxloom's setting; an alias given with its own name → one error."""
+    a = TrainingArguments(total_steps=10, batch_size=4, output_dir="runs/x")
+    assert (a.max_training_steps, a.total_batch_size, a.save_directory) == (10, 4, "runs/x")
+    assert TrainingArguments(max_steps=7).max_training_steps == 7
+    with pytest.raises(ValueError, match=r"per_device_train_batch_size' \(use total_batch_size"):
+        TrainingArguments(per_device_train_batch_size=2)
+    with pytest.raises(ValueError, match="one setting"):
+        TrainingArguments(max_steps=3, max_training_steps=4)

@@ -193,6 +193,9 @@ def test_base_trainer_members_in_the_reference_order(tmp_path):
     assert (hf / "config.json").is_file() and {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
     native = t.save_pretrained(str(tmp_path / "native"))  # the protocol's (ckpt_path, state) order
     assert js.CheckpointManager(str(native)).latest_step() == 2
+    # the checkpoint records the training arguments with the state (EasyDeL keeps them with its checkpoint)
+    recorded = js.CheckpointManager(str(native)).read_meta(2)["metadata"]["arguments"]
+    assert recorded["learning_rate"] == t.arguments.learning_rate and recorded["seed"] == t.arguments.seed
     with pytest.raises(ValueError, match="gather_fns"):
         t.save_pretrained(result.state, str(tmp_path / "x"), gather_fns={})
     with pytest.raises(ValueError, match="unsupported export option"):

@@ -147,6 +147,11 @@ def test_redco_methods(tmp_path):
     assert ckpt["params"]["dense"]["kernel"].sharding.spec == P("tp", None)
     ckpt, _ = d.load_ckpt(str(tmp_path / "ckpts" / "step_3"), rules, float_dtype=np.float16, load_opt_state=False)
     assert ckpt["params"]["dense"]["kernel"].dtype == np.float16 and ckpt["opt_state"] is None
+    # save_ckpt's float_dtype as RedCo gives it: a JAX dtype (stored in it, restored to the params' dtype)
+    import jax.numpy as jnp
+
+    d.save_ckpt(str(tmp_path / "ckpts" / "step_4"), sharded, step=4, float_dtype=jnp.bfloat16)
+    assert d.load_params_shape(str(tmp_path / "ckpts" / "step_4"))["dense"]["kernel"].dtype == jnp.bfloat16
     examples = [{"x": np.full(4, i, np.float32)} for i in range(100)]
     collate = lambda b: {"x": np.stack([e["x"] for e in b])}  # noqa: E731
     # with accumulation: micro-batches one at a time, whole optimizer steps only (100 // 16 steps of 2)

@@ -9,7 +9,9 @@ import numpy as np
 
 
 def extract_column_names(dataset: Any) -> list[str] | None:
-    """Column names of a `datasets` dataset (or a list of dicts); None when they cannot be known."""
+    """Column names of a `datasets` dataset (or a list of dicts); a streaming `IterableDataset` whose
+    features are unknown until read is asked for its first record (`take(1)`: nothing is consumed, as
+    EasyDeL does); None when they cannot be known."""
     names = getattr(dataset, "column_names", None)
     if isinstance(names, dict):  # DatasetDict
         names = next(iter(names.values()), None)
@@ -17,6 +19,9 @@ def extract_column_names(dataset: Any) -> list[str] | None:
         return list(names)
     if isinstance(dataset, Sequence) and dataset and isinstance(dataset[0], dict):
         return list(dataset[0])
+    if callable(getattr(dataset, "take", None)):  # a streaming datasets.IterableDataset
+        first = next(iter(dataset.take(1)), None)
+        return list(first) if isinstance(first, dict) else None
     return None
 
 

@@ -17,6 +17,7 @@ def save_pretrained(
     dtype: Any = None,
     max_shard_bytes: int = 5 * 2**30,
     generation_config: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> Path | str:
     """`to_hf=True`: `config.json` + safetensors (sharded with an index past `max_shard_bytes`) and the
     tokenizer if given — a directory `transformers.AutoModelForCausalLM.from_pretrained` loads. It is
@@ -28,7 +29,8 @@ def save_pretrained(
     `to_hf=False`: an orbax checkpoint of the whole state at `path/<step>`. `dtype` casts floating
     weights on the way out (e.g. `"bfloat16"`). `generation_config`: fields of `generation_config.json`
     over the model config's special-token ids (e.g. `eos_token_id` as a list with a chat template's
-    end-of-turn token, so `transformers`' `generate` stops where the model was trained to stop)."""
+    end-of-turn token, so `transformers`' `generate` stops where the model was trained to stop).
+    `metadata` (JSON data, e.g. the training arguments) is recorded with an orbax checkpoint (`to_hf=False`)."""
     import jax
 
     from jaxloom.core import paths
@@ -39,7 +41,7 @@ def save_pretrained(
         from .checkpoint import CheckpointManager
 
         manager = CheckpointManager(str(path), async_save=False)
-        manager.save(int(jax.device_get(state.step)), state)
+        manager.save(int(jax.device_get(state.step)), state, metadata=metadata)
         manager.close()
         return path
     from jaxloom.models.hf import atomic_directory, write_hf_export

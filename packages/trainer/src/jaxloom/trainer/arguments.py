@@ -383,10 +383,16 @@ class TrainingArguments:
 
     def __init__(self, **kwargs: Any):
         owner = self._owner()
+        kwargs = _aliased(kwargs)
         unknown = [k for k in kwargs if k not in owner]
         if unknown:
-            hints = {k: difflib.get_close_matches(k, list(owner), n=1) for k in unknown}
-            text = "; ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
+            hints = {
+                k: f"use {RENAMED[k]}"
+                if k in RENAMED
+                else "".join(f"did you mean {h!r}?" for h in difflib.get_close_matches(k, list(owner), n=1))
+                for k in unknown
+            }
+            text = "; ".join(f"{k!r}" + (f" ({h})" if h else "") for k, h in hints.items())
             raise ValueError(f"unknown training argument(s): {text}")
         for group, cls in self.GROUPS.items():
             values = {k: v for k, v in kwargs.items() if k in cls.model_fields}
@@ -527,6 +533,31 @@ DPOConfig.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         inspect.Parameter("max_length", inspect.Parameter.KEYWORD_ONLY, default=512, annotation=int),
     ]
 )
+
+
+# Other frameworks' names with the same meaning, accepted for jaxloom's (the reference guides write some of them).
+ALIASES = {
+    "total_steps": "max_training_steps",  # EasyDeL's Ray guide
+    "max_steps": "max_training_steps",  # HF Trainer / TRL
+    "batch_size": "total_batch_size",  # EasyDeL's Ray guide: rows per step over all devices
+    "output_dir": "save_directory",  # HF Trainer / TRL
+}
+# Names whose meaning differs from every jaxloom argument: refused, naming the one to use.
+RENAMED = {
+    "per_device_train_batch_size": "total_batch_size (rows over all devices, not per device)",
+    "per_device_eval_batch_size": "evaluation_batch_size (rows over all devices, not per device)",
+}
+
+
+def _aliased(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with `ALIASES` replaced by jaxloom's names; an alias given together with its name is an error."""
+    out = dict(kwargs)
+    for alias, name in ALIASES.items():
+        if alias in out:
+            if name in out:
+                raise ValueError(f"{alias} and {name} are one setting ({alias} is another name of {name}); give one")
+            out[name] = out.pop(alias)
+    return out
 
 
 TRAINERS = ("sft", "dpo")

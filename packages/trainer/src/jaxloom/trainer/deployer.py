@@ -237,7 +237,8 @@ class Deployer:
             opt_state=opt_state if opt_state is not None else {},
             rng=jax.random.fold_in(jax.random.PRNGKey(self.rng.seed), self.rng.count),
         )
-        manager = js.CheckpointManager(ckpt_dir, async_save=False, float_dtype=float_dtype, save_total_limit=None)
+        name = None if float_dtype is None else np.dtype(float_dtype).name  # RedCo passes a dtype (jnp.bfloat16)
+        manager = js.CheckpointManager(ckpt_dir, async_save=False, float_dtype=name, save_total_limit=None)
         manager.save(
             int(kwargs.get("step", 0)),
             state,

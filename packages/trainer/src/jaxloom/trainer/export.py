@@ -37,15 +37,20 @@ def export_options(
     return out
 
 
-def export(state: js.TrainState, directory: str | os.PathLike, *, tokenizer: Any, to_hf: bool, **options: Any):
+def export(
+    state: js.TrainState, directory: str | os.PathLike, *, tokenizer: Any, to_hf: bool, arguments: Any = None, **options
+):
     """Write `state` to `directory`: an HF directory (`to_hf`: safetensors, config, tokenizer, generation
-    config with the template's end-of-turn token as EOS) or an orbax checkpoint of the whole state."""
+    config with the template's end-of-turn token as EOS) or an orbax checkpoint of the whole state, which
+    records the training `arguments` in its metadata (as EasyDeL's checkpoint keeps its arguments)."""
+    metadata = None if to_hf or arguments is None else {"arguments": js.to_jsonable(arguments.to_dict())}
     return js.save_pretrained(
         state,
         os.fspath(directory),
         to_hf=to_hf,
         tokenizer=tokenizer,
         generation_config=hf_generation_fields(state.model.config, tokenizer),
+        metadata=metadata,
         **options,
     )
 

@@ -622,7 +622,9 @@ class BaseTrainer:
             state = self.state
         assert isinstance(state, js.TrainState) and isinstance(save_directory, str | os.PathLike)
         to_hf = bool(to_torch) if to_hf is None else to_hf
-        return export.export(state, save_directory, tokenizer=self.tokenizer, to_hf=to_hf, **options)
+        return export.export(
+            state, save_directory, tokenizer=self.tokenizer, to_hf=to_hf, arguments=self.arguments, **options
+        )
 
     def save_information(
         self,
