@@ -30,7 +30,30 @@ FAMILIES = {
             ),
         ),
     ),
+    # YaRN with every knob that changes the numbers: mscale / mscale_all_dim (the attention factor), no truncation
+    "llama_yarn_mscale": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+                beta_fast=16,
+                truncate=False,
+            ),
+        ),
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
+    # Qwen2 with its window on every layer (max_window_layers = 0): the window must act (4 < 12 tokens)
+    "qwen2_window": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+    ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
 }

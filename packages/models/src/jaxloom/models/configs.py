@@ -45,6 +45,34 @@ _IGNORED_HF_KEYS = {
     "use_sliding_window",
     "model_type",
     "rope_parameters",
+    # read by nothing in transformers' implementation of these families, so ignored there too
+    "is_llama_config",  # SmolLM2 (nanotron's export)
+    "rope_interleaved",  # SmolLM2 (nanotron's export)
+    "use_mrope",  # Qwen2.5 / DeepSeek-R1-Distill-Qwen: false (true is Qwen2-VL's multimodal RoPE: refused by Qwen2)
+}
+
+# rope_scaling keys each RoPE type reads (transformers' modeling_rope_utils); any other key is refused by name, so a
+# setting that changes the computation is never read and dropped. `required` keys must be there.
+_ROPE_KEYS = {
+    "linear": ({"factor"}, {"factor"}),
+    "dynamic": ({"factor", "original_max_position_embeddings"}, {"factor"}),
+    "llama3": (
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    ),
+    "yarn": (
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        },
+        {"original_max_position_embeddings"},
+    ),
 }
 
 
@@ -135,9 +163,7 @@ class LlamaConfig:
         if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
             raise ValueError(f"hidden_act {self.hidden_act!r}; expected silu, gelu, gelu_pytorch_tanh or relu")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
-                raise ValueError(f"rope_scaling type {kind!r}; expected default, linear, dynamic, llama3 or yarn")
+            _check_rope_scaling(type(self).__name__, self.rope_scaling)
 
     # Which projections carry a bias, per family.
     @property
@@ -179,7 +205,9 @@ class LlamaConfig:
         return data
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config as a `transformers` config.json mapping (with `model_type`)."""
+        """The config as a `transformers` config.json mapping (with `model_type`). A field that is None where
+        the family's default is not (Mistral's `sliding_window: null`) is written out: left out, transformers
+        would read the default back (a 4096-token window on a model trained without one)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out = {k: dict(v) if isinstance(v, dict) else list(v) if isinstance(v, tuple) else v for k, v in out.items()}
         out["model_type"] = self.model_type
@@ -188,7 +216,8 @@ class LlamaConfig:
             rope.update(dict(self.rope_scaling))
             rope["rope_type"] = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
         out["rope_parameters"] = rope
-        return {k: v for k, v in out.items() if v is not None}
+        explicit = {f.name for f in dataclasses.fields(self) if f.default is not None}
+        return {k: v for k, v in out.items() if v is not None or k in explicit}
 
     @classmethod
     def from_pretrained(cls, path: str | Path):
@@ -228,10 +257,35 @@ class Qwen2Config(LlamaConfig):
 
     @classmethod
     def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Qwen2's `config.json` (`data`) keeps a window size even when `use_sliding_window` is false."""
-        if not data.get("use_sliding_window", False):
-            data["sliding_window"] = None
+        """Qwen2's `config.json` (`data`) keeps a window size even when `use_sliding_window` is false; with it
+        true, the window applies to the layers from `max_window_layers` on (or those `layer_types` marks
+        `sliding_attention`), as transformers reads it. Every layer windowed, or none, is a model jaxloom runs
+        exactly; a mix of windowed and full layers is refused (not silently windowed everywhere)."""
+        if data.get("use_mrope"):
+            raise ValueError(
+                "Qwen2Config: use_mrope = true is Qwen2-VL's multimodal RoPE, which jaxloom does not implement; "
+                "expected use_mrope false (the text models' config says so)"
+            )
         data.setdefault("attention_bias", True)
+        window = data.get("sliding_window", 4096) if data.get("use_sliding_window", False) else None
+        if window is None:
+            data["sliding_window"] = None
+            return data
+        layers = int(data.get("num_hidden_layers", 32))
+        first = int(data.get("max_window_layers", 28))
+        kinds = data.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(layers)
+        ]
+        windowed = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+        if not windowed:
+            data["sliding_window"] = None
+        elif len(windowed) != len(kinds):
+            raise ValueError(
+                f"Qwen2Config: use_sliding_window = true with a window on layers {windowed[0]}..{windowed[-1]} only "
+                f"(max_window_layers = {first}, layer_types) and full attention on the others; jaxloom applies one "
+                "attention pattern to every layer, so this model would be computed wrongly. Expected every layer "
+                "windowed (max_window_layers = 0) or none (use_sliding_window = false)"
+            )
         return data
 
 
@@ -258,6 +312,37 @@ class MixtralConfig(LlamaConfig):
     @property
     def num_experts(self) -> int:
         return self.num_local_experts
+
+
+def _check_rope_scaling(owner: str, scaling: Mapping[str, Any]) -> None:
+    """`rope_scaling` names a type jaxloom implements, with the keys that type reads (all required ones, no
+    other): one error naming the key otherwise, before a model is built."""
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return
+    if kind not in _ROPE_KEYS:
+        raise ValueError(f"{owner}: rope_scaling type {kind!r}; expected default, linear, dynamic, llama3 or yarn")
+    known, required = _ROPE_KEYS[kind]
+    given = set(scaling) - {"rope_type", "type", "rope_theta"}
+    partial = scaling.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise ValueError(
+            f"{owner}: rope_scaling partial_rotary_factor = {partial!r}: rotating part of each head is not "
+            "implemented; expected 1.0"
+        )
+    unknown = sorted(given - known - {"partial_rotary_factor"})
+    if unknown:
+        raise ValueError(
+            f"{owner}: rope_scaling key(s) {unknown} for rope_type {kind!r}, which reads {sorted(known)}; a key that "
+            "changes the computation is never ignored: remove it, or use a rope_type that reads it"
+        )
+    missing = sorted(required - given)
+    if missing:
+        raise ValueError(f"{owner}: rope_scaling of rope_type {kind!r} needs {missing} (it has {sorted(given)})")
+    for key in given - {"truncate"}:
+        value = scaling[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):
+            raise ValueError(f"{owner}: rope_scaling {key} = {value!r}; expected a positive number")
 
 
 CONFIG_CLASSES: dict[str, type[LlamaConfig]] = {

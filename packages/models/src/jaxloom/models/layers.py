@@ -101,7 +101,7 @@ def rope_frequencies(
     if not scaling:
         return inv, 1.0
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    factor = float(scaling.get("factor", 1.0))
+    factor = float(scaling.get("factor") or 1.0)
     if kind == "linear":
         return inv / factor, 1.0
     if kind == "dynamic":
@@ -119,19 +119,29 @@ def rope_frequencies(
         out = jnp.where(wavelen > original / low, inv / factor, inv)
         mid = (wavelen <= original / low) & (wavelen >= original / high)
         return jnp.where(mid, smoothed, out), 1.0
-    if kind == "yarn":
+    if kind == "yarn":  # transformers' _compute_yarn_parameters, key for key
         original = scaling.get("original_max_position_embeddings", max_positions)
-        beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
-        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+        factor = float(scaling.get("factor") or max_positions / original)
+        beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def mscale_of(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            attention = mscale_of(factor, m) / mscale_of(factor, m_all) if m and m_all else mscale_of(factor)
 
         def dim_for(rot):
             return head_dim * math.log(original / (rot * 2 * math.pi)) / (2 * math.log(theta))
 
-        lo = max(math.floor(dim_for(beta_fast)), 0)
-        hi = min(math.ceil(dim_for(beta_slow)), head_dim - 1)
-        ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - lo) / max(hi - lo, 1e-3), 0, 1)
+        lo, hi = dim_for(beta_fast), dim_for(beta_slow)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - lo) / (hi - lo if hi != lo else 1e-3), 0, 1)
         extrapolation = 1 - ramp
-        return (inv / factor) * (1 - extrapolation) + inv * extrapolation, float(mscale)
+        return (inv / factor) * (1 - extrapolation) + inv * extrapolation, float(attention)
     return inv, 1.0
 
 
