@@ -62,4 +62,6 @@ def test_the_readme_table_shows_each_part_at_its_version():
         name = "jaxloom" if part == parts.META else f"jaxloom-{part}"
         row = re.search(rf"^\| \[`{re.escape(name)}`\]\(packages/{part}\) \| [^|]+ \| (\S+) ", text, re.M)
         assert row, f"README.md has no row for {name}"
-        assert row.group(1) == parts.version(part), f"README.md shows {name} {row.group(1)}; the package is {parts.version(part)}"
+        assert row.group(1) == parts.version(part), (
+            f"README.md shows {name} {row.group(1)}; the package is {parts.version(part)}"
+        )

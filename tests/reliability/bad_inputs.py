@@ -326,7 +326,7 @@ def _override(tmp, item):
     from jaxloom.trainer.compose import build_run
 
     trainer, _ = build_run(None, _tiny(tmp, item))
-    trainer.plan  # everything abstract: the settings checked against the model and mesh
+    assert trainer.plan is not None  # everything abstract: the settings checked against the model and mesh
     trainer.configure_dataloaders()
 
 

@@ -1,10 +1,11 @@
-"""`jaxloom.core.schema` — `@config`: one schema for every config; values converted by type, errors name key, value and expectation."""
+"""`jaxloom.core.schema` — `@config`: one schema for every config; values converted by type, errors name
+key, value and expectation."""
 
 import dataclasses
 
 import pytest
 
-from jaxloom.core.schema import NonNegativeInt, PositiveFloat, PositiveInt, config, is_config
+from jaxloom.core.schema import NonNegativeInt, PositiveFloat, PositiveInt, config
 
 
 @config

@@ -47,9 +47,7 @@ def test_rope_scaling_keys_take_effect_or_are_refused():
     with pytest.raises(ValueError, match=r"rope_scaling key\(s\) \['mscale_typo'\]"):
         jm.config_from_hf_dict({"model_type": "llama", **BASE, "rope_scaling": {**yarn, "mscale_typo": 1.0}})
     with pytest.raises(ValueError, match="needs .*low_freq_factor"):  # was a KeyError deep in the model
-        jm.config_from_hf_dict(
-            {"model_type": "llama", **BASE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
-        )
+        jm.config_from_hf_dict({"model_type": "llama", **BASE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         jm.config_from_hf_dict({"model_type": "llama", **BASE, "rope_scaling": {**yarn, "partial_rotary_factor": 0.5}})
     with pytest.raises(ValueError, match="factor = 0"):

@@ -64,7 +64,7 @@ def test_optimizer_field_changes_the_updates(name):
 # ---- what setup builds ----------------------------------------------------------------------------------
 def _setup(tmp_path, **kw):
     t = Trainer(args(tmp_path, **kw), jm.create_model(tiny(), lazy=True), dataset_train=TRAIN, processing_class=TOK)
-    t.plan  # everything abstract, nothing allocated
+    assert t.plan is not None  # everything abstract, nothing allocated
     return t
 
 

@@ -23,9 +23,9 @@ T = TypeVar("T")
 
 
 def explain_validation_error(error: Any, prefix: str = "", known: Sequence[str] = ()) -> ValueError:
-    """A pydantic `ValidationError` as one `ValueError`: each problem names the key, the value and what
-    was expected (`max_training_steps = 3.5; expected a valid integer, ...`). `known`: the valid keys,
-    named when a key is unknown."""
+    """A pydantic `ValidationError` (`error`) as one `ValueError`: each problem names the key, the value and
+    what was expected (`max_training_steps = 3.5; expected a valid integer, ...`), after `prefix` (the
+    config's name). `known`: the valid keys, named when a key is unknown."""
     lines: list[str] = []
     problems: dict[tuple[str, str], tuple[list[str], Any, list[str]]] = {}  # one entry per key and value
     for e in error.errors():

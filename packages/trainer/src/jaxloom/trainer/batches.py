@@ -61,7 +61,9 @@ class DataSpec:
     def batch_spec(self, accumulation: int, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
         """`{key: (shape, dtype)}` of a train batch of `rows` global rows per micro-batch, accumulation
         axis first: what the step is compiled for."""
-        spec = {k: ((accumulation, rows, self.row_width), np.int32) for k in self.TOKEN_KEYS}
+        spec: dict[str, tuple[tuple[int, ...], Any]] = {
+            k: ((accumulation, rows, self.row_width), np.int32) for k in self.TOKEN_KEYS
+        }
         spec.update({k: ((accumulation, rows, *shape), dtype) for k, (shape, dtype) in self.extra.items()})
         return spec
 

@@ -92,17 +92,19 @@ def trainer_hooks() -> Callback:
 
 
 class Callbacks:
-    """Callbacks in order, and their events fired on each."""
+    """`callbacks` in the order they run, and their events fired on each."""
 
     def __init__(self, callbacks: Iterable[Callback] = ()):
         self.items: list[Callback] = list(callbacks)
 
     def step_start(self, trainer: Any, step: int) -> None:
+        """`on_step_start(trainer, step)` of each callback that has one."""
         for cb in self.items:
             if cb.on_step_start is not None:
                 cb.on_step_start(trainer, step)
 
     def step_end(self, trainer: Any, step: int, metrics: dict) -> dict:
+        """`on_step_end(trainer, step, metrics)` of each callback; a returned dict replaces `metrics`."""
         for cb in self.items:
             if cb.on_step_end is not None:
                 out = cb.on_step_end(trainer, step, metrics)
@@ -110,9 +112,11 @@ class Callbacks:
         return metrics
 
     def saved(self, trainer: Any, step: int) -> None:
+        """`on_save(trainer, step)` of each callback: checkpoint `step` was written (or handed over)."""
         for cb in self.items:
             if cb.on_save is not None:
                 cb.on_save(trainer, step)
 
     def due(self, step: int) -> list[Callback]:
+        """The callbacks whose `fn` runs after `step`, in order."""
         return [cb for cb in self.items if cb.due(step)]

@@ -95,7 +95,7 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
         model_cfg = {k: v for k, v in model_cfg.items() if k in explicit}
         resolved["model"] = json.loads(json.dumps(model_cfg))  # what the run directory rebuilds
     model = model_of(model_cfg, runtime, vocab_size=len(tokenizer))
-    trainer = KINDS[kind](args, model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
+    trainer = KINDS[kind](args, model=model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
     return trainer, resolved
 
 

@@ -39,9 +39,11 @@ def data_axes(runtime: jmod.RuntimeConfig, mesh) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What a run trains, abstractly: the model's `config` and class, the `runtime`, the mesh, the
-    optimizer `tx` and `schedule` over `total_steps`, the state's `abstract` tree and `shardings`, the
-    train and eval batch shardings, and `build = (fn, inputs)`, where `fn(*inputs)` makes the state."""
+    """What a run trains, abstractly: the model's `config` and class (`model_class`), the `runtime`, the
+    `mesh`, the optimizer `tx` and `schedule` over `total_steps`, the parameter count `n_params`, the
+    state's `abstract` tree and `shardings`, the train and eval batch shardings (`batch_sharding`,
+    `eval_sharding`), and `build_fn(*build_inputs)`, which makes the state (from `given`, the state
+    the trainer was given, when there is one)."""
 
     config: Any
     model_class: type
@@ -72,8 +74,8 @@ class Plan:
         check_eval: bool = True,
     ) -> Plan:
         """The plan of training `model` (or the given `state`, whose class is kept) with `arguments` on
-        `mesh` for `total_steps`. Raises before anything runs when the settings cannot work (the evaluation
-        batch size too with `check_eval`)."""
+        `mesh` for `total_steps`; `finetune=False` draws new parameters from the seed. Raises before anything
+        runs when the settings cannot work (the evaluation batch size too with `check_eval`)."""
         runtime = arguments.runtime.apply(model.runtime)
         config, model_class = model.config, type(model)
         _check_attention(arguments, config, runtime, mesh)

@@ -25,7 +25,8 @@ the same key, so every process learns of any process's request after the same st
 
 
 def token_loss(state: TrainState, params, batch, cfg: StepConfig):
-    """Sum of masked next-token cross entropy over one micro-batch, and its sums: `tokens` (the targets,
+    """Sum of masked next-token cross entropy of `state`'s model with `params` over one micro-batch
+    (`batch`, the steps' `cfg`), and its sums: `tokens` (the targets,
     the loss's normaliser) and `correct` (targets with the highest logit).
 
     A model with an `output_projection()` (jaxloom's causal LMs) is run up to its final hidden states and
