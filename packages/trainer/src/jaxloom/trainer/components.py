@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from .batches import Batches
+from .callbacks import Callback, Callbacks, trainer_hooks
 from .checkpointing import Checkpointing
 from .evaluation import Evaluator
+from .export import Exporter
 from .functions import StepFunctions
 from .monitor import StepLog
 from .plan import Plan
@@ -113,6 +115,49 @@ def stop_control(trainer: Any) -> StopControl:
     return StopControl(a.nan_policy, a.training_time_limit, where=where)
 
 
+def exporter(trainer: Any) -> Exporter:
+    def current():
+        if trainer.state is None:  # a restored state (jaxloom convert) needs no loader, compile or lock
+            trainer.initialize_trainer_utils()
+        return trainer.state
+
+    def facts() -> dict[str, Any]:
+        return dict(
+            identity=trainer.run_identity,
+            dataset_train=trainer.dataset_train,
+            dataset_eval=trainer.dataset_eval,
+            model=trainer._model_in,
+            n_params=trainer.n_params,
+            mesh=trainer.mesh,
+            arguments=trainer.arguments,
+            resumed_from=trainer.resumed_from,
+            history=trainer.step_log.history if "step_log" in trainer.__dict__ else [],
+        )
+
+    return Exporter(
+        current=current,
+        tokenizer=lambda: trainer.tokenizer,
+        arguments=lambda: trainer.arguments,
+        directory=trainer._directory,
+        facts=facts,
+    )
+
+
+def callbacks(trainer: Any) -> Callbacks:
+    """Every callback of `trainer` in the order they run: checkpoint first (saved before anything that can
+    fail runs on the step), evaluation and preview on their cadence, the trainer's own hooks, `hooks`, then
+    the callbacks added with `add_callback`."""
+    a = trainer.arguments
+    builtin = [
+        Callback(lambda t, step: t.save_checkpoint(step), when=trainer.checkpointing.should_save, name="checkpoint")
+    ]
+    if a.evaluation_steps and trainer.dataset_eval is not None:
+        builtin.append(Callback(lambda t, step: t._evaluate_and_log(step), every=a.evaluation_steps, name="evaluation"))
+    if a.generation_interval and a.generation_prompts:
+        builtin.append(Callback(lambda t, step: t.preview(step), every=a.generation_interval, name="preview"))
+    return Callbacks([*builtin, trainer_hooks(), *map(Callback.of, trainer.hooks), *trainer.callbacks])
+
+
 class forward:  # noqa: N801 - used like a decorator-less property
     """A facade member that is a component's method under the same name: `generate_aio = forward("generation")`
     on the trainer gives `trainer.generation.generate_aio`, with that method's signature and docstring (on the
@@ -135,4 +180,4 @@ class forward:  # noqa: N801 - used like a decorator-less property
         return getattr(getattr(obj, self.component), self.name)
 
 
-COMPONENT_CLASSES: dict[str, type] = {"generation": Generation, "batches": Batches}
+COMPONENT_CLASSES: dict[str, type] = {"generation": Generation, "batches": Batches, "exporter": Exporter}

@@ -1,5 +1,6 @@
 """What a run hands on: a state as a Hugging Face directory or an orbax checkpoint (`export`), and the
-run's Markdown report (`report`). Pure functions of what they are given.
+run's Markdown report (`report`), as pure functions of what they are given; `Exporter` offers them under
+EasyDeL's names (`save_pretrained`, `save_information`) for a trainer's state.
 
     export(state, "out/hf", tokenizer=tok, to_hf=True, max_shard_size="2GB")
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jaxloom.state as js
@@ -88,3 +90,68 @@ def shard_bytes(size: int | str) -> int:
         if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
             return int(float(text[: -len(unit)]) * scale)
     raise ValueError(f"max_shard_size {size!r}; expected bytes or e.g. '500MB', '2GB'")
+
+
+class Exporter:
+    """`save_pretrained` and `save_information` with EasyDeL's signatures. `current()` gives the state to
+    write by default (setting the run up if needed), `tokenizer()` the run's tokenizer, `arguments()` the
+    training arguments, `directory()` the run's `save_directory`, and `facts()` what the report shows
+    (`write_report`'s fields, with `identity`, `dataset_train` and `dataset_eval`)."""
+
+    def __init__(
+        self,
+        *,
+        current: Callable[[], js.TrainState],
+        tokenizer: Callable[[], Any],
+        arguments: Callable[[], Any],
+        directory: Callable[[], Path],
+        facts: Callable[[], dict[str, Any]],
+    ):
+        self.current, self.tokenizer, self.arguments = current, tokenizer, arguments
+        self.directory, self.facts = directory, facts
+
+    def save_pretrained(
+        self,
+        state: js.TrainState | str | os.PathLike | None = None,
+        save_directory: str | os.PathLike | js.TrainState | None = None,
+        gather_fns=None,
+        to_torch: bool = False,
+        easystate_to_huggingface_model_kwargs: dict | None = None,
+        torch_save_pretrained_kwargs: dict | None = None,
+        *,
+        to_hf: bool | None = None,
+    ) -> Path | str:
+        """Write `state` (default: the trainer's) to `save_directory`: with `to_torch` (or `to_hf`) a
+        Hugging Face directory `transformers` loads (safetensors, config, tokenizer), else an orbax
+        checkpoint of the whole state (with the training arguments in its metadata). The protocol's order
+        `save_pretrained(ckpt_path, state)` works too. `easystate_to_huggingface_model_kwargs` takes `dtype`
+        (cast the weights on the way out); `torch_save_pretrained_kwargs` takes `max_shard_size` (bytes, or
+        "500MB"-style). `gather_fns` must be None: sharded arrays are gathered one at a time by the exporter."""
+        if isinstance(state, str | os.PathLike):
+            state, save_directory = save_directory, state  # type: ignore[assignment]
+        if save_directory is None:
+            raise ValueError("save_pretrained needs a save_directory")
+        if gather_fns is not None:
+            raise ValueError("gather_fns is not used by jaxloom: the exporter gathers each sharded array itself")
+        options = export_options(easystate_to_huggingface_model_kwargs, torch_save_pretrained_kwargs)
+        state = self.current() if state is None else state
+        assert isinstance(state, js.TrainState) and isinstance(save_directory, str | os.PathLike)
+        to_hf = bool(to_torch) if to_hf is None else to_hf
+        return export(
+            state, save_directory, tokenizer=self.tokenizer(), to_hf=to_hf, arguments=self.arguments(), **options
+        )
+
+    def save_information(
+        self,
+        output_path: str | Path | None = None,
+        *,
+        final: dict | None = None,
+        stop_reason: str = "not finished",
+        samples: list[str] | None = None,
+    ) -> Path:
+        """A Markdown report of the run at `output_path` (default `save_directory/report.md`): model,
+        parameters, mesh, data, steps, tokens seen and wall time over every segment of the run, why it
+        stopped (`stop_reason`), `final` metrics, the eval history, the last generated `samples`,
+        arguments, and package versions."""
+        path = Path(output_path or self.directory() / "report.md")
+        return report(path, **self.facts(), final=final or {}, stop_reason=stop_reason, samples=samples or [])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,11 +39,11 @@ import jaxloom.models as jmod
 import jaxloom.state as js
 from jaxloom.mesh import MeshConfig
 
-from . import components, export
+from . import components
 from .components import forward
 from .arguments import TrainingArguments
 from .batches import DataSpec
-from .callbacks import Callback, Callbacks, trainer_hooks
+from .callbacks import Callback, Callbacks
 from .outputs import (
     TrainerConfigureDataloaderOutput,
     TrainerConfigureFunctionOutput,
@@ -181,6 +180,7 @@ class BaseTrainer:
     evaluator = functools.cached_property(components.evaluator)
     generation = functools.cached_property(components.generation)
     stop_control = functools.cached_property(components.stop_control)
+    exporter = functools.cached_property(components.exporter)
 
     @functools.cached_property
     def run_identity(self) -> dict[str, Any]:
@@ -434,17 +434,7 @@ class BaseTrainer:
         """Every callback in the order they run: checkpoint first (saved before anything that can fail runs
         on the step), evaluation and preview on their cadence, the trainer's own hooks, `hooks`, then
         `callbacks` added with `add_callback`."""
-        a = self.arguments
-        builtin = [
-            Callback(lambda t, step: t.save_checkpoint(step), when=self.checkpointing.should_save, name="checkpoint")
-        ]
-        if a.evaluation_steps and self.dataset_eval is not None:
-            builtin.append(
-                Callback(lambda t, step: t._evaluate_and_log(step), every=a.evaluation_steps, name="evaluation")
-            )
-        if a.generation_interval and a.generation_prompts:
-            builtin.append(Callback(lambda t, step: t.preview(step), every=a.generation_interval, name="preview"))
-        return Callbacks([*builtin, trainer_hooks(), *map(Callback.of, self.hooks), *self.callbacks])
+        return components.callbacks(self)
 
     def save_checkpoint(self, step: int) -> None:
         """Save the current state as checkpoint `step` with the data position and the run's identity, then
@@ -591,69 +581,9 @@ class BaseTrainer:
         per_token = 2 * self.count_model_parameters(params) + attention
         return per_token * (3 if is_training else 1) * a.training_batch_size * a.max_sequence_length
 
-    # ---- outputs ------------------------------------------------------------------------------------------
-    def save_pretrained(
-        self,
-        state: js.TrainState | str | os.PathLike | None = None,
-        save_directory: str | os.PathLike | js.TrainState | None = None,
-        gather_fns=None,
-        to_torch: bool = False,
-        easystate_to_huggingface_model_kwargs: dict | None = None,
-        torch_save_pretrained_kwargs: dict | None = None,
-        *,
-        to_hf: bool | None = None,
-    ) -> Path | str:
-        """Write `state` (default: the trainer's) to `save_directory`: with `to_torch` (or `to_hf`) a
-        Hugging Face directory `transformers` loads (safetensors, config, tokenizer), else an orbax
-        checkpoint of the whole state. The protocol's order `save_pretrained(ckpt_path, state)` works too.
-        `easystate_to_huggingface_model_kwargs` takes `dtype` (cast the weights on the way out);
-        `torch_save_pretrained_kwargs` takes `max_shard_size` (bytes, or "500MB"-style). `gather_fns`
-        must be None: sharded arrays are gathered one at a time by the exporter."""
-        if isinstance(state, str | os.PathLike):
-            state, save_directory = save_directory, state  # type: ignore[assignment]
-        if save_directory is None:
-            raise ValueError("save_pretrained needs a save_directory")
-        if gather_fns is not None:
-            raise ValueError("gather_fns is not used by jaxloom: the exporter gathers each sharded array itself")
-        options = export.export_options(easystate_to_huggingface_model_kwargs, torch_save_pretrained_kwargs)
-        if state is None:
-            if self.state is None:  # a restored state (jaxloom convert) needs no loader, compile or lock
-                self.initialize_trainer_utils()
-            state = self.state
-        assert isinstance(state, js.TrainState) and isinstance(save_directory, str | os.PathLike)
-        to_hf = bool(to_torch) if to_hf is None else to_hf
-        return export.export(
-            state, save_directory, tokenizer=self.tokenizer, to_hf=to_hf, arguments=self.arguments, **options
-        )
-
-    def save_information(
-        self,
-        output_path: str | Path | None = None,
-        *,
-        final: dict | None = None,
-        stop_reason: str = "not finished",
-        samples: list[str] | None = None,
-    ) -> Path:
-        """A Markdown report of the run at `output_path` (default `save_directory/report.md`): model,
-        parameters, mesh, data, steps, tokens seen and wall time over every segment of the run, why it
-        stopped (`stop_reason`), `final` metrics, the eval history, the last generated `samples`,
-        arguments, and package versions."""
-        path = Path(output_path or self._directory() / "report.md")
-        return export.report(
-            path,
-            dataset_train=self.dataset_train,
-            dataset_eval=self.dataset_eval,
-            identity=self.run_identity,
-            model=self._model_in,
-            n_params=self.n_params,
-            mesh=self.mesh,
-            arguments=self.arguments,
-            final=final or {},
-            resumed_from=self.resumed_from,
-            stop_reason=stop_reason,
-            history=self.step_log.history if "step_log" in self.__dict__ else [],
-            samples=samples or [],
-        )
+    # ---- outputs (EasyDeL's names, with their signatures: the `exporter` component's) --------------------
+    save_pretrained = forward("exporter")
+    save_information = forward("exporter")
 
 
 class Trainer(BaseTrainer):
