@@ -64,3 +64,10 @@ def test_a_mistral_without_a_window_is_exported_without_one(tmp_path):
     jm.save_hf_model(model, tmp_path / "out")
     assert transformers.AutoConfig.from_pretrained(tmp_path / "out").sliding_window is None
     assert jm.from_pretrained(tmp_path / "out").config.sliding_window is None
+
+
+@pytest.mark.parametrize("key", ["rope_theta", "rms_norm_eps"])
+def test_a_zero_rope_base_or_norm_epsilon_is_refused_before_anything_runs(key):
+    """rope_theta = 0 trained a whole step to NaN (issue 43); now one error naming the key."""
+    with pytest.raises(ValueError, match=f"{key} = 0"):
+        jm.config_from_hf_dict({"model_type": "llama", **BASE, key: 0})

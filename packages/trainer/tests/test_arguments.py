@@ -129,3 +129,17 @@ def test_other_frameworks_names_are_understood_or_refused_with_the_name_to_use()
         TrainingArguments(per_device_train_batch_size=2)
     with pytest.raises(ValueError, match="one setting"):
         TrainingArguments(max_steps=3, max_training_steps=4)
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path):
+    """YAML and JSON readers keep the last of two equal keys without a word (issue 43); jaxloom names it."""
+    from jaxloom.trainer.arguments import load_config_file
+
+    (tmp_path / "a.yaml").write_text("learning_rate: 1e-3\nmodel:\n  hidden_size: 64\nlearning_rate: 1e-4\n")
+    with pytest.raises(ValueError, match=r"a.yaml.*line 4.*'learning_rate' given twice \(first at line 1\)"):
+        load_config_file(tmp_path / "a.yaml")
+    (tmp_path / "b.json").write_text('{"seed": 1, "seed": 2}')
+    with pytest.raises(ValueError, match=r"b.json: key\(s\) \['seed'\] given twice"):
+        load_config_file(tmp_path / "b.json")
+    (tmp_path / "c.yaml").write_text("model:\n  hidden_size: 64\ndata:\n  hidden_size: 64\n")  # other mappings: fine
+    assert load_config_file(tmp_path / "c.yaml")["data"] == {"hidden_size": 64}

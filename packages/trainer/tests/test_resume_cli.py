@@ -204,3 +204,20 @@ def test_data_prepare_then_train_on_a_mixture_of_a_store_and_a_stream(tmp_path, 
     config.write_text("data:\n  train:\n    - {path: a.jsonl, weight: -2}\n")
     assert main(["train", *run]) == 2
     assert "mixture part 0 (a.jsonl) has weight -2" in capsys.readouterr().err
+
+
+def test_resuming_by_directory_never_applies_a_recorded_overwrite(tmp_path):
+    """`jaxloom train RUN_DIR` of a run started with overwrite_output_dir=true continues it (issue 43: the
+    recorded setting deleted its checkpoints and trained from step 0); one given now still applies."""
+    import json
+
+    from jaxloom.trainer.compose import split_target
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run_config.json").write_text(json.dumps({"overwrite_output_dir": True, "max_training_steps": 4}))
+    config, items = split_target([str(run)])
+    trainer, _ = build_run(config, items)
+    assert trainer.arguments.overwrite_output_dir is False and trainer.arguments.save_directory == str(run)
+    config, items = split_target([str(run), "overwrite_output_dir=true"])
+    assert build_run(config, items)[0].arguments.overwrite_output_dir is True

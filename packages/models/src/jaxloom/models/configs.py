@@ -162,6 +162,10 @@ class LlamaConfig:
             )
         if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
             raise ValueError(f"hidden_act {self.hidden_act!r}; expected silu, gelu, gelu_pytorch_tanh or relu")
+        for name in ("rope_theta", "rms_norm_eps"):  # 0 gives NaN after a whole step, not an error
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise ValueError(f"{type(self).__name__}.{name} = {value!r}; expected a positive finite number")
         if self.rope_scaling is not None:
             _check_rope_scaling(type(self).__name__, self.rope_scaling)
 

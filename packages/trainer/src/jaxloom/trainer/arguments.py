@@ -587,10 +587,34 @@ def _yaml_loader():
     class Loader(yaml.SafeLoader):
         pass
 
+    def construct_mapping(self, node, deep=False):
+        """A key given twice in one mapping is an error naming its line (PyYAML keeps the last one silently)."""
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (first at line {seen[key] + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark.line
+        return yaml.SafeLoader.construct_mapping(self, node, deep=deep)
+
+    Loader.construct_mapping = construct_mapping  # type: ignore[method-assign]
     Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     number = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?\.[0-9_]+[eE][-+]?[0-9]+$")
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", number, list("-+0123456789."))
     return Loader
+
+
+def _unique_keys(path: Path):
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in items]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ValueError(f"{path}: key(s) {twice} given twice in one object; expected each key once")
+        return dict(items)
+
+    return pairs
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -601,7 +625,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     text = path.read_text()
     if path.suffix == ".json":
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys(path))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
     else:

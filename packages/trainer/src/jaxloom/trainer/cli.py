@@ -18,7 +18,7 @@ tokenizer, so these commands work on it from any working directory, also after i
 
 Exit status: 0 done; 2 bad input (a setting, a file, a run directory); 3 a checkpoint could not be
 saved; 4 nothing to train (the run in save_directory already reached max_training_steps); 128+N
-stopped by signal N after saving (130: Ctrl-C, 143: SIGTERM); 1 anything else.
+stopped by signal N after saving (130: Ctrl-C, 143: SIGTERM, 129: SIGHUP); 1 anything else.
 """
 
 from __future__ import annotations

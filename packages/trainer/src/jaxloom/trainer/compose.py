@@ -45,7 +45,8 @@ READ_ONLY = [
 
 def split_target(items: list[str]) -> tuple[str | None, list[str]]:
     """`[CONFIG | RUN_DIR] key=value ...` → (config file, overrides). A run directory stands for its
-    resolved config, with its own save_directory and its copy of the tokenizer."""
+    resolved config, with its own save_directory and its copy of the tokenizer; resuming it never deletes
+    it: the `overwrite_output_dir` recorded there is not applied again (only one given now is)."""
     items = list(items)
     first = items.pop(0) if items and "=" not in items[0] else None
     if first is not None and Path(first).is_dir():
@@ -54,7 +55,7 @@ def split_target(items: list[str]) -> tuple[str | None, list[str]]:
             raise FileNotFoundError(
                 f"{run} is a directory without {RUN_CONFIG}; expected a run directory or a config file"
             )
-        pinned = [f"save_directory={run}"]
+        pinned = [f"save_directory={run}", "overwrite_output_dir=false"]
         if (run / "tokenizer").is_dir():
             pinned.append(f"data.tokenizer={(run / 'tokenizer').absolute()}")
         return str(run / RUN_CONFIG), pinned + items

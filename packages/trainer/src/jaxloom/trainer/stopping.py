@@ -75,8 +75,9 @@ class StopControl:
         return metrics
 
     def install_signal_handlers(self) -> Callable[[], Any]:
-        """SIGINT and SIGTERM finish the step, save and stop (a second one while saving is absorbed);
-        returns the function that puts the previous handlers back. Only in the main thread."""
+        """SIGINT, SIGTERM and SIGHUP (the terminal closed, an ssh session dropped) finish the step, save and
+        stop (another one while saving is absorbed); returns the function that puts the previous handlers
+        back. Only in the main thread."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
 
@@ -87,5 +88,5 @@ class StopControl:
             log.warning("signal %d: finishing this step, saving a checkpoint and stopping", signum)
             self.code, self.signal = STOP_SIGNAL, signum
 
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         return lambda: [signal.signal(s, h) for s, h in old.items()]
