@@ -125,3 +125,34 @@ def test_full_disk_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(
     assert metrics and metrics[0]["step"] == 4  # what was written before is still readable
     again, lines, err = run_worker(tmp_path, "async_checkpointing=false")
     assert again.returncode == 0 and f"resumed from checkpoint {tmp_path}/checkpoints/4" in err, err[-3000:]
+
+
+def test_two_processes_finish_with_previews_evaluation_report_and_plot(tmp_path):
+    """The demo's end of run on a gang (issue 42): previews and the final sample decode the model sharded over
+    two processes, evaluation runs, and the report and plot are written — every multi-process test used to
+    turn previews off, and the final preview could not read an array spread over two processes. One device
+    per process, as each Ray worker of `--ray num_workers=2` has: every array is split between the processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAXLOOM_RUN_OWNER": "mp-test"}
+    args = [sys.executable, str(WORKER), str(tmp_path), "max_training_steps=4", "generation_interval=2"]
+    args += ["generation_prompts=[The interpreter, A list is]", "generation_max_new_tokens=24", "evaluation_steps=2"]
+    logs = [tmp_path / f"p{r}.out" for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            args, stdout=open(logs[r], "w"), stderr=subprocess.STDOUT, env={**env, "TEST_PROCESS": f"{r}/2/{port}"}
+        )
+        for r in range(2)
+    ]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [log.read_text() for log in logs]
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert all("STOP_REASON max_training_steps reached" in out for out in outs)
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "loss.png").is_file()
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert sum('"samples"' in r for r in rows) >= 2 and any('"eval/loss"' in r for r in rows)

@@ -135,7 +135,18 @@ def generate(
             out = fn(state, ids, mask, rng)
     else:
         out = fn(state, ids, mask, rng)
+    out = jax.tree_util.tree_map(_on_every_process, out)
     return Generated(out.sequences[:, pad:], out.completion_ids, out.completion_mask)
+
+
+def _on_every_process(x: jax.Array) -> jax.Array | np.ndarray:
+    """`x` readable on this process: an array split between processes (each Ray worker or host holds its
+    rows) is gathered whole on every process, so callers can read the tokens on any of them."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return x
 
 
 def create_generate_function(
