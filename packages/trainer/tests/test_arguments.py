@@ -143,3 +143,20 @@ def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path):
         load_config_file(tmp_path / "b.json")
     (tmp_path / "c.yaml").write_text("model:\n  hidden_size: 64\ndata:\n  hidden_size: 64\n")  # other mappings: fine
     assert load_config_file(tmp_path / "c.yaml")["data"] == {"hidden_size": 64}
+
+
+def test_home_and_variables_in_paths_are_expanded_as_a_shell_does(tmp_path, monkeypatch):
+    """`save_directory: ~/runs/a` in YAML became a directory literally named `~` (issue 43)."""
+    import os
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RUNS", "/data/runs")
+    from jaxloom.trainer import DPOConfig
+
+    a = DPOConfig(save_directory="~/runs/a", checkpoint_directory="$RUNS/ckpt", ref_model="${RUNS}/ref")
+    assert a.save_directory == os.path.join(str(tmp_path), "runs/a")
+    assert (a.checkpoint_directory, a.ref_model) == ("/data/runs/ckpt", "/data/runs/ref")
+    assert TrainingArguments(checkpoint_directory="gs://bucket/run").checkpoint_directory == "gs://bucket/run"
+    monkeypatch.delenv("NOT_SET_ANYWHERE", raising=False)
+    with pytest.raises(ValueError, match=r"save_directory = '\$NOT_SET_ANYWHERE/a'.*not set"):
+        TrainingArguments(save_directory="$NOT_SET_ANYWHERE/a")

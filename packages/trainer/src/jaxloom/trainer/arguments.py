@@ -10,6 +10,7 @@ import functools
 import inspect
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,7 +46,25 @@ class _Group(BaseModel):
     def _paths_are_strings(cls, v, info: ValidationInfo):
         if isinstance(v, bool) and "bool" not in str(cls.model_fields[info.field_name].annotation):
             raise ValueError("expected a number or text, not true/false")  # lax mode would read True as 1
-        return os.fspath(v) if isinstance(v, os.PathLike) else v
+        v = os.fspath(v) if isinstance(v, os.PathLike) else v
+        return expand_path(v, info.field_name) if info.field_name in PATH_ARGUMENTS else v
+
+
+# Arguments that are paths: `~` and `$VARS` in them are expanded as a shell would (a YAML file or a Python
+# string does not), so `save_directory: ~/runs/a` is a directory in the home directory, not one named `~`.
+PATH_ARGUMENTS = {"save_directory", "checkpoint_directory", "compilation_cache_dir", "ref_model"}
+
+
+def expand_path(value: Any, key: str) -> Any:
+    """`value` with a leading `~` and `$VAR` / `${VAR}` expanded, as a shell does for an unquoted path; a
+    variable that is not set is an error naming `key` (it would become part of a directory's name)."""
+    if not isinstance(value, str) or ("~" not in value[:1] and "$" not in value):
+        return value
+    out = os.path.expanduser(os.path.expandvars(value))
+    unset = re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", out)
+    if unset:
+        raise ValueError(f"{key} = {value!r}: environment variable(s) {unset} not set; set them or write the path out")
+    return out
 
 
 class OptimizerArgs(_Group):

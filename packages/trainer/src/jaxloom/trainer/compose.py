@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .arguments import TRAINERS, apply_overrides, arguments_of, load_config_file
+from .arguments import TRAINERS, apply_overrides, arguments_of, expand_path, load_config_file
 from .dpo import DPOTrainer
 from .run_directory import RUN_CONFIG
 from .runs import model_of, tokenizer_of
@@ -75,6 +75,9 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
     if unknown:
         raise ValueError(f"unknown key(s) in section data: {unknown}; expected train, eval, eval_fraction, tokenizer")
     kind, args = arguments_of(data)
+    data_cfg = {k: _expanded(v, f"data.{k}") for k, v in data_cfg.items()}
+    if "from_pretrained" in model_cfg:
+        model_cfg["from_pretrained"] = expand_path(model_cfg["from_pretrained"], "model.from_pretrained")
     tokenizer = tokenizer_of(data_cfg)
     train, evaluation = data_cfg.get("train", "bundled"), data_cfg.get("eval")
     if kind == "dpo" and train == "bundled":
@@ -98,6 +101,15 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
     model = model_of(model_cfg, runtime, vocab_size=len(tokenizer))
     trainer = KINDS[kind](args, model=model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
     return trainer, resolved
+
+
+def _expanded(value: Any, key: str) -> Any:
+    """Paths of the data section (a path, a list of paths, or a mixture's `{path, weight}` entries) expanded."""
+    if isinstance(value, list):
+        return [_expanded(v, key) for v in value]
+    if isinstance(value, dict) and "path" in value:
+        return {**value, "path": expand_path(value["path"], key)}
+    return expand_path(value, key)
 
 
 def restored(run_dir: str | Path, config: str | None = None, *, params_only: bool):
