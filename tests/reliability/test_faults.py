@@ -156,3 +156,23 @@ def test_two_processes_finish_with_previews_evaluation_report_and_plot(tmp_path)
     assert (tmp_path / "report.md").is_file() and (tmp_path / "loss.png").is_file()
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert sum('"samples"' in r for r in rows) >= 2 and any('"eval/loss"' in r for r in rows)
+
+
+def test_a_closed_output_pipe_never_stops_training(tmp_path):
+    """`jaxloom train ... | head -1`: the reader goes away after the first line (issue 43: the run ended at
+    the next print and lost every step since its last checkpoint). Training goes on to its last step, saves
+    it, and writes its metrics and report; only console lines are lost."""
+    from faultrun import TINY
+
+    cmd = [sys.executable, "-m", "jaxloom.trainer.cli", "train", *TINY, "max_training_steps=8", "logging_steps=1"]
+    cmd += [f"save_directory={tmp_path / 'run'}", "save_steps=100"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(tmp_path / "err", "w"), env=env)
+    assert proc.stdout.readline()  # the first console line, then the reader is gone
+    proc.stdout.close()
+    assert proc.wait(timeout=240) == 0, (tmp_path / "err").read_text()[-3000:]
+    from jaxloom.state import CheckpointManager
+
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).all_steps() == [8]
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"train/loss"' in r for r in rows) == 8 and (tmp_path / "run" / "report.md").is_file()

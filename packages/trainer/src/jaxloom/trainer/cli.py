@@ -329,7 +329,9 @@ def _train(trainer, resolved: dict) -> int:
         if not trainer._initialized:
             raise  # nothing started: the usual error handling
         exit_after_training_error(e)
-    print(json.dumps(run_summary(out), indent=2, default=str))
+    from .metrics import console
+
+    console(json.dumps(run_summary(out), indent=2, default=str))  # a closed stdout loses the summary, not the run
     trainer.finish()
     if out.stop_reason.startswith(ALREADY_COMPLETE):
         return 4

@@ -48,6 +48,28 @@ def memory_in_use() -> dict[str, float]:
     return out
 
 
+_CONSOLE = {"closed": False}
+
+
+def console(line: str, bar: Any = None) -> None:
+    """Print `line` (through the progress bar `bar` when there is one). A closed output (`jaxloom train ... |
+    head`, a log collector that died) never stops training: console lines stop, everything written to files
+    goes on, and stdout is pointed at /dev/null so that nothing later fails on it either."""
+    if _CONSOLE["closed"]:
+        return
+    try:
+        if bar is not None:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+    except OSError:  # EPIPE, EBADF, EIO: the reader is gone
+        _CONSOLE["closed"] = True
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+
+
 class _NoBar:
     """A progress bar that shows nothing (disabled, or not process 0); lines still reach the console."""
 
@@ -56,7 +78,7 @@ class _NoBar:
     def close(self) -> None: ...
 
     def write(self, line: str) -> None:
-        print(line, flush=True)
+        console(line)
 
 
 def create_progress_bar(total: int, desc: str = "", *, disabled: bool = False, initial: int = 0):
@@ -177,10 +199,7 @@ class MetricsWriter:
             self._wandb.log(row, step=step)
         text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
         line = f"[{prefix}] step {self._progress(step) if prefix == 'train' else step}: {text}"
-        if self._bar is not None:
-            self._bar.write(line)
-        else:
-            print(line, flush=True)
+        console(line, self._bar)
 
     def _progress(self, step: int) -> str:
         """`step/total` and, from the second row of a session on, the time left at the rate since the first."""
@@ -204,7 +223,7 @@ class MetricsWriter:
         self._jsonl.write(json.dumps({"step": step, "samples": pairs}) + "\n")
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             line = f"[sample] step {step}: {p!r} → {c!r}"
-            self._bar.write(line) if self._bar is not None else print(line, flush=True)
+            console(line, self._bar)
             self.text(step, f"samples/{i}", f"**{p}**{c}")
 
     def text(self, step: int, tag: str, value: str) -> None:
