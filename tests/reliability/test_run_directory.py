@@ -55,7 +55,9 @@ def test_an_earlier_run_is_never_replaced_silently(tmp_path):
 
 def test_commands_that_read_a_run_take_no_process_settings_from_it(tmp_path):
     """`jaxloom convert` of a run: no process settings from its run_config.json, no training data needed (an
-    epoch-based run whose data file is gone), and no lock taken (the run may still be training)."""
+    epoch-based run whose data file is gone), no lock taken (the run may still be training), and nothing in
+    the run changed: the step its owner is writing (`<step>.orbax-checkpoint-tmp`) is left alone (issue 43:
+    a reader's checkpoint manager cleaned it up and the training died on its save)."""
     run = tmp_path / "run"
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"record {i}: the quick brown fox"}) + "\n" for i in range(120)))
@@ -79,6 +81,9 @@ def test_commands_that_read_a_run_take_no_process_settings_from_it(tmp_path):
         stdout=subprocess.PIPE,
         text=True,
     )
+    in_flight = run / "checkpoints" / "99.orbax-checkpoint-tmp-1764100000000000"
+    (in_flight / "params").mkdir(parents=True)
+    (in_flight / "params" / "process_0.bin").write_bytes(b"\0" * 64)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -97,6 +102,7 @@ def test_commands_that_read_a_run_take_no_process_settings_from_it(tmp_path):
         holder.wait()
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "hf" / "config.json").is_file() and not evil.exists()
+    assert (in_flight / "params" / "process_0.bin").is_file()  # a reader changes nothing of the run
 
 
 def _bad_record_run(directory: Path):

@@ -62,6 +62,9 @@ class CheckpointConfig:
     float_dtype: store floating parameters in this dtype (e.g. 'bfloat16'); restored to the target's.
     verify: check files (sizes, metadata checksums) before restoring and the arrays' digests as they are
       read (no extra read of the array data).
+    read_only: a reader (`jaxloom convert`, `generate`, `eval`, a second process): it never changes the
+      directory — no cleanup of a step being written (`<step>.orbax-checkpoint-tmp`), no corrupt step moved
+      aside (the next older one is read instead), no directory created, and `save` is an error.
     """
 
     directory: str
@@ -73,6 +76,7 @@ class CheckpointConfig:
     async_save: bool = True
     float_dtype: str | None = None
     verify: bool = True
+    read_only: bool = False
 
 
 @dataclasses.dataclass
@@ -118,9 +122,9 @@ class CheckpointManager:
                 max_to_keep=c.save_total_limit,
                 keep_period=c.keep_period,
                 enable_async_checkpointing=c.async_save,
-                cleanup_tmp_directories=True,
+                cleanup_tmp_directories=not c.read_only,  # a reader never deletes the step a writer is saving
                 lightweight_initialize=True,  # no per-step metadata read on open: retention here is by step
-                create=True,
+                create=not c.read_only,
                 async_options=ocp.AsyncOptions(post_finalization_callback=self._write_checksums)
                 if c.async_save
                 else None,
@@ -182,6 +186,8 @@ class CheckpointManager:
         """Save `state` as checkpoint `step` (all processes call this). Returns once arrays are on the
         host; the write continues in the background when `async_save`. `data_state` (the loaders'
         position) and `metadata` are stored as JSON beside the arrays."""
+        if self.config.read_only:
+            raise ValueError(f"checkpoint manager of {self.directory} is read-only (a reader); it saves nothing")
         manager, ocp = self._open(), _ocp()
         self._write_checksums()  # the manifests of earlier saves finalised since
         params = state.params
@@ -336,6 +342,9 @@ class CheckpointManager:
                 errors.append(str(e))
                 if not fallback or step is not None:
                     raise
+                if self.config.read_only:  # a reader changes nothing: it reads the next older one
+                    log.error("%s; reading an older checkpoint (left in place: this manager only reads)", e)
+                    continue
                 log.error("%s; moved aside to %s; falling back to an older checkpoint", e, self._set_aside(s))
         raise CheckpointCorruptError(
             f"every checkpoint in {self.directory} is corrupt (moved aside as <step>.corrupt): " + " | ".join(errors)

@@ -22,10 +22,11 @@ log = logging.getLogger("jaxloom.trainer")
 class Checkpointing:
     """`manager` (a `jaxloom.state.CheckpointManager` of `directory`, opened when first used) with the
     settings of `config` (`save_steps`, `save_minutes`, `save_total_limit`, `async_checkpointing`,
-    `resume_if_possible`)."""
+    `resume_if_possible`). `read_only`: a reader, which never changes the directory (no cleanup of a step
+    being written, no corrupt step moved aside)."""
 
-    def __init__(self, config: Any, directory: str):
-        self.config, self.directory = config, directory
+    def __init__(self, config: Any, directory: str, *, read_only: bool = False):
+        self.config, self.directory, self.read_only = config, directory, read_only
         self._manager: js.CheckpointManager | None = None
         self.data_state: Any = None  # the loaders' position restored with the state (a resumed run)
 
@@ -40,6 +41,7 @@ class Checkpointing:
                     save_minutes=c.save_minutes,
                     save_total_limit=c.save_total_limit,
                     async_save=c.async_checkpointing,
+                    read_only=self.read_only,
                 )
             )
         return self._manager

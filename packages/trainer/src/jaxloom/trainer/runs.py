@@ -61,7 +61,7 @@ def run_model(run_dir: str | Path, *, mesh=None) -> nnx.Module:
     if mesh is None:
         mesh = MeshConfig(args.sharding_axis_dims, args.sharding_axis_names, args.sharding_dcn_axis_dims).build()
     plan = Plan.build(args, model, mesh=mesh, total_steps=1, check_eval=False)
-    checkpoints = Checkpointing(args.checkpoint, RunDirectory(args.checkpoint).checkpoints)
+    checkpoints = Checkpointing(args.checkpoint, RunDirectory(args.checkpoint).checkpoints, read_only=True)
     try:
         return checkpoints.restore(plan.target(), params_only=True).state.model
     finally:

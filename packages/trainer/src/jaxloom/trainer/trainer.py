@@ -43,6 +43,7 @@ from . import components
 from .components import forward
 from .arguments import TrainingArguments
 from .batches import DataSpec
+from .checkpointing import Checkpointing
 from .callbacks import Callback, Callbacks
 from .outputs import (
     TrainerConfigureDataloaderOutput,
@@ -363,10 +364,15 @@ class BaseTrainer:
         """The newest checkpoint of `save_directory` as this trainer's state, with nothing else set up
         (no loader, no compile): for commands that only read a run (`eval`, `generate`, `convert`).
         `params_only` leaves the optimizer state abstract. FileNotFoundError when there is none."""
-        if self.checkpoints is None:
+        if self.arguments.save_directory is None:
             raise FileNotFoundError("save_directory is not set: there is no run to restore a checkpoint from")
-        restored = self.checkpointing.restore(self.plan.target(), params_only=params_only)
-        self.resumed_from = f"{self.checkpointing.manager.directory}/{restored.step}"
+        # a reader never changes the run (it may be training): not the run's own manager, which cleans up
+        reader = Checkpointing(self.arguments.checkpoint, self.run_directory.checkpoints, read_only=True)
+        try:
+            restored = reader.restore(self.plan.target(), params_only=params_only)
+        finally:
+            reader.close()
+        self.resumed_from = f"{reader.manager.directory}/{restored.step}"
         self.state = restored.state
         return self.state
 
