@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,10 @@ RUN_OUTPUTS = (
     "tokenizer",
     "wandb_run_id",
 )
+
+
+# What jaxloom writes in a checkpoint directory: step folders, steps being written, steps set aside as corrupt.
+_STEP_ENTRY = re.compile(r"^\d+(\.orbax-checkpoint-tmp.*|\.corrupt(\.\d+)?)?$")
 
 
 class RunDirectory:
@@ -86,8 +91,10 @@ class RunDirectory:
                         shutil.rmtree(target)
                     else:
                         target.unlink(missing_ok=True)
-                if c.checkpoint_directory:
-                    paths.remove_tree(paths.as_path(c.checkpoint_directory))
+                if c.checkpoint_directory:  # only the steps jaxloom wrote there: never the folder, never user files
+                    for entry in paths.as_path(c.checkpoint_directory).iterdir():
+                        if _STEP_ENTRY.match(entry.name):
+                            paths.remove_tree(entry)
             if jax.process_count() > 1:
                 from jax.experimental import multihost_utils
 
