@@ -160,3 +160,15 @@ def test_home_and_variables_in_paths_are_expanded_as_a_shell_does(tmp_path, monk
     monkeypatch.delenv("NOT_SET_ANYWHERE", raising=False)
     with pytest.raises(ValueError, match=r"save_directory = '\$NOT_SET_ANYWHERE/a'.*not set"):
         TrainingArguments(save_directory="$NOT_SET_ANYWHERE/a")
+
+
+def test_rows_with_nothing_to_predict_and_sections_that_are_not_sections_are_refused(tmp_path):
+    """max_sequence_length=1 trained 4 steps on no target, then failed in evaluation; `data:` given as a list
+    was a traceback (issue 43). Each is one error naming the setting, before anything runs."""
+    from jaxloom.trainer.compose import build_run
+
+    with pytest.raises(ValueError, match="max_sequence_length = 1; expected at least 2"):
+        TrainingArguments(max_sequence_length=1)
+    (tmp_path / "c.yaml").write_text("data:\n  - a.jsonl\n  - b.jsonl\n")
+    with pytest.raises(ValueError, match=r"data: \['a.jsonl', 'b.jsonl'\] \(list\); expected a section"):
+        build_run(str(tmp_path / "c.yaml"), [])

@@ -198,6 +198,11 @@ class DataArgs(_Group):
     @model_validator(mode="after")
     def _check(self):
         _positive(self, "max_sequence_length", "shuffle_buffer_size")
+        if self.max_sequence_length < 2:  # one token predicts nothing: steps would train on no target at all
+            raise ValueError(
+                f"max_sequence_length = {self.max_sequence_length}; expected at least 2 (a row of one token has "
+                "nothing to predict)"
+            )
         return self
 
 

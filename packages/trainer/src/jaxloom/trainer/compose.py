@@ -70,6 +70,12 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
 
     data = apply_overrides(load_config_file(config_path or DEMO_CONFIG), overrides)
     resolved = json.loads(json.dumps(data))
+    for section in ("model", "data"):
+        if not isinstance(data.get(section) or {}, dict):
+            raise ValueError(
+                f"{section}: {data[section]!r} ({type(data[section]).__name__}); expected a section of key: value "
+                f"settings (e.g. {section}.train: ... / {section}.hidden_size: ...)"
+            )
     model_cfg, data_cfg = dict(data.pop("model", {}) or {}), dict(data.pop("data", {}) or {})
     unknown = sorted(set(data_cfg) - set(DATA_KEYS))
     if unknown:
