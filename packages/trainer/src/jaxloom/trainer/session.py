@@ -103,9 +103,10 @@ def finish(trainer: Any, step: int, stop_reason: str) -> TrainerOutput:
     if manager.latest_step() != step:  # save first: the evaluation below can fail
         trainer.save_checkpoint(step)
     final = {}
+    hurry = trainer.stop_control.by_signal  # Ctrl-C: out within a second or two, no evaluation or preview first
     if trainer.dataset_eval is not None:
         last_step, final = trainer.evaluator.last
-        if last_step != step:
+        if last_step != step and not hurry:
             final = trainer._evaluate_and_log(step)
     manager.wait_until_finished()
     history = trainer.step_log.history
@@ -114,7 +115,7 @@ def finish(trainer: Any, step: int, stop_reason: str) -> TrainerOutput:
     samples = []
     if a.generation_prompts:  # the final sample, unless the last step already made one
         last_step, last = trainer.generation.last
-        samples = last if last_step == step else trainer.preview(step)
+        samples = last if last_step == step or hurry else trainer.preview(step)
     plot = report = None
     if trainer.is_process_zero:
         plot = plot_history(history, Path(a.save_directory) / "loss.png")

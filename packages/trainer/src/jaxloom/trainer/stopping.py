@@ -41,8 +41,15 @@ class StopControl:
         """A new training segment: no request, the clock of `time_limit` from now."""
         self.t0 = time.monotonic()
         self.code, self.note, self.reason = 0, "", None
+        self.agreed = 0  # the stop code every process agreed on (the same on all), once training stops
         self.signal: int | None = None
         self.skipped = 0
+
+    @property
+    def by_signal(self) -> bool:
+        """Whether training stopped on a signal (Ctrl-C, SIGTERM, SIGHUP) on any process: then the way out is
+        short — save, plot, report; no final evaluation or preview."""
+        return self.agreed == STOP_SIGNAL
 
     def request(self, reason: str = "stop requested") -> None:
         """Ask to stop after the step in flight (later requests change nothing)."""
@@ -67,6 +74,7 @@ class StopControl:
             self.code = STOP_TIME_LIMIT  # each process's own clock: agreed through the batch
         agreed = int(metrics[STOP_KEY]) if STOP_KEY in metrics else self.code
         if agreed and not self.reason:
+            self.agreed = agreed
             self.reason = {
                 STOP_SIGNAL: "stop signal received",
                 STOP_TIME_LIMIT: f"training_time_limit of {limit} s reached",
