@@ -12,6 +12,7 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
 import yaml
 from util import CLI_TINY, CORPUS, TOK, trainer
 
@@ -251,11 +252,9 @@ def test_the_cli_lists_and_shows_its_settings(tmp_path, capsys):
 
 def test_floats_written_as_1e_5_train_from_yaml_and_the_command_line(tmp_path, capsys):
     config = tmp_path / "c.yaml"
-    config.write_text(
-        DEMO_CONFIG.read_text()
-        + "\nlearning_rate: 1e-5\n"
-        + "\n".join(f"{k}: {v}" for k, v in (x.split("=", 1) for x in TINY if not x.startswith("model.")))
-    )
+    extra = {"learning_rate": "1e-5", **dict(x.split("=", 1) for x in TINY if not x.startswith("model."))}
+    kept = [ln for ln in DEMO_CONFIG.read_text().splitlines() if ln.split(":", 1)[0] not in extra]  # each key once
+    config.write_text("\n".join(kept) + "\n" + "\n".join(f"{k}: {v}" for k, v in extra.items()) + "\n")
     assert (
         main(
             [
@@ -327,3 +326,49 @@ def test_what_a_resume_may_and_may_not_change():
     assert data_identity(ds) == data_identity(datasets.Dataset.from_dict({"text": ["a", "b"]}))
     assert data_identity(ds) != data_identity(datasets.Dataset.from_dict({"text": ["a", "c"]}))
     assert data_identity([{"text": "a"}]) != data_identity([{"text": "b"}])
+
+
+def _model_with_its_own_tokenizer(path: Path, vocab: int = 300) -> None:
+    """A tiny HF Llama directory with a tokenizer of its own (not the bundled one: another vocabulary)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    import jaxloom.data as jd
+    import jaxloom.models as jm
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    texts = [r["text"] for r in jd.JsonlSource(jd.bundled_corpus_path()).read_shard(str(jd.bundled_corpus_path()))]
+    special = ["<unk>", "<s>", "</s>", "<pad>"]
+    tok.train_from_iterator(texts[:200], trainers.BpeTrainer(vocab_size=vocab, special_tokens=special))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    config = jm.LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+    jm.save_hf_model(jm.create_model(config, seed=0), path)  # the directory whole, then its tokenizer beside
+    fast.save_pretrained(str(path))
+
+
+def test_a_pretrained_model_brings_its_own_tokenizer(tmp_path):
+    """`jaxloom train model.from_pretrained=DIR` with no tokenizer chosen trained with the demo's bundled
+    tokenizer, recorded "bundled" and exported it (issue 42). The model directory is the source of truth:
+    its tokenizer is used, recorded and copied; `data.tokenizer=...` still chooses another."""
+    from jaxloom.trainer.compose import build_run
+
+    model_dir = tmp_path / "model"
+    _model_with_its_own_tokenizer(model_dir)
+    base = [f"model.from_pretrained={model_dir}", "max_training_steps=1", "max_sequence_length=32"]
+    trainer, resolved = build_run(None, [*base, f"save_directory={tmp_path / 'run'}"])
+    own = len(trainer.tokenizer)
+    assert own < 4096 and resolved["data"]["tokenizer"] == str(model_dir.absolute())
+    chosen, _ = build_run(None, [*base, "data.tokenizer=bundled", f"save_directory={tmp_path / 'b'}"])
+    assert len(chosen.tokenizer) == 4096
+    with pytest.raises(ValueError, match="a pretrained model's tokenizer is its own"):  # 4096 > the model's 300
+        chosen.configure_dataloaders()

@@ -153,7 +153,8 @@ class Batches:
         if n > vocab_size:
             raise ValueError(
                 f"the tokenizer has {n} tokens but the model's vocab_size is {vocab_size}; expected "
-                f"vocab_size >= {n} (set model.vocab_size, or use the model's own tokenizer)"
+                f"vocab_size >= {n}: a pretrained model's tokenizer is its own (data.tokenizer=MODEL_DIR, the default "
+                "with model.from_pretrained); a new model's vocabulary is set with model.vocab_size"
             )
 
     def check_eval_data(self) -> None:

@@ -9,6 +9,7 @@ overrides) becomes a trainer of the right kind with its model, data and tokenize
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from .trainer import BaseTrainer, Trainer
 
 __all__ = ["DATA_KEYS", "DEMO_CONFIG", "KINDS", "READ_ONLY", "TRAINERS", "build_run", "restored", "split_target"]
 
+log = logging.getLogger("jaxloom.trainer")
 DEMO_CONFIG = Path(__file__).with_name("configs") / "demo.yaml"
 DATA_KEYS = {
     "train": "training data: 'bundled'; a path / glob / list of .jsonl, .parquet or .txt files; a token store "
@@ -84,6 +86,11 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
     data_cfg = {k: _expanded(v, f"data.{k}") for k, v in data_cfg.items()}
     if "from_pretrained" in model_cfg:
         model_cfg["from_pretrained"] = expand_path(model_cfg["from_pretrained"], "model.from_pretrained")
+    source = _model_tokenizer(model_cfg, data_cfg, overrides, config_path)
+    if source is not None:  # the model directory is the source of truth for its tokenizer
+        data_cfg["tokenizer"] = source
+        resolved.setdefault("data", {})["tokenizer"] = source  # what the run records and rebuilds
+        log.info("tokenizer: the model's own, from %s (data.tokenizer=... to use another)", source)
     tokenizer = tokenizer_of(data_cfg)
     train, evaluation = data_cfg.get("train", "bundled"), data_cfg.get("eval")
     if kind == "dpo" and train == "bundled":
@@ -107,6 +114,22 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
     model = model_of(model_cfg, runtime, vocab_size=len(tokenizer))
     trainer = KINDS[kind](args, model=model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
     return trainer, resolved
+
+
+def _model_tokenizer(model_cfg: dict, data_cfg: dict, overrides: list[str], config_path: str | None) -> str | None:
+    """The tokenizer directory a run from `model.from_pretrained=DIR` uses when its tokenizer was not chosen:
+    DIR itself, when it holds a tokenizer, unless `data.tokenizer` is given now, or by the user's own config
+    file (the bundled demo's `tokenizer: bundled` is the demo's choice, not the user's)."""
+    pretrained = model_cfg.get("from_pretrained")
+    if not pretrained or not any((Path(pretrained) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    if any(o.startswith("data.tokenizer=") for o in overrides):
+        return None
+    if config_path is not None and Path(config_path).name != "run_config.json" and "tokenizer" in data_cfg:
+        return None  # the user's config file chose it
+    if config_path is not None and Path(config_path).name == "run_config.json":
+        return None  # a run directory: its own copy of the tokenizer is pinned by split_target
+    return str(Path(pretrained).absolute())
 
 
 def _expanded(value: Any, key: str) -> Any:
