@@ -52,7 +52,8 @@ def run(py, code):
 
 @pytest.mark.slow
 def test_mesh_alone(tmp_path):
-    py = fresh_venv(tmp_path, str(parts.PACKAGES / "mesh"))
+    """The mesh part with what it declares (jaxloom-core, from this checkout), and nothing later."""
+    py = fresh_venv(tmp_path, str(parts.PACKAGES / "core"), str(parts.PACKAGES / "mesh"))
     r = run(
         py,
         "import jaxloom.mesh as m; print(m.MeshConfig.from_axes(fsdp=1).build().shape['fsdp'])\n"
