@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,9 @@ class forward:  # noqa: N801 - used like a decorator-less property
         self.name = name
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        cls = COMPONENT_CLASSES.get(self.component)
+        if cls is not None and isinstance(inspect.getattr_static(cls, self.name, None), staticmethod):
+            return getattr(cls, self.name)  # nothing of the component is needed: it is not built
         if obj is None:
             built = owner.__dict__.get(self.component) if owner is not None else None
             builder = getattr(built, "func", None)
@@ -180,4 +184,11 @@ class forward:  # noqa: N801 - used like a decorator-less property
         return getattr(getattr(obj, self.component), self.name)
 
 
-COMPONENT_CLASSES: dict[str, type] = {"generation": Generation, "batches": Batches, "exporter": Exporter}
+COMPONENT_CLASSES: dict[str, type] = {
+    "generation": Generation,
+    "batches": Batches,
+    "exporter": Exporter,
+    "stop_control": StopControl,
+    "step_log": StepLog,
+    "plan": Plan,
+}

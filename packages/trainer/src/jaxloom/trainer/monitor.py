@@ -5,6 +5,7 @@ settings; `open()` starts the writers (on every process: only process 0 writes),
     log = StepLog(arguments, config=model_config, row_width=512, devices=8, is_process_zero=True)
     log.open(step=0, total_steps=100, run_config={...})
     log.step(1, on_device_metrics, extra={})     # a row when one is due, the bar always
+    log.log_metrics({"loss": 2.3}, None, 1, mode="eval")
     log.close()
 """
 
@@ -55,15 +56,16 @@ class StepLog:
         """Every row written by this run (and the earlier segments it resumed), oldest first."""
         return self.writer.history if self.writer is not None else []
 
-    def progress_bar(self, total: int, desc: str = "", disabled: bool = False, initial: int = 0):
-        """A progress bar over `total` steps (a no-op object when `disabled`, or on any process but 0)."""
+    def create_progress_bar(self, total: int, desc: str = "", disabled: bool = False, initial: int = 0):
+        """A progress bar over `total` steps labelled `desc`, starting at `initial` (a no-op object when
+        `disabled`, or on any process but 0): `update(n)`, `set_postfix(...)`, `write(line)`, `close()`."""
         return create_progress_bar(total, desc, disabled=disabled or not self.is_process_zero, initial=initial)
 
     def open(self, step: int, total_steps: int, run_config: dict[str, Any]) -> None:
         """Start the bar at `step` and the writers (their history reads the rows of earlier segments up to
         `step`); `run_config` is recorded with the run (TensorBoard hparams, W&B config)."""
         a = self.arguments
-        self.pbar = self.progress_bar(total_steps, desc="train", disabled=not a.progress_bar, initial=step)
+        self.pbar = self.create_progress_bar(total_steps, desc="train", disabled=not a.progress_bar, initial=step)
         self._window, self._t_log, self._t0 = [], time.perf_counter(), time.monotonic()
         self._flops_token = jmod.flops_per_token(self.config, a.max_sequence_length)  # constants of the run,
         self._peak = peak_flops(override=a.peak_flops_per_device)  # not of each log row
@@ -109,22 +111,22 @@ class StepLog:
             if self._peak:
                 row["mfu"] = self._flops_token * tps / self.devices / self._peak
             row.update(extra)
-            self.write(row, step)
+            self.log_metrics(row, None, step)
             if a.log_weight_distribution and state is not None:
-                self.histograms(state, step)
+                self.log_weight_distribution(state, step)
             self._window, self._t_log = [], now
         self.pbar.update(1)
 
-    def write(self, metrics: dict[str, Any], step: int, mode: str = "train", pbar: Any = None) -> None:
-        """`metrics` of `step` as `mode/name` to every writer; the bar (`pbar`, default this log's) shows
-        the loss."""
+    def log_metrics(self, metrics: dict[str, Any], pbar: Any, step: int, mode: str = "train") -> None:
+        """Write `metrics` of `step` as `mode/name` to metrics.jsonl, TensorBoard, wandb and the console
+        (through `pbar`, default this log's bar, whose postfix shows the loss)."""
         assert self.writer is not None, "StepLog.open() first"
         self.writer.write(step, metrics, prefix=mode)
         pbar = pbar if pbar is not None else self.pbar
         if pbar is not None and "loss" in metrics:
             pbar.set_postfix({f"{mode}_loss": f"{metrics['loss']:.4g}"})
 
-    def histograms(self, state: Any, step: int) -> None:
+    def log_weight_distribution(self, state: Any, step: int) -> None:
         """A TensorBoard histogram of every parameter of `state`, labelled `step`."""
         assert self.writer is not None, "StepLog.open() first"
         for name, leaf in named_leaves(state.params):

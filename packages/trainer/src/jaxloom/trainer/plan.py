@@ -12,6 +12,7 @@ shards; `plan.target()` is the tree a restore fills.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,7 @@ class Plan:
     `mesh`, the optimizer `tx` and `schedule` over `total_steps`, the parameter count `n_params`, the
     state's `abstract` tree and `shardings`, the train and eval batch shardings (`batch_sharding`,
     `eval_sharding`), and `build_fn(*build_inputs)`, which makes the state (from `given`, the state
-    the trainer was given, when there is one)."""
+    the trainer was given, when there is one); `arguments` are the run's."""
 
     config: Any
     model_class: type
@@ -60,6 +61,7 @@ class Plan:
     batch_sharding: NamedSharding
     eval_sharding: NamedSharding
     given: js.TrainState | None = None
+    arguments: Any = None
 
     @classmethod
     def build(
@@ -103,11 +105,28 @@ class Plan:
             batch_sharding=NamedSharding(mesh, PartitionSpec(None, spec)),
             eval_sharding=NamedSharding(mesh, PartitionSpec(spec)),
             given=state,
+            arguments=arguments,
         )
 
     @property
     def data_axes(self) -> tuple[str, ...]:
         return data_axes(self.runtime, self.mesh)
+
+    @staticmethod
+    def count_model_parameters(prm) -> int:
+        """How many numbers `prm` holds (a model, an `nnx.State`, a dict of arrays or shape structs)."""
+        if isinstance(prm, nnx.Module):
+            prm = nnx.state(prm, nnx.Param)
+        return int(sum(math.prod(np.shape(x)) for x in jax.tree_util.tree_leaves(prm)))
+
+    def calculate_number_total_flops(self, params, is_training: bool = True) -> float:
+        """FLOPs of one optimizer step (`training_batch_size × max_sequence_length` tokens) of a model
+        with `params`: `2·N` per token for the weights (N counted from `params`) plus causal attention
+        from the config, tripled when `is_training` (forward and backward)."""
+        a, c = self.arguments, self.config
+        attention = 2 * c.num_hidden_layers * a.max_sequence_length * c.num_attention_heads * c.head_dim
+        per_token = 2 * self.count_model_parameters(params) + attention
+        return per_token * (3 if is_training else 1) * a.training_batch_size * a.max_sequence_length
 
     def target(self) -> js.TrainState:
         """The state's shapes, dtypes and shardings: what a restore or a lowering is given."""

@@ -3,7 +3,7 @@ code, or a non-finite loss. Built from the arguments' `nan_policy` and `training
 
     stop = StopControl(nan_policy="stop", time_limit=3600.0)
     restore = stop.install_signal_handlers()
-    ... stop.check({"step": 3, "finite": True, "loss": 2.1, "grad_norm": 0.4})
+    stop.apply_training_hooks({"step": 3, "finite": True, "loss": 2.1, "grad_norm": 0.4})
     stop.reason      # None while training goes on
 """
 
@@ -51,15 +51,18 @@ class StopControl:
         short — save, plot, report; no final evaluation or preview."""
         return self.agreed == STOP_SIGNAL
 
-    def request(self, reason: str = "stop requested") -> None:
-        """Ask to stop after the step in flight (later requests change nothing)."""
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Ask training to stop: the step in flight finishes, a checkpoint is saved and `train()` returns
+        with `reason` as its `stop_reason`. With several processes, a request made by any one of them
+        (here, in a hook or from another thread) stops all of them after the same step: the request
+        travels inside the next step's batch and comes back in its metrics. Later requests change nothing."""
         if not self.code:
             self.code, self.note = STOP_REQUESTED, reason
 
-    def check(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """The checks on a finished step's host `metrics` (with its `step`): a non-finite loss raises
-        `NonFiniteLossError` naming the step (`nan_policy="stop"`) or counts a skipped update; the
-        wall-clock limit and a stop request end training after this step. Returns the metrics."""
+    def apply_training_hooks(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The built-in checks on a finished step's host `metrics` (with its `step`): a non-finite loss
+        raises `NonFiniteLossError` naming the step (`nan_policy="stop"`) or counts a skipped update; the
+        wall-clock limit and a stop signal or request end training after this step. Returns the metrics."""
         step = metrics["step"]
         if not bool(metrics["finite"]):
             if self.nan_policy == "stop":

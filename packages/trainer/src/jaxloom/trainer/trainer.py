@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -505,18 +503,8 @@ class BaseTrainer:
         """Called when an evaluation starts: records its start time (`evaluation_time` in its metrics)."""
         self.evaluator.started = time.monotonic()
 
-    def request_stop(self, reason: str = "stop requested") -> None:
-        """Ask training to stop: the step in flight finishes, a checkpoint is saved and `train()` returns
-        with `reason` as its `stop_reason`. With several processes, a request made by any one of them
-        (here, in a hook or from another thread) stops all of them after the same step: the request
-        travels inside the next step's batch and comes back in its metrics. Later requests change nothing."""
-        self.stop_control.request(reason)
-
-    def apply_training_hooks(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """The built-in checks on a finished step's host `metrics` (with its `step`): a non-finite loss
-        raises `NonFiniteLossError` naming the step (`nan_policy="stop"`) or counts a skipped update; the
-        wall-clock limit and a stop signal end training after this step. Returns the metrics."""
-        return self.stop_control.check(metrics)
+    request_stop = forward("stop_control")
+    apply_training_hooks = forward("stop_control")
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self, state: js.TrainState | None = None, metric_calculator=None) -> dict[str, float]:
@@ -537,20 +525,10 @@ class BaseTrainer:
         self.log_metrics(metrics, self.pbar, step, mode="eval")
         return metrics
 
-    # ---- logging ----------------------------------------------------------------------------------------
-    def create_progress_bar(self, total: int, desc: str = "", disabled: bool = False, initial: int = 0):
-        """A progress bar over `total` steps labelled `desc`, starting at `initial` (a no-op object when
-        `disabled`, or on any process but 0): `update(n)`, `set_postfix(...)`, `write(line)`, `close()`."""
-        return self.step_log.progress_bar(total, desc, disabled=disabled, initial=initial)
-
-    def log_metrics(self, metrics: dict[str, Any], pbar, step: int, mode: str = "train") -> None:
-        """Write `metrics` of `step` as `mode/name` to metrics.jsonl, TensorBoard, wandb and the console
-        (through `pbar`, whose postfix shows the loss)."""
-        self.step_log.write(metrics, step, mode, pbar)
-
-    def log_weight_distribution(self, state: js.TrainState, step: int) -> None:
-        """A TensorBoard histogram of every parameter of `state`, labelled `step`."""
-        self.step_log.histograms(state, step)
+    # ---- logging (EasyDeL's names, with their signatures: the `step_log` component's) -----------------
+    create_progress_bar = forward("step_log")
+    log_metrics = forward("step_log")
+    log_weight_distribution = forward("step_log")
 
     # ---- generation (EasyDeL's names, with their signatures: the `generation` component's) --------------
     maybe_generate = forward("generation")
@@ -571,21 +549,8 @@ class BaseTrainer:
             lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
 
-    @staticmethod
-    def count_model_parameters(prm) -> int:
-        """How many numbers `prm` holds (a model, an `nnx.State`, a dict of arrays or shape structs)."""
-        if isinstance(prm, nnx.Module):
-            prm = nnx.state(prm, nnx.Param)
-        return int(sum(math.prod(np.shape(x)) for x in jax.tree_util.tree_leaves(prm)))
-
-    def calculate_number_total_flops(self, params, is_training: bool = True) -> float:
-        """FLOPs of one optimizer step (`training_batch_size × max_sequence_length` tokens) of a model
-        with `params`: `2·N` per token for the weights (N counted from `params`) plus causal attention
-        from the config, tripled when `is_training` (forward and backward)."""
-        a, c = self.arguments, self.config
-        attention = 2 * c.num_hidden_layers * a.max_sequence_length * c.num_attention_heads * c.head_dim
-        per_token = 2 * self.count_model_parameters(params) + attention
-        return per_token * (3 if is_training else 1) * a.training_batch_size * a.max_sequence_length
+    count_model_parameters = forward("plan")  # a static method: no plan is built for it
+    calculate_number_total_flops = forward("plan")
 
     # ---- outputs (EasyDeL's names, with their signatures: the `exporter` component's) --------------------
     save_pretrained = forward("exporter")
