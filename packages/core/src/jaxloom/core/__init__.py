@@ -3,14 +3,17 @@ configs are checked) and the path layer (`jaxloom.core.paths`: local paths and o
 
 from . import paths, schema
 from .__about__ import __version__
-from .schema import NonNegativeInt, PositiveFloat, PositiveInt, config, explain_validation_error, is_config
+from .schema import NonNegativeInt, PositiveFloat, PositiveInt, explain_validation_error, is_config
+from .schema import config as config
+
+# `config` (the class decorator) is importable here and documented in `jaxloom.core.schema`; it is not listed in
+# `__all__`: to type checkers it is `dataclasses.dataclass`, so the API reference renders it under schema.
 
 __all__ = [
     "NonNegativeInt",
     "PositiveFloat",
     "PositiveInt",
     "__version__",
-    "config",
     "explain_validation_error",
     "is_config",
     "paths",
