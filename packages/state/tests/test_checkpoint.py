@@ -243,3 +243,21 @@ def test_time_based_saving_and_keep_period(tmp_path):
         kept.save(step, state)
     steps = kept.all_steps()
     assert {3, 6, 7} <= set(steps) and 1 not in steps and 2 not in steps
+
+
+def test_a_read_only_manager_changes_nothing(tmp_path):
+    """A reader (`read_only=True`) leaves a step being written alone, creates no directory and refuses to save."""
+    import jax.numpy as jnp
+    import pytest
+
+    from jaxloom.state import CheckpointManager
+
+    assert not CheckpointManager(str(tmp_path / "none"), read_only=True).all_steps()
+    assert not (tmp_path / "none").exists()
+    in_flight = tmp_path / "ckpt" / "7.orbax-checkpoint-tmp-1764100000000000"
+    in_flight.mkdir(parents=True)
+    reader = CheckpointManager(str(tmp_path / "ckpt"), read_only=True)
+    assert reader.latest_step() is None and in_flight.is_dir()
+    with pytest.raises(ValueError, match="read-only"):
+        reader.save(1, {"x": jnp.ones(2)})
+    assert in_flight.is_dir()

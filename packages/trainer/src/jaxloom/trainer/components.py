@@ -167,14 +167,18 @@ class forward:  # noqa: N801 - used like a decorator-less property
     def __init__(self, component: str):
         self.component = component
         self.name = ""
+        self._static: Any = None  # the component class's static method of this name, once looked up
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        cls = COMPONENT_CLASSES.get(self.component)
-        if cls is not None and isinstance(inspect.getattr_static(cls, self.name, None), staticmethod):
-            return getattr(cls, self.name)  # nothing of the component is needed: it is not built
+        if self._static is None:  # looked up once: the loop reaches some of these names every step
+            cls = COMPONENT_CLASSES.get(self.component)
+            static = cls is not None and isinstance(inspect.getattr_static(cls, self.name, None), staticmethod)
+            self._static = getattr(cls, self.name) if static else False
+        if self._static is not False:
+            return self._static  # nothing of the component is needed: it is not built
         if obj is None:
             built = owner.__dict__.get(self.component) if owner is not None else None
             builder = getattr(built, "func", None)

@@ -4,7 +4,7 @@ settings; `open()` starts the writers (on every process: only process 0 writes),
 
     log = StepLog(arguments, config=model_config, row_width=512, devices=8, is_process_zero=True)
     log.open(step=0, total_steps=100, run_config={...})
-    log.step(1, on_device_metrics, extra={})     # a row when one is due, the bar always
+    log.step(1, on_device_metrics, extra=dict)   # a row when one is due, the bar always
     log.log_metrics({"loss": 2.3}, None, 1, mode="eval")
     log.close()
 """
@@ -12,6 +12,7 @@ settings; `open()` starts the writers (on every process: only process 0 writes),
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 import time
 from typing import Any
 
@@ -85,10 +86,10 @@ class StepLog:
             (r["train/elapsed_time"] for r in reversed(self.writer.history) if "train/elapsed_time" in r), 0.0
         )
 
-    def step(self, step: int, metrics: dict[str, Any], *, extra: dict[str, float], state: Any = None) -> None:
+    def step(self, step: int, metrics: dict[str, Any], *, extra: Callable[[], dict], state: Any = None) -> None:
         """`step`'s on-device `metrics` into the window; every `logging_steps` (and at the last step) the
-        window's row, with `extra` (the data's metrics) and, with `log_weight_distribution`, histograms of
-        `state`. The bar advances by one."""
+        window's row, with `extra()` (the data's metrics, asked for only when a row is written) and, with
+        `log_weight_distribution`, histograms of `state`. The bar advances by one."""
         a = self.arguments
         self._window.append(metrics)
         if step % a.logging_steps == 0 or step == self.total_steps:
@@ -110,7 +111,7 @@ class StepLog:
             )
             if self._peak:
                 row["mfu"] = self._flops_token * tps / self.devices / self._peak
-            row.update(extra)
+            row.update(extra())
             self.log_metrics(row, None, step)
             if a.log_weight_distribution and state is not None:
                 self.log_weight_distribution(state, step)

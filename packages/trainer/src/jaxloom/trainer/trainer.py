@@ -158,6 +158,7 @@ class BaseTrainer:
         self._model_in: nnx.Module = model if model is not None else model_state.model  # type: ignore[union-attr]
         self._state_in = model_state
         self._tokenizer = processing_class
+        self._tokenizer_matched = False  # set to add BOS as training does: checked once, not on every access
         self._mesh = mesh
         self.state: js.TrainState | None = None  # the state being trained, once configure_model() has run
         self.resumed_from: str | None = None
@@ -196,8 +197,9 @@ class BaseTrainer:
             self._tokenizer = jd.load_processor()
         if isinstance(self._tokenizer, Future):  # loaded in the background during setup
             self._tokenizer = self._tokenizer.result()
-        if self.MATCH_BOS:
+        if self.MATCH_BOS and not self._tokenizer_matched:
             self._tokenizer = jd.match_bos(self._tokenizer, jd.DataConfig.add_bos)
+            self._tokenizer_matched = True
         return self._tokenizer
 
     processing_class = tokenizer
