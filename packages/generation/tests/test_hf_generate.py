@@ -34,3 +34,39 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path):
         )
     out = jg.generate(model, ids, None, jg.GenerationConfig(max_new_tokens=12))
     np.testing.assert_array_equal(np.asarray(out.completion_ids), ref[:, 7:].numpy())
+
+
+def _model_families():
+    """The tiny families of jaxloom-models' parity tests (its tests/hf_util.py: one place defines them)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "models" / "tests" / "hf_util.py"
+    spec = importlib.util.spec_from_file_location("models_hf_util", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "qwen2_mixed_window"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_transformers_generate_for_each_family(tmp_path, family):
+    """Prompts of 7 tokens and 12 new ones: the KV cache crosses every window (4 or 6) and Phi-3's original
+    length (8), so per-layer windows, soft-caps and LongRoPE's switch to its long factors all act in decoding."""
+    util = _model_families()
+    hf = util.make_hf(family, tmp_path)
+    model = jm.from_pretrained(tmp_path)
+    ids = np.random.default_rng(0).integers(3, 97, (3, 7)).astype(np.int32)
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor(ids, dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            attention_mask=torch.ones(ids.shape, dtype=torch.long),
+        )
+    out = jg.generate(model, ids, None, jg.GenerationConfig(max_new_tokens=12))
+    np.testing.assert_array_equal(np.asarray(out.completion_ids), ref[:, 7:].numpy())

@@ -56,7 +56,75 @@ FAMILIES = {
     ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # Qwen2 with windows on the upper layer only (max_window_layers = 1): local and global layers in one stack
+    "qwen2_mixed_window": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    ),
+    # Qwen3: per-head q/k norm, head_dim not hidden / heads, tied embeddings
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
+    # Qwen3-MoE: raw top-k router weights (norm_topk_prob false), layer 1 a dense MLP (mlp_only_layers)
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], head_dim=24),
+    ),
+    "qwen3_moe_normed": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+    # Gemma 2: every soft-cap, window and scale small enough to act on 12 tokens of these weights
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=20,
+            sliding_window=4,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=0.5,
+        ),
+    ),
+    # Gemma 3: local layer 0 (base 100, no scaling), global layer 1 (base 1000, linear scaling)
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=20,
+            sliding_window=4,
+            sliding_window_pattern=2,
+            rope_parameters={
+                "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000.0),
+                "sliding_attention": dict(rope_type="default", rope_theta=100.0),
+            },
+        ),
+    ),
+    # Phi-3 128k-style: LongRoPE past 8 positions, a window of 6
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            sliding_window=6,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            original_max_position_embeddings=8,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=[1.0 + 0.1 * i for i in range(8)],
+                long_factor=[1.0 + 0.7 * i for i in range(8)],
+                original_max_position_embeddings=8,
+            ),
+        ),
+    ),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
 }
+# families whose layers differ in structure (dense and sparse feed-forward): never scanned
+UNSCANNED = {"qwen3_moe"}
 
 
 def make_hf(family: str, path, seed: int = 0):
@@ -67,10 +135,12 @@ def make_hf(family: str, path, seed: int = 0):
     torch.manual_seed(seed)
     config = getattr(transformers, cfg_name)(**TINY, **extra)
     model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():  # HF initialises norms to 1: perturb them so they are tested too
+    with torch.no_grad():  # re-drawn: HF initialises norms to 1 (Gemma's to 0) and biases to 0, which hides them
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
     model.save_pretrained(path)
     return model
 

@@ -162,3 +162,33 @@ def test_cross_entropy_gradient_is_zero_with_the_loss_gradient_and_free_undiffer
     alone = jax.jit(lambda h, k: jm.cross_entropy_gradient(h, k, targets, weight, blocks=4))
     assert float(alone(hidden, kernel)) == 0.0
     assert " dot(" not in alone.lower(hidden, kernel).compile().as_text()  # no pass over the output layer
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_soft_capped_logits_values_gradients_and_log_probs(blocks):
+    """Gemma 2's output cap `c · tanh(z / c)` inside the fused loss: the same loss and gradients as capping the
+    logits before an unfused loss, and the same per-row log-probs; a cap that binds (c = 2 on logits of ~3)."""
+    hidden, kernel, targets, weight = inputs(2)
+    cap = 2.0
+
+    def capped(h, k):
+        logits = cap * jnp.tanh(jnp.dot(h, k) / cap)
+        lse = jax.nn.logsumexp(logits, -1)
+        target = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+        return jnp.sum(weight * (lse - target)), (logits, lse, target)
+
+    (loss, grads) = jax.value_and_grad(
+        lambda h, k: linear_cross_entropy(h, k, targets, weight, blocks=blocks, softcap=cap)[0], argnums=(0, 1)
+    )(hidden, kernel)
+    (ref, (_, lse, target)), ref_grads = jax.value_and_grad(capped, argnums=(0, 1), has_aux=True)(hidden, kernel)
+    np.testing.assert_allclose(loss, ref, rtol=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    uncapped = linear_cross_entropy(hidden, kernel, targets, weight, blocks=blocks)[0]
+    assert abs(float(uncapped) - float(ref)) > 0.1 * abs(float(ref))  # the cap binds
+    logps, _ = jm.linear_log_probs(hidden, kernel, targets, weight, blocks=blocks, softcap=cap)
+    np.testing.assert_allclose(logps, jnp.sum(weight * (target - lse), -1), rtol=1e-5)
+    d = jax.grad(
+        lambda h: jm.cross_entropy_gradient(h, kernel, targets, weight, blocks=blocks, softcap=cap), argnums=0
+    )(hidden)
+    np.testing.assert_allclose(d, ref_grads[0], rtol=1e-5, atol=1e-5)

@@ -39,7 +39,7 @@ config = jm.LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=281
                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64)
 state = js.TrainState.create(jm.create_model(config, jm.RuntimeConfig(scan_layers=True), seed=0), optax.sgd(0.1))
 jax.block_until_ready(state.params)
-largest = 4 * max(int(np.prod(s)) for _, _, _, _, s, _ in jm.hf.export_plan(state.model))  # one HF tensor
+largest = 4 * max(int(np.prod(s)) for _, _, s, _ in jm.hf.export_plan(state.model))  # one HF tensor
 total = sum(int(np.prod(v.shape)) * 4 for v in jax.tree_util.tree_leaves(state.params))
 
 def status(key):

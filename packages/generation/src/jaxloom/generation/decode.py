@@ -70,6 +70,28 @@ def decode_one(model, token, decoding, at, rng, config: GenerationConfig):
     return next_token(out.logits[:, -1], rng, config), (out.cache, pos, kv_seg, kv_pos)
 
 
+def refill(model, tokens, token, decoding, at, rng, config: GenerationConfig):
+    """Like `decode_one`, but the whole sequence so far (`tokens [B, S]`, the token fed now at slot `at`) is run
+    again into a fresh cache: what transformers does once when a LongRoPE model (Phi-3 128k) passes its original
+    length, so that every key is rotated with the long factors from there on."""
+    cache, pos, kv_seg, kv_pos = decoding
+    b = token.shape[0]
+    pos = pos + 1
+    kv_seg = jax.lax.dynamic_update_slice(kv_seg, jnp.ones((b, 1), jnp.int32), (0, at))
+    kv_pos = jax.lax.dynamic_update_slice(kv_pos, pos[:, None], (0, at))
+    out = model(
+        tokens,
+        positions=kv_pos,
+        segment_ids=kv_seg,
+        cache=jax.tree_util.tree_map(jnp.zeros_like, cache),
+        cache_index=0,
+        kv_positions=kv_pos,
+        kv_segment_ids=kv_seg,
+    )
+    logits = jax.lax.dynamic_slice_in_dim(out.logits, at, 1, axis=1)[:, 0]
+    return next_token(logits, rng, config), (out.cache, pos, kv_seg, kv_pos)
+
+
 def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationConfig):
     model = nnx.merge(graphdef, state)
     b, p = input_ids.shape
@@ -85,10 +107,22 @@ def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationC
         i, *_, done = carry
         return (i < n) & ~jnp.all(done)
 
+    refresh = getattr(model, "cache_refresh_position", None)
+
+    def step(token, decoding, at, sub, completion):
+        if refresh is None:
+            return decode_one(model, token, decoding, at, sub, config)
+        crossing = jnp.max(decoding[1]) + 1 == refresh  # the longest row's next position is the first past it
+        return jax.lax.cond(
+            crossing,
+            lambda: refill(model, jnp.concatenate([input_ids, completion], 1), token, decoding, at, sub, config),
+            lambda: decode_one(model, token, decoding, at, sub, config),
+        )
+
     def body(carry):
         i, decoding, token, completion, comp_mask, rng, done = carry
         rng, sub = jax.random.split(rng)
-        new, decoding = decode_one(model, token, decoding, p + i - 1, sub, config)
+        new, decoding = step(token, decoding, p + i - 1, sub, completion)
         new = jnp.where(done, config.pad_token_id, new)
         completion = jax.lax.dynamic_update_slice(completion, new[:, None], (0, i))
         comp_mask = jax.lax.dynamic_update_slice(comp_mask, (~done).astype(jnp.int32)[:, None], (0, i))

@@ -1,13 +1,18 @@
-"""jaxloom.models: Llama, Mistral, Qwen2 and Mixtral in Flax NNX, with HF configs and weights."""
+"""jaxloom.models: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3, Phi-3 and OLMo 2 in Flax NNX,
+with HF configs and weights."""
 
 from .__about__ import __version__
 from .attention import AttentionUnavailableError, attend, choose_implementation, make_attention_mask
 from .build import count_params, create_model, flops_per_token, param_shardings, param_specs
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
+from .gemma import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 from .hf import from_pretrained, save_hf_model, to_hf_state_dict
 from .losses import cross_entropy_gradient, linear_cross_entropy, linear_log_probs
 from .llama import CausalLMOutput, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from .mixtral import MixtralForCausalLM, dispatch_tokens, expert_parallel_dispatch, grouped_matmul
+from .olmo2 import Olmo2Config, Olmo2ForCausalLM
+from .phi3 import Phi3Config, Phi3ForCausalLM
+from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from .registry import TaskType, get_model_class, register, registered
 from .runtime import SCAN_ABOVE_LAYERS, AttentionMechanisms, EasyDeLGradientCheckPointers, RuntimeConfig
 
@@ -26,6 +31,18 @@ __all__ = [
     "SCAN_ABOVE_LAYERS",
     "CONFIG_CLASSES",
     "CausalLMOutput",
+    "Gemma2Config",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3TextConfig",
+    "Olmo2Config",
+    "Olmo2ForCausalLM",
+    "Phi3Config",
+    "Phi3ForCausalLM",
+    "Qwen3Config",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeConfig",
+    "Qwen3MoeForCausalLM",
     "LlamaConfig",
     "LlamaForCausalLM",
     "MistralConfig",

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .configs import LlamaConfig
-from .layers import Linear, apply_rope, constrain, rope_frequencies
+from .layers import Linear, RMSNorm, apply_rope, constrain, rope_frequencies
 from .runtime import RuntimeConfig
 
 IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "flash")
@@ -78,17 +78,25 @@ def _block_mask(q_seg, q_pos, k_seg, k_pos, causal, window):
 
 
 def choose_implementation(
-    requested: str, *, q_len: int, kv_len: int, cached: bool, window: int | None, platform: str | None = None
+    requested: str,
+    *,
+    q_len: int,
+    kv_len: int,
+    cached: bool,
+    window,
+    platform: str | None = None,
+    softcap: float | None = None,
 ) -> str:
     """The backend `attend` runs for `requested` (`auto` or one of `IMPLEMENTATIONS`) on `platform`
     (default: JAX's default backend) for `q_len` queries against `kv_len` keys, with a sliding `window`
-    (None: none). `cached` calls (decoding with a KV cache) have queries and keys of different lengths,
-    which only `xla` and `chunked` take. Raises
-    `AttentionUnavailableError` when an explicit choice cannot run."""
+    (None: none; an int; or a traced per-layer value, as in a scanned stack of Gemma's local and global
+    layers) and a logit `softcap` (Gemma 2). `cached` calls (decoding with a KV cache) have queries and
+    keys of different lengths, which only `xla` and `chunked` take. Raises `AttentionUnavailableError`
+    when an explicit choice cannot run, naming what to pick instead."""
     platform = platform or jax.default_backend()
     small = q_len * kv_len <= _AUTO_XLA_MAX_PAIRS
     if requested == "auto":
-        if cached or platform == "cpu" or (platform == "gpu" and window is not None):
+        if cached or platform == "cpu" or window is not None or softcap is not None:
             return "xla" if small else "chunked"
         return "flash" if platform in ("gpu", "cuda", "rocm", "tpu") else ("xla" if small else "chunked")
     if requested not in IMPLEMENTATIONS:
@@ -97,6 +105,16 @@ def choose_implementation(
         return requested
     if cached:  # KV-cache decoding: T != S, which the fused kernels here do not take
         return "xla" if small else "chunked"
+    if softcap is not None:
+        raise AttentionUnavailableError(
+            f"attn_mechanism={requested!r} has no attention logit soft-capping (this model caps at {softcap}, "
+            "Gemma 2); use 'chunked' (blockwise, linear memory) or 'xla'."
+        )
+    if window is not None and not isinstance(window, int):
+        raise AttentionUnavailableError(
+            f"attn_mechanism={requested!r} needs one window for the whole layer stack, and this model's layers "
+            "differ (local and global layers scanned together); use 'chunked' or 'xla', or scan_layers=False."
+        )
     if requested == "cudnn" and platform not in ("gpu", "cuda"):
         raise AttentionUnavailableError(
             f"attn_mechanism='cudnn' needs an NVIDIA GPU; JAX's backend is {platform!r}. "
@@ -108,10 +126,10 @@ def choose_implementation(
                 f"attn_mechanism='flash' needs a GPU or TPU; JAX's backend is "
                 f"{platform!r}. Use 'auto' or 'chunked' (blockwise, linear memory)."
             )
-        if window is not None and platform != "tpu":
+        if window is not None:  # neither JAX's GPU nor its TPU Pallas kernel takes a window
             raise AttentionUnavailableError(
-                f"attn_mechanism='flash' on GPU has no sliding window (this model's is "
-                f"{window}); use 'chunked' or 'cudnn'."
+                f"attn_mechanism='flash' has no sliding window (this model's is "
+                f"{window}); use 'chunked'{' or cudnn' if platform != 'tpu' else ''}."
             )
     return requested
 
@@ -131,6 +149,7 @@ def attend(
     cached: bool = False,
     block_size: int = 512,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Attention of `q [B, T, N, H]` over `k, v [B, S, K, H]` (grouped-query: N = K·G), in `q`'s dtype.
 
@@ -141,15 +160,19 @@ def attend(
     - `causal`: a query sees keys at or before its position; `window`: and fewer than `window` back.
     - `implementation`: `auto`, `xla`, `chunked`, `cudnn` or `flash` (see the module docstring);
       `cached`: this is a KV-cache call (keys are the cache), which the fused kernels do not take.
-    - `block_size`: keys per block for `chunked`; `scale`: logit scale (default `1/sqrt(H)`).
+    - `block_size`: keys per block for `chunked`; `scale`: logit scale (default `1/sqrt(H)`);
+      `softcap`: logits become `softcap · tanh(logits / softcap)` after scaling (Gemma 2), or None.
     """
     kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
     kv_positions = q_positions if kv_positions is None else kv_positions
     scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
-    impl = choose_implementation(implementation, q_len=q.shape[1], kv_len=k.shape[1], cached=cached, window=window)
+    softcap = None if softcap is None else float(softcap)
+    impl = choose_implementation(
+        implementation, q_len=q.shape[1], kv_len=k.shape[1], cached=cached, window=window, softcap=softcap
+    )
     if impl == "xla":
         mask = _block_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, causal, window)
-        return _xla_attention(q, k, v, mask, scale)
+        return _xla_attention(q, k, v, mask, scale, softcap)
     if impl == "chunked":
         return _chunked(
             q,
@@ -159,10 +182,11 @@ def attend(
             q_positions,
             kv_segment_ids,
             kv_positions,
-            causal,
             window,
+            causal,
             min(block_size, k.shape[1]),
             scale,
+            softcap,
         )
     if impl == "cudnn":
         return _cudnn(q, k, v, q_segment_ids, causal, window, scale)
@@ -172,12 +196,16 @@ def attend(
 # ---- xla: the reference ------------------------------------------------------------------------------
 
 
-def _xla_attention(q, k, v, mask, scale):
+def _cap(s, softcap):
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
+def _xla_attention(q, k, v, mask, scale, softcap=None):
     """`q [B,T,N,H]`, `k, v [B,S,K,H]`, `mask [B,T,S]`; logits and softmax in float32."""
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    logits = _cap(jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale, softcap)
     logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, h).astype(q.dtype)
@@ -202,7 +230,7 @@ def _key_blocks(k, v, k_seg, k_pos, block):
     return split(k), split(v), split(k_seg), split(k_pos)
 
 
-def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block, scale):
+def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block, scale, softcap):
     b, t, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
@@ -211,7 +239,7 @@ def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block,
     def body(carry, blk):
         m, norm, acc = carry  # running max [B,K,G,T], normaliser [B,K,G,T], output [B,T,K,G,H] (float32)
         kb, vb, sb, pb = blk
-        s = jnp.einsum("btkgh,bskh->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
+        s = _cap(jnp.einsum("btkgh,bskh->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale, softcap)
         mask = _block_mask(q_seg, q_pos, sb, pb, causal, window)[:, None, None]
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
@@ -234,20 +262,20 @@ def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block,
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _chunked(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block, scale):
-    return _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _chunked(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block, scale, softcap):
+    return _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block, scale, softcap)[0]
 
 
-def _chunked_fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block, scale):
-    out, lse = _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, causal, window, block, scale)
-    return out, (q, k, v, q_seg, q_pos, k_seg, k_pos, out, lse)  # O(T) residuals: no probabilities kept
+def _chunked_fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block, scale, softcap):
+    out, lse = _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block, scale, softcap)
+    return out, (q, k, v, q_seg, q_pos, k_seg, k_pos, window, out, lse)  # O(T) residuals: no probabilities kept
 
 
-def _chunked_bwd(causal, window, block, scale, res, d_out):
+def _chunked_bwd(causal, block, scale, softcap, res, d_out):
     """Flash-attention backward: per key block, recompute the probabilities from the saved log-sum-exp,
     accumulate dq over blocks and emit that block's dk, dv."""
-    q, k, v, q_seg, q_pos, k_seg, k_pos, out, lse = res
+    q, k, v, q_seg, q_pos, k_seg, k_pos, window, out, lse = res
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     g = n // kh
@@ -258,11 +286,14 @@ def _chunked_bwd(causal, window, block, scale, res, d_out):
     def body(dq, blk):
         kb, vb, sb, pb = blk
         s = jnp.einsum("btkgh,bskh->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
+        capped = _cap(s, softcap)
         mask = _block_mask(q_seg, q_pos, sb, pb, causal, window)[:, None, None]
-        p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
+        p = jnp.where(mask, jnp.exp(capped - lse[..., None]), 0.0)
         dv = jnp.einsum("bkgts,btkgh->bskh", p.astype(dog.dtype), dog, preferred_element_type=jnp.float32)
         dp = jnp.einsum("btkgh,bskh->bkgts", dog, vb, preferred_element_type=jnp.float32)
         ds = p * (dp - delta[..., None]) * scale
+        if softcap is not None:  # d(c·tanh(s/c))/ds = 1 - tanh²
+            ds = ds * (1.0 - jnp.square(capped / softcap))
         dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds.astype(kb.dtype), kb, preferred_element_type=jnp.float32)
         dk = jnp.einsum("bkgts,btkgh->bskh", ds.astype(qg.dtype), qg, preferred_element_type=jnp.float32)
         return dq, (dk, dv)
@@ -272,7 +303,7 @@ def _chunked_bwd(causal, window, block, scale, res, d_out):
     def unblock(x, like):
         return jnp.moveaxis(x, 0, 1).reshape(b, -1, kh, h)[:, :s_len].astype(like.dtype)
 
-    return (dq.reshape(b, t, n, h).astype(q.dtype), unblock(dk, k), unblock(dv, v), None, None, None, None)
+    return (dq.reshape(b, t, n, h).astype(q.dtype), unblock(dk, k), unblock(dv, v), None, None, None, None, None)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -329,6 +360,10 @@ def _flash(q, k, v, seg, causal, window, scale, *, interpret: bool = False, bloc
 
 
 class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, as the family's config says: biases (`qkv_bias`, `o_bias`),
+    q/k RMSNorm (`qk_norm`: per head, Qwen3 / Gemma 3; over the whole projection, OLMo 2), the logit
+    scale (`attention_scale`, Gemma's `query_pre_attn_scalar`) and soft-cap (`attention_softcap`)."""
+
     def __init__(self, config: LlamaConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         d, n, kv, h = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         std = config.initializer_range
@@ -336,21 +371,48 @@ class Attention(nnx.Module):
         self.k_proj = Linear(d, kv * h, ("embed", "kv_heads"), runtime, use_bias=config.qkv_bias, std=std, rngs=rngs)
         self.v_proj = Linear(d, kv * h, ("embed", "kv_heads"), runtime, use_bias=config.qkv_bias, std=std, rngs=rngs)
         self.o_proj = Linear(n * h, d, ("heads", "embed"), runtime, use_bias=config.o_bias, std=std, rngs=rngs)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm is None:
+            self.q_norm = self.k_norm = None
+        else:
+            q_dim, k_dim = (h, h) if self.qk_norm == "head" else (n * h, kv * h)
+            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, runtime, config.norm_style)
+            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, runtime, config.norm_style)
         self.n, self.kv, self.h = n, kv, h
         self.config, self.runtime = config, runtime
 
-    def __call__(self, x, positions, segment_ids, cache=None, cache_index=None, kv_positions=None, kv_segment_ids=None):
+    def __call__(
+        self,
+        x,
+        positions,
+        segment_ids,
+        cache=None,
+        cache_index=None,
+        kv_positions=None,
+        kv_segment_ids=None,
+        *,
+        window=None,
+        rope=None,
+    ):
         """Self-attention of `x [B, T, D]`. With `cache=(k, v)` (`[B, S, KV, H]` each), this call's keys and
         values are written at `cache_index` and attention runs over the whole cache, whose slots are
-        described by `kv_positions` / `kv_segment_ids` `[B, S]`; returns `(out, new_cache)`."""
+        described by `kv_positions` / `kv_segment_ids` `[B, S]`; returns `(out, new_cache)`. `rope`
+        (`(inv_freq, scale)`) and `window` are this layer's (a model passes them per layer); without
+        `rope`, both are the config's."""
         b, t, _ = x.shape
-        rt = self.runtime
-        q = self.q_proj(x).reshape(b, t, self.n, self.h)
-        k = self.k_proj(x).reshape(b, t, self.kv, self.h)
+        rt, c = self.runtime, self.config
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.reshape(b, t, self.n, self.h), k.reshape(b, t, self.kv, self.h)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).reshape(b, t, self.kv, self.h)
-        inv_freq, scale = rope_frequencies(
-            self.h, self.config.rope_theta, self.config.rope_scaling, self.config.max_position_embeddings, seq_len=t
-        )
+        if rope is None:
+            kind = c.attention_types()[0]
+            window = c.window_of(kind)
+            rope = rope_frequencies(self.h, *c.rope_of(kind), c.max_position_embeddings, seq_len=t, positions=positions)
+        inv_freq, scale = rope
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         if cache is not None:
             at = (0, cache_index, 0, 0)
@@ -371,9 +433,11 @@ class Attention(nnx.Module):
             kv_segment_ids=kv_segment_ids if cache is not None else None,
             kv_positions=kv_positions if cache is not None else None,
             causal=True,
-            window=self.config.sliding_window,
+            window=window,
             implementation=rt.attn_mechanism,
             cached=cache is not None,
             block_size=rt.attn_block_size,
+            scale=c.attention_scale,
+            softcap=c.attention_softcap,
         )
         return self.o_proj(out.reshape(b, t, self.n * self.h)), cache

@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from .configs import LlamaConfig, MixtralConfig
+from .configs import LlamaConfig
 from .registry import TaskType, get_model_class
 from .runtime import RuntimeConfig
 
@@ -96,10 +96,12 @@ def flops_per_token(config: LlamaConfig, seq_len: int, *, training: bool = True)
     d, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     n_q, n_kv, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     attn = d * (n_q * h) * 2 + d * (n_kv * h) * 2
-    if isinstance(config, MixtralConfig):
-        mlp = 3 * d * f * config.num_experts_per_tok + d * config.num_local_experts
-    else:
-        mlp = 3 * d * f
-    matmul_params = layers * (attn + mlp) + d * config.vocab_size
+    mlp = 0
+    for layer in range(layers):
+        if hasattr(config, "expert_names") and getattr(config, "is_sparse", lambda _: True)(layer):
+            mlp += 3 * d * config.expert_intermediate_size * config.num_experts_per_tok + d * config.num_experts
+        else:
+            mlp += 3 * d * f
+    matmul_params = layers * attn + mlp + d * config.vocab_size
     forward = 2 * matmul_params + 2 * layers * seq_len * n_q * h * 2  # QK^T and AV
     return float(3 * forward if training else forward)

@@ -21,7 +21,6 @@ _IGNORED_HF_KEYS = {
     "bos_token_id",
     "eos_token_id",
     "pad_token_id",
-    "attention_dropout",
     "pretraining_tp",
     "output_router_logits",
     "router_jitter_noise",
@@ -44,12 +43,17 @@ _IGNORED_HF_KEYS = {
     "max_window_layers",
     "use_sliding_window",
     "model_type",
+    "cache_implementation",  # which KV cache class transformers' generate() builds (Gemma: "hybrid")
     "rope_parameters",
     # read by nothing in transformers' implementation of these families, so ignored there too
     "is_llama_config",  # SmolLM2 (nanotron's export)
     "rope_interleaved",  # SmolLM2 (nanotron's export)
     "use_mrope",  # Qwen2.5 / DeepSeek-R1-Distill-Qwen: false (true is Qwen2-VL's multimodal RoPE: refused by Qwen2)
 }
+
+# Keys whose only effect is dropout in training, which jaxloom does not implement: 0 (or absent) is accepted, any
+# other value refused by name (a model trained with dropout would otherwise be silently trained without it).
+_ZERO_ONLY_HF_KEYS = ("attention_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout", "embedding_dropout")
 
 # rope_scaling keys each RoPE type reads (transformers' modeling_rope_utils); any other key is refused by name, so a
 # setting that changes the computation is never read and dropped. `required` keys must be there.
@@ -73,7 +77,12 @@ _ROPE_KEYS = {
         },
         {"original_max_position_embeddings"},
     ),
+    "longrope": (
+        {"long_factor", "short_factor", "original_max_position_embeddings", "factor", "attention_factor"},
+        {"long_factor", "short_factor", "original_max_position_embeddings"},
+    ),
 }
+_ROPE_LIST_KEYS = {"long_factor", "short_factor"}  # one positive number per rotated pair of a head
 
 
 class FrozenDict(dict):
@@ -110,6 +119,13 @@ class LlamaConfig:
     """
 
     model_type: ClassVar[str] = "llama"
+    # How the family computes, beyond its fields (see `DecoderLayer`, `Attention`, `RMSNorm`):
+    norm_style: ClassVar[str] = "llama"  # llama | olmo | gemma (1 + w)
+    block_norms: ClassVar[str] = "pre"  # pre | sandwich (Gemma) | post (OLMo 2)
+    qk_norm: ClassVar[str | None] = None  # None | head (Qwen3, Gemma 3) | projection (OLMo 2)
+    fused_projections: ClassVar[bool] = False  # HF stores qkv_proj and gate_up_proj fused (Phi-3)
+    # config.json keys transformers accepts for this family and never reads (beyond the common ones)
+    ignored_keys: ClassVar[frozenset[str]] = frozenset()
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -135,7 +151,8 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         # Hashable forms: configs are static data under jit.
         if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
+            frozen = {k: tuple(v) if isinstance(v, list) else v for k, v in self.rope_scaling.items()}
+            object.__setattr__(self, "rope_scaling", FrozenDict(frozen))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.num_key_value_heads is None:
@@ -167,7 +184,57 @@ class LlamaConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise ValueError(f"{type(self).__name__}.{name} = {value!r}; expected a positive finite number")
         if self.rope_scaling is not None:
-            _check_rope_scaling(type(self).__name__, self.rope_scaling)
+            _check_rope_scaling(type(self).__name__, self.rope_scaling, self.head_dim)
+        for kind in dict.fromkeys(self.attention_types()):
+            if kind not in ("full_attention", "sliding_attention"):
+                raise ValueError(
+                    f"{type(self).__name__}: layer type {kind!r}; expected full_attention or sliding_attention"
+                )
+        if len(self.attention_types()) != self.num_hidden_layers:
+            raise ValueError(
+                f"{type(self).__name__}: layer_types has {len(self.attention_types())} entries for "
+                f"{self.num_hidden_layers} layers (num_hidden_layers); expected one per layer"
+            )
+
+    # ---- how the family computes (overridden per family) -------------------------------------------
+    def attention_types(self) -> tuple[str, ...]:
+        """Per decoder layer, `full_attention` or `sliding_attention` (transformers' `layer_types`)."""
+        kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+        return (kind,) * self.num_hidden_layers
+
+    def window_of(self, kind: str) -> int | None:
+        """The attention window of a layer of type `kind` (None: the whole sequence)."""
+        return self.sliding_window if kind == "sliding_attention" else None
+
+    def rope_of(self, kind: str) -> tuple[float, Any]:
+        """`(rope_theta, rope_scaling)` of a layer of type `kind` (Gemma 3's local layers have their own)."""
+        del kind
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def mlp_activation(self) -> str:
+        """The feed-forward activation (Gemma reads `hidden_activation`)."""
+        return self.hidden_act
+
+    @property
+    def embedding_multiplier(self) -> float | None:
+        """Input embeddings are multiplied by this (Gemma: `sqrt(hidden_size)`); None: not scaled."""
+        return None
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The attention logits' scale (None: `1/sqrt(head_dim)`)."""
+        return None
+
+    @property
+    def attention_softcap(self) -> float | None:
+        """Attention logits become `cap · tanh(logits / cap)` (Gemma 2); None: not capped."""
+        return None
+
+    @property
+    def final_softcap(self) -> float | None:
+        """Output logits become `cap · tanh(logits / cap)` (Gemma 2); None: not capped."""
+        return None
 
     # Which projections carry a bias, per family.
     @property
@@ -195,11 +262,19 @@ class LlamaConfig:
         scaling = data.get("rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
             data["rope_scaling"] = None
+        data = cls.family_adjust(data)
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in data if k not in fields and k not in _IGNORED_HF_KEYS)
+        for key in _ZERO_ONLY_HF_KEYS:
+            value = data.pop(key, 0)
+            if value not in (0, 0.0, None):
+                raise ValueError(
+                    f"{cls.__name__}: {key} = {value!r}: dropout is not implemented (jaxloom trains without it); "
+                    f"expected {key} 0"
+                )
+        ignored = _IGNORED_HF_KEYS | cls.ignored_keys
+        unknown = sorted(k for k in data if k not in fields and k not in ignored)
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown config key(s) {unknown}; expected some of {sorted(fields)}")
-        data = cls.family_adjust(data)
         # Checked and converted by the fields' types ("1e-5" from YAML is a float; 3.5 is not an int).
         return cls(**{k: v for k, v in data.items() if k in fields})
 
@@ -250,46 +325,42 @@ class MistralConfig(LlamaConfig):
 
 @config
 class Qwen2Config(LlamaConfig):
-    """Qwen2: Llama with biases on q, k and v (not o); the fields are `LlamaConfig`'s."""
+    """Qwen2: Llama with biases on q, k and v (not o). With `use_sliding_window`, the window applies to the layers
+    from `max_window_layers` on, or to those `layer_types` marks `sliding_attention` (as transformers reads it);
+    without, to none (the `sliding_window` size a config keeps is then dropped, as transformers drops it)."""
 
     model_type: ClassVar[str] = "qwen2"
     attention_bias: bool = True
+    use_sliding_window: bool = False
+    max_window_layers: int = 28
+    layer_types: tuple[str, ...] | None = None
 
     @property
     def o_bias(self) -> bool:
         return False
 
+    def attention_types(self) -> tuple[str, ...]:
+        if self.layer_types is not None:
+            return tuple(self.layer_types)
+        if self.sliding_window is None:
+            return ("full_attention",) * self.num_hidden_layers
+        first = self.max_window_layers
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(self.num_hidden_layers))
+
     @classmethod
     def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Qwen2's `config.json` (`data`) keeps a window size even when `use_sliding_window` is false; with it
-        true, the window applies to the layers from `max_window_layers` on (or those `layer_types` marks
-        `sliding_attention`), as transformers reads it. Every layer windowed, or none, is a model jaxloom runs
-        exactly; a mix of windowed and full layers is refused (not silently windowed everywhere)."""
+        """`data` (a `config.json` dict) as transformers reads it: no window without `use_sliding_window`, and
+        `use_mrope` (Qwen2-VL's multimodal RoPE) refused."""
         if data.get("use_mrope"):
             raise ValueError(
-                "Qwen2Config: use_mrope = true is Qwen2-VL's multimodal RoPE, which jaxloom does not implement; "
+                f"{cls.__name__}: use_mrope = true is Qwen2-VL's multimodal RoPE, which jaxloom does not implement; "
                 "expected use_mrope false (the text models' config says so)"
             )
-        data.setdefault("attention_bias", True)
-        window = data.get("sliding_window", 4096) if data.get("use_sliding_window", False) else None
-        if window is None:
+        data.setdefault("attention_bias", cls.attention_bias)
+        if not data.get("use_sliding_window", False):
             data["sliding_window"] = None
-            return data
-        layers = int(data.get("num_hidden_layers", 32))
-        first = int(data.get("max_window_layers", 28))
-        kinds = data.get("layer_types") or [
-            "sliding_attention" if i >= first else "full_attention" for i in range(layers)
-        ]
-        windowed = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
-        if not windowed:
-            data["sliding_window"] = None
-        elif len(windowed) != len(kinds):
-            raise ValueError(
-                f"Qwen2Config: use_sliding_window = true with a window on layers {windowed[0]}..{windowed[-1]} only "
-                f"(max_window_layers = {first}, layer_types) and full attention on the others; jaxloom applies one "
-                "attention pattern to every layer, so this model would be computed wrongly. Expected every layer "
-                "windowed (max_window_layers = 0) or none (use_sliding_window = false)"
-            )
+        elif "sliding_window" not in data:
+            data["sliding_window"] = 4096
         return data
 
 
@@ -317,15 +388,32 @@ class MixtralConfig(LlamaConfig):
     def num_experts(self) -> int:
         return self.num_local_experts
 
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Each expert's feed-forward width."""
+        return self.intermediate_size
 
-def _check_rope_scaling(owner: str, scaling: Mapping[str, Any]) -> None:
+    @property
+    def normalize_top_k(self) -> bool:
+        """The chosen experts' router probabilities are renormalised to sum to one."""
+        return True
+
+    @property
+    def expert_names(self) -> tuple[str, str, tuple[str, str, str]]:
+        """Where transformers keeps the experts: `(mlp module, experts module, (gate, down, up) names)`."""
+        return "block_sparse_moe", "experts", ("w1", "w2", "w3")
+
+
+def _check_rope_scaling(owner: str, scaling: Mapping[str, Any], head_dim: int) -> None:
     """`rope_scaling` names a type jaxloom implements, with the keys that type reads (all required ones, no
     other): one error naming the key otherwise, before a model is built."""
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return
     if kind not in _ROPE_KEYS:
-        raise ValueError(f"{owner}: rope_scaling type {kind!r}; expected default, linear, dynamic, llama3 or yarn")
+        raise ValueError(
+            f"{owner}: rope_scaling type {kind!r}; expected default, linear, dynamic, llama3, yarn or longrope"
+        )
     known, required = _ROPE_KEYS[kind]
     given = set(scaling) - {"rope_type", "type", "rope_theta"}
     partial = scaling.get("partial_rotary_factor", 1.0)
@@ -343,16 +431,35 @@ def _check_rope_scaling(owner: str, scaling: Mapping[str, Any]) -> None:
     missing = sorted(required - given)
     if missing:
         raise ValueError(f"{owner}: rope_scaling of rope_type {kind!r} needs {missing} (it has {sorted(given)})")
-    for key in given - {"truncate"}:
+    for key in given & _ROPE_LIST_KEYS:
+        value = scaling[key]
+        if not isinstance(value, list | tuple) or len(value) != head_dim // 2 or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in value
+        ):
+            raise ValueError(
+                f"{owner}: rope_scaling {key} = {str(value)[:60]}; expected {head_dim // 2} positive numbers "
+                f"(one per rotated pair of a {head_dim}-wide head)"
+            )
+    for key in given - {"truncate"} - _ROPE_LIST_KEYS:
         value = scaling[key]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):
             raise ValueError(f"{owner}: rope_scaling {key} = {value!r}; expected a positive number")
 
 
-CONFIG_CLASSES: dict[str, type[LlamaConfig]] = {
-    c.model_type: c for c in (LlamaConfig, MistralConfig, Qwen2Config, MixtralConfig)
-}
-"""`model_type` (as in `config.json`) → its config class."""
+CONFIG_CLASSES: dict[str, type[LlamaConfig]] = {}
+"""`model_type` (as in `config.json`) → its config class (`register_config` adds to it)."""
+
+
+def register_config(cls: type[LlamaConfig]) -> type[LlamaConfig]:
+    """Class decorator: `cls` reads `config.json` files whose `model_type` is `cls.model_type`."""
+    if CONFIG_CLASSES.get(cls.model_type, cls) is not cls:
+        raise ValueError(f"model_type {cls.model_type!r} already has a config class")
+    CONFIG_CLASSES[cls.model_type] = cls
+    return cls
+
+
+for _cls in (LlamaConfig, MistralConfig, Qwen2Config, MixtralConfig):
+    register_config(_cls)
 
 
 def config_from_hf_dict(data: Mapping[str, Any]) -> LlamaConfig:

@@ -19,12 +19,14 @@ from jax.sharding import NamedSharding
 
 from . import safetensors_io
 from .build import is_variable, variable_specs
-from .configs import LlamaConfig, MixtralConfig, config_from_hf_dict
+from .configs import LlamaConfig, config_from_hf_dict
 from .registry import TaskType, get_model_class
 from .runtime import RuntimeConfig
 
-_EXPERT_FILES = {"w_gate": "w1", "w_down": "w2", "w_up": "w3"}
+_EXPERT_LEAVES = ("w_gate", "w_down", "w_up")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# Phi-3's fused checkpoint tensors: our module → (HF module, position among the parts fused along the output axis)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 def _names(path) -> list[str]:
@@ -33,16 +35,29 @@ def _names(path) -> list[str]:
 
 def hf_sources(names: list[str], config: LlamaConfig):
     """Where one of our parameters lives in an HF checkpoint: a `(tensor name, stored transposed)` pair,
-    or, for a parameter stacked on its first axis (a scanned layer stack, Mixtral's experts), a list
-    with one such entry (itself possibly a list) per index of that axis."""
+    a `(tensor name, stored transposed, (part, sizes))` triple for a part of a tensor that fuses several
+    along its first axis (Phi-3's `qkv_proj`: part 0 of sizes `(q, k, v)` is q), or, for a parameter
+    stacked on its first axis (a scanned layer stack, the experts of an MoE), a list with one such entry
+    (itself possibly a list) per index of that axis."""
     if len(names) > 2 and names[:2] == ["model", "layers"] and not names[2].isdigit():  # scanned stack
         return [hf_sources([*names[:2], str(i), *names[2:]], config) for i in range(config.num_hidden_layers)]
     *module, leaf = names
-    if isinstance(config, MixtralConfig) and "mlp" in module:
-        module = ["block_sparse_moe" if m == "mlp" else m for m in module]
-        if leaf in _EXPERT_FILES:
-            base = ".".join(module)
-            return [(f"{base}.experts.{e}.{_EXPERT_FILES[leaf]}.weight", True) for e in range(config.num_local_experts)]
+    if hasattr(config, "expert_names") and "mlp" in module and (leaf in _EXPERT_LEAVES or "gate" in module):
+        block, experts, files = config.expert_names
+        module = [block if m == "mlp" else m for m in module]
+        if leaf in _EXPERT_LEAVES:
+            base, name = ".".join(module), files[_EXPERT_LEAVES.index(leaf)]
+            return [(f"{base}.{experts}.{e}.{name}.weight", True) for e in range(config.num_experts)]
+    if config.fused_projections and leaf in ("kernel", "bias") and module and module[-1] in _FUSED:
+        fused, part = _FUSED[module[-1]]
+        c = config
+        sizes = (
+            (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim)
+            if fused == "qkv_proj"
+            else (c.intermediate_size, c.intermediate_size)
+        )
+        base = ".".join([*module[:-1], fused])
+        return (f"{base}.{'weight' if leaf == 'kernel' else 'bias'}", leaf == "kernel", (part, sizes))
     base = ".".join(module)
     if leaf == "kernel":
         return (f"{base}.weight", True)
@@ -112,7 +127,12 @@ def from_pretrained(
 
         def lazy(src):
             if isinstance(src, tuple):
-                return tensors[src[0]].T if src[1] else tensors[src[0]]
+                tensor = tensors[src[0]]
+                if len(src) == 3:  # one part of a fused tensor: its rows
+                    part, sizes = src[2]
+                    start = sum(sizes[:part])
+                    tensor = tensor[start : start + sizes[part]]
+                return tensor.T if src[1] else tensor
             return _Stacked([lazy(s) for s in src])
 
         src = lazy(sources)
@@ -179,7 +199,11 @@ def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
         value = gather(var.get_value())
 
         def emit(src, value):
-            if isinstance(src, tuple):
+            if isinstance(src, tuple) and len(src) == 3:  # a part of a fused tensor
+                (part, sizes), rows = src[2], value.T if src[1] else value
+                whole = out.setdefault(src[0], np.zeros((sum(sizes), *rows.shape[1:]), rows.dtype))
+                whole[sum(sizes[:part]) : sum(sizes[: part + 1])] = rows
+            elif isinstance(src, tuple):
                 out[src[0]] = value.T if src[1] else value
             else:
                 for i, s in enumerate(src):
@@ -282,15 +306,26 @@ def _cast(dtype: Any, have: np.dtype) -> np.dtype:
     return np.dtype(have)
 
 
-def export_plan(model: nnx.Module, dtype: Any = None) -> list[tuple[str, int, tuple[int, ...], bool, tuple, np.dtype]]:
+def export_plan(model: nnx.Module, dtype: Any = None) -> list[tuple[str, list[tuple[int, tuple[int, ...], bool]], tuple, np.dtype]]:
     """Every HF tensor of `model`, in the order an export writes them, from shapes alone (nothing is
-    gathered): `(name, parameter leaf, indices into its stacked axes, transposed, shape, dtype)`."""
+    gathered): `(name, parts, shape, dtype)`, `parts` the `(parameter leaf, indices into its stacked axes,
+    transposed)` whose rows make the tensor, in order (one part, or several for a fused tensor such as
+    Phi-3's `qkv_proj`)."""
     leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=is_variable)[0]
-    plan: list[tuple[str, int, tuple[int, ...], bool, tuple, np.dtype]] = []
+    plan: list[tuple[str, list[tuple[int, tuple[int, ...], bool]], tuple, np.dtype]] = []
+    fused: dict[str, dict[int, tuple[int, tuple[int, ...], bool]]] = {}
 
     def walk(src, leaf: int, index: tuple[int, ...], shape: tuple[int, ...], out_dtype: np.dtype) -> None:
         if isinstance(src, tuple):
-            plan.append((src[0], leaf, index, src[1], tuple(reversed(shape)) if src[1] else shape, out_dtype))
+            hf_shape = tuple(reversed(shape)) if src[1] else shape
+            if len(src) == 3:
+                (part, sizes), name = src[2], src[0]
+                if name not in fused:
+                    fused[name] = {}
+                    plan.append((name, [], (sum(sizes), *hf_shape[1:]), out_dtype))
+                fused[name][part] = (leaf, index, src[1])
+            else:
+                plan.append((src[0], [(leaf, index, src[1])], hf_shape, out_dtype))
         else:
             for i, s in enumerate(src):
                 walk(s, leaf, (*index, i), shape[1:], out_dtype)
@@ -298,6 +333,9 @@ def export_plan(model: nnx.Module, dtype: Any = None) -> list[tuple[str, int, tu
     for leaf, (path_keys, var) in enumerate(leaves):
         value = var.get_value()
         walk(hf_sources(_names(path_keys), model.config), leaf, (), tuple(value.shape), _cast(dtype, value.dtype))
+    for name, parts, _, _ in plan:
+        if name in fused:
+            parts.extend(fused[name][i] for i in sorted(fused[name]))
     return plan
 
 
@@ -310,7 +348,8 @@ def _host_views(model: nnx.Module, plan) -> Iterator[np.ndarray]:
     from jaxloom.mesh import gather
 
     leaves = [v for _, v in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=is_variable)[0]]
-    for _, leaf, index, transposed, _, _ in plan:
+
+    def view(leaf: int, index: tuple[int, ...], transposed: bool) -> np.ndarray:
         value = leaves[leaf].get_value()
         devices = getattr(getattr(value, "sharding", None), "device_set", set())
         if len(devices) == 1 and next(iter(devices)).platform == "cpu":
@@ -321,8 +360,11 @@ def _host_views(model: nnx.Module, plan) -> Iterator[np.ndarray]:
             for i in index:
                 value = value[i]
             host = gather(value)
-        del value
-        yield host.T if transposed else host
+        return host.T if transposed else host
+
+    for _, parts, _, _ in plan:
+        host = view(*parts[0]) if len(parts) == 1 else np.concatenate([view(*p) for p in parts])
+        yield host
         del host  # written by the caller: nothing of this tensor is kept while the next is gathered
 
 
@@ -342,7 +384,7 @@ def write_hf_export(
     plan = export_plan(model, dtype)
     files: list[list[int]] = [[]]
     size = 0
-    for i, (_, _, _, _, shape, dt) in enumerate(plan):
+    for i, (_, _, shape, dt) in enumerate(plan):
         nbytes = int(np.prod(shape)) * dt.itemsize
         if files[-1] and size + nbytes > max_shard_bytes:
             files.append([])
@@ -361,7 +403,7 @@ def write_hf_export(
         return
     config = model.config.to_hf_dict()
     config["architectures"] = [type(model).__name__]
-    config["dtype"] = str(plan[0][5]) if plan else "float32"
+    config["dtype"] = str(plan[0][3]) if plan else "float32"
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     special = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
     given = {k: v for k, v in (generation or {}).items() if v is not None}
@@ -370,10 +412,10 @@ def write_hf_export(
         (path / "generation_config.json").write_text(json.dumps(fields, indent=2, sort_keys=True))
     weight_map, total = {}, 0
     for file, members in zip(names, files, strict=True):
-        entries = [(plan[i][0], plan[i][4], plan[i][5]) for i in members]
+        entries = [(plan[i][0], plan[i][2], plan[i][3]) for i in members]
         with safetensors_io.StreamWriter(path / file, entries, {"format": "pt"}) as writer:
             for i in members:
-                name, dt = plan[i][0], plan[i][5]
+                name, dt = plan[i][0], plan[i][3]
                 view = next(views)
                 writer.write(name, view, dtype=dt)  # cast and made contiguous a few MB at a time
                 total += view.size * dt.itemsize

@@ -70,14 +70,28 @@ class Embed(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, runtime: RuntimeConfig):
-        self.weight = nnx.Param(jnp.ones((dim,), runtime.param_dtype), logical_axes=("norm",))
-        self.eps, self.dtype = eps, runtime.dtype
+    """Root-mean-square norm over the last axis, computed in float32, with a learned scale per feature.
+
+    `style` is how a family applies the scale, which matters in low precision: `llama` casts the normed
+    input to the compute dtype, then multiplies by the weight (Llama, Qwen, Mistral, Phi-3); `olmo`
+    multiplies in float32, then casts (OLMo 2); `gemma` multiplies by `1 + weight` in float32, then
+    casts, with the weight stored as an offset from one (initialised to zeros, as Gemma's checkpoints
+    hold it)."""
+
+    def __init__(self, dim: int, eps: float, runtime: RuntimeConfig, style: str = "llama"):
+        if style not in ("llama", "olmo", "gemma"):
+            raise ValueError(f"RMSNorm style {style!r}; expected llama, olmo or gemma")
+        init = jnp.zeros if style == "gemma" else jnp.ones
+        self.weight = nnx.Param(init((dim,), runtime.param_dtype), logical_axes=("norm",))
+        self.eps, self.dtype, self.style = eps, runtime.dtype, style
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(self.dtype) * h.astype(self.dtype)
+        if self.style == "llama":
+            return self.weight[...].astype(self.dtype) * h.astype(self.dtype)
+        w = self.weight[...].astype(jnp.float32)
+        return (h * (1.0 + w) if self.style == "gemma" else h * w).astype(self.dtype)
 
 
 ACTIVATIONS = {
@@ -92,10 +106,17 @@ ACTIVATIONS = {
 
 
 def rope_frequencies(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int, seq_len: int | None = None
-) -> tuple[jax.Array, float]:
+    head_dim: int,
+    theta: float,
+    scaling: dict[str, Any] | None,
+    max_positions: int,
+    seq_len: int | None = None,
+    positions: jax.Array | None = None,
+) -> tuple[jax.Array, Any]:
     """`(inv_freq [head_dim/2], attention_scaling)` for the rope types transformers knows:
-    default, linear, dynamic (NTK), llama3 and yarn."""
+    default, linear, dynamic (NTK), llama3, yarn and longrope. `seq_len` is this call's length (dynamic);
+    `positions` are its token positions: longrope picks its long factors when the largest one reaches
+    past `original_max_position_embeddings`, as transformers does per forward pass."""
     exps = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
     inv = 1.0 / (theta**exps)
     if not scaling:
@@ -142,10 +163,22 @@ def rope_frequencies(
         ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - lo) / (hi - lo if hi != lo else 1e-3), 0, 1)
         extrapolation = 1 - ramp
         return (inv / factor) * (1 - extrapolation) + inv * extrapolation, float(attention)
+    if kind == "longrope":  # transformers' _compute_longrope_parameters and longrope_frequency_update
+        original = int(scaling["original_max_position_embeddings"])
+        factor = float(scaling.get("factor") or max_positions / original)
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        base = theta**exps
+        short = 1.0 / (jnp.asarray(scaling["short_factor"], jnp.float32) * base)
+        if positions is None:
+            return short, float(attention)
+        long = 1.0 / (jnp.asarray(scaling["long_factor"], jnp.float32) * base)
+        return jnp.where(jnp.max(positions) + 1 > original, long, short), float(attention)
     return inv, 1.0
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: Any = 1.0) -> jax.Array:
     """Rotate `x [B, T, N, H]` by `positions [B, T]` (the rotate-half convention of HF Llama)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
     cos = (jnp.cos(angles) * scale)[:, :, None, :]

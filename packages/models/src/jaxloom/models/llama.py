@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -11,7 +12,7 @@ from flax import nnx
 
 from .attention import Attention
 from .configs import LlamaConfig, MistralConfig, Qwen2Config
-from .layers import ACTIVATIONS, Embed, Linear, RMSNorm, constrain
+from .layers import ACTIVATIONS, Embed, Linear, RMSNorm, constrain, rope_frequencies
 from .registry import TaskType, register
 from .runtime import RuntimeConfig
 
@@ -35,13 +36,20 @@ class CausalLMOutput:
     hidden: jax.Array | None = None  # [B, T, D], what the output projection reads
 
 
+# A full-attention layer's "window" when a scanned stack mixes local and global layers (a traced value): longer
+# than any sequence, so `position distance < window` always holds.
+NO_WINDOW = 2**30
+
+
 class MLP(nnx.Module):
+    """The gated feed-forward `down(act(gate(x)) · up(x))` (SwiGLU; GeGLU with Gemma's tanh GELU)."""
+
     def __init__(self, config: LlamaConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         d, f, std, bias = config.hidden_size, config.intermediate_size, config.initializer_range, config.mlp_bias
         self.gate_proj = Linear(d, f, ("embed", "mlp"), runtime, use_bias=bias, std=std, rngs=rngs)
         self.up_proj = Linear(d, f, ("embed", "mlp"), runtime, use_bias=bias, std=std, rngs=rngs)
         self.down_proj = Linear(f, d, ("mlp", "embed"), runtime, use_bias=bias, std=std, rngs=rngs)
-        self.act, self.runtime = ACTIVATIONS[config.hidden_act], runtime
+        self.act, self.runtime = ACTIVATIONS[config.mlp_activation], runtime
 
     def __call__(self, x, token_mask=None):
         h = self.act(self.gate_proj(x)) * self.up_proj(x)
@@ -50,10 +58,20 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """Attention and feed-forward with residuals; where the norms sit is the family's `block_norms`:
+    `pre` (Llama: `input_layernorm` before attention, `post_attention_layernorm` before the MLP),
+    `sandwich` (Gemma 2/3: those two around attention, `pre_feedforward_layernorm` and
+    `post_feedforward_layernorm` around the MLP) or `post` (OLMo 2: `post_attention_layernorm` and
+    `post_feedforward_layernorm` on each branch's output only). The names are transformers'."""
+
     def __init__(self, config: LlamaConfig, runtime: RuntimeConfig, mlp_factory, *, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime)
+        norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, runtime, config.norm_style)
+        layout = self.layout = config.block_norms
+        self.input_layernorm = norm() if layout in ("pre", "sandwich") else None
         self.self_attn = Attention(config, runtime, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if layout == "sandwich" else None
+        self.post_feedforward_layernorm = norm() if layout in ("sandwich", "post") else None
         self.mlp = mlp_factory(config, runtime, rngs=rngs)
         self.runtime = runtime
 
@@ -67,12 +85,25 @@ class DecoderLayer(nnx.Module):
         cache_index=None,
         kv_positions=None,
         kv_segment_ids=None,
+        *,
+        window=None,
+        rope=None,
     ):
+        """`window` and `rope` (`(inv_freq, scale)`) are this layer's, given by the model (default: the config's)."""
+        h = x if self.input_layernorm is None else self.input_layernorm(x)
         attn, cache = self.self_attn(
-            self.input_layernorm(x), positions, segment_ids, cache, cache_index, kv_positions, kv_segment_ids
+            h, positions, segment_ids, cache, cache_index, kv_positions, kv_segment_ids, window=window, rope=rope
         )
+        if self.layout != "pre":
+            attn = self.post_attention_layernorm(attn)
         x = x + attn
-        out, aux = self.mlp(self.post_attention_layernorm(x), token_mask)
+        if self.layout == "post":
+            h = x
+        else:
+            h = (self.post_attention_layernorm if self.layout == "pre" else self.pre_feedforward_layernorm)(x)
+        out, aux = self.mlp(h, token_mask)
+        if self.post_feedforward_layernorm is not None:
+            out = self.post_feedforward_layernorm(out)
         x = constrain(x + out, ("batch", "length", "embed"), self.runtime)
         return x, aux, cache
 
@@ -95,20 +126,26 @@ class CausalLM(nnx.Module):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}")
         runtime = runtime or RuntimeConfig()
         self.config, self.runtime = config, runtime
+        self.logit_softcap = config.final_softcap  # read by the fused loss as well
         self.model = nnx.Module()
         self.model.embed_tokens = Embed(
             config.vocab_size, config.hidden_size, runtime, std=config.initializer_range, rngs=rngs
         )
-
-        def make_layer(r):
-            return DecoderLayer(config, runtime, type(self).mlp_factory, rngs=r)
-
         n = config.num_hidden_layers
-        self.scanned = runtime.scans(n)
-        self.model.layers = (
-            stack_layers(make_layer, n, rngs) if self.scanned else nnx.List([make_layer(rngs) for _ in range(n)])
-        )
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime)
+        factories = [self.mlp_factory_for(config, i) for i in range(n)]
+        uniform = len(set(factories)) == 1
+        if not uniform and runtime.scan_layers:
+            raise ValueError(
+                f"{type(self).__name__}: scan_layers=True, but this model's layers differ in structure (dense and "
+                "sparse feed-forward layers: mlp_only_layers / decoder_sparse_step), and a scan runs one layer "
+                "shape; expected scan_layers=False or None (auto: unrolled)"
+            )
+        self.scanned = runtime.scans(n) and uniform
+        if self.scanned:
+            self.model.layers = stack_layers(lambda r: DecoderLayer(config, runtime, factories[0], rngs=r), n, rngs)
+        else:
+            self.model.layers = nnx.List([DecoderLayer(config, runtime, f, rngs=rngs) for f in factories])
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime, config.norm_style)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -145,21 +182,46 @@ class CausalLM(nnx.Module):
         token_mask = segment_ids != 0
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(token_mask, axis=-1) - 1, 0)
-        x = constrain(self.model.embed_tokens(input_ids), ("batch", "length", "embed"), self.runtime)
+        c = self.config
+        x = self.model.embed_tokens(input_ids)
+        if c.embedding_multiplier is not None:  # Gemma: rounded to the weights' dtype first, as transformers does
+            x = x * jnp.asarray(c.embedding_multiplier, self.runtime.param_dtype).astype(x.dtype)
+        x = constrain(x, ("batch", "length", "embed"), self.runtime)
         decode = dict(cache_index=cache_index, kv_positions=kv_positions, kv_segment_ids=kv_segment_ids)
+        kinds = c.attention_types()
+        tables = {
+            kind: rope_frequencies(
+                c.head_dim, *c.rope_of(kind), c.max_position_embeddings, seq_len=t, positions=positions
+            )
+            for kind in dict.fromkeys(kinds)
+        }
 
-        def run(layer, x, layer_cache):
-            return layer(x, positions, segment_ids, token_mask, layer_cache, **decode)
+        def run(layer, x, layer_cache, window, rope):
+            return layer(x, positions, segment_ids, token_mask, layer_cache, **decode, window=window, rope=rope)
 
         remat = self.runtime.remat != "none" and cache is None
         if self.scanned:
-            x, aux_total, new_cache = self._scan(run, x, cache, remat)
+            if len(tables) == 1:  # one attention pattern: the window stays static (every backend takes it)
+                kind = kinds[0]
+                x, aux_total, new_cache = self._scan(
+                    functools.partial(run, window=c.window_of(kind), rope=tables[kind]), x, cache, remat, None
+                )
+            else:  # local and global layers in one scan: each layer's window and RoPE tables are scanned data
+                per_layer = (
+                    jnp.asarray([c.window_of(k) or NO_WINDOW for k in kinds], jnp.int32),
+                    (
+                        jnp.stack([tables[k][0] for k in kinds]),
+                        jnp.stack([jnp.asarray(tables[k][1], jnp.float32) for k in kinds]),
+                    ),
+                )
+                x, aux_total, new_cache = self._scan(run, x, cache, remat, per_layer)
         else:
-            if remat:
-                run = nnx.remat(run, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=True)
             aux_total, new_cache = None, []
             for i, layer in enumerate(self.model.layers):
-                x, aux, layer_cache = run(layer, x, None if cache is None else cache[i])
+                step = functools.partial(run, window=c.window_of(kinds[i]), rope=tables[kinds[i]])
+                if remat:
+                    step = nnx.remat(step, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=True)
+                x, aux, layer_cache = step(layer, x, None if cache is None else cache[i])
                 new_cache.append(layer_cache)
                 if aux is not None:
                     aux_total = aux if aux_total is None else aux_total + aux
@@ -170,36 +232,56 @@ class CausalLM(nnx.Module):
         if return_hidden:
             return CausalLMOutput(logits=None, aux_loss=aux_total, cache=new_cache, hidden=x)
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        if self.logit_softcap is not None:  # Gemma 2: cap · tanh(logits / cap)
+            logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
         logits = constrain(logits, ("batch", "length", "vocab"), self.runtime)
         return CausalLMOutput(logits=logits, aux_loss=aux_total, cache=new_cache)
 
+    @property
+    def cache_refresh_position(self) -> int | None:
+        """For LongRoPE (Phi-3 128k), `original_max_position_embeddings`: past it every key rotates with the long
+        factors, so a decoder re-runs the sequence into a fresh KV cache once when it gets there (as
+        transformers does); None for every other model."""
+        s = self.config.rope_scaling
+        return int(s["original_max_position_embeddings"]) if s and s.get("rope_type") == "longrope" else None
+
+    def mlp_factory_for(self, config: LlamaConfig, layer: int) -> Any:
+        """The feed-forward module class of decoder layer `layer` under `config` (the class's `mlp_factory`
+        for every layer; Qwen3-MoE mixes dense and sparse layers)."""
+        del config, layer
+        return type(self).mlp_factory
+
     def output_projection(self) -> tuple[jax.Array, Any, Any]:
         """`(kernel [D, V], dtype, precision)`: the output layer as `logits = hidden @ kernel` computed in
-        `dtype` at `precision` (the tied embedding, transposed, when `tie_word_embeddings`)."""
+        `dtype` at `precision` (the tied embedding, transposed, when `tie_word_embeddings`). A model whose
+        logits are soft-capped (Gemma 2) says so in `logit_softcap`."""
         if self.lm_head is None:
             e = self.model.embed_tokens
             return e.embedding[...].T, e.dtype, e.precision
         return self.lm_head.kernel[...], self.lm_head.dtype, self.lm_head.precision
 
-    def _scan(self, run, x, cache, remat: bool):
+    def _scan(self, run, x, cache, remat: bool, per_layer):
         """The stacked layers as one `lax.scan`: the body is one layer, traced and compiled once whatever
         the depth; each step slices that layer's parameters (and cache) off the leading axis. With remat,
         the body is checkpointed, so the backward keeps only each layer's input (and what the policy
         saves)."""
         graphdef, stacked = nnx.split(self.model.layers)
 
-        def layer_fn(layer_state, x, layer_cache):
-            return run(nnx.merge(graphdef, layer_state), x, layer_cache)
+        def layer_fn(layer_state, x, layer_cache, layer_data):
+            if layer_data is None:
+                return run(nnx.merge(graphdef, layer_state), x, layer_cache)
+            window, rope = layer_data
+            return run(nnx.merge(graphdef, layer_state), x, layer_cache, window, rope)
 
         if remat:  # prevent_cse is unnecessary inside scan (the loop already keeps the recomputation apart)
             layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=False)
 
         def body(x, xs):
-            layer_state, layer_cache = xs
-            x, aux, layer_cache = layer_fn(layer_state, x, layer_cache)
+            layer_state, layer_cache, layer_data = xs
+            x, aux, layer_cache = layer_fn(layer_state, x, layer_cache, layer_data)
             return x, (aux, layer_cache)
 
-        x, (aux, new_cache) = jax.lax.scan(body, x, (stacked, cache))
+        x, (aux, new_cache) = jax.lax.scan(body, x, (stacked, cache, per_layer))
         return x, None if aux is None else jnp.sum(aux), new_cache
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> Any:

@@ -38,6 +38,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     dtype=None,
     precision=None,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`(loss_sum, correct)` for `hidden [B, T, D]`, `kernel [D, V]`, `targets [B, T]` and `weight [B, T]`:
 
@@ -49,9 +50,10 @@ def linear_cross_entropy(
     The positions are taken in `blocks` blocks of `ceil(T / blocks)`, each block every `blocks`-th position
     of every row (a sharded batch or sequence axis stays sharded within a block); when `blocks` does not
     divide `T`, the rows are padded with positions of weight 0. Gradients flow to `hidden` and `kernel`
-    (not to `targets` or `weight`)."""
+    (not to `targets` or `weight`). `softcap`: the logits are `softcap · tanh(z / softcap)`, as a model
+    with soft-capped output logits (Gemma 2) computes them."""
     hidden, targets, weight, dtype = _prepare(hidden, kernel, targets, weight, blocks, dtype)
-    return _fused(hidden, kernel, targets, weight, blocks, float(z_loss), dtype, precision)
+    return _fused(hidden, kernel, targets, weight, blocks, float(z_loss), dtype, precision, _cap_value(softcap))
 
 
 def cross_entropy_gradient(
@@ -63,13 +65,14 @@ def cross_entropy_gradient(
     blocks: int = 1,
     dtype=None,
     precision=None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Zero, whose gradient is that of `linear_cross_entropy(hidden, kernel, targets, weight, blocks=,
-    dtype=, precision=)[0]`: the way to give a loss of per-sequence log-probs (computed without gradient by
-    `linear_log_probs`) its gradient, with the loss's derivative for each row put into `weight`. Computes
-    nothing unless differentiated (an evaluation pays no extra pass over the output layer)."""
+    dtype=, precision=, softcap=)[0]`: the way to give a loss of per-sequence log-probs (computed without
+    gradient by `linear_log_probs`) its gradient, with the loss's derivative for each row put into `weight`.
+    Computes nothing unless differentiated (an evaluation pays no extra pass over the output layer)."""
     hidden, targets, weight, dtype = _prepare(hidden, kernel, targets, weight, blocks, dtype)
-    return _gradient_only(hidden, kernel, targets, weight, blocks, 0.0, dtype, precision)
+    return _gradient_only(hidden, kernel, targets, weight, blocks, 0.0, dtype, precision, _cap_value(softcap))
 
 
 def linear_log_probs(
@@ -81,19 +84,21 @@ def linear_log_probs(
     blocks: int = 1,
     dtype=None,
     precision=None,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Per row, `(Σ_t weight · log p(target), Σ_t weight · mean_v z)` for `hidden [B, T, D]`, `targets` and
     `weight [B, T]`, and the logits `z = hidden @ kernel` computed in `dtype` at `precision` (as in
     `linear_cross_entropy`), in `blocks` blocks of positions: a sequence's log-probability and its summed
     vocabulary-mean logit, without holding the logits. Not differentiated (inputs are taken as constants):
     a loss of these sums gets its gradient from `cross_entropy_gradient` with the loss's per-row derivative
-    in the weights (see jaxloom.trainer's DPO)."""
+    in the weights (see jaxloom.trainer's DPO). `softcap` as in `linear_cross_entropy`."""
     hidden, kernel = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(kernel)
     hidden, targets, weight, dtype = _prepare(hidden, kernel, targets, weight, blocks, dtype)
+    softcap = _cap_value(softcap)
 
     def body(_, xs):
         h, tg, w = xs
-        logits = jnp.dot(h.astype(dtype), kernel.astype(dtype), precision=precision).astype(jnp.float32)
+        logits = _logits(h, kernel, dtype, precision, softcap)[0]
         lse = jax.nn.logsumexp(logits, axis=-1)
         target = jnp.sum(logits * jax.nn.one_hot(tg, logits.shape[-1], dtype=jnp.float32), axis=-1)
         return None, (jnp.sum(w * (target - lse), -1), jnp.sum(w * jnp.mean(logits, -1), -1))
@@ -131,9 +136,24 @@ def _join(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(x, 0, 2).reshape(b, per * blocks, *x.shape[3:])
 
 
-def _block_stats(h, kernel, targets, weight, z_loss, dtype, precision):
+def _cap_value(softcap) -> float | None:
+    return None if softcap is None else float(softcap)
+
+
+def _logits(h, kernel, dtype, precision, softcap):
+    """`(logits, d capped / d raw)` of one block, read in float32: `h @ kernel` in `dtype`, soft-capped like the
+    model's (`cap · tanh(z / cap)`, computed in `dtype` as the model does) when `softcap` is set (the derivative
+    is then `1 - tanh²`; None without a cap)."""
+    z = jnp.dot(h.astype(dtype), kernel.astype(dtype), precision=precision)
+    if softcap is None:
+        return z.astype(jnp.float32), None
+    t = jnp.tanh(z / softcap)
+    return (softcap * t).astype(jnp.float32), 1.0 - jnp.square(t.astype(jnp.float32))
+
+
+def _block_stats(h, kernel, targets, weight, z_loss, dtype, precision, softcap=None):
     """One block's logits (float32), its log-sum-exp, the targets' logits and the summed loss and hits."""
-    logits = jnp.dot(h.astype(dtype), kernel.astype(dtype), precision=precision).astype(jnp.float32)
+    logits, slope = _logits(h, kernel, dtype, precision, softcap)
     top = jnp.max(logits, axis=-1)
     shifted = jnp.exp(logits - top[..., None])
     total = jnp.sum(shifted, axis=-1)
@@ -142,14 +162,14 @@ def _block_stats(h, kernel, targets, weight, z_loss, dtype, precision):
     target_logit = jnp.sum(logits * onehot, axis=-1)
     loss = jnp.sum(weight * (lse - target_logit + z_loss * jnp.square(lse)))
     correct = jnp.sum(weight * (target_logit >= top))
-    return loss, correct, (shifted, total, lse, onehot)
+    return loss, correct, (shifted, total, lse, onehot, slope)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _fused(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _fused(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision, softcap):
     def body(_, xs):
         h, tg, w = xs
-        loss, correct, _ = _block_stats(h, kernel, tg, w, z_loss, dtype, precision)
+        loss, correct, _ = _block_stats(h, kernel, tg, w, z_loss, dtype, precision, softcap)
         return None, (loss, correct)
 
     _, (loss, correct) = jax.lax.scan(
@@ -158,15 +178,18 @@ def _fused(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision):
     return jnp.sum(loss), jnp.sum(correct)
 
 
-def _fused_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision):
+def _fused_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision, softcap):
     k = kernel.astype(dtype)
 
     def body(d_kernel, xs):
         h, tg, w = xs
-        loss, correct, (shifted, total, lse, onehot) = _block_stats(h, kernel, tg, w, z_loss, dtype, precision)
-        # d loss / d logits = weight · (softmax · (1 + 2 z_loss · lse) − onehot)
+        loss, correct, (shifted, total, lse, onehot, slope) = _block_stats(
+            h, kernel, tg, w, z_loss, dtype, precision, softcap
+        )
+        # d loss / d logits = weight · (softmax · (1 + 2 z_loss · lse) − onehot)  (· 1 − tanh² when capped)
         scale = (1.0 + 2.0 * z_loss * lse) / total
-        d_logits = (w[..., None] * (shifted * scale[..., None] - onehot)).astype(dtype)
+        d_logits = w[..., None] * (shifted * scale[..., None] - onehot)
+        d_logits = (d_logits if slope is None else d_logits * slope).astype(dtype)
         d_h = jnp.dot(d_logits, k.T, precision=precision, preferred_element_type=jnp.float32)
         d_k = jnp.einsum(
             "btd,btv->dv", h.astype(dtype), d_logits, precision=precision, preferred_element_type=jnp.float32
@@ -179,7 +202,7 @@ def _fused_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision
     return (jnp.sum(loss), jnp.sum(correct)), residuals
 
 
-def _fused_bwd(blocks, z_loss, dtype, precision, residuals, cotangents):
+def _fused_bwd(blocks, z_loss, dtype, precision, softcap, residuals, cotangents):
     d_h, d_kernel = residuals
     g = cotangents[0]  # `correct` is not differentiated
     return (g * d_h).astype(d_h.dtype), (g * d_kernel).astype(d_kernel.dtype), None, None
@@ -188,18 +211,18 @@ def _fused_bwd(blocks, z_loss, dtype, precision, residuals, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _gradient_only(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _gradient_only(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision, softcap):
     return jnp.zeros((), jnp.float32)
 
 
-def _gradient_only_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision):
-    _, residuals = _fused_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision)
+def _gradient_only_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision, softcap):
+    _, residuals = _fused_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision, softcap)
     return jnp.zeros((), jnp.float32), residuals
 
 
-def _gradient_only_bwd(blocks, z_loss, dtype, precision, residuals, g):
-    return _fused_bwd(blocks, z_loss, dtype, precision, residuals, (g, None))
+def _gradient_only_bwd(blocks, z_loss, dtype, precision, softcap, residuals, g):
+    return _fused_bwd(blocks, z_loss, dtype, precision, softcap, residuals, (g, None))
 
 
 _gradient_only.defvjp(_gradient_only_fwd, _gradient_only_bwd)

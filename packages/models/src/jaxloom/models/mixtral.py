@@ -99,7 +99,7 @@ def grouped_matmul(
 
 
 class SparseMoE(nnx.Module):
-    """Top-k routing (softmax, top-k, renormalised weights) over `E` experts stored stacked
+    """Top-k routing (softmax, top-k, weights renormalised when `config.normalize_top_k`) over `E` experts stored stacked
     `[E, ...]` and sharded on the `expert` logical axis (→ `ep`).
 
     Dropless token dispatch: the `N·k` (token, expert) pairs are sorted by expert, each expert's rows
@@ -114,7 +114,8 @@ class SparseMoE(nnx.Module):
     """
 
     def __init__(self, config: MixtralConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
-        e, d, f, std = config.num_local_experts, config.hidden_size, config.intermediate_size, config.initializer_range
+        e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
+        std = config.initializer_range
         init = jax.nn.initializers.normal(std)
         self.gate = Linear(d, e, ("embed", None), runtime, std=std, rngs=rngs)
 
@@ -124,14 +125,15 @@ class SparseMoE(nnx.Module):
         self.w_gate = param((e, d, f), ("expert", "embed", "mlp"))
         self.w_up = param((e, d, f), ("expert", "embed", "mlp"))
         self.w_down = param((e, f, d), ("expert", "mlp", "embed"))
-        self.k, self.e = config.num_experts_per_tok, e
-        self.act, self.runtime = ACTIVATIONS[config.hidden_act], runtime
+        self.k, self.e, self.normalize = config.num_experts_per_tok, e, config.normalize_top_k
+        self.act, self.runtime = ACTIVATIONS[config.mlp_activation], runtime
 
     def __call__(self, x, token_mask=None):
         dtype = self.runtime.dtype
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)  # [B, T, E]
         top_w, top_i = jax.lax.top_k(probs, self.k)  # [B, T, k]
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        if self.normalize:  # Mixtral always; Qwen3-MoE with norm_topk_prob
+            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
         chosen = jax.nn.one_hot(top_i, self.e, dtype=jnp.float32)  # [B, T, k, E]
         impl = resolve_moe_implementation(self.runtime.moe_implementation)
         w_gate, w_up, w_down = (w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))

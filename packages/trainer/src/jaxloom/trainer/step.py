@@ -69,7 +69,7 @@ def token_loss(state: TrainState, params, batch, cfg: StepConfig):
 class FusedHead(NamedTuple):
     """What a fused output layer and loss read: the final `hidden [B, T, D]`, the output `kernel [D, V]`,
     `targets` and `weight [B, T]` (position t predicts `targets[:, t]`; the last position has weight 0),
-    and the `blocks`, `dtype` and `precision` to compute the logits with."""
+    and the `blocks`, `dtype`, `precision` and `softcap` to compute the logits with."""
 
     hidden: jax.Array
     kernel: jax.Array
@@ -78,10 +78,12 @@ class FusedHead(NamedTuple):
     blocks: int
     dtype: Any
     precision: Any
+    softcap: float | None = None
 
     def settings(self) -> dict[str, Any]:
-        """`blocks`, `dtype` and `precision` as keywords of `jaxloom.models.linear_cross_entropy` & co."""
-        return {"blocks": self.blocks, "dtype": self.dtype, "precision": self.precision}
+        """`blocks`, `dtype`, `precision` and the logits' `softcap` (Gemma 2) as keywords of
+        `jaxloom.models.linear_cross_entropy` & co."""
+        return {"blocks": self.blocks, "dtype": self.dtype, "precision": self.precision, "softcap": self.softcap}
 
 
 def forward_for_loss(model, ids, weight, *, positions, segment_ids, block_size: int, data_shards: int):
@@ -100,7 +102,14 @@ def forward_for_loss(model, ids, weight, *, positions, segment_ids, block_size: 
     last = ((0, 0), (0, 1))  # the last position predicts nothing
     blocks = block_count(max(1, b // data_shards), t, block_size)
     return out, FusedHead(
-        out.hidden, kernel, jnp.pad(ids[:, 1:], last), jnp.pad(weight, last), blocks, dtype, precision
+        out.hidden,
+        kernel,
+        jnp.pad(ids[:, 1:], last),
+        jnp.pad(weight, last),
+        blocks,
+        dtype,
+        precision,
+        getattr(model, "logit_softcap", None),
     )
 
 
