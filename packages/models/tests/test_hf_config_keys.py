@@ -27,18 +27,20 @@ def test_keys_transformers_ignores_are_accepted():
         jm.config_from_hf_dict({"model_type": "llama", **BASE, "num_hiden_layers": 2})
 
 
-def test_qwen2_windows_follow_max_window_layers_or_are_refused():
-    """transformers windows Qwen2's layers from max_window_layers on: all of them, none, or a mix (refused)."""
+def test_qwen2_windows_follow_max_window_layers_and_layer_types():
+    """transformers windows Qwen2's layers from max_window_layers on (or those layer_types marks): all of them,
+    none, or a mix (each layer its own window; the parity test runs a mix against transformers)."""
     on = {"model_type": "qwen2", **BASE, "use_sliding_window": True, "sliding_window": 4}
-    assert jm.config_from_hf_dict({**on, "max_window_layers": 0}).sliding_window == 4
-    assert jm.config_from_hf_dict({**on, "max_window_layers": 2}).sliding_window is None  # no layer reaches it
-    assert jm.config_from_hf_dict({**on, "use_sliding_window": False}).sliding_window is None
-    with pytest.raises(ValueError, match="max_window_layers = 1"):
-        jm.config_from_hf_dict({**on, "max_window_layers": 1})
-    kinds = ["full_attention", "sliding_attention"]
-    with pytest.raises(ValueError, match="layer"):
-        jm.config_from_hf_dict({**on, "layer_types": kinds})
-    assert jm.config_from_hf_dict({**on, "layer_types": ["sliding_attention"] * 2}).sliding_window == 4
+    full, local = "full_attention", "sliding_attention"
+    assert jm.config_from_hf_dict({**on, "max_window_layers": 0}).attention_types() == (local, local)
+    assert jm.config_from_hf_dict({**on, "max_window_layers": 2}).attention_types() == (full, full)
+    assert jm.config_from_hf_dict({**on, "max_window_layers": 1}).attention_types() == (full, local)
+    off = jm.config_from_hf_dict({**on, "use_sliding_window": False, "layer_types": [local, local]})
+    assert off.sliding_window is None and off.window_of(local) is None  # as transformers: no window at all
+    mixed = jm.config_from_hf_dict({**on, "layer_types": [local, full]})
+    assert [mixed.window_of(k) for k in mixed.attention_types()] == [4, None]
+    with pytest.raises(ValueError, match="one per layer"):
+        jm.config_from_hf_dict({**on, "layer_types": [local]})
 
 
 def test_rope_scaling_keys_take_effect_or_are_refused():

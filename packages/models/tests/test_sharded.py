@@ -104,3 +104,79 @@ def test_every_remat_policy_gives_the_same_grads(config):
     for policy, leaves in grads.items():
         for a, b in zip(leaves, grads["none"], strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7, err_msg=policy)
+
+
+FAMILIES = {
+    "qwen3": jm.Qwen3Config(**TINY, head_dim=24),
+    "qwen3_moe_mixed": jm.Qwen3MoeConfig(
+        **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,)
+    ),
+    "qwen3_moe": jm.Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "gemma2": jm.Gemma2Config(
+        **TINY,
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=20,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=0.5,
+    ),
+    "gemma3": jm.Gemma3TextConfig(**TINY, head_dim=16, sliding_window=4, sliding_window_pattern=2),
+    "phi3": jm.Phi3Config(
+        **TINY,
+        sliding_window=6,
+        rope_scaling=dict(
+            rope_type="longrope",
+            short_factor=[1.0] * 8,
+            long_factor=[3.0] * 8,
+            original_max_position_embeddings=8,
+        ),
+    ),
+    "olmo2": jm.Olmo2Config(**TINY),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_training_steps_on_fsdp_tp_equal_one_device(family):
+    """Three SGD steps of each family (scanned where its layers share a structure, so local and global layers
+    run as one scan with per-layer windows and RoPE as data; chunked attention with remat) on fsdp × tp
+    (× ep for the MoE) give the losses and weights of one device."""
+    config = FAMILIES[family]
+    runtime = jm.RuntimeConfig(scan_layers=True, attn_mechanism="chunked", attn_block_size=4, remat="dots_saveable")
+    if family == "qwen3_moe_mixed":
+        runtime = runtime.replace(scan_layers=None)
+    ids, mask = inputs(8, 16)
+    tx = optax.sgd(1.0)  # linear in the gradients: Adam would amplify float noise where a gradient is ~0
+
+    def train(mesh):
+        model = jm.create_model(config, runtime, seed=5, mesh=mesh)
+        graphdef, params = nnx.split(model, nnx.Param)
+        opt = tx.init(params)
+
+        @jax.jit
+        def step(params, opt):
+            def loss(p):
+                out = nnx.merge(graphdef, p)(ids, attention_mask=mask)
+                ce = optax.softmax_cross_entropy_with_integer_labels(out.logits[:, :-1], ids[:, 1:])
+                total = jnp.sum(ce * mask[:, 1:]) / mask[:, 1:].sum()
+                return total + (0.01 * out.aux_loss if out.aux_loss is not None else 0.0)
+
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, opt = tx.update(grads, opt, params)
+            return optax.apply_updates(params, updates), opt, value
+
+        losses = []
+        for _ in range(3):
+            params, opt, value = step(params, opt)
+            losses.append(float(gather(value)))
+        return losses, [np.asarray(gather(x)) for x in jax.tree_util.tree_leaves(params)], model
+
+    ref_losses, ref_params, model = train(None)
+    assert model.scanned == (family != "qwen3_moe_mixed")
+    axes = dict(ep=2, fsdp=2, tp=2) if "moe" in family else dict(fsdp=4, tp=2)
+    mesh = MeshConfig.from_axes(**axes).build()
+    with jax.set_mesh(mesh):
+        losses, params, _ = train(mesh)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert ref_losses[-1] < ref_losses[0]
+    for a, b in zip(params, ref_params, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)

@@ -199,13 +199,14 @@ class CausalLM(nnx.Module):
         def run(layer, x, layer_cache, window, rope):
             return layer(x, positions, segment_ids, token_mask, layer_cache, **decode, window=window, rope=rope)
 
+        def with_pattern(kind):  # a layer's static window and its RoPE tables bound (remat takes positional args)
+            window, rope = c.window_of(kind), tables[kind]
+            return lambda layer, x, layer_cache: run(layer, x, layer_cache, window, rope)
+
         remat = self.runtime.remat != "none" and cache is None
         if self.scanned:
             if len(tables) == 1:  # one attention pattern: the window stays static (every backend takes it)
-                kind = kinds[0]
-                x, aux_total, new_cache = self._scan(
-                    functools.partial(run, window=c.window_of(kind), rope=tables[kind]), x, cache, remat, None
-                )
+                x, aux_total, new_cache = self._scan(with_pattern(kinds[0]), x, cache, remat, None)
             else:  # local and global layers in one scan: each layer's window and RoPE tables are scanned data
                 per_layer = (
                     jnp.asarray([c.window_of(k) or NO_WINDOW for k in kinds], jnp.int32),
@@ -218,7 +219,7 @@ class CausalLM(nnx.Module):
         else:
             aux_total, new_cache = None, []
             for i, layer in enumerate(self.model.layers):
-                step = functools.partial(run, window=c.window_of(kinds[i]), rope=tables[kinds[i]])
+                step = with_pattern(kinds[i])
                 if remat:
                     step = nnx.remat(step, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=True)
                 x, aux, layer_cache = step(layer, x, None if cache is None else cache[i])
