@@ -253,6 +253,8 @@ def main() -> None:
     results["scale"] = run_process([str(HERE / "model_scale.py")], {"JAX_PLATFORMS": "cpu"})
     # Expert parallelism on 8 devices: what a Mixtral step moves and holds, ep=8 vs fsdp=8, E=8 and 32
     results["moe_parallel"] = run_process([str(HERE / "moe_parallel.py")], eight)
+    # Each model family's training step at about Llama's parameter count, in tokens/s relative to Llama's
+    results["families"] = run_process([str(HERE / "family_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # The gang: 2 Ray workers (2 JAX processes) vs 1 process on the same 2-device mesh; driver CPU
     results["ray_gang"] = run_process([str(HERE / "ray_gang.py")], {"XLA_FLAGS": ""})
     # Data at scale: peak RSS and wall of `jaxloom train` on a small and a big JSONL, streamed and from a store
@@ -366,6 +368,20 @@ def moe_parallel_rows(m: dict) -> list[tuple[str, str, str, str]]:
             f"{ep['32']['step_s'] / fsdp['32']['step_s']:.2f}",
             "",
         ),
+    ]
+
+
+def family_rows(f: dict) -> list[tuple[str, str, str, str]]:
+    llama = f["llama"]["tokens_per_second"]
+    return [
+        (
+            f"{name} train step tokens/s ({r['params'] / 1e6:.2f}M params) vs llama ({f['llama']['params'] / 1e6:.2f}M)",
+            f"{r['tokens_per_second']:,.0f} vs {llama:,.0f}",
+            f"{r['tokens_per_second'] / llama:.2f}",
+            "",
+        )
+        for name, r in f.items()
+        if name != "llama"
     ]
 
 
@@ -508,6 +524,7 @@ def table(r: dict) -> str:
     )
     rows.extend(scale_rows(r["scale"]))
     rows.extend(moe_parallel_rows(r["moe_parallel"]))
+    rows.extend(family_rows(r["families"]))
     rows.extend(data_rows(r["data_scale"], r["train_cpu"]["trainer"]["tokens_per_second"]))
     rows.extend(dpo_rows(r["dpo"]))
     g = r["ray_gang"]

@@ -52,6 +52,43 @@ def test_chunked_equals_xla(window, block):
         np.testing.assert_allclose(g, r, atol=5e-6)
 
 
+@pytest.mark.parametrize("block", [8, 13])
+def test_chunked_equals_xla_with_softcap_and_a_traced_window(block):
+    """Gemma's pieces in the blockwise backend: soft-capped logits (values and the `1 - tanh²` backward) and a
+    window that is a traced value (a scanned stack of local and global layers), against the reference."""
+    batch = packed_batch()
+    ref_out, ref_grads = run("xla", *batch, window=7, softcap=0.3)
+    plain_out, _ = run("xla", *batch, window=7)
+    assert np.abs(ref_out - plain_out).max() > 1e-3  # the cap binds at this scale
+
+    q, k, v, seg, pos = batch
+    real = np.asarray(seg != 0)[:, :, None, None]
+
+    @jax.jit
+    def traced(q, k, v, window):  # the window is an argument of the compiled function: a tracer inside
+        def fn(q, k, v):
+            return attend(
+                q,
+                k,
+                v,
+                q_segment_ids=seg,
+                q_positions=pos,
+                window=window,
+                softcap=0.3,
+                implementation="chunked",
+                block_size=block,
+            )
+
+        loss = lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * real)  # noqa: E731
+        return fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    out, grads = traced(q, k, v, jnp.int32(7))
+    out = np.asarray(out) * real
+    np.testing.assert_allclose(out, ref_out, atol=2e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, atol=5e-6)
+
+
 def test_flash_kernel_equals_xla_in_interpret_mode():
     """JAX's Pallas flash kernel (the GPU backend), run by Pallas' interpreter on CPU: same values and
     gradients as the reference on packed documents with padding (GQA heads repeated)."""
@@ -77,6 +114,15 @@ def test_explicit_kernels_that_cannot_run_are_errors_never_fallbacks():
         choose_implementation("cudnn", q_len=128, kv_len=128, cached=False, window=None)
     with pytest.raises(AttentionUnavailableError, match="no sliding window"):
         choose_implementation("flash", q_len=128, kv_len=128, cached=False, window=64, platform="gpu")
+    with pytest.raises(AttentionUnavailableError, match="no sliding window"):  # the TPU kernel has none either
+        choose_implementation("flash", q_len=128, kv_len=128, cached=False, window=64, platform="tpu")
+    for kernel in ("flash", "cudnn"):
+        with pytest.raises(AttentionUnavailableError, match="soft-capping .* use 'chunked'"):
+            choose_implementation(
+                kernel, q_len=128, kv_len=128, cached=False, window=None, platform="gpu", softcap=50.0
+            )
+        with pytest.raises(AttentionUnavailableError, match="layers differ .* scan_layers=False"):
+            choose_implementation(kernel, q_len=128, kv_len=128, cached=False, window=jnp.int32(4), platform="gpu")
     # and through a model: the forward raises instead of running another backend
     model = jm.create_model(
         jm.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
@@ -94,6 +140,11 @@ def test_auto_choice_by_platform_and_length():
     assert choose_implementation("auto", q_len=2048, kv_len=2048, cached=False, window=None, platform="gpu") == "flash"
     assert choose_implementation("auto", q_len=2048, kv_len=2048, cached=False, window=512, platform="gpu") == "chunked"
     assert choose_implementation("auto", q_len=2048, kv_len=2048, cached=False, window=None, platform="tpu") == "flash"
+    assert choose_implementation("auto", q_len=2048, kv_len=2048, cached=False, window=512, platform="tpu") == "chunked"
+    auto_capped = choose_implementation(
+        "auto", q_len=2048, kv_len=2048, cached=False, window=None, platform="gpu", softcap=50.0
+    )
+    assert auto_capped == "chunked"
     # KV-cache calls (T != S) take xla or chunked even when a fused kernel was asked for
     assert choose_implementation("flash", q_len=1, kv_len=4096, cached=True, window=None, platform="gpu") == "xla"
     assert jm.RuntimeConfig(attn_mechanism="vanilla").attn_mechanism == "xla"  # the earlier names still load

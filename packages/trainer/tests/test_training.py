@@ -319,6 +319,37 @@ def test_fused_loss_blocks_train_as_the_whole_logits_do_without_holding_them(tmp
     assert runs["whole"][0] - runs["blocks"][0] > logits_per_device, (runs["whole"][0], runs["blocks"][0])
 
 
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])
+def test_new_families_train_fused_as_with_whole_logits(tmp_path, family):
+    """Gemma 2 (output logits soft-capped: the fused loss caps its blocks the same way) and Qwen3-MoE (raw top-k
+    router weights, a dense layer among sparse ones, its router_aux_loss_coef) train through the Trainer on
+    fsdp x tp: the fused loss gives the curve and weights of the whole logits."""
+    base = dict(
+        vocab_size=len(util.TOK),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    if family == "gemma2":
+        config = jm.Gemma2Config(**base, head_dim=8, sliding_window=8, final_logit_softcapping=0.5)
+    else:
+        config = jm.Qwen3MoeConfig(
+            **base, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,)
+        )
+    runs = {}
+    for name, size in (("whole", 0), ("blocks", 8)):
+        t = trainer(tmp_path / name, config, mesh_=mesh(8, fsdp=4, tp=2), max_training_steps=3, loss_block_size=size)
+        runs[name] = t.train()
+    whole, blocks = losses(tmp_path / "whole"), losses(tmp_path / "blocks")
+    np.testing.assert_allclose(whole, blocks, rtol=1e-5)
+    assert whole[-1] < whole[0]
+    pw, pb = params_of(runs["whole"].state), params_of(runs["blocks"].state)
+    for k in pw:
+        np.testing.assert_allclose(pw[k], pb[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
 def test_expert_parallel_mixtral_trains_as_fully_sharded_with_its_tokens_moving(tmp_path):
     """A Mixtral whose batch rows are split over `ep` too (`partition_axis.batch_axis=("fsdp", "dp", "ep")`):
     the loaders lay the rows out over fsdp × ep, each device keeps 2 of the 8 experts and the tokens travel

@@ -433,8 +433,10 @@ def _check_rope_scaling(owner: str, scaling: Mapping[str, Any], head_dim: int) -
         raise ValueError(f"{owner}: rope_scaling of rope_type {kind!r} needs {missing} (it has {sorted(given)})")
     for key in given & _ROPE_LIST_KEYS:
         value = scaling[key]
-        if not isinstance(value, list | tuple) or len(value) != head_dim // 2 or not all(
-            isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in value
+        if (
+            not isinstance(value, list | tuple)
+            or len(value) != head_dim // 2
+            or not all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in value)
         ):
             raise ValueError(
                 f"{owner}: rope_scaling {key} = {str(value)[:60]}; expected {head_dim // 2} positive numbers "

@@ -26,7 +26,13 @@ from .runtime import RuntimeConfig
 _EXPERT_LEAVES = ("w_gate", "w_down", "w_up")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 # Phi-3's fused checkpoint tensors: our module → (HF module, position among the parts fused along the output axis)
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 def _names(path) -> list[str]:
@@ -306,7 +312,9 @@ def _cast(dtype: Any, have: np.dtype) -> np.dtype:
     return np.dtype(have)
 
 
-def export_plan(model: nnx.Module, dtype: Any = None) -> list[tuple[str, list[tuple[int, tuple[int, ...], bool]], tuple, np.dtype]]:
+def export_plan(
+    model: nnx.Module, dtype: Any = None
+) -> list[tuple[str, list[tuple[int, tuple[int, ...], bool]], tuple, np.dtype]]:
     """Every HF tensor of `model`, in the order an export writes them, from shapes alone (nothing is
     gathered): `(name, parts, shape, dtype)`, `parts` the `(parameter leaf, indices into its stacked axes,
     transposed)` whose rows make the tensor, in order (one part, or several for a fused tensor such as
