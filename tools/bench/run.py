@@ -375,7 +375,8 @@ def family_rows(f: dict) -> list[tuple[str, str, str, str]]:
     llama = f["llama"]["tokens_per_second"]
     return [
         (
-            f"{name} train step tokens/s ({r['params'] / 1e6:.2f}M params) vs llama ({f['llama']['params'] / 1e6:.2f}M)",
+            f"{name} train step tokens/s ({r['params'] / 1e6:.2f}M params) vs llama "
+            f"({f['llama']['params'] / 1e6:.2f}M)",
             f"{r['tokens_per_second']:,.0f} vs {llama:,.0f}",
             f"{r['tokens_per_second'] / llama:.2f}",
             "",

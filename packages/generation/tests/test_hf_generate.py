@@ -36,16 +36,32 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path):
     np.testing.assert_array_equal(np.asarray(out.completion_ids), ref[:, 7:].numpy())
 
 
-def _model_families():
-    """The tiny families of jaxloom-models' parity tests (its tests/hf_util.py: one place defines them)."""
+def _sibling(part: str, name: str):
+    """A test helper of another part (`packages/PART/tests/NAME.py`), so the families and chat formats are
+    defined in one place."""
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[2] / "models" / "tests" / "hf_util.py"
-    spec = importlib.util.spec_from_file_location("models_hf_util", path)
+    path = pathlib.Path(__file__).parents[2] / part / "tests" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{part}_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _model_families():
+    """The tiny families of jaxloom-models' parity tests (its tests/hf_util.py)."""
+    return _sibling("models", "hf_util")
+
+
+@pytest.mark.parametrize("style", ["gemma", "chatml", "qwen3"])
+def test_the_family_chat_formats_stop_at_their_end_of_turn_token(style):
+    """Gemma's `<end_of_turn>`, ChatML's and Qwen3's `<|im_end|>`: what a chat reply ends with, so generation
+    with the template stops there (not only at EOS)."""
+    styles = _sibling("data", "chat_styles")
+    tok = styles.chat_tokenizer(style)
+    eot = tok.convert_tokens_to_ids(styles.END_OF_TURN[style])
+    assert jg.end_of_turn_ids(tok) == (eot,) and eot != tok.eos_token_id
 
 
 FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "qwen2_mixed_window"]

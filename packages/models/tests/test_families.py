@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxloom.models as jm  # noqa: E402
-from hf_util import FAMILIES, batch, hf_logits, make_hf  # noqa: E402
+from hf_util import batch, hf_logits, make_hf  # noqa: E402
 
 # The 12-token batch crosses every window (4 or 6), passes Phi-3's original length (8), and its soft-caps bind.
 NEW = ["qwen2_mixed_window", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "mistral"]

@@ -42,7 +42,7 @@ def pairs(form: str) -> list[dict]:
 def hf_llama(seed: int, directory):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=len(TOK),
+        vocab_size=len(TOK) + 8,  # room for the turn tokens of the family chat formats
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -64,7 +64,7 @@ def models(tmp_path_factory):
     return (root / "A", hf_llama(0, root / "A")), (root / "B", hf_llama(1, root / "B"))
 
 
-def trl_step_one(policy, ref, records, loss_type, tmp_path) -> dict[str, float]:
+def trl_step_one(policy, ref, records, loss_type, tmp_path, tok=TOK) -> dict[str, float]:
     from datasets import Dataset
 
     args = trl.DPOConfig(
@@ -82,7 +82,7 @@ def trl_step_one(policy, ref, records, loss_type, tmp_path) -> dict[str, float]:
         seed=0,
     )
     trainer = trl.DPOTrainer(
-        model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(records), processing_class=TOK
+        model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(records), processing_class=tok
     )
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     trainer.model.train()
@@ -92,7 +92,7 @@ def trl_step_one(policy, ref, records, loss_type, tmp_path) -> dict[str, float]:
     return {"loss": loss, **logged}
 
 
-def jaxloom_step_one(policy_dir, ref_dir, records, loss_type, tmp_path) -> dict[str, float]:
+def jaxloom_step_one(policy_dir, ref_dir, records, loss_type, tmp_path, tok=TOK) -> dict[str, float]:
     args = DPOConfig(
         max_length=64,
         beta=0.1,
@@ -110,7 +110,7 @@ def jaxloom_step_one(policy_dir, ref_dir, records, loss_type, tmp_path) -> dict[
         model=jm.from_pretrained(str(policy_dir)),
         ref_model=str(ref_dir),
         dataset_train=records,
-        processing_class=TOK,
+        processing_class=tok,
         mesh=mesh(1),
     )
     trainer.train()
@@ -120,14 +120,28 @@ def jaxloom_step_one(policy_dir, ref_dir, records, loss_type, tmp_path) -> dict[
 
 
 CASES = [(loss, form) for loss in ("sigmoid", "ipo", "hinge") for form in ("text", "chat")] + [("sigmoid", "implicit")]
+CASES += [("sigmoid", "chat-gemma"), ("sigmoid", "chat-qwen3")]  # the families' chat formats (Gemma's, Qwen3's)
+
+
+def chat_tokenizer(style: str):
+    """jaxloom-data's test tokenizers in a family's chat format (its tests/chat_styles.py: one place)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "data" / "tests" / "chat_styles.py"
+    spec = importlib.util.spec_from_file_location("data_chat_styles", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.chat_tokenizer(style)
 
 
 @pytest.mark.parametrize("loss_type,form", CASES, ids=[f"{loss}-{form}" for loss, form in CASES])
 def test_step_one_equals_trl(models, loss_type, form, tmp_path):
     (a_dir, a), (b_dir, b) = models
-    records = pairs(form)
-    theirs = trl_step_one(a, b, records, loss_type, tmp_path)
-    ours = jaxloom_step_one(a_dir, b_dir, records, loss_type, tmp_path)
+    tok = chat_tokenizer(form.split("-")[1]) if "-" in form else TOK
+    records = pairs(form.split("-")[0])
+    theirs = trl_step_one(a, b, records, loss_type, tmp_path, tok)
+    ours = jaxloom_step_one(a_dir, b_dir, records, loss_type, tmp_path, tok)
     keys = ["loss", "rewards/margins", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"]
     keys += ["rewards/accuracies", "logits/chosen", "logits/rejected"]
     print({k: (ours[k], theirs[k]) for k in keys})

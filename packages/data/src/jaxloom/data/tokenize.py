@@ -62,7 +62,15 @@ def _pretokenized(record: dict[str, Any], vocab: int) -> tuple[np.ndarray, np.nd
 
 
 def _chat(messages: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """Render the chat template turn by turn; tokens added by an assistant turn are targets."""
+    """The conversation rendered once by the chat template (the tokens the model reads at inference, as TRL
+    tokenizes it); the targets are each assistant turn's characters after its role header (what
+    `add_generation_prompt` adds), through the end of the turn (the end-of-turn token: where generation stops).
+
+    A turn's characters come from rendering the conversation up to it: exact for templates that render a prefix
+    of the conversation as a prefix of the whole (Llama 3, ChatML, Gemma, Phi-3). Templates that render earlier
+    turns differently once a later one follows (Qwen3 drops the empty `<think>` block of every assistant turn
+    but the last) are located by the turn's content in the whole render instead, with the template's
+    end-of-turn token after it. Tokens are mapped to characters by the tokenizer's offsets."""
     if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
     if not any(m["role"] == "assistant" for m in messages):  # it would train on nothing: loss 0, silently
@@ -70,29 +78,47 @@ def _chat(messages: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(
             f"messages with roles {roles} have no 'assistant' turn; expected at least one (its tokens are the targets)"
         )
-    ids: list[int] = []
-    mask: list[int] = []
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans, cursor = [], 0
     for i, m in enumerate(messages):
-        text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        full = tokenizer.encode(text, add_special_tokens=False)
-        if full[: len(ids)] != ids:  # template not prefix-stable: fall back to whole-turn diff by length
-            full = ids + full[len(ids) :]
-        new = full[len(ids) :]
-        header = 0
-        if m["role"] == "assistant":  # the role header is prompt: what add_generation_prompt would add
-            prompt = (
-                tokenizer.encode(
-                    tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True),
-                    add_special_tokens=False,
-                )
-                if i
-                else []
+        if m["role"] != "assistant":
+            continue
+        head = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        turn = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if text.startswith(turn) and turn.startswith(head) and len(head) >= cursor:
+            spans.append((len(head), len(turn)))
+            cursor = len(turn)
+            continue
+        content = str(m["content"]).strip()
+        at = text.find(content, cursor)
+        if not content or at < 0:
+            raise ValueError(
+                f"the chat template of {type(tokenizer).__name__} renders assistant turn {i} so that its content "
+                f"{content[:60]!r} cannot be found in the conversation; expected the content as written"
             )
-            if prompt[: len(ids)] == ids:
-                header = min(len(prompt) - len(ids), len(new))
-        ids += new
-        mask += [0] * header + [1 if m["role"] == "assistant" else 0] * (len(new) - header)
-    return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+        stop = at + len(content)
+        after = text[stop:]
+        gap = len(after) - len(after.lstrip(" \n"))
+        marker = next((t for t in _special_tokens(tokenizer) if after[gap:].startswith(t)), None)
+        if marker is not None:  # the end-of-turn token right after the content: a target (generation stops there)
+            stop += gap + len(marker)
+        spans.append((at, stop))
+        cursor = stop
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(encoded["input_ids"], np.int32)
+    mask = np.zeros(len(ids), np.int32)
+    for t, (a, b) in enumerate(encoded["offset_mapping"]):
+        mask[t] = any(a < e and b > s0 for s0, e in spans) or (a == b and any(s0 <= a < e for s0, e in spans))
+    return ids, mask
+
+
+def _special_tokens(tokenizer) -> list[str]:
+    """The tokenizer's special tokens' texts, longest first (`<|im_end|>`, `<end_of_turn>`, `</s>`, ...)."""
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    special |= {
+        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)
+    }
+    return sorted((t for t in special if t), key=len, reverse=True)
 
 
 # ---- preference pairs -------------------------------------------------------------------------------------

@@ -376,8 +376,8 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         else:
             q_dim, k_dim = (h, h) if self.qk_norm == "head" else (n * h, kv * h)
-            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, runtime, config.norm_style)
-            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, runtime, config.norm_style)
+            self.q_norm = RMSNorm(q_dim or 0, config.rms_norm_eps, runtime, config.norm_style)
+            self.k_norm = RMSNorm(k_dim or 0, config.rms_norm_eps, runtime, config.norm_style)
         self.n, self.kv, self.h = n, kv, h
         self.config, self.runtime = config, runtime
 

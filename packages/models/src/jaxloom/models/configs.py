@@ -184,7 +184,7 @@ class LlamaConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise ValueError(f"{type(self).__name__}.{name} = {value!r}; expected a positive finite number")
         if self.rope_scaling is not None:
-            _check_rope_scaling(type(self).__name__, self.rope_scaling, self.head_dim)
+            _check_rope_scaling(type(self).__name__, self.rope_scaling, self.head_dim or 0)
         for kind in dict.fromkeys(self.attention_types()):
             if kind not in ("full_attention", "sliding_attention"):
                 raise ValueError(

@@ -92,7 +92,8 @@ class Gemma2Config(LlamaConfig):
 
     @classmethod
     def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Bidirectional attention (EmbeddingGemma) is refused: jaxloom's causal LMs attend causally."""
+        """`data` (a `config.json` dict) with bidirectional attention (EmbeddingGemma) refused: jaxloom's causal
+        LMs attend causally."""
         if data.pop("use_bidirectional_attention", None):
             raise ValueError(
                 f"{cls.__name__}: use_bidirectional_attention = true (an encoder); jaxloom's causal LMs attend "

@@ -191,7 +191,7 @@ class CausalLM(nnx.Module):
         kinds = c.attention_types()
         tables = {
             kind: rope_frequencies(
-                c.head_dim, *c.rope_of(kind), c.max_position_embeddings, seq_len=t, positions=positions
+                c.head_dim or 0, *c.rope_of(kind), c.max_position_embeddings, seq_len=t, positions=positions
             )
             for kind in dict.fromkeys(kinds)
         }

@@ -99,8 +99,8 @@ def grouped_matmul(
 
 
 class SparseMoE(nnx.Module):
-    """Top-k routing (softmax, top-k, weights renormalised when `config.normalize_top_k`) over `E` experts stored stacked
-    `[E, ...]` and sharded on the `expert` logical axis (→ `ep`).
+    """Top-k routing (softmax, top-k, weights renormalised when `config.normalize_top_k`) over `E` experts stored
+    stacked `[E, ...]` and sharded on the `expert` logical axis (→ `ep`).
 
     Dropless token dispatch: the `N·k` (token, expert) pairs are sorted by expert, each expert's rows
     go through its weights in one grouped matmul (`grouped_matmul`), and the results are scattered

@@ -35,8 +35,9 @@ class Phi3Config(LlamaConfig):
 
     @classmethod
     def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Phi-3's `su` / `yarn` RoPE is LongRoPE; its `original_max_position_embeddings` is kept beside the
-        scaling and copied into it, as transformers does; `partial_rotary_factor` other than 1 is refused."""
+        """`data` (a `config.json` dict) as transformers reads a Phi-3's: `su` / `yarn` RoPE is LongRoPE; the
+        `original_max_position_embeddings` kept beside the scaling is copied into it; `partial_rotary_factor`
+        other than 1 is refused."""
         partial = data.pop("partial_rotary_factor", 1.0)
         if partial not in (None, 1, 1.0):
             raise ValueError(

@@ -90,7 +90,8 @@ class Qwen3MoeConfig(Qwen3Config):
 
     @classmethod
     def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """`num_local_experts` (transformers 5's name) read as `num_experts`; then Qwen2's rules."""
+        """`data` (a `config.json` dict) with `num_local_experts` (transformers 5's name) read as `num_experts`;
+        then Qwen2's rules."""
         if "num_local_experts" in data:
             local = data.pop("num_local_experts")
             if data.setdefault("num_experts", local) != local:

@@ -1,0 +1,68 @@
+"""Chat data in the formats of the families jaxloom loads (Gemma's, Qwen2.5's ChatML, Qwen3's with its think
+block): the tokens are the whole conversation as the template renders it (what the model reads at inference),
+and the targets are each assistant reply through its end-of-turn token (where generation must stop), never a
+role header or a user turn."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+import jaxloom.data as jd  # noqa: E402
+from chat_styles import END_OF_TURN, chat_tokenizer  # noqa: E402
+from jaxloom.data.tokenize import tokenize_pair, tokenize_record  # noqa: E402
+
+CONVERSATION = [
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Four."},
+    {"role": "user", "content": "And three plus three?"},
+    {"role": "assistant", "content": "Six, of course."},
+]
+
+
+def runs(ids, mask):
+    """The target tokens as contiguous runs."""
+    out, current = [], []
+    for token, m in zip(ids, mask, strict=True):
+        if m:
+            current.append(int(token))
+        elif current:
+            out.append(current)
+            current = []
+    return out + ([current] if current else [])
+
+
+@pytest.mark.parametrize("style", ["gemma", "chatml", "qwen3"])
+def test_sft_targets_are_the_replies_through_their_end_of_turn(style):
+    tok = chat_tokenizer(style)
+    ids, mask = tokenize_record({"messages": CONVERSATION}, tok, jd.DataConfig())
+    whole = tok(tok.apply_chat_template(CONVERSATION, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert ids.tolist() == whole  # the render the model reads at inference, not turns glued together
+    eot = tok.convert_tokens_to_ids(END_OF_TURN[style])
+    replies = runs(ids, mask)
+    assert len(replies) == 2
+    for reply, content in zip(replies, ("Four.", "Six, of course."), strict=True):
+        text = tok.decode(reply)
+        assert content in text and eot in reply, (style, text)
+        assert "user" not in text and "model\n" not in text and "assistant" not in text, (style, text)
+    if style == "qwen3":  # the earlier reply is rendered without a think block in the whole conversation
+        assert "<think>" not in tok.decode(replies[0])
+
+
+@pytest.mark.parametrize("style", ["gemma", "qwen3"])
+def test_preference_pairs_in_a_family_format(style):
+    """A chat preference pair: the prompt (with the generation prompt) is not a target; the chosen and the
+    rejected reply are, through their end-of-turn token."""
+    tok = chat_tokenizer(style)
+    record = {
+        "prompt": [{"role": "user", "content": "Name a colour."}],
+        "chosen": [{"role": "assistant", "content": "Red."}],
+        "rejected": [{"role": "assistant", "content": "Seven."}],
+    }
+    config = jd.DataConfig(max_sequence_length=128)
+    chosen, chosen_mask, rejected, rejected_mask = tokenize_pair(record, tok, config)
+    eot = tok.convert_tokens_to_ids(END_OF_TURN[style])
+    for ids, mask, content in ((chosen, chosen_mask, "Red."), (rejected, rejected_mask, "Seven.")):
+        target = tok.decode(np.asarray(ids)[np.asarray(mask) == 1])
+        assert content in target and eot in np.asarray(ids)[np.asarray(mask) == 1].tolist()
+        assert "Name a colour" not in target
