@@ -26,6 +26,7 @@ OPTIMIZER = {
     "init_learning_rate": 1e-4,
     "end_learning_rate": 1e-4,
     "weight_decay": 0.1,
+    "decay_norms_and_biases": True,
     "max_grad_norm": 1e-3,
     "adam_beta1": 0.5,
     "adam_beta2": 0.5,
@@ -43,21 +44,24 @@ def _updates(**changes) -> np.ndarray:
         base["optimizer"] = "sgd"  # momentum belongs to SGD; Adam's updates do not see a gradient's scale
     a = TrainingArguments(**base)
     tx, schedule = make_optimizer(a.optim, total_steps=10)
-    params = {"w": jnp.linspace(-1.0, 1.0, 8)}
+    params = {"w": jnp.linspace(-1.0, 1.0, 8), "input_layernorm": {"weight": jnp.linspace(0.5, 1.5, 4)}}
     state = tx.init(params)
     trace = []
     for i in range(3):
-        grads = {"w": jnp.sin(params["w"] * (i + 1)) + 0.5}
+        grads = jax.tree_util.tree_map(lambda p, k=i + 1: jnp.sin(p * k) + 0.5, params)
         updates, state = tx.update(grads, state, params)
         params = jax.tree_util.tree_map(lambda p, u: p + u, params, updates)
-        trace.append(np.asarray(params["w"]))
+        trace.append(np.concatenate([np.asarray(x) for x in jax.tree_util.tree_leaves(params)]))
     return np.concatenate([*trace, [float(schedule(s)) for s in range(10)]])
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZER))
 def test_optimizer_field_changes_the_updates(name):
-    default = _updates(**({"optimizer": "sgd"} if name in ("momentum", "max_grad_norm") else {}))
-    changed = _updates(**{name: OPTIMIZER[name]})
+    base = {"optimizer": "sgd"} if name in ("momentum", "max_grad_norm") else {}
+    if name == "decay_norms_and_biases":  # only with a weight decay to apply
+        base = {"weight_decay": 0.1}
+    default = _updates(**base)
+    changed = _updates(**{**base, name: OPTIMIZER[name]})
     assert not np.allclose(default, changed), name
 
 
@@ -285,3 +289,44 @@ def test_run_level_field_is_set_by_the_named_test(name):
     wanted = "dcn_axis_dims" if name == "sharding_dcn_axis_dims" else name
     in_code = any(f"{wanted}=" in text for text in strings)  # `key=value` overrides, or code run in a subprocess
     assert wanted in keywords | keys or in_code, f"{RUN_LEVEL[name]} does not set {name}"
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lion", "adafactor", "sgd"])
+def test_weight_decay_skips_biases_and_norm_weights_as_hf_trainer(optimizer):
+    """HF Trainer's convention: no decay on biases and norm weights (`*norm`, `*layernorm`); every other weight
+    decays. With zero gradients and lr 1, only the decay moves a weight."""
+    a = TrainingArguments(
+        optimizer=optimizer,
+        learning_rate=1.0,
+        weight_decay=0.1,
+        warmup_steps=0,
+        max_grad_norm=None,
+        scheduler="constant",
+    )
+    tx, _ = make_optimizer(a.optim, total_steps=10)
+    params = {
+        "model": {
+            "norm": {"weight": jnp.ones(4)},
+            "layers": {"q_proj": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}, "q_norm": {"weight": jnp.ones(4)}},
+            "embed_tokens": {"embedding": jnp.ones((8, 4))},
+        }
+    }
+    updates, _ = tx.update(jax.tree_util.tree_map(jnp.zeros_like, params), tx.init(params), params)
+    moved = {
+        "/".join(str(k.key) for k in path): bool(jnp.any(u != 0))
+        for path, u in jax.tree_util.tree_leaves_with_path(updates)
+    }
+    assert moved == {
+        "model/norm/weight": False,
+        "model/layers/q_proj/kernel": True,
+        "model/layers/q_proj/bias": False,
+        "model/layers/q_norm/weight": False,
+        "model/embed_tokens/embedding": True,
+    }, moved
+
+
+def test_warmup_ratio_is_rounded_up_as_hf():
+    """HF's `get_warmup_steps` is `ceil(ratio * steps)`: 0.15 of 10 steps is 2 warmup steps, not 1."""
+    a = TrainingArguments(learning_rate=1.0, warmup_ratio=0.15, scheduler="constant")
+    _, schedule = make_optimizer(a.optim, total_steps=10)
+    assert float(schedule(1)) == pytest.approx(0.5) and float(schedule(2)) == pytest.approx(1.0)

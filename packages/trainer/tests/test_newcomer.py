@@ -242,6 +242,11 @@ def test_the_cli_lists_and_shows_its_settings(tmp_path, capsys):
     for f in TrainingArguments.fields():
         assert f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}" in keys
     assert "model.rope_theta: " in keys and "data.train " in keys
+    # what config keys left out or claimed wrongly (issue 42): the pretrained model, TRL's names, the --ray keys
+    assert "model.from_pretrained: str = None  a local Hugging Face model directory" in keys and "HUB_ID" not in keys
+    assert "max_length: the same as max_sequence_length" in keys and "max_steps: the same as max_training_steps" in keys
+    assert "per_device_train_batch_size: refused; use total_batch_size" in keys
+    assert "--ray num_workers: " in keys or "pip install jaxloom-ray" in keys
     assert main(["config", "show", "learning_rate=1e-5", "model.rms_norm_eps=1e-6"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["learning_rate"] == 1e-5 and shown["model"]["rms_norm_eps"] == 1e-6
@@ -261,11 +266,12 @@ def test_floats_written_as_1e_5_train_from_yaml_and_the_command_line(tmp_path, c
                 "train",
                 str(config),
                 "model.rms_norm_eps=1e-5",
-                "model.rope_theta=1e6",
+                "--model.rope_theta",  # HF's / argparse's forms: --key value and --key=value
+                "1e6",
                 "model.hidden_size=32",
                 "model.intermediate_size=64",
                 "model.num_hidden_layers=1",
-                "max_training_steps=1",
+                "--max-training-steps=1",
                 f"save_directory={tmp_path / 'run'}",
             ]
         )
@@ -372,3 +378,42 @@ def test_a_pretrained_model_brings_its_own_tokenizer(tmp_path):
     assert len(chosen.tokenizer) == 4096
     with pytest.raises(ValueError, match="a pretrained model's tokenizer is its own"):  # 4096 > the model's 300
         chosen.configure_dataloaders()
+
+
+def test_key_value_forms_of_hf_and_argparse(capsys):
+    from jaxloom.trainer.cli import key_value_forms
+
+    got = key_value_forms(
+        ["train", "c.yaml", "--learning_rate=1e-3", "--max-steps", "5", "x=1", "--ray", "num_workers=2"]
+    )
+    assert got == ["train", "c.yaml", "learning_rate=1e-3", "max_steps=5", "x=1", "--ray", "num_workers=2"]
+    assert key_value_forms(["generate", "--prompt", "hi"]) == ["generate", "--prompt", "hi"]  # its own options
+    assert main(["train", "--learning_rate"]) == 2
+    assert "--learning_rate needs a value: --learning_rate=VALUE" in capsys.readouterr().err
+
+
+def test_a_pretrained_model_without_a_config_file_gets_fine_tuning_defaults(tmp_path, caplog):
+    """The demo's pretraining settings (lr 3e-3, warmup 30, previews) are not a fine-tune's: a run from
+    model.from_pretrained with no config file takes TRL's defaults for its job (SFT 2e-5, DPO 1e-6, linear, no
+    warmup, no weight decay, no previews) and says so; what the command line gives wins; the demo keeps its own."""
+    import logging
+
+    from jaxloom.trainer.compose import FINETUNE_DEFAULTS, build_run
+
+    model_dir = tmp_path / "model"
+    _model_with_its_own_tokenizer(model_dir)
+    base = [f"model.from_pretrained={model_dir}", "max_training_steps=1", "max_sequence_length=32"]
+    with caplog.at_level(logging.INFO, logger="jaxloom"):
+        sft, resolved = build_run(None, [*base, f"save_directory={tmp_path / 'sft'}"])
+    a = sft.arguments
+    assert (a.learning_rate, a.scheduler, a.warmup_steps, a.weight_decay) == (2e-5, "linear", 0, 0.0)
+    assert not a.generation_prompts and resolved["learning_rate"] == 2e-5
+    assert "fine-tuning defaults (sft" in caplog.text and "learning_rate=2e-05" in caplog.text
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "a", "chosen": " b", "rejected": " c"}) + "\n")
+    dpo, _ = build_run(None, [*base, "trainer=dpo", f"data.train={pairs}", f"save_directory={tmp_path / 'dpo'}"])
+    assert dpo.arguments.learning_rate == FINETUNE_DEFAULTS["dpo"]["learning_rate"] == 1e-6
+    mine, _ = build_run(None, [*base, "learning_rate=1e-4", f"save_directory={tmp_path / 'mine'}"])
+    assert mine.arguments.learning_rate == 1e-4 and mine.arguments.scheduler == "linear"
+    demo, _ = build_run(None, ["max_training_steps=1", f"save_directory={tmp_path / 'demo'}"])
+    assert demo.arguments.learning_rate == 3e-3 and demo.arguments.generation_prompts

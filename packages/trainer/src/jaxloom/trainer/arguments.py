@@ -76,10 +76,16 @@ class OptimizerArgs(_Group):
     warmup_steps: int | None = Field(
         None, description="steps of linear warmup from init_learning_rate (None: warmup_ratio of the run)"
     )
-    warmup_ratio: float = Field(0.0, description="warmup as a fraction of the run's steps, when warmup_steps is None")
+    warmup_ratio: float = Field(
+        0.0, description="warmup as a fraction of the run's steps, rounded up (as HF), when warmup_steps is None"
+    )
     init_learning_rate: float = Field(0.0, description="learning rate at step 0, where the warmup starts")
     end_learning_rate: float = Field(0.0, description="learning rate at the last step")
     weight_decay: float = Field(0.0, description="decoupled weight decay (adamw, lion, adafactor)")
+    decay_norms_and_biases: bool = Field(
+        False,
+        description="weight decay on biases and norm weights too (HF Trainer and jaxloom >= trainer 0.18 skip them)",
+    )
     max_grad_norm: float | None = Field(1.0, description="clip gradients to this global norm (None: no clipping)")
     adam_beta1: float = Field(0.9, description="first-moment decay (adamw, lion)")
     adam_beta2: float = Field(0.95, description="second-moment decay (adamw, lion)")

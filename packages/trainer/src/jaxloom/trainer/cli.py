@@ -194,13 +194,16 @@ def _config_keys(model_type: str) -> str:
 
     import jaxloom.models as jm
 
-    from .arguments import TRAINERS, DPOConfig
+    from .arguments import ALIASES, RENAMED, TRAINERS, DPOConfig
 
     if model_type not in jm.CONFIG_CLASSES:
         raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
     lines = ["# data: what to train on", *[f"data.{k}  {v}" for k, v in DATA_KEYS.items()], ""]
+    lines.append(f"# model: Hugging Face config names ({jm.CONFIG_CLASSES[model_type].__name__}), or from_pretrained")
     lines.append(
-        f"# model: Hugging Face config names ({jm.CONFIG_CLASSES[model_type].__name__}); or from_pretrained: DIR|HUB_ID"
+        "model.from_pretrained: str = None  a local Hugging Face model directory (config.json + safetensors): its "
+        "architecture, weights, tokenizer, chat template and generation config (nothing is downloaded: a Hub id "
+        "is not a directory); model.KEY=VALUE given with it overrides its config.json"
     )
     lines.append("model.model_type: str = 'llama'  " + ", ".join(sorted(jm.CONFIG_CLASSES)))
     for f in dataclasses.fields(jm.CONFIG_CLASSES[model_type]):
@@ -215,7 +218,29 @@ def _config_keys(model_type: str) -> str:
             group = f["group"]
             lines += ["", f"# {group}"]
         lines.append(f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}")
+    lines += ["", "# other names (HF Trainer, TRL, EasyDeL): read as the jaxloom key, or refused naming it"]
+    lines += [f"{alias}: the same as {name}" for alias, name in ALIASES.items()]
+    lines.append("max_length: the same as max_sequence_length (TRL's DPO name; trainer=dpo)")
+    lines += [f"{name}: refused; use {instead}" for name, instead in RENAMED.items()]
+    lines += ["", *_launcher_keys()]
     return "\n".join(lines)
+
+
+def _launcher_keys() -> list[str]:
+    """`--ray KEY=VALUE` settings, read from the installed jaxloom-ray (its `ScalingConfig`), or how to get them."""
+    import dataclasses
+    import importlib
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group="jaxloom.launchers") if ep.name == "ray"]
+    head = "# --ray KEY=VALUE: how `jaxloom train ... --ray` runs the gang (jaxloom-ray's ScalingConfig)"
+    if not found:
+        return [head, "(jaxloom-ray is not installed: pip install jaxloom-ray)"]
+    package = found[0].module.rsplit(".", 1)[0]  # the part that registered the launcher (jaxloom.ray)
+    scaling = getattr(importlib.import_module(package), "ScalingConfig", None)
+    if scaling is None:
+        return [head, "(the installed jaxloom-ray does not list its keys)"]
+    return [head, *(f"--ray {f.name}: {f.type} = {f.default!r}" for f in dataclasses.fields(scaling))]
 
 
 def _config_show(config: str | None, items: list[str]) -> str:
@@ -354,7 +379,36 @@ def run_summary(out) -> dict[str, Any]:
     }
 
 
+def key_value_forms(argv: list[str]) -> list[str]:
+    """`train`/`eval`/`plan` arguments with HF's and argparse's forms of a setting, `--key=value` and `--key value`
+    (dashes in the key read as underscores), turned into jaxloom's `key=value`, placed after the config or run
+    directory and before `--ray`. A `--key` without a value is an error naming the three forms."""
+    if not argv or argv[0] not in ("train", "eval", "plan"):
+        return argv
+    rest, kept, moved, i = argv[1:], [], [], 0
+    while i < len(rest):
+        item = rest[i]
+        if item.startswith("--") and item not in ("--ray", "--help", "--"):
+            key, eq, value = item[2:].partition("=")
+            key = key.replace("-", "_")
+            if not eq:
+                if i + 1 == len(rest) or rest[i + 1].startswith("--"):
+                    raise ValueError(f"{item} needs a value: --{key}=VALUE, --{key} VALUE or {key}=VALUE")
+                value, i = rest[i + 1], i + 1
+            moved.append(f"{key}={value}")
+        else:
+            kept.append(item)
+        i += 1
+    first = 1 if kept and not kept[0].startswith("-") and "=" not in kept[0] else 0
+    return [argv[0], *kept[:first], *moved, *kept[first:]]
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        argv = key_value_forms(list(sys.argv[1:] if argv is None else argv))
+    except ValueError as e:
+        print(f"jaxloom: error: {e}", file=sys.stderr)
+        return 2
     ns = _parser().parse_args(argv)
     setup_console()
     from jaxloom.state import DirectoryLockedError

@@ -64,13 +64,55 @@ def split_target(items: list[str]) -> tuple[str | None, list[str]]:
     return first, items
 
 
+# A run from `model.from_pretrained=DIR` with no config file fine-tunes: TRL's defaults for the job (SFTConfig,
+# DPOConfig: learning rate, linear decay, no warmup, no weight decay) and no previews, in place of the demo's
+# pretraining settings. Any of them given on the command line wins; a config file gets none of them.
+FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sft": {
+        "learning_rate": 2e-5,
+        "scheduler": "linear",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "generation_prompts": [],
+        "save_directory": "jaxloom-runs/finetune",
+    },
+    "dpo": {
+        "learning_rate": 1e-6,
+        "scheduler": "linear",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "generation_prompts": [],
+        "save_directory": "jaxloom-runs/dpo",
+    },
+}
+
+
+def _finetune_defaults(data: dict, config_path: str | None, overrides: list[str]) -> dict:
+    """`data` (the demo config with `overrides` applied) with `FINETUNE_DEFAULTS` for its trainer kind when
+    the run fine-tunes a pretrained model without a config file; said in the log."""
+    given = {o.split("=", 1)[0] for o in overrides}
+    if config_path is not None or "model.from_pretrained" not in given:
+        return data
+    kind = str(data.get("trainer", "sft"))
+    chosen = {k: v for k, v in FINETUNE_DEFAULTS.get(kind, {}).items() if k not in given}
+    if chosen:
+        log.info(
+            "fine-tuning defaults (%s, as TRL's; model.from_pretrained without a config file): %s",
+            kind,
+            ", ".join(f"{k}={v}" for k, v in chosen.items()),
+        )
+    return {**data, **chosen}
+
+
 def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]:
     """Config file + overrides → (trainer, resolved config). Sections `model` and `data`; `trainer`
-    (`sft` or `dpo`) picks the trainer; the rest are its arguments."""
+    (`sft` or `dpo`) picks the trainer; the rest are its arguments. A pretrained model without a config file
+    gets `FINETUNE_DEFAULTS` instead of the demo's training settings."""
     import jaxloom.data as jd
     import jaxloom.models as jm
 
     data = apply_overrides(load_config_file(config_path or DEMO_CONFIG), overrides)
+    data = _finetune_defaults(data, config_path, overrides)
     resolved = json.loads(json.dumps(data))
     for section in ("model", "data"):
         if not isinstance(data.get(section) or {}, dict):

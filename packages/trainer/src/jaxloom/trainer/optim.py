@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 
+import math
+
+import jax
 import optax
 
 from .arguments import OptimizerArgs
@@ -49,29 +52,49 @@ def get_lr_schedule_fn(
     return optax.join_schedules([optax.linear_schedule(init_learning_rate, learning_rate, warmup), after], [warmup])
 
 
+def decays(path) -> bool:
+    """Whether weight decay applies to the parameter at `path` (a pytree key path or names): not to biases or
+    norm weights (`*norm`, `*layernorm`), as HF Trainer's `get_decay_parameter_names` excludes them."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    return not any(n == "bias" or n.endswith("norm") for n in names)
+
+
+def decay_mask(params):
+    """`params` with each leaf replaced by `decays(its path)`: optax's `mask` for weight decay."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
+
+
 def make_optimizer(args: OptimizerArgs, total_steps: int) -> tuple[optax.GradientTransformation, object]:
     """`(tx, schedule)` for `args` (the optimizer group of `TrainingArguments`) over `total_steps`:
-    gradient clipping (if `max_grad_norm`) then the optimizer on the schedule."""
+    gradient clipping (if `max_grad_norm`) then the optimizer on the schedule. As HF Trainer: `warmup_ratio` is
+    rounded up to whole steps, and weight decay skips biases and norm weights (`decay_norms_and_biases=true`
+    decays every parameter, as jaxloom did before trainer 0.18)."""
+    warmup = args.warmup_steps if args.warmup_steps is not None else math.ceil(args.warmup_ratio * total_steps)
+    mask = None if args.decay_norms_and_biases else decay_mask
     schedule = get_lr_schedule_fn(
         learning_rate=args.learning_rate,
         schedule_type=args.scheduler,
-        warmup_ratio=args.warmup_ratio,
-        warmup_steps=args.warmup_steps,
+        warmup_steps=warmup,
         init_learning_rate=args.init_learning_rate,
         end_learning_rate=args.end_learning_rate,
         total_steps=total_steps,
     )
     if args.optimizer == "adamw":
         opt = optax.adamw(
-            schedule, b1=args.adam_beta1, b2=args.adam_beta2, eps=args.adam_epsilon, weight_decay=args.weight_decay
+            schedule,
+            b1=args.adam_beta1,
+            b2=args.adam_beta2,
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+            mask=mask,
         )
     elif args.optimizer == "lion":
-        opt = optax.lion(schedule, b1=args.adam_beta1, b2=args.adam_beta2, weight_decay=args.weight_decay)
+        opt = optax.lion(schedule, b1=args.adam_beta1, b2=args.adam_beta2, weight_decay=args.weight_decay, mask=mask)
     elif args.optimizer == "adafactor":
-        opt = optax.adafactor(schedule, weight_decay_rate=args.weight_decay or None)
+        opt = optax.adafactor(schedule, weight_decay_rate=args.weight_decay or None, weight_decay_mask=mask)
     else:
         opt = optax.sgd(schedule, momentum=args.momentum or None)
         if args.weight_decay:
-            opt = optax.chain(optax.add_decayed_weights(args.weight_decay), opt)
+            opt = optax.chain(optax.add_decayed_weights(args.weight_decay, mask=mask), opt)
     parts = [optax.clip_by_global_norm(args.max_grad_norm)] if args.max_grad_norm else []
     return optax.chain(*parts, opt), schedule
