@@ -114,7 +114,9 @@ def tests(session: nox.Session, target: str) -> None:
             session.warn(f"no local CPU torch wheel ({TORCH_WHEELS}): parity tests against transformers will skip")
     paths = [f"packages/{target}/tests"]
     if target == parts.META:
-        session.install("uv", "hatchling", *LINT_DEPS, *TYPE_DEPS, *DOCS_DEPS)  # venvs, wheels, docs, checks
+        session.install(
+            "uv", "hatchling", "nox", *LINT_DEPS, *TYPE_DEPS, *DOCS_DEPS
+        )  # venvs, wheels, docs, checks, demo
         lint(session)
         typecheck(session)
         paths.append("tests")
@@ -138,28 +140,24 @@ def demo(session: nox.Session) -> None:
     Extra arguments are `key=value` overrides: `nox -s demo -- max_training_steps=50`."""
     install_parts(session, parts.closure("trainer"), extra="test")
     out = next((a.split("=", 1)[1] for a in session.posargs if a.startswith("save_directory=")), "jaxloom-runs/demo")
-    code = session.run(
-        "jaxloom",
-        "train",
-        f"save_directory={out}",
-        *session.posargs,
-        env={"JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"},
-        success_codes=[0, 4],  # 4: the run there is already complete (it says so); not a failure of the demo
-    )
+    code = run_demo(session, out)
     session.log(f"outputs in {out}/: report.md, loss.png, metrics.jsonl, tensorboard/, checkpoints/")
     if code == 4:
         session.log(f"{out} was already complete: raise max_training_steps=... to continue it")
+    if code:
+        raise SystemExit(code)  # nox itself then exits with jaxloom's code (4: finished; 130: interrupted; ...)
 
 
-@nox.session(python="3.11")
-def bench(session: nox.Session) -> None:
-    """Benchmarks as ratios against bare JAX measured in the same run (tools/bench/run.py).
-    CPU by default; the GPU rows run when JAX sees a GPU (install jax[cuda] into the session)."""
-    # Byte-compiled as pip installs do by default (uv does not): start-up times must not include
-    # compiling every imported module from source, which PYTHONDONTWRITEBYTECODE would repeat per run.
-    session.env["UV_COMPILE_BYTECODE"] = "1"
-    install_parts(session, parts.closure("ray"), extra="test")  # the trainer's closure (and generation), and ray
-    session.run("python", "tools/bench/run.py", env={"TF_CPP_MIN_LOG_LEVEL": "3", **session.env})
+def run_demo(session: nox.Session, out: str) -> int:
+    """`jaxloom train save_directory=OUT *posargs` in the session's environment, its output streamed; returns
+    its exit code (nox's `session.run` returns True, not the code, and fails on any code it does not expect)."""
+    import subprocess
+
+    cmd = [str(Path(session.bin) / "jaxloom"), "train", f"save_directory={out}", *session.posargs]
+    env = {**os.environ, **{k: v for k, v in session.env.items() if v is not None}}
+    env.update(PATH=os.pathsep.join([session.bin, env.get("PATH", "")]), JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+    session.log(" ".join(cmd[1:]))
+    return subprocess.run(cmd, env=env, check=False).returncode
 
 
 @nox.session(python="3.11")

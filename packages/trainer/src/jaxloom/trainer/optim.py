@@ -68,7 +68,7 @@ def make_optimizer(args: OptimizerArgs, total_steps: int) -> tuple[optax.Gradien
     """`(tx, schedule)` for `args` (the optimizer group of `TrainingArguments`) over `total_steps`:
     gradient clipping (if `max_grad_norm`) then the optimizer on the schedule. As HF Trainer: `warmup_ratio` is
     rounded up to whole steps, and weight decay skips biases and norm weights (`decay_norms_and_biases=true`
-    decays every parameter, as jaxloom did before trainer 0.18)."""
+    decays every parameter, as jaxloom did before trainer 0.17)."""
     warmup = args.warmup_steps if args.warmup_steps is not None else math.ceil(args.warmup_ratio * total_steps)
     mask = None if args.decay_norms_and_biases else decay_mask
     schedule = get_lr_schedule_fn(
