@@ -84,7 +84,7 @@ class OptimizerArgs(_Group):
     weight_decay: float = Field(0.0, description="decoupled weight decay (adamw, lion, adafactor)")
     decay_norms_and_biases: bool = Field(
         False,
-        description="weight decay on biases and norm weights too (HF Trainer, and jaxloom from trainer 0.17, skip them)",
+        description="decay biases and norm weights too (HF Trainer, and jaxloom since trainer 0.17, skip them)",
     )
     max_grad_norm: float | None = Field(1.0, description="clip gradients to this global norm (None: no clipping)")
     adam_beta1: float = Field(0.9, description="first-moment decay (adamw, lion)")
