@@ -25,6 +25,7 @@ class _Unit:
     shard: str
     start: int
     end: int | None  # None: to the shard's end
+    bytes_cursor: bool = False  # the shard's cursor is a byte offset (line files), not a record index
 
 
 def _units(source, unit_bytes: int) -> list[_Unit]:
@@ -38,7 +39,7 @@ def _units(source, unit_bytes: int) -> list[_Unit]:
         )
         size = os.path.getsize(name) if lines else 0
         if not lines or size <= unit_bytes:
-            units.append(_Unit(len(units), name, 0, None))
+            units.append(_Unit(len(units), name, 0, None, bool(lines)))
             continue
         cuts = [0]
         with open(name, "rb") as fh:
@@ -48,12 +49,77 @@ def _units(source, unit_bytes: int) -> list[_Unit]:
                 if fh.tell() > cuts[-1] and fh.tell() < size:
                     cuts.append(fh.tell())
         for lo, hi in zip(cuts, cuts[1:] + [None], strict=True):
-            units.append(_Unit(len(units), name, lo, hi))
+            units.append(_Unit(len(units), name, lo, hi, True))
     return units
 
 
-def _tokenize_unit(args) -> dict[str, Any]:
-    """Tokenize one work unit into `shard-K.*` files in `work` (written under temporary names, then renamed)."""
+def _unit_bytes(unit: _Unit) -> int:
+    """How many bytes of its file `unit` covers (0 when its shard is not a local file)."""
+    try:
+        end = unit.end if unit.end is not None else os.path.getsize(unit.shard)
+    except OSError:
+        return 0
+    return max(end - unit.start, 0)
+
+
+PROGRESS_EVERY_S = 10.0  # without a terminal, `prepare` logs a progress line this often
+
+
+class _Progress:
+    """What `jaxloom data prepare` shows while it works: bytes read of the total, rate, documents, tokens and the
+    time left. On a terminal a bar; otherwise (a log, a CI job) a line every `every` seconds, so a long prepare
+    is never silent."""
+
+    def __init__(self, total: int, done: int, units: int, *, bar: bool, every: float | None = None):
+        from tqdm.auto import tqdm
+
+        self.total, self.done = total, done
+        self.every = PROGRESS_EVERY_S if every is None else every
+        self.documents = self.tokens = 0
+        self.started = self.last = time.monotonic()
+        self.first = done
+        self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="prepare", disable=not bar)
+        self.quiet_bar = not bar
+        if self.quiet_bar:
+            log.info("preparing %d unit(s), %s", units, _size(total))
+
+    def update(self, nbytes: int, documents: int = 0, tokens: int = 0) -> None:
+        self.done += nbytes
+        self.documents += documents
+        self.tokens += tokens
+        self.bar.update(nbytes)
+        now = time.monotonic()
+        if self.quiet_bar and now - self.last >= self.every:
+            self.last = now
+            log.info("prepare: %s", self.line(now))
+
+    def line(self, now: float) -> str:
+        rate = (self.done - self.first) / max(now - self.started, 1e-9)
+        left = max(self.total - self.done, 0) / rate if rate > 0 else float("inf")
+        share = f" ({100 * self.done / self.total:.0f} %)" if self.total else ""
+        eta = f", ETA {left:.0f} s" if left != float("inf") else ""
+        return (
+            f"{_size(self.done)} of {_size(self.total)}{share}, {_size(rate)}/s, {self.documents:,} documents, "
+            f"{self.tokens:,} tokens{eta}"
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.quiet_bar:
+            log.info("prepare: %s", self.line(time.monotonic()))
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _tokenize_unit(args, report=None) -> dict[str, Any]:
+    """Tokenize one work unit into `shard-K.*` files in `work` (written under temporary names, then renamed).
+    `report(bytes, documents, tokens)`, when given, is told of the progress after each batch of records."""
     source, unit, tokenizer_dir, config, max_len, dtype, work = args
     from .pipeline import _batch_tokenize
     from .processor import load_processor
@@ -92,6 +158,18 @@ def _tokenize_unit(args) -> dict[str, Any]:
                     offsets.append(n_tokens)
 
         records, where, pos = [], [], unit.start
+        told = [unit.start, 0, 0]  # bytes, documents, tokens already reported
+
+        def tell(last: bool = False) -> None:
+            if report is None:
+                return
+            if unit.bytes_cursor:
+                read = pos
+            else:  # a record index: the file's bytes are counted when the unit is done
+                read = unit.start + _unit_bytes(unit) if last else told[0]
+            report(max(read - told[0], 0), len(offsets) - 1 - told[1], n_tokens - told[2])
+            told[:] = [read, len(offsets) - 1, n_tokens]
+
         for record, after in iter_shard(source, unit.shard, unit.start):
             if unit.end is not None and pos >= unit.end:
                 break
@@ -101,7 +179,9 @@ def _tokenize_unit(args) -> dict[str, Any]:
             if len(records) == _BATCH:
                 flush(records, where)
                 records, where = [], []
+                tell()
         flush(records, where)
+        tell(last=True)
     np.save(f"{base}.offsets.tmp.npy", np.asarray(offsets, np.int64))
     os.replace(f"{base}.tokens.tmp", f"{base}.tokens")
     if masked:
@@ -184,29 +264,21 @@ def prepare(
         log.info("continuing %s: %d of %d unit(s) already done", work, len(done), len(units))
     dtype = np.dtype(str(header["dtype"]))
     jobs = [(source, u, tok_dir, config, max_sequence_length, dtype, str(work)) for u in todo]
-    started, tokens = time.monotonic(), 0
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(units), initial=len(done), unit="unit", desc="prepare", disable=not progress)
+    sizes = {u.index: _unit_bytes(u) for u in units}
+    shown = _Progress(sum(sizes.values()), sum(sizes[i] for i in done), len(units), bar=progress)
     if num_proc > 1 and len(jobs) > 1:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(min(num_proc, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
             results = pool.map(_tokenize_unit, jobs)
-            for job, meta in zip(jobs, results, strict=True):
+            for job, meta in zip(jobs, results, strict=True):  # whole units, as the processes finish them
                 done[job[1].index] = meta
-                tokens += meta["tokens"]
-                bar.set_postfix(tokens_per_s=f"{tokens / max(time.monotonic() - started, 1e-9):.3g}")
-                bar.update()
+                shown.update(sizes[job[1].index], meta["documents"], meta["tokens"])
     else:
         for job in jobs:
-            meta = _tokenize_unit(job)
-            done[job[1].index] = meta
-            tokens += meta["tokens"]
-            bar.set_postfix(tokens_per_s=f"{tokens / max(time.monotonic() - started, 1e-9):.3g}")
-            bar.update()
-    bar.close()
+            done[job[1].index] = _tokenize_unit(job, report=shown.update)
+    shown.close()
     shards = [done[u.index] for u in units]
     manifest = {
         **header,
