@@ -450,3 +450,25 @@ def test_a_new_trainer_kind_is_an_objective_and_a_data_spec(tmp_path):
     scaled = Scaled(t.arguments, t.model, **kw).train()
     assert scaled.metrics["loss"] == pytest.approx(2 * plain.metrics["loss"], rel=1e-5)
     assert scaled.metrics["eval_loss"] == pytest.approx(2 * plain.metrics["eval_loss"], rel=1e-5)
+
+
+def test_the_user_is_told_what_the_run_waits_for(tmp_path, caplog, monkeypatch):
+    """Progress where a user waits (issue 42): the train step's compile (how long it took), a restore (what,
+    how much, how long) and an HF export (tensors and bytes as it goes, then the total)."""
+    import logging
+
+    from jaxloom.models import hf
+
+    monkeypatch.setattr(hf, "EXPORT_PROGRESS_EVERY_S", 0.0)  # a line per tensor
+    with caplog.at_level(logging.INFO, logger="jaxloom"):
+        first = trainer(tmp_path / "run", max_training_steps=2, save_steps=2)
+        first.train()
+        first.finish()
+        again = trainer(tmp_path / "run", max_training_steps=3, resume_if_possible=True)
+        again.train()
+        again.save_pretrained(tmp_path / "hf", to_torch=True)
+        again.finish()
+    text = caplog.text
+    assert "train step compiled in" in text
+    assert f"restoring checkpoint {tmp_path / 'run'}" in text and "restored checkpoint" in text and " GB in " in text
+    assert "exporting " in text and "tensors," in text and "exported " in text

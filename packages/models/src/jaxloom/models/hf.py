@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,9 @@ from .build import is_variable, variable_specs
 from .configs import LlamaConfig, config_from_hf_dict
 from .registry import TaskType, get_model_class
 from .runtime import RuntimeConfig
+
+log = logging.getLogger("jaxloom.models")
+EXPORT_PROGRESS_EVERY_S = 10.0  # a long export logs how far it is this often
 
 _EXPERT_LEAVES = ("w_gate", "w_down", "w_up")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
@@ -419,6 +424,8 @@ def write_hf_export(
         fields = {**special, "_from_model_config": not given, **given}
         (path / "generation_config.json").write_text(json.dumps(fields, indent=2, sort_keys=True))
     weight_map, total = {}, 0
+    whole = sum(int(np.prod(shape)) * dt.itemsize for _, _, shape, dt in plan)
+    started = last = time.monotonic()
     for file, members in zip(names, files, strict=True):
         entries = [(plan[i][0], plan[i][2], plan[i][3]) for i in members]
         with safetensors_io.StreamWriter(path / file, entries, {"format": "pt"}) as writer:
@@ -429,6 +436,17 @@ def write_hf_export(
                 total += view.size * dt.itemsize
                 weight_map[name] = file
                 del view  # the next tensor is gathered only now
+                if time.monotonic() - last >= EXPORT_PROGRESS_EVERY_S:
+                    last = time.monotonic()
+                    log.info(
+                        "exporting %s: %d of %d tensors, %.2f of %.2f GB",
+                        path,
+                        len(weight_map),
+                        len(plan),
+                        total / 1e9,
+                        whole / 1e9,
+                    )
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    log.info("exported %d tensors, %.2f GB, in %.1f s", len(plan), total / 1e9, time.monotonic() - started)

@@ -337,7 +337,20 @@ class CheckpointManager:
         errors = []
         for s in candidates:
             try:
-                return self._restore_one(target, s, params_only)
+                started = time.monotonic()
+                log.info("restoring checkpoint %s …", self.directory / str(s))
+                restored = self._restore_one(target, s, params_only)
+                read = restored.state.params if params_only else (restored.state.params, restored.state.opt_state)
+                size = sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(read))
+                seconds = time.monotonic() - started
+                log.info(
+                    "restored checkpoint %s (step %d): %.2f GB in %.1f s",
+                    self.directory / str(s),
+                    restored.step,
+                    size / 1e9,
+                    seconds,
+                )
+                return restored
             except CheckpointCorruptError as e:
                 errors.append(str(e))
                 if not fallback or step is not None:
@@ -401,7 +414,6 @@ class CheckpointManager:
         step_arr = jax.device_put(step_arr, step_sharding) if step_sharding is not None else jax.numpy.asarray(step_arr)
         opt_state = out.opt_state if "opt_state" in trees else target.opt_state
         state = target.replace(step=step_arr, params=out.params, opt_state=opt_state, rng=rng)
-        log.info("restored checkpoint %s (step %d)", self.directory / str(step), meta["step"])
         return Restored(
             state=state, step=int(meta["step"]), data_state=meta.get("data"), metadata=meta.get("metadata", {})
         )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 from typing import Any
 
 import jax
@@ -18,6 +20,33 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .batches import DataSpec
 from .plan import Plan
 from .step import STOP_KEY, StepConfig, eval_step, train_step
+
+log = logging.getLogger("jaxloom.trainer")
+
+
+class Compilation:
+    """The train step compiling in the background on `pool` (`lower()` then `.compile()`): `result()` waits,
+    saying so when the run has to wait for it, and logs how long the compile took (a long compile of a large
+    model is never a silent pause)."""
+
+    def __init__(self, pool, lower):
+        self.started, self.seconds = time.monotonic(), 0.0
+
+        def run():
+            start = time.monotonic()
+            executable = lower().compile()
+            self.seconds = time.monotonic() - start
+            return executable
+
+        self.future = pool.submit(run)
+
+    def result(self):
+        """The compiled executable (waits for it)."""
+        if not self.future.done():
+            log.info("compiling the train step… (%.0f s so far)", time.monotonic() - self.started)
+        executable = self.future.result()
+        log.info("train step compiled in %.1f s", self.seconds)
+        return executable
 
 
 @dataclasses.dataclass(frozen=True)

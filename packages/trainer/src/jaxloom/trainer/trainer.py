@@ -42,6 +42,7 @@ from .components import forward
 from .arguments import TrainingArguments
 from .batches import DataSpec
 from .checkpointing import Checkpointing
+from .functions import Compilation
 from .callbacks import Callback, Callbacks
 from .outputs import (
     TrainerConfigureDataloaderOutput,
@@ -164,7 +165,7 @@ class BaseTrainer:
         self.resumed_from: str | None = None
         self.current_step = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._train_fn: Any = None  # the compiled train step (a Future while it compiles)
+        self._train_fn: Any = None  # the compiled train step (a Compilation while it compiles)
         self._initialized = False
         # The resolved config of a `jaxloom train` run (sections model, data, arguments): written to
         # save_directory/run_config.json at setup, so that eval, generate, convert and plan rebuild the run.
@@ -329,7 +330,7 @@ class BaseTrainer:
         """The train and eval steps jitted with explicit shardings and donation; the train step starts
         compiling for the exact shapes in the background."""
         fns = self.functions
-        self._train_fn = self._setup_pool().submit(lambda: self.lower_train_step().compile())
+        self._train_fn = Compilation(self._setup_pool(), self.lower_train_step)
         return TrainerConfigureFunctionOutput(fns.train, fns.evaluate, self.mesh, self.checkpoints)
 
     def initialize_trainer_utils(self) -> None:
@@ -418,7 +419,7 @@ class BaseTrainer:
         (the loop uses this executable). Returns True when it compiled it, False when it already was."""
         if self._train_fn is None:
             self.configure_functions()
-        if isinstance(self._train_fn, Future):
+        if isinstance(self._train_fn, Compilation):
             self._train_fn = self._train_fn.result()
             return True
         return False
