@@ -124,6 +124,24 @@ def test_an_input_error_is_not_retried(ray_cluster):
     assert len(e.value.failures) == 1 and "learning_rate = -1" in str(e.value)
 
 
+def _failing_job(ctx):
+    error = RuntimeError("cannot read an array split over 2 processes")
+    error.add_note("jaxloom: training stopped during step 11; checkpoint 10 is safe on disk")
+    raise error
+
+
+def test_a_workers_error_reaches_the_driver_as_itself(ray_cluster):
+    """The driver showed the note jaxloom appends ("training stopped during step 11"), the last line of the
+    worker's traceback, and dropped the error itself (issue 42): now the exception line, where it was raised,
+    then the note."""
+    with pytest.raises(GangFailedError) as e:
+        launch(_failing_job, scaling=ScalingConfig(num_workers=1, max_failures=0))
+    text = str(e.value)
+    assert "RuntimeError: cannot read an array split over 2 processes (at " in text, text
+    assert "test_launcher.py:" in text and "in _failing_job)" in text
+    assert "training stopped during step 11" in text
+
+
 def test_cli_train_with_ray(ray_cluster, tmp_path, capsys):
     from jaxloom.trainer.cli import SUMMARY_KEYS, main
 

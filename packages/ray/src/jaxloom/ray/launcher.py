@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import signal
 import threading
 import time
@@ -556,8 +557,20 @@ def _collective(cause: BaseException) -> bool:
     return any(word in text for word in ("gloo", "collective", "coordination", "heartbeat", "barrier", "nccl"))
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)\b(: .*)?$")
+_FRAME_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+
+
 def _last_line(e: BaseException) -> str:
-    """The last non-empty line of a Ray error: the exception itself, after its traceback."""
-    text = str(e).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return lines[-1] if lines else type(e).__name__
+    """What a worker's error says, from a Ray error's text (the worker's traceback): the exception line itself
+    (not the notes after it, such as jaxloom's "training stopped during step N", which are appended), where it
+    was raised (the innermost `file:line, in function`), then those notes."""
+    lines = [ln.rstrip() for ln in str(e).strip().splitlines() if ln.strip()]
+    found = [i for i, ln in enumerate(lines) if _EXCEPTION_LINE.match(ln.strip())]
+    if not found:
+        return lines[-1] if lines else type(e).__name__
+    at = found[-1]
+    frame = next((m for ln in reversed(lines[:at]) if (m := _FRAME_LINE.match(ln))), None)
+    where = f" (at {frame.group(1)}:{frame.group(2)}, in {frame.group(3)})" if frame else ""
+    notes = " ".join(ln.strip() for ln in lines[at + 1 :])
+    return lines[at].strip() + where + (f"; {notes}" if notes else "")
