@@ -417,3 +417,35 @@ def test_a_pretrained_model_without_a_config_file_gets_fine_tuning_defaults(tmp_
     assert mine.arguments.learning_rate == 1e-4 and mine.arguments.scheduler == "linear"
     demo, _ = build_run(None, ["max_training_steps=1", f"save_directory={tmp_path / 'demo'}"])
     assert demo.arguments.learning_rate == 3e-3 and demo.arguments.generation_prompts
+
+
+def test_a_mixture_is_described_by_its_parts_and_weights(tmp_path):
+    """The start-up summary and the report said "Mixture" (issue 42): each part's path and its share."""
+    import jaxloom.data as jd
+    from jaxloom.trainer.export import describe_data
+    from jaxloom.trainer.resume import data_identity
+
+    mix = jd.Mixture(
+        [{"path": str(tmp_path / "code.jsonl"), "weight": 3}, {"path": str(tmp_path / "web.jsonl"), "weight": 1}]
+    )
+    text = describe_data(data_identity(mix), mix)
+    assert text == f"a mixture of {tmp_path / 'code.jsonl'} (75%), {tmp_path / 'web.jsonl'} (25%)"
+
+
+def test_eval_fraction_with_data_of_ones_own_is_not_silently_ignored(tmp_path, caplog):
+    """`data.eval_fraction` holds out part of the bundled corpus only: asked for on the command line with other
+    data it is an error naming data.eval; from a config file (a copy of the demo's) a warning says it."""
+    import logging
+
+    from jaxloom.trainer.compose import build_run
+
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(20)))
+    base = [f"data.train={mine}", "max_training_steps=1", f"save_directory={tmp_path / 'run'}"]
+    with pytest.raises(
+        ValueError, match="data.eval_fraction = 0.2 holds out part of the bundled corpus only.*data.eval=FILE"
+    ):
+        build_run(None, [*base, "data.eval_fraction=0.2"])
+    with caplog.at_level(logging.WARNING, logger="jaxloom"):
+        build_run(str(DEMO_CONFIG), base)
+    assert "data.eval_fraction = 0.05 holds out part of the bundled corpus only" in caplog.text

@@ -140,6 +140,16 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
             "trainer=dpo needs preference data: data.train=pairs.jsonl (records with prompt, chosen, rejected); "
             "the bundled corpus is plain text"
         )
+    if train != "bundled" and "eval_fraction" in data_cfg:
+        said = (
+            f"data.eval_fraction = {data_cfg['eval_fraction']!r} holds out part of the bundled corpus only; with "
+            f"data.train = {train!r} it is not applied"
+        )
+        if any(o.startswith("data.eval_fraction=") for o in overrides):  # asked for now: an error
+            raise ValueError(f"{said}. Expected data.eval=FILE (held-out records of your own), or no eval_fraction")
+        user_file = config_path is not None and Path(config_path).name != RUN_CONFIG
+        if user_file:  # e.g. a copy of the demo's config with other data: said, not silent
+            log.warning("%s (from %s): evaluation uses data.eval only", said, config_path)
     if train == "bundled":
         records = jd.JsonlSource(jd.bundled_corpus_path()).read_shard(str(jd.bundled_corpus_path()))
         held = max(1, int(len(records) * float(data_cfg.get("eval_fraction", 0.05))))

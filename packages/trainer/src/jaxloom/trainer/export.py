@@ -77,7 +77,12 @@ def describe_data(identity: Any, data: Any) -> str:
         return identity[0] + (f" (+{len(identity) - 1} more)" if len(identity) > 1 else "")
     if isinstance(identity, dict) and "records" in identity:
         return f"{identity['records']:,} records in memory"
-    return type(data).__name__
+    if isinstance(identity, dict) and "mixture" in identity:  # each part and its weight
+        parts = [f"{describe_data(part, None)} ({weight:.0%})" for part, weight in identity["mixture"]]
+        return "a mixture of " + ", ".join(parts)
+    if isinstance(identity, dict) and "shards" in identity:
+        return describe_data(identity["shards"], data)
+    return type(data).__name__ if data is not None else "unnamed data"
 
 
 def shard_bytes(size: int | str) -> int:
