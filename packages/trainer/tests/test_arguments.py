@@ -172,3 +172,22 @@ def test_rows_with_nothing_to_predict_and_sections_that_are_not_sections_are_ref
     (tmp_path / "c.yaml").write_text("data:\n  - a.jsonl\n  - b.jsonl\n")
     with pytest.raises(ValueError, match=r"data: \['a.jsonl', 'b.jsonl'\] \(list\); expected a section"):
         build_run(str(tmp_path / "c.yaml"), [])
+
+
+def test_the_migration_table_names_every_hf_and_trl_name():
+    """docs/migration.md's table lists every alias and every refused name of `TrainingArguments`."""
+    from pathlib import Path
+
+    from jaxloom.trainer.arguments import ALIASES, RENAMED
+
+    docs = Path(__file__).resolve().parents[3] / "docs" / "migration.md"
+    if not docs.is_file():
+        pytest.skip("the docs are not beside this checkout of the package")
+    table = docs.read_text()
+    hf_names = set(ALIASES) - {"total_steps", "batch_size"} | set(RENAMED)  # (EasyDeL's names: the Ray guide)
+    missing = sorted(n for n in hf_names if f"`{n}`" not in table)
+    assert not missing, missing
+    assert TrainingArguments(lr_scheduler_type="linear").scheduler == "linear"
+    assert TrainingArguments(eval_steps=7).evaluation_steps == 7
+    with pytest.raises(ValueError, match=r"'bf16' \(use dtype=bfloat16"):
+        TrainingArguments(bf16=True)

@@ -109,7 +109,11 @@ class OptimizerArgs(_Group):
 
 class LoopArgs(_Group):
     # global rows per micro-batch
-    total_batch_size: int = Field(8, description="rows (sequences) per micro-batch, over all devices")
+    total_batch_size: int = Field(
+        8,
+        description="rows (sequences) per micro-batch, over all devices (HF's total train batch size is this × "
+        "gradient_accumulation_steps)",
+    )
     gradient_accumulation_steps: int = Field(1, description="micro-batches per optimizer step")
     # optimizer steps; None: from num_train_epochs
     max_training_steps: int | None = Field(
@@ -571,11 +575,16 @@ ALIASES = {
     "max_steps": "max_training_steps",  # HF Trainer / TRL
     "batch_size": "total_batch_size",  # EasyDeL's Ray guide: rows per step over all devices
     "output_dir": "save_directory",  # HF Trainer / TRL
+    "lr_scheduler_type": "scheduler",  # HF Trainer: linear, cosine, constant mean the same here
+    "eval_steps": "evaluation_steps",  # HF Trainer / TRL
 }
 # Names whose meaning differs from every jaxloom argument: refused, naming the one to use.
 RENAMED = {
     "per_device_train_batch_size": "total_batch_size (rows over all devices, not per device)",
     "per_device_eval_batch_size": "evaluation_batch_size (rows over all devices, not per device)",
+    "bf16": "dtype=bfloat16 (the compute dtype; param_dtype for the stored weights)",
+    "fp16": "dtype=float16 (the compute dtype; param_dtype for the stored weights)",
+    "logging_dir": "save_directory (TensorBoard events are written to save_directory/tensorboard)",
 }
 
 
