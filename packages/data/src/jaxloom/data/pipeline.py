@@ -508,8 +508,10 @@ class _Cursor:
                 break
             seen_empty = seen_empty + 1 if not block.records and self.state["block_cursor"] == 0 else 0
             if seen_empty > len(self.loader.shards):
+                names = [str(n) for n in self.loader.shards]
                 raise ValueError(
-                    f"the dataset is empty: no records in its {len(self.loader.shards)} shard(s) "
+                    f"the dataset is empty: no records in its {len(names)} shard(s) "
+                    f"({', '.join(names[:3])}{' …' if len(names) > 3 else ''}) "
                     f"for data rank {self.loader.rank} of {self.loader.ranks}"
                 )
             self._advance(block)

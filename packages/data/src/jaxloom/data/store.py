@@ -66,6 +66,13 @@ def tokenizer_hash(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
+def offsets_digest(offsets: np.ndarray) -> str:
+    """A digest of a shard's document offsets (int64): recorded by `prepare`, checked when the store is read, so a
+    moved document boundary (which leaves the offsets a valid index) is seen. Offsets are 8 bytes per document:
+    hashing them costs little; the tokens are checked by their range instead (hashing them would read them all)."""
+    return hashlib.sha256(np.ascontiguousarray(offsets, dtype="<i8").tobytes()).hexdigest()[:16]
+
+
 def _tokenizer_name(tokenizer) -> str:
     return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
 
@@ -95,8 +102,23 @@ class TokenStore(_Streamed):
                 f"{path}: format {self.manifest.get('format')!r} version {self.manifest.get('version')!r}; "
                 f"expected {FORMAT!r} version {VERSION} (made by `jaxloom data prepare`)"
             )
-        self.dtype = np.dtype(self.manifest["dtype"])
-        self._shards = {s["name"]: s for s in self.manifest["shards"]}
+        try:
+            self.dtype = np.dtype(self.manifest["dtype"])
+            self._shards = {s["name"]: s for s in self.manifest["shards"]}
+            for shard in self._shards.values():
+                for key in ("documents", "tokens"):
+                    if not isinstance(shard[key], int) or isinstance(shard[key], bool) or shard[key] < 0:
+                        raise ValueError(f"shard {shard['name']} {key} = {shard[key]!r}")
+                if "/" in shard["name"] or shard["name"].startswith("."):
+                    raise ValueError(f"shard name {shard['name']!r}")
+                bool(shard["masked"])
+            self.manifest["tokenizer"]["hash"], self.manifest["settings"]["add_bos"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"{path}: a malformed token store manifest ({type(e).__name__}: {e}); expected one written by "
+                "`jaxloom data prepare` (prepare the store again)"
+            ) from None
+        self.vocab: int | None = None  # set by `check`: every id read is checked against it
         self._open: dict[str, tuple] = {}
 
     @property
@@ -108,6 +130,7 @@ class TokenStore(_Streamed):
         than `config`'s (the run's `DataConfig`)."""
         made = self.manifest["tokenizer"]
         run = tokenizer_hash(tokenizer)
+        self.vocab = len(tokenizer)
         if made["hash"] != run:
             raise ValueError(
                 f"token store {self.root} was made with tokenizer {made['name']!r} (hash {made['hash']}), the run "
@@ -140,6 +163,21 @@ class TokenStore(_Streamed):
                     f"token store {self.root}: shard {name} is truncated or changed: {len(offsets) - 1} documents "
                     f"and {len(tokens)} tokens on disk, the manifest says {meta['documents']} and {meta['tokens']}"
                 )
+            steps = np.diff(np.asarray(offsets))
+            if offsets.ndim != 1 or int(offsets[0]) != 0 or int(offsets[-1]) != len(tokens) or (steps < 0).any():
+                bad = int(np.argmax(steps < 0)) if (steps < 0).any() else None
+                raise ValueError(
+                    f"token store {self.root}: shard {name}'s offsets are not a valid index of its "
+                    f"{len(tokens)} tokens (first {int(offsets[0])}, last {int(offsets[-1])}"
+                    + (f", out of order at document {bad}" if bad is not None else "")
+                    + "); the store is damaged: prepare it again"
+                )
+            if "offsets_digest" in meta and offsets_digest(np.asarray(offsets)) != meta["offsets_digest"]:
+                raise ValueError(
+                    f"token store {self.root}: shard {name}'s offsets differ from what prepare wrote (digest "
+                    f"{offsets_digest(np.asarray(offsets))}, the manifest says {meta['offsets_digest']}); the store is "
+                    "damaged: prepare it again"
+                )
             self._open[name] = (offsets, tokens, mask)
         return self._open[name]
 
@@ -153,7 +191,13 @@ class TokenStore(_Streamed):
             )
         for d in range(cursor, len(offsets) - 1):
             lo, hi = int(offsets[d]), int(offsets[d + 1])
-            yield {"input_ids": tokens[lo:hi], "loss_mask": None if mask is None else mask[lo:hi]}, d + 1
+            ids = tokens[lo:hi]
+            if self.vocab is not None and len(ids) and int(ids.max()) >= self.vocab:
+                raise ValueError(
+                    f"token store {self.root} shard {name} document {d}: token id {int(ids.max())} is not below the "
+                    f"tokenizer's {self.vocab}; the store is damaged or from another tokenizer: prepare it again"
+                )
+            yield {"input_ids": ids, "loss_mask": None if mask is None else mask[lo:hi]}, d + 1
 
     def describe(self, name: str, cursor: int) -> str:
         """Where document `cursor` of shard `name` is: `STORE shard NAME document D`."""

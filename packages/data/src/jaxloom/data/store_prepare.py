@@ -3,6 +3,7 @@ work units that a killed run continues, the store appearing whole or not at all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -14,7 +15,18 @@ from typing import Any
 import numpy as np
 
 from .sources import as_source, iter_shard
-from .store import MANIFEST, UNIT_BYTES, _BATCH, FORMAT, VERSION, _settings, _tokenizer_name, is_store, tokenizer_hash
+from .store import (
+    _BATCH,
+    FORMAT,
+    MANIFEST,
+    UNIT_BYTES,
+    VERSION,
+    _settings,
+    _tokenizer_name,
+    is_store,
+    offsets_digest,
+    tokenizer_hash,
+)
 
 log = logging.getLogger("jaxloom.data.store")
 
@@ -189,6 +201,7 @@ def _tokenize_unit(args, report=None) -> dict[str, Any]:
     else:
         os.remove(f"{base}.mask.tmp")
     meta = {"name": name, "documents": len(offsets) - 1, "tokens": n_tokens, "masked": masked}
+    meta["offsets_digest"] = offsets_digest(np.asarray(offsets, np.int64))
     os.replace(f"{base}.offsets.tmp.npy", f"{base}.offsets.npy")
     tmp = Path(f"{base}.done.json.tmp")
     tmp.write_text(json.dumps(meta))
@@ -232,9 +245,12 @@ def prepare(
         "settings": settings,
         "dtype": "uint16" if len(tok) <= 1 << 16 else "uint32",
         "sources": [str(s) for s in source.shard_names],
+        "source_files": _file_identities(source.shard_names),
     }
     if is_store(out):
         manifest = json.loads((out / MANIFEST).read_text())
+        if manifest.get("source_files") is None:  # a store from data 0.9: its files were not recorded
+            header = {k: v for k, v in header.items() if k != "source_files"}
         if {k: manifest.get(k) for k in header} != header:
             raise FileExistsError(
                 f"{out} is a token store made from other data or settings; expected a new directory "
@@ -246,14 +262,85 @@ def prepare(
         raise FileExistsError(f"{out} exists and is not a token store; expected a new directory for the store")
     work = out.with_name(out.name + ".partial")
     work.mkdir(parents=True, exist_ok=True)
+    with _writer_lock(work):
+        return _prepare_into(
+            work, out, header, source, tok_dir, config, num_proc, max_sequence_length, unit_bytes, progress
+        )
+
+
+def _file_identities(names) -> dict[str, list[int]] | None:
+    """`{file: [size, mtime_ns]}` of each local source file: a source edited after a prepare began (or after
+    the store was made) is then seen, never silently kept. None when a source is not a local file."""
+    out = {}
+    for name in names:
+        try:
+            st = os.stat(name)
+        except OSError:
+            return None
+        out[str(name)] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+@contextlib.contextmanager
+def _writer_lock(work: Path):
+    """One `prepare` writes a store at a time: `work/prepare.lock` holds the writer's pid. A lock whose
+    process is gone (killed) is taken over; a live one is an error naming it."""
+    lock = work / "prepare.lock"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and pid != os.getpid() and _alive(pid):
+                raise FileExistsError(
+                    f"{work} is being written by another `jaxloom data prepare` (pid {pid}); expected one writer "
+                    "per store (wait for it, or stop it)"
+                ) from None
+            lock.unlink(missing_ok=True)  # its writer is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        break
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _prepare_into(work, out, header, source, tok_dir, config, num_proc, max_sequence_length, unit_bytes, progress):
     plan = work / "plan.json"
     if plan.is_file() and json.loads(plan.read_text()) != header:
+        before = json.loads(plan.read_text())
+        changed = [
+            f
+            for f, ident in (header.get("source_files") or {}).items()
+            if (before.get("source_files") or {}).get(f) not in (None, ident)
+        ]
+        if changed:
+            raise FileExistsError(
+                f"{work} holds an unfinished store of {changed[0]}, which has changed since (size or time); "
+                "continuing would mix its old and new tokens: delete the unfinished store to start again"
+            )
         raise FileExistsError(
             f"{work} holds an unfinished store from other data or settings; expected the same arguments "
             "to continue it (or delete it to start again)"
         )
     plan.write_text(json.dumps(header))
     units = _units(source, unit_bytes)
+    dtype = np.dtype(str(header["dtype"]))
     done = {
         u.index: json.loads((work / f"shard-{u.index:05d}.done.json").read_text())
         for u in units
@@ -262,7 +349,6 @@ def prepare(
     todo = [u for u in units if u.index not in done]
     if done:
         log.info("continuing %s: %d of %d unit(s) already done", work, len(done), len(units))
-    dtype = np.dtype(str(header["dtype"]))
     jobs = [(source, u, tok_dir, config, max_sequence_length, dtype, str(work)) for u in todo]
     sizes = {u.index: _unit_bytes(u) for u in units}
     shown = _Progress(sum(sizes.values()), sum(sizes[i] for i in done), len(units), bar=progress)
@@ -289,6 +375,7 @@ def prepare(
     for u in units:
         (work / f"shard-{u.index:05d}.done.json").unlink()
     plan.unlink()
+    (work / "prepare.lock").unlink(missing_ok=True)  # the store is complete: it moves without its lock
     tmp = work / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, work / MANIFEST)
