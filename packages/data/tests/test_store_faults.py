@@ -83,6 +83,8 @@ def test_an_edited_source_is_not_silently_kept(tmp_path):
     os.utime(path, ns=(1, 1))  # and another time
     with pytest.raises(FileExistsError, match="made from other data or settings"):
         jd.prepare(path, tmp_path / "done", progress=False)
+    with pytest.raises(FileExistsError, match=rf"holds an unfinished store of {path}, which has changed since"):
+        jd.prepare(path, tmp_path / "half", progress=False)
 
 
 def test_one_writer_at_a_time(tmp_path):
