@@ -143,3 +143,20 @@ def test_configs_are_parsed_by_their_field_types():
     assert cfg.rms_norm_eps == 1e-5 and cfg.rope_theta == 1e6 and isinstance(cfg.hidden_size, int)
     with pytest.raises(ValueError, match=r"LlamaConfig: hidden_size = 3.5; expected a valid integer"):
         jm.LlamaConfig.from_hf_dict({"hidden_size": 3.5})
+
+
+def test_an_export_onto_a_symlink_writes_where_it_points(tmp_path):
+    """Exporting to `latest -> v1` replaced the link with a directory: readers of v1 kept stale weights (issue
+    43). The export goes to v1, atomically, and `latest` stays a link."""
+    import numpy as np
+
+    config = jm.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    jm.save_hf_model(jm.create_model(config, seed=0), tmp_path / "v1")
+    (tmp_path / "latest").symlink_to(tmp_path / "v1", target_is_directory=True)
+    newer = jm.create_model(config, seed=1)
+    jm.save_hf_model(newer, tmp_path / "latest")
+    assert (tmp_path / "latest").is_symlink() and (tmp_path / "latest").resolve() == (tmp_path / "v1").resolve()
+    a, b = jm.to_hf_state_dict(newer), jm.to_hf_state_dict(jm.from_pretrained(tmp_path / "v1"))
+    assert all(np.array_equal(a[k], b[k]) for k in a)

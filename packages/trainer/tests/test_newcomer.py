@@ -449,3 +449,45 @@ def test_eval_fraction_with_data_of_ones_own_is_not_silently_ignored(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="jaxloom"):
         build_run(str(DEMO_CONFIG), base)
     assert "data.eval_fraction = 0.05 holds out part of the bundled corpus only" in caplog.text
+
+
+def test_ctrl_c_during_setup_or_the_first_compile_is_one_line(tmp_path):
+    """Ctrl-C before step 1 (setup, the first compile in the background) printed a 124-line KeyboardInterrupt
+    traceback (issue 43): one line saying nothing was lost, exit 130, at once (the compile thread is not waited
+    for). Python raises KeyboardInterrupt in the main thread on SIGINT; here it is raised where setup runs."""
+    code = (
+        "import sys\n"
+        "import jaxloom.trainer.trainer as t\n"
+        "def interrupted(self):\n    raise KeyboardInterrupt\n"
+        "t.BaseTrainer.initialize_trainer_utils = interrupted\n"
+        "from jaxloom.trainer.cli import main\n"
+        f"sys.exit(main(['train', *{TINY!r}, 'max_training_steps=3', 'save_directory={tmp_path / 'run'}']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "jaxloom: interrupted before training began: nothing was trained" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_run_directory_removed_mid_run_gets_its_files_back(tmp_path):
+    """`rm -rf RUN` while training: the run went on and saved its checkpoint, but run_config.json, the tokenizer
+    copy and metrics.jsonl were never written again, so the run could not be converted or resumed by directory
+    (issue 43). After the next checkpoint they are there again (the metrics with the whole history)."""
+    from jaxloom.trainer.compose import build_run
+
+    run = tmp_path / "run"
+    overrides = [*TINY, "max_training_steps=4", "save_steps=2", "logging_steps=1", f"save_directory={run}"]
+    trainer_, resolved = build_run(None, overrides)
+    trainer_.run_config = resolved
+
+    def wipe(t, step):
+        if step == 3:
+            shutil.rmtree(run)
+
+    trainer_.add_callback(wipe, every=1, name="rm -rf")
+    trainer_.train()
+    trainer_.finish()
+    assert (run / "run_config.json").is_file() and (run / "tokenizer" / "tokenizer.json").is_file()
+    steps = [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {1, 2, 3, 4} <= set(steps)
+    assert main(["convert", "--to-hf", str(run), str(tmp_path / "hf")]) == 0

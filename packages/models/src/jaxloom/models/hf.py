@@ -239,13 +239,16 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     not), on failure it is removed and `path` is untouched. A crash leaves at worst a hidden
     `.NAME.tmp-PID` (or the previous export as `.NAME.old-PID`) beside it. On an object store (`gs://`) the
     same steps run as server-side copies: not one atomic step, but the previous export is only removed once
-    the new one is complete, and is kept as `.NAME.old-PID` if the swap itself is cut."""
+    the new one is complete, and is kept as `.NAME.old-PID` if the swap itself is cut. A `path` that is a
+    symbolic link is written where it points, and stays a link."""
     from jaxloom.core import paths
 
     if paths.is_uri(str(path)):
         yield from _atomic_remote_directory(paths.as_path(str(path)))
         return
     path = Path(path).absolute()
+    if path.is_symlink():  # write where the link points (readers of the target see the new export); keep the link
+        path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -463,6 +463,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, DirectoryLockedError) as e:
         print(f"jaxloom: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before training began (setup, the first compile): nothing to save
+        print(
+            "jaxloom: interrupted before training began: nothing was trained and nothing needs saving; run the same "
+            "command again to start",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(130)  # the train step may still be compiling in a background thread: do not wait for it
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import inspect
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,9 @@ from .previews import Generation
 from .run_directory import RunDirectory
 from .step import StepConfig
 from .stopping import StopControl
+
+
+log = logging.getLogger("jaxloom.trainer")
 
 
 def plan(trainer: Any) -> Plan:
@@ -150,13 +155,28 @@ def callbacks(trainer: Any) -> Callbacks:
     the callbacks added with `add_callback`."""
     a = trainer.arguments
     builtin = [
-        Callback(lambda t, step: t.save_checkpoint(step), when=trainer.checkpointing.should_save, name="checkpoint")
+        Callback(lambda t, step: t.save_checkpoint(step), when=trainer.checkpointing.should_save, name="checkpoint"),
+        Callback(on_save=_run_files_kept, name="run files"),
     ]
     if a.evaluation_steps and trainer.dataset_eval is not None:
         builtin.append(Callback(lambda t, step: t._evaluate_and_log(step), every=a.evaluation_steps, name="evaluation"))
     if a.generation_interval and a.generation_prompts:
         builtin.append(Callback(lambda t, step: t.preview(step), every=a.generation_interval, name="preview"))
     return Callbacks([*builtin, trainer_hooks(), *map(Callback.of, trainer.hooks), *trainer.callbacks])
+
+
+def _run_files_kept(trainer: Any, step: int) -> None:
+    """After each checkpoint (process 0): a run directory removed under the run (`rm -rf`) gets back what
+    rebuilds it — `run_config.json`, the tokenizer copy, `metrics.jsonl` with the whole history — so it can still
+    be resumed by directory and converted; it was silently left with checkpoints only."""
+    del step
+    if not trainer.is_process_zero or trainer.arguments.save_directory is None:
+        return
+    if trainer.run_directory.files_missing(trainer.run_config):
+        log.warning("%s lost its run files (removed?): writing them again", trainer.arguments.save_directory)
+        trainer.run_directory.write_run_files(trainer.run_config, trainer.tokenizer)
+    if trainer.step_log.writer is not None:
+        trainer.step_log.writer.rewrite_if_gone()
 
 
 class forward:  # noqa: N801 - used like a decorator-less property

@@ -185,6 +185,21 @@ class MetricsWriter:
         elif progress_bar and progress_total:
             self._bar = create_progress_bar(progress_total, "train", initial=initial)
 
+    def rewrite_if_gone(self) -> None:
+        """`metrics.jsonl` written again, whole, from the history, when it was removed under the run (its open
+        handle was writing to a deleted file)."""
+        if not self.enabled or self.closed:
+            return
+        path = self.directory / "metrics.jsonl"
+        if path.is_file():
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in self.history))
+        os.replace(tmp, path)
+        self._jsonl.close()
+        self._jsonl = open(path, "a", buffering=1)
+
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "train") -> None:
         if not self.enabled or self.closed:
             return

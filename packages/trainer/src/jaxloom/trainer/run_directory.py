@@ -114,11 +114,19 @@ class RunDirectory:
         if self._lock is not None:
             self._lock.release()
 
+    def files_missing(self, run_config: dict[str, Any] | None) -> bool:
+        """Whether what `write_run_files` wrote is gone (the directory removed under a running run)."""
+        directory = Path(self.config.save_directory)
+        return (run_config is not None and not (directory / RUN_CONFIG).is_file()) or not (
+            directory / "tokenizer"
+        ).is_dir()
+
     def write_run_files(self, run_config: dict[str, Any] | None, tokenizer: Any) -> None:
         """What rebuilds the run from its directory alone, written once the run is known to be valid (call
         on process 0): `run_config.json` (the resolved config of a `jaxloom` command run) and a copy of the
         tokenizer in `tokenizer/` (kept once written), each atomically."""
         directory = Path(self.config.save_directory)
+        directory.mkdir(parents=True, exist_ok=True)
         if run_config is not None:
             tmp = directory / f".{RUN_CONFIG}.tmp"
             tmp.write_text(json.dumps(run_config, indent=2, default=str))
