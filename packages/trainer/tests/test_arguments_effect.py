@@ -257,6 +257,7 @@ RUN_LEVEL = {
     "profile_steps": "test_training.py::test_profiler_trace_of_chosen_steps",
     "loss_block_size": "test_training.py::test_fused_loss_blocks_train_as_the_whole_logits_do_without_holding_them",
     "generation_interval": "test_training.py::test_eval_loss_falls_on_the_corpus",
+    "skip_bad_records": "test_training.py::test_a_bad_record_stops_once_naming_it_or_is_skipped_and_counted",
     "generation_prompts": "test_training.py::test_eval_loss_falls_on_the_corpus",
     "overwrite_output_dir": (
         "../../../tests/reliability/test_run_directory.py::test_an_earlier_run_is_never_replaced_silently"

@@ -472,3 +472,23 @@ def test_the_user_is_told_what_the_run_waits_for(tmp_path, caplog, monkeypatch):
     assert "train step compiled in" in text
     assert f"restoring checkpoint {tmp_path / 'run'}" in text and "restored checkpoint" in text and " GB in " in text
     assert "exporting " in text and "tensors," in text and "exported " in text
+
+
+def test_a_bad_record_stops_once_naming_it_or_is_skipped_and_counted(tmp_path):
+    """A record that cannot be read stopped the run at the same record on every rerun: a crash loop (issue 43).
+    It stops the run once naming file:line; with skip_bad_records a rerun goes past it (and past a malformed
+    line), counting what it skipped in the metrics."""
+    import json as _json
+
+    path = tmp_path / "data.jsonl"
+    lines = [_json.dumps({"text": f"document {i} " + "word " * 20}) for i in range(40)]
+    lines[5] = _json.dumps({"text": 12345})  # a column of the wrong type
+    lines[9] = '{"text": "unterminated'  # malformed JSON
+    path.write_text("\n".join(lines) + "\n")
+    kw = dict(max_training_steps=3, shuffle_train_dataset=False, packing=True, logging_steps=1)
+    with pytest.raises(ValueError, match=rf"{path}:(6|10)"):
+        trainer(tmp_path / "stop", train=str(path), evaluation=None, **kw).train()
+    out = trainer(tmp_path / "skip", train=str(path), evaluation=None, skip_bad_records=True, **kw).train()
+    assert out.state is not None and int(out.state.step) == 3
+    rows = [_json.loads(r) for r in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("train/skipped_records", 0) for r in rows) >= 1

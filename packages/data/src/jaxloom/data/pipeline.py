@@ -110,7 +110,11 @@ class DataLoader:
         parts = self.mixture.parts if self.mixture is not None else [data]
         if config.pairs and config.packing:
             raise ValueError("pairs=True needs packing=False: each row holds one preference pair, padded")
-        self.streams = [_Stream(as_source(d), self) for d in parts]
+        sources = [as_source(d) for d in parts]
+        for source in sources:  # a malformed line is skipped (with a warning naming it) as a bad record is
+            if config.bad_records == "skip" and getattr(source, "on_error", None) == "raise":
+                source.on_error = "skip"
+        self.streams = [_Stream(source, self) for source in sources]
         self._state = self._check_state(state) if state is not None else self._start_state()
         self._resumed = state is not None  # the first batch checks that the saved position still exists
         self._skipped_returned = 0

@@ -200,6 +200,11 @@ class DataArgs(_Group):
         "keep_end", description="which end of a too-long unpacked record is kept"
     )
     packing: bool = Field(True, description="pack documents into full rows (False: one record per row, padded)")
+    skip_bad_records: bool = Field(
+        False,
+        description="a record that cannot be read or tokenized is skipped and counted (data/skipped_records) instead "
+        "of stopping the run naming its file:line (a rerun can then go past it)",
+    )
     shuffle_train_dataset: bool = Field(True, description="shuffle the training data (seeded, exactly resumable)")
     shuffle_buffer_size: int = Field(
         8192, description="records read ahead per data stream and shuffled together (memory flat in dataset size)"
@@ -388,9 +393,6 @@ class PreferenceArgs(_Group):
     precompute_ref_log_probs: bool = Field(
         False, description="DPO: compute the reference log-probs in one pass before training; no reference held"
     )
-    skip_bad_records: bool = Field(
-        False, description="DPO: skip (and count) preference records that cannot be used instead of stopping"
-    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -532,7 +534,7 @@ TrainingArguments.__signature__ = _signature(GROUPS)  # type: ignore[attr-define
 class DPOConfig(TrainingArguments):
     """The arguments of `DPOTrainer`: every `TrainingArguments` argument, and the `preference` group —
     `beta`, `loss_type` (`sigmoid`, `ipo`, `hinge`), `label_smoothing`, `ref_model`,
-    `precompute_ref_log_probs`, `skip_bad_records` — plus TRL's `max_length`, the tokens of one sequence
+    `precompute_ref_log_probs` — plus TRL's `max_length`, the tokens of one sequence
     (prompt + chosen, or prompt + rejected), the same as `max_sequence_length`. `truncation_mode` defaults
     to TRL's `keep_start`; `packing` is off (each row holds one pair).
 

@@ -54,6 +54,7 @@ class DataSpec:
             shuffle=a.shuffle_train_dataset,
             shuffle_buffer_size=a.shuffle_buffer_size,
             seed=a.seed,
+            bad_records="skip" if a.skip_bad_records else "raise",
         )
         settings.update(changes.pop("settings", {}))
         return cls(row_width=changes.pop("row_width", a.max_sequence_length), settings=settings, **changes)

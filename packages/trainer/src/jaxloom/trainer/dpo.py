@@ -435,7 +435,7 @@ class DPOTrainer(BaseTrainer):
         return DataSpec.tokens(
             a,
             row_width=2 * a.max_sequence_length,
-            settings={"packing": False, "pairs": True, "bad_records": "skip" if a.skip_bad_records else "raise"},
+            settings={"packing": False, "pairs": True},
             extra={REF_KEY: ((2,), np.float32)},
             extend=self.reference.extend,
         )
@@ -444,13 +444,6 @@ class DPOTrainer(BaseTrainer):
         """The policy (as the core builds or restores it), then the frozen reference."""
         out = super().configure_model()
         self.reference.ready()
-        return out
-
-    def data_metrics(self) -> dict[str, float]:
-        """The core's data metrics and the bad records skipped so far (with `skip_bad_records`)."""
-        out = super().data_metrics()
-        if self.arguments.skip_bad_records:
-            out["skipped_records"] = float(self.batches.skipped_records())
         return out
 
 

@@ -281,8 +281,12 @@ class BaseTrainer:
         return DataSpec.tokens(self.arguments)
 
     def data_metrics(self) -> dict[str, float]:
-        """Metrics of the data read so far, added to each log row (a mixture's shares)."""
-        return self.batches.mixture_shares()
+        """Metrics of the data read so far, added to each log row: a mixture's shares, and the bad records
+        skipped so far (with `skip_bad_records`)."""
+        out = self.batches.mixture_shares()
+        if self.arguments.skip_bad_records:
+            out["skipped_records"] = float(self.batches.skipped_records())
+        return out
 
     @property
     def row_width(self) -> int:
