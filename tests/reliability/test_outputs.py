@@ -109,3 +109,29 @@ def test_reexporting_unsharded_over_sharded_leaves_no_stale_index(tmp_path):
     loaded = weights(out)
     assert all(np.array_equal(loaded[k], fresh[k]) for k in fresh)  # the new weights, not the old shards
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_a_full_disk_during_jaxloom_convert_is_one_line_and_keeps_the_previous_export(tmp_path):
+    """`jaxloom convert --to-hf` on a full disk ended in a traceback (issue 43): one line naming what could not
+    be written and what to do, exit 3, and the previous export intact."""
+    from jaxloom.trainer.cli import main
+
+    tiny = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
+            "max_sequence_length=32", "total_batch_size=8", "progress_bar=false", "max_training_steps=1",
+            "generation_prompts=[]", f"save_directory={tmp_path / 'run'}"]  # fmt: skip
+    assert main(["train", *tiny]) == 0
+    out = tmp_path / "hf"
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), str(out)]) == 0
+    before = weights(out)
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))  # no file may grow past 20 KB, as on a full disk\n"
+        "from jaxloom.trainer.cli import main\n"
+        f"sys.exit(main(['convert', '--to-hf', {str(tmp_path / 'run')!r}, {str(out)!r}]))\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "jaxloom: error: the disk is full writing" in proc.stderr and "Traceback" not in proc.stderr
+    after = weights(out)
+    assert all(np.array_equal(after[k], before[k]) for k in before)

@@ -95,3 +95,21 @@ def test_hf_export_to_gcs_streams_and_loads_back(tmp_path):
     assert sorted(loaded) == sorted(expected)
     for k in expected:
         np.testing.assert_array_equal(np.asarray(loaded[k]), gather(expected[k]), err_msg=k)
+
+
+def test_a_store_that_goes_away_is_one_clear_error(caplog):
+    """The GCS server stops mid-run (issue 43): the next save is one `CheckpointSaveError` saying the store
+    cannot be reached and what to do, not four retry tracebacks and a raw client error."""
+    psutil = pytest.importorskip("psutil")
+    with gcs_emulator() as bucket:
+        state = make_state(mesh_of(fsdp=1))
+        manager = js.CheckpointManager(f"{bucket}/run/checkpoints", async_save=False)
+        manager.save(1, state)
+        for child in psutil.Process().children(recursive=True):  # the server goes away
+            child.kill()
+        with caplog.at_level("WARNING"), pytest.raises(js.CheckpointSaveError) as failed:
+            manager.save(2, state)
+    text = str(failed.value)
+    assert f"saving checkpoint 2 in {bucket}/run/checkpoints failed: the store cannot be reached" in text
+    assert "Rerun when the store is back" in text
+    assert not [r for r in caplog.records if r.exc_info], "a client's retry logged a traceback"

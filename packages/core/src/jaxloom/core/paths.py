@@ -17,6 +17,7 @@ its name alone; `gs://` works (and a bucket mounted as a local path works for an
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -36,6 +37,7 @@ def as_path(path: Any) -> Any:
     text = str(path) if is_uri(str(path)) else os.fspath(path)
     if not is_uri(text):
         return Path(text).absolute()
+    _quiet_clients()
     scheme = text.split("://", 1)[0]
     if scheme == "s3":
         raise ValueError(
@@ -72,10 +74,30 @@ def upload_tree(local: Any, dest: Any) -> None:
             shutil.copyfileobj(src, out, 4 << 20)
 
 
+class _OneLineRetries(logging.Filter):
+    """An object-store client's "out of retries" records, kept as their one-line message: the traceback of each
+    failed attempt (several per operation) said nothing the error that follows does not."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+_QUIET = _OneLineRetries()
+
+
+def _quiet_clients() -> None:
+    client_log = logging.getLogger("gcsfs")
+    if _QUIET not in client_log.filters:
+        client_log.addFilter(_QUIET)
+
+
 def _fs(path: Any) -> tuple[Any, str]:
     """The fsspec filesystem etils (and so orbax) uses for `path`, and the path within it: one instance, so
     a listing cached by one is invalidated by the other's changes."""
     from etils.epath import backend
+
+    _quiet_clients()
 
     fs = backend.fsspec_backend.fs(str(path))
     return fs, fs._strip_protocol(str(path))

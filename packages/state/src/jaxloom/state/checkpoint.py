@@ -44,6 +44,19 @@ CHECKSUMS = "jaxloom_checksums.json"
 DIGESTS = "jaxloom_digests.process_"  # + "<process index>.json": that process's partial array digests
 
 
+def _unreachable(error: BaseException) -> bool:
+    """Whether `error` (or its cause) is a connection that could not be made or was lost: the store is gone."""
+    seen = 0
+    while error is not None and seen < 8:
+        name = type(error).__name__
+        if isinstance(error, ConnectionError) or name in ("ClientConnectorError", "ServerDisconnectedError"):
+            return True
+        if "Cannot connect to host" in str(error) or "Connection refused" in str(error):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
 class CheckpointSaveError(OSError):
     """Writing a checkpoint failed (disk full, permissions, ...). The partial write is never chosen on
     restore; the earlier checkpoints are untouched. After an I/O error orbax's writer threads may not
@@ -188,8 +201,11 @@ class CheckpointManager:
         position) and `metadata` are stored as JSON beside the arrays."""
         if self.config.read_only:
             raise ValueError(f"checkpoint manager of {self.directory} is read-only (a reader); it saves nothing")
-        manager, ocp = self._open(), _ocp()
-        self._write_checksums()  # the manifests of earlier saves finalised since
+        try:  # on an object store these list and read it: a store out of reach is a save that failed
+            manager, ocp = self._open(), _ocp()
+            self._write_checksums()  # the manifests of earlier saves finalised since
+        except Exception as e:  # noqa: BLE001 - one clear error, whatever the store's client raised
+            raise self._save_failed(step, e) from e
         params = state.params
         if self.config.float_dtype:
             dtype = np.dtype(jax.numpy.dtype(self.config.float_dtype))
@@ -229,11 +245,22 @@ class CheckpointManager:
 
     def _save_failed(self, step: int | None, e: Exception) -> CheckpointSaveError:
         self._manager = None  # not reused after an I/O error; a new one opens on the next call
-        steps = (
-            sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) if self.directory.is_dir() else []
-        )
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:500]
         what = f"checkpoint {step}" if step is not None else "a background checkpoint write"
+        if _unreachable(e):  # listing it again would only wait for the client's retries once more
+            return CheckpointSaveError(
+                f"saving {what} in {self.directory} failed: the store cannot be reached ({first}). Checkpoints "
+                "saved before are untouched there; the partial write will never be restored. Rerun when the store "
+                "is back: the run resumes from its newest complete checkpoint."
+            )
+        try:
+            steps = (
+                sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+                if self.directory.is_dir()
+                else []
+            )
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            steps = "(cannot be listed)"
         return CheckpointSaveError(
             f"saving {what} in {self.directory} failed: {first}. Earlier checkpoints "
             f"{steps} are untouched; the partial write will never be restored."

@@ -379,6 +379,22 @@ def run_summary(out) -> dict[str, Any]:
     }
 
 
+def _disk_error(error: OSError) -> str | None:
+    """One line for a write the disk refused (full, over quota, file too large, read-only, no permission): what
+    could not be written and what to do; None for other errors (raised as they are)."""
+    import errno
+
+    where = error.filename or "a file"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return (
+            f"the disk is full writing {where} ({error.strerror}); free space there or write elsewhere — an export "
+            "or checkpoint in progress is not complete, and the previous one is left as it was"
+        )
+    if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"cannot write {where} ({error.strerror}); expected a writable directory (choose another, or fix it)"
+    return None
+
+
 def key_value_forms(argv: list[str]) -> list[str]:
     """`train`/`eval`/`plan` arguments with HF's and argparse's forms of a setting, `--key=value` and `--key value`
     (dashes in the key read as underscores), turned into jaxloom's `key=value`, placed after the config or run
@@ -456,7 +472,12 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(e, FileNotFoundError):
                 print(f"jaxloom: error: {e}", file=sys.stderr)
                 return 2
-            raise
+            said = _disk_error(e)
+            if said is None:
+                raise
+            print(f"jaxloom: error: {said}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(3)  # a writer thread may still hold the file: do not wait for it
         print(f"jaxloom: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(3)  # orbax's writer threads may hang after an I/O error: do not wait for them
