@@ -47,7 +47,8 @@ main(sys.argv[1:])
 @contextlib.contextmanager
 def gcs_emulator(bucket: str = "jaxloom-test") -> Iterator[str]:
     """Run an in-memory GCS emulator for the duration of the block, with `bucket` created; the block sees
-    `STORAGE_EMULATOR_HOST`, `TENSORSTORE_GCS_HTTP_URL` and `GOOGLE_AUTH_TOKEN_FOR_TESTING` set."""
+    `STORAGE_EMULATOR_HOST`, `TENSORSTORE_GCS_HTTP_URL` and `GOOGLE_AUTH_TOKEN_FOR_TESTING` set, and the
+    server's process id in `JAXLOOM_GCS_EMULATOR_PID`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -64,10 +65,12 @@ def gcs_emulator(bucket: str = "jaxloom-test") -> Iterator[str]:
         "GOOGLE_AUTH_TOKEN_FOR_TESTING",
         "NO_PROXY",
         "no_proxy",
+        "JAXLOOM_GCS_EMULATOR_PID",
     )
     saved = {k: os.environ.get(k) for k in keys}
     loopback = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1,localhost"]))
     os.environ.update(NO_PROXY=loopback, no_proxy=loopback)  # never through a proxy
+    os.environ["JAXLOOM_GCS_EMULATOR_PID"] = str(server.pid)  # a test can stop the server (a store that goes away)
     try:
         deadline = time.monotonic() + 60
         while True:
