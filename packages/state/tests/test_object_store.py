@@ -105,12 +105,12 @@ def test_a_store_that_goes_away_is_one_clear_error(caplog):
 
     with gcs_emulator() as bucket:
         state = make_state(mesh_of(fsdp=1))
-        manager = js.CheckpointManager(f"{bucket}/run/checkpoints", async_save=False)
+        manager = js.CheckpointManager(f"{bucket}/gone/checkpoints", async_save=False)
         manager.save(1, state)
         os.kill(int(os.environ["JAXLOOM_GCS_EMULATOR_PID"]), signal.SIGKILL)  # the server goes away
         with caplog.at_level("WARNING"), pytest.raises(js.CheckpointSaveError) as failed:
             manager.save(2, state)
     text = str(failed.value)
-    assert f"saving checkpoint 2 in {bucket}/run/checkpoints failed: the store cannot be reached" in text
+    assert f"saving checkpoint 2 in {bucket}/gone/checkpoints failed: the store cannot be reached" in text
     assert "Rerun when the store is back" in text
     assert not [r for r in caplog.records if r.exc_info], "a client's retry logged a traceback"

@@ -318,7 +318,10 @@ def _batch_tokenize(rows: list[dict], tokenizer, config: DataConfig) -> list[np.
         return None
     bos = [tokenizer.bos_token_id] if config.add_bos and tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if config.add_eos and tokenizer.eos_token_id is not None else []
-    encoded = tokenizer([r[column] for r in rows], add_special_tokens=False)["input_ids"]
+    try:
+        encoded = tokenizer([r[column] for r in rows], add_special_tokens=False)["input_ids"]
+    except (TypeError, ValueError):  # a record it cannot take (a lone surrogate): record by record, named
+        return None
     return [np.asarray(bos + ids + eos, np.int32) for ids in encoded]
 
 

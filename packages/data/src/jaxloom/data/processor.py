@@ -48,7 +48,16 @@ def load_processor(path_or_dir: str | Path | None = None, *, trust_remote_code: 
         from transformers import PreTrainedTokenizerFast as cls
     else:
         from transformers import AutoTokenizer as cls
-    tok = cls.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    try:
+        tok = cls.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        if not Path(path).is_dir():
+            raise
+        have = sorted(p.name for p in Path(path).iterdir())[:12]
+        raise ValueError(
+            f"{path}: not a tokenizer transformers can load ({str(e).strip().splitlines()[0][:200]}); it holds "
+            f"{have}; expected tokenizer.json (or tokenizer_config.json with its vocabulary files)"
+        ) from None
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ValueError(

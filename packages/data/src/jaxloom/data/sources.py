@@ -39,10 +39,16 @@ def _paths(paths: str | Path | Sequence[str | Path]) -> list[Any]:
             out.extend(_uri_files(str(item)))
             continue
         p = Path(item)
-        matches = sorted(p.parent.glob(p.name)) if any(c in p.name for c in "*?[") else [p]
+        pattern = any(c in p.name for c in "*?[") and not p.is_file()  # `data[1].jsonl` that exists is a file
+        matches = sorted(p.parent.glob(p.name)) if pattern else [p]
         if not matches:
             raise FileNotFoundError(f"no file matches {p}")
         for m in matches:
+            if m.is_dir():
+                raise FileNotFoundError(
+                    f"dataset path {m} is a directory, not a data file; expected a .jsonl/.parquet/.txt file, a glob "
+                    "of them (quoted), a token store or a saved HF dataset"
+                )
             if not m.is_file():
                 raise FileNotFoundError(f"dataset file {m} does not exist")
         out.extend(matches)
@@ -135,7 +141,10 @@ class JsonlSource(_LineFiles):
             if raw.strip():
                 line = self._decode(name, raw, start)
                 try:
-                    row = json.loads(line)
+                    try:
+                        row = json.loads(line)
+                    except RecursionError:
+                        raise ValueError("nested deeper than Python's JSON reader goes") from None
                     if not isinstance(row, dict):
                         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
                 except ValueError as e:
@@ -187,7 +196,13 @@ class ParquetSource(_Streamed):
         """`(record, row after it)` from row `cursor` of file `name`."""
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(_pathlayer.open_binary(name) if _pathlayer.is_uri(name) else name)
+        try:
+            pf = pq.ParquetFile(_pathlayer.open_binary(name) if _pathlayer.is_uri(name) else name)
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors name neither the file nor the fix
+            raise ValueError(
+                f"{name}: not a readable Parquet file ({type(e).__name__}: {e}); expected a complete .parquet file "
+                "(a truncated copy?)"
+            ) from None
         meta, first, group = pf.metadata, 0, 0
         while group < meta.num_row_groups and first + meta.row_group(group).num_rows <= cursor:
             first += meta.row_group(group).num_rows

@@ -27,6 +27,8 @@ def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarr
     if config.messages_column in record:
         return _chat(record[config.messages_column], tokenizer)
     if config.prompt_column in record and config.completion_column in record:
+        for column in (config.prompt_column, config.completion_column):
+            _check_text(record[column], column)
         p = tokenizer.encode(record[config.prompt_column], add_special_tokens=False)
         c = tokenizer.encode(record[config.completion_column], add_special_tokens=False)
         ids = bos + p + c + eos
@@ -34,11 +36,24 @@ def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarr
         return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
     if config.text_column in record:
         text = record[config.text_column]
-        if not isinstance(text, str):
-            raise ValueError(f"column {config.text_column!r} holds {type(text).__name__}, expected text")
+        _check_text(text, config.text_column)
         ids = bos + tokenizer.encode(text, add_special_tokens=False) + eos
         return np.asarray(ids, np.int32), np.ones(len(ids), np.int32)
     raise column_error(record, config)
+
+
+def _check_text(value: Any, column: str) -> None:
+    """`value` of `column` is text a tokenizer takes: a `str` that is valid Unicode (no lone surrogate, which
+    JSON's `\\ud800` escapes can make and which the tokenizers library rejects with a message naming neither)."""
+    if not isinstance(value, str):
+        raise ValueError(f"column {column!r} holds {type(value).__name__}, expected text")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"column {column!r} holds a lone surrogate ({value[e.start]!r}) at character {e.start}; expected valid "
+            "Unicode text (fix the record, or skip_bad_records=true)"
+        ) from None
 
 
 def _pretokenized(record: dict[str, Any], vocab: int) -> tuple[np.ndarray, np.ndarray]:

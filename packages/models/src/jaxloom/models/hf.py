@@ -116,7 +116,13 @@ def from_pretrained(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
-    config = config_from_hf_dict(json.loads((path / "config.json").read_text()))
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"{path / 'config.json'}: malformed JSON ({e}); expected the model's config.json") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path / 'config.json'}: a {type(raw).__name__}; expected a JSON object of settings")
+    config = config_from_hf_dict(raw)
     if config_overrides:
         config = config.replace(**config_overrides)
     runtime = runtime or RuntimeConfig()

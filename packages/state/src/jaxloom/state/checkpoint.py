@@ -117,6 +117,7 @@ class CheckpointManager:
         self.directory = paths.as_path(config.directory)  # a local Path, or an epath.Path for a URI
         self._manager = None  # orbax.checkpoint.CheckpointManager, opened on first use
         self._last_save_time = time.monotonic()
+        self._stray_seen: set[int] = set()  # step directories without a checkpoint, said once
         self._lock = threading.Lock()
         if self.directory.is_dir():
             self._open()
@@ -169,13 +170,24 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step (partial writes are never counted)."""
-        manager = self._listing()
-        return None if manager is None else manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
         manager = self._listing()
-        return [] if manager is None else sorted(manager.all_steps())
+        if manager is None:
+            return []
+        steps = []
+        local = isinstance(self.directory, Path)  # a bucket's steps are committed by marker: orbax lists those
+        for step in sorted(manager.all_steps()):
+            folder = self.directory / str(step)
+            if not local or (folder / "meta").exists() or (folder / "params").exists():
+                steps.append(step)
+            elif step not in self._stray_seen:  # e.g. `mkdir checkpoints/7`: not a checkpoint, never chosen
+                self._stray_seen.add(step)
+                log.warning("ignoring %s: a step directory without a checkpoint in it (params, meta)", folder)
+        return steps
 
     # ---- saving -----------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:

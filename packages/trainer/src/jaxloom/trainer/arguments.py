@@ -690,7 +690,26 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             ) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    _plain_values(data, path)
     return data
+
+
+def _plain_values(value: Any, path: Any, key: str = "") -> None:
+    """Every value of a config is text, a number, a boolean, null, a list or a section: YAML's dates and times
+    (`save_directory: 2024-01-01`) are refused naming the key and how to write it as text."""
+    import datetime
+
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _plain_values(v, path, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _plain_values(v, path, f"{key}[{i}]")
+    elif isinstance(value, datetime.date | datetime.datetime | datetime.time):
+        raise ValueError(
+            f"{path}: {key} = {value} is read by YAML as a {type(value).__name__}; expected text: quote it "
+            f"({key.rsplit('.', 1)[-1]}: '{value}')"
+        )
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -703,6 +722,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ValueError(f"override {item!r}; expected key=value")
         key, raw = item.split("=", 1)
         value = yaml.load(raw, Loader=_yaml_loader()) if raw else raw
+        _plain_values(value, "the command line", key)
         node = data
         *parents, leaf = key.split(".")
         for p in parents:
