@@ -48,24 +48,31 @@ def test_inputs_as_users_write_them_are_named_with_the_fix(tmp_path):
     def first_batch(path):
         return next(iter(jd.DataLoader(jd.as_source(str(path)), tok, config)))
 
-    deep = tmp_path / "deep.jsonl"
-    deep.write_text('{"text": ' + "[" * 5000 + "]" * 5000 + "}\n")
-    with pytest.raises(ValueError, match=rf"{deep}:1: malformed JSONL line \(nested deeper"):
-        first_batch(deep)
-    lone = tmp_path / "lone.jsonl"
-    lone.write_text('{"text": "abc \\ud800 def"}\n')
-    with pytest.raises(ValueError, match=rf"{lone}:1: column 'text' holds a lone surrogate"):
-        first_batch(lone)
+    cases = [  # (file, its content, the error, what it says)
+        (
+            "deep.jsonl",
+            '{"text": ' + "[" * 5000 + "]" * 5000 + "}\n",
+            ValueError,
+            ":1: malformed JSONL line \\(nested deeper",
+        ),
+        ("lone.jsonl", '{"text": "abc \\ud800 def"}\n', ValueError, ":1: column 'text' holds a lone surrogate"),
+        (
+            "number.jsonl",
+            json.dumps({"prompt": 5, "completion": "x"}) + "\n",
+            ValueError,
+            ":1: column 'prompt' holds int",
+        ),
+    ]
+    for name, content, error, says in cases:
+        (tmp_path / name).write_text(content)
+        with pytest.raises(error, match=rf"{tmp_path / name}{says}"):
+            first_batch(tmp_path / name)
     brackets = tmp_path / "data[1].jsonl"
     brackets.write_text("".join(json.dumps({"text": f"document {i} words"}) + "\n" for i in range(8)))
     assert first_batch(brackets)["input_ids"].shape == (2, 16)  # the file itself, not a glob matching nothing
     (tmp_path / "dir.jsonl").mkdir()
     with pytest.raises(FileNotFoundError, match="is a directory, not a data file"):
         first_batch(tmp_path / "dir.jsonl")
-    number = tmp_path / "number.jsonl"
-    number.write_text(json.dumps({"prompt": 5, "completion": "x"}) + "\n")
-    with pytest.raises(ValueError, match=rf"{number}:1: column 'prompt' holds int, expected text"):
-        first_batch(number)
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("save_directory: 2024-01-01\n")
     with pytest.raises(ValueError, match=r"save_directory = 2024-01-01 is read by YAML as a date; expected text"):

@@ -63,6 +63,44 @@ class CheckpointSaveError(OSError):
     stop: exit the process (the `jaxloom` command does) rather than keep training."""
 
 
+def _holding_checkpoints(directory: Any, steps: list[int], said: set[int]) -> list[int]:
+    """`steps` whose directories hold a checkpoint (`params`, `meta`): a stray `mkdir checkpoints/7` is not one,
+    is never chosen, and is warned of once (`said`). A bucket's steps are committed by marker: orbax's list."""
+    if not isinstance(directory, Path):
+        return steps
+    out = []
+    for step in steps:
+        folder = directory / str(step)
+        if not folder.exists() or (folder / "meta").exists() or (folder / "params").exists():
+            out.append(step)  # (a step orbax knows whose folder is not there yet: a save in flight)
+        elif step not in said:
+            said.add(step)
+            log.warning("ignoring %s: a step directory without a checkpoint in it (params, meta)", folder)
+    return out
+
+
+def save_failure(directory: Any, step: int | None, e: Exception) -> CheckpointSaveError:
+    """The one error a failed save of checkpoint `step` (None: a background write) in `directory` raises, from
+    what the writer raised (`e`): what failed, what is still safe, what to do."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:500]
+    what = f"checkpoint {step}" if step is not None else "a background checkpoint write"
+    if _unreachable(e):  # listing it again would only wait for the client's retries once more
+        return CheckpointSaveError(
+            f"saving {what} in {directory} failed: the store cannot be reached ({first}). Checkpoints "
+            "saved before are untouched there; the partial write will never be restored. Rerun when the store "
+            "is back: the run resumes from its newest complete checkpoint."
+        )
+    steps: Any
+    try:
+        steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+    except Exception:  # noqa: BLE001 - the first error is the one to report
+        steps = "(cannot be listed)"
+    return CheckpointSaveError(
+        f"saving {what} in {directory} failed: {first}. Earlier checkpoints "
+        f"{steps} are untouched; the partial write will never be restored."
+    )
+
+
 @config
 class CheckpointConfig:
     """Args:
@@ -178,16 +216,7 @@ class CheckpointManager:
         manager = self._listing()
         if manager is None:
             return []
-        steps = []
-        local = isinstance(self.directory, Path)  # a bucket's steps are committed by marker: orbax lists those
-        for step in sorted(manager.all_steps()):
-            folder = self.directory / str(step)
-            if not local or (folder / "meta").exists() or (folder / "params").exists():
-                steps.append(step)
-            elif step not in self._stray_seen:  # e.g. `mkdir checkpoints/7`: not a checkpoint, never chosen
-                self._stray_seen.add(step)
-                log.warning("ignoring %s: a step directory without a checkpoint in it (params, meta)", folder)
-        return steps
+        return _holding_checkpoints(self.directory, sorted(manager.all_steps()), self._stray_seen)
 
     # ---- saving -----------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -257,26 +286,7 @@ class CheckpointManager:
 
     def _save_failed(self, step: int | None, e: Exception) -> CheckpointSaveError:
         self._manager = None  # not reused after an I/O error; a new one opens on the next call
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:500]
-        what = f"checkpoint {step}" if step is not None else "a background checkpoint write"
-        if _unreachable(e):  # listing it again would only wait for the client's retries once more
-            return CheckpointSaveError(
-                f"saving {what} in {self.directory} failed: the store cannot be reached ({first}). Checkpoints "
-                "saved before are untouched there; the partial write will never be restored. Rerun when the store "
-                "is back: the run resumes from its newest complete checkpoint."
-            )
-        try:
-            steps = (
-                sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
-                if self.directory.is_dir()
-                else []
-            )
-        except Exception:  # noqa: BLE001 - the first error is the one to report
-            steps = "(cannot be listed)"
-        return CheckpointSaveError(
-            f"saving {what} in {self.directory} failed: {first}. Earlier checkpoints "
-            f"{steps} are untouched; the partial write will never be restored."
-        )
+        return save_failure(self.directory, step, e)
 
     def close(self) -> None:
         """Finish background writes (raising if one failed) and release orbax."""
