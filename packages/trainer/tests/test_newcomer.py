@@ -227,6 +227,7 @@ def test_ctrl_c_after_a_clean_save_exits_130(tmp_path):
     # the way out is short (issue 42: an evaluation and previews ran first, ~10 s): saved, plotted, reported
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert not any("eval/loss" in r for r in rows) and (tmp_path / "run" / "report.md").is_file()
+    assert f"is saved: `jaxloom train {tmp_path / 'run'}` (or the same command again) resumes it" in rest
 
 
 def test_the_cli_lists_and_shows_its_settings(tmp_path, capsys):

@@ -122,6 +122,10 @@ def finish(trainer: Any, step: int, stop_reason: str) -> TrainerOutput:
         report = trainer.save_information(final=final, stop_reason=stop_reason, samples=samples)
     trainer.step_log.close()
     log.info("training stopped at step %d: %s", step, stop_reason)
+    if hurry and a.save_directory is not None:
+        log.info(
+            "checkpoint %d is saved: `jaxloom train %s` (or the same command again) resumes it", step, a.save_directory
+        )
     return TrainerOutput(
         trainer.state,
         final,
