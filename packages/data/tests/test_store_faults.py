@@ -167,3 +167,12 @@ def test_malformed_jsonl_gives_an_error_with_file_and_line_or_trains(tmp_path_fa
         assert "data.jsonl" in str(e), str(e)  # names the file (and its line, for a bad line)
     except StopIteration:
         pass
+
+
+def test_a_pretokenized_row_with_no_target_is_a_bad_record(tmp_path):
+    """Rows whose labels are all -100 "trained" at loss 0.0 (issue 43): a bad record naming file:line."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"input_ids": [5, 6, 7, 8], "labels": [-100, -100, -100, -100]}) + "\n")
+    loader = jd.DataLoader(jd.as_source(str(path)), TOK, CONFIG)
+    with pytest.raises(ValueError, match=rf"{path}:1: a pre-tokenized row of 4 tokens has no target token"):
+        next(iter(loader))

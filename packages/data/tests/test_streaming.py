@@ -150,14 +150,15 @@ def test_pretokenized_records_are_used_as_they_are():
     cfg = jd.DataConfig(max_sequence_length=8, batch_size=2, packing=False, shuffle=False, prefetch=0)
     records = [
         {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
-        {"input_ids": [9, 10], "loss_mask": [1, 0]},
+        {"input_ids": [9, 10, 11], "loss_mask": [1, 0, 1]},
     ]
     b = next(jd.DataLoader(records, TOK, cfg))
     assert b["input_ids"][0, :3].tolist() == [5, 6, 7] and b["loss_mask"][0, :3].tolist() == [0, 1, 1]
-    assert b["input_ids"][1, :2].tolist() == [9, 10] and b["loss_mask"][1, :2].tolist() == [1, 0]
+    assert b["input_ids"][1, :3].tolist() == [9, 10, 11] and b["loss_mask"][1, :3].tolist() == [1, 0, 1]
     for bad, match in [
         ({"input_ids": [1, 99999]}, r"expected ids in \[0, 4096\)"),
         ({"input_ids": [1, 2], "loss_mask": [1]}, "one per token"),
+        ({"input_ids": [9, 10], "loss_mask": [1, 0]}, "no target token"),  # the first token is never predicted
     ]:
         with pytest.raises(ValueError, match=match):
             next(jd.DataLoader([bad], TOK, cfg))

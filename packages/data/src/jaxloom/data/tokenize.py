@@ -73,6 +73,12 @@ def _pretokenized(record: dict[str, Any], vocab: int) -> tuple[np.ndarray, np.nd
         mask = np.ones(len(ids), np.int32)
     if mask.shape != ids.shape:
         raise ValueError(f"loss_mask/labels have {mask.size} values for {ids.size} input_ids; expected one per token")
+    if ids.size and not mask[1:].any():  # the first token is never predicted: no target at all
+        raise ValueError(
+            f"a pre-tokenized row of {ids.size} tokens has no target token (its loss_mask/labels mark none after the "
+            "first); it would train on nothing (a zero-loss step): expected at least one target, or "
+            "skip_bad_records=true"
+        )
     return ids, mask
 
 
