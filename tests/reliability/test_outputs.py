@@ -135,3 +135,26 @@ def test_a_full_disk_during_jaxloom_convert_is_one_line_and_keeps_the_previous_e
     assert "jaxloom: error: the disk is full writing" in proc.stderr and "Traceback" not in proc.stderr
     after = weights(out)
     assert all(np.array_equal(after[k], before[k]) for k in before)
+
+
+def test_a_read_only_save_directory_is_one_line(tmp_path):
+    """A save_directory on a read-only filesystem (a real read-only tmpfs mount) ended in a traceback
+    (issue 43): one line naming the directory and what to do, exit 3."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {made.stderr.decode()[:200]}")
+    try:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+        tiny = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1"]
+        tiny += ["max_sequence_length=16", "total_batch_size=4", "progress_bar=false", "max_training_steps=1"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "jaxloom.trainer.cli", "train", f"save_directory={mount / 'run'}", *tiny],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert f"jaxloom: error: cannot write {mount / 'run'} (Read-only file system)" in proc.stderr
+    assert "Traceback" not in proc.stderr
