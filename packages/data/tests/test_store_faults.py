@@ -106,7 +106,11 @@ def test_one_writer_at_a_time(tmp_path):
     assert jd.is_store(tmp_path / "s") and not (tmp_path / "s" / "prepare.lock").exists()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=int(os.environ.get("JAXLOOM_HYPOTHESIS_EXAMPLES", "40")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(
     data=st.data(),
     target=st.sampled_from(["offsets", "tokens", "manifest"]),

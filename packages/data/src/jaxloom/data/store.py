@@ -112,7 +112,13 @@ class TokenStore(_Streamed):
                 if "/" in shard["name"] or shard["name"].startswith("."):
                     raise ValueError(f"shard name {shard['name']!r}")
                 bool(shard["masked"])
-            self.manifest["tokenizer"]["hash"], self.manifest["settings"]["add_bos"]
+            made, settings = self.manifest["tokenizer"], self.manifest["settings"]
+            for value in (made["hash"], made["name"]):
+                if not isinstance(value, str):
+                    raise ValueError(f"tokenizer {value!r}")
+            for key in ("add_bos", "add_eos"):
+                if not isinstance(settings[key], bool):
+                    raise ValueError(f"settings {key} = {settings[key]!r}")
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
                 f"{path}: a malformed token store manifest ({type(e).__name__}: {e}); expected one written by "
