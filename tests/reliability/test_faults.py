@@ -42,8 +42,9 @@ def test_sigkill_at_a_random_step_resumes_to_the_same_parameters(reference, tmp_
         np.testing.assert_array_equal(final[k], reference[k], err_msg=f"{k} after a kill at step {kill_at}")
 
 
-# SIGHUP: the terminal closed or the ssh session dropped (issue 43: it killed the run with no checkpoint)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+# SIGHUP: the terminal closed or the ssh session dropped (issue 43: it killed the run with no checkpoint);
+# SIGQUIT (Ctrl-\) dumped core
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
 def test_stop_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, sig):
     proc, lines, err = run_worker(tmp_path, "save_steps=100", stop_after=5, sig=sig, timeout=120)
     assert proc.returncode == 0, err[-3000:]

@@ -86,9 +86,10 @@ class StopControl:
         return metrics
 
     def install_signal_handlers(self) -> Callable[[], Any]:
-        """SIGINT, SIGTERM and SIGHUP (the terminal closed, an ssh session dropped) finish the step, save and
-        stop (another one while saving is absorbed); returns the function that puts the previous handlers
-        back. Only in the main thread."""
+        """SIGINT, SIGTERM, SIGHUP (the terminal closed, an ssh session dropped) and SIGQUIT (Ctrl-\\, which
+        would otherwise dump core and lose the steps since the last checkpoint) finish the step, save and stop
+        (another one while saving is absorbed); returns the function that puts the previous handlers back. Only
+        in the main thread."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
 
@@ -99,5 +100,6 @@ class StopControl:
             log.warning("signal %d: finishing this step, saving a checkpoint and stopping", signum)
             self.code, self.signal = STOP_SIGNAL, signum
 
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+        old = {s: signal.signal(s, handler) for s in stops}
         return lambda: [signal.signal(s, h) for s, h in old.items()]
