@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import time
 import subprocess
 import sys
 import types
@@ -492,3 +493,33 @@ def test_a_run_directory_removed_mid_run_gets_its_files_back(tmp_path):
     steps = [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert {1, 2, 3, 4} <= set(steps)
     assert main(["convert", "--to-hf", str(run), str(tmp_path / "hf")]) == 0
+
+
+def test_ctrl_c_during_data_prepare_stops_at_once_and_the_same_command_continues(tmp_path):
+    """Ctrl-C during `jaxloom data prepare` was sometimes swallowed and the prepare ran on to exit 0 (issue 43):
+    it exits 130 at once saying what is kept, and the same command finishes the store."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 30}) + "\n" for i in range(3000)))
+    code = (
+        "import sys, time\n"
+        "import jaxloom.data.store_prepare as s\n"
+        "real = s._tokenize_unit\n"
+        "def slow(args, **kw):\n    time.sleep(0.3)\n    return real(args, **kw)\n"
+        "s._tokenize_unit = slow\n"
+        "units = s._units\n"
+        "s._units = lambda source, unit_bytes: units(source, 16384)  # many small units\n"
+        "from jaxloom.trainer.cli import main\n"
+        f"sys.exit(main(['data', 'prepare', {str(data)!r}, {str(tmp_path / 'store')!r}]))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    partial = tmp_path / "store.partial"
+    deadline = time.monotonic() + 120
+    while not list(partial.glob("*.done.json")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "prepare interrupted (signal 2): its finished units are kept" in err and "Traceback" not in err
+    assert main(["data", "prepare", str(data), str(tmp_path / "store")]) == 0

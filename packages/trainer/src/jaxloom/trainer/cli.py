@@ -330,18 +330,41 @@ def _prepare(ns) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {value}; expected a positive integer")
     config = jd.DataConfig(add_bos=not ns.no_bos, add_eos=not ns.no_eos)
-    manifest = jd.prepare(
-        ns.source,  # a glob is expanded by the source
-        ns.out,
-        ns.tokenizer,
-        config=config,
-        num_proc=ns.num_proc,
-        max_sequence_length=ns.max_sequence_length,
-        progress=sys.stderr.isatty(),
-    )
+    restore = _stop_prepare_at_once(ns.out)
+    try:
+        manifest = jd.prepare(
+            ns.source,  # a glob is expanded by the source
+            ns.out,
+            ns.tokenizer,
+            config=config,
+            num_proc=ns.num_proc,
+            max_sequence_length=ns.max_sequence_length,
+            progress=sys.stderr.isatty(),
+        )
+    finally:
+        restore()
     keys = ("documents", "tokens", "dtype", "tokenizer")
     print(json.dumps({"store": str(ns.out), **{k: manifest[k] for k in keys}, "shards": len(manifest["shards"])}))
     return 0
+
+
+def _stop_prepare_at_once(out: str):
+    """Ctrl-C or SIGTERM during `jaxloom data prepare` exits at once, saying what is kept: its finished units are
+    on disk and the same command continues from them (a KeyboardInterrupt could be swallowed by a library
+    callback, and the prepare ran on to exit 0). Returns the function that puts the previous handlers back."""
+    import signal
+
+    def stop(signum, _frame):
+        print(
+            f"jaxloom: prepare interrupted (signal {signum}): its finished units are kept in {out}.partial; run the "
+            "same command to continue",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(128 + signum)
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in old.items()]
 
 
 def _train(trainer, resolved: dict) -> int:
