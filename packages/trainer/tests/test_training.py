@@ -492,3 +492,26 @@ def test_a_bad_record_stops_once_naming_it_or_is_skipped_and_counted(tmp_path):
     assert out.state is not None and int(out.state.step) == 3
     rows = [_json.loads(r) for r in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
     assert max(r.get("train/skipped_records", 0) for r in rows) >= 1
+
+
+def test_a_step_that_cannot_fit_is_refused_before_step_1(tmp_path):
+    """A sequence length that cannot fit ended in an out-of-memory traceback after the compile (issue 43): the
+    compiled step's memory (XLA's count) is checked against each device's limit before step 1. CPU devices report
+    no limit; here a device that reports 1 MiB stands for a GPU too small for the step."""
+    from jaxloom.trainer.functions import check_fits
+
+    t = trainer(tmp_path, max_training_steps=1)
+    executable = t.compiled_train_step()
+
+    class Small:
+        def memory_stats(self):
+            return {"bytes_limit": 2**20}
+
+    class Large:
+        def memory_stats(self):
+            return {"bytes_limit": 2**40}
+
+    with pytest.raises(ValueError, match=r"the train step needs [\d.]+ GiB per device .* a device has 0.00 GiB"):
+        check_fits(executable, [Large(), Small()])
+    check_fits(executable, [Large()])  # fits
+    check_fits(executable, jax.local_devices())  # CPU: no limit reported, nothing checked

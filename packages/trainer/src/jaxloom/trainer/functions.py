@@ -41,12 +41,38 @@ class Compilation:
         self.future = pool.submit(run)
 
     def result(self):
-        """The compiled executable (waits for it)."""
+        """The compiled executable (waits for it), checked to fit the devices' memory (`check_fits`)."""
         if not self.future.done():
             log.info("compiling the train step… (%.0f s so far)", time.monotonic() - self.started)
         executable = self.future.result()
         log.info("train step compiled in %.1f s", self.seconds)
+        check_fits(executable, jax.local_devices())
         return executable
+
+
+def check_fits(executable, devices) -> None:
+    """Refuse, before step 1, a train step whose compiled program needs more memory per device (arguments,
+    outputs and temporaries, XLA's own count) than `devices` have: one error with both numbers and what to lower,
+    instead of an out-of-memory traceback at the first step. Devices that report no limit (CPU) are not checked."""
+    stats = [d.memory_stats() or {} for d in devices]
+    limits = [s["bytes_limit"] for s in stats if s.get("bytes_limit")]
+    memory = executable.memory_analysis()
+    if not limits or memory is None:
+        return
+    need = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
+    have = min(limits)
+    if need > have:
+        raise ValueError(
+            f"the train step needs {need / 2**30:.2f} GiB per device (parameters, optimizer state, batch and "
+            f"temporaries, as XLA compiled it) and a device has {have / 2**30:.2f} GiB: expected a smaller "
+            "total_batch_size (with gradient_accumulation_steps for the same batch), a shorter max_sequence_length, "
+            "remat (gradient checkpointing) or more fsdp shards (`jaxloom plan` prints the memory per device)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
