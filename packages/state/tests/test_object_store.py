@@ -97,19 +97,47 @@ def test_hf_export_to_gcs_streams_and_loads_back(tmp_path):
         np.testing.assert_array_equal(np.asarray(loaded[k]), gather(expected[k]), err_msg=k)
 
 
-def test_a_store_that_goes_away_is_one_clear_error(caplog):
+def test_a_store_that_goes_away_is_one_clear_error_and_a_rerun_resumes_when_it_is_back(caplog, tmp_path):
     """The GCS server stops mid-run (issue 43): the next save is one `CheckpointSaveError` saying the store
-    cannot be reached and what to do, not four retry tracebacks and a raw client error."""
+    cannot be reached and what to do, not four retry tracebacks and a raw client error. Started again (the same
+    objects), a new manager finds checkpoint 1 complete and restores it: nothing saved before is lost."""
     import os
     import signal
+    import subprocess
+    import time
+    import urllib.request
 
-    with gcs_emulator() as bucket:
+    from jaxloom.state.testing import emulator_command
+
+    with gcs_emulator(data_dir=str(tmp_path / "objects")) as bucket:
         state = make_state(mesh_of(fsdp=1))
         manager = js.CheckpointManager(f"{bucket}/gone/checkpoints", async_save=False)
         manager.save(1, state)
         os.kill(int(os.environ["JAXLOOM_GCS_EMULATOR_PID"]), signal.SIGKILL)  # the server goes away
         with caplog.at_level("WARNING"), pytest.raises(js.CheckpointSaveError) as failed:
             manager.save(2, state)
+        host = os.environ["STORAGE_EMULATOR_HOST"]
+        port = int(host.rsplit(":", 1)[1])
+        again = subprocess.Popen(
+            emulator_command(port, bucket.removeprefix("gs://"), str(tmp_path / "objects")),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    urllib.request.urlopen(f"{host}/storage/v1/b/{bucket.removeprefix('gs://')}", timeout=2).read()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "the emulator did not come back"
+                    time.sleep(0.2)
+            back = js.CheckpointManager(f"{bucket}/gone/checkpoints")
+            assert back.all_steps() == [1]
+            assert equal(back.restore(target(mesh_of(fsdp=1))).state.params, state.params)
+        finally:
+            again.kill()
+            again.wait()
     text = str(failed.value)
     assert f"saving checkpoint 2 in {bucket}/gone/checkpoints failed: the store cannot be reached" in text
     assert "Rerun when the store is back" in text

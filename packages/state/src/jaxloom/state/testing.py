@@ -44,18 +44,28 @@ main(sys.argv[1:])
 """
 
 
+def emulator_command(port: int, bucket: str, data_dir: str | None = None) -> list[str]:
+    """The command that runs the GCS emulator on 127.0.0.1:`port` with `bucket`: in memory, or keeping its objects
+    in `data_dir` (so a test can stop the server and start it again with the same objects)."""
+    storage = ["-d", str(data_dir)] if data_dir else []
+    memory = [] if data_dir else ["--in-memory"]
+    return [
+        sys.executable, "-c", _SERVER, *storage, "start", "--host=127.0.0.1", f"--port={port}", *memory, "--quiet",
+        f"--default-bucket={bucket}",
+    ]  # fmt: skip
+
+
 @contextlib.contextmanager
-def gcs_emulator(bucket: str = "jaxloom-test") -> Iterator[str]:
-    """Run an in-memory GCS emulator for the duration of the block, with `bucket` created; the block sees
-    `STORAGE_EMULATOR_HOST`, `TENSORSTORE_GCS_HTTP_URL` and `GOOGLE_AUTH_TOKEN_FOR_TESTING` set, and the
-    server's process id in `JAXLOOM_GCS_EMULATOR_PID`."""
+def gcs_emulator(bucket: str = "jaxloom-test", data_dir: str | None = None) -> Iterator[str]:
+    """Run a GCS emulator for the duration of the block, with `bucket` created, in memory (or its objects kept in
+    `data_dir`); the block sees `STORAGE_EMULATOR_HOST`, `TENSORSTORE_GCS_HTTP_URL` and
+    `GOOGLE_AUTH_TOKEN_FOR_TESTING` set, and the server's process id in `JAXLOOM_GCS_EMULATOR_PID`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-c", _SERVER, "start", "--host=127.0.0.1", f"--port={port}", "--in-memory", "--quiet"]
-        + [f"--default-bucket={bucket}"],
+        emulator_command(port, bucket, data_dir),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
