@@ -104,10 +104,8 @@ def test_a_store_that_goes_away_is_one_clear_error_and_a_rerun_resumes_when_it_i
     import os
     import signal
     import subprocess
-    import time
-    import urllib.request
 
-    from jaxloom.state.testing import emulator_command
+    from jaxloom.state.testing import emulator_command, wait_until_up
 
     with gcs_emulator(data_dir=str(tmp_path / "objects")) as bucket:
         state = make_state(mesh_of(fsdp=1))
@@ -124,14 +122,7 @@ def test_a_store_that_goes_away_is_one_clear_error_and_a_rerun_resumes_when_it_i
             stderr=subprocess.DEVNULL,
         )
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    urllib.request.urlopen(f"{host}/storage/v1/b/{bucket.removeprefix('gs://')}", timeout=2).read()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, "the emulator did not come back"
-                    time.sleep(0.2)
+            wait_until_up(host, bucket.removeprefix("gs://"), again)
             back = js.CheckpointManager(f"{bucket}/gone/checkpoints")
             assert back.all_steps() == [1]
             assert equal(back.restore(target(mesh_of(fsdp=1))).state.params, state.params)

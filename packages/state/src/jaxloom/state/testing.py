@@ -44,6 +44,20 @@ main(sys.argv[1:])
 """
 
 
+def wait_until_up(url: str, bucket: str, server: subprocess.Popen | None = None, timeout: float = 60) -> None:
+    """Wait until the emulator at `url` answers for `bucket` (RuntimeError after `timeout` s, or when `server`,
+    its process, has exited)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b/{bucket}", timeout=2).read()
+            return
+        except OSError:
+            if (server is not None and server.poll() is not None) or time.monotonic() > deadline:
+                raise RuntimeError(f"the GCS emulator did not start on {url}") from None
+            time.sleep(0.2)
+
+
 def emulator_command(port: int, bucket: str, data_dir: str | None = None) -> list[str]:
     """The command that runs the GCS emulator on 127.0.0.1:`port` with `bucket`: in memory, or keeping its objects
     in `data_dir` (so a test can stop the server and start it again with the same objects)."""
@@ -82,15 +96,7 @@ def gcs_emulator(bucket: str = "jaxloom-test", data_dir: str | None = None) -> I
     os.environ.update(NO_PROXY=loopback, no_proxy=loopback)  # never through a proxy
     os.environ["JAXLOOM_GCS_EMULATOR_PID"] = str(server.pid)  # a test can stop the server (a store that goes away)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/storage/v1/b/{bucket}", timeout=2).read()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the GCS emulator did not start on {url}") from None
-                time.sleep(0.2)
+        wait_until_up(url, bucket, server)
         os.environ.update(
             STORAGE_EMULATOR_HOST=url, TENSORSTORE_GCS_HTTP_URL=url, GOOGLE_AUTH_TOKEN_FOR_TESTING="testing"
         )
