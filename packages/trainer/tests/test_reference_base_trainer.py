@@ -174,7 +174,7 @@ def test_base_trainer_members_in_the_reference_order(tmp_path):
     # initialize_trainer_utils: idempotent; the rest of the builders' work (callbacks by cadence)
     t.initialize_trainer_utils()
     # every callback in the order it runs: the built-ins by cadence, the trainer's own hooks, then users'
-    assert [c.name for c in t.all_callbacks().items] == ["checkpoint", "preview", "trainer"]
+    assert [c.name for c in t.all_callbacks().items] == ["checkpoint", "run files", "preview", "trainer"]
     # log_metrics / log_weight_distribution / maybe_generate / on_step_* / start_* hooks run in train()
     result = t.train()
     assert seen and seen[0] == (8, 32)  # the collator saw each batch
