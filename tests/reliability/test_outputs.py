@@ -158,3 +158,34 @@ def test_a_read_only_save_directory_is_one_line(tmp_path):
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert f"jaxloom: error: cannot write {mount / 'run'} (Read-only file system)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_full_filesystem_during_training_is_one_error_and_keeps_earlier_checkpoints(tmp_path):
+    """A real full filesystem (a 3 MB tmpfs) under a run saving every step: one `CheckpointSaveError` line, exit
+    3, the checkpoints written before intact — not five orbax tracebacks before it (issue 43)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.decode()[:200]}")
+    try:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+        tiny = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1"]
+        tiny += ["max_sequence_length=16", "total_batch_size=4", "progress_bar=false", "generation_prompts=[]"]
+        steps = ["max_training_steps=6", "save_steps=1", "save_total_limit=10"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "jaxloom.trainer.cli", "train", f"save_directory={mount / 'run'}", *tiny, *steps],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        kept = sorted(int(p.name) for p in (mount / "run" / "checkpoints").iterdir() if p.name.isdigit())
+        from jaxloom.state import CheckpointManager
+
+        assert kept and CheckpointManager(str(mount / "run" / "checkpoints")).all_steps() == kept
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "jaxloom: error: CheckpointSaveError: saving checkpoint" in proc.stderr
+    assert "No space left on device" in proc.stderr and "Traceback" not in proc.stderr

@@ -63,6 +63,34 @@ class CheckpointSaveError(OSError):
     stop: exit the process (the `jaxloom` command does) rather than keep training."""
 
 
+class _WriterErrorsOneLine(logging.Filter):
+    """orbax's background writer logs each failed write of a save with its traceback (five for one full disk);
+    the save then fails with one `CheckpointSaveError` that says what happened. Those records keep their
+    one-line message, without the traceback."""
+
+    SAID = (
+        "raised an exception",
+        "Handler Commit operations",
+        "background save thread",
+        "Finalize thread",
+        "Checkpointer failed",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and any(s in str(record.msg) for s in self.SAID):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_WRITER_FILTER = _WriterErrorsOneLine()
+
+
+def _quiet_writer_threads() -> None:
+    absl = logging.getLogger("absl")
+    if _WRITER_FILTER not in absl.filters:
+        absl.addFilter(_WRITER_FILTER)
+
+
 def _holding_checkpoints(directory: Any, steps: list[int], said: set[int]) -> list[int]:
     """`steps` whose directories hold a checkpoint (`params`, `meta`): a stray `mkdir checkpoints/7` is not one,
     is never chosen, and is warned of once (`said`). A bucket's steps are committed by marker: orbax's list."""
@@ -168,6 +196,7 @@ class CheckpointManager:
 
     def _open(self):
         if self._manager is None:
+            _quiet_writer_threads()
             ocp = _ocp()
             c = self.config
             options = ocp.CheckpointManagerOptions(
