@@ -229,15 +229,15 @@ def _config_keys(model_type: str) -> str:
 def _launcher_keys() -> list[str]:
     """`--ray KEY=VALUE` settings, read from the installed jaxloom-ray (its `ScalingConfig`), or how to get them."""
     import dataclasses
-    import importlib
     from importlib.metadata import entry_points
 
     found = [ep for ep in entry_points(group="jaxloom.launchers") if ep.name == "ray"]
     head = "# --ray KEY=VALUE: how `jaxloom train ... --ray` runs the gang (jaxloom-ray's ScalingConfig)"
     if not found:
         return [head, "(jaxloom-ray is not installed: pip install jaxloom-ray)"]
-    package = found[0].module.rsplit(".", 1)[0]  # the part that registered the launcher (jaxloom.ray)
-    scaling = getattr(importlib.import_module(package), "ScalingConfig", None)
+    launcher = found[0].load()  # the registered function; its package (jaxloom.ray) is imported with it
+    package = sys.modules.get(launcher.__module__.rsplit(".", 1)[0])
+    scaling = getattr(package, "ScalingConfig", None)
     if scaling is None:
         return [head, "(the installed jaxloom-ray does not list its keys)"]
     return [head, *(f"--ray {f.name}: {f.type} = {f.default!r}" for f in dataclasses.fields(scaling))]
