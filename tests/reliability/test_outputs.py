@@ -1,6 +1,7 @@
 """Atomic outputs: a Hugging Face export is written beside its directory and renamed into place, so a kill
 or a full disk mid-export leaves the previous export loadable, and no stale shard or index survives."""
 
+import contextlib
 import json
 import os
 import signal
@@ -137,24 +138,37 @@ def test_a_full_disk_during_jaxloom_convert_is_one_line_and_keeps_the_previous_e
     assert all(np.array_equal(after[k], before[k]) for k in before)
 
 
+@contextlib.contextmanager
+def tmpfs(path, options):
+    """A real tmpfs mounted at `path` with `options` for the block (skips the test where mounting needs root)."""
+    path.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.decode()[:200]}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def train_into(directory, *extra):
+    """`jaxloom train` of a tiny model into `directory` in a new process: the finished process."""
+    tiny = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1"]
+    tiny += ["max_sequence_length=16", "total_batch_size=4", "progress_bar=false", "generation_prompts=[]"]
+    return subprocess.run(
+        [sys.executable, "-m", "jaxloom.trainer.cli", "train", f"save_directory={directory}", *tiny, *extra],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+        timeout=300,
+    )
+
+
 def test_a_read_only_save_directory_is_one_line(tmp_path):
     """A save_directory on a read-only filesystem (a real read-only tmpfs mount) ended in a traceback
     (issue 43): one line naming the directory and what to do, exit 3."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {made.stderr.decode()[:200]}")
-    try:
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-        tiny = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1"]
-        tiny += ["max_sequence_length=16", "total_batch_size=4", "progress_bar=false", "max_training_steps=1"]
-        proc = subprocess.run(
-            [sys.executable, "-m", "jaxloom.trainer.cli", "train", f"save_directory={mount / 'run'}", *tiny],
-            capture_output=True, text=True, env=env, timeout=300,
-        )  # fmt: skip
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as mount:
+        proc = train_into(mount / "run", "max_training_steps=1")
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert f"jaxloom: error: cannot write {mount / 'run'} (Read-only file system)" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -163,29 +177,12 @@ def test_a_read_only_save_directory_is_one_line(tmp_path):
 def test_a_full_filesystem_during_training_is_one_error_and_keeps_earlier_checkpoints(tmp_path):
     """A real full filesystem (a 3 MB tmpfs) under a run saving every step: one `CheckpointSaveError` line, exit
     3, the checkpoints written before intact — not five orbax tracebacks before it (issue 43)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.decode()[:200]}")
-    try:
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-        tiny = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1"]
-        tiny += ["max_sequence_length=16", "total_batch_size=4", "progress_bar=false", "generation_prompts=[]"]
-        steps = ["max_training_steps=6", "save_steps=1", "save_total_limit=10"]
-        proc = subprocess.run(
-            [sys.executable, "-m", "jaxloom.trainer.cli", "train", f"save_directory={mount / 'run'}", *tiny, *steps],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
-        kept = sorted(int(p.name) for p in (mount / "run" / "checkpoints").iterdir() if p.name.isdigit())
-        from jaxloom.state import CheckpointManager
+    from jaxloom.state import CheckpointManager
 
+    with tmpfs(tmp_path / "small", "size=3m") as mount:
+        proc = train_into(mount / "run", "max_training_steps=6", "save_steps=1", "save_total_limit=10")
+        kept = sorted(int(p.name) for p in (mount / "run" / "checkpoints").iterdir() if p.name.isdigit())
         assert kept and CheckpointManager(str(mount / "run" / "checkpoints")).all_steps() == kept
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "jaxloom: error: CheckpointSaveError: saving checkpoint" in proc.stderr
     assert "No space left on device" in proc.stderr and "Traceback" not in proc.stderr
