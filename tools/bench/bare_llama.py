@@ -78,12 +78,14 @@ def forward(params, ids, seg, pos, heads, kv_heads):
     return rms_norm(x, params["norm"]) @ params["head"]
 
 
-def make_step(tx, heads, kv_heads, donate):
-    """One jitted training step `(params, opt_state, batch) -> (params, opt_state, loss)`."""
+def make_step(tx, heads, kv_heads, donate, dtype=jnp.float32):
+    """One jitted training step `(params, opt_state, batch) -> (params, opt_state, loss)`; the forward
+    pass computes in `dtype` over float32 parameters (mixed precision, as the trainer's `dtype`)."""
 
     def loss_fn(params, batch):
         ids, seg = batch["input_ids"], batch["segment_ids"]
-        logits = forward(params, ids, seg, batch["positions"], heads, kv_heads)[:, :-1]
+        compute = jax.tree_util.tree_map(lambda p: p.astype(dtype), params)
+        logits = forward(compute, ids, seg, batch["positions"], heads, kv_heads)[:, :-1]
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids[:, 1:])
         valid = ((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0) & (batch["loss_mask"][:, 1:] > 0)).astype(jnp.float32)
         return (ce * valid).sum() / jnp.maximum(valid.sum(), 1.0)
@@ -96,11 +98,11 @@ def make_step(tx, heads, kv_heads, donate):
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
-def train(params, batches, lr, heads, kv_heads, donate, log_every=10, on_step=None):
+def train(params, batches, lr, heads, kv_heads, donate, log_every=10, on_step=None, dtype=jnp.float32):
     """The loop: no per-step sync; the losses are read every `log_every` steps, as a user prints them."""
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, b1=0.9, b2=0.95))
     opt_state = tx.init(params)
-    step = make_step(tx, heads, kv_heads, donate)
+    step = make_step(tx, heads, kv_heads, donate, dtype)
     losses = []
     for i, batch in enumerate(batches, 1):
         params, opt_state, loss = step(params, opt_state, batch)

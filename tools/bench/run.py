@@ -233,17 +233,9 @@ def main() -> None:
     # The same on 8 simulated CPU devices, fully sharded (fsdp=8): sharded state, batch split 8 ways.
     eight = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     results["train_cpu_mesh"] = training(reps, 20, {**cpu_cfg, "mesh": {"fsdp": 8}}, eight)
-    if gpu:
-        for seq in (2048, 8192):
-            g = {
-                "model": GPU_MODEL,
-                "batch": max(1, 16384 // seq),
-                "seq": seq,
-                "lr": 1e-4,
-                "dtype": "bfloat16",
-                "warmup": 5,
-            }
-            results[f"train_gpu_{seq}"] = training(1, 20, g)
+    if gpu:  # attention kernels and the ~1B Llama, trainer vs bare loop (tools/bench/gpu_rows.py)
+        with tempfile.TemporaryDirectory() as d:
+            results["gpu"] = run_process([str(HERE / "gpu_rows.py"), f"{d}/gpu.json"])
     dec = {"model": CPU_MODEL, "batch": 4, "prompt": 64, "new": 64, "dtype": "float32"}
     d = run_process([str(HERE / "decode_run.py"), json.dumps(dec)], {"JAX_PLATFORMS": "cpu"})
     d["ratio_to_bare"] = d["cached_tokens_per_second"] / d["bare_tokens_per_second"]
@@ -266,6 +258,41 @@ def main() -> None:
     results["checkpoint"] = checkpoints(8 * 256 / t)
     Path("bench-results.json").write_text(json.dumps(results, indent=2))
     print(table(results))
+
+
+def gpu_rows(g: dict) -> list[tuple[str, str, str, str]]:
+    """Attention backends (ms, TFLOP/s, ratio to xla) and the ~1B model's tokens/s and MFU."""
+    out = []
+    for t in (2048, 8192):
+        xla = g.get(f"attention_xla_{t}", {})
+        for impl in ("xla", "chunked", "cudnn", "flash"):
+            a = g.get(f"attention_{impl}_{t}")
+            if a is None:
+                continue
+            if "error" in a:
+                out.append((f"attention {impl} fwd+bwd, T={t}", a["error"][:60], "", ""))
+                continue
+            ratio = f"{xla['ms'] / a['ms']:.2f}" if "ms" in xla else ""
+            out.append(
+                (
+                    f"attention {impl} fwd+bwd, T={t} (ms, TFLOP/s; speed-up vs xla)",
+                    f"{a['ms']:.2f}, {a['tflops']:.0f}",
+                    ratio,
+                    "",
+                )
+            )
+        tr, ba = g.get(f"train_gpu_{t}_trainer", {}), g.get(f"train_gpu_{t}_bare", {})
+        if "tokens_per_second" in tr:
+            ratio = f"{tr['tokens_per_second'] / ba['tokens_per_second']:.2f}" if "tokens_per_second" in ba else ""
+            out.append(
+                (
+                    f"~1B Llama T={t}: trainer tokens/s (MFU) vs bare",
+                    f"{tr['tokens_per_second']:.0f} ({tr['mfu']:.1%})",
+                    ratio,
+                    ">= 1",
+                )
+            )
+    return out
 
 
 def data_rows(d: dict, training_tokens_per_second: float) -> list[tuple[str, str, str, str]]:
@@ -550,16 +577,7 @@ def table(r: dict) -> str:
             "",
         ),
     ]
-    for key in ("train_gpu_2048", "train_gpu_8192"):
-        if key in r:
-            rows.append(
-                (
-                    f"{key} tokens/s (ratio to bare)",
-                    f"{r[key]['trainer']['tokens_per_second']:.0f}",
-                    f"{r[key]['throughput_ratio']:.3f}",
-                    "",
-                )
-            )
+    rows += gpu_rows(r.get("gpu", {}))
     w = max(len(x[0]) for x in rows)
     head = f"{'measure'.ljust(w)} | value | ratio | target\n{'-' * w}-|-------|-------|-------"
     return (

@@ -70,6 +70,7 @@ def main():
             m["num_key_value_heads"],
             donate=jax.devices()[0].platform != "cpu",
             on_step=clock,
+            dtype=cfg["dtype"],
         )
     else:
         import jaxloom.data as jd
