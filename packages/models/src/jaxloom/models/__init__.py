@@ -7,6 +7,17 @@ from .build import count_params, create_model, flops_per_token, param_shardings,
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
 from .gemma import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 from .hf import from_pretrained, save_hf_model, to_hf_state_dict
+from .lora import (
+    Frozen,
+    LoRAConfig,
+    LoRALinear,
+    apply_lora,
+    load_peft_weights,
+    lora_config_of,
+    merge_lora,
+    read_peft_config,
+    save_peft_adapter,
+)
 from .losses import cross_entropy_gradient, linear_cross_entropy, linear_log_probs
 from .llama import CausalLMOutput, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from .mixtral import MixtralForCausalLM, dispatch_tokens, expert_parallel_dispatch, grouped_matmul
@@ -17,6 +28,15 @@ from .registry import TaskType, get_model_class, register, registered
 from .runtime import SCAN_ABOVE_LAYERS, AttentionMechanisms, EasyDeLGradientCheckPointers, RuntimeConfig
 
 __all__ = [
+    "Frozen",
+    "LoRAConfig",
+    "LoRALinear",
+    "apply_lora",
+    "load_peft_weights",
+    "lora_config_of",
+    "merge_lora",
+    "read_peft_config",
+    "save_peft_adapter",
     "AttentionMechanisms",
     "AttentionUnavailableError",
     "EasyDeLGradientCheckPointers",

@@ -45,11 +45,12 @@ def param_specs(model: nnx.Module, mesh=None, runtime: RuntimeConfig | None = No
     return nnx.to_pure_dict(variable_specs(nnx.state(model, nnx.Param), runtime, mesh))
 
 
-def param_shardings(model: nnx.Module, mesh, runtime: RuntimeConfig | None = None) -> dict:
+def param_shardings(model: nnx.Module, mesh, runtime: RuntimeConfig | None = None, variables: Any = nnx.Param) -> dict:
     """Like `param_specs`, as `NamedSharding`s of `model`'s parameters on `mesh`; checks that every shape
-    divides. `runtime` defaults to the model's."""
+    divides. `runtime` defaults to the model's; `variables` picks other variables (e.g. a LoRA run's
+    `Frozen` base)."""
     runtime = runtime or model.runtime
-    return nnx.to_pure_dict(_variable_shardings(nnx.state(model, nnx.Param), runtime, mesh))
+    return nnx.to_pure_dict(_variable_shardings(nnx.state(model, variables), runtime, mesh))
 
 
 def create_model(

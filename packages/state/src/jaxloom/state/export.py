@@ -18,6 +18,8 @@ def save_pretrained(
     max_shard_bytes: int = 5 * 2**30,
     generation_config: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
+    merge_adapters: bool = False,
+    base_model: str | None = None,
 ) -> Path | str:
     """`to_hf=True`: `config.json` + safetensors (sharded with an index past `max_shard_bytes`) and the
     tokenizer if given — a directory `transformers.AutoModelForCausalLM.from_pretrained` loads. It is
@@ -30,7 +32,10 @@ def save_pretrained(
     weights on the way out (e.g. `"bfloat16"`). `generation_config`: fields of `generation_config.json`
     over the model config's special-token ids (e.g. `eos_token_id` as a list with a chat template's
     end-of-turn token, so `transformers`' `generate` stops where the model was trained to stop).
-    `metadata` (JSON data, e.g. the training arguments) is recorded with an orbax checkpoint (`to_hf=False`)."""
+    `metadata` (JSON data, e.g. the training arguments) is recorded with an orbax checkpoint (`to_hf=False`).
+    A LoRA state (`jaxloom.models.apply_lora`) is written, with `to_hf`, as a PEFT adapter directory
+    (`adapter_config.json`, `adapter_model.safetensors`, the tokenizer; `base_model` recorded as
+    `base_model_name_or_path`), or with `merge_adapters` as the merged full model transformers loads alone."""
     import jax
 
     from jaxloom.core import paths
@@ -45,12 +50,18 @@ def save_pretrained(
         manager.close()
         return path
     from jaxloom.models.hf import atomic_directory, write_hf_export
+    from jaxloom.models.lora import lora_config_of, merge_lora, save_peft_adapter
 
+    model = state.model
+    if lora_config_of(model) is not None:
+        if not merge_adapters:
+            return save_peft_adapter(model, path, base=base_model, tokenizer=tokenizer)
+        model = merge_lora(model)
     if jax.process_index() != 0:  # its part of each gather; process 0 writes
-        write_hf_export(state.model, None, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        write_hf_export(model, None, dtype=dtype, max_shard_bytes=max_shard_bytes)
         return path
     with atomic_directory(path) as tmp:  # an interrupted export leaves the previous one intact
-        write_hf_export(state.model, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, generation=generation_config)
+        write_hf_export(model, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, generation=generation_config)
         if tokenizer is not None and uri:  # tokenizers write local files: written here, then uploaded
             import tempfile
 

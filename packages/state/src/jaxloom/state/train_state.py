@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 class TrainState:
     """Everything a training step reads and writes, as one pytree: `step`, `params` (the model's
     `nnx.Param` values as a nested dict), the optimizer's `opt_state`, the step's `rng`, the model's other
-    variables (`model_state`), and, static, the model's `graphdef` and the optax transformation `tx`.
+    variables (`model_state`), its frozen weights (`frozen`: a LoRA run's base, `jaxloom.models.Frozen`
+    variables; empty otherwise; rebuilt from their source on every start, never checkpointed), and, static, the model's `graphdef` and the optax transformation `tx`.
     Build it with `TrainState.create`; `state.model` rebuilds the `nnx` model."""
 
     step: jax.Array | Any  # int32 scalar (or its shape, as a restore target)
@@ -25,6 +26,7 @@ class TrainState:
     opt_state: Any  # optax state over `params`
     rng: jax.Array | Any  # PRNG key for dropout-like randomness inside the step
     model_state: Any = None  # non-parameter variables of the model (usually empty)
+    frozen: Any = None  # weights read and never trained (a LoRA run's base); never in a checkpoint
     graphdef: Any = None  # static: the model's structure (nnx.GraphDef)
     tx: Any = None  # static: the optax GradientTransformation
 
@@ -39,7 +41,9 @@ class TrainState:
         """From `model` (abstract or concrete) and the optimizer `tx`; the state's RNG key comes from
         `seed`. No sharding: that is the trainer's job; jit this under out_shardings (see
         `state_shardings`) to create it sharded."""
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+        from jaxloom.models.lora import Frozen
+
+        graphdef, params, frozen, rest = nnx.split(model, nnx.Param, Frozen, ...)  # type: ignore[misc]
         params = nnx.to_pure_dict(params)
         return cls(
             step=jnp.zeros((), jnp.int32),
@@ -47,6 +51,7 @@ class TrainState:
             opt_state=tx.init(params),
             rng=jax.random.PRNGKey(seed),
             model_state=nnx.to_pure_dict(rest),
+            frozen=nnx.to_pure_dict(frozen) or None,
             graphdef=graphdef,
             tx=tx,
         )
@@ -54,6 +59,8 @@ class TrainState:
     @property
     def model(self) -> nnx.Module:
         """The model with these parameters (cheap: no copy)."""
+        if self.frozen:
+            return nnx.merge(self.graphdef, self.params, self.frozen, self.model_state or {})
         return nnx.merge(self.graphdef, self.params, self.model_state or {})
 
     def apply_gradients(self, grads: Any, **changes: Any) -> TrainState:
@@ -93,7 +100,9 @@ def _register_state_class(cls: type) -> None:
 
 # TrainState itself on JAX's dataclass fast path (flattened in C++ at every step's dispatch).
 jax.tree_util.register_dataclass(
-    TrainState, data_fields=["step", "params", "opt_state", "rng", "model_state"], meta_fields=list(_META_FIELDS)
+    TrainState,
+    data_fields=["step", "params", "opt_state", "rng", "model_state", "frozen"],
+    meta_fields=list(_META_FIELDS),
 )
 
 
@@ -105,10 +114,11 @@ def convert_model_to_state(
     return TrainState.create(model, tx or optax.identity(), seed=seed)
 
 
-def state_shardings(state: TrainState, param_shardings: Any, mesh) -> TrainState:
+def state_shardings(state: TrainState, param_shardings: Any, mesh, frozen_shardings: Any = None) -> TrainState:
     """Shardings for a whole (abstract) state on `mesh`: params as `param_shardings` gives them (a dict
     tree like `state.params`), the optimizer's per-parameter leaves (Adam moments, ...) like their
-    parameter, the rest (and any field a subclass adds) replicated."""
+    parameter, the frozen weights as `frozen_shardings` (default: replicated), the rest (and any field a
+    subclass adds) replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     opt = optax.tree_map_params(
         state.tx, lambda _, s: s, state.opt_state, param_shardings, transform_non_params=lambda _: replicated
@@ -127,6 +137,9 @@ def state_shardings(state: TrainState, param_shardings: Any, mesh) -> TrainState
         opt_state=opt,
         rng=replicated,
         model_state=jax.tree_util.tree_map(lambda _: replicated, state.model_state),
+        frozen=frozen_shardings
+        if frozen_shardings is not None
+        else jax.tree_util.tree_map(lambda _: replicated, state.frozen),
     )
 
 

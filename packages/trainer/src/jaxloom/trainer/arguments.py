@@ -52,7 +52,7 @@ class _Group(BaseModel):
 
 # Arguments that are paths: `~` and `$VARS` in them are expanded as a shell would (a YAML file or a Python
 # string does not), so `save_directory: ~/runs/a` is a directory in the home directory, not one named `~`.
-PATH_ARGUMENTS = {"save_directory", "checkpoint_directory", "compilation_cache_dir", "ref_model"}
+PATH_ARGUMENTS = {"save_directory", "checkpoint_directory", "compilation_cache_dir", "ref_model", "lora_from"}
 
 
 def expand_path(value: Any, key: str) -> Any:
@@ -362,6 +362,64 @@ class GenerationArgs(_Group):
         return self
 
 
+class AdapterArgs(_Group):
+    """LoRA and QLoRA (TRL's `ModelConfig` names): only the adapters train; the base is frozen, and with
+    `load_in_8bit` / `load_in_4bit` stored quantized."""
+
+    use_peft: bool = Field(False, description="train LoRA adapters on the frozen model (TRL's use_peft)")
+    lora_r: int = Field(16, description="LoRA: the adapters' rank")
+    lora_alpha: float = Field(32.0, description="LoRA: the scale is lora_alpha / lora_r (/ sqrt(lora_r) with rsLoRA)")
+    lora_dropout: float = Field(0.0, description="LoRA: dropout on the adapters' input (only 0 is supported)")
+    lora_target_modules: tuple[str, ...] | str | None = Field(
+        None, description="LoRA: HF module names (q_proj,v_proj, ...) or all-linear (None: q_proj,v_proj)"
+    )
+    use_rslora: bool = Field(False, description="LoRA: rank-stabilised scale lora_alpha / sqrt(lora_r)")
+    load_in_8bit: bool = Field(False, description="QLoRA: the frozen base stored int8 (a scale per output column)")
+    load_in_4bit: bool = Field(False, description="QLoRA: the frozen base stored 4-bit (bnb_4bit_quant_type)")
+    bnb_4bit_quant_type: Literal["nf4"] = Field("nf4", description="QLoRA 4-bit code: nf4 (blocks of 64)")
+    lora_from: str | None = Field(
+        None, description="a PEFT adapter directory to continue training or generate from (sets use_peft)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if isinstance(self.lora_r, bool) or self.lora_r <= 0:
+            raise ValueError(f"lora_r = {self.lora_r!r}; expected a positive integer (the adapters' rank)")
+        _positive(self, "lora_alpha")
+        if self.lora_dropout != 0:
+            raise ValueError(
+                f"lora_dropout = {self.lora_dropout}; jaxloom's adapters have no dropout yet: expected 0 (PEFT's default)"
+            )
+        if self.load_in_8bit and self.load_in_4bit:
+            raise ValueError("load_in_8bit and load_in_4bit are both set; expected one quantization of the base")
+        if (self.load_in_8bit or self.load_in_4bit) and not self.peft:
+            raise ValueError(
+                f"{'load_in_8bit' if self.load_in_8bit else 'load_in_4bit'} = true without use_peft: a quantized "
+                "base cannot be trained; set use_peft=true (QLoRA)"
+            )
+        return self
+
+    @property
+    def peft(self) -> bool:
+        """Whether the run trains adapters (`use_peft`, or an adapter to continue from)."""
+        return self.use_peft or self.lora_from is not None
+
+    def lora_config(self) -> Any:
+        """The `jaxloom.models.LoRAConfig` of these settings, or None without adapters. With `lora_from`, the
+        adapter directory's rank, alpha and modules (the quantization stays this run's)."""
+        if not self.peft:
+            return None
+        from jaxloom.models import LoRAConfig, read_peft_config
+
+        quantize = "int8" if self.load_in_8bit else self.bnb_4bit_quant_type if self.load_in_4bit else None
+        if self.lora_from is not None:
+            return dataclasses.replace(read_peft_config(self.lora_from), quantize=quantize)
+        modules = self.lora_target_modules or ("q_proj", "v_proj")
+        return LoRAConfig(
+            r=self.lora_r, alpha=self.lora_alpha, target_modules=modules, use_rslora=self.use_rslora, quantize=quantize
+        )
+
+
 GROUPS: dict[str, type[_Group]] = {
     "optim": OptimizerArgs,
     "loop": LoopArgs,
@@ -370,6 +428,7 @@ GROUPS: dict[str, type[_Group]] = {
     "runtime": RuntimeArgs,
     "logging": LoggingArgs,
     "generation": GenerationArgs,
+    "adapter": AdapterArgs,
 }
 _OWNER = {name: g for g, cls in GROUPS.items() for name in cls.model_fields}
 

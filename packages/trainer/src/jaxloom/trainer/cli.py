@@ -7,7 +7,7 @@ jaxloom eval RUN_DIR | CONFIG.yaml [key=value ...]  # evaluate the newest checkp
 jaxloom plan [CONFIG.yaml | RUN_DIR] [key=value ...]  # params, FLOPs/token, memory per device (AOT compile)
 jaxloom generate PATH --prompt TEXT [--max-new-tokens N] [--temperature T --top-k K --top-p P] [--chat]
                                                  # PATH: an HF model directory or a run directory
-jaxloom convert --to-hf RUN_DIR OUT              # newest checkpoint → Hugging Face directory
+jaxloom convert --to-hf RUN_DIR OUT [--merge]    # newest checkpoint → Hugging Face (LoRA: PEFT) directory
 jaxloom data prepare SOURCE OUT [--tokenizer DIR] [--num-proc N] [--max-sequence-length L]
                                                  # tokenize once into a store; then data.train=OUT
 jaxloom config keys                              # every setting: type, default, what it does
@@ -298,6 +298,9 @@ def _parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help=text, description=text)
     conv.add_argument("--to-hf", nargs=2, metavar=("RUN_DIR", "OUT"), required=True)
     conv.add_argument("--config", default=None, help="the run's config (default: RUN_DIR/run_config.json)")
+    conv.add_argument(
+        "--merge", action="store_true", help="a LoRA run: the merged full model (default: a PEFT adapter directory)"
+    )
     text = "tokenize a corpus once into a token store that training reads by memory map (data.train=OUT)"
     data = sub.add_parser("data", help=text, description=text)
     dsub = data.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -465,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             return _prepare(ns)
         if ns.command == "convert":
             trainer = restored(ns.to_hf[0], ns.config, params_only=True)
-            print(trainer.save_pretrained(ns.to_hf[1], to_torch=True))
+            print(trainer.save_pretrained(ns.to_hf[1], to_torch=True, merge_adapters=ns.merge))
             return 0
         config, items = split_target(ns.items)
         if getattr(ns, "ray", None) is not None:

@@ -125,13 +125,15 @@ class Exporter:
         torch_save_pretrained_kwargs: dict | None = None,
         *,
         to_hf: bool | None = None,
+        merge_adapters: bool = False,
     ) -> Path | str:
         """Write `state` (default: the trainer's) to `save_directory`: with `to_torch` (or `to_hf`) a
         Hugging Face directory `transformers` loads (safetensors, config, tokenizer), else an orbax
         checkpoint of the whole state (with the training arguments in its metadata). The protocol's order
         `save_pretrained(ckpt_path, state)` works too. `easystate_to_huggingface_model_kwargs` takes `dtype`
         (cast the weights on the way out); `torch_save_pretrained_kwargs` takes `max_shard_size` (bytes, or
-        "500MB"-style). `gather_fns` must be None: sharded arrays are gathered one at a time by the exporter."""
+        "500MB"-style). `gather_fns` must be None: sharded arrays are gathered one at a time by the exporter.
+        A LoRA run's state is written as a PEFT adapter directory, or with `merge_adapters` as the merged model."""
         if isinstance(state, str | os.PathLike):
             state, save_directory = save_directory, state  # type: ignore[assignment]
         if save_directory is None:
@@ -142,6 +144,8 @@ class Exporter:
         state = self.current() if state is None else state
         assert isinstance(state, js.TrainState) and isinstance(save_directory, str | os.PathLike)
         to_hf = bool(to_torch) if to_hf is None else to_hf
+        if merge_adapters:
+            options["merge_adapters"] = True
         return export(
             state, save_directory, tokenizer=self.tokenizer(), to_hf=to_hf, arguments=self.arguments(), **options
         )

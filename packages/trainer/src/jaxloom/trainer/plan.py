@@ -62,6 +62,8 @@ class Plan:
     eval_sharding: NamedSharding
     given: js.TrainState | None = None
     arguments: Any = None
+    lora: Any = None  # the LoRAConfig of an adapter run (jaxloom.models.LoRAConfig), else None
+    n_trainable: int = 0
 
     @classmethod
     def build(
@@ -85,9 +87,17 @@ class Plan:
         _check_shapes(arguments, config, mesh, axes, check_eval)
         tx, schedule = make_optimizer(arguments.optim, total_steps)
         abstract_model = jmod.create_model(config, runtime, lazy=True, model_class=model_class)
-        fn, inputs = _state_builder(arguments.seed, tx, model, abstract_model, runtime, state, finetune)
+        lora = _lora_config(arguments, model, state)
+        adapt = _adapter(lora, arguments.seed)
+        fn, inputs = _state_builder(arguments.seed, tx, model, abstract_model, runtime, state, finetune, adapt)
         abstract = jax.eval_shape(fn, *inputs)
-        shardings = js.state_shardings(abstract, jmod.param_shardings(abstract_model, mesh), mesh)
+        shaped = abstract_model
+        if lora is not None:  # the adapted model's layout: adapters beside each targeted weight, the rest frozen
+            shaped = nnx.eval_shape(
+                lambda: adapt(jmod.create_model(config, runtime, model_class=model_class))  # traced: no memory
+            )
+        frozen = jmod.param_shardings(shaped, mesh, variables=jmod.Frozen) if lora is not None else None
+        shardings = js.state_shardings(abstract, jmod.param_shardings(shaped, mesh), mesh, frozen)
         spec = axes or None
         return cls(
             config=config,
@@ -106,6 +116,8 @@ class Plan:
             eval_sharding=NamedSharding(mesh, PartitionSpec(spec)),
             given=state,
             arguments=arguments,
+            lora=lora,
+            n_trainable=Plan.count_model_parameters(abstract.params),
         )
 
     @property
@@ -142,8 +154,26 @@ class Plan:
             return jax.jit(lambda s: s, out_shardings=self.shardings)(self.given)  # its optimizer state too
         fn, inputs = self.build_fn, self.build_inputs
         if self.mesh.devices.size > 1 or inputs:  # from given parameters: copies, never aliases of them
-            return jax.jit(fn, out_shardings=self.shardings)(*inputs)
-        return jax.device_put(fn(*inputs), self.shardings)
+            state = jax.jit(fn, out_shardings=self.shardings)(*inputs)
+        else:
+            state = jax.device_put(fn(*inputs), self.shardings)
+        source = getattr(getattr(self.arguments, "adapter", None), "lora_from", None)
+        if source is not None:  # adapters made elsewhere (PEFT): their values, on this run's shards
+            model = jmod.load_peft_weights(state.model, source)
+            params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            state = state.replace(params=jax.device_put(params, self.shardings.params))
+        return state
+
+    def complete(self, state: js.TrainState) -> js.TrainState:
+        """A restored state with its frozen weights (a LoRA run's base, never checkpointed) built from their
+        source, as at the start of the run; other states as they are."""
+        if self.lora is None or not jax.tree_util.tree_leaves(self.abstract.frozen):
+            return state
+        if jax.tree_util.tree_leaves(state.frozen) and isinstance(
+            jax.tree_util.tree_leaves(state.frozen)[0], jax.Array
+        ):
+            return state
+        return state.replace(frozen=self.initial_state().frozen)
 
     def as_own(self, state: js.TrainState, own: Callable[[], js.TrainState]) -> js.TrainState:
         """A state from elsewhere (another trainer, a restore) in this run's tree and shardings: its
@@ -153,17 +183,40 @@ class Plan:
         return own().replace(params=jax.device_put(state.params, self.shardings.params))
 
 
-def _state_builder(seed, tx, template, abstract_model, runtime, state_in, finetune):
+def _lora_config(arguments, model, state) -> Any:
+    """The run's `LoRAConfig` (None: every parameter trains); a model or state that already has adapters is
+    taken as it is (its config)."""
+    if jmod.lora_config_of(model) is not None or (state is not None and jmod.lora_config_of(state.model) is not None):
+        raise ValueError(
+            "the given model already has LoRA adapters; give the base model and set use_peft (or lora_from=ADAPTER_DIR)"
+        )
+    return arguments.adapter.lora_config() if hasattr(arguments, "adapter") else None
+
+
+def _adapter(lora, seed) -> Callable[[nnx.Module], nnx.Module]:
+    """`model -> model` with the run's adapters applied (the identity without LoRA, or on a model that has them)."""
+
+    def adapt(model):
+        if lora is None or jmod.lora_config_of(model) is not None:
+            return model
+        return jmod.apply_lora(model, lora, seed=seed)
+
+    return adapt
+
+
+def _state_builder(seed, tx, template, abstract_model, runtime, state_in, finetune, adapt=lambda m: m):
     """`(fn, inputs)`: `fn(*inputs)` makes the initial state. From the seed when the model is abstract
     (or `finetune=False`); else from the given parameters, cast to `param_dtype` and put into the
-    model rebuilt with this run's runtime."""
+    model rebuilt with this run's runtime; `adapt` adds a LoRA run's adapters."""
     config, cls = template.config, type(template)
     # The given state's class (EasyDeL's `state_class`, a `TrainState` subclass) is kept for the run.
     state_cls = type(state_in) if isinstance(state_in, js.TrainState) else js.TrainState
     leaves = jax.tree_util.tree_leaves(nnx.state(template, nnx.Param))
     if not finetune or (leaves and isinstance(leaves[0], jax.ShapeDtypeStruct)):
         return (
-            lambda: state_cls.create(jmod.create_model(config, runtime, seed=seed, model_class=cls), tx, seed=seed)
+            lambda: state_cls.create(
+                adapt(jmod.create_model(config, runtime, seed=seed, model_class=cls)), tx, seed=seed
+            )
         ), ()
     _, params, rest = nnx.split(template, nnx.Param, ...)
     graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)
@@ -174,7 +227,7 @@ def _state_builder(seed, tx, template, abstract_model, runtime, state_in, finetu
             "the layout you want, or leave scan_layers unset"
         )
     cast = jax.tree_util.tree_map(lambda p, t: p.astype(t.dtype) if p.dtype != t.dtype else p, params, target)
-    return (lambda p: state_cls.create(nnx.merge(graphdef, p, rest), tx, seed=seed)), (cast,)
+    return (lambda p: state_cls.create(adapt(nnx.merge(graphdef, p, rest)), tx, seed=seed)), (cast,)
 
 
 def _check_shapes(arguments, config, mesh, axes, check_eval: bool) -> None:

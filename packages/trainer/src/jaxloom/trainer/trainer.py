@@ -21,6 +21,7 @@ stores what it was given and nothing else: no file, thread, device query or comp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -378,7 +379,7 @@ class BaseTrainer:
         finally:
             reader.close()
         self.resumed_from = f"{reader.manager.directory}/{restored.step}"
-        self.state = restored.state
+        self.state = self._with_base(restored, self.resumed_from)
         return self.state
 
     def _directory(self) -> Path:
@@ -400,10 +401,33 @@ class BaseTrainer:
         restored = self.checkpointing.restore(self.plan.target())
         self.checkpointing.data_state = restored.data_state
         self.resumed_from = f"{self.checkpointing.manager.directory}/{restored.step}"
+        restored = dataclasses.replace(restored, state=self._with_base(restored, self.resumed_from))
         # a warning: a Python user who configured no logging still sees that the run continued an earlier one
         log.warning("resumed from checkpoint %s (step %d)", self.resumed_from, restored.step)
         log.debug("data position at step %d: %s", restored.step, restored.data_state)
         return restored.state
+
+    def _with_base(self, restored: js.Restored, where: str) -> js.TrainState:
+        """A restored LoRA state with its frozen base built from its source (checkpoints hold the adapters
+        alone), refused when the checkpoint was trained on another base (its recorded digest differs)."""
+        state = self.plan.complete(restored.state)
+        if self.plan.lora is None:
+            return state
+        recorded = (restored.metadata or {}).get("lora_base")
+        mine = base_digest(state)
+        if recorded is not None and recorded != mine:
+            raise ValueError(
+                f"checkpoint {where} holds adapters trained on another base "
+                f"model (base digest {recorded}; the base given now has {mine}): resume with the base the adapters "
+                "were trained on (model.from_pretrained), or start a new run (another save_directory)"
+            )
+        self._base_digest = mine
+        return state
+
+    @functools.cached_property
+    def _base_digest(self) -> str | None:
+        """The digest of a LoRA run's frozen base (recorded with each checkpoint), else None."""
+        return None if self.plan.lora is None else base_digest(self.state)  # type: ignore[arg-type]
 
     def _initial_state(self) -> js.TrainState:
         if self.arguments.resume_if_possible and self.checkpoints is not None:
@@ -458,6 +482,7 @@ class BaseTrainer:
                 "tokens_seen": step * self.arguments.training_batch_size * self.row_width,
                 "arguments": js.to_jsonable(self.arguments.to_dict()),
                 "run": self.run_identity,
+                **({"lora_base": self._base_digest} if self.plan.lora is not None else {}),
             },
         )
         self.all_callbacks().saved(self, step)
@@ -569,6 +594,19 @@ class Trainer(BaseTrainer):
     on completions only). MoE load balancing is weighted by the config's `router_aux_loss_coef`.
     Arguments as `BaseTrainer`'s: `arguments`, `model_state`, `model`, `dataset_train`, `dataset_eval`,
     `data_collator`, `finetune`, `processing_class`, `mesh`, `hooks`, `deprecated_kwargs`."""
+
+
+def base_digest(state: js.TrainState) -> str:
+    """A digest of `state`'s frozen weights (a LoRA run's base), the same on any mesh and process count: the
+    identity of the base its adapters belong to. Every process calls this together."""
+    import hashlib
+    import json
+
+    from jaxloom.mesh import named_leaves
+    from jaxloom.state import integrity
+
+    found = integrity.digests(dict(named_leaves(state.frozen)))
+    return hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def use_compilation_cache(directory: str | Path) -> None:

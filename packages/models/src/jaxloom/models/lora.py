@@ -1,0 +1,452 @@
+"""LoRA and QLoRA: low-rank adapters on a frozen (optionally quantized) base, interchangeable with PEFT.
+
+    model = apply_lora(model, LoRAConfig(r=16, alpha=32, target_modules=("q_proj", "v_proj")))
+
+Each targeted `Linear` becomes a `LoRALinear`: its base `kernel` (and bias) become `Frozen` variables — read
+by the forward pass, never trained, kept out of `nnx.Param` so an optimizer never sees them — and two
+`nnx.Param` adapters are added, `lora_a [in, r]` (PEFT's uniform init) and `lora_b [r, out]` (zeros), so
+`y = x W + (x A) B · alpha / r` (`alpha / sqrt(r)` with `use_rslora`) equals the base model at the start.
+The adapters carry the logical axes of the weight they adapt (A its input axis, B its output axis), so
+they shard with it on any mesh; in a scanned layer stack they carry its leading layer axis. Adapters are
+float32 whatever the base's dtype.
+
+QLoRA (`quantize="int8"` or `"nf4"`): the base kernel is stored quantized — int8 with one float32 scale per
+output column, or NF4 (QLoRA's 4-bit normal-float code, two codes a byte) with one float32 absmax per block
+of `block_size` inputs — and dequantized in the forward pass, in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import zlib
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .layers import Linear
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# QLoRA's NF4 code: the 16 quantiles of a standard normal, scaled to [-1, 1] (Dettmers et al., 2023).
+NF4_CODE = np.array(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    np.float32,
+)
+QUANTIZATIONS = ("int8", "nf4")
+ALL_LINEAR = "all-linear"
+ROUTERS = ("gate",)  # an MoE block's router: a Linear here, not an `nn.Linear` in transformers (PEFT skips it)
+
+
+class Frozen(nnx.Variable):
+    """Weights the forward pass reads and training never changes (a LoRA run's base): not an `nnx.Param`, so
+    `nnx.state(model, nnx.Param)` (what an optimizer and a checkpoint see) holds the adapters alone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """The adapters: rank `r`, `alpha` (scale `alpha / r`, or `alpha / sqrt(r)` with `use_rslora`),
+    `target_modules` (HF module names such as `q_proj`, or `"all-linear"`: every linear layer but the output
+    layer), and `quantize` the frozen base (`None`, `"int8"`, `"nf4"`) in blocks of `block_size` inputs
+    (NF4). PEFT's names and meanings."""
+
+    r: int = 16
+    alpha: float = 32.0
+    target_modules: tuple[str, ...] | str = ("q_proj", "v_proj")
+    use_rslora: bool = False
+    quantize: str | None = None
+    block_size: int = 64
+
+    def __post_init__(self):
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
+            raise ValueError(f"lora_r = {self.r!r}; expected a positive integer (the adapters' rank)")
+        if not self.alpha > 0:
+            raise ValueError(f"lora_alpha = {self.alpha!r}; expected a positive number")
+        if self.quantize not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantize = {self.quantize!r}; expected None or one of {QUANTIZATIONS}")
+        if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
+            object.__setattr__(self, "target_modules", tuple(m for m in self.target_modules.split(",") if m))
+        if isinstance(self.target_modules, list):
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if not self.target_modules:
+            raise ValueError("lora_target_modules is empty; expected module names such as q_proj,v_proj or all-linear")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+# ---- quantization ------------------------------------------------------------------------------------------
+def quantize(w: jax.Array, kind: str, block_size: int = 64) -> tuple[jax.Array, jax.Array]:
+    """`(codes, scales)` of `w [..., in, out]`: int8 with a scale per output column (`scales [..., 1, out]`),
+    or NF4 codes packed two a byte along the input axis (`[..., in/2, out]` uint8) with an absmax per block
+    of `block_size` inputs (`scales [..., in/block, out]`)."""
+    w = w.astype(jnp.float32)
+    if kind == "int8":
+        scale = jnp.max(jnp.abs(w), axis=-2, keepdims=True) / 127.0
+        scale = jnp.where(scale == 0, 1.0, scale)
+        return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
+    *lead, din, dout = w.shape
+    blocks = w.reshape(*lead, din // block_size, block_size, dout)
+    absmax = jnp.max(jnp.abs(blocks), axis=-2, keepdims=True)
+    absmax = jnp.where(absmax == 0, 1.0, absmax)
+    middles = jnp.asarray((NF4_CODE[1:] + NF4_CODE[:-1]) / 2)
+    codes = jnp.searchsorted(middles, (blocks / absmax).reshape(-1)).astype(jnp.uint8).reshape(*lead, din, dout)
+    pairs = codes.reshape(*lead, din // 2, 2, dout)
+    packed = pairs[..., 0, :] | (pairs[..., 1, :] << 4)
+    return packed, absmax[..., 0, :]
+
+
+def dequantize(codes: jax.Array, scales: jax.Array, kind: str, dtype: Any) -> jax.Array:
+    """The `[..., in, out]` weight back from `quantize`'s `(codes, scales)`, in `dtype`."""
+    if kind == "int8":
+        return (codes.astype(jnp.float32) * scales).astype(dtype)
+    *lead, half, dout = codes.shape
+    both = jnp.stack([codes & 15, codes >> 4], axis=-2).reshape(*lead, 2 * half, dout)
+    values = jnp.asarray(NF4_CODE)[both.astype(jnp.int32)]
+    blocks = scales.shape[-2]
+    values = values.reshape(*lead, blocks, (2 * half) // blocks, dout) * scales[..., :, None, :]
+    return values.reshape(*lead, 2 * half, dout).astype(dtype)
+
+
+# ---- the adapted layer ---------------------------------------------------------------------------------------
+class LoRALinear(nnx.Module):
+    """A frozen `Linear` (optionally quantized) plus low-rank adapters: `y = x W + b + (x A) B · scaling`."""
+
+    def __init__(self, base: Linear, config: LoRAConfig, key: jax.Array | None):
+        """`key` draws A; None: no adapters (a layer QLoRA quantizes but does not adapt)."""
+        kernel = base.kernel[...]
+        axes = base.kernel.get_metadata().get("logical_axes") or (None,) * kernel.ndim
+        *lead, din, dout = kernel.shape
+        self.quantization = config.quantize
+        if config.quantize:
+            if config.quantize == "nf4" and (din % config.block_size or config.block_size % 2):
+                raise ValueError(
+                    f"load_in_4bit: a layer's input size {din} is not a multiple of the NF4 block size "
+                    f"{config.block_size}; expected sizes that divide (or load_in_8bit)"
+                )
+            codes, scales = quantize(kernel, config.quantize, config.block_size)
+            self.kernel_codes = Frozen(codes, logical_axes=tuple(axes))
+            self.kernel_scales = Frozen(scales, logical_axes=(*axes[:-2], None, axes[-1]))
+            self.kernel = None
+        else:
+            self.kernel = Frozen(kernel, logical_axes=tuple(axes))
+            self.kernel_codes = self.kernel_scales = None
+        self.bias = (
+            None
+            if base.bias is None
+            else Frozen(base.bias[...], logical_axes=base.bias.get_metadata().get("logical_axes"))
+        )
+        a = b = None
+        if key is not None:
+            bound = 1.0 / math.sqrt(din)  # PEFT: kaiming_uniform_(a=sqrt(5)) on [r, in] is U(-1/sqrt(in), 1/sqrt(in))
+            a = nnx.Param(
+                jax.random.uniform(key, (*lead, din, config.r), jnp.float32, -bound, bound),
+                logical_axes=(*axes[:-2], axes[-2], None),
+            )
+            b = nnx.Param(jnp.zeros((*lead, config.r, dout), jnp.float32), logical_axes=(*axes[:-2], None, axes[-1]))
+        self.lora_a, self.lora_b = a, b
+        self.scaling = config.scaling
+        self.dtype, self.precision = base.dtype, base.precision
+
+    def weight(self, dtype: Any = None) -> jax.Array:
+        """The frozen base kernel `[in, out]` (dequantized) in `dtype` (default: the compute dtype)."""
+        dtype = dtype or self.dtype
+        if self.quantization:
+            return dequantize(self.kernel_codes[...], self.kernel_scales[...], self.quantization, dtype)
+        return self.kernel[...].astype(dtype)
+
+    def merged(self, dtype: Any = jnp.float32) -> jax.Array:
+        """`W + A B · scaling` in `dtype`: the kernel of the merged model."""
+        if self.lora_a is None:
+            return self.weight(dtype)
+        delta = jnp.dot(self.lora_a[...], self.lora_b[...], precision=jax.lax.Precision.HIGHEST) * self.scaling
+        return (self.weight(jnp.float32) + delta).astype(dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(self.dtype)
+        y = jnp.dot(x, self.weight(), precision=self.precision)
+        if self.lora_a is not None:
+            low = jnp.dot(x, self.lora_a[...].astype(self.dtype), precision=self.precision)
+            up = jnp.dot(low, self.lora_b[...].astype(self.dtype), precision=self.precision)
+            y = y + up * jnp.asarray(self.scaling, self.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+# ---- applying, merging, finding -------------------------------------------------------------------------------
+def _linears(module: nnx.Module, prefix: tuple[str, ...] = ()):
+    """`(parent, attribute, path)` of every `Linear` / `LoRALinear` under `module`, in a fixed order."""
+    for name in sorted(vars(module)):
+        value = getattr(module, name)
+        path = (*prefix, name)
+        if isinstance(value, Linear | LoRALinear):
+            yield module, name, path
+        elif isinstance(value, nnx.Module):
+            yield from _linears(value, path)
+        elif isinstance(value, nnx.List | list | tuple):
+            for i, item in enumerate(value):
+                if isinstance(item, nnx.Module):
+                    yield from _linears(item, (*path, str(i)))
+
+
+def linear_names(model: nnx.Module) -> list[str]:
+    """The module names `target_modules` can name in `model` (its linear layers; `lm_head` is the output)."""
+    return sorted({path[-1] for _, _, path in _linears(model)})
+
+
+def targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Module, str, tuple[str, ...]]]:
+    """The linear layers `config.target_modules` selects in `model`; an unknown name is an error listing the
+    names the model has."""
+    found = list(_linears(model))
+    names = {path[-1] for _, _, path in found}
+    if config.target_modules == ALL_LINEAR:
+        return [f for f in found if f[2][-1] != "lm_head" and not (f[2][-1] in ROUTERS and "mlp" in f[2])]
+    if "lm_head" in config.target_modules:
+        raise ValueError(
+            "lora_target_modules names lm_head, the output layer; PEFT's all-linear leaves it out, and so does jaxloom"
+        )
+    unknown = [m for m in config.target_modules if m not in names]
+    if unknown:
+        raise ValueError(
+            f"lora_target_modules {list(unknown)}: {type(model).__name__} has no such linear layer; "
+            f"its linear layers are {sorted(names)} (or all-linear)"
+        )
+    return [f for f in found if f[2][-1] in config.target_modules]
+
+
+def apply_lora(model: nnx.Module, config: LoRAConfig, *, seed: int = 0) -> nnx.Module:
+    """`model` with adapters on the layers `config` targets (in place; also returned). Each layer's A is drawn
+    from `seed` and the layer's path, so the same layer gets the same draw whatever else is targeted."""
+    if any(isinstance(getattr(p, n), LoRALinear) for p, n, _ in _linears(model)):
+        raise ValueError("this model already has LoRA adapters")
+    base_key = jax.random.PRNGKey(seed)
+    chosen = {path for _, _, path in targets(model, config)}
+    for parent, name, path in list(_linears(model)):
+        if path in chosen:
+            key = jax.random.fold_in(base_key, zlib.crc32(".".join(path).encode()) & 0x7FFFFFFF)
+            setattr(parent, name, LoRALinear(getattr(parent, name), config, key))
+        elif config.quantize and name != "lm_head":  # QLoRA stores every linear layer of the base quantized
+            setattr(parent, name, LoRALinear(getattr(parent, name), config, None))
+    _freeze(model)
+    model.lora_config = config
+    return model
+
+
+def _freeze(module: nnx.Module) -> None:
+    """Every `nnx.Param` under `module` but the adapters becomes `Frozen` (embeddings, norms, the output layer):
+    only the adapters train."""
+    for name in sorted(vars(module)):
+        value = getattr(module, name)
+        if isinstance(value, nnx.Param) and name not in ("lora_a", "lora_b"):
+            setattr(module, name, Frozen(value.get_value(), **value.get_metadata()))
+        elif isinstance(value, nnx.Module):
+            _freeze(value)
+        elif isinstance(value, nnx.List | list | tuple):
+            for item in value:
+                if isinstance(item, nnx.Module):
+                    _freeze(item)
+
+
+def lora_config_of(model: nnx.Module) -> LoRAConfig | None:
+    """The `LoRAConfig` `model` was adapted with, or None."""
+    return getattr(model, "lora_config", None)
+
+
+def merge_lora(model: nnx.Module) -> nnx.Module:
+    """`model` with every adapted layer replaced by a plain `Linear` whose kernel is `W + A B · scaling` (the
+    base dequantized), in the base's parameter dtype (float32 for a quantized base): what transformers loads
+    alone. In place; also returned."""
+    for parent, name, _ in list(_linears(model)):
+        layer = getattr(parent, name)
+        if not isinstance(layer, LoRALinear):
+            continue
+        dtype = jnp.float32 if layer.quantization else layer.kernel.get_value().dtype
+        kernel = layer.merged(dtype)
+        axes = (layer.kernel_codes or layer.kernel).get_metadata().get("logical_axes")
+        plain = nnx.eval_shape(lambda: Linear(1, 1, (None, None), _Runtime(dtype), rngs=nnx.Rngs(0)))
+        plain.kernel = nnx.Param(kernel, logical_axes=axes)
+        plain.bias = (
+            None
+            if layer.bias is None
+            else nnx.Param(layer.bias[...], logical_axes=layer.bias.get_metadata().get("logical_axes"))
+        )
+        plain.dtype, plain.precision = layer.dtype, layer.precision
+        setattr(parent, name, plain)
+    if hasattr(model, "lora_config"):
+        del model.lora_config
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class _Runtime:  # the two fields `Linear.__init__` reads
+    param_dtype: Any
+    dtype: Any = jnp.float32
+    precision: Any = None
+
+
+# ---- PEFT's files -------------------------------------------------------------------------------------------
+def _hf_module(model: nnx.Module, path: tuple[str, ...]) -> list[str]:
+    """The HF module name(s) of the linear layer at `path` (one per layer of a scanned stack)."""
+    from .hf import hf_sources
+
+    src = hf_sources([*path, "kernel"], model.config)
+
+    def names(s):
+        if isinstance(s, list):
+            return [n for x in s for n in names(x)]
+        if len(s) == 3:
+            raise ValueError(
+                f"{type(model).__name__} fuses {path[-1]} into {s[0].rsplit('.', 1)[0]} in transformers: its "
+                "adapters are not PEFT's; target the unfused modules of another family, or export with --merge"
+            )
+        return [s[0].removesuffix(".weight")]
+
+    return names(src)
+
+
+def peft_config(config: LoRAConfig, model: nnx.Module, base: str | None = None) -> dict[str, Any]:
+    """`adapter_config.json` of `config` on `model`, as PEFT writes it."""
+    modules = sorted({path[-1] for _, _, path in targets(model, config)})
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": config.r,
+        "lora_alpha": config.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": modules,
+        "use_rslora": config.use_rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "base_model_name_or_path": base,
+        "inference_mode": True,
+    }
+
+
+def adapter_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
+    """The adapters of `model` under PEFT's names (`base_model.model.<module>.lora_A.weight [r, in]`,
+    `lora_B.weight [out, r]`), gathered to host, float32."""
+    from jaxloom.mesh import gather
+
+    out: dict[str, np.ndarray] = {}
+    for parent, name, path in _linears(model):
+        layer = getattr(parent, name)
+        if not isinstance(layer, LoRALinear) or layer.lora_a is None:
+            continue
+        a, b = np.asarray(gather(layer.lora_a[...])), np.asarray(gather(layer.lora_b[...]))
+        modules = _hf_module(model, path)
+        if a.ndim == 2:
+            a, b = a[None], b[None]
+        for i, module in enumerate(modules):
+            out[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+            out[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+    return out
+
+
+def save_peft_adapter(
+    model: nnx.Module, directory: str | Path, *, base: str | None = None, tokenizer: Any = None
+) -> Path:
+    """Write `model`'s adapters as a PEFT adapter directory (`adapter_config.json`,
+    `adapter_model.safetensors`, and `tokenizer`'s files when given), atomically; `base` is recorded as
+    `base_model_name_or_path`."""
+    from safetensors.numpy import save_file
+
+    from .hf import atomic_directory
+
+    config = lora_config_of(model)
+    if config is None:
+        raise ValueError("this model has no LoRA adapters")
+    tensors = adapter_tensors(model)  # every process gathers; process 0 writes
+    if jax.process_index() != 0:
+        return Path(directory)
+    with atomic_directory(directory) as tmp:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(config, model, base), indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return Path(directory)
+
+
+def read_peft_config(directory: str | Path) -> LoRAConfig:
+    """The `LoRAConfig` of a PEFT adapter directory; what jaxloom cannot reproduce is an error naming it."""
+    path = Path(directory) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+    raw = json.loads(path.read_text())
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type {raw.get('peft_type')!r}; expected LORA")
+    for key, ok in (("bias", ("none", None)), ("fan_in_fan_out", (False, None)), ("modules_to_save", (None, []))):
+        if raw.get(key) not in ok:
+            raise ValueError(f"{path}: {key} = {raw.get(key)!r}; jaxloom reads adapters with {key} = {ok[0]!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if raw.get(key):
+            raise ValueError(f"{path}: {key} = {raw[key]!r}; jaxloom reads one rank and alpha for every layer")
+    modules = raw.get("target_modules")
+    return LoRAConfig(
+        r=int(raw["r"]),
+        alpha=float(raw.get("lora_alpha", 8)),
+        target_modules=modules if isinstance(modules, str) else tuple(sorted(modules)),
+        use_rslora=bool(raw.get("use_rslora", False)),
+    )
+
+
+def load_peft_weights(model: nnx.Module, directory: str | Path) -> nnx.Module:
+    """Set `model`'s adapters (applied with the directory's config) from a PEFT adapter directory; an adapter
+    missing, left over or of another shape than the base's layer is an error naming it. In place."""
+    from safetensors.numpy import load_file
+
+    path = Path(directory) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no {ADAPTER_WEIGHTS}")
+    tensors = {k.replace(".default.", "."): v for k, v in load_file(str(path)).items()}
+    used = set()
+    for parent, name, p in _linears(model):
+        layer = getattr(parent, name)
+        if not isinstance(layer, LoRALinear) or layer.lora_a is None:
+            continue
+        pairs = []
+        for module in _hf_module(model, p):
+            keys = [f"base_model.model.{module}.lora_{x}.weight" for x in "AB"]
+            missing = [k for k in keys if k not in tensors]
+            if missing:
+                raise ValueError(f"{path}: no tensor {missing[0]}; the adapter does not cover this base's {module}")
+            used.update(keys)
+            pairs.append((tensors[keys[0]].T, tensors[keys[1]].T))
+        a = np.stack([x for x, _ in pairs]) if layer.lora_a.get_value().ndim == 3 else pairs[0][0]
+        b = np.stack([y for _, y in pairs]) if layer.lora_b.get_value().ndim == 3 else pairs[0][1]
+        for var, value, what in ((layer.lora_a, a, "lora_A"), (layer.lora_b, b, "lora_B")):
+            if tuple(value.shape) != tuple(var.get_value().shape):
+                raise ValueError(
+                    f"{path}: {what} of {'.'.join(p)} has shape {tuple(value.shape)} (jaxloom's layout), the base's "
+                    f"layer needs {tuple(var.get_value().shape)}: the adapter was made for another base model"
+                )
+            var.set_value(jnp.asarray(value, jnp.float32))
+    left = sorted(set(tensors) - used)
+    if left:
+        raise ValueError(f"{path}: tensors for modules this model does not adapt: {left[:5]}")
+    return model
