@@ -182,7 +182,7 @@ class LoRALinear(nnx.Module):
         """`W + A B · scaling` in `dtype`: the kernel of the merged model."""
         if self.lora_a is None:
             return self.weight(dtype)
-        delta = jnp.dot(self.lora_a[...], self.lora_b[...], precision=jax.lax.Precision.HIGHEST) * self.scaling
+        delta = jnp.matmul(self.lora_a[...], self.lora_b[...], precision=jax.lax.Precision.HIGHEST) * self.scaling
         return (self.weight(jnp.float32) + delta).astype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -256,19 +256,19 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, *, seed: int = 0) -> nnx.M
     return model
 
 
-def _freeze(module: nnx.Module) -> None:
-    """Every `nnx.Param` under `module` but the adapters becomes `Frozen` (embeddings, norms, the output layer):
-    only the adapters train."""
+def _freeze(module: nnx.Module, source: type = nnx.Param, target: type = Frozen) -> None:
+    """Every `source` variable under `module` but the adapters becomes a `target` (by default, every parameter
+    becomes `Frozen`: embeddings, norms, the output layer; only the adapters train)."""
     for name in sorted(vars(module)):
         value = getattr(module, name)
-        if isinstance(value, nnx.Param) and name not in ("lora_a", "lora_b"):
-            setattr(module, name, Frozen(value.get_value(), **value.get_metadata()))
+        if isinstance(value, source) and name not in ("lora_a", "lora_b"):
+            setattr(module, name, target(value.get_value(), **value.get_metadata()))
         elif isinstance(value, nnx.Module):
-            _freeze(value)
+            _freeze(value, source, target)
         elif isinstance(value, nnx.List | list | tuple):
             for item in value:
                 if isinstance(item, nnx.Module):
-                    _freeze(item)
+                    _freeze(item, source, target)
 
 
 def lora_config_of(model: nnx.Module) -> LoRAConfig | None:
@@ -287,7 +287,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         dtype = jnp.float32 if layer.quantization else layer.kernel.get_value().dtype
         kernel = layer.merged(dtype)
         axes = (layer.kernel_codes or layer.kernel).get_metadata().get("logical_axes")
-        plain = nnx.eval_shape(lambda: Linear(1, 1, (None, None), _Runtime(dtype), rngs=nnx.Rngs(0)))
+        plain = nnx.eval_shape(lambda d=dtype: Linear(1, 1, (None, None), _Runtime(d), rngs=nnx.Rngs(0)))
         plain.kernel = nnx.Param(kernel, logical_axes=axes)
         plain.bias = (
             None
@@ -296,6 +296,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         )
         plain.dtype, plain.precision = layer.dtype, layer.precision
         setattr(parent, name, plain)
+    _freeze(model, Frozen, nnx.Param)  # a plain model again: every weight a parameter
     if hasattr(model, "lora_config"):
         del model.lora_config
     return model

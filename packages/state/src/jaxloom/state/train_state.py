@@ -18,7 +18,8 @@ class TrainState:
     """Everything a training step reads and writes, as one pytree: `step`, `params` (the model's
     `nnx.Param` values as a nested dict), the optimizer's `opt_state`, the step's `rng`, the model's other
     variables (`model_state`), its frozen weights (`frozen`: a LoRA run's base, `jaxloom.models.Frozen`
-    variables; empty otherwise; rebuilt from their source on every start, never checkpointed), and, static, the model's `graphdef` and the optax transformation `tx`.
+    variables, None otherwise; rebuilt from their source on every start, never checkpointed), and,
+    static, the model's `graphdef` and the optax transformation `tx`.
     Build it with `TrainState.create`; `state.model` rebuilds the `nnx` model."""
 
     step: jax.Array | Any  # int32 scalar (or its shape, as a restore target)
