@@ -173,11 +173,15 @@ def dpo_metrics(sums):
     return out
 
 
-def reference_logps(ref: js.TrainState, batch, after=None, fuse: tuple[int, int] = (0, 1)):
+def reference_logps(ref: js.TrainState, batch, after=None, fuse: tuple[int, int] = (0, 1), adapters_off: bool = False):
     """The frozen reference's `[..., B, 2]` sequence log-probabilities on pair rows `[..., B, 2L]` (a
     leading accumulation axis is mapped over, one micro-batch at a time). `after` is not read: passing the
     policy's step makes this program wait for the train step in flight, so programs with collectives run
-    in one order on every process (two in flight at once can deadlock a multi-process CPU run)."""
+    in one order on every process (two in flight at once can deadlock a multi-process CPU run).
+    `adapters_off`: `ref` is a LoRA policy, whose base is the reference: its adapters are zeroed here
+    (`x A 0` adds exactly nothing), so the base is read where it lies, never copied."""
+    if adapters_off:
+        ref = ref.replace(params=jax.tree_util.tree_map(jnp.zeros_like, ref.params))
     keys = ("input_ids", "positions", "segment_ids", "loss_mask")
     rows = {k: batch[k] for k in keys}
     if rows["input_ids"].ndim == 3:
@@ -196,15 +200,19 @@ class Reference:
         self.trainer, self.source = trainer, source
         self.state: js.TrainState | None = None
         self.cache: dict[bytes, np.ndarray] | None = None
+        self.adapters_off = False  # a LoRA policy's base is the reference: `state` is the policy's own
 
     def ready(self) -> None:
         """Build the reference (once), after the policy: one program at a time on every process."""
-        if self.state is not None or self.cache is not None:
+        if self.state is not None or self.cache is not None or self.adapters_off:
             return
         t = self.trainer
         jax.block_until_ready(t.state)  # one program at a time on every process (see reference_logps)
-        self.state = jax.block_until_ready(self._build())
-        fn = functools.partial(reference_logps, fuse=(t.arguments.loss_block_size, t.data_shards()))
+        self.adapters_off = t.plan.lora is not None and self.source is None
+        # with LoRA, the base (the policy with its adapters off) is the reference: no second copy (TRL's way)
+        self.state = None if self.adapters_off else jax.block_until_ready(self._build())
+        fuse = (t.arguments.loss_block_size, t.data_shards())
+        fn = functools.partial(reference_logps, fuse=fuse, adapters_off=self.adapters_off)
         self._train_fn = jax.jit(fn, out_shardings=t.batches.sharding, keep_unused=True)
         self._eval_fn = jax.jit(fn, out_shardings=t.batches.eval_sharding, keep_unused=True)
         if t.arguments.precompute_ref_log_probs:
@@ -226,9 +234,9 @@ class Reference:
                 rows = batch["input_ids"].shape[0]
                 batch[REF_KEY] = jax.make_array_from_process_local_data(data.eval_sharding, values, (rows, 2))
         elif training:
-            batch[REF_KEY] = self._train_fn(self.state, batch, t.state.step)
+            batch[REF_KEY] = self._train_fn(t.state if self.adapters_off else self.state, batch, t.state.step)
         else:
-            batch[REF_KEY] = self._eval_fn(self.state, batch)
+            batch[REF_KEY] = self._eval_fn(t.state if self.adapters_off else self.state, batch)
         return batch
 
     def _build(self) -> js.TrainState:
@@ -279,7 +287,12 @@ class Reference:
         from .resume import data_identity
 
         t = self.trainer
-        ref = integrity.digests(dict(named_leaves(self.state.params)))  # type: ignore[union-attr]
+        if self.adapters_off:  # the reference is the base: its identity is the base's
+            from .trainer import base_digest
+
+            ref: Any = {"lora_base": base_digest(t.state)}  # type: ignore[arg-type]
+        else:
+            ref = integrity.digests(dict(named_leaves(self.state.params)))  # type: ignore[union-attr]
         key = {
             "reference": ref,
             "train": data_identity(t.dataset_train),
@@ -317,7 +330,8 @@ class Reference:
                     batch_of = functools.partial(data.eval_tokens, rows=loader.per_shard * loader.dp)
                 fn = self._train_fn if training else self._eval_fn
                 for local in loader:
-                    values = _local_rows(fn(self.state, batch_of(local)), t.mesh, t.data_axes)
+                    ref = t.state if self.adapters_off else self.state
+                    values = _local_rows(fn(ref, batch_of(local)), t.mesh, t.data_axes)
                     for key, value in zip(_row_keys(local), values.reshape(-1, 2), strict=True):
                         cache[key] = value
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -417,7 +431,8 @@ class DPOTrainer(BaseTrainer):
 
     @property
     def ref_state(self) -> js.TrainState | None:
-        """The reference's state (None before `configure_model()`, and once log-probs are precomputed)."""
+        """The reference's state (None before `configure_model()`, once log-probs are precomputed, and with LoRA,
+        whose reference is the policy's own base with the adapters off)."""
         return self.reference.state
 
     # ---- what this trainer gives the core --------------------------------------------------------------

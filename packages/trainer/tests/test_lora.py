@@ -1,0 +1,139 @@
+"""LoRA through the trainer: only the adapters train (and only they have optimizer state), the base's bytes
+never change, a LoRA run shards on fsdp × tp as on one device, resumes bitwise after SIGKILL and refuses
+another base, DPO's reference is the base with the adapters off (no second copy), and a run converts to a
+PEFT adapter directory or to the merged model, which computes what the unmerged adapters compute."""
+
+import json
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_dpo import dpo_args, rule_pairs, rows, write_pairs
+from test_resume_cli import run
+from util import CLI_TINY, TOK, TRAIN, args, losses, mesh, params_of, tiny
+
+import jaxloom.models as jm
+from jaxloom.mesh import gather, named_leaves
+from jaxloom.trainer import DPOTrainer, Trainer
+from jaxloom.trainer.cli import main
+
+LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules="all-linear")
+
+
+def lora_trainer(tmp, model, mesh_=None, **kw):
+    return Trainer(args(tmp, **{**LORA, **kw}), model, dataset_train=TRAIN, processing_class=TOK, mesh=mesh_ or mesh(1))
+
+
+def base_bytes(model) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in named_leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
+
+
+def test_only_the_adapters_train_and_the_base_never_changes(tmp_path):
+    model = jm.create_model(tiny(), seed=0)
+    before = base_bytes(model)
+    t = lora_trainer(tmp_path / "run", model, learning_rate=5e-2, max_training_steps=16, warmup_steps=0)
+    out = t.train()
+    curve = losses(tmp_path / "run")
+    assert np.mean(curve[-3:]) < curve[0] - 0.05, curve
+    trained = params_of(out.state)
+    assert trained and all(k.endswith(("lora_a", "lora_b")) for k in trained)
+    assert any(np.abs(v).max() > 0 for k, v in trained.items() if k.endswith("lora_b"))  # B left zero: it trained
+    frozen = {k: gather(v) for k, v in named_leaves(out.state.frozen)}
+    assert sorted(frozen) == sorted(before)
+    for k, v in before.items():
+        np.testing.assert_array_equal(frozen[k], v, err_msg=k)  # bitwise: the base never moved
+    adam = sum(x.size for x in jax.tree_util.tree_leaves(out.state.opt_state))
+    assert adam <= 2 * t.plan.n_trainable + 8  # mu and nu of the adapters, a count: nothing for the base
+    assert t.plan.n_trainable < 0.05 * t.plan.n_params
+    # the checkpoint holds the adapters: resuming onto another base is refused before step 1
+    other = lora_trainer(
+        tmp_path / "run", jm.create_model(tiny(), seed=1), learning_rate=5e-2, warmup_steps=0, max_training_steps=18
+    )
+    with pytest.raises(ValueError, match="holds adapters trained on another base model"):
+        other.train()
+
+
+def test_a_lora_run_on_fsdp_x_tp_equals_fsdp_alone(tmp_path):
+    # the same rows per data shard on both meshes (fsdp=2); tp=2 splits every weight and adapter further
+    one = lora_trainer(tmp_path / "a", jm.create_model(tiny(hidden=64), seed=0), mesh_=mesh(2, fsdp=2)).train()
+    four = lora_trainer(tmp_path / "b", jm.create_model(tiny(hidden=64), seed=0), mesh_=mesh(4, fsdp=2, tp=2))
+    out = four.train()
+    spec = out.state.params["model"]["layers"][0]["self_attn"]["q_proj"]["lora_b"].sharding.spec
+    assert "tp" in str(spec)  # B follows its weight's output axis (heads → tp)
+    a, b = params_of(one.state), params_of(out.state)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=2e-5, rtol=1e-4, err_msg=k)
+    np.testing.assert_allclose(losses(tmp_path / "a"), losses(tmp_path / "b"), rtol=1e-5)
+
+
+def test_dpo_with_lora_equals_dpo_with_the_base_as_an_explicit_reference(tmp_path):
+    model = jm.create_model(tiny(), seed=0)
+    jm.save_hf_model(jm.create_model(tiny(), seed=0), tmp_path / "base")
+    train = rule_pairs(64, 0)
+    runs = {}
+    for name, ref in (("off", None), ("explicit", str(tmp_path / "base"))):
+        t = DPOTrainer(
+            dpo_args(tmp_path / name, ref_model=ref, **LORA),
+            model=jm.create_model(tiny(), seed=0) if ref else model,
+            dataset_train=train,
+            processing_class=TOK,
+            mesh=mesh(1),
+        )
+        t.train()
+        runs[name] = [r["train/loss"] for r in rows(tmp_path / name) if "train/loss" in r]
+        if ref is None:
+            assert t.ref_state is None and t.reference.adapters_off  # no second copy of the weights
+    assert runs["off"][0] == pytest.approx(np.log(2), abs=1e-6)  # step 1: the policy is the base
+    np.testing.assert_allclose(runs["off"], runs["explicit"], rtol=1e-5, atol=1e-6)
+
+
+def test_sigkill_then_resume_is_bitwise_and_the_run_converts_to_peft_or_merged(tmp_path, capsys):
+    extra = ["use_peft=true", "lora_r=4", "lora_target_modules=all-linear", "learning_rate=1e-2"]
+    ref, _, err = run(tmp_path / "ref", extra=extra)
+    assert ref.returncode == 0, err[-3000:]
+    killed, _, _ = run(tmp_path / "run", kill_after=7, extra=extra)
+    assert killed.returncode == -signal.SIGKILL
+    again, _, err = run(tmp_path / "run", extra=extra)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resumed from checkpoint {tmp_path / 'run'}/checkpoints/4" in err
+    a, b = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "run" / "final.npz")
+    assert sorted(a) == sorted(b) and all(k.endswith(("lora_a", "lora_b")) for k in a)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+    run_dir = str(tmp_path / "cli")  # a `jaxloom train` run: its directory alone rebuilds it
+    cli = [*CLI_TINY, f"save_directory={run_dir}", "max_training_steps=3", *extra, "use_tensorboard=false"]
+    assert main(["train", *cli]) == 0
+    assert main(["convert", "--to-hf", run_dir, str(tmp_path / "peft")]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["target_modules"] == sorted(config["target_modules"])
+    assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+    assert main(["convert", "--to-hf", run_dir, str(tmp_path / "merged"), "--merge"]) == 0
+    merged = jm.from_pretrained(tmp_path / "merged")
+    from jaxloom.trainer.compose import build_run
+
+    trainer, _ = build_run(str(tmp_path / "cli" / "run_config.json"), [f"save_directory={run_dir}"])
+    state = trainer.restore_checkpoint(params_only=True)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, len(TOK), (2, 12)))
+    np.testing.assert_allclose(state.model(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
+    texts = []
+    for source in (run_dir, str(tmp_path / "merged")):  # the adapters unmerged, then the merged model
+        capsys.readouterr()
+        assert main(["generate", source, "--prompt", "the", "--max-new-tokens", "6", "--greedy"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
+
+    # a PEFT adapter continues training: the run starts from its values
+    cont = Trainer(
+        args(tmp_path / "cont", lora_from=str(tmp_path / "peft"), max_training_steps=1),
+        jm.create_model(trainer.config, seed=0),
+        dataset_train=TRAIN,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
+    start = params_of(cont.model_state)
+    for k, v in params_of(state).items():
+        np.testing.assert_array_equal(start[k], v, err_msg=k)
