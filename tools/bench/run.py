@@ -245,6 +245,8 @@ def main() -> None:
     results["scale"] = run_process([str(HERE / "model_scale.py")], {"JAX_PLATFORMS": "cpu"})
     # Expert parallelism on 8 devices: what a Mixtral step moves and holds, ep=8 vs fsdp=8, E=8 and 32
     results["moe_parallel"] = run_process([str(HERE / "moe_parallel.py")], eight)
+    # LoRA / QLoRA: state bytes of 1B and 8B plans, the 8B QLoRA step's memory at 4096, LoRA vs full tokens/s
+    results["lora"] = run_process([str(HERE / "lora_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Each model family's training step at about Llama's parameter count, in tokens/s relative to Llama's
     results["families"] = run_process([str(HERE / "family_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # The gang: 2 Ray workers (2 JAX processes) vs 1 process on the same 2-device mesh; driver CPU
@@ -258,6 +260,45 @@ def main() -> None:
     results["checkpoint"] = checkpoints(8 * 256 / t)
     Path("bench-results.json").write_text(json.dumps(results, indent=2))
     print(table(results))
+
+
+def lora_rows(g: dict) -> list[tuple[str, str, str, str]]:
+    """LoRA optimizer state and QLoRA base vs full fine-tuning's, the 8B QLoRA fit, LoRA tokens/s."""
+    out = []
+    m = g.get("memory", {})
+    for size in ("1b", "8b"):
+        if f"{size}_full" in m:
+            full, lora, q = m[f"{size}_full"], m[f"{size}_lora_r16"], m[f"{size}_qlora_nf4_r16"]
+            out.append(
+                (
+                    f"{size} optimizer state GB: LoRA r16 vs full",
+                    f"{lora['optimizer_gb']:.3f} vs {full['optimizer_gb']:.1f}",
+                    f"{m[f'{size}_lora_optimizer_vs_full']:.4f}",
+                    "<= 0.02",
+                )
+            )
+            out.append(
+                (
+                    f"{size} frozen base GB: QLoRA NF4 vs bf16 (embeddings stay bf16)",
+                    f"{q['frozen_gb']:.2f} vs {lora['frozen_gb']:.2f}",
+                    f"{m[f'{size}_qlora_base_vs_bf16']:.3f}",
+                    "",
+                )
+            )
+    f = g.get("fits_8b_qlora_4096")
+    if f:
+        out.append(("8B QLoRA step at 4096 tokens, XLA memory analysis (GB) vs 80", f"{f['total_gb']:.1f}", "", "fits"))
+    s = g.get("speed")
+    if s:
+        out.append(
+            (
+                "8.4M model tokens/s: LoRA r16 all-linear vs full",
+                f"{s['lora_tokens_per_s']:.0f} vs {s['full_tokens_per_s']:.0f}",
+                f"{s['lora_vs_full']:.2f}",
+                "",
+            )
+        )
+    return out
 
 
 def gpu_rows(g: dict) -> list[tuple[str, str, str, str]]:
@@ -578,6 +619,7 @@ def table(r: dict) -> str:
         ),
     ]
     rows += gpu_rows(r.get("gpu", {}))
+    rows += lora_rows(r.get("lora", {}))
     w = max(len(x[0]) for x in rows)
     head = f"{'measure'.ljust(w)} | value | ratio | target\n{'-' * w}-|-------|-------|-------"
     return (

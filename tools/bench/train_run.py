@@ -98,6 +98,7 @@ def main():
             dtype=cfg["dtype"],
             adam_beta2=0.95,
             **({"loss_block_size": cfg["loss_block_size"]} if "loss_block_size" in cfg else {}),
+            **cfg.get("arguments", {}),  # e.g. LoRA: use_peft, lora_r, lora_target_modules
         )
         runtime = jm.RuntimeConfig(dtype=cfg["dtype"], param_dtype="float32")
         model = jm.create_model(jm.LlamaConfig(**m), runtime, lazy=True)

@@ -259,6 +259,15 @@ RUN_LEVEL = {
     "generation_interval": "test_training.py::test_eval_loss_falls_on_the_corpus",
     "skip_bad_records": "test_training.py::test_a_bad_record_stops_once_naming_it_or_is_skipped_and_counted",
     "generation_prompts": "test_training.py::test_eval_loss_falls_on_the_corpus",
+    **{
+        name: "test_lora.py::test_qlora_trains_on_a_quantized_base_and_each_adapter_setting_acts"
+        for name in ("load_in_4bit", "bnb_4bit_quant_type", "load_in_8bit", "use_rslora", "lora_dropout")
+    },
+    **{
+        name: "test_lora.py::test_only_the_adapters_train_and_the_base_never_changes"
+        for name in ("use_peft", "lora_r", "lora_alpha", "lora_target_modules")
+    },
+    "lora_from": "test_lora.py::test_sigkill_then_resume_is_bitwise_and_the_run_converts_to_peft_or_merged",
     "overwrite_output_dir": (
         "../../../tests/reliability/test_run_directory.py::test_an_earlier_run_is_never_replaced_silently"
     ),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_dpo import dpo_args, rule_pairs, rows, write_pairs
+from test_dpo import dpo_args, rule_pairs, rows
 from test_resume_cli import run
 from util import CLI_TINY, TOK, TRAIN, args, losses, mesh, params_of, tiny
 
@@ -137,3 +137,24 @@ def test_sigkill_then_resume_is_bitwise_and_the_run_converts_to_peft_or_merged(t
     start = params_of(cont.model_state)
     for k, v in params_of(state).items():
         np.testing.assert_array_equal(start[k], v, err_msg=k)
+
+
+def test_qlora_trains_on_a_quantized_base_and_each_adapter_setting_acts(tmp_path):
+    model = jm.create_model(tiny(hidden=64), seed=0)
+    for name, kw, code in (
+        ("nf4", dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"), np.uint8),
+        ("int8", dict(load_in_8bit=True, use_rslora=True), np.int8),
+    ):
+        t = lora_trainer(tmp_path / name, model, learning_rate=5e-2, max_training_steps=16, warmup_steps=0, **kw)
+        out = t.train()
+        curve = losses(tmp_path / name)
+        assert np.mean(curve[-3:]) < curve[0] - 0.05, (name, curve)
+        codes = [v for k, v in named_leaves(out.state.frozen) if k.endswith("kernel_codes")]
+        assert codes and all(c.dtype == code for c in codes)  # every linear layer's base stored quantized
+        assert not [k for k, _ in named_leaves(out.state.frozen) if k.endswith("proj/kernel")]
+        scale = 8 / np.sqrt(4) if kw.get("use_rslora") else 8 / 4
+        assert t.plan.lora.scaling == scale
+    with pytest.raises(ValueError, match="lora_dropout = 0.05; jaxloom's adapters have no dropout"):
+        args(tmp_path, **LORA, lora_dropout=0.05)
+    with pytest.raises(ValueError, match="load_in_4bit = true without use_peft"):
+        args(tmp_path, load_in_4bit=True)

@@ -287,7 +287,8 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         dtype = jnp.float32 if layer.quantization else layer.kernel.get_value().dtype
         kernel = layer.merged(dtype)
         axes = (layer.kernel_codes or layer.kernel).get_metadata().get("logical_axes")
-        plain = nnx.eval_shape(lambda d=dtype: Linear(1, 1, (None, None), _Runtime(d), rngs=nnx.Rngs(0)))
+        runtime: Any = _Runtime(dtype)  # the fields Linear reads
+        plain = nnx.eval_shape(lambda r=runtime: Linear(1, 1, (None, None), r, rngs=nnx.Rngs(0)))
         plain.kernel = nnx.Param(kernel, logical_axes=axes)
         plain.bias = (
             None

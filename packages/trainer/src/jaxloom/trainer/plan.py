@@ -44,7 +44,8 @@ class Plan:
     `mesh`, the optimizer `tx` and `schedule` over `total_steps`, the parameter count `n_params`, the
     state's `abstract` tree and `shardings`, the train and eval batch shardings (`batch_sharding`,
     `eval_sharding`), and `build_fn(*build_inputs)`, which makes the state (from `given`, the state
-    the trainer was given, when there is one); `arguments` are the run's."""
+    the trainer was given, when there is one); `arguments` are the run's; `lora` is an adapter run's
+    `LoRAConfig` (None: every parameter trains) and `n_trainable` the parameters the optimizer updates."""
 
     config: Any
     model_class: type

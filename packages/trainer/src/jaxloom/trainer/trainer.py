@@ -408,20 +408,10 @@ class BaseTrainer:
         return restored.state
 
     def _with_base(self, restored: js.Restored, where: str) -> js.TrainState:
-        """A restored LoRA state with its frozen base built from its source (checkpoints hold the adapters
-        alone), refused when the checkpoint was trained on another base (its recorded digest differs)."""
-        state = self.plan.complete(restored.state)
-        if self.plan.lora is None:
-            return state
-        recorded = (restored.metadata or {}).get("lora_base")
-        mine = base_digest(state)
-        if recorded is not None and recorded != mine:
-            raise ValueError(
-                f"checkpoint {where} holds adapters trained on another base "
-                f"model (base digest {recorded}; the base given now has {mine}): resume with the base the adapters "
-                "were trained on (model.from_pretrained), or start a new run (another save_directory)"
-            )
-        self._base_digest = mine
+        """A restored state completed by the plan (a LoRA run's base; see `restored_with_base`)."""
+        state, digest = restored_with_base(self.plan, restored, where)
+        if digest is not None:
+            self._base_digest = digest
         return state
 
     @functools.cached_property
@@ -594,6 +584,24 @@ class Trainer(BaseTrainer):
     on completions only). MoE load balancing is weighted by the config's `router_aux_loss_coef`.
     Arguments as `BaseTrainer`'s: `arguments`, `model_state`, `model`, `dataset_train`, `dataset_eval`,
     `data_collator`, `finetune`, `processing_class`, `mesh`, `hooks`, `deprecated_kwargs`."""
+
+
+def restored_with_base(plan: Any, restored: js.Restored, where: str) -> tuple[js.TrainState, str | None]:
+    """`(state, base digest)`: a restored LoRA state with its frozen base built from its source by `plan`
+    (checkpoints hold the adapters alone), refused when the checkpoint at `where` was trained on another
+    base (its recorded digest differs); other states as they are, with None."""
+    state = plan.complete(restored.state)
+    if plan.lora is None:
+        return state, None
+    recorded = (restored.metadata or {}).get("lora_base")
+    mine = base_digest(state)
+    if recorded is not None and recorded != mine:
+        raise ValueError(
+            f"checkpoint {where} holds adapters trained on another base model (base digest {recorded}; the base "
+            f"given now has {mine}): resume with the base the adapters were trained on (model.from_pretrained), "
+            "or start a new run (another save_directory)"
+        )
+    return state, mine
 
 
 def base_digest(state: js.TrainState) -> str:
