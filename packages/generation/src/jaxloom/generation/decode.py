@@ -139,12 +139,13 @@ def _compiled(graphdef, config: GenerationConfig):
 
 
 def generate(
-    model: nnx.Module, input_ids, attention_mask=None, config: GenerationConfig | None = None, *, mesh=None
+    model: nnx.Module, input_ids, attention_mask=None, config: GenerationConfig | None = None, *, mesh=None, rng=None
 ) -> Generated:
     """Decode `config.max_new_tokens` tokens after left-padded prompts `input_ids [B, P]` (with
     `attention_mask`, 0 on padding; default all ones). With `mesh`, the batch is sharded over its data
     axes. One jitted function per (model structure, config, prompt bucket); prompts are padded to the
-    bucket."""
+    bucket. `rng`: the sampling key (default: `PRNGKey(config.seed)`), e.g. one derived from a training
+    state, so that a resumed run samples what the uninterrupted one did."""
     config = config or GenerationConfig()
     ids = np.asarray(input_ids, np.int32)
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
@@ -163,7 +164,7 @@ def generate(
     mask = np.pad(mask, ((0, 0), (pad, 0)))
     graphdef, state = nnx.split(model)
     fn = _compiled(graphdef, config)
-    rng = jax.random.PRNGKey(config.seed)
+    rng = jax.random.PRNGKey(config.seed) if rng is None else rng
     if mesh is not None:
         with jax.set_mesh(mesh):
             out = fn(state, ids, mask, rng)

@@ -1,11 +1,12 @@
 """jaxloom.trainer: the training loop, its arguments, metrics, and the `jaxloom` command."""
 
 from .__about__ import __version__
-from .arguments import DPOConfig, TrainingArguments
+from .arguments import DPOConfig, GRPOConfig, TrainingArguments
 from .batches import DataSpec
 from .callbacks import Callback, Callbacks
 from .deployer import Deployer
 from .dpo import DPOTrainer
+from .grpo import GRPOTrainer
 from .optim import get_lr_schedule_fn, make_optimizer
 from .outputs import (
     TrainerConfigureDataloaderOutput,
@@ -24,6 +25,8 @@ __all__ = [
     "Callback",
     "Callbacks",
     "DPOConfig",
+    "GRPOConfig",
+    "GRPOTrainer",
     "DPOTrainer",
     "DataSpec",
     "Deployer",

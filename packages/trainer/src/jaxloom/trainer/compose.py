@@ -15,6 +15,7 @@ from typing import Any
 
 from .arguments import TRAINERS, apply_overrides, arguments_of, expand_path, load_config_file
 from .dpo import DPOTrainer
+from .grpo import GRPOTrainer
 from .run_directory import RUN_CONFIG
 from .runs import model_of, tokenizer_of
 from .trainer import BaseTrainer, Trainer
@@ -30,7 +31,7 @@ DATA_KEYS = {
     "eval_fraction": "with train=bundled: the fraction of its documents held out for evaluation",
     "tokenizer": "'bundled', a local tokenizer directory or a Hugging Face Hub id",
 }
-KINDS: dict[str, type[BaseTrainer]] = {"sft": Trainer, "dpo": DPOTrainer}
+KINDS: dict[str, type[BaseTrainer]] = {"sft": Trainer, "dpo": DPOTrainer, "grpo": GRPOTrainer}
 """The trainer class of each `trainer=` kind."""
 
 # A run directory is data: commands that read one never take process-level or write-location settings
@@ -75,6 +76,14 @@ FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
         "weight_decay": 0.0,
         "generation_prompts": [],
         "save_directory": "jaxloom-runs/finetune",
+    },
+    "grpo": {
+        "learning_rate": 1e-6,
+        "scheduler": "linear",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "generation_prompts": [],
+        "save_directory": "jaxloom-runs/grpo",
     },
     "dpo": {
         "learning_rate": 1e-6,
@@ -135,6 +144,11 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
         log.info("tokenizer: the model's own, from %s (data.tokenizer=... to use another)", source)
     tokenizer = tokenizer_of(data_cfg)
     train, evaluation = data_cfg.get("train", "bundled"), data_cfg.get("eval")
+    if kind == "grpo" and train == "bundled":
+        raise ValueError(
+            "trainer=grpo needs prompts: data.train=prompts.jsonl (records with a prompt, and any columns the "
+            "reward functions read) and reward_funcs=my_rewards.fn; the bundled corpus is plain text"
+        )
     if kind == "dpo" and train == "bundled":
         raise ValueError(
             "trainer=dpo needs preference data: data.train=pairs.jsonl (records with prompt, chosen, rejected); "

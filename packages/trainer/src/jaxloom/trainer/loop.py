@@ -30,7 +30,7 @@ def run_loop(trainer: Any, step: int, callbacks: Callbacks, train_fn: Any) -> tu
         """The host's share of `step`, once the next step is dispatched: checks, log row, progress."""
         keys = ("finite", "loss", "grad_norm", STOP_KEY)
         trainer.apply_training_hooks({**jax.device_get({k: metrics[k] for k in keys if k in metrics}), "step": step})
-        trainer.step_log.step(step, metrics, extra=trainer.data_metrics, state=trainer.state)
+        trainer.step_log.step(step, metrics, extra=lambda: trainer.data_metrics(step=step), state=trainer.state)
 
     try:
         while step < total and not stop.reason:

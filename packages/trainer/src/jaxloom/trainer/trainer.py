@@ -281,9 +281,10 @@ class BaseTrainer:
         """What this trainer reads and feeds its step: next-token rows of `max_sequence_length` tokens."""
         return DataSpec.tokens(self.arguments)
 
-    def data_metrics(self) -> dict[str, float]:
-        """Metrics of the data read so far, added to each log row: a mixture's shares, and the bad records
-        skipped so far (with `skip_bad_records`)."""
+    def data_metrics(self, step: int | None = None) -> dict[str, float]:
+        """Metrics of the data read so far, added to the log row of `step`: a mixture's shares, and the bad
+        records skipped so far (with `skip_bad_records`)."""
+        del step
         out = self.batches.mixture_shares()
         if self.arguments.skip_bad_records:
             out["skipped_records"] = float(self.batches.skipped_records())

@@ -1,0 +1,62 @@
+"""GRPO across processes: a run killed with SIGKILL resumes bitwise (the rollouts' sampling key is part of the
+training state, the prompts' order is derived from the step), and two processes joined over gloo train as
+one process does on the same two devices (rollouts generated on the mesh, rewards on every process)."""
+
+import json
+import signal
+
+import numpy as np
+from faultrun import TINY, run_worker
+from test_two_process_dpo import launch
+
+WORDS = ["red", "blue", "green", "cat", "dog", "tree", "sun", "moon", "fish", "bird", "rock", "leaf"]
+
+
+def prompts(path, n=48):
+    with open(path, "w") as fh:
+        for i in range(n):
+            w = WORDS[i % len(WORDS)]
+            fh.write(json.dumps({"prompt": f"say {w}:", "answer": w}) + "\n")
+    return str(path)
+
+
+def grpo(data, *extra):
+    return [
+        "trainer=grpo",
+        f"data.train={data}",
+        "reward_funcs=[grpo_rewards.letter_e,grpo_rewards.says_the_answer]",
+        "reward_weights=[1.0,0.5]",
+        "num_generations=4",
+        "max_prompt_length=16",
+        "max_completion_length=16",  # TINY: max_sequence_length=32
+        "learning_rate=3e-3",
+        *extra,
+    ]
+
+
+def test_sigkill_during_grpo_then_resume_ends_bitwise_equal(tmp_path):
+    args = [*TINY, *grpo(prompts(tmp_path / "p.jsonl")), "max_training_steps=8"]
+    ref, _, err = run_worker(tmp_path / "ref", *args)
+    assert ref.returncode == 0, err[-3000:]
+    killed, _, _ = run_worker(tmp_path / "run", *args, stop_after=5)
+    assert killed.returncode == -signal.SIGKILL
+    again, _, err = run_worker(tmp_path / "run", *args)
+    assert again.returncode == 0, err[-3000:]
+    assert "resumed from checkpoint" in err
+    a, b = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "run" / "final.npz")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/rewards/letter_e/mean" in r and "train/reward" in r for r in rows), rows[-1]
+
+
+def test_two_processes_train_grpo_as_one_process(tmp_path):
+    args = [*grpo(prompts(tmp_path / "p.jsonl")), "max_sequence_length=32", "max_training_steps=4", "save_steps=2"]
+    launch(tmp_path / "one", 1, args, devices=2)
+    outs = launch(tmp_path / "two", 2, args, devices=1)
+    assert all("STEP 4" in o for o in outs)
+    one, two = np.load(tmp_path / "one" / "final.npz"), np.load(tmp_path / "two" / "final.npz")
+    assert sorted(one) == sorted(two)
+    for k in one:  # the same global mesh, the same rollouts; only the reductions' transport differs
+        np.testing.assert_allclose(one[k], two[k], rtol=2e-5, atol=1e-6, err_msg=k)
