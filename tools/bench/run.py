@@ -247,6 +247,8 @@ def main() -> None:
     results["moe_parallel"] = run_process([str(HERE / "moe_parallel.py")], eight)
     # LoRA / QLoRA: state bytes of 1B and 8B plans, the 8B QLoRA step's memory at 4096, LoRA vs full tokens/s
     results["lora"] = run_process([str(HERE / "lora_rows.py")], {"JAX_PLATFORMS": "cpu"})
+    # GRPO: rollout tokens/s and the step's split on the 8.4M model; the same tiny job in jaxloom and in TRL
+    results["grpo"] = run_process([str(HERE / "grpo_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Each model family's training step at about Llama's parameter count, in tokens/s relative to Llama's
     results["families"] = run_process([str(HERE / "family_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # The gang: 2 Ray workers (2 JAX processes) vs 1 process on the same 2-device mesh; driver CPU
@@ -260,6 +262,32 @@ def main() -> None:
     results["checkpoint"] = checkpoints(8 * 256 / t)
     Path("bench-results.json").write_text(json.dumps(results, indent=2))
     print(table(results))
+
+
+def grpo_rows(g: dict) -> list[tuple[str, str, str, str]]:
+    """GRPO: the 8.4M model's rollout speed and step split; TRL vs jaxloom seconds per step, same tiny job."""
+    out = []
+    m = g.get("model_8m")
+    if m:
+        out.append(("GRPO 8.4M: rollout tokens/s (16 × 64 tokens a step)", f"{m['rollout_tokens_per_s']:.0f}", "", ""))
+        out.append(
+            (
+                "GRPO 8.4M: step s = rollout + reward + train",
+                f"{m['seconds_per_step']:.2f} = {m['rollout_s']:.2f} + {m['reward_s']:.4f} + {m['train_s']:.2f}",
+                "",
+                "",
+            )
+        )
+    if "trl" in g:
+        out.append(
+            (
+                "GRPO tiny job s/step: TRL 1.16 vs jaxloom (8 × 16 tokens)",
+                f"{g['trl']['seconds_per_step']:.2f} vs {g['jaxloom']['seconds_per_step']:.2f}",
+                f"{g['trl_vs_jaxloom_seconds_per_step']:.1f}",
+                "> 1",
+            )
+        )
+    return out
 
 
 def lora_rows(g: dict) -> list[tuple[str, str, str, str]]:
@@ -620,6 +648,7 @@ def table(r: dict) -> str:
     ]
     rows += gpu_rows(r.get("gpu", {}))
     rows += lora_rows(r.get("lora", {}))
+    rows += grpo_rows(r.get("grpo", {}))
     w = max(len(x[0]) for x in rows)
     head = f"{'measure'.ljust(w)} | value | ratio | target\n{'-' * w}-|-------|-------|-------"
     return (

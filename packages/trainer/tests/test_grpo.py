@@ -5,6 +5,7 @@ step 1, and bad settings or data are refused before step 1 with one clear error 
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -188,3 +189,27 @@ def test_long_prompts_are_truncated_at_their_start_and_counted(tmp_path):
     records = [{"prompt": " ".join(WORDS * 3)}] * 8
     grpo_trainer(tmp_path, records=records, max_training_steps=1).train()
     assert rows(tmp_path)[-1]["train/prompts/truncated"] == 4  # every prompt of the step: 4 prompts × 4 completions
+
+
+def test_grpo_with_lora_trains_adapters_against_the_base_without_a_copy(tmp_path):
+    t = GRPOTrainer(
+        grpo_args(
+            tmp_path,
+            use_peft=True,
+            lora_r=4,
+            lora_target_modules="all-linear",
+            beta=0.1,
+            max_training_steps=3,
+            learning_rate=5e-2,
+        ),
+        model=jm.create_model(tiny(), seed=0),
+        dataset_train=RECORDS,
+        processing_class=TOK,
+        mesh=mesh(1),
+        reward_funcs=[letter_e],
+    )
+    out = t.train()
+    assert t._reference is None  # the reference is the base with the adapters off: no second copy
+    assert all(k[-1].key in ("lora_a", "lora_b") for k, _ in jax.tree_util.tree_leaves_with_path(out.state.params))
+    kl = [r["train/kl"] for r in rows(tmp_path) if "train/kl" in r]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 1e-5, kl

@@ -1,0 +1,188 @@
+"""GRPO bench rows (`nox -s bench`, or alone): `python tools/bench/grpo_rows.py [jaxloom|trl|model]` → JSON line.
+
+1. `model`: jaxloom's GRPO on the 8.4M Llama (bench CPU_MODEL), 16 completions of 64 tokens a step: rollout
+   tokens/s and the step's time split into rollout, reward and train (the rest of the step).
+2. `jaxloom` / `trl`: the same tiny job in jaxloom and in TRL's `GRPOTrainer` (a random 2-layer Llama,
+   hidden 64, the bundled 4,096-token tokenizer; 8 completions of 16 tokens a step, one prompt; a dense toy
+   reward), seconds per step after the first (compile / warm-up) step, each in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+WORDS = ["red", "blue", "green", "cat", "dog", "tree", "sun", "moon"]
+STEPS = 8
+
+
+def letter_e(prompts, completions, **kwargs):
+    return [(c if isinstance(c, str) else c[0]["content"]).count("e") / max(len(c), 1) for c in completions]
+
+
+def tiny_hf(path: Path) -> None:
+    import torch
+    import transformers
+
+    import jaxloom.data as jd
+
+    tok = jd.load_processor()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def per_step(times: list[float]) -> float:
+    return statistics.median(times[1:])
+
+
+def run_trl(model_dir: str) -> dict:
+    import datasets
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    marks: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            marks.append(time.perf_counter())
+
+    data = datasets.Dataset.from_list([{"prompt": f"say {w}:"} for w in WORDS * 8])
+    with tempfile.TemporaryDirectory() as out:
+        cfg = GRPOConfig(
+            output_dir=out,
+            use_cpu=True,
+            bf16=False,
+            per_device_train_batch_size=8,
+            num_generations=8,
+            max_completion_length=16,
+            max_steps=STEPS,
+            learning_rate=1e-3,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            seed=0,
+        )
+        trainer = GRPOTrainer(
+            model=model_dir,
+            reward_funcs=letter_e,
+            args=cfg,
+            train_dataset=data,
+            processing_class=AutoTokenizer.from_pretrained(model_dir),
+            callbacks=[Clock()],
+        )
+        start = time.perf_counter()
+        trainer.train()
+    steps = [b - a for a, b in zip([start, *marks[:-1]], marks, strict=True)]
+    return {"seconds_per_step": per_step(steps), "first_step_s": steps[0]}
+
+
+def run_jaxloom(model_dir: str, model_cfg: dict | None = None, completion: int = 16, rows: int = 8) -> dict:
+    import jaxloom.data as jd
+    import jaxloom.models as jm
+    from jaxloom.trainer import GRPOConfig, GRPOTrainer
+
+    marks: list[float] = []
+
+    class Clock:
+        def on_step_end(self, trainer, step, metrics):
+            import jax
+
+            jax.block_until_ready(trainer.state)
+            marks.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            num_generations=8,
+            total_batch_size=rows,
+            max_prompt_length=16,
+            max_completion_length=completion,
+            max_training_steps=STEPS,
+            learning_rate=1e-3,
+            warmup_steps=0,
+            logging_steps=1,
+            save_directory=out,
+            seed=0,
+            save_total_limit=1,  # defaults otherwise: progress bar, TensorBoard, a checkpoint at the end
+        )
+        if model_cfg is None:
+            model, tok = jm.from_pretrained(model_dir), jd.load_processor(model_dir)
+        else:
+            model, tok = jm.create_model(jm.LlamaConfig(**model_cfg), lazy=True), jd.load_processor()
+        trainer = GRPOTrainer(
+            args,
+            model=model,
+            dataset_train=[{"prompt": f"say {w}:"} for w in WORDS * 8],
+            processing_class=tok,
+            reward_funcs=letter_e,
+            hooks=[Clock()],
+        )
+        start = time.perf_counter()
+        trainer.train()
+        rows_ = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    steps = [b - a for a, b in zip([start, *marks[:-1]], marks, strict=True)]
+    timed = [r for r in rows_ if "train/time/rollout_s" in r][1:]
+    rollout = statistics.median(r["train/time/rollout_s"] for r in timed)
+    reward = statistics.median(r["train/time/reward_s"] for r in timed)
+    step = per_step(steps)
+    gen_tokens = statistics.median(r["train/completions/mean_length"] for r in timed) * rows
+    return {
+        "seconds_per_step": step,
+        "first_step_s": steps[0],
+        "rollout_s": rollout,
+        "reward_s": reward,
+        "train_s": step - rollout - reward,
+        "rollout_tokens_per_s": gen_tokens / rollout,
+    }
+
+
+def main() -> None:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if what == "all":  # each in its own process, TRL and jaxloom alternating on the same model
+        out = {}
+        with tempfile.TemporaryDirectory() as d:
+            tiny_hf(Path(d) / "tiny")
+            for kind in ("jaxloom", "trl"):
+                r = subprocess.run([sys.executable, __file__, kind, f"{d}/tiny"], capture_output=True, text=True)
+                if r.returncode:
+                    raise RuntimeError(r.stderr[-3000:])
+                out[kind] = json.loads(r.stdout.strip().splitlines()[-1])
+        out["trl_vs_jaxloom_seconds_per_step"] = out["trl"]["seconds_per_step"] / out["jaxloom"]["seconds_per_step"]
+        r = subprocess.run([sys.executable, __file__, "model"], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(r.stderr[-3000:])
+        out["model_8m"] = json.loads(r.stdout.strip().splitlines()[-1])
+        print(json.dumps(out))
+    elif what == "trl":
+        print(json.dumps(run_trl(sys.argv[2])))
+    elif what == "jaxloom":
+        print(json.dumps(run_jaxloom(sys.argv[2])))
+    else:
+        from run import CPU_MODEL
+
+        print(json.dumps(run_jaxloom("", CPU_MODEL, completion=64, rows=16)))
+
+
+if __name__ == "__main__":
+    main()
