@@ -326,6 +326,14 @@ def lora_rows(g: dict) -> list[tuple[str, str, str, str]]:
                 "",
             )
         )
+        out.append(
+            (
+                "8.4M model tokens/s: LoRA r16 q_proj,v_proj vs full",
+                f"{s['lora_qv_tokens_per_s']:.0f} vs {s['full_tokens_per_s']:.0f}",
+                f"{s['lora_qv_vs_full']:.2f}",
+                "",
+            )
+        )
     return out
 
 

@@ -48,6 +48,10 @@ def test_only_the_adapters_train_and_the_base_never_changes(tmp_path):
     adam = sum(x.size for x in jax.tree_util.tree_leaves(out.state.opt_state))
     assert adam <= 2 * t.plan.n_trainable + 8  # mu and nu of the adapters, a count: nothing for the base
     assert t.plan.n_trainable < 0.05 * t.plan.n_params
+    # what `jaxloom plan` prints: the adapters' optimizer state is a sliver of full fine-tuning's
+    full = lora_trainer(tmp_path / "full", jm.create_model(tiny(), seed=0), use_peft=False).plan.state_gb_per_device()
+    mine = t.plan.state_gb_per_device()
+    assert mine["optimizer"] < 0.05 * full["optimizer"] and mine["frozen"] > 0 and full["frozen"] == 0
     # the checkpoint holds the adapters: resuming onto another base is refused before step 1
     other = lora_trainer(
         tmp_path / "run", jm.create_model(tiny(), seed=1), learning_rate=5e-2, warmup_steps=0, max_training_steps=18

@@ -64,7 +64,10 @@ def _plan(trainer) -> dict[str, Any]:
         "mesh": dict(trainer.mesh.shape),
         "devices": f"{trainer.mesh.devices.size} × {device.device_kind}",
         "memory_per_device": per_device,
+        "state_gb_per_device": trainer.plan.state_gb_per_device(),  # parameters, optimizer state, frozen base
     }
+    if trainer.plan.lora is not None:
+        out["trainable_parameters"] = trainer.plan.n_trainable
     if capacity and per_device:
         out["fits"] = per_device["total_gb"] * 2**30 <= capacity
         out["device_capacity_gb"] = capacity / 2**30

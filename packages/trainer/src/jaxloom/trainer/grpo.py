@@ -126,7 +126,7 @@ def load_reward_function(spec: Any) -> Callable:
         if not module:
             raise ValueError(f"reward_funcs: {spec!r}; expected a dotted import path such as my_rewards.accuracy")
         try:
-            fn = getattr(importlib.import_module(module), name)
+            fn = getattr(_import_from_here(module), name)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"reward_funcs: {spec!r} does not import ({type(e).__name__}: {e})") from None
     else:
@@ -142,6 +142,18 @@ def load_reward_function(spec: Any) -> Callable:
             "(prompts, completions, **kwargs) -> list[float] (dataset columns arrive as keyword arguments)"
         )
     return fn
+
+
+def _import_from_here(module: str) -> Any:
+    """`module`, found as `python -m` finds it: the working directory comes first (the `jaxloom` command's and a
+    Ray worker's `sys.path` do not hold it, and a user's reward module sits beside their data)."""
+    import os
+    import sys
+
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(module)
 
 
 def reward_name(fn: Callable) -> str:
