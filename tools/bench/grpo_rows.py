@@ -1,10 +1,10 @@
-"""GRPO bench rows (`nox -s bench`, or alone): `python tools/bench/grpo_rows.py [jaxloom|trl|model]` → JSON line.
+"""GRPO bench rows (`nox -s bench`, or alone): `python tools/bench/grpo_rows.py [jaxloom|trl DIR [TOKENS ROWS]]` → JSON.
 
-1. `model`: jaxloom's GRPO on the 8.4M Llama (bench CPU_MODEL), 16 completions of 64 tokens a step: rollout
-   tokens/s and the step's time split into rollout, reward and train (the rest of the step).
-2. `jaxloom` / `trl`: the same tiny job in jaxloom and in TRL's `GRPOTrainer` (a random 2-layer Llama,
-   hidden 64, the bundled 4,096-token tokenizer; 8 completions of 16 tokens a step, one prompt; a dense toy
-   reward), seconds per step after the first (compile / warm-up) step, each in its own process.
+1. The same tiny job in jaxloom and in TRL's `GRPOTrainer` (a random 2-layer Llama, hidden 64, the bundled
+   4,096-token tokenizer; 8 completions of 16 tokens a step, one prompt; a dense toy reward), seconds per step
+   after the first (compile / warm-up) step, each in its own process.
+2. The same on the 8.4M Llama (bench CPU_MODEL), 16 completions of 64 tokens a step; for jaxloom also the
+   rollout tokens/s and the step's time split into rollout, reward and train (the rest of the step).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def per_step(times: list[float]) -> float:
     return statistics.median(times[1:])
 
 
-def run_trl(model_dir: str) -> dict:
+def run_trl(model_dir: str, completion: int = 16, rows: int = 8) -> dict:
     import datasets
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -97,7 +97,7 @@ def run_trl(model_dir: str) -> dict:
     return {"seconds_per_step": per_step(steps), "first_step_s": steps[0]}
 
 
-def run_jaxloom(model_dir: str, model_cfg: dict | None = None, completion: int = 16, rows: int = 8) -> dict:
+def run_jaxloom(model_dir: str, completion: int = 16, rows: int = 8) -> dict:
     import jaxloom.data as jd
     import jaxloom.models as jm
     from jaxloom.trainer import GRPOConfig, GRPOTrainer
@@ -125,10 +125,7 @@ def run_jaxloom(model_dir: str, model_cfg: dict | None = None, completion: int =
             seed=0,
             save_total_limit=1,  # defaults otherwise: progress bar, TensorBoard, a checkpoint at the end
         )
-        if model_cfg is None:
-            model, tok = jm.from_pretrained(model_dir), jd.load_processor(model_dir)
-        else:
-            model, tok = jm.create_model(jm.LlamaConfig(**model_cfg), lazy=True), jd.load_processor()
+        model, tok = jm.from_pretrained(model_dir), jd.load_processor(model_dir)
         trainer = GRPOTrainer(
             args,
             model=model,
@@ -159,29 +156,30 @@ def run_jaxloom(model_dir: str, model_cfg: dict | None = None, completion: int =
 def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
-    if what == "all":  # each in its own process, TRL and jaxloom alternating on the same model
-        out = {}
-        with tempfile.TemporaryDirectory() as d:
-            tiny_hf(Path(d) / "tiny")
-            for kind in ("jaxloom", "trl"):
-                r = subprocess.run([sys.executable, __file__, kind, f"{d}/tiny"], capture_output=True, text=True)
-                if r.returncode:
-                    raise RuntimeError(r.stderr[-3000:])
-                out[kind] = json.loads(r.stdout.strip().splitlines()[-1])
-        out["trl_vs_jaxloom_seconds_per_step"] = out["trl"]["seconds_per_step"] / out["jaxloom"]["seconds_per_step"]
-        r = subprocess.run([sys.executable, __file__, "model"], capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(r.stderr[-3000:])
-        out["model_8m"] = json.loads(r.stdout.strip().splitlines()[-1])
-        print(json.dumps(out))
-    elif what == "trl":
-        print(json.dumps(run_trl(sys.argv[2])))
-    elif what == "jaxloom":
-        print(json.dumps(run_jaxloom(sys.argv[2])))
-    else:
+    if what == "all":  # each in its own process, TRL and jaxloom on the same model
         from run import CPU_MODEL
 
-        print(json.dumps(run_jaxloom("", CPU_MODEL, completion=64, rows=16)))
+        out: dict = {}
+        with tempfile.TemporaryDirectory() as d:
+            tiny_hf(Path(d) / "tiny")
+            tiny_hf(Path(d) / "8m", CPU_MODEL)
+            jobs = {
+                "jaxloom": ["jaxloom", f"{d}/tiny"],
+                "trl": ["trl", f"{d}/tiny"],
+                "model_8m": ["jaxloom", f"{d}/8m", "64", "16"],
+                "trl_8m": ["trl", f"{d}/8m", "64", "16"],
+            }
+            for name, job in jobs.items():
+                r = subprocess.run([sys.executable, __file__, *job], capture_output=True, text=True)
+                if r.returncode:
+                    raise RuntimeError(r.stderr[-3000:])
+                out[name] = json.loads(r.stdout.strip().splitlines()[-1])
+        out["trl_vs_jaxloom_seconds_per_step"] = out["trl"]["seconds_per_step"] / out["jaxloom"]["seconds_per_step"]
+        out["trl_vs_jaxloom_8m"] = out["trl_8m"]["seconds_per_step"] / out["model_8m"]["seconds_per_step"]
+        print(json.dumps(out))
+    else:  # one job: KIND MODEL_DIR [COMPLETION_TOKENS ROWS]
+        sizes = [int(x) for x in sys.argv[3:5]]
+        print(json.dumps((run_trl if what == "trl" else run_jaxloom)(sys.argv[2], *sizes)))
 
 
 if __name__ == "__main__":
