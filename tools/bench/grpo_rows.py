@@ -28,7 +28,11 @@ def letter_e(prompts, completions, **kwargs):
     return [(c if isinstance(c, str) else c[0]["content"]).count("e") / max(len(c), 1) for c in completions]
 
 
-def tiny_hf(path: Path) -> None:
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny_hf(path: Path, sizes: dict | None = None) -> None:
+    """A random HF Llama with the bundled tokenizer at `path` (`sizes`: its dimensions; default TINY)."""
     import torch
     import transformers
 
@@ -36,17 +40,14 @@ def tiny_hf(path: Path) -> None:
 
     tok = jd.load_processor()
     torch.manual_seed(0)
+    sizes = {k: v for k, v in (sizes or TINY).items() if k not in ("vocab_size", "max_position_embeddings")}
     config = transformers.LlamaConfig(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        **sizes,
     )
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
@@ -73,9 +74,9 @@ def run_trl(model_dir: str, completion: int = 16, rows: int = 8) -> dict:
             output_dir=out,
             use_cpu=True,
             bf16=False,
-            per_device_train_batch_size=8,
+            per_device_train_batch_size=rows,
             num_generations=8,
-            max_completion_length=16,
+            max_completion_length=completion,
             max_steps=STEPS,
             learning_rate=1e-3,
             logging_steps=1,

@@ -213,3 +213,27 @@ def test_grpo_with_lora_trains_adapters_against_the_base_without_a_copy(tmp_path
     assert all(k[-1].key in ("lora_a", "lora_b") for k, _ in jax.tree_util.tree_leaves_with_path(out.state.params))
     kl = [r["train/kl"] for r in rows(tmp_path) if "train/kl" in r]
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 1e-5, kl
+
+
+def test_an_external_rollout_engine_replaces_the_generation(tmp_path):
+    seen = []
+
+    def engine(prompt_ids, prompt_mask, key):
+        """Three tokens for every prompt, then padding: what an external generator hands back."""
+        seen.append(prompt_ids.shape)
+        ids = np.zeros((len(prompt_ids), 8), np.int32)
+        ids[:, :3] = TOK.encode("e e e", add_special_tokens=False)[:3]
+        return ids, (np.arange(8) < 3).astype(np.int32)[None].repeat(len(prompt_ids), 0)
+
+    t = GRPOTrainer(
+        grpo_args(tmp_path, max_training_steps=2),
+        model=jm.create_model(tiny(), lazy=True),
+        dataset_train=RECORDS,
+        processing_class=TOK,
+        mesh=mesh(1),
+        reward_funcs=[letter_e],
+        rollout_engine=engine,
+    )
+    t.train()
+    assert seen == [(16, 8), (16, 8)]  # 4 prompts × 4 completions, max_prompt_length columns
+    assert all(r["train/completions/mean_length"] == 3 for r in rows(tmp_path) if "train/completions/mean_length" in r)

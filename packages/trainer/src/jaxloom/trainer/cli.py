@@ -33,7 +33,7 @@ from typing import Any
 
 from .report import versions
 
-from .compose import DATA_KEYS, DEMO_CONFIG, READ_ONLY, build_run, restored, split_target  # noqa: F401
+from .compose import DATA_KEYS, DEMO_CONFIG, READ_ONLY, build_run, kind_settings, restored, split_target  # noqa: F401
 from .run_directory import RUN_CONFIG
 
 
@@ -197,7 +197,9 @@ def _config_keys(model_type: str) -> str:
 
     import jaxloom.models as jm
 
-    from .arguments import ALIASES, RENAMED, TRAINERS, DPOConfig
+    from .arguments import ALIASES, RENAMED, DPOConfig
+    from .grpo_config import GRPOConfig
+    from .kinds import TRAINERS
 
     if model_type not in jm.CONFIG_CLASSES:
         raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
@@ -215,8 +217,12 @@ def _config_keys(model_type: str) -> str:
         default = f.default if f.default is not dataclasses.MISSING else "(required)"
         lines.append(f"model.{f.name}: {f.type} = {default!r}")
     group = None
-    lines += ["", "# trainer", f"trainer: str = 'sft'  which trainer: {', '.join(TRAINERS)} (dpo adds # preference)"]
-    for f in DPOConfig.fields():
+    lines += [
+        "",
+        "# trainer",
+        f"trainer: str = 'sft'  which trainer: {', '.join(TRAINERS)} (dpo adds # preference, grpo # rl)",
+    ]
+    for f in [*DPOConfig.fields(), *(f for f in GRPOConfig.fields() if f["group"] == "rl")]:
         if f["group"] != group:
             group = f["group"]
             lines += ["", f"# {group}"]
@@ -251,7 +257,8 @@ def _config_show(config: str | None, items: list[str]) -> str:
     overrides applied and every training argument resolved to its value (defaults included)."""
     import yaml
 
-    from .arguments import apply_overrides, arguments_of, load_config_file
+    from .arguments import apply_overrides, load_config_file
+    from .kinds import arguments_of
 
     data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)
     model, data_section = data.pop("model", {}) or {}, data.pop("data", {}) or {}
@@ -475,9 +482,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config, items = split_target(ns.items)
         if getattr(ns, "ray", None) is not None:
-            from .arguments import apply_overrides, arguments_of, load_config_file
+            from .arguments import apply_overrides, load_config_file
+            from .kinds import arguments_of
 
             data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)  # fail fast, before Ray starts
+            data = kind_settings(data, config, items)
             _, args = arguments_of({k: v for k, v in data.items() if k not in ("model", "data")})
             if args.save_directory is None:  # chosen once by the driver: every restart of the gang resumes it
                 from .resume import fresh_run_directory

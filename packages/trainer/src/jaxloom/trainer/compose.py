@@ -13,7 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .arguments import TRAINERS, apply_overrides, arguments_of, expand_path, load_config_file
+from .arguments import apply_overrides, expand_path, load_config_file
+from .kinds import TRAINERS, arguments_of
 from .dpo import DPOTrainer
 from .grpo import GRPOTrainer
 from .run_directory import RUN_CONFIG
@@ -113,6 +114,16 @@ def _finetune_defaults(data: dict, config_path: str | None, overrides: list[str]
     return {**data, **chosen}
 
 
+def kind_settings(data: dict, config_path: str | None, overrides: list[str]) -> dict:
+    """`data` without the demo's settings that a trainer kind defines otherwise: a GRPO row is
+    `max_prompt_length + max_completion_length` tokens, so the demo's `max_sequence_length` is dropped (one given
+    on the command line or in the user's own file stays, and must agree)."""
+    given = {o.split("=", 1)[0] for o in overrides}
+    if data.get("trainer") == "grpo" and config_path is None and "max_sequence_length" not in given:
+        return {k: v for k, v in data.items() if k != "max_sequence_length"}
+    return data
+
+
 def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]:
     """Config file + overrides → (trainer, resolved config). Sections `model` and `data`; `trainer`
     (`sft` or `dpo`) picks the trainer; the rest are its arguments. A pretrained model without a config file
@@ -133,6 +144,7 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
     unknown = sorted(set(data_cfg) - set(DATA_KEYS))
     if unknown:
         raise ValueError(f"unknown key(s) in section data: {unknown}; expected train, eval, eval_fraction, tokenizer")
+    data = kind_settings(data, config_path, overrides)
     kind, args = arguments_of(data)
     data_cfg = {k: _expanded(v, f"data.{k}") for k, v in data_cfg.items()}
     if "from_pretrained" in model_cfg:

@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jaxloom.data as jd
 import jaxloom.state as js
 
-from .arguments import GRPOConfig
+from .grpo_config import GRPOConfig
 from .batches import Batches, DataSpec
 from .step import STOP_KEY, Objective, StepConfig
 from .trainer import BaseTrainer

@@ -17,7 +17,7 @@ import jaxloom.data as jd
 import jaxloom.models as jm
 from jaxloom.mesh import MeshConfig
 
-from .arguments import arguments_of
+from .kinds import arguments_of
 from .checkpointing import Checkpointing
 from .plan import Plan
 from .run_directory import RUN_CONFIG, RunDirectory

@@ -1,0 +1,112 @@
+"""`GRPOConfig`: the arguments of online RL (`GRPOTrainer`), TRL's names: every `TrainingArguments` argument
+and the `rl` group (`RLArgs`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .arguments import GROUPS, TrainingArguments, _Group, _positive, _signature
+
+
+class RLArgs(_Group):
+    """The settings of online RL (`GRPOConfig`), TRL's names, meanings and defaults (TRL 1.16)."""
+
+    reward_funcs: tuple[str, ...] = Field(
+        (), description="GRPO: reward functions as dotted import paths (my_rewards.accuracy); Python callables too"
+    )
+    reward_weights: tuple[float, ...] | None = Field(None, description="GRPO: a weight per reward function (None: 1)")
+    num_generations: int = Field(8, description="GRPO: completions per prompt (a group)")
+    max_prompt_length: int = Field(
+        512, description="GRPO: prompt tokens kept (longer prompts lose their start, and are counted)"
+    )
+    max_completion_length: int = Field(256, description="GRPO: tokens generated per completion")
+    temperature: float = Field(1.0, description="GRPO: sampling temperature (also divides the logits in the loss)")
+    top_p: float = Field(1.0, description="GRPO: nucleus sampling (1: off)")
+    top_k: int = Field(0, description="GRPO: keep the k most likely tokens (0: off)")
+    beta: float = Field(0.0, description="GRPO: weight of the KL to the reference (0: no reference is held)")
+    epsilon: float = Field(0.2, description="GRPO: clipping of the probability ratio, 1 - epsilon below")
+    epsilon_high: float | None = Field(None, description="GRPO: 1 + epsilon_high above (None: epsilon; DAPO: 0.28)")
+    num_iterations: int = Field(1, description="GRPO: optimizer steps on each batch of rollouts (old log-probs kept)")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="GRPO: how token losses are averaged: grpo, bnpo, dr_grpo or dapo (TRL's)"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="GRPO: advantages divided by the std of the group, of the batch, or not"
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="GRPO: completions cut at max_completion_length (no EOS) take no part in the loss"
+    )
+    ref_model: str | None = Field(
+        None, description="GRPO: the KL reference, an HF directory (None: the initial policy; with LoRA, the base)"
+    )
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _bool_scale(cls, v):  # TRL < 0.22 took true/false
+        return {True: "group", False: "none"}.get(v, v) if isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.num_generations < 2:
+            raise ValueError(
+                f"num_generations = {self.num_generations}; expected at least 2 (advantages compare completions "
+                "of one prompt)"
+            )
+        _positive(self, "max_prompt_length", "max_completion_length", "num_iterations", "epsilon")
+        _positive(self, "temperature", "beta", allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p}; expected a value in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k = {self.top_k}; expected >= 0 (0: off)")
+        if self.reward_weights is not None and self.reward_funcs and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs; "
+                "expected one weight per function"
+            )
+        return self
+
+
+class GRPOConfig(TrainingArguments):
+    """The arguments of `GRPOTrainer`: every `TrainingArguments` argument and the `rl` group (TRL's names):
+    `reward_funcs`, `reward_weights`, `num_generations`, `max_prompt_length`, `max_completion_length`,
+    `temperature`, `top_p`, `top_k`, `beta`, `epsilon`, `epsilon_high`, `num_iterations`, `loss_type`,
+    `scale_rewards`, `mask_truncated_completions`, `ref_model`. A step trains on `total_batch_size`
+    completions: `total_batch_size / num_generations` prompts, each completed `num_generations` times.
+    `max_sequence_length` is `max_prompt_length + max_completion_length`; `packing` is off.
+
+        GRPOConfig(num_generations=8, max_completion_length=128, learning_rate=1e-6, reward_funcs=["m.acc"])
+    """
+
+    GROUPS = {**GROUPS, "rl": RLArgs}
+
+    def __init__(self, **kwargs: Any):
+        prompt = kwargs.get("max_prompt_length", RLArgs.model_fields["max_prompt_length"].default)
+        completion = kwargs.get("max_completion_length", RLArgs.model_fields["max_completion_length"].default)
+        if isinstance(prompt, int) and isinstance(completion, int):
+            length = prompt + completion
+            given = kwargs.get("max_sequence_length")
+            if given is not None and given != length:
+                raise ValueError(
+                    f"max_sequence_length = {given}: with GRPO it is max_prompt_length + max_completion_length "
+                    f"({length}); set those two"
+                )
+            kwargs["max_sequence_length"] = length
+        if kwargs.setdefault("packing", False):
+            raise ValueError("packing = true: a GRPO row holds one prompt and its completion; set packing=false")
+        super().__init__(**kwargs)
+        rows, group = self.total_batch_size, self.rl.num_generations
+        if rows % group:
+            raise ValueError(
+                f"total_batch_size = {rows} is not a multiple of num_generations = {group}; expected whole groups "
+                f"(a step trains on total_batch_size completions: total_batch_size / num_generations prompts)"
+            )
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"gradient_accumulation_steps = {self.gradient_accumulation_steps}: GRPO rolls out one batch a step "
+                "here; expected 1 (raise total_batch_size instead)"
+            )
+
+
+GRPOConfig.__signature__ = _signature(GRPOConfig.GROUPS)  # type: ignore[attr-defined]
