@@ -247,6 +247,8 @@ def main() -> None:
     results["moe_parallel"] = run_process([str(HERE / "moe_parallel.py")], eight)
     # LoRA / QLoRA: state bytes of 1B and 8B plans, the 8B QLoRA step's memory at 4096, LoRA vs full tokens/s
     results["lora"] = run_process([str(HERE / "lora_rows.py")], {"JAX_PLATFORMS": "cpu"})
+    # LoRA SFT against TRL + PEFT on the same job (8.4M model, r16 all-linear)
+    results["peft"] = run_process([str(HERE / "peft_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # GRPO: rollout tokens/s and the step's split on the 8.4M model; the same tiny job in jaxloom and in TRL
     results["grpo"] = run_process([str(HERE / "grpo_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Each model family's training step at about Llama's parameter count, in tokens/s relative to Llama's
@@ -666,6 +668,16 @@ def table(r: dict) -> str:
     rows += gpu_rows(r.get("gpu", {}))
     rows += lora_rows(r.get("lora", {}))
     rows += grpo_rows(r.get("grpo", {}))
+    p = r.get("peft")
+    if p:
+        rows.append(
+            (
+                "LoRA SFT tokens/s, 8.4M r16 all-linear: jaxloom vs TRL 1.16 + PEFT",
+                f"{p['jaxloom']['tokens_per_second']:.0f} vs {p['trl']['tokens_per_second']:.0f}",
+                f"{p['jaxloom_vs_trl']:.2f}",
+                ">= 1",
+            )
+        )
     w = max(len(x[0]) for x in rows)
     head = f"{'measure'.ljust(w)} | value | ratio | target\n{'-' * w}-|-------|-------|-------"
     return (
