@@ -129,7 +129,8 @@ def test_quantized_base_stays_within_its_measured_error_and_shrinks():
     for kind, bound, ratio in (("int8", 0.01, 0.52), ("nf4", 0.1, 0.3)):
         model = jm.create_model(config, jm.RuntimeConfig(param_dtype="bfloat16"), seed=3)
         jm.apply_lora(model, jm.LoRAConfig(r=4, target_modules="all-linear", quantize=kind))
-        err = np.abs(np.asarray(model(ids).logits, np.float32) - want).max() / span
+        got = np.asarray(model(ids).logits, np.float32)
+        err = np.abs(got - want).max() / span
         assert 0 < err < bound, (kind, err)
         frozen = nnx.to_pure_dict(nnx.state(model, jm.Frozen))
         q = sum(
@@ -141,6 +142,8 @@ def test_quantized_base_stays_within_its_measured_error_and_shrinks():
             if "kernel" in jax.tree_util.keystr(p) and "lm_head" not in jax.tree_util.keystr(p)
         )
         assert q / bf16 <= ratio, (kind, q / bf16)
+        merged = jm.merge_lora(model)  # the dequantized base (+ the zero adapters): the same function
+        np.testing.assert_allclose(np.asarray(merged(ids).logits, np.float32), got, atol=2e-2 * span)
     with pytest.raises(ValueError, match="not a multiple of the NF4 block size 64"):
         odd = jm.create_model(config.replace(hidden_size=96, intermediate_size=96), seed=0)
         jm.apply_lora(odd, jm.LoRAConfig(quantize="nf4"))

@@ -286,7 +286,8 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
             continue
         dtype = jnp.float32 if layer.quantization else layer.kernel.get_value().dtype
         kernel = layer.merged(dtype)
-        axes = (layer.kernel_codes or layer.kernel).get_metadata().get("logical_axes")
+        source = layer.kernel_codes if layer.kernel_codes is not None else layer.kernel
+        axes = source.get_metadata().get("logical_axes")
         runtime: Any = _Runtime(dtype)  # the fields Linear reads
         plain = nnx.eval_shape(lambda r=runtime: Linear(1, 1, (None, None), r, rngs=nnx.Rngs(0)))
         plain.kernel = nnx.Param(kernel, logical_axes=axes)
