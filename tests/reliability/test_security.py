@@ -25,6 +25,11 @@ def test_no_pickle_load_anywhere_in_the_sources():
     assert not hits, hits
 
 
+# The one import by name a config can ask for: GRPO's reward functions (`reward_funcs=my_rewards.accuracy`,
+# the issue's and TRL's way of naming user code), imported only when a run trains — see the test below.
+REWARD_IMPORT = "packages/trainer/src/jaxloom/trainer/grpo.py"
+
+
 def test_no_eval_exec_or_import_by_name_from_config_values():
     pattern = re.compile(r"\b(eval|exec)\(|importlib\.import_module\((?!f\"\{__name__\})|__import__\(")
     hits = [
@@ -33,7 +38,38 @@ def test_no_eval_exec_or_import_by_name_from_config_values():
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if pattern.search(line)
     ]
-    assert not hits, hits
+    sanctioned = [h for h in hits if h.startswith(REWARD_IMPORT) and "import_module(module)" in h]
+    assert len(sanctioned) <= 1 and not set(hits) - set(sanctioned), hits
+
+
+def test_reading_a_grpo_run_imports_none_of_its_reward_functions(tmp_path, monkeypatch):
+    """A run directory from elsewhere names reward functions by path: `convert`, `generate`, `eval` and `plan`
+    read it without importing them (only training the run does)."""
+    import json
+    import sys
+
+    from jaxloom.trainer.compose import restored
+
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_rewards.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\ndef r(prompts, completions, **kw): return []\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    config = {
+        "trainer": "grpo",
+        "reward_funcs": ["evil_rewards.r"],
+        "data": {"train": str(tmp_path / "p.jsonl")},
+        "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1},
+        "save_directory": str(run),
+    }
+    (run / "run_config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError):  # no checkpoint: what matters is what happened before
+        restored(run, params_only=True)
+    assert not marker.exists() and "evil_rewards" not in sys.modules
 
 
 def test_yaml_configs_cannot_name_python_objects(tmp_path):

@@ -144,7 +144,7 @@ def test_bad_settings_and_data_are_refused_before_step_one(tmp_path):
     with pytest.raises(ValueError, match="total_batch_size = 10 is not a multiple of num_generations = 4"):
         grpo_args(tmp_path, total_batch_size=10)
     with pytest.raises(ValueError, match=r"reward_funcs: 'no_such_module.fn' does not import"):
-        grpo_trainer(tmp_path, rewards=["no_such_module.fn"])
+        grpo_trainer(tmp_path, rewards=["no_such_module.fn"]).train()
     with pytest.raises(TypeError, match=r"reward function bad\(x\): expected TRL's form"):
         grpo_trainer(tmp_path, rewards=[lambda x: x] and [_bad()])
     with pytest.raises(ValueError, match="record 0 has no 'prompt' column"):

@@ -96,11 +96,12 @@ def test_dpo_with_lora_equals_dpo_with_the_base_as_an_explicit_reference(tmp_pat
 
 def test_sigkill_then_resume_is_bitwise_and_the_run_converts_to_peft_or_merged(tmp_path, capsys):
     extra = ["use_peft=true", "lora_r=4", "lora_target_modules=all-linear", "learning_rate=1e-2"]
-    ref, _, err = run(tmp_path / "ref", extra=extra)
+    short = [*extra, "max_training_steps=8"]  # a checkpoint every 4: killed after 5, resumed from 4
+    ref, _, err = run(tmp_path / "ref", extra=short)
     assert ref.returncode == 0, err[-3000:]
-    killed, _, _ = run(tmp_path / "run", kill_after=7, extra=extra)
+    killed, _, _ = run(tmp_path / "run", kill_after=5, extra=short)
     assert killed.returncode == -signal.SIGKILL
-    again, _, err = run(tmp_path / "run", extra=extra)
+    again, _, err = run(tmp_path / "run", extra=short)
     assert again.returncode == 0, err[-3000:]
     assert f"resumed from checkpoint {tmp_path / 'run'}/checkpoints/4" in err
     a, b = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "run" / "final.npz")

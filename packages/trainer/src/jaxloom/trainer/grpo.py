@@ -490,17 +490,25 @@ class GRPOTrainer(BaseTrainer):
         given = [given] if callable(given) or isinstance(given, str) else list(given or [])
         if not given:
             raise ValueError("GRPO needs reward_funcs: callables or dotted paths (reward_funcs=my_rewards.accuracy)")
-        self.reward_functions = [load_reward_function(f) for f in given]  # checked now, before anything runs
+        for f in given:  # callables are checked now; paths are imported when the run trains (see reward_functions)
+            if not isinstance(f, str):
+                load_reward_function(f)
+        self._reward_specs = given
         weights = arguments.rl.reward_weights
-        if weights is not None and len(weights) != len(self.reward_functions):
-            raise ValueError(
-                f"reward_weights has {len(weights)} weights for {len(self.reward_functions)} reward functions"
-            )
-        self.reward_weights = list(weights) if weights is not None else [1.0] * len(self.reward_functions)
+        if weights is not None and len(weights) != len(given):
+            raise ValueError(f"reward_weights has {len(weights)} weights for {len(given)} reward functions")
+        self.reward_weights = list(weights) if weights is not None else [1.0] * len(given)
         self.rollout_engine = rollout_engine
         self._reference: js.TrainState | None = None
 
     batches = functools.cached_property(lambda self: Rollouts(self, self.data_spec(), self.rollout_engine))  # type: ignore[assignment]
+
+    @functools.cached_property
+    def reward_functions(self) -> list[Callable]:
+        """The reward functions, dotted paths imported (user code runs): only when the run trains, at setup
+        before step 1 — never by a command that only reads a run (`convert`, `generate`, `eval`, `plan`), so a
+        run directory from elsewhere cannot make those import anything."""
+        return [load_reward_function(f) for f in self._reward_specs]
 
     def objective(self) -> Objective:
         """The GRPO loss of `loss_type`; TRL's metrics (`kl`, `clip_ratio`, `entropy`)."""
@@ -539,6 +547,7 @@ class GRPOTrainer(BaseTrainer):
         out = super().configure_model()
         a = self.arguments
         self.batches.prompt_records()  # type: ignore[attr-defined]  # the data is checked before step 1
+        self.reward_functions  # noqa: B018 - imported and checked before step 1
         if a.max_sequence_length > self.plan.config.max_position_embeddings:
             raise ValueError(
                 f"max_prompt_length + max_completion_length = {a.max_sequence_length}; expected at most the "
