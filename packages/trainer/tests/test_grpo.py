@@ -237,3 +237,13 @@ def test_an_external_rollout_engine_replaces_the_generation(tmp_path):
     t.train()
     assert seen == [(16, 8), (16, 8)]  # 4 prompts × 4 completions, max_prompt_length columns
     assert all(r["train/completions/mean_length"] == 3 for r in rows(tmp_path) if "train/completions/mean_length" in r)
+
+
+def test_mask_truncated_completions_leaves_cut_completions_out_of_the_loss(tmp_path):
+    # 8 tokens from a random model: no completion reaches EOS, so with the mask nothing is left to train on
+    for name, mask in (("on", True), ("off", False)):
+        grpo_trainer(tmp_path / name, max_training_steps=2, mask_truncated_completions=mask).train()
+    on = [r for r in rows(tmp_path / "on") if "train/grad_norm" in r]
+    off = [r for r in rows(tmp_path / "off") if "train/grad_norm" in r]
+    assert all(r["train/completions/clipped_ratio"] == 1 for r in on)
+    assert all(r["train/grad_norm"] == 0 for r in on) and all(r["train/grad_norm"] > 0 for r in off)
