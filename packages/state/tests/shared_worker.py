@@ -1,7 +1,7 @@
 """One of two JAX processes (gloo over 127.0.0.1) asking `check_shared_directory`. argv: port, rank, root,
 mode ('shared': both name ROOT/run; 'local': each names the relative `run` from its own ROOT/<rank>;
 'timed': which steps `save_minutes` makes due; 'restore': four devices each, save a state sharded over the
-eight, restore it, and count the bytes this process read doing so).
+eight in argv[5]'s array format, restore it, and count the bytes this process read doing so).
 Prints one JSON line: the error, or null."""
 
 import json
@@ -48,7 +48,8 @@ if mode == "restore":
     )()
     step, rng = jax.jit(lambda: (jax.numpy.zeros((), jax.numpy.int32), jax.random.PRNGKey(0)), out_shardings=rep)()
     state = TrainState(step=step, params=params, opt_state={}, rng=rng)
-    saver = CheckpointManager(f"{root}/ck")  # async: each process writes its shards and their pieces' digests
+    fmt = sys.argv[5] if len(sys.argv) > 5 else "orbax"
+    saver = CheckpointManager(f"{root}/ck", array_format=fmt)  # async: each process writes the shards it owns
     saver.save(1, state)
     saver.wait_until_finished()
     multihost_utils.sync_global_devices("saved")
@@ -64,7 +65,7 @@ if mode == "restore":
         for a, b in zip(params[k].addressable_shards, restored[k].addressable_shards, strict=True)
     )
     share = sum(x.nbytes for x in params.values()) // 2
-    parts = sorted(p.name for p in (Path(root) / "ck" / "1" / "params").iterdir() if "process" in p.name)
+    parts = sorted(p.name for p in (Path(root) / "ck" / "1" / "params").iterdir() if "process_" in p.name)
     print(json.dumps({"read": read, "share": share, "equal": equal, "parts": parts}))
     jax.distributed.shutdown()
     sys.exit(0)

@@ -1,6 +1,7 @@
-"""jaxloom's array format: partial reads of pieces when the restoring mesh differs, only the pieces read
-are checked, `verify=False` skips the check, typed PRNG keys round-trip, and checkpoints of
-jaxloom-state < 0.9 (orbax's own arrays) still restore."""
+"""jaxloom's raw array format (`array_format="raw"`): partial reads of pieces when the restoring mesh
+differs, only the pieces read are checked, `verify=False` skips the check, typed PRNG keys round-trip; every
+format any jaxloom-state wrote restores (orbax's arrays without digests, < 0.8; raw, 0.9-0.11), and a
+checkpoint is converted from one format to the other."""
 
 import jax
 import numpy as np
@@ -21,7 +22,7 @@ def equal(a, b):
 def test_small_pieces_partial_reads_and_only_what_is_read_is_checked(tmp_path, monkeypatch):
     monkeypatch.setattr(arrays, "PIECE", 256)  # several pieces per shard: a resharded restore reads part of one
     state = train_steps(make_state(mesh_of(fsdp=2)), 1)
-    manager = js.CheckpointManager(str(tmp_path), async_save=False)
+    manager = js.CheckpointManager(str(tmp_path), async_save=False, array_format="raw")
     manager.save(1, state)
     index = (tmp_path / "1" / "params" / "process_0.json").read_text()
     assert '"piece_bytes": 256' in index

@@ -97,30 +97,35 @@ def test_bad_inputs_touch_nothing(tmp_path):
     assert sorted(str(p) for p in (tmp_path / "run").rglob("*")) == before
 
 
-def test_corruption_is_detected_and_falls_back(tmp_path):
+@pytest.mark.parametrize("array_format", ["orbax", "raw"])
+def test_corruption_is_detected_and_falls_back(tmp_path, array_format):
     mesh = mesh_of(fsdp=2)
     s1 = make_state(mesh)
     s2 = train_steps(s1, 1)
-    manager = js.CheckpointManager(str(tmp_path), async_save=True)
+    manager = js.CheckpointManager(str(tmp_path), async_save=True, array_format=array_format)
     manager.save(1, s1)
     manager.save(2, s2)
     manager.wait_until_finished()
-    for small in ("params/arrays.json", "params/process_0.json"):  # metadata and the pieces' digests: hashed
-        meta_file = tmp_path / "2" / small
+    # metadata (and the raw format's pieces' digests): hashed in the manifest
+    small = ("params/arrays.json", "params/process_0.json") if array_format == "raw" else ("params/_METADATA",)
+    for name in small:
+        meta_file = tmp_path / "2" / name
         good_meta = meta_file.read_bytes()
         meta_file.write_bytes(flip(good_meta))
-        with pytest.raises(js.CheckpointCorruptError, match=f"file {small} is corrupt"):
+        with pytest.raises(js.CheckpointCorruptError, match=f"file {name} is corrupt"):
             manager.restore(target(mesh), step=2)
         meta_file.write_bytes(good_meta)
-    # array data is not hashed: a flipped byte is found by its piece's digest, as the restore reads it
-    data = sorted((p for p in (tmp_path / "2").rglob("*.bin")), key=size)
+    # array data is not hashed: a flipped byte is found by the digests, in the same read
+    if array_format == "raw":
+        data = sorted((p for p in (tmp_path / "2").rglob("*.bin")), key=size)
+        found = r"process_0.bin bytes \d+\.\.\d+ \(.+\): piece \d+ differs from what was written"
+    else:
+        data = sorted((p for p in (tmp_path / "2" / "params").rglob("*") if p.parent.name == "d"), key=size)
+        found = r"array data differs from what was saved in \d+ array\(s\): params/"
     victim = data[-1]
     good = victim.read_bytes()
     victim.write_bytes(flip(good))
-    with pytest.raises(
-        js.CheckpointCorruptError,
-        match=r"process_0.bin bytes \d+\.\.\d+ \(.+\): piece \d+ differs from what was written",
-    ):
+    with pytest.raises(js.CheckpointCorruptError, match=found):
         manager.restore(target(mesh), step=2)
     with pytest.raises(js.CheckpointCorruptError):
         manager.restore(target(mesh), fallback=False)

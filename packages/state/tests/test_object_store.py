@@ -1,7 +1,8 @@
-"""Checkpoints on an object store: a real GCS server on loopback (`jaxloom.state.testing.gcs_emulator`),
-orbax writing through tensorstore's gcs driver, listings and metadata through gcsfs. Save, restore onto
-another mesh bitwise; a truncated, deleted or flipped data object is corruption (the flip found in the same
-read), set aside, the previous step restored, and that step written again. The HF export into a bucket."""
+"""Checkpoints on an object store: a real GCS server (`gcs_emulator`) and a real S3 server (moto, `s3_server`)
+on loopback, orbax writing through tensorstore's gcs / s3 drivers, listings and metadata through gcsfs /
+s3fs. Save, restore onto another mesh bitwise; a truncated, deleted or flipped data object is corruption (the
+flip found in the same read), set aside, the previous step restored, and that step written again. A step
+is complete only once its commit marker is written. The HF export into a bucket."""
 
 import fsspec
 import jax
@@ -11,7 +12,7 @@ from state_util import make_state, mesh_of, target, train_steps
 
 import jaxloom.state as js
 from jaxloom.mesh import gather
-from jaxloom.state.testing import gcs_emulator
+from jaxloom.state.testing import gcs_emulator, s3_server
 
 
 def equal(a, b):
@@ -21,8 +22,12 @@ def equal(a, b):
     )
 
 
-def test_checkpoints_on_gcs_save_restore_and_fall_back(caplog):
-    with gcs_emulator() as bucket:
+STORES = {"gs": gcs_emulator, "s3": s3_server}
+
+
+@pytest.mark.parametrize("scheme", sorted(STORES))
+def test_checkpoints_on_a_store_save_restore_and_fall_back(caplog, scheme):
+    with STORES[scheme]() as bucket:
         s1 = make_state(mesh_of(fsdp=2))
         s2 = train_steps(s1, 1)
         manager = js.CheckpointManager(f"{bucket}/run/checkpoints", async_save=True)
@@ -36,7 +41,7 @@ def test_checkpoints_on_gcs_save_restore_and_fall_back(caplog):
         assert fresh.restore(target(mesh_of(fsdp=1)), step=1).data_state == {"epoch": 0}
 
         fs, root = fsspec.core.url_to_fs(f"{bucket}/run/checkpoints/2")  # a user's own client
-        data = {k: v["size"] for k, v in fs.find(root, detail=True).items() if k.endswith(".bin")}
+        data = {k: v["size"] for k, v in fs.find(root, detail=True).items() if "/params/" in k and "/d/" in k}
         victim = max(data, key=data.get)
         good = fs.cat_file(victim)
         fs.pipe_file(victim, good[: len(good) // 3])  # truncated: its size, from one listing
@@ -51,7 +56,7 @@ def test_checkpoints_on_gcs_save_restore_and_fall_back(caplog):
         with caplog.at_level("ERROR"):
             back = js.CheckpointManager(f"{bucket}/run/checkpoints").restore(target(mesh_of(fsdp=2)))
         assert back.step == 1 and equal(back.state.params, s1.params)
-        assert "differs from what was written" in caplog.text and "2.corrupt" in caplog.text
+        assert "array data differs from what was saved" in caplog.text and "2.corrupt" in caplog.text
         names = {p.rsplit("/", 1)[-1] for p in fs.ls(fs._strip_protocol(f"{bucket}/run/checkpoints"), refresh=True)}
         assert "2.corrupt" in names and "2" not in names
         again = js.CheckpointManager(f"{bucket}/run/checkpoints")
@@ -60,9 +65,28 @@ def test_checkpoints_on_gcs_save_restore_and_fall_back(caplog):
         assert equal(again.restore(target(mesh_of(fsdp=2))).state.params, s2.params)
 
 
-def test_s3_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"orbax-checkpoint cannot write s3://.*Use gs://"):
-        js.CheckpointManager("s3://bucket/run")
+def test_a_step_without_its_commit_marker_is_never_listed_nor_restored():
+    """On S3 a step is written in place and `commit_success.txt` is added last: a step whose marker is missing
+    (an upload cut off by a crash) is not listed, never restored, and the next save of that step replaces it;
+    keep-N never deletes the newest complete step."""
+    with s3_server() as bucket:
+        state = make_state(mesh_of(fsdp=2))
+        where = f"{bucket}/run/checkpoints"
+        manager = js.CheckpointManager(where, async_save=False, save_total_limit=2)
+        for step in (1, 2, 3):
+            manager.save(step, train_steps(state, step))
+        assert manager.all_steps() == [2, 3]
+        fs, root = fsspec.core.url_to_fs(where)
+        markers = sorted(p for p in fs.find(root) if p.endswith("/commit_success.txt") and p.count("/") == root.count("/") + 2)
+        assert [m.rsplit("/", 2)[-2] for m in markers] == ["2", "3"]
+        fs.rm(f"{root}/3/commit_success.txt")  # step 3's upload never finished
+        reader = js.CheckpointManager(where, read_only=True)
+        assert reader.all_steps() == [2]
+        assert reader.restore(target(mesh_of(fsdp=4))).step == 2
+        again = js.CheckpointManager(where, async_save=False, save_total_limit=2)
+        again.save(3, train_steps(state, 3))
+        assert again.all_steps() == [2, 3]
+        assert equal(again.restore(target(mesh_of(fsdp=2))).state.params, train_steps(state, 3).params)
 
 
 def test_hf_export_to_gcs_streams_and_loads_back(tmp_path):

@@ -13,13 +13,13 @@ import pytest
 WORKER = Path(__file__).with_name("shared_worker.py")
 
 
-def _two(root: Path, mode: str) -> list[dict]:
+def _two(root: Path, mode: str, *more: str) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(port), str(rank), str(root), mode],
+            [sys.executable, str(WORKER), str(port), str(rank), str(root), mode, *more],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -60,12 +60,17 @@ def test_save_minutes_shares_the_clock_every_few_steps_not_every_step(tmp_path):
     assert [o["due"] for o in outs] == [[4, 8, 12], [4, 8, 12]]
 
 
-def test_each_process_reads_about_its_share_of_a_sharded_restore(tmp_path):
+@pytest.mark.parametrize("array_format", ["orbax", "raw"])
+def test_each_process_reads_about_its_share_of_a_sharded_restore(tmp_path, array_format):
     """Two processes of four devices restore a 32 MB state sharded over the eight: integrity is checked in
-    the same read, so each reads (rchar, plus the file pages it mapped) little more than its half, never
-    every file of the checkpoint. Each process wrote the shards it owns, with their pieces' digests."""
-    outs = _two(tmp_path, "restore")
+    the same read (raw: each piece's digest as it is read; orbax: the arrays' digests over what was read), so
+    each reads (rchar, plus the file pages it mapped) little more than its half, never every file of the
+    checkpoint. Each process wrote the shards it owns."""
+    outs = _two(tmp_path, "restore", array_format)
     for rank, o in enumerate(outs):
         assert o["equal"], rank
-        assert o["parts"] == ["process_0.bin", "process_0.json", "process_1.bin", "process_1.json"]
+        if array_format == "raw":
+            assert o["parts"] == ["process_0.bin", "process_0.json", "process_1.bin", "process_1.json"]
+        else:
+            assert o["parts"] == ["ocdbt.process_0", "ocdbt.process_1"]
         assert 0.9 * o["share"] <= o["read"] <= 1.2 * o["share"], (rank, o)

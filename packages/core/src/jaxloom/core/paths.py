@@ -6,13 +6,11 @@
 listing a tree with sizes (one listing request on an object store, not one per file), writing a small file
 atomically, moving a folder and removing one.
 
-Used by checkpoints (jaxloom-state), data files (jaxloom-data) and the trainer. Object stores need the
-store's fsspec package (`gcsfs` for gs://: `pip install jaxloom-core[gcs]`).
-
-`as_path` refuses `s3://` with the reason: orbax-checkpoint 0.12, which commits jaxloom's checkpoint steps,
-commits a step outside gs:// by renaming its temporary folder, which on S3 is a copy object by object (not
-atomic; tried against moto's S3 server, the second step's rename failed), and lists a step as complete by
-its name alone; `gs://` works (and a bucket mounted as a local path works for any store).
+Used by checkpoints (jaxloom-state), data files (jaxloom-data) and the trainer (its run directory). Object
+stores need the store's fsspec package: `gcsfs` for gs:// (`pip install jaxloom-core[gcs]`), `s3fs` for
+s3:// (`pip install jaxloom-core[s3]`). An S3-compatible store (MinIO, R2, Ceph) is named by its endpoint:
+`AWS_ENDPOINT_URL=https://...` in the environment (read by s3fs/botocore and by jaxloom-state's
+tensorstore spec), or the `storage_endpoint_url` setting of a run, which sets it.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-WORKING_SCHEMES = ("gs",)
+WORKING_SCHEMES = ("gs", "s3")
 
 
 def is_uri(path: Any) -> bool:
@@ -32,19 +30,11 @@ def is_uri(path: Any) -> bool:
 
 
 def as_path(path: Any) -> Any:
-    """`path` as a `pathlib.Path` (local, made absolute) or an `etils.epath.Path` (a URI). An `s3://` URI
-    is a ValueError saying why and what works."""
+    """`path` as a `pathlib.Path` (local, made absolute) or an `etils.epath.Path` (a URI)."""
     text = str(path) if is_uri(str(path)) else os.fspath(path)
     if not is_uri(text):
         return Path(text).absolute()
     _quiet_clients()
-    scheme = text.split("://", 1)[0]
-    if scheme == "s3":
-        raise ValueError(
-            f"checkpoint directory {text}: orbax-checkpoint cannot write s3:// safely (it commits a step there by "
-            "renaming its folder, a copy object by object, and would list a half-copied step as complete). Use "
-            "gs://, or mount the bucket (s3fs, mountpoint-s3) and give the local path."
-        )
     from etils import epath
 
     return epath.Path(text)
@@ -87,9 +77,10 @@ _QUIET = _OneLineRetries()
 
 
 def _quiet_clients() -> None:
-    client_log = logging.getLogger("gcsfs")
-    if _QUIET not in client_log.filters:
-        client_log.addFilter(_QUIET)
+    for name in ("gcsfs", "s3fs"):
+        client_log = logging.getLogger(name)
+        if _QUIET not in client_log.filters:
+            client_log.addFilter(_QUIET)
 
 
 def _fs(path: Any) -> tuple[Any, str]:
@@ -115,6 +106,7 @@ def files_with_sizes(folder: Any) -> dict[str, int]:
         return out
     fs, base = _fs(folder)
     base = base.rstrip("/")
+    fs.invalidate_cache(base)  # another process (or host) may have written since this one last listed
     found = fs.find(base, detail=True)
     return {
         name[len(base) + 1 :]: int(info.get("size") or 0)

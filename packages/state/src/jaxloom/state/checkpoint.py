@@ -26,7 +26,7 @@ import threading
 import time
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -35,7 +35,7 @@ from jaxloom.core.schema import PositiveFloat, PositiveInt, config
 
 from jaxloom.core import paths
 
-from . import arrays, integrity
+from . import arrays, integrity, stores
 from .arrays import CheckpointCorruptError
 from .train_state import TrainState
 
@@ -144,6 +144,10 @@ class CheckpointConfig:
     read_only: a reader (`jaxloom convert`, `generate`, `eval`, a second process): it never changes the
       directory — no cleanup of a step being written (`<step>.orbax-checkpoint-tmp`), no corrupt step moved
       aside (the next older one is read instead), no directory created, and `save` is an error.
+    array_format: how arrays are written — `orbax` (default): orbax's standard format (tensorstore, OCDBT),
+      which `orbax.checkpoint.StandardCheckpointer().restore(<step>/params)` reads without jaxloom; `raw`:
+      jaxloom's own format (see `arrays`; faster on a local disk, readable by jaxloom only). Either is
+      restored whatever this says; `convert_checkpoint` turns one into the other.
     """
 
     directory: str
@@ -156,6 +160,7 @@ class CheckpointConfig:
     float_dtype: str | None = None
     verify: bool = True
     read_only: bool = False
+    array_format: Literal["orbax", "raw"] = "orbax"
 
 
 @dataclasses.dataclass
@@ -184,6 +189,7 @@ class CheckpointManager:
         self._manager = None  # orbax.checkpoint.CheckpointManager, opened on first use
         self._last_save_time = time.monotonic()
         self._stray_seen: set[int] = set()  # step directories without a checkpoint, said once
+        self._digests: dict[int, integrity.Pending] = {}  # step -> array digests dispatched, not yet written
         self._lock = threading.Lock()
         if self.directory.is_dir():
             self._open()
@@ -199,7 +205,9 @@ class CheckpointManager:
             _quiet_writer_threads()
             ocp = _ocp()
             c = self.config
+            stores.prepare_orbax(self.directory)  # s3://: tensorstore's s3 driver, commit by marker
             options = ocp.CheckpointManagerOptions(
+                temporary_path_class=stores.temporary_path_class(self.directory),
                 max_to_keep=c.save_total_limit,
                 keep_period=c.keep_period,
                 enable_async_checkpointing=c.async_save,
@@ -210,7 +218,7 @@ class CheckpointManager:
                 if c.async_save
                 else None,
             )
-            handler, _, _ = arrays.orbax_types()
+            handler = arrays.orbax_types()[0] if c.array_format == "raw" else ocp.StandardCheckpointHandler
             handlers = {
                 "params": handler(),
                 "opt_state": handler(),
@@ -293,8 +301,14 @@ class CheckpointManager:
             "versions": _versions(),
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         }
-        _, save_args, _ = arrays.orbax_types()
-        items = {k: save_args(v, copy=self.config.async_save) for k, v in trees.items()}  # sync: no staging copy
+        if self.config.array_format == "raw":
+            _, save_args, _ = arrays.orbax_types()
+            items = {k: save_args(v, copy=self.config.async_save) for k, v in trees.items()}  # sync: no staging copy
+        else:
+            items = {k: ocp.args.StandardSave(v) for k, v in trees.items()}
+            if self.config.verify:  # computed on the devices beside the write; recorded once it is finalised
+                with self._lock:
+                    self._digests[int(step)] = integrity.dispatch(_named(trees))
         items["meta"] = ocp.args.JsonSave(meta)
         try:
             manager.save(int(step), args=ocp.args.Composite(**items), force=True)
@@ -325,21 +339,31 @@ class CheckpointManager:
             self._manager = None
 
     def _write_checksums(self) -> None:
-        """After a write is finalised, process 0 records the manifest: `{"files": {path: [size, sha256
-        or None]}}` (its presence marks a verified checkpoint). Array data files get only their size: their
-        pieces' digests are in the item's index files, which the manifest hashes."""
-        if self._manager is None or jax.process_index() != 0:
+        """After a write is finalised, every process records the digests of the arrays it saved (orbax's
+        format: `jaxloom_digests.process_<i>.json`, computed on the devices at save time), and process 0 the
+        manifest: `{"files": {path: [size, sha256 or None]}}` (its presence marks a verified checkpoint).
+        Array data files get only their size: their digests are in the digest parts (orbax's format) or the
+        item's index files (raw), which the manifest hashes."""
+        if self._manager is None:
             return
+        me = jax.process_index()
         with self._lock:
-            for step in self._manager.all_steps():
+            steps = self._manager.all_steps()
+            for step in steps:
                 folder = self.directory / str(step)
                 try:
-                    if not (folder / CHECKSUMS).exists():
+                    if step in self._digests:
+                        part = {"process_count": jax.process_count(), "arrays": integrity.fetch(self._digests[step])}
+                        paths.write_atomic(folder / f"{DIGESTS}{me}.json", json.dumps(part, sort_keys=True))
+                        del self._digests[step]
+                    if me == 0 and not (folder / CHECKSUMS).exists():
                         paths.write_atomic(
                             folder / CHECKSUMS, json.dumps({"files": _checksums(folder)}, sort_keys=True)
                         )
                 except FileNotFoundError:  # not renamed into place yet, or deleted by keep-N meanwhile
                     continue
+            for step in [s for s in self._digests if steps and s < min(steps)]:  # removed by keep-N
+                del self._digests[step]
 
     # ---- restoring --------------------------------------------------------------------------------
     def verify(self, step: int) -> dict[str, list]:
@@ -500,14 +524,17 @@ class CheckpointManager:
         """The items `trees` names (onto their shapes and shardings) and `meta` of checkpoint `step`: read
         directly in jaxloom's format, through orbax for a checkpoint of jaxloom-state < 0.9."""
         folder = self.directory / str(step)
+        meta = json.loads((folder / "meta" / "metadata").read_text())
         if arrays.is_ours(folder / "params"):
             out = {k: arrays.restore(folder / k, _as_abstract(v), verify=self.config.verify) for k, v in trees.items()}
-            meta = json.loads((folder / "meta" / "metadata").read_text())
             return types.SimpleNamespace(meta=meta, **out)
         ocp = _ocp()
-        _, _, restore_args = arrays.orbax_types()
-        items = {k: restore_args(_as_abstract(v), self.config.verify) for k, v in trees.items()}
-        return self._open().restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **items))
+        stores.prepare_orbax(self.directory)
+        read = {
+            k: ocp.StandardCheckpointHandler().restore(folder / k, args=ocp.args.StandardRestore(_as_abstract(v)))
+            for k, v in trees.items()
+        }
+        return types.SimpleNamespace(meta=meta, **read)
 
     def restore_shapes(self, step: int | None = None, item: str = "params") -> Any:
         """The stored shapes and dtypes (`jax.ShapeDtypeStruct` tree) of `item` (`"params"` or
@@ -519,9 +546,10 @@ class CheckpointManager:
         folder = self.directory / str(step) / item
         if arrays.is_ours(self.directory / str(step) / "params"):
             return arrays.shapes(folder) if folder.exists() else None
-        tree = self._open().item_metadata(step).get(item)
-        if tree is None:
+        if not folder.exists():
             return None
+        stores.prepare_orbax(self.directory)
+        tree = _ocp().StandardCheckpointHandler().metadata(folder)
         tree = getattr(tree, "tree", tree)
         return jax.tree_util.tree_map(
             lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),

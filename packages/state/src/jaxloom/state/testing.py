@@ -1,4 +1,5 @@
-"""Test helpers, not part of the main API: a real Google Cloud Storage server on loopback.
+"""Test helpers, not part of the main API: a real Google Cloud Storage server and a real S3 server (moto) on
+loopback, and a relay that takes a store out of reach for a while (`Outage`).
 
 `gcs_emulator()` starts `gcp-storage-emulator` (pip, a test extra) on 127.0.0.1 and points tensorstore
 (orbax's reads and writes), gcsfs/etils (listings, small files) and child processes at it through the
@@ -122,3 +123,136 @@ def _forget_filesystems() -> None:
         for cls in fsspec.registry.values():
             with contextlib.suppress(AttributeError):
                 cls.clear_instance_cache()
+
+
+S3_KEYS = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_DEFAULT_REGION",
+    "NO_PROXY",
+    "no_proxy",
+    "JAXLOOM_S3_SERVER_PID",
+)
+
+
+def s3_server_command(port: int) -> list[str]:
+    """The command that runs moto's S3 server (a real HTTP S3 API, objects in memory) on 127.0.0.1:`port`."""
+    return [sys.executable, "-c", "import sys; from moto.server import main; main(sys.argv[1:])", "-H", "127.0.0.1",
+            "-p", str(port)]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str = "jaxloom-test") -> Iterator[str]:
+    """Run moto's S3 server on loopback for the duration of the block, with `bucket` created; the block (and
+    any child process) sees `AWS_ENDPOINT_URL`, test credentials and a region in the environment, and the
+    server's process id in `JAXLOOM_S3_SERVER_PID`. Yields `s3://<bucket>`."""
+    port = _free_port()
+    server = subprocess.Popen(s3_server_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in S3_KEYS}
+    loopback = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1,localhost"]))
+    os.environ.update(
+        NO_PROXY=loopback, no_proxy=loopback, AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1", JAXLOOM_S3_SERVER_PID=str(server.pid),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                req = urllib.request.Request(f"{url}/{bucket}", method="PUT")
+                urllib.request.urlopen(req, timeout=2).read()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the S3 server did not start on {url}") from None
+                time.sleep(0.2)
+        _forget_filesystems()
+        yield f"s3://{bucket}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        _forget_filesystems()
+
+
+class Outage:
+    """A TCP relay on 127.0.0.1 in front of a store's endpoint, which a test can take down (`down()`: every
+    connection, open or new, is cut) and bring back (`up()`): a store that cannot be reached for a while,
+    with its objects kept. `url` is the relay's address; `stop()` ends it."""
+
+    def __init__(self, upstream: str):
+        import threading
+
+        host, port = upstream.removeprefix("http://").rstrip("/").rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._available = threading.Event()
+        self._available.set()
+        self._open: set[socket.socket] = set()
+        self._guard = threading.Lock()
+        self._stopped = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def down(self) -> None:
+        self._available.clear()
+        with self._guard:
+            for s in list(self._open):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                    s.close()
+            self._open.clear()
+
+    def up(self) -> None:
+        self._available.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self.down()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._stopped:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._available.is_set():
+                client.close()
+                continue
+            try:
+                server = socket.create_connection(self._upstream, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            with self._guard:
+                self._open.update((client, server))
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.close()
+            with self._guard:
+                self._open.discard(a)
+                self._open.discard(b)
