@@ -19,6 +19,11 @@ def equal(a, b):
     return len(la) == len(lb) and all(np.array_equal(gather(x), gather(y)) for x, y in zip(la, lb, strict=True))
 
 
+def same(a, b):
+    """The arrays a checkpoint keeps: parameters, optimizer state, RNG."""
+    return equal((a.params, a.opt_state, a.rng), (b.params, b.opt_state, b.rng))
+
+
 def test_small_pieces_partial_reads_and_only_what_is_read_is_checked(tmp_path, monkeypatch):
     monkeypatch.setattr(arrays, "PIECE", 256)  # several pieces per shard: a resharded restore reads part of one
     state = train_steps(make_state(mesh_of(fsdp=2)), 1)
@@ -112,3 +117,67 @@ def test_a_failed_read_raises_only_once_every_reader_has_stopped():
         arrays._all_or_raise(arrays._pool(4), [bad, slow])
     assert finished.is_set()
     assert arrays._all_or_raise(arrays._pool(4), [lambda: 1, lambda: 2]) == [1, 2]
+
+
+def test_orbax_alone_restores_a_checkpoint_in_a_fresh_process(tmp_path):
+    """The default format is orbax's own: a process that never imports jaxloom restores `<step>/params` with
+    `StandardCheckpointer` (and the whole step with orbax's `CheckpointManager`), equal to jaxloom's restore."""
+    import subprocess
+    import sys
+
+    state = train_steps(make_state(mesh_of(fsdp=2)), 1)
+    saver = js.CheckpointManager(str(tmp_path / "ck"))
+    saver.save(4, state)
+    saver.wait_until_finished()
+    ours = js.CheckpointManager(str(tmp_path / "ck")).restore(target(mesh_of(fsdp=4))).state
+    np.savez(tmp_path / "ours.npz", **{str(i): gather(x) for i, x in enumerate(jax.tree_util.tree_leaves(ours.params))})
+    script = f"""
+import sys, numpy as np, jax, orbax.checkpoint as ocp
+params = ocp.StandardCheckpointer().restore("{tmp_path}/ck/4/params")
+whole = ocp.CheckpointManager("{tmp_path}/ck").restore(4, args=ocp.args.Composite(
+    params=ocp.args.StandardRestore(), opt_state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+ours = np.load("{tmp_path}/ours.npz")
+leaves = jax.tree_util.tree_leaves(params)
+assert len(leaves) == len(ours.files), (len(leaves), len(ours.files))
+for i, x in enumerate(leaves):
+    np.testing.assert_array_equal(np.asarray(x), ours[str(i)])
+for a, b in zip(jax.tree_util.tree_leaves(whole["params"]), leaves):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+assert whole["meta"]["step"] == 4
+assert not [m for m in sys.modules if m.startswith("jaxloom")]
+print("ORBAX_ALONE_OK")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "ORBAX_ALONE_OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_raw_checkpoint_still_restores_and_converts_both_ways(tmp_path):
+    """Checkpoints of jaxloom-state 0.9-0.11 (the raw format) restore with today's defaults; `convert_checkpoint`
+    writes them in orbax's format and back, each step's arrays, step, RNG and data position kept bitwise."""
+    s1 = make_state(mesh_of(fsdp=2))
+    s2 = train_steps(s1, 1)
+    raw = js.CheckpointManager(str(tmp_path / "raw"), array_format="raw", async_save=False)
+    raw.save(1, s1, data_state={"i": 1})
+    raw.save(2, s2, data_state={"i": 2})
+    assert arrays.is_ours(tmp_path / "raw" / "2" / "params")
+    back = js.CheckpointManager(str(tmp_path / "raw")).restore(target(mesh_of(fsdp=4)))
+    assert back.step == 2 and same(back.state, s2)
+    onto = target(mesh_of(fsdp=2))
+    assert js.convert_checkpoint(str(tmp_path / "raw"), str(tmp_path / "orbax"), target=onto) == [1, 2]
+    assert not arrays.is_ours(tmp_path / "orbax" / "2" / "params")
+    assert (tmp_path / "orbax" / "2" / "params" / "_METADATA").exists()
+    again = js.convert_checkpoint(
+        str(tmp_path / "orbax"), str(tmp_path / "again"), array_format="raw", step=2, target=onto
+    )
+    assert again == [2]
+    for where, step, state in (("orbax", 1, s1), ("orbax", 2, s2), ("again", 2, s2)):
+        out = js.CheckpointManager(str(tmp_path / where)).restore(target(mesh_of(fsdp=2, tp=2)), step=step)
+        assert out.step == step and out.data_state == {"i": step} and same(out.state, state), (where, step)
+    with pytest.raises(FileExistsError, match=r"holds checkpoint\(s\) \[2\] already"):
+        js.convert_checkpoint(str(tmp_path / "orbax"), str(tmp_path / "again"), step=2)
+    # without a target: the stored tree, read back by orbax alone
+    js.convert_checkpoint(str(tmp_path / "again"), str(tmp_path / "plain"), step=2)
+    plain = ocp.StandardCheckpointer().restore(tmp_path / "plain" / "2" / "params")
+    assert [gather(x).tolist() for x in jax.tree_util.tree_leaves(plain)] == [
+        gather(x).tolist() for x in jax.tree_util.tree_leaves(s2.params)
+    ]

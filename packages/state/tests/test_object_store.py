@@ -77,7 +77,9 @@ def test_a_step_without_its_commit_marker_is_never_listed_nor_restored():
             manager.save(step, train_steps(state, step))
         assert manager.all_steps() == [2, 3]
         fs, root = fsspec.core.url_to_fs(where)
-        markers = sorted(p for p in fs.find(root) if p.endswith("/commit_success.txt") and p.count("/") == root.count("/") + 2)
+        markers = sorted(
+            p for p in fs.find(root) if p.endswith("/commit_success.txt") and p.count("/") == root.count("/") + 2
+        )
         assert [m.rsplit("/", 2)[-2] for m in markers] == ["2", "3"]
         fs.rm(f"{root}/3/commit_success.txt")  # step 3's upload never finished
         reader = js.CheckpointManager(where, read_only=True)

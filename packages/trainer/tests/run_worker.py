@@ -1,5 +1,5 @@
 """python run_worker.py OUT_DIR MODE [key=value ...]: a short deterministic run through the CLI's builder;
-prints each step."""
+prints each step. OUT_DIR may be a URI (then final.npz goes to $FINAL_TO)."""
 
 import os
 import sys
@@ -16,7 +16,7 @@ class Announce:
 
 
 out, mode = sys.argv[1], sys.argv[2]
-trainer, _ = build_run(
+trainer, resolved = build_run(
     None,
     [
         f"save_directory={out}",
@@ -35,9 +35,11 @@ trainer, _ = build_run(
         *sys.argv[3:],
     ],
 )
+trainer.run_config = resolved  # as `jaxloom train` does: the run directory rebuilds the run
 trainer.hooks.append(Announce())
 result = trainer.train()
-np.savez(f"{out}/final.npz", **{k: gather(v) for k, v in named_leaves(result.state.params)})
+final = os.environ.get("FINAL_TO", out)  # a local folder when OUT_DIR is on a store
+np.savez(f"{final}/final.npz", **{k: gather(v) for k, v in named_leaves(result.state.params)})
 print("RESUMED_FROM", result.resumed_from, flush=True)
 if os.environ.get("EXPORT_TO"):  # a Hugging Face export of the final state (a path or a gs:// URI)
     trainer.save_pretrained(save_directory=os.environ["EXPORT_TO"], to_torch=True)

@@ -153,3 +153,76 @@ def remove_tree(path: Any) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+# ---- conditional writes (a lease object on a store) -------------------------------------------------------
+class PreconditionFailed(Exception):
+    """A conditional write lost: the object exists (create) or changed since it was read (replace)."""
+
+
+def read_versioned(path: Any) -> tuple[bytes, str] | None:
+    """`(content, version)` of object `path` (S3: its ETag; GCS: its generation), or None when there is none."""
+    fs, p = _fs(path)
+    fs.invalidate_cache(p)
+    try:
+        info = fs.info(p)
+        data = fs.cat_file(p)
+    except FileNotFoundError:
+        return None
+    version = info.get("ETag") or info.get("etag") if str(path).startswith("s3://") else info.get("generation")
+    return data, str(version)
+
+
+def write_if(path: Any, data: bytes, version: str | None) -> None:
+    """Write object `path` only if it does not exist (`version` None) or is still at `version` (as
+    `read_versioned` gave it); `PreconditionFailed` otherwise. One request; the store decides (S3
+    `If-None-Match`/`If-Match`, GCS `ifGenerationMatch`), so of two writers racing exactly one wins."""
+    fs, p = _fs(path)
+    scheme = str(path).split("://", 1)[0]
+    try:
+        if scheme == "s3":
+            condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+            fs.pipe_file(p, data, **condition)
+        elif scheme in ("gs", "gcs"):
+            from fsspec.asyn import sync
+
+            bucket, key = p.split("/", 1)
+            url = f"{fs._location}/upload/storage/v1/b/{bucket}/o"
+            generation = 0 if version is None else int(version)
+            sync(fs.loop, fs._call, "POST", url, uploadType="media", name=key, ifGenerationMatch=generation, data=data)
+        else:
+            raise ValueError(f"{path}: no conditional write for {scheme}:// (expected s3:// or gs://)")
+    except (FileExistsError, OSError) as e:
+        if isinstance(e, FileExistsError) or "pre-condition" in str(e).lower() or "412" in str(e):
+            raise PreconditionFailed(str(path)) from e
+        raise
+    finally:
+        fs.invalidate_cache(p)
+
+
+def remove_file(path: Any) -> None:
+    """Remove file `path` (local or on a store) if it exists."""
+    if not is_uri(str(path)):
+        Path(path).unlink(missing_ok=True)
+        return
+    fs, p = _fs(path)
+    try:
+        fs.rm_file(p)
+    except FileNotFoundError:
+        pass
+    fs.invalidate_cache(p)
+
+
+def download_tree(src: Any, local: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """Copy the files under URI `src` into local folder `local` (created), but those whose relative path
+    starts with one of `skip`; returns the relative paths copied."""
+    copied = []
+    for name in files_with_sizes(src):
+        if name.startswith(skip):
+            continue
+        dest = Path(local) / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open_binary(f"{os.fspath(src).rstrip('/')}/{name}") as inp, open(dest, "wb") as out:
+            shutil.copyfileobj(inp, out, 4 << 20)
+        copied.append(name)
+    return copied

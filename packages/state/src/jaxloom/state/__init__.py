@@ -2,7 +2,8 @@
 
 from .__about__ import __version__
 from .checkpoint import CheckpointConfig, CheckpointCorruptError, CheckpointManager, CheckpointSaveError, Restored
-from .lock import DirectoryLock, DirectoryLockedError
+from .convert import convert_checkpoint
+from .lock import DirectoryLock, DirectoryLockedError, StoreLease
 from .export import save_pretrained
 from .shared import check_shared_directory
 from .serialization import from_jsonable, load_json, save_json, to_jsonable
@@ -16,10 +17,12 @@ __all__ = [
     "CheckpointManager",
     "CheckpointSaveError",
     "Restored",
+    "StoreLease",
     "TrainState",
     "__version__",
     "abstract_state",
     "check_shared_directory",
+    "convert_checkpoint",
     "convert_model_to_state",
     "from_jsonable",
     "load_json",

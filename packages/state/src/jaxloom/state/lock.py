@@ -3,18 +3,21 @@
 A lock file holds its owner's pid, host, process start time and (under a launcher that restarts
 workers, e.g. Ray) an owner token. A second run on the same directory is refused with one error naming
 the owner; a lock whose owner is dead (same host, pid gone or reused) is taken over, and so is one with
-the same owner token (a restarted gang of the same launcher).
+the same owner token (a restarted gang of the same launcher). On an object store (`StoreLease`) the lock is
+a lease object written with conditional writes and renewed while held.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 LOCK_FILE = ".jaxloom.lock"
 OWNER_ENV = "JAXLOOM_RUN_OWNER"
 """Environment variable: a token shared by every restart of one launcher's run (set by jaxloom-ray)."""
@@ -46,6 +49,17 @@ def _alive(owner: dict[str, Any]) -> bool:
     return started is None or owner.get("started") in (None, started)
 
 
+def _identity() -> dict[str, Any]:
+    """Who holds a lock: this process's pid, host, start time, launcher owner token, and since when."""
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": _start_time(os.getpid()),
+        "owner": os.environ.get(OWNER_ENV),
+        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
 class DirectoryLock:
     """`acquire()` takes `directory` for this process (creating it), `release()` gives it back; also a
     context manager. Taking a lock this process already holds is a no-op."""
@@ -55,13 +69,7 @@ class DirectoryLock:
         self.held = False
 
     def _me(self) -> dict[str, Any]:
-        return {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "started": _start_time(os.getpid()),
-            "owner": os.environ.get(OWNER_ENV),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
+        return _identity()
 
     def owner(self) -> dict[str, Any] | None:
         """The lock file's contents, or None when there is none (or it cannot be read)."""
@@ -127,6 +135,121 @@ class DirectoryLock:
             self.held = False
 
     def __enter__(self) -> DirectoryLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class StoreLease:
+    """`DirectoryLock` for a run directory on an object store (`s3://`, `gs://`): a lease object
+    `<directory>/.jaxloom.lock` holding its owner and an expiry time, created and renewed with conditional
+    writes (the store lets exactly one of two racing writers win), renewed every `ttl / 3` seconds by a
+    background thread while held. A second run is refused naming the owner; a lease is taken over when it
+    expired (its owner stopped renewing it: killed, or its host gone), when its owner is a dead process on this
+    host, or when it carries this launcher's owner token (a restarted Ray gang)."""
+
+    def __init__(self, directory: str, ttl: float = 60.0):
+        self.path = f"{str(directory).rstrip('/')}/{LOCK_FILE}"
+        self.ttl = ttl
+        self.held = False
+        self._version: str | None = None
+        self._stop: Any = None
+
+    def _me(self) -> dict[str, Any]:
+        return {**_identity(), "expires": time.time() + self.ttl}
+
+    def owner(self) -> dict[str, Any] | None:
+        """The lease's contents, or None when there is none (or it cannot be read)."""
+        from jaxloom.core import paths
+
+        found = paths.read_versioned(self.path)
+        if found is None:
+            return None
+        try:
+            data = json.loads(found[0])
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _stale(self, owner: dict[str, Any]) -> bool:
+        if float(owner.get("expires") or 0) < time.time():
+            return True
+        me = _identity()
+        if owner.get("owner") and owner.get("owner") == me["owner"]:
+            return True
+        return owner.get("host") == me["host"] and (owner.get("pid") == me["pid"] or not _alive(owner))
+
+    def acquire(self) -> StoreLease:
+        """Take the lease (an expired or dead one is taken over); `DirectoryLockedError` naming the live owner
+        otherwise. Returns self; taking a lease already held is a no-op."""
+        from jaxloom.core import paths
+
+        if self.held:
+            return self
+        for _ in range(20):
+            found = paths.read_versioned(self.path)
+            version = None
+            if found is not None:
+                try:
+                    owner = json.loads(found[0])
+                except ValueError:
+                    owner = {}
+                if not self._stale(owner):
+                    raise DirectoryLockedError(
+                        f"{self.path.rsplit('/', 1)[0]} is in use by another run (pid {owner.get('pid')} on "
+                        f"{owner.get('host')}, since {owner.get('since')}; its lease runs until "
+                        f"{time.strftime('%H:%M:%S', time.localtime(float(owner.get('expires') or 0)))} unless "
+                        "renewed); two runs in one save_directory would overwrite each other's checkpoints. Wait "
+                        f"for it, stop it, or choose another save_directory. If that run is gone, delete {self.path}."
+                    )
+                version = found[1]
+            try:
+                paths.write_if(self.path, json.dumps(self._me()).encode(), version)
+            except paths.PreconditionFailed:
+                continue  # another taker won this round: look again
+            self._version = paths.read_versioned(self.path)[1]  # type: ignore[index]
+            self.held = True
+            self._renew_in_background()
+            return self
+        raise DirectoryLockedError(f"could not take {self.path}: it keeps changing hands")
+
+    def _renew_in_background(self) -> None:
+        import threading
+
+        from jaxloom.core import paths
+
+        stop = self._stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(self.ttl / 3):
+                try:
+                    paths.write_if(self.path, json.dumps(self._me()).encode(), self._version)
+                    self._version = paths.read_versioned(self.path)[1]  # type: ignore[index]
+                except paths.PreconditionFailed:
+                    log.error("the lease %s was taken by another run: this run no longer owns its directory", self.path)
+                    return
+                except Exception as e:  # noqa: BLE001 - the store out of reach: try again at the next renewal
+                    log.warning("renewing the lease %s failed (%s); retrying", self.path, str(e)[:200])
+
+        threading.Thread(target=renew, name="jaxloom-lease", daemon=True).start()
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease if this process still holds it."""
+        from jaxloom.core import paths
+
+        if not self.held:
+            return
+        self._stop.set()
+        self.held = False
+        try:
+            found = paths.read_versioned(self.path)
+            if found is not None and found[1] == self._version:
+                paths.remove_file(self.path)
+        except Exception as e:  # noqa: BLE001 - the lease expires by itself
+            log.warning("could not remove the lease %s (%s); it expires in %.0f s", self.path, str(e)[:200], self.ttl)
+
+    def __enter__(self) -> StoreLease:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:

@@ -163,7 +163,17 @@ class CheckpointArgs(_Group):
     # Where checkpoints go: None is save_directory/checkpoints; a path or an object-store URI (gs://bucket/run)
     # puts them there, with the run's logs and report staying in save_directory.
     checkpoint_directory: str | None = Field(
-        None, description="where checkpoints go: a path or gs://bucket/path (None: save_directory/checkpoints)"
+        None,
+        description="where checkpoints go: a path, gs:// or s3://bucket/path (None: save_directory/checkpoints)",
+    )
+    checkpoint_format: Literal["orbax", "raw"] = Field(
+        "orbax",
+        description="checkpoint arrays: orbax's standard format (orbax alone reads it) or jaxloom's raw format",
+    )
+    # An S3-compatible store (MinIO, R2, Ceph): its endpoint, set as AWS_ENDPOINT_URL for this run's
+    # processes (s3fs and tensorstore read it). None: the environment's, else AWS.
+    storage_endpoint_url: str | None = Field(
+        None, description="the S3-compatible store's endpoint for s3:// paths (None: AWS_ENDPOINT_URL or AWS)"
     )
     save_steps: int | None = Field(None, description="checkpoint every this many steps")
     save_minutes: float | None = Field(None, description="checkpoint every this many minutes")
@@ -181,16 +191,15 @@ class CheckpointArgs(_Group):
         _positive(self, "save_steps", "save_minutes", "save_total_limit", allow_none=True)
         if self.save_directory is not None and not self.save_directory.strip():
             raise ValueError("save_directory = ''; expected a directory path")
-        if self.checkpoint_directory is not None:
-            if not self.checkpoint_directory.strip():
-                raise ValueError("checkpoint_directory = ''; expected a directory path or a gs:// URI")
-            if self.checkpoint_directory.startswith("s3://"):
-                raise ValueError(
-                    f"checkpoint_directory = {self.checkpoint_directory!r}: orbax-checkpoint cannot write s3:// "
-                    "safely (it commits a step there by renaming its folder, object by object); expected a local "
-                    "path or gs://. Mount the "
-                    "bucket (s3fs, mountpoint-s3) and give the local path to use S3."
-                )
+        if self.checkpoint_directory is not None and not self.checkpoint_directory.strip():
+            raise ValueError("checkpoint_directory = ''; expected a directory path or a gs:// / s3:// URI")
+        for key in ("save_directory", "checkpoint_directory"):
+            value = getattr(self, key)
+            if value and "://" in value and value.split("://", 1)[0] not in ("gs", "s3"):
+                raise ValueError(f"{key} = {value!r}: expected a local path, gs://bucket/path or s3://bucket/path")
+        url = self.storage_endpoint_url
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(f"storage_endpoint_url = {url!r}; expected an http:// or https:// URL")
         return self
 
 

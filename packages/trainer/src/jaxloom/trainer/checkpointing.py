@@ -42,6 +42,7 @@ class Checkpointing:
                     save_total_limit=c.save_total_limit,
                     async_save=c.async_checkpointing,
                     read_only=self.read_only,
+                    array_format=c.checkpoint_format,
                 )
             )
         return self._manager

@@ -304,9 +304,23 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each prompt")
-    text = "export the newest checkpoint of a run as a Hugging Face model directory (with its tokenizer)"
+    text = (
+        "export the newest checkpoint of a run as a Hugging Face model directory (with its tokenizer), or rewrite "
+        "a run's checkpoints with arrays in another format"
+    )
     conv = sub.add_parser("convert", help=text, description=text)
-    conv.add_argument("--to-hf", nargs=2, metavar=("RUN_DIR", "OUT"), required=True)
+    what = conv.add_mutually_exclusive_group(required=True)
+    what.add_argument("--to-hf", nargs=2, metavar=("RUN_DIR", "OUT"))
+    what.add_argument(
+        "--checkpoint",
+        nargs=2,
+        metavar=("RUN_DIR", "OUT"),
+        help="write RUN_DIR's checkpoints into the checkpoint directory OUT with arrays in --format",
+    )
+    conv.add_argument(
+        "--format", choices=("orbax", "raw"), default="orbax", help="with --checkpoint: orbax's standard or raw"
+    )
+    conv.add_argument("--step", type=int, default=None, help="with --checkpoint: this step only (default: every one)")
     conv.add_argument("--config", default=None, help="the run's config (default: RUN_DIR/run_config.json)")
     conv.add_argument(
         "--merge", action="store_true", help="a LoRA run: the merged full model (default: a PEFT adapter directory)"
@@ -333,6 +347,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _KEYS_HINT = "`jaxloom config keys` lists every setting"
+
+
+def _convert_checkpoints(ns) -> int:
+    """`jaxloom convert --checkpoint RUN_DIR OUT`: the run's checkpoints, read onto its own state's structure,
+    written into OUT in `--format`."""
+    from jaxloom.state import convert_checkpoint
+
+    run_dir, out = ns.checkpoint
+    config_path, items = split_target([run_dir]) if ns.config is None else (ns.config, [f"save_directory={run_dir}"])
+    trainer, _ = build_run(config_path, [*items, *READ_ONLY, "max_training_steps=1"])
+    source = str(trainer.run_directory.checkpoints)
+    steps = convert_checkpoint(source, out, array_format=ns.format, step=ns.step, target=trainer.plan.target())
+    print(json.dumps({"converted": steps, "from": source, "to": out, "format": ns.format}))
+    return 0
 
 
 def _prepare(ns) -> int:
@@ -476,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(ns)
         if ns.command == "data":
             return _prepare(ns)
+        if ns.command == "convert" and ns.checkpoint:
+            return _convert_checkpoints(ns)
         if ns.command == "convert":
             trainer = restored(ns.to_hf[0], ns.config, params_only=True)
             print(trainer.save_pretrained(ns.to_hf[1], to_torch=True, merge_adapters=ns.merge))

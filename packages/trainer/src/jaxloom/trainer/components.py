@@ -20,7 +20,7 @@ from .functions import StepFunctions
 from .monitor import StepLog
 from .plan import Plan
 from .previews import Generation
-from .run_directory import RunDirectory
+from .run_directory import RunDirectory, use_endpoint
 from .step import StepConfig
 from .stopping import StopControl
 
@@ -75,6 +75,7 @@ def functions(trainer: Any) -> StepFunctions:
 
 def run_directory(trainer: Any) -> RunDirectory:
     trainer._directory()
+    use_endpoint(trainer.arguments.checkpoint.storage_endpoint_url)  # before anything reads the store
     return RunDirectory(trainer.arguments.checkpoint)
 
 
@@ -90,6 +91,7 @@ def step_log(trainer: Any) -> StepLog:
         devices=trainer.mesh.devices.size,
         is_process_zero=trainer.is_process_zero,
         perplexity=trainer.step_config.objective.perplexity,
+        directory=trainer.run_directory.local,
     )
 
 
@@ -144,7 +146,7 @@ def exporter(trainer: Any) -> Exporter:
         current=current,
         tokenizer=lambda: trainer.tokenizer,
         arguments=lambda: trainer.arguments,
-        directory=trainer._directory,
+        directory=lambda: trainer.run_directory.local,
         facts=facts,
     )
 
@@ -177,6 +179,8 @@ def _run_files_kept(trainer: Any, step: int) -> None:
         trainer.run_directory.write_run_files(trainer.run_config, trainer.tokenizer)
     if trainer.step_log.writer is not None:
         trainer.step_log.writer.rewrite_if_gone()
+        trainer.step_log.writer.flush()
+    trainer.run_directory.sync()  # a run directory on a store: what changed since the last checkpoint
 
 
 class forward:  # noqa: N801 - used like a decorator-less property

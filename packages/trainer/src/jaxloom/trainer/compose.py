@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
+
+from jaxloom.core import paths
 
 from .arguments import apply_overrides, expand_path, load_config_file
 from .kinds import TRAINERS, arguments_of
 from .dpo import DPOTrainer
 from .grpo import GRPOTrainer
-from .run_directory import RUN_CONFIG
+from .run_directory import RUN_CONFIG, staging_folder, use_endpoint
 from .runs import model_of, tokenizer_of
 from .trainer import BaseTrainer, Trainer
 
@@ -53,6 +56,8 @@ def split_target(items: list[str]) -> tuple[str | None, list[str]]:
     it: the `overwrite_output_dir` recorded there is not applied again (only one given now is)."""
     items = list(items)
     first = items.pop(0) if items and "=" not in items[0] else None
+    if first is not None and paths.is_uri(first) and not first.endswith((".yaml", ".yml", ".json")):
+        return _run_on_a_store(first, items)
     if first is not None and Path(first).is_dir():
         run = Path(first)
         if not (run / RUN_CONFIG).is_file():
@@ -64,6 +69,24 @@ def split_target(items: list[str]) -> tuple[str | None, list[str]]:
             pinned.append(f"data.tokenizer={(run / 'tokenizer').absolute()}")
         return str(run / RUN_CONFIG), pinned + items
     return first, items
+
+
+def _run_on_a_store(uri: str, items: list[str]) -> tuple[str, list[str]]:
+    """`split_target` of a run directory on a store: its config and tokenizer copied to a local folder."""
+    for item in items:
+        if item.startswith("storage_endpoint_url="):
+            use_endpoint(item.split("=", 1)[1])
+    if not paths.as_path(f"{uri.rstrip('/')}/{RUN_CONFIG}").exists():
+        raise FileNotFoundError(f"{uri} holds no {RUN_CONFIG}; expected a run directory or a config file")
+    local = staging_folder(uri).with_suffix(".config")
+    shutil.rmtree(local, ignore_errors=True)
+    got = paths.download_tree(
+        uri, local, skip=("checkpoints/", ".", "metrics", "tensorboard", "report", "loss", "ref_logps")
+    )
+    pinned = [f"save_directory={uri}", "overwrite_output_dir=false"]
+    if any(name.startswith("tokenizer/") for name in got):
+        pinned.append(f"data.tokenizer={local / 'tokenizer'}")
+    return str(local / RUN_CONFIG), pinned + items
 
 
 # A run from `model.from_pretrained=DIR` with no config file fine-tunes: TRL's defaults for the job (SFTConfig,

@@ -301,7 +301,7 @@ class Reference:
             "batches": [t.arguments.total_batch_size, t.arguments.eval_batch_size],
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return Path(t.arguments.save_directory) / "ref_logps" / f"{digest}.process_{jax.process_index()}.npz"
+        return t.run_directory.local / "ref_logps" / f"{digest}.process_{jax.process_index()}.npz"
 
     def _precompute(self) -> None:
         """One pass over the training (and evaluation) data computes the reference's log-probs of every pair
@@ -350,7 +350,7 @@ class Reference:
             if key in self.cache:  # type: ignore[operator]
                 out[i] = self.cache[key]  # type: ignore[index]
             elif local["loss_mask"][i].any():
-                folder = Path(self.trainer.arguments.save_directory) / "ref_logps"
+                folder = self.trainer.run_directory.local / "ref_logps"
                 raise KeyError(
                     f"a pair has no precomputed reference log-probs in {folder}: the data "
                     "changed since they were computed; remove that folder to compute them again"

@@ -23,7 +23,7 @@ def run_loop(trainer: Any, step: int, callbacks: Callbacks, train_fn: Any) -> tu
     """Train `trainer.state` from `step` to the plan's last step (or a stop); returns `(step, stop reason)`."""
     stop, data, total = trainer.stop_control, trainer.batches, trainer.plan.total_steps
     loader = data.train_loader()
-    profiler = Profiler(trainer.arguments.profile_steps, Path(trainer.arguments.save_directory) / "profile")
+    profiler = Profiler(trainer.arguments.profile_steps, trainer.run_directory.local / "profile")
     pending, reason = None, "max_training_steps reached"
 
     def settle(step: int, metrics: dict) -> None:

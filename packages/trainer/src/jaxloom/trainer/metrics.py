@@ -200,6 +200,14 @@ class MetricsWriter:
         self._jsonl.close()
         self._jsonl = open(path, "a", buffering=1)
 
+    def flush(self) -> None:
+        """Everything written so far on its way to the files (before they are copied, e.g. uploaded)."""
+        if not self.enabled or self.closed:
+            return
+        self._jsonl.flush()
+        if self._tb is not None and hasattr(self._tb, "flush"):
+            self._tb.flush()
+
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "train") -> None:
         if not self.enabled or self.closed:
             return

@@ -5,7 +5,15 @@ touched until `take()`.
     run = RunDirectory(arguments.checkpoint)      # save_directory, checkpoint_directory, overwrite, resume
     run.take(is_process_zero=True)                # lock; an earlier run is resumed, replaced, or an error
     run.write_run_files(resolved_config, tokenizer)
+    run.sync()                                    # a run directory on a store: upload what changed
     run.release()
+
+`save_directory` may be a URI (`s3://bucket/run`, `gs://bucket/run`): then the lock is a lease object on the
+store (`jaxloom.state.StoreLease`), checkpoints go to `<uri>/checkpoints` directly, and the run's other files
+(metrics, config, tokenizer, report, plot, TensorBoard events) are written in a local staging folder (`local`),
+filled from the store when the run is taken (so a resumed run continues its history) and uploaded — each file
+whole, in one request, so a reader sees the old copy or the new — after every checkpoint and when the run
+ends. A multi-node run needs no shared disk: only process 0 writes those files.
 """
 
 from __future__ import annotations
@@ -13,8 +21,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import hashlib
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -51,18 +61,37 @@ class RunDirectory:
 
     def __init__(self, config: Any):
         self.config = config
-        self._lock: js.DirectoryLock | None = None
+        self._lock: js.DirectoryLock | js.StoreLease | None = None
+        self._synced: dict[str, tuple[int, int]] = {}  # file -> (size, mtime) last uploaded (a URI run)
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether `save_directory` is on an object store (a URI)."""
+        return self.config.save_directory is not None and paths.is_uri(self.config.save_directory)
 
     @property
     def path(self) -> Path | None:
+        """Where this process writes the run's files (`local`)."""
+        return self.local
+
+    @property
+    def local(self) -> Path | None:
+        """The run's files' folder on this host: `save_directory`, or for a URI a staging folder under the
+        temporary directory, named by the URI."""
         d = self.config.save_directory
-        return None if d is None else Path(d)
+        if d is None:
+            return None
+        return staging_folder(d) if paths.is_uri(d) else Path(d)
 
     @property
     def checkpoints(self) -> str:
         """Where the checkpoints are: `checkpoint_directory`, else `save_directory/checkpoints`."""
         c = self.config
-        return c.checkpoint_directory or str(Path(c.save_directory) / "checkpoints")
+        if c.checkpoint_directory:
+            return c.checkpoint_directory
+        if paths.is_uri(c.save_directory):
+            return f"{c.save_directory.rstrip('/')}/checkpoints"
+        return str(Path(c.save_directory) / "checkpoints")
 
     def take(self, *, is_process_zero: bool) -> bool:
         """One owner per `save_directory` (a lock file, process 0), seen by every process (multi-process
@@ -70,10 +99,14 @@ class RunDirectory:
         resumed (`resume_if_possible`), removed (`overwrite_output_dir`), or an error. Returns True when an
         earlier run was removed (a checkpoint manager opened before must forget what it listed)."""
         c = self.config
-        directory = Path(c.save_directory)
+        directory = self.local
+        assert directory is not None
         if is_process_zero:
-            self._lock = js.DirectoryLock(directory).acquire()
-        shared = c.checkpoint_directory or directory  # every process writes its part of each checkpoint there
+            remote = self.is_remote
+            self._lock = (js.StoreLease(c.save_directory) if remote else js.DirectoryLock(directory)).acquire()
+            if remote:
+                self._pull()
+        shared = c.checkpoint_directory or c.save_directory  # every process writes its part of each checkpoint there
         try:  # ... and reads it back after a restart (an object store is shared by every host)
             if not paths.is_uri(shared):
                 js.check_shared_directory(shared)
@@ -91,6 +124,8 @@ class RunDirectory:
                         shutil.rmtree(target)
                     else:
                         target.unlink(missing_ok=True)
+                    if self.is_remote:
+                        paths.remove_tree(paths.as_path(f"{c.save_directory.rstrip('/')}/{name}"))
                 if c.checkpoint_directory:  # only the steps jaxloom wrote there: never the folder, never user files
                     for entry in paths.as_path(c.checkpoint_directory).iterdir():
                         if _STEP_ENTRY.match(entry.name):
@@ -110,13 +145,50 @@ class RunDirectory:
         return False
 
     def release(self) -> None:
-        """Give up the lock (another run may take the directory)."""
-        if self._lock is not None:
-            self._lock.release()
+        """Upload what changed (a URI run) and give up the lock (another run may take the directory)."""
+        if self._lock is not None and self._lock.held:
+            try:
+                self.sync()
+            finally:
+                self._lock.release()
+
+    def sync(self) -> list[str]:
+        """A run directory on a store (process 0, which holds the lock): upload the files of `local` that
+        changed since the last upload, each in one request; returns their names. A no-op otherwise."""
+        if not self.is_remote or self._lock is None or not self._lock.held:
+            return []
+        local, dest = self.local, self.config.save_directory.rstrip("/")
+        assert local is not None
+        sent = []
+        for name in sorted(paths.files_with_sizes(local)):
+            if name.startswith(".") or "/." in name:  # a file being written (.tmp) or the local lock
+                continue
+            st = os.stat(local / name)
+            key = (st.st_size, st.st_mtime_ns)
+            if self._synced.get(name) == key:
+                continue
+            with open(local / name, "rb") as src, paths.open_write(f"{dest}/{name}") as out:
+                shutil.copyfileobj(src, out, 4 << 20)
+            self._synced[name] = key
+            sent.append(name)
+        return sent
+
+    def _pull(self) -> None:
+        """Fill the staging folder from the store (what an earlier segment of this run uploaded): the
+        history continues where the checkpoint resumed from; nothing local from another run stays."""
+        local = self.local
+        assert local is not None
+        shutil.rmtree(local, ignore_errors=True)
+        local.mkdir(parents=True, exist_ok=True)
+        got = paths.download_tree(self.config.save_directory, local, skip=("checkpoints/", js.lock.LOCK_FILE))
+        for name in got:
+            st = os.stat(local / name)
+            self._synced[name] = (st.st_size, st.st_mtime_ns)
 
     def files_missing(self, run_config: dict[str, Any] | None) -> bool:
         """Whether what `write_run_files` wrote is gone (the directory removed under a running run)."""
-        directory = Path(self.config.save_directory)
+        directory = self.local
+        assert directory is not None
         return (run_config is not None and not (directory / RUN_CONFIG).is_file()) or not (
             directory / "tokenizer"
         ).is_dir()
@@ -124,8 +196,9 @@ class RunDirectory:
     def write_run_files(self, run_config: dict[str, Any] | None, tokenizer: Any) -> None:
         """What rebuilds the run from its directory alone, written once the run is known to be valid (call
         on process 0): `run_config.json` (the resolved config of a `jaxloom` command run) and a copy of the
-        tokenizer in `tokenizer/` (kept once written), each atomically."""
-        directory = Path(self.config.save_directory)
+        tokenizer in `tokenizer/` (kept once written), each atomically; a URI run uploads them at once."""
+        directory = self.local
+        assert directory is not None
         directory.mkdir(parents=True, exist_ok=True)
         if run_config is not None:
             tmp = directory / f".{RUN_CONFIG}.tmp"
@@ -137,3 +210,26 @@ class RunDirectory:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             tokenizer.save_pretrained(str(tmp_dir))
             os.replace(tmp_dir, target)
+        self.sync()
+
+
+def use_endpoint(url: str | None) -> None:
+    """`storage_endpoint_url`: the S3-compatible store's endpoint, as `AWS_ENDPOINT_URL` for this process (s3fs,
+    botocore and tensorstore read it; child processes inherit it). None leaves the environment as it is."""
+    if not url or os.environ.get("AWS_ENDPOINT_URL") == url:
+        return
+    os.environ["AWS_ENDPOINT_URL"] = url
+    import contextlib
+
+    with contextlib.suppress(ImportError):  # a filesystem cached with the old endpoint is dropped
+        import fsspec
+
+        for cls in fsspec.registry.values():
+            with contextlib.suppress(AttributeError):
+                cls.clear_instance_cache()
+
+
+def staging_folder(uri: str) -> Path:
+    """The local folder where the files of run directory `uri` are written before they are uploaded."""
+    digest = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "jaxloom-staging" / f"{uri.rstrip('/').rsplit('/', 1)[-1]}-{digest}"

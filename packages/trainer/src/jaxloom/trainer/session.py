@@ -6,7 +6,6 @@ step, nothing). It drives the trainer's components through the trainer; the loop
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -73,7 +72,7 @@ def announce(trainer: Any, step: int) -> None:
 def already_complete(trainer: Any, step: int) -> TrainerOutput:
     """Resumed at or past its last step: nothing to train, and nothing rewritten (report, plot, logs)."""
     trainer.run_directory.release()
-    directory = Path(trainer.arguments.save_directory)
+    directory = trainer.run_directory.local
     history = MetricsWriter(directory, tensorboard=False, bar=_NoBar(), start_step=step)
     history.close()
     last_eval = next((r for r in reversed(history.history) if "eval/loss" in r), {})
@@ -118,7 +117,7 @@ def finish(trainer: Any, step: int, stop_reason: str) -> TrainerOutput:
         samples = last if last_step == step or hurry else trainer.preview(step)
     plot = report = None
     if trainer.is_process_zero:
-        plot = plot_history(history, Path(a.save_directory) / "loss.png")
+        plot = plot_history(history, trainer.run_directory.local / "loss.png")
         report = trainer.save_information(final=final, stop_reason=stop_reason, samples=samples)
     trainer.step_log.close()
     log.info("training stopped at step %d: %s", step, stop_reason)

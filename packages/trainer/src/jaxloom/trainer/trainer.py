@@ -383,12 +383,13 @@ class BaseTrainer:
         self.state = self._with_base(restored, self.resumed_from)
         return self.state
 
-    def _directory(self) -> Path:
-        """The run's `save_directory`; without one, a new one for this run (chosen once, at setup)."""
+    def _directory(self) -> str:
+        """The run's `save_directory` (a path or a URI); without one, a new one for this run (chosen once, at
+        setup)."""
         if self.arguments.save_directory is None:
             self.arguments = self.arguments.replace(save_directory=fresh_run_directory())
             log.info("save_directory not set: this run writes to %s", self.arguments.save_directory)
-        return Path(self.arguments.save_directory)
+        return self.arguments.save_directory
 
     def _setup_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
