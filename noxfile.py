@@ -161,6 +161,22 @@ def run_demo(session: nox.Session, out: str) -> int:
 
 
 @nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Benchmarks as ratios against bare JAX measured in the same run (tools/bench/run.py), and the peer rows
+    (TRL, PEFT) when a local CPU torch wheel exists. CPU by default; the GPU rows run when JAX sees a GPU
+    (install jax[cuda] into the session). Checkpoint formats and stores: tools/bench/storage_rows.py."""
+    # Byte-compiled as pip installs do by default (uv does not): start-up times must not include
+    # compiling every imported module from source, which PYTHONDONTWRITEBYTECODE would repeat per run.
+    session.env["UV_COMPILE_BYTECODE"] = "1"
+    install_parts(session, parts.closure("ray"), extra="test")  # the trainer's closure (and generation), and ray
+    wheels = sorted(glob.glob(TORCH_WHEELS))
+    if wheels:
+        session.install(wheels[-1])
+        session.install(TRL, "peft")
+    session.run("python", "tools/bench/run.py", env={"TF_CPP_MIN_LOG_LEVEL": "3", **session.env})
+
+
+@nox.session(python="3.11")
 def docs(session: nox.Session) -> None:
     """The documentation site (mkdocs, API reference from docstrings) into site/, warnings as errors.
     Fails first if a public name lacks a docstring or a docstring leaves out an argument."""

@@ -50,7 +50,7 @@ except BaseException as e:  # as the jaxloom command does: report, then exit wit
     exit_after_training_error(e)
 trainer.finish()
 final = {k: gather(v) for k, v in named_leaves(result.state.params)}  # every process gathers
-if jax.process_index() == 0:  # one writer: the processes share `out`
-    np.savez(f"{out}/final.npz", **final)
+if jax.process_index() == 0:  # one writer: the processes share `out` ($FINAL_TO when `out` is on a store)
+    np.savez(f"{os.environ.get('FINAL_TO', out)}/final.npz", **final)
 print("RESUMED_FROM", result.resumed_from, flush=True)
 print("STOP_REASON", result.stop_reason, flush=True)

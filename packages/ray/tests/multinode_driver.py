@@ -6,6 +6,7 @@ NEED-NODE when it wants it back): once with room to restart on the head node, on
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -38,6 +39,12 @@ wait_for_two_nodes()
 mode, root = sys.argv[1], sys.argv[2]
 
 
+def _files(uri):
+    from jaxloom.core import paths
+
+    return [name for name in paths.files_with_sizes(uri) if not name.startswith("checkpoints/")]
+
+
 def losses(res):
     return [r["train/loss"] for r in res.result["history"] if "train/loss" in r]
 
@@ -55,7 +62,7 @@ if mode == "train":
     lost = launch(
         train_from_config,
         None,
-        [*overrides, f"save_directory={root}/lost"],
+        [*overrides, f"save_directory={os.environ['TEST_BUCKET']}/lost"],  # on S3: no shared disk
         stall,
         scaling=ScalingConfig(num_workers=2, placement_strategy="SPREAD", max_failures=1),
     )
@@ -85,6 +92,7 @@ if mode == "train":
             "restart_to_first_step_s": lost.failures[0].restart_to_first_step_s if lost.failures else None,
         },
         "nowhere": nowhere,
+        "lost_files": sorted(_files(f"{os.environ['TEST_BUCKET']}/lost")),
     }
 else:
     out = {}

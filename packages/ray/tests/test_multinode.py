@@ -24,9 +24,18 @@ HERE = Path(__file__).parent
 def two_nodes():
     """Two raylets on 127.0.0.1 (head: 2 CPUs and resource node_a; second node: 2 CPUs and node_b),
     hosted by `multinode_cluster.py` until its stdin closes (`ray stop` would stop every Ray on the
-    machine, the other tests' cluster too)."""
+    machine, the other tests' cluster too), and an S3 server on loopback whose endpoint and credentials
+    every node's workers see (`TEST_BUCKET`: its bucket)."""
+    from jaxloom.state.testing import s3_server
+
+    with s3_server() as bucket:
+        yield from _cluster(bucket)
+
+
+def _cluster(bucket):
     # RAY_AUTH_MODE explicit: Ray turns token auth on by itself when ~/.ray/auth_token exists
     env = {
+        "TEST_BUCKET": bucket,
         **os.environ,
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -130,8 +139,13 @@ def test_a_gang_spread_over_two_nodes_trains_as_one_process_and_survives_losing_
     assert new and {ip for ip, _ in new} <= {"127.0.0.1"}, sorted(new)  # both raylets, the gang: loopback only
 
     # The second node dies while rank 0 stalls at step 3: the gang is placed again on the head node alone
-    # and resumes from checkpoint 2, which both nodes' workers wrote to the storage they share.
+    # and resumes from checkpoint 2, which both nodes' workers wrote to the bucket: the run directory is
+    # s3://... (lease, checkpoints, metrics, report there), with no shared disk.
     lost = result["lost"]
+    bucket = two_nodes["env"]["TEST_BUCKET"]
+    assert lost["resumed_from"] == f"{bucket}/lost/checkpoints/2", lost
+    assert {"metrics.jsonl", "report.md", "run_config.json"} <= set(result["lost_files"]), result["lost_files"]
+    assert ".jaxloom.lock" not in result["lost_files"] and not (tmp_path / "lost").exists()
     assert "gang attempt 0 placed (SPREAD) on 2 node(s)" in log and "gang attempt 1 placed (SPREAD) on 1 node(s)" in log
     assert lost["attempts"] == 2 and [k for k, _ in lost["failures"]] in (["died"], ["error"]), lost
     assert lost["resumed_from"].endswith("checkpoints/2"), lost

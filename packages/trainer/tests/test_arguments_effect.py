@@ -88,6 +88,7 @@ SETUP = {
     "sharding_axis_names": (("dp", "fsdp", "ep", "mp", "sp"), lambda t: tuple(t.mesh.shape)),
     "save_directory": ("elsewhere", lambda t: Path(t.checkpoints.directory).parent.name),
     "checkpoint_directory": ("ckpts", lambda t: Path(t.checkpoints.directory).name),
+    "checkpoint_format": ("raw", lambda t: t.checkpoints.config.array_format),
 }
 
 
@@ -268,6 +269,11 @@ RUN_LEVEL = {
         for name in ("use_peft", "lora_r", "lora_alpha", "lora_target_modules")
     },
     "lora_from": "test_lora.py::test_sigkill_then_resume_is_bitwise_and_the_run_converts_to_peft_or_merged",
+    "storage_endpoint_url": "test_resume_cli.py::test_run_directory_on_a_store_sigkill_then_resume_ends_bitwise_equal",
+    "storage_retry_seconds": (
+        "../../../tests/reliability/test_store_faults.py::"
+        "test_a_store_gone_for_good_stops_the_run_with_one_error_and_a_rerun_resumes"
+    ),
     "overwrite_output_dir": (
         "../../../tests/reliability/test_run_directory.py::test_an_earlier_run_is_never_replaced_silently"
     ),

@@ -17,9 +17,11 @@ from jaxloom.trainer.compose import DEMO_CONFIG, build_run
 WORKER = Path(__file__).with_name("run_worker.py")
 
 
-def run(out, kill_after=None, mode="sync", extra=()):
+def run(out, kill_after=None, mode="sync", extra=(), drop_env=()):
     err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads until the end (it can fill)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # now: an emulator's endpoint
+    for key in drop_env:
+        env.pop(key, None)
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), str(out), mode, *extra], stdout=subprocess.PIPE, stderr=err, text=True, env=env
     )
@@ -138,9 +140,13 @@ def test_run_directory_on_a_store_sigkill_then_resume_ends_bitwise_equal(tmp_pat
     with (s3_server if scheme == "s3" else gcs_emulator)() as bucket:
         uri = f"{bucket}/runs/a"
         extra = ["use_tensorboard=true"]
+        drop = ()
+        if scheme == "s3":  # the endpoint given as a setting, not by the environment: storage_endpoint_url acts
+            extra.append(f"storage_endpoint_url={os.environ['AWS_ENDPOINT_URL']}")
+            drop = ("AWS_ENDPOINT_URL",)
         os.environ["FINAL_TO"] = str(tmp_path)
         try:
-            killed, _, err = run(uri, kill_after=7, extra=extra)
+            killed, _, err = run(uri, kill_after=7, extra=extra, drop_env=drop)
             assert killed.returncode == -signal.SIGKILL, err[-3000:]
             fs, root = fsspec.core.url_to_fs(uri)
             names = {p[len(root) + 1 :] for p in fs.find(root)}
@@ -148,7 +154,7 @@ def test_run_directory_on_a_store_sigkill_then_resume_ends_bitwise_equal(tmp_pat
             assert "checkpoints/4/commit_success.txt" in names and ".jaxloom.lock" in names  # the dead run's lease
             config, items = split_target([uri])  # what `jaxloom train <uri>` resumes from
             assert json.loads(Path(config).read_text())["save_directory"] == uri
-            again, lines, err = run(uri, extra=extra)
+            again, lines, err = run(uri, extra=extra, drop_env=drop)
         finally:
             del os.environ["FINAL_TO"]
         assert again.returncode == 0, err[-3000:]
@@ -158,7 +164,9 @@ def test_run_directory_on_a_store_sigkill_then_resume_ends_bitwise_equal(tmp_pat
         assert {"report.md", "loss.png", "metrics.jsonl"} <= names and ".jaxloom.lock" not in names, sorted(names)
         assert [n for n in names if n.startswith("tensorboard/events.out.tfevents")]
         rows = [json.loads(line) for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
-        assert [r["step"] for r in rows if "train/loss" in r] == [4, 8, 12, 16], rows  # the killed run's row 4 kept, then 8-16
+        assert [r["step"] for r in rows if "train/loss" in r] == [4, 8, 12, 16], (
+            rows
+        )  # the killed run's row 4 kept, then 8-16
     b = np.load(tmp_path / "final.npz")
     for k in reference_run:
         np.testing.assert_array_equal(reference_run[k], b[k], err_msg=k)

@@ -73,7 +73,22 @@ class _OneLineRetries(logging.Filter):
         return True
 
 
+class _LostConnectionTasks(logging.Filter):
+    """asyncio's "Task exception was never retrieved" for an upload whose connection the store dropped: the
+    client retried (or failed with its own error, which is reported); the abandoned task's traceback is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "never retrieved" not in str(record.msg):
+            return True
+        future = record.__dict__.get("future") or (
+            record.args[0] if isinstance(record.args, tuple) and record.args else None
+        )
+        text = str(record.getMessage()) + repr(future)
+        return not any(s in text for s in ("ConnectionReset", "closing transport", "ClientOSError", "Connection reset"))
+
+
 _QUIET = _OneLineRetries()
+_LOST = _LostConnectionTasks()
 
 
 def _quiet_clients() -> None:
@@ -81,6 +96,9 @@ def _quiet_clients() -> None:
         client_log = logging.getLogger(name)
         if _QUIET not in client_log.filters:
             client_log.addFilter(_QUIET)
+    asyncio_log = logging.getLogger("asyncio")
+    if _LOST not in asyncio_log.filters:
+        asyncio_log.addFilter(_LOST)
 
 
 def _fs(path: Any) -> tuple[Any, str]:
@@ -92,6 +110,25 @@ def _fs(path: Any) -> tuple[Any, str]:
 
     fs = backend.fsspec_backend.fs(str(path))
     return fs, fs._strip_protocol(str(path))
+
+
+def forget_clients() -> None:
+    """Drop every cached object-store client (fsspec's instances, and the one etils keeps per scheme), so the
+    next one reads the environment again: a new endpoint (`AWS_ENDPOINT_URL`, `STORAGE_EMULATOR_HOST`) or
+    credentials take effect."""
+    import contextlib
+
+    with contextlib.suppress(ImportError):
+        import fsspec
+
+        fsspec.AbstractFileSystem.clear_instance_cache()
+        for cls in fsspec.registry.values():
+            with contextlib.suppress(AttributeError):
+                cls.clear_instance_cache()
+    with contextlib.suppress(ImportError, AttributeError):
+        from etils.epath import backend
+
+        type(backend.fsspec_backend)._get_filesystem.cache_clear()
 
 
 def files_with_sizes(folder: Any) -> dict[str, int]:

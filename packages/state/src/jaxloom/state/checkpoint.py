@@ -22,6 +22,7 @@ import datetime
 import hashlib
 import json
 import logging
+import sys
 import threading
 import time
 import types
@@ -44,14 +45,35 @@ CHECKSUMS = "jaxloom_checksums.json"
 DIGESTS = "jaxloom_digests.process_"  # + "<process index>.json": that process's partial array digests
 
 
-def _unreachable(error: BaseException) -> bool:
+# What the store clients (aiohttp for gcsfs, botocore for s3fs, curl in tensorstore) say when a connection could
+# not be made or was lost.
+_GONE = (
+    "Cannot connect to host",
+    "Connection refused",
+    "Could not connect to the endpoint URL",
+    "Couldn't connect to server",
+    "Failed to connect",
+    "Connection reset",
+    "Connection was closed",
+    "Server disconnected",
+    "Empty reply from server",
+)
+
+
+def _unreachable(error: BaseException | None) -> bool:
     """Whether `error` (or its cause) is a connection that could not be made or was lost: the store is gone."""
     seen = 0
     while error is not None and seen < 8:
         name = type(error).__name__
-        if isinstance(error, ConnectionError) or name in ("ClientConnectorError", "ServerDisconnectedError"):
+        if isinstance(error, ConnectionError) or name in (
+            "ClientConnectorError",
+            "ServerDisconnectedError",
+            "EndpointConnectionError",
+            "ConnectionClosedError",
+            "ClientOSError",
+        ):
             return True
-        if "Cannot connect to host" in str(error) or "Connection refused" in str(error):
+        if any(s in str(error) for s in _GONE):
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False
@@ -89,6 +111,23 @@ def _quiet_writer_threads() -> None:
     absl = logging.getLogger("absl")
     if _WRITER_FILTER not in absl.filters:
         absl.addFilter(_WRITER_FILTER)
+    if not getattr(sys.unraisablehook, "jaxloom", False):
+        sys.unraisablehook = _closed_loop_callbacks_dropped(sys.unraisablehook)
+
+
+def _closed_loop_callbacks_dropped(previous: Any) -> Any:
+    """An `unraisablehook` that drops `RuntimeError: Event loop is closed` raised in tensorstore's callbacks
+    after a failed write made orbax close its event loop (a dozen bare tracebacks for one full disk; the save
+    fails with one `CheckpointSaveError` that says what happened); anything else goes to `previous`."""
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.jaxloom = True  # type: ignore[attr-defined]
+    return hook
 
 
 def _holding_checkpoints(directory: Any, steps: list[int], said: set[int]) -> list[int]:
@@ -148,6 +187,9 @@ class CheckpointConfig:
       which `orbax.checkpoint.StandardCheckpointer().restore(<step>/params)` reads without jaxloom; `raw`:
       jaxloom's own format (see `arrays`; faster on a local disk, readable by jaxloom only). Either is
       restored whatever this says; `convert_checkpoint` turns one into the other.
+    retry_seconds: a save that finds the store out of reach (connection refused, reset, lost) is tried again
+      after 1 s, 2 s, 4 s, ... (at most 30 s apart) for this long, then fails with one `CheckpointSaveError`.
+      A background write cut off by an outage is never listed (no commit marker); the next save replaces it.
     """
 
     directory: str
@@ -161,6 +203,7 @@ class CheckpointConfig:
     verify: bool = True
     read_only: bool = False
     array_format: Literal["orbax", "raw"] = "orbax"
+    retry_seconds: float = 120.0
 
 
 @dataclasses.dataclass
@@ -276,9 +319,27 @@ class CheckpointManager:
     def save(self, step: int, state: TrainState, *, data_state: Any = None, metadata: dict | None = None) -> None:
         """Save `state` as checkpoint `step` (all processes call this). Returns once arrays are on the
         host; the write continues in the background when `async_save`. `data_state` (the loaders'
-        position) and `metadata` are stored as JSON beside the arrays."""
+        position) and `metadata` are stored as JSON beside the arrays. A store out of reach is retried with
+        backoff for `retry_seconds` (see `CheckpointConfig`)."""
         if self.config.read_only:
             raise ValueError(f"checkpoint manager of {self.directory} is read-only (a reader); it saves nothing")
+        deadline, delay = time.monotonic() + self.config.retry_seconds, 1.0
+        while True:
+            try:
+                return self._save_once(step, state, data_state, metadata)
+            except CheckpointSaveError as e:
+                if not _unreachable(e.__cause__) or time.monotonic() + delay > deadline:
+                    raise
+                log.warning(
+                    "saving checkpoint %d in %s: the store cannot be reached; trying again in %.0f s",
+                    step,
+                    self.directory,
+                    delay,
+                )
+                time.sleep(delay)
+                delay = min(2 * delay, 30.0)
+
+    def _save_once(self, step: int, state: TrainState, data_state: Any, metadata: dict | None) -> None:
         try:  # on an object store these list and read it: a store out of reach is a save that failed
             manager, ocp = self._open(), _ocp()
             self._write_checksums()  # the manifests of earlier saves finalised since

@@ -115,14 +115,10 @@ def gcs_emulator(bucket: str = "jaxloom-test", data_dir: str | None = None) -> I
 
 
 def _forget_filesystems() -> None:
-    """fsspec caches a filesystem per protocol: drop it, so the next one reads the new endpoint."""
-    with contextlib.suppress(ImportError):
-        import fsspec
+    """fsspec (and etils) cache a filesystem per protocol: drop them, so the next one reads the new endpoint."""
+    from jaxloom.core import paths
 
-        fsspec.AbstractFileSystem.clear_instance_cache()
-        for cls in fsspec.registry.values():
-            with contextlib.suppress(AttributeError):
-                cls.clear_instance_cache()
+    paths.forget_clients()
 
 
 S3_KEYS = (

@@ -175,6 +175,9 @@ class CheckpointArgs(_Group):
     storage_endpoint_url: str | None = Field(
         None, description="the S3-compatible store's endpoint for s3:// paths (None: AWS_ENDPOINT_URL or AWS)"
     )
+    storage_retry_seconds: float = Field(
+        120.0, description="how long a checkpoint save retries a store out of reach (backoff) before the run stops"
+    )
     save_steps: int | None = Field(None, description="checkpoint every this many steps")
     save_minutes: float | None = Field(None, description="checkpoint every this many minutes")
     save_total_limit: int | None = Field(3, description="checkpoints kept (the newest)")
@@ -189,6 +192,8 @@ class CheckpointArgs(_Group):
     @model_validator(mode="after")
     def _check(self):
         _positive(self, "save_steps", "save_minutes", "save_total_limit", allow_none=True)
+        if self.storage_retry_seconds < 0:
+            raise ValueError(f"storage_retry_seconds = {self.storage_retry_seconds}; expected a number of seconds >= 0")
         if self.save_directory is not None and not self.save_directory.strip():
             raise ValueError("save_directory = ''; expected a directory path")
         if self.checkpoint_directory is not None and not self.checkpoint_directory.strip():

@@ -43,6 +43,7 @@ class Checkpointing:
                     async_save=c.async_checkpointing,
                     read_only=self.read_only,
                     array_format=c.checkpoint_format,
+                    retry_seconds=c.storage_retry_seconds,
                 )
             )
         return self._manager

@@ -37,6 +37,9 @@ CHANGEABLE = frozenset(
         "resume_if_possible",
         "overwrite_output_dir",
         "async_checkpointing",
+        "checkpoint_format",  # each format restores whatever this says; new steps are written in this one
+        "storage_endpoint_url",
+        "storage_retry_seconds",
         # how it computes and where: the restore reshards
         "dtype",
         "attn_mechanism",

@@ -159,7 +159,7 @@ class RunDirectory:
             return []
         local, dest = self.local, self.config.save_directory.rstrip("/")
         assert local is not None
-        sent = []
+        sent: list[str] = []
         for name in sorted(paths.files_with_sizes(local)):
             if name.startswith(".") or "/." in name:  # a file being written (.tmp) or the local lock
                 continue
@@ -167,8 +167,14 @@ class RunDirectory:
             key = (st.st_size, st.st_mtime_ns)
             if self._synced.get(name) == key:
                 continue
-            with open(local / name, "rb") as src, paths.open_write(f"{dest}/{name}") as out:
-                shutil.copyfileobj(src, out, 4 << 20)
+            try:
+                with open(local / name, "rb") as src, paths.open_write(f"{dest}/{name}") as out:
+                    shutil.copyfileobj(src, out, 4 << 20)
+            except Exception as e:  # noqa: BLE001 - the store out of reach: the files wait here for the next sync
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                log.warning("uploading the run's files to %s failed (%s); they are kept in %s and sent at the next "
+                            "checkpoint", dest, first, local)  # fmt: skip
+                return sent
             self._synced[name] = key
             sent.append(name)
         return sent
@@ -219,14 +225,7 @@ def use_endpoint(url: str | None) -> None:
     if not url or os.environ.get("AWS_ENDPOINT_URL") == url:
         return
     os.environ["AWS_ENDPOINT_URL"] = url
-    import contextlib
-
-    with contextlib.suppress(ImportError):  # a filesystem cached with the old endpoint is dropped
-        import fsspec
-
-        for cls in fsspec.registry.values():
-            with contextlib.suppress(AttributeError):
-                cls.clear_instance_cache()
+    paths.forget_clients()  # a client cached with the old endpoint is dropped
 
 
 def staging_folder(uri: str) -> Path:

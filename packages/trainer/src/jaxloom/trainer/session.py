@@ -155,6 +155,8 @@ def final_metrics(history: list[dict[str, Any]], evaluation: dict[str, Any]) -> 
 def note_out_of_memory(error: BaseException) -> None:
     """A device out of memory gets a note saying how to see the run's memory and what shrinks it."""
     text = str(error)
+    if isinstance(error, OSError) or "No space left on device" in text:  # a full disk (tensorstore says
+        return  # RESOURCE_EXHAUSTED for it too), reported as itself
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
         error.add_note(
             "jaxloom: the device ran out of memory. `jaxloom plan CONFIG [key=value ...]` prints the memory per "

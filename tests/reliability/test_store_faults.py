@@ -1,0 +1,88 @@
+"""Faults on an object store (issue 41), with the run directory and its checkpoints in a bucket of a real S3
+server on loopback (moto) reached through a relay the test takes down (`jaxloom.state.testing.Outage`):
+
+- out of reach for 20 s while a checkpoint is saved: the save retries with backoff, the run goes on and ends
+  bitwise where an uninterrupted run ends;
+- gone for good: the run stops with one clear error once `storage_retry_seconds` is spent; back again, a
+  rerun resumes from the newest complete checkpoint and ends bitwise the same.
+
+(SIGKILL during an upload, on S3 and GCS: packages/trainer/tests/test_resume_cli.py; a GCS server stopped
+and started again with its objects: packages/state/tests/test_object_store.py.)"""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+from faultrun import run_worker
+
+from jaxloom.state.testing import Outage, s3_server
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    proc, lines, err = run_worker(out)
+    assert proc.returncode == 0, err[-3000:]
+    return np.load(out / "final.npz")
+
+
+def _same(reference, folder):
+    final = np.load(folder / "final.npz")
+    for k in reference:
+        np.testing.assert_array_equal(final[k], reference[k], err_msg=k)
+
+
+def _run_with_outage(uri, relay, folder, *overrides, down_at=5, up_after=None, env=None):
+    """The worker on `uri`, its store reached through `relay`, taken down when the worker prints `STEP
+    down_at` and brought back `up_after` seconds later (None: left down)."""
+
+    def watch(line_seen):
+        relay.down()
+        if up_after is not None:
+            threading.Timer(up_after, relay.up).start()
+
+    env = {"AWS_ENDPOINT_URL": relay.url, "FINAL_TO": str(folder), **(env or {})}
+    return run_worker(uri, *overrides, stop_after=down_at, sig=None, env=env, on_stop=watch, timeout=400)
+
+
+def test_a_store_out_of_reach_for_20_s_during_a_save_is_retried_and_nothing_is_lost(reference, tmp_path):
+    with s3_server() as bucket:
+        relay = Outage(os.environ["AWS_ENDPOINT_URL"])
+        try:
+            proc, lines, err = _run_with_outage(f"{bucket}/runs/outage", relay, tmp_path, up_after=20)
+        finally:
+            relay.stop()
+    assert proc.returncode == 0, err[-3000:]
+    assert "the store cannot be reached; trying again in" in err  # it did meet the outage
+    _same(reference, tmp_path)
+
+
+def test_a_store_gone_for_good_stops_the_run_with_one_error_and_a_rerun_resumes(reference, tmp_path):
+    with s3_server() as bucket:
+        uri = f"{bucket}/runs/gone"
+        relay = Outage(os.environ["AWS_ENDPOINT_URL"])
+        try:
+            # synchronous saves: checkpoint 4 is complete when step 5 starts; the S3 client's own retries
+            # shortened (AWS_MAX_ATTEMPTS) so that jaxloom's give up within seconds
+            proc, lines, err = _run_with_outage(
+                uri,
+                relay,
+                tmp_path,
+                "storage_retry_seconds=4",
+                "async_checkpointing=false",
+                env={"AWS_MAX_ATTEMPTS": "2"},
+            )
+            assert proc.returncode not in (0, None), err[-3000:]
+            errors = [x for x in lines if x.startswith("ERROR ")]
+            assert len(errors) == 1 and "the store cannot be reached" in errors[0], (lines, err[-3000:])
+            assert "Rerun when the store is back" in errors[0]
+            relay.up()
+            again, lines, err = run_worker(
+                uri, "async_checkpointing=false", env={"AWS_ENDPOINT_URL": relay.url, "FINAL_TO": str(tmp_path)}
+            )
+        finally:
+            relay.stop()
+    assert again.returncode == 0, err[-3000:]
+    assert f"RESUMED_FROM {uri}/checkpoints/4" in lines, (lines, err[-5000:])
+    _same(reference, tmp_path)
