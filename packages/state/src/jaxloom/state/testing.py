@@ -185,7 +185,8 @@ def s3_server(bucket: str = "jaxloom-test") -> Iterator[str]:
 class Outage:
     """A TCP relay on 127.0.0.1 in front of a store's endpoint, which a test can take down (`down()`: every
     connection, open or new, is cut) and bring back (`up()`): a store that cannot be reached for a while,
-    with its objects kept. `url` is the relay's address; `stop()` ends it."""
+    with its objects kept. `url` is the relay's address; `refused` counts the connections cut while down;
+    `stop()` ends it."""
 
     def __init__(self, upstream: str):
         import threading
@@ -199,6 +200,7 @@ class Outage:
         self._open: set[socket.socket] = set()
         self._guard = threading.Lock()
         self._stopped = False
+        self.refused = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def down(self) -> None:
@@ -228,6 +230,7 @@ class Outage:
                 return
             if not self._available.is_set():
                 client.close()
+                self.refused += 1
                 continue
             try:
                 server = socket.create_connection(self._upstream, timeout=10)
