@@ -27,6 +27,8 @@ def test_write_atomic_move_list_and_remove(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-def test_s3_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="s3://"):
-        paths.as_path("s3://bucket/run")
+def test_gs_and_s3_are_uris_and_other_paths_are_local():
+    assert paths.is_uri("s3://bucket/run") and paths.is_uri("gs://bucket/run")
+    assert not paths.is_uri("runs/a") and paths.as_path("runs/a").is_absolute()
+    with pytest.raises(ValueError, match=r"no conditional write for file://"):
+        paths.write_if("file:///tmp/x", b"", None)

@@ -91,6 +91,53 @@ def test_a_step_without_its_commit_marker_is_never_listed_nor_restored():
         assert equal(again.restore(target(mesh_of(fsdp=2))).state.params, train_steps(state, 3).params)
 
 
+@pytest.mark.parametrize("scheme", sorted(STORES))
+def test_conditional_writes_and_the_run_lease(scheme):
+    """The store decides a conditional write: of two creators one wins, a replace needs the version read. The
+    run directory's lease: a second run (another process) is refused naming the owner; a lease whose owner
+    process died is taken over; a released lease is gone."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxloom.core import paths
+
+    with STORES[scheme]() as bucket:
+        obj = f"{bucket}/cond/x"
+        paths.write_if(obj, b"one", None)
+        with pytest.raises(paths.PreconditionFailed):
+            paths.write_if(obj, b"two", None)
+        data, version = paths.read_versioned(obj)
+        assert data == b"one"
+        paths.write_if(obj, b"three", version)
+        with pytest.raises(paths.PreconditionFailed):
+            paths.write_if(obj, b"four", version)  # changed since it was read
+        assert paths.read_versioned(obj)[0] == b"three"
+
+        code = (
+            "import sys, jaxloom.state as js\n"
+            "try:\n"
+            f"    js.StoreLease({bucket + '/run'!r}).acquire()\n"
+            "    print('TOOK')\n"
+            "except js.DirectoryLockedError as e:\n"
+            "    print('REFUSED', e)\n"
+        )
+
+        def other() -> str:
+            return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+
+        lease = js.StoreLease(f"{bucket}/run").acquire()
+        assert lease.owner()["pid"] == os.getpid()
+        refused = other()
+        assert refused.startswith("REFUSED") and f"pid {os.getpid()}" in refused, refused
+        lease.release()
+        assert lease.owner() is None
+        assert other().startswith("TOOK")  # that process exits without releasing it: a dead owner's lease
+        taken = js.StoreLease(f"{bucket}/run").acquire()
+        assert taken.owner()["pid"] == os.getpid()  # taken over
+        taken.release()
+
+
 def test_hf_export_to_gcs_streams_and_loads_back(tmp_path):
     """save_pretrained(to_hf=True) into gs://: written beside the destination, then swapped in; a re-export
     leaves no stale shard and keeps the user's own files; the bucket's copy loads as the same model."""

@@ -188,7 +188,8 @@ class CheckpointConfig:
       jaxloom's own format (see `arrays`; faster on a local disk, readable by jaxloom only). Either is
       restored whatever this says; `convert_checkpoint` turns one into the other.
     retry_seconds: a save that finds the store out of reach (connection refused, reset, lost) is tried again
-      after 1 s, 2 s, 4 s, ... (at most 30 s apart) for this long, then fails with one `CheckpointSaveError`.
+      after 1 s, 2 s, 4 s, ... (at most 30 s apart) for this long after its first failure, then fails with one
+      `CheckpointSaveError`.
       A background write cut off by an outage is never listed (no commit marker); the next save replaces it.
     """
 
@@ -323,12 +324,16 @@ class CheckpointManager:
         backoff for `retry_seconds` (see `CheckpointConfig`)."""
         if self.config.read_only:
             raise ValueError(f"checkpoint manager of {self.directory} is read-only (a reader); it saves nothing")
-        deadline, delay = time.monotonic() + self.config.retry_seconds, 1.0
+        deadline, delay = None, 1.0
         while True:
             try:
                 return self._save_once(step, state, data_state, metadata)
             except CheckpointSaveError as e:
-                if not _unreachable(e.__cause__) or time.monotonic() + delay > deadline:
+                if not _unreachable(e.__cause__):
+                    raise
+                if deadline is None:  # counted from the first failure (the client's own retries took their time)
+                    deadline = time.monotonic() + self.config.retry_seconds
+                if time.monotonic() + delay > deadline:
                     raise
                 log.warning(
                     "saving checkpoint %d in %s: the store cannot be reached; trying again in %.0f s",

@@ -18,9 +18,11 @@ import urllib.request
 from collections.abc import Iterator
 
 
-# The emulator, with one fidelity fix: real GCS sends an object's generation in `x-goog-generation` (and
+# The emulator, with two fidelity fixes: real GCS sends an object's generation in `x-goog-generation` (and
 # `x-goog-metageneration`) on every media download, and tensorstore's OCDBT driver relies on it for its
-# conditional writes ("Malformed StorageGeneration" without it).
+# conditional writes ("Malformed StorageGeneration" without it); real GCS refuses an upload whose
+# `ifGenerationMatch` is not the object's generation (0: the object must not exist) with 412, which the run
+# directory's lease relies on.
 _SERVER = """
 import sys
 from gcp_storage_emulator.handlers import objects
@@ -39,6 +41,26 @@ def download(request, response, storage, *args, **kwargs):
 
 
 objects.download = download
+_insert = objects.insert
+
+
+def insert(request, response, storage, *args, **kwargs):
+    wanted = request.query.get("ifGenerationMatch")
+    if wanted:
+        try:
+            current = str(storage.get_file_obj(request.params["bucket_name"], request.query["name"][0])["generation"])
+        except Exception:
+            current = "0"
+        if current != wanted[0]:
+            from http import HTTPStatus
+
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you specified did not hold."}})
+            return
+    return _insert(request, response, storage, *args, **kwargs)
+
+
+objects.insert = insert
 from gcp_storage_emulator.__main__ import main
 
 main(sys.argv[1:])
