@@ -4,7 +4,9 @@ jaxloom's raw format, against `numpy.save` / `numpy.load` of the same arrays —
 emulator (`gs://`) and on moto's S3 server (`s3://`), both on loopback. Then the bytes each of two processes
 reads when restoring a 32 MiB state saved on one mesh onto another (packages/state/tests/shared_worker.py).
 
-    python tools/bench/storage_rows.py [--sizes 100,2048] [--stores local,gs,s3] [--json OUT]
+    python tools/bench/storage_rows.py [--sizes 100,2048] [--stores local,gs,s3] [--json OUT] [--dir D] [--skip-bytes]
+
+On a GPU host the arrays live on the GPU: a save copies them to the host, a restore puts them back.
 
 Saves are synchronous (`async_save=False`: the time until the step is complete and listed); restores check
 integrity in the same read. Each local operation starts after `os.sync()`. One repetition per cell: a 2 GiB
@@ -57,6 +59,9 @@ def _numpy(root: str, state) -> tuple[float, float]:
     import numpy as np
 
     from jaxloom.core import paths
+
+    if not paths.is_uri(root):
+        os.makedirs(root, exist_ok=True)
 
     def save():
         for k, v in state.params.items():
@@ -130,11 +135,17 @@ def main() -> None:
     parser.add_argument("--sizes", default="100,2048")
     parser.add_argument("--stores", default="local,gs,s3")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dir", default=None, help="where local checkpoints go (default: the temporary directory)")
+    parser.add_argument("--skip-bytes", action="store_true", help="leave out the two-process bytes-read row (CPU)")
     ns = parser.parse_args()
     from jaxloom.state.testing import gcs_emulator, s3_server
 
     results: dict = {"cells": {}}
-    with tempfile.TemporaryDirectory() as tmp:
+    import jax
+
+    results["device"] = jax.devices()[0].device_kind
+    print(f"device: {results['device']}", flush=True)
+    with tempfile.TemporaryDirectory(dir=ns.dir) as tmp:
         for store in ns.stores.split(","):
             ctx = {"local": contextlib.nullcontext(tmp), "gs": gcs_emulator(), "s3": s3_server()}[store]
             with ctx as base:
@@ -142,7 +153,10 @@ def main() -> None:
                     root = f"{base}/bench-{mib}"
                     results["cells"][f"{store}/{mib}"] = c = cell(root, mib)
                     print(_line(store, c), flush=True)
-        results["bytes_per_process"] = b = bytes_per_process(tmp)
+                    if ns.json:
+                        Path(ns.json).write_text(json.dumps(results, indent=2))
+        b = {} if ns.skip_bytes else bytes_per_process(tmp)
+        results["bytes_per_process"] = b
         for fmt, rows in b.items():
             print(
                 f"restore onto another mesh, 2 processes, {fmt}: "

@@ -324,25 +324,11 @@ class CheckpointManager:
         backoff for `retry_seconds` (see `CheckpointConfig`)."""
         if self.config.read_only:
             raise ValueError(f"checkpoint manager of {self.directory} is read-only (a reader); it saves nothing")
-        deadline, delay = None, 1.0
-        while True:
-            try:
-                return self._save_once(step, state, data_state, metadata)
-            except CheckpointSaveError as e:
-                if not _unreachable(e.__cause__):
-                    raise
-                if deadline is None:  # counted from the first failure (the client's own retries took their time)
-                    deadline = time.monotonic() + self.config.retry_seconds
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning(
-                    "saving checkpoint %d in %s: the store cannot be reached; trying again in %.0f s",
-                    step,
-                    self.directory,
-                    delay,
-                )
-                time.sleep(delay)
-                delay = min(2 * delay, 30.0)
+        _retry_unreachable(
+            lambda: self._save_once(step, state, data_state, metadata),
+            self.config.retry_seconds,
+            f"saving checkpoint {step} in {self.directory}",
+        )
 
     def _save_once(self, step: int, state: TrainState, data_state: Any, metadata: dict | None) -> None:
         try:  # on an object store these list and read it: a store out of reach is a save that failed
@@ -437,50 +423,7 @@ class CheckpointManager:
         written, or (metadata files, not array data) another checksum. Reads only the small files; array
         data is checked by `restore` as it is read, against the digests returned here (`{}` when the
         checkpoint has none)."""
-        folder = self.directory / str(step)
-        manifest = folder / CHECKSUMS
-        if not manifest.exists():
-            log.warning("checkpoint %s has no checksums (written before finalisation ended); not verified", folder)
-            return {}
-        try:
-            written = json.loads(manifest.read_text())
-            if not isinstance(written, dict):
-                raise ValueError(f"expected a JSON object, found {type(written).__name__}")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointCorruptError(
-                f"checkpoint {folder}: checksum manifest {CHECKSUMS} is unreadable ({e})"
-            ) from e
-        expected = written["files"] if "files" in written else written  # state < 0.8: {path: [size, sha256]}
-        listed = paths.files_with_sizes(folder)
-        actual = _checksums(folder, listed)
-        for name, (size, digest) in sorted(expected.items()):
-            if name not in actual:
-                raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is missing")
-            if actual[name][0] != size:
-                raise CheckpointCorruptError(
-                    f"checkpoint {folder}: file {name} is corrupt (size {actual[name][0]} vs {size} written)"
-                )
-            if actual[name][1] is not None and actual[name][1] != digest:  # array data: checked as read
-                raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is corrupt (checksum differs)")
-        return self._saved_digests(folder, listed)
-
-    def _saved_digests(self, folder: Any, listed: dict[str, int]) -> dict[str, list]:
-        """The arrays' digests: every saving process's part added up; `{}` (not checked, with a warning)
-        when a part is missing (a process stopped before writing it)."""
-        names = sorted(n for n in listed if n.startswith(DIGESTS))
-        if not names:  # jaxloom's array format: each piece is checked against its digest as it is read
-            return {}
-        try:
-            parts = [json.loads((folder / n).read_text()) for n in names]
-            count = parts[0]["process_count"] if parts else 0
-            if not parts or len(parts) != count:
-                log.warning(
-                    "checkpoint %s has %d of %d digest parts; array data not verified", folder, len(parts), count
-                )
-                return {}
-            return integrity.combine([p["arrays"] for p in parts])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise CheckpointCorruptError(f"checkpoint {folder}: array digests unreadable ({e})") from e
+        return verify_folder(self.directory / str(step))
 
     def restore(
         self, target: TrainState, step: int | None = None, *, params_only: bool = False, fallback: bool = True
@@ -673,6 +616,69 @@ class CheckpointManager:
                     raise ValueError(
                         f"parameter {name} with shape {tuple(leaf.shape)} cannot be placed on the target mesh: {e}"
                     ) from None
+
+
+def verify_folder(folder: Any) -> dict[str, list]:
+    """`CheckpointManager.verify` of the checkpoint in `folder` (see there)."""
+    manifest = folder / CHECKSUMS
+    if not manifest.exists():
+        log.warning("checkpoint %s has no checksums (written before finalisation ended); not verified", folder)
+        return {}
+    try:
+        written = json.loads(manifest.read_text())
+        if not isinstance(written, dict):
+            raise ValueError(f"expected a JSON object, found {type(written).__name__}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"checkpoint {folder}: checksum manifest {CHECKSUMS} is unreadable ({e})") from e
+    expected = written["files"] if "files" in written else written  # state < 0.8: {path: [size, sha256]}
+    listed = paths.files_with_sizes(folder)
+    actual = _checksums(folder, listed)
+    for name, (size, digest) in sorted(expected.items()):
+        if name not in actual:
+            raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is missing")
+        if actual[name][0] != size:
+            raise CheckpointCorruptError(
+                f"checkpoint {folder}: file {name} is corrupt (size {actual[name][0]} vs {size} written)"
+            )
+        if actual[name][1] is not None and actual[name][1] != digest:  # array data: checked as read
+            raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is corrupt (checksum differs)")
+    return _saved_digests(folder, listed)
+
+
+def _saved_digests(folder: Any, listed: dict[str, int]) -> dict[str, list]:
+    """The arrays' digests: every saving process's part added up; `{}` (not checked, with a warning)
+    when a part is missing (a process stopped before writing it)."""
+    names = sorted(n for n in listed if n.startswith(DIGESTS))
+    if not names:  # jaxloom's array format: each piece is checked against its digest as it is read
+        return {}
+    try:
+        parts = [json.loads((folder / n).read_text()) for n in names]
+        count = parts[0]["process_count"] if parts else 0
+        if not parts or len(parts) != count:
+            log.warning("checkpoint %s has %d of %d digest parts; array data not verified", folder, len(parts), count)
+            return {}
+        return integrity.combine([p["arrays"] for p in parts])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"checkpoint {folder}: array digests unreadable ({e})") from e
+
+
+def _retry_unreachable(attempt: Any, seconds: float, what: str) -> None:
+    """`attempt()`, again after 1 s, 2 s, 4 s, ... (at most 30 s apart) while it fails with a
+    `CheckpointSaveError` caused by a store out of reach, for `seconds` after the first failure."""
+    deadline, delay = None, 1.0
+    while True:
+        try:
+            return attempt()
+        except CheckpointSaveError as e:
+            if not _unreachable(e.__cause__):
+                raise
+            if deadline is None:  # counted from the first failure (the client's own retries took their time)
+                deadline = time.monotonic() + seconds
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s: the store cannot be reached; trying again in %.0f s", what, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, 30.0)
 
 
 def _ocp():

@@ -55,7 +55,7 @@ def insert(request, response, storage, *args, **kwargs):
             from http import HTTPStatus
 
             response.status = HTTPStatus.PRECONDITION_FAILED
-            response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you specified did not hold."}})
+            response.json({"error": {"code": 412, "message": "a pre-condition you specified did not hold"}})
             return
     return _insert(request, response, storage, *args, **kwargs)
 
