@@ -214,8 +214,10 @@ def write_if(path: Any, data: bytes, version: str | None) -> None:
     """Write object `path` only if it does not exist (`version` None) or is still at `version` (as
     `read_versioned` gave it); `PreconditionFailed` otherwise. One request; the store decides (S3
     `If-None-Match`/`If-Match`, GCS `ifGenerationMatch`), so of two writers racing exactly one wins."""
-    fs, p = _fs(path)
     scheme = str(path).split("://", 1)[0]
+    if scheme not in ("s3", "gs", "gcs"):
+        raise ValueError(f"{path}: no conditional write for {scheme}:// (expected s3:// or gs://)")
+    fs, p = _fs(path)
     try:
         if scheme == "s3":
             condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
@@ -227,8 +229,6 @@ def write_if(path: Any, data: bytes, version: str | None) -> None:
             url = f"{fs._location}/upload/storage/v1/b/{bucket}/o"
             generation = 0 if version is None else int(version)
             sync(fs.loop, fs._call, "POST", url, uploadType="media", name=key, ifGenerationMatch=generation, data=data)
-        else:
-            raise ValueError(f"{path}: no conditional write for {scheme}:// (expected s3:// or gs://)")
     except (FileExistsError, OSError) as e:
         if isinstance(e, FileExistsError) or "pre-condition" in str(e).lower() or "412" in str(e):
             raise PreconditionFailed(str(path)) from e
