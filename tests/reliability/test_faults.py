@@ -16,14 +16,6 @@ import pytest
 from faultrun import WORKER, run_worker
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref")
-    proc, lines, err = run_worker(out)
-    assert proc.returncode == 0, err[-3000:]
-    return np.load(out / "final.npz")
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sigkill_at_a_random_step_resumes_to_the_same_parameters(reference, tmp_path, seed):
     kill_at = int(np.random.default_rng(seed).integers(5, 15))

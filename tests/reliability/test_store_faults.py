@@ -14,18 +14,9 @@ import os
 import threading
 
 import numpy as np
-import pytest
 from faultrun import run_worker
 
 from jaxloom.state.testing import Outage, s3_server
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref")
-    proc, lines, err = run_worker(out)
-    assert proc.returncode == 0, err[-3000:]
-    return np.load(out / "final.npz")
 
 
 def _same(reference, folder):

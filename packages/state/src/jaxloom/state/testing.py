@@ -97,9 +97,7 @@ def gcs_emulator(bucket: str = "jaxloom-test", data_dir: str | None = None) -> I
     """Run a GCS emulator for the duration of the block, with `bucket` created, in memory (or its objects kept in
     `data_dir`); the block sees `STORAGE_EMULATOR_HOST`, `TENSORSTORE_GCS_HTTP_URL` and
     `GOOGLE_AUTH_TOKEN_FOR_TESTING` set, and the server's process id in `JAXLOOM_GCS_EMULATOR_PID`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         emulator_command(port, bucket, data_dir),
@@ -126,14 +124,19 @@ def gcs_emulator(bucket: str = "jaxloom-test", data_dir: str | None = None) -> I
         _forget_filesystems()
         yield f"gs://{bucket}"
     finally:
-        server.terminate()
-        server.wait(timeout=30)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        _forget_filesystems()
+        _stop(server, saved)
+
+
+def _stop(server: subprocess.Popen, saved: dict[str, str | None]) -> None:
+    """Stop a store server and put the environment back as it was before it started."""
+    server.terminate()
+    server.wait(timeout=30)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _forget_filesystems()
 
 
 def _forget_filesystems() -> None:
@@ -194,14 +197,7 @@ def s3_server(bucket: str = "jaxloom-test") -> Iterator[str]:
         _forget_filesystems()
         yield f"s3://{bucket}"
     finally:
-        server.terminate()
-        server.wait(timeout=30)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        _forget_filesystems()
+        _stop(server, saved)
 
 
 class Outage:
