@@ -70,6 +70,12 @@ OVERRIDES: list[tuple[str, str, str]] = [
     ("unknown attention backend", "attn_mechanism=fast", r"attn_mechanism = 'fast'; expected one of"),
     ("unknown remat policy", "remat=sometimes", r"remat = 'sometimes'; expected one of"),
     ("unknown dtype", "dtype=float7", r"'float7' is not a dtype"),
+    (
+        "integer param_dtype (issue 57)",
+        "param_dtype=int8",
+        r"param_dtype = 'int8'; int8 is not a floating dtype; expected one of float32, bfloat16, float16, float64",
+    ),
+    ("integer dtype", "dtype=int32", r"dtype = 'int32'; int32 is not a floating dtype; expected one of float32"),
     ("unknown MoE implementation", "moe_implementation=magic", r"moe_implementation = 'magic'; expected 'auto'"),
     ("zero attn_block_size", "attn_block_size=0", r"attn_block_size = 0; expected a positive"),
     ("mesh dims and names of different lengths", "sharding_axis_dims=[1,-1]", r"sharding_axis_dims \(1, -1\)"),
@@ -147,6 +153,32 @@ CASES += [
         "jaxloom eval of a run with no checkpoint (never a random model's score)",
         "eval_without_checkpoint",
         r"jaxloom: error: no checkpoint under .*run/checkpoints \(none complete\)",
+    ),
+    (
+        "bad record deep in a small training file (read whole before step 1; issue 57)",
+        "bad_record_at_line_61",
+        r"data.jsonl:61: column 'text' holds int, expected text; fix that record, or set skip_bad_records=true",
+    ),
+    (
+        "bad record met while streaming (names the way past it; issue 57)",
+        "bad_record_streamed",
+        r"big.jsonl:61: column 'text' holds int, expected text; fix that record, or set skip_bad_records=true .* "
+        r"rerunning as it is stops at the same record",
+    ),
+    (
+        "save_directory under a regular file (issue 57)",
+        "save_directory_under_a_file",
+        r"save_directory = '.*afile/run': .*afile is a file where a directory is needed",
+    ),
+    (
+        "checkpoint_directory under a regular file (issue 57)",
+        "checkpoint_directory_under_a_file",
+        r"checkpoint_directory = '.*afile/ckpt': .*afile is a file where a directory is needed",
+    ),
+    (
+        "export directory under a regular file (issue 57)",
+        "export_under_a_file",
+        r"the convert target = '.*afile/hf': .*afile is a file where a directory is needed",
     ),
     (
         "resuming on a dataset that shrank since the checkpoint",
@@ -468,6 +500,39 @@ def shrunk_dataset(tmp):
         next(loader)
     path.write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(3)))
     next(jd.DataLoader(jd.JsonlSource(path), jd.load_processor(), cfg, state=loader.state_dict()))
+
+
+def _records_with_a_number_at_line_61(path: Path) -> None:
+    rows = [{"text": f"record number {i} " * 4} for i in range(80)]
+    rows[60] = {"text": 12345}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def bad_record_at_line_61(tmp):
+    _records_with_a_number_at_line_61(tmp / "data.jsonl")
+    _set_up(tmp, f"data.train={tmp / 'data.jsonl'}", "data.eval=null")
+
+
+def bad_record_streamed(tmp):
+    """Data the up-front check does not read (here: read by the loader directly, as any file past
+    `jaxloom.data.pipeline.PRECHECK_BYTES` is): the error at the record says how to get past it."""
+    _records_with_a_number_at_line_61(tmp / "big.jsonl")
+    _read_rows(tmp / "big.jsonl", 80)
+
+
+def save_directory_under_a_file(tmp):
+    (tmp / "afile").write_text("a file, not a directory")
+    _command(["train", *_tiny(tmp, f"save_directory={tmp / 'afile' / 'run'}")])
+
+
+def checkpoint_directory_under_a_file(tmp):
+    (tmp / "afile").write_text("a file, not a directory")
+    _command(["train", *_tiny(tmp, f"checkpoint_directory={tmp / 'afile' / 'ckpt'}")])
+
+
+def export_under_a_file(tmp):
+    (tmp / "afile").write_text("a file, not a directory")
+    _command(["convert", "--to-hf", str(tmp / "run"), str(tmp / "afile" / "hf")])
 
 
 if __name__ == "__main__":

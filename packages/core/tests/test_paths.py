@@ -32,3 +32,15 @@ def test_gs_and_s3_are_uris_and_other_paths_are_local():
     assert not paths.is_uri("runs/a") and paths.as_path("runs/a").is_absolute()
     with pytest.raises(ValueError, match=r"no conditional write for file://"):
         paths.write_if("file:///tmp/x", b"", None)
+
+
+def test_a_file_in_the_way_of_a_directory_is_named_before_anything_is_made(tmp_path):
+    """Issue 57: `save_directory=afile/run` with `afile` a regular file is one line naming the key and the file."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"save_directory = '.*afile/run/deeper': .*afile is a file where a directory"):
+        paths.check_writable_target(tmp_path / "afile" / "run" / "deeper", "save_directory")
+    with pytest.raises(ValueError, match=r"out = .*: .*afile is a file"):
+        paths.check_writable_target(tmp_path / "afile", "out")
+    paths.check_writable_target(tmp_path / "new" / "run", "save_directory")  # parents made later: fine
+    paths.check_writable_target("s3://bucket/afile/run", "save_directory")  # a store has no files in the way
+    assert not (tmp_path / "new").exists()

@@ -231,6 +231,34 @@ def test_bad_records_name_their_file_and_line(tmp_path):
         jd.JsonlSource(raw).read_shard(str(raw))
 
 
+def test_first_bad_record_reads_small_local_files_in_file_order(tmp_path):
+    """Issue 57: the first bad record of small local JSONL data is found before training, in file order, with the
+    same message (and way past it) that the loader gives when it meets the record; larger data is left to the
+    loader; pairs and non-JSONL sources are not read."""
+    cfg = jd.DataConfig(max_sequence_length=8, batch_size=1, packing=False, shuffle=True, seed=3)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"text": f"fine {i}"}) + "\n" for i in range(5)))
+    b.write_text("\n".join([json.dumps({"text": "ok"}), "", json.dumps({"text": 7}), json.dumps({"body": "x"})]) + "\n")
+    found = jd.first_bad_record([str(a), str(b)], cfg)
+    assert found is not None and found.startswith(f"{b}:3: column 'text' holds int, expected text; fix that record")
+    assert "skip_bad_records=true" in found
+    assert jd.first_bad_record(jd.Mixture([(str(a), 1.0), (str(b), 1.0)]), cfg) == found
+    assert jd.first_bad_record(str(a), cfg) is None
+    assert jd.first_bad_record([str(a), str(b)], cfg, max_bytes=a.stat().st_size) is None  # too big: streamed
+    assert jd.first_bad_record(docs(4), cfg) is None  # in-memory records: checked as they stream
+    b.write_text('{"text": "ok"}\n{"text": broken\n')
+    assert jd.first_bad_record(str(b), cfg).startswith(f"{b}:2: malformed JSONL line")
+    loader = jd.DataLoader(str(b), TOK, dataclasses_replace(cfg, shuffle=False))
+    with pytest.raises(ValueError, match=rf"{b}:2: malformed JSONL line .*skip_bad_records=true"):
+        take(loader, 3)
+
+
+def dataclasses_replace(cfg, **changes):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)
+
+
 def test_a_dataset_that_shrank_since_the_position_was_saved_is_an_error(tmp_path):
     """Resuming past the end of data that shrank between runs would silently start another epoch."""
     path = tmp_path / "d.jsonl"

@@ -40,6 +40,24 @@ def as_path(path: Any) -> Any:
     return epath.Path(text)
 
 
+def check_writable_target(path: Any, key: str) -> None:
+    """Refuse, in one line naming `key`, a local directory `path` that cannot be made because a regular file
+    stands where it or one of its parents should be (`save_directory=afile/run` with `afile` a file): found
+    before anything is written, instead of a `NotADirectoryError` traceback from deep inside a run. URIs pass
+    (an object store has no such thing)."""
+    if path is None or is_uri(str(path)):
+        return
+    target = Path(os.fspath(path)).expanduser().absolute()
+    for p in (target, *target.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(
+                    f"{key} = {os.fspath(path)!r}: {p} is a file where a directory is needed; expected a directory "
+                    f"path (choose another path for {key}, or move the file {p} away)"
+                )
+            return
+
+
 def open_binary(path: Any) -> Any:
     """`path` opened for reading bytes: a local file, or a seekable object-store file (fsspec)."""
     if not is_uri(str(path)):

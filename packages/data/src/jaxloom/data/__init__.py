@@ -9,7 +9,7 @@ from .collate import (
     to_global,
 )
 from .mesh_loader import MeshLoader
-from .pipeline import DataConfig, DataLoader, Mixture
+from .pipeline import DataConfig, DataLoader, Mixture, first_bad_record
 from .processor import adds_bos, bundled_corpus_path, bundled_tokenizer_path, load_processor, match_bos
 from .sources import (
     HFDatasetSource,
@@ -47,6 +47,7 @@ __all__ = [
     "create_collect_function",
     "exact_match",
     "extract_column_names",
+    "first_bad_record",
     "is_store",
     "iter_shard",
     "load_processor",

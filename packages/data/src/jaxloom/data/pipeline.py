@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -25,8 +26,8 @@ import numpy as np
 
 from jaxloom.core.schema import NonNegativeInt, PositiveInt, config
 
-from .sources import ShardedDataSource, as_source, describe, iter_shard
-from .tokenize import tokenize_pair, tokenize_record
+from .sources import JsonlSource, ShardedDataSource, as_source, describe, iter_shard
+from .tokenize import SKIP_HINT, check_record, tokenize_pair, tokenize_record
 
 log = logging.getLogger(__name__)
 
@@ -325,6 +326,41 @@ def _batch_tokenize(rows: list[dict], tokenizer, config: DataConfig) -> list[np.
     return [np.asarray(bos + ids + eos, np.int32) for ids in encoded]
 
 
+PRECHECK_BYTES = 32 * 2**20
+"""`first_bad_record` reads local JSONL data of at most this many bytes whole (about a second of JSON parsing)."""
+
+
+def first_bad_record(data: Any, config: DataConfig, max_bytes: int = PRECHECK_BYTES) -> str | None:
+    """The first record, in file order, that would stop a run reading `data` under `config` (a malformed line,
+    a missing column, a column that holds no text) as `file:line: what is wrong; the way past it`, or None.
+    Read only where it costs little: local JSONL files of at most `max_bytes` in all (a mixture's parts
+    added up); other data (larger, on a store, Parquet, datasets, token stores, preference pairs) is checked
+    as it streams, where the same error names the same line."""
+    parts = data.parts if isinstance(data, Mixture) else [data]
+    try:
+        sources = [as_source(d) for d in parts]
+    except (ValueError, TypeError, OSError):
+        return None  # refused where the loader opens it, with its own message
+    files = [f for s in sources if isinstance(s, JsonlSource) for f in s.shard_names]
+    if config.pairs or not files or any(not isinstance(s, JsonlSource) for s in sources):
+        return None
+    if any("://" in f for f in files) or sum(os.path.getsize(f) for f in files) > max_bytes:
+        return None
+    for source in sources:
+        for name in source.shard_names:
+            start = 0
+            try:
+                for record, end in source.open_shard(name, 0):
+                    try:
+                        check_record(record, config)
+                    except ValueError as e:
+                        return f"{source.describe(name, start)}: {e}; {SKIP_HINT}"
+                    start = end
+            except ValueError as e:  # a malformed line: its message names it, with the way past it
+                return str(e)
+    return None
+
+
 class Mixture:
     """Several datasets read as one, each contributing `weight` of the training tokens.
 
@@ -534,7 +570,7 @@ class _Cursor:
                     self._ids, self._mask = self._tokenize(block.records[index])
                 except (ValueError, TypeError) as e:
                     if self.loader.config.bad_records == "raise":
-                        raise ValueError(f"{self.where()}: {e}") from None
+                        raise ValueError(f"{self.where()}: {e}; {SKIP_HINT}") from None
                     log.debug("skipped bad record %s: %s", self.where(), e)
                     self.loader.skipped += 1
                     self._ids, self._mask = np.zeros(0, np.int32), np.zeros(0, np.int32)  # skipped below

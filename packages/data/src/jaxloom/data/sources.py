@@ -23,6 +23,7 @@ from typing import Any
 from jaxloom.core import paths as _pathlayer
 
 from .streams import OnError, ShardedDataSource, Stream, _Streamed, describe, iter_shard  # noqa: F401
+from .tokenize import SKIP_HINT
 
 log = logging.getLogger(__name__)
 _CHUNK = 1 << 20  # bytes read per call when streaming lines
@@ -150,7 +151,7 @@ class JsonlSource(_LineFiles):
                 except ValueError as e:
                     msg = f"{self.describe(name, start)}: malformed JSONL line ({e})"
                     if self.on_error == "raise":
-                        raise ValueError(msg) from None
+                        raise ValueError(f"{msg}; {SKIP_HINT}") from None
                     log.warning("%s; skipped", msg)
                 else:
                     yield row, end

@@ -7,6 +7,13 @@ from typing import Any
 import numpy as np
 
 
+SKIP_HINT = (
+    "fix that record, or set skip_bad_records=true (DataConfig(bad_records='skip')) to skip such records and count "
+    "them; rerunning as it is stops at the same record"
+)
+"""The way past a bad record, said with every bad-record error of a run."""
+
+
 def column_error(record: dict, config) -> ValueError:
     return ValueError(
         f"record has none of the columns {config.text_column!r}, {config.messages_column!r} or "
@@ -22,23 +29,44 @@ def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarr
     neither: every token): used as they are, no BOS/EOS added."""
     if "input_ids" in record:
         return _pretokenized(record, len(tokenizer))
+    check_record(record, config)
     bos = [tokenizer.bos_token_id] if config.add_bos and tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if config.add_eos and tokenizer.eos_token_id is not None else []
     if config.messages_column in record:
         return _chat(record[config.messages_column], tokenizer)
     if config.prompt_column in record and config.completion_column in record:
-        for column in (config.prompt_column, config.completion_column):
-            _check_text(record[column], column)
         p = tokenizer.encode(record[config.prompt_column], add_special_tokens=False)
         c = tokenizer.encode(record[config.completion_column], add_special_tokens=False)
         ids = bos + p + c + eos
         mask = [0] * (len(bos) + len(p)) + [1] * (len(c) + len(eos))
         return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+    text = record[config.text_column]
+    ids = bos + tokenizer.encode(text, add_special_tokens=False) + eos
+    return np.asarray(ids, np.int32), np.ones(len(ids), np.int32)
+
+
+def check_record(record: Any, config) -> None:
+    """The checks of `tokenize_record` that need no tokenizer (the columns are there and hold text or
+    messages): a ValueError saying what is wrong. Cheap enough to run over a whole small file before a run
+    starts (`jaxloom.data.first_bad_record`)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a record must be an object, got {type(record).__name__}")
+    if "input_ids" in record:
+        return
+    if config.messages_column in record:
+        messages = record[config.messages_column]
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError(
+                f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}"
+            )
+        return
+    if config.prompt_column in record and config.completion_column in record:
+        for column in (config.prompt_column, config.completion_column):
+            _check_text(record[column], column)
+        return
     if config.text_column in record:
-        text = record[config.text_column]
-        _check_text(text, config.text_column)
-        ids = bos + tokenizer.encode(text, add_special_tokens=False) + eos
-        return np.asarray(ids, np.int32), np.ones(len(ids), np.int32)
+        _check_text(record[config.text_column], config.text_column)
+        return
     raise column_error(record, config)
 
 
@@ -52,7 +80,7 @@ def _check_text(value: Any, column: str) -> None:
     except UnicodeEncodeError as e:
         raise ValueError(
             f"column {column!r} holds a lone surrogate ({value[e.start]!r}) at character {e.start}; expected valid "
-            "Unicode text (fix the record, or skip_bad_records=true)"
+            "Unicode text"
         ) from None
 
 
@@ -76,8 +104,7 @@ def _pretokenized(record: dict[str, Any], vocab: int) -> tuple[np.ndarray, np.nd
     if ids.size and not mask[1:].any():  # the first token is never predicted: no target at all
         raise ValueError(
             f"a pre-tokenized row of {ids.size} tokens has no target token (its loss_mask/labels mark none after the "
-            "first); it would train on nothing (a zero-loss step): expected at least one target, or "
-            "skip_bad_records=true"
+            "first); it would train on nothing (a zero-loss step): expected at least one target"
         )
     return ids, mask
 

@@ -95,12 +95,23 @@ SCAN_ABOVE_LAYERS = 16
 """`RuntimeConfig(scan_layers=None)` scans decoder stacks of more layers than this."""
 
 
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+"""The dtypes a model computes in and stores its parameters in (`dtype`, `param_dtype`)."""
+
+
 def to_dtype(value: Any) -> Any:
-    """`"bfloat16"`, `jnp.bfloat16` or `np.dtype` → a numpy dtype; a clear error otherwise."""
+    """`"bfloat16"`, `jnp.bfloat16` or `np.dtype` → a numpy floating dtype; a clear error otherwise (an integer
+    dtype would reach JAX's initializers as "dtype argument to 'normal' must be a float")."""
     try:
-        return jnp.dtype(value)
+        dtype = jnp.dtype(value)
     except TypeError as e:
-        raise ValueError(f"{value!r} is not a dtype; expected e.g. 'float32' or 'bfloat16'") from e
+        raise ValueError(f"{value!r} is not a dtype; expected one of {', '.join(FLOAT_DTYPES)}") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{dtype.name} is not a floating dtype; expected one of {', '.join(FLOAT_DTYPES)} (quantized weights: "
+            "load_in_8bit or load_in_4bit)"
+        )
+    return dtype
 
 
 def _precision_name(name: str | None) -> str | None:

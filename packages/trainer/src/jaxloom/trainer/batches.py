@@ -158,6 +158,16 @@ class Batches:
                 "with model.from_pretrained); a new model's vocabulary is set with model.vocab_size"
             )
 
+    def check_train_data(self) -> None:
+        """Small local training files are read whole now (`jaxloom.data.first_bad_record`): a record that
+        would stop the run at step N stops it before step 1, naming its file and line and the way past it
+        (`skip_bad_records=true`, which skips and counts such records instead)."""
+        if self.arguments.skip_bad_records:
+            return
+        bad = jd.first_bad_record(self.dataset_train, jd.DataConfig(**self.spec.settings))
+        if bad is not None:
+            raise ValueError(bad)
+
     def check_eval_data(self) -> None:
         """The first evaluation batch is read and tokenized now: a bad evaluation file fails before the
         first step, not at the first evaluation after training steps that would then be lost."""

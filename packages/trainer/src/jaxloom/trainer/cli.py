@@ -31,8 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .report import versions
+from jaxloom.core import paths
 
+from .report import versions
 from .compose import DATA_KEYS, DEMO_CONFIG, READ_ONLY, build_run, kind_settings, restored, split_target  # noqa: F401
 from .run_directory import RUN_CONFIG
 
@@ -371,6 +372,7 @@ def _prepare(ns) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {value}; expected a positive integer")
     config = jd.DataConfig(add_bos=not ns.no_bos, add_eos=not ns.no_eos)
+    paths.check_writable_target(ns.out, "the token store")
     restore = _stop_prepare_at_once(ns.out)
     try:
         manifest = jd.prepare(
@@ -504,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(ns)
         if ns.command == "data":
             return _prepare(ns)
+        if ns.command == "convert":  # the target named before any checkpoint is read
+            paths.check_writable_target((ns.checkpoint or ns.to_hf)[1], "the convert target")
         if ns.command == "convert" and ns.checkpoint:
             return _convert_checkpoints(ns)
         if ns.command == "convert":

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jaxloom.state as js
+from jaxloom.core import paths
 
 from .previews import hf_generation_fields
 from .report import write_report
@@ -141,6 +142,7 @@ class Exporter:
         if gather_fns is not None:
             raise ValueError("gather_fns is not used by jaxloom: the exporter gathers each sharded array itself")
         options = export_options(easystate_to_huggingface_model_kwargs, torch_save_pretrained_kwargs)
+        paths.check_writable_target(save_directory, "the export directory")  # before the state is gathered
         state = self.current() if state is None else state
         assert isinstance(state, js.TrainState) and isinstance(save_directory, str | os.PathLike)
         to_hf = bool(to_torch) if to_hf is None else to_hf

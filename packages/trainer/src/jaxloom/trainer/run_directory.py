@@ -101,6 +101,8 @@ class RunDirectory:
         c = self.config
         directory = self.local
         assert directory is not None
+        paths.check_writable_target(c.save_directory, "save_directory")  # before the lock: nothing written yet
+        paths.check_writable_target(c.checkpoint_directory, "checkpoint_directory")
         if is_process_zero:
             remote = self.is_remote
             self._lock = (js.StoreLease(c.save_directory) if remote else js.DirectoryLock(directory)).acquire()

@@ -326,6 +326,7 @@ class BaseTrainer:
         if data.train is None:
             data.check_vocab(plan.config.vocab_size)
             self.generation.check_prompts(plan.config.max_position_embeddings)
+            data.check_train_data()
             data.check_eval_data()
             restored = self.checkpointing.data_state if "checkpointing" in self.__dict__ else None
             data.train_loader(state=restored)
