@@ -196,3 +196,65 @@ def test_bad_inputs():
         jg.generate_unified(model, jd.load_processor(), prompts=[])
     with pytest.raises(ValueError, match="top_p = 1.5"):
         jg.GenerationConfig(top_p=1.5)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_a_group_shares_one_prefill_and_samples_what_repeated_prompts_do(scan):
+    """`num_return_sequences=g` runs each prompt once and repeats its KV cache for its g completions: greedy, the
+    completions equal decoding the prompt repeated g times; sampled with one key, the tokens equal those of the
+    repeated prompts too (same logits, same key per row), so sharing the prefill changes no sample."""
+    model = jm.create_model(jm.LlamaConfig(**TINY), jm.RuntimeConfig(scan_layers=scan), seed=2)
+    ids, mask = prompts((4, 7), width=7)
+    rep_ids, rep_mask = np.repeat(ids, 3, axis=0), np.repeat(mask, 3, axis=0)
+    for config in (
+        jg.GenerationConfig(max_new_tokens=6),
+        jg.GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.3, top_k=20),
+    ):
+        key = jax.random.PRNGKey(5)
+        shared = jg.generate(model, ids, mask, config, rng=key, num_return_sequences=3)
+        repeated = jg.generate(model, rep_ids, rep_mask, config, rng=key)
+        np.testing.assert_array_equal(np.asarray(shared.completion_ids), np.asarray(repeated.completion_ids))
+        np.testing.assert_array_equal(np.asarray(shared.sequences), np.asarray(repeated.sequences))
+        np.testing.assert_allclose(np.asarray(shared.completion_logps), np.asarray(repeated.completion_logps), atol=1e-6)
+    assert len({tuple(r) for r in np.asarray(shared.completion_ids)}) > 2  # sampled rows of a group differ
+    with pytest.raises(ValueError, match="num_return_sequences = 0"):
+        jg.generate(model, ids, mask, config, num_return_sequences=0)
+
+
+def test_recorded_log_probs_equal_a_forward_pass_over_the_sequence():
+    """`completion_logps` are what a forward pass over prompt + completion gives each generated token (float32
+    logits / temperature, before top-k filtering), and 0 after a row ends."""
+    model = jm.create_model(jm.LlamaConfig(**TINY), jm.RuntimeConfig(), seed=3)
+    ids, mask = prompts((5, 9, 2), width=9)
+    config = jg.GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=30, eos_token_id=tuple(range(3, 23)))
+    out = jg.generate(model, ids, mask, config, rng=jax.random.PRNGKey(1), num_return_sequences=2)
+    seq = np.asarray(out.sequences)
+    seg = np.concatenate([np.repeat(mask, 2, axis=0), np.asarray(out.completion_mask)], axis=1)
+    logits = model(jnp.asarray(seq), segment_ids=jnp.asarray(seg)).logits.astype(jnp.float32) / 0.7
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    p = ids.shape[1]
+    forward = np.take_along_axis(np.asarray(logp[:, p - 1 : -1]), seq[:, p:, None], axis=-1)[..., 0]
+    m = np.asarray(out.completion_mask) > 0
+    recorded = np.asarray(out.completion_logps)
+    assert np.abs(recorded - forward)[m].max() <= 1e-6, np.abs(recorded - forward)[m].max()
+    assert (recorded[~m] == 0).all() and (~m).any()  # some rows ended early (EOS ids 3..22)
+
+
+def test_finished_rows_are_compacted_away_without_changing_a_sample(monkeypatch):
+    """A batch of `COMPACT_ROWS` rows or more decodes in narrowing phases as its rows end (finished rows stop
+    costing); each row samples with its own key, so the tokens are those of decoding the whole batch to the end."""
+    import jaxloom.generation.decode as decode
+
+    model = jm.create_model(jm.LlamaConfig(**TINY), jm.RuntimeConfig(scan_layers=True), seed=4)
+    ids, mask = prompts((3, 6, 2, 5), width=6)
+    config = jg.GenerationConfig(max_new_tokens=12, do_sample=True, eos_token_id=tuple(range(3, 15)))
+    compacted = jg.generate(model, ids, mask, config, rng=jax.random.PRNGKey(2), num_return_sequences=16)
+    lengths = np.asarray(compacted.completion_mask).sum(1)
+    assert compacted.completion_ids.shape == (64, 12) and lengths.min() < 6 and lengths.max() > 9
+    monkeypatch.setattr(decode, "COMPACT_ROWS", 10**6)
+    decode._compiled.cache_clear()
+    whole = jg.generate(model, ids, mask, config, rng=jax.random.PRNGKey(2), num_return_sequences=16)
+    decode._compiled.cache_clear()
+    np.testing.assert_array_equal(np.asarray(compacted.completion_ids), np.asarray(whole.completion_ids))
+    np.testing.assert_array_equal(np.asarray(compacted.completion_mask), np.asarray(whole.completion_mask))
+    np.testing.assert_allclose(np.asarray(compacted.completion_logps), np.asarray(whole.completion_logps), atol=1e-6)

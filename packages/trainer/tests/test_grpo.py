@@ -235,7 +235,7 @@ def test_an_external_rollout_engine_replaces_the_generation(tmp_path):
         rollout_engine=engine,
     )
     t.train()
-    assert seen == [(16, 8), (16, 8)]  # 4 prompts × 4 completions, max_prompt_length columns
+    assert seen == [(16, 16), (16, 16)]  # 4 prompts × 4 completions; the prompts' bucket (>= 16 columns), not the cap
     assert all(r["train/completions/mean_length"] == 3 for r in rows(tmp_path) if "train/completions/mean_length" in r)
 
 
@@ -247,3 +247,124 @@ def test_mask_truncated_completions_leaves_cut_completions_out_of_the_loss(tmp_p
     off = [r for r in rows(tmp_path / "off") if "train/grad_norm" in r]
     assert all(r["train/completions/clipped_ratio"] == 1 for r in on)
     assert all(r["train/grad_norm"] == 0 for r in on) and all(r["train/grad_norm"] > 0 for r in off)
+
+
+# ---- issue 50: cost follows the data ----------------------------------------------------------------------------
+def test_rows_follow_the_data_not_the_prompt_cap(tmp_path):
+    """The same prompts make rows of the same width whether max_prompt_length is 32, 512 or unset (TRL 1.16: no
+    cap); the width is the longest prompt's bucket + the longest completion's; the train step is compiled once
+    per width met (and the generator once per prompt bucket)."""
+    widths = {}
+    for cap in (32, 512, None):
+        out = tmp_path / f"cap-{cap}"
+        t = grpo_trainer(out, max_prompt_length=cap, max_training_steps=3, max_completion_length=12)
+        t.train()
+        seen = [r["train/rows/width"] for r in rows(out) if "train/rows/width" in r]
+        widths[cap] = seen
+        assert sorted(t._train_fn.compiled) == sorted(set(seen))  # one compile per width, reused after
+    # prompts of ~4 tokens: bucket 16; completions of 12 tokens: the bucket 16 cut to max_completion_length
+    assert widths[32] == widths[512] == widths[None] == [16 + 12] * 3, widths
+    tokens = [r["train/tokens_seen"] for r in rows(tmp_path / "cap-512") if "train/tokens_seen" in r]
+    assert tokens == [16 * 28, 2 * 16 * 28, 3 * 16 * 28]  # the rows' own width, not the cap's
+    assert GRPOConfig().rl.max_prompt_length is None and GRPOConfig().rl.max_completion_length == 512  # TRL's
+
+
+def test_trl_grpo_keys_without_a_prompt_cap_run_on_a_short_model(tmp_path):
+    """A TRL 1.16 GRPOConfig's keys, no max_prompt_length, on a model of 256 positions: the rows are the data's
+    width, never 512 + completion. Each key is checked to be TRL's own."""
+    trl = pytest.importorskip("trl")
+    keys = dict(
+        num_generations=4, max_completion_length=64, temperature=1.0, top_k=16, beta=0.0, epsilon=0.2,
+        loss_type="dapo", scale_rewards="group", learning_rate=1e-3, logging_steps=1, seed=0,
+    )
+    fields = trl.GRPOConfig.__dataclass_fields__
+    assert all(k in fields for k in keys) and "max_prompt_length" not in fields
+    def trainer(out, records):
+        cfg = GRPOConfig(**keys, total_batch_size=8, max_training_steps=2, save_directory=str(out),
+                         progress_bar=False, use_tensorboard=False, warmup_steps=0)
+        return GRPOTrainer(cfg, model=jm.create_model(tiny(max_position_embeddings=256), lazy=True),
+                           dataset_train=records, processing_class=TOK, mesh=mesh(1), reward_funcs=letter_e)
+
+    trainer(tmp_path / "a", RECORDS).train()
+    assert all(r["train/rows/width"] <= 16 + 64 for r in rows(tmp_path / "a") if "train/rows/width" in r)
+    long = [{"prompt": " ".join(WORDS * 30)}] * 8  # ~240 tokens + 64 > 256 positions: refused before step 1
+    with pytest.raises(ValueError, match=r"the longest prompt \(record 0\) is \d+ tokens, \+ max_completion_length = 64"):
+        trainer(tmp_path / "b", long).train()
+    assert not (tmp_path / "b" / "checkpoints").exists()
+
+
+def test_sampler_log_probs_equal_the_trainers_in_float32_and_are_reported_in_bf16(tmp_path):
+    """The log-probs recorded while sampling equal the training forward's on the same tokens (float32: within
+    1e-6, the step's `sampling/logprob_diff/max`); in bf16 the difference is reported every step."""
+    grpo_trainer(tmp_path / "f32", max_training_steps=2).train()
+    logged = [r for r in rows(tmp_path / "f32") if "train/sampling/logprob_diff/max" in r]
+    assert len(logged) == 2 and all(r["train/sampling/logprob_diff/max"] <= 1e-6 for r in logged), logged
+    grpo_trainer(tmp_path / "bf16", max_training_steps=2, dtype="bfloat16").train()
+    logged = [r for r in rows(tmp_path / "bf16") if "train/sampling/logprob_diff/max" in r]
+    assert len(logged) == 2 and all(r["train/sampling/logprob_diff/mean"] >= 0 for r in logged)
+
+
+def test_bucketed_rows_give_the_loss_of_rows_padded_to_the_caps(tmp_path):
+    """The bucketed rollout rows, padded on the right to the caps' full width (masked columns), give the same
+    loss, metrics and gradients: narrowing the rows changes no number, early-ended completions stay masked."""
+    t = grpo_trainer(tmp_path, max_training_steps=1, beta=0.05, num_iterations=2)
+    t.initialize_trainer_utils()
+    batch = t.batches.rollout(0)
+
+    def pad(x, left, right):  # per-token arrays (ids with the pad id 0, masks 0, log-probs 0) widened
+        x = np.asarray(x)
+        return jnp.asarray(x if x.ndim < 3 else np.pad(x, ((0, 0), (0, 0), (left, right))))
+
+    right = {k: pad(v, 0, 32) for k, v in batch.items()}  # completions padded to a cap
+    left = {k: pad(v, 32, 0) for k, v in batch.items()}  # prompts left-padded to a cap: the layout before issue 50
+    assert TOK.pad_token_id == 0
+    objective = t.step_config.objective
+    cfg = t.step_config
+
+    def run(b):
+        mb = {k: v[0] for k, v in b.items()}
+        (loss, sums), grads = jax.value_and_grad(
+            lambda p: objective.loss(t.state, p, mb, cfg), has_aux=True
+        )(t.state.params)
+        return loss, sums, grads
+
+    with jax.set_mesh(t.mesh):
+        a = run(batch)
+        for wide in (right, left):
+            b = run(wide)
+            np.testing.assert_allclose(a[0], b[0], atol=1e-5)  # the loss is ~0 at ratio 1: float32 rounding
+            for k in a[1]:
+                np.testing.assert_allclose(a[1][k], b[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
+            ga, gb = (np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(g)]) for g in (a[2], b[2]))
+            assert np.linalg.norm(ga - gb) <= 1e-4 * np.linalg.norm(ga), (np.linalg.norm(ga - gb), np.linalg.norm(ga))
+    t.finish()
+
+
+def test_no_step_or_rollout_program_holds_the_whole_logits(tmp_path):
+    """No `[B, T, V]` logits in the compiled train step, the reference/old log-probs program or the generator:
+    the output layer runs in blocks of positions (loss_block_size) and a prompt's prefill projects its last
+    position only."""
+    import re
+
+    import jaxloom.generation as jg
+    from jaxloom.generation import decode
+
+    t = grpo_trainer(tmp_path, max_training_steps=1, loss_block_size=64, beta=0.1, max_completion_length=16)
+    t.initialize_trainer_utils()
+    vocab, rows_ = len(TOK), t.arguments.total_batch_size
+    batch = t.batches.rollout(0)
+    width = batch["input_ids"].shape[-1]
+    with jax.set_mesh(t.mesh):
+        texts = {
+            "train step": t.functions.lower(rows_, width).compile().as_text(),
+            "log-probs": t._logps_fn.lower(t.state, batch, False).compile().as_text(),
+        }
+    config = jg.GenerationConfig(max_new_tokens=16, do_sample=True)
+    prompt = np.ones((4, 16), np.int32)
+    graphdef, state = jax.tree_util.tree_map(lambda x: x, __import__("flax").nnx.split(t.state.model))
+    texts["generation"] = decode._compiled(graphdef, config, 4).lower(state, prompt, prompt, jax.random.PRNGKey(0)).compile().as_text()
+    for name, text in texts.items():
+        shapes = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"\[(\d+(?:,\d+)+)\]", text)}
+        whole = [s for s in shapes if s and s[-1] == vocab and int(np.prod(s[:-1])) >= rows_ * (width - 1)]
+        assert not whole, f"{name}: {whole}"
+    t.finish()

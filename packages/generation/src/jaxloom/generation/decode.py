@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -19,11 +20,15 @@ from .sampling import next_token
 @dataclasses.dataclass
 class Generated:
     """What `generate` returns: `sequences [B, P + N]` (the left-padded prompt, then the completion),
-    `completion_ids [B, N]` right-padded after EOS, and `completion_mask` (1 for generated tokens)."""
+    `completion_ids [B, N]` right-padded after EOS, `completion_mask` (1 for generated tokens), and
+    `completion_logps [B, N]`: each generated token's log-probability under the distribution it was sampled
+    from before top-k/top-p filtering (float32 logits divided by the temperature; 0 after the end) — what a
+    trainer's forward pass computes for the same tokens (GRPO compares the two every step)."""
 
     sequences: jax.Array  # [B, P + N]: the (left-padded) prompt then the completion
     completion_ids: jax.Array  # [B, N], right-padded with pad_token_id after EOS
     completion_mask: jax.Array  # [B, N], 1 for generated tokens (EOS included)
+    completion_logps: jax.Array | None = None  # [B, N], float32
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -31,15 +36,43 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
+def token_logp(logits: jax.Array, token: jax.Array, config: GenerationConfig) -> jax.Array:
+    """`log p(token)` `[B]` under `logits [B, V]` read in float32 and divided by the sampling temperature (1 when
+    greedy), before any top-k/top-p filtering: the quantity a trainer's forward pass gives for the token."""
+    temperature = config.temperature if (config.do_sample and config.temperature > 0) else 1.0
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def _last_logits(model, input_ids, **kwargs):
+    """`(logits of the last position [B, V], output)`: a jaxloom causal LM stops before its output layer and
+    projects the last position only (a prompt's `[B, P, V]` logits are never made); other models compute all."""
+    if hasattr(model, "output_projection") and "return_hidden" in inspect.signature(model.__call__).parameters:
+        from jaxloom.models import output_logits
+
+        out = model(input_ids, return_hidden=True, **kwargs)
+        return output_logits(model, out.hidden[:, -1]), out
+    out = model(input_ids, **kwargs)
+    return out.logits[:, -1], out
+
+
 def prefill(model, input_ids, attention_mask, total: int, rng, config: GenerationConfig):
     """Run the prompts `[B, P]` into a fresh cache of `total` slots; returns the first new token and the
+    decoding state `(cache, last_position, kv_segment_ids, kv_positions)`."""
+    logits, decoding = prefill_logits(model, input_ids, attention_mask, total)
+    return next_token(logits, rng, config), decoding
+
+
+def prefill_logits(model, input_ids, attention_mask, total: int):
+    """Run the prompts `[B, P]` into a fresh cache of `total` slots: the last position's logits `[B, V]` and the
     decoding state `(cache, last_position, kv_segment_ids, kv_positions)`."""
     b, p = input_ids.shape
     mask = attention_mask.astype(jnp.int32)
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
     kv_seg = jnp.zeros((b, total), jnp.int32).at[:, :p].set(mask)
     kv_pos = jnp.zeros((b, total), jnp.int32).at[:, :p].set(positions)
-    out = model(
+    logits, out = _last_logits(
+        model,
         input_ids,
         positions=positions,
         segment_ids=mask,
@@ -48,11 +81,30 @@ def prefill(model, input_ids, attention_mask, total: int, rng, config: Generatio
         kv_positions=kv_pos,
         kv_segment_ids=kv_seg,
     )
-    return next_token(out.logits[:, -1], rng, config), (out.cache, positions[:, -1], kv_seg, kv_pos)
+    return logits, (out.cache, positions[:, -1], kv_seg, kv_pos)
+
+
+def repeat_rows(model, decoding, logits, group: int, total: int):
+    """The prefill of `U` prompts made the prefill of `U * group` rows (row `u * group + j` is prompt `u`'s `j`-th
+    completion): the KV cache, positions and last logits repeated along their batch axis, so a group's
+    completions share one prefill. The cache's batch axis is found from `model.init_cache`'s shapes."""
+    if group == 1:
+        return decoding, logits
+    cache, pos, kv_seg, kv_pos = decoding
+    axes = _batch_axes(model, total)
+    cache = jax.tree_util.tree_map(lambda c, ax: jnp.repeat(c, group, axis=ax), cache, axes)
+    rep = functools.partial(jnp.repeat, repeats=group, axis=0)
+    return (cache, rep(pos), rep(kv_seg), rep(kv_pos)), rep(logits)
 
 
 def decode_one(model, token, decoding, at, rng, config: GenerationConfig):
     """Feed `token [B]` at cache slot `at`; returns the next token and the updated decoding state."""
+    logits, decoding = decode_logits(model, token, decoding, at)
+    return next_token(logits, rng, config), decoding
+
+
+def decode_logits(model, token, decoding, at):
+    """Feed `token [B]` at cache slot `at`; returns the next position's logits `[B, V]` and the decoding state."""
     cache, pos, kv_seg, kv_pos = decoding
     b = token.shape[0]
     pos = pos + 1
@@ -67,13 +119,19 @@ def decode_one(model, token, decoding, at, rng, config: GenerationConfig):
         kv_positions=kv_pos,
         kv_segment_ids=kv_seg,
     )
-    return next_token(out.logits[:, -1], rng, config), (out.cache, pos, kv_seg, kv_pos)
+    return out.logits[:, -1], (out.cache, pos, kv_seg, kv_pos)
 
 
 def refill(model, tokens, token, decoding, at, rng, config: GenerationConfig):
     """Like `decode_one`, but the whole sequence so far (`tokens [B, S]`, the token fed now at slot `at`) is run
     again into a fresh cache: what transformers does once when a LongRoPE model (Phi-3 128k) passes its original
     length, so that every key is rotated with the long factors from there on."""
+    logits, decoding = refill_logits(model, tokens, token, decoding, at)
+    return next_token(logits, rng, config), decoding
+
+
+def refill_logits(model, tokens, token, decoding, at):
+    """`refill`'s logits `[B, V]` at slot `at` and the new decoding state."""
     cache, pos, kv_seg, kv_pos = decoding
     b = token.shape[0]
     pos = pos + 1
@@ -89,64 +147,122 @@ def refill(model, tokens, token, decoding, at, rng, config: GenerationConfig):
         kv_segment_ids=kv_seg,
     )
     logits = jax.lax.dynamic_slice_in_dim(out.logits, at, 1, axis=1)[:, 0]
-    return next_token(logits, rng, config), (out.cache, pos, kv_seg, kv_pos)
+    return logits, (out.cache, pos, kv_seg, kv_pos)
 
 
-def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationConfig):
+COMPACT_ROWS = 32
+"""Batches of at least this many rows are compacted as their rows end (`_decode`); smaller ones decode whole."""
+
+
+def _batch_axes(model, total: int):
+    """The batch axis of each leaf of `model.init_cache(B, total)` (found from the shapes of B = 1 and 2)."""
+    one = jax.eval_shape(lambda: model.init_cache(1, total))
+    two = jax.eval_shape(lambda: model.init_cache(2, total))
+    return jax.tree_util.tree_map(
+        lambda a, b: next(i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y), one, two
+    )
+
+
+def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationConfig, group: int = 1):
+    """Prefill (once per prompt, shared by its `group` rows), then decode until every row has ended or
+    `max_new_tokens`. Finished rows stop costing: a batch of `COMPACT_ROWS` or more rows decodes in phases, each
+    half as wide as the one before, the next starting once at most half of the rows are still going (the
+    going rows, and the cache they read, gathered into the narrower batch; outputs written back by row). Each row
+    samples with its own key (`fold_in(step key, row)`), so which rows share a phase changes no sample."""
     model = nnx.merge(graphdef, state)
-    b, p = input_ids.shape
+    u, p = input_ids.shape
+    b = u * group
     n = config.max_new_tokens
     rng, sub = jax.random.split(rng)
-    token, decoding = prefill(model, input_ids, attention_mask, p + n, sub, config)
+    logits, decoding = prefill_logits(model, input_ids, attention_mask, p + n)
+    decoding, logits = repeat_rows(model, decoding, logits, group, p + n)
+    input_ids = jnp.repeat(input_ids, group, axis=0)
+    rows = jnp.arange(b, dtype=jnp.int32)
+
+    def sample(logits, key, rows):
+        return next_token(logits, key, config, rows)
+
+    token = sample(logits, sub, rows)
     eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
     done = jnp.isin(token, eos)
     completion = jnp.full((b, n), config.pad_token_id, jnp.int32).at[:, 0].set(token)
     comp_mask = jnp.zeros((b, n), jnp.int32).at[:, 0].set(1)
-
-    def cond(carry):
-        i, *_, done = carry
-        return (i < n) & ~jnp.all(done)
-
+    logps = jnp.zeros((b, n), jnp.float32).at[:, 0].set(token_logp(logits, token, config))
     refresh = getattr(model, "cache_refresh_position", None)
 
-    def step(token, decoding, at, sub, completion):
+    def step(token, decoding, at, rows, completion):
         if refresh is None:
-            return decode_one(model, token, decoding, at, sub, config)
+            return decode_logits(model, token, decoding, at)
         crossing = jnp.max(decoding[1]) + 1 == refresh  # the longest row's next position is the first past it
+        sequence = jnp.concatenate([input_ids[rows], completion[rows]], 1)
         return jax.lax.cond(
             crossing,
-            lambda: refill(model, jnp.concatenate([input_ids, completion], 1), token, decoding, at, sub, config),
-            lambda: decode_one(model, token, decoding, at, sub, config),
+            lambda: refill_logits(model, sequence, token, decoding, at),
+            lambda: decode_logits(model, token, decoding, at),
         )
 
     def body(carry):
-        i, decoding, token, completion, comp_mask, rng, done = carry
+        i, decoding, token, rows, done, completion, comp_mask, logps, rng = carry
         rng, sub = jax.random.split(rng)
-        new, decoding = step(token, decoding, p + i - 1, sub, completion)
-        new = jnp.where(done, config.pad_token_id, new)
-        completion = jax.lax.dynamic_update_slice(completion, new[:, None], (0, i))
-        comp_mask = jax.lax.dynamic_update_slice(comp_mask, (~done).astype(jnp.int32)[:, None], (0, i))
-        return i + 1, decoding, new, completion, comp_mask, rng, done | jnp.isin(new, eos)
+        logits, decoding = step(token, decoding, p + i - 1, rows, completion)
+        new = jnp.where(done, config.pad_token_id, sample(logits, sub, rows))
+        logp = jnp.where(done, 0.0, token_logp(logits, new, config))
+        completion = completion.at[rows, i].set(new)
+        comp_mask = comp_mask.at[rows, i].set((~done).astype(jnp.int32))
+        logps = logps.at[rows, i].set(logp)
+        return i + 1, decoding, new, rows, done | jnp.isin(new, eos), completion, comp_mask, logps, rng
 
-    carry = (jnp.int32(1), decoding, token, completion, comp_mask, rng, done)
-    _, _, _, completion, comp_mask, _, _ = jax.lax.while_loop(cond, body, carry)
-    return Generated(jnp.concatenate([input_ids, completion], axis=1), completion, comp_mask)
+    axes = _batch_axes(model, p + n)
+    carry = (jnp.int32(1), decoding, token, rows, done, completion, comp_mask, logps, rng)
+    width = b
+    while True:  # phases, unrolled at trace time: b, b/2, b/4, ... rows
+        narrower = width // 2 if width >= COMPACT_ROWS and width % 2 == 0 else 0
+
+        def cond(carry, narrower=narrower):
+            i, *_, done = carry[:5]
+            going = (i < n) & ~jnp.all(done)
+            return going & (jnp.sum(~done) > narrower) if narrower else going
+
+        carry = jax.lax.while_loop(cond, body, carry)
+        if not narrower:
+            break
+        i, decoding, token, rows, done, *outputs = carry
+        keep = jnp.argsort(done, stable=True)[:narrower]  # the rows still going first
+        cache, pos, kv_seg, kv_pos = decoding
+        cache = jax.tree_util.tree_map(lambda c, ax: jnp.take(c, keep, axis=ax), cache, axes)
+        decoding = (cache, pos[keep], kv_seg[keep], kv_pos[keep])
+        carry = (i, decoding, token[keep], rows[keep], done[keep], *outputs)
+        width = narrower
+    _, _, _, _, _, completion, comp_mask, logps, _ = carry
+    return Generated(jnp.concatenate([input_ids, completion], axis=1), completion, comp_mask, logps)
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, config: GenerationConfig):
-    return jax.jit(functools.partial(_decode, graphdef, config=config))
+def _compiled(graphdef, config: GenerationConfig, group: int = 1):
+    return jax.jit(functools.partial(_decode, graphdef, config=config, group=group))
 
 
 def generate(
-    model: nnx.Module, input_ids, attention_mask=None, config: GenerationConfig | None = None, *, mesh=None, rng=None
+    model: nnx.Module,
+    input_ids,
+    attention_mask=None,
+    config: GenerationConfig | None = None,
+    *,
+    mesh=None,
+    rng=None,
+    num_return_sequences: int = 1,
 ) -> Generated:
     """Decode `config.max_new_tokens` tokens after left-padded prompts `input_ids [B, P]` (with
     `attention_mask`, 0 on padding; default all ones). With `mesh`, the batch is sharded over its data
     axes. One jitted function per (model structure, config, prompt bucket); prompts are padded to the
     bucket. `rng`: the sampling key (default: `PRNGKey(config.seed)`), e.g. one derived from a training
-    state, so that a resumed run samples what the uninterrupted one did."""
+    state, so that a resumed run samples what the uninterrupted one did. `num_return_sequences` (transformers'
+    name): each prompt is completed that many times, rows `i * n ... (i + 1) * n - 1` of the outputs being
+    prompt `i`'s; the prompt is run once and its KV cache shared by its completions (one prefill per prompt)."""
     config = config or GenerationConfig()
+    group = int(num_return_sequences)
+    if group < 1:
+        raise ValueError(f"num_return_sequences = {num_return_sequences}; expected a positive integer")
     ids = np.asarray(input_ids, np.int32)
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be a non-empty [batch, length] array, got shape {ids.shape}")
@@ -163,7 +279,7 @@ def generate(
     ids = np.pad(ids, ((0, 0), (pad, 0)), constant_values=config.pad_token_id)
     mask = np.pad(mask, ((0, 0), (pad, 0)))
     graphdef, state = nnx.split(model)
-    fn = _compiled(graphdef, config)
+    fn = _compiled(graphdef, config, group)
     rng = jax.random.PRNGKey(config.seed) if rng is None else rng
     if mesh is not None:
         with jax.set_mesh(mesh):
@@ -171,7 +287,7 @@ def generate(
     else:
         out = fn(state, ids, mask, rng)
     out = jax.tree_util.tree_map(_on_every_process, out)
-    return Generated(out.sequences[:, pad:], out.completion_ids, out.completion_mask)
+    return Generated(out.sequences[:, pad:], out.completion_ids, out.completion_mask, out.completion_logps)
 
 
 def _on_every_process(x: jax.Array) -> jax.Array | np.ndarray:

@@ -109,6 +109,53 @@ def linear_log_probs(
     return jnp.sum(logp, 0), jnp.sum(mean_logit, 0)
 
 
+def linear_token_log_probs(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    *,
+    blocks: int = 1,
+    temperature: float = 1.0,
+    dtype=None,
+    precision=None,
+    softcap: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`(logp, entropy)`, each `[B, T]`: the log-probability of `targets [B, T]` and the entropy of the
+    distribution, under the logits `z = hidden @ kernel` (computed in `dtype` at `precision`, soft-capped as in
+    `linear_cross_entropy`, read in float32) divided by `temperature` — position by position, as an RL loss
+    reads them (GRPO's per-token ratios), in `blocks` blocks of positions so the `[B, T, V]` logits are never
+    held whole. Differentiable: each block is rematerialised in the backward pass (its logits are recomputed
+    there, not kept), so memory stays one block's logits."""
+    weight = jnp.ones(targets.shape, jnp.float32)
+    t = hidden.shape[1]
+    hidden, targets, _, dtype = _prepare(hidden, kernel, targets, weight, blocks, dtype)
+    softcap = _cap_value(softcap)
+
+    @jax.checkpoint
+    def block(h, tg, kernel):
+        logits = _logits(h, kernel, dtype, precision, softcap)[0] / temperature
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        onehot = jax.nn.one_hot(tg, logits.shape[-1], dtype=jnp.float32)
+        logp = jnp.sum(logp_all * onehot, axis=-1)
+        entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+        return logp, jax.lax.stop_gradient(entropy)
+
+    def body(_, xs):
+        h, tg = xs
+        return None, block(h, tg, kernel)
+
+    _, (logp, entropy) = jax.lax.scan(body, None, (_split(hidden, blocks), _split(targets, blocks)))
+    return _join(logp)[:, :t], _join(entropy)[:, :t]
+
+
+def output_logits(model, hidden: jax.Array) -> jax.Array:
+    """The float32 logits a jaxloom causal LM computes from its final `hidden [..., D]` states (its
+    `output_projection()`, soft-capped like the model): for decoding, which needs the last position's logits
+    only and so never makes the `[B, T, V]` ones of a whole prompt."""
+    kernel, dtype, precision = model.output_projection()
+    return _logits(hidden, kernel, jnp.dtype(dtype or kernel.dtype), precision, _cap_value(getattr(model, "logit_softcap", None)))[0]
+
+
 def _prepare(hidden, kernel, targets, weight, blocks: int, dtype):
     """Check `blocks`, read `weight` in float32, pad the positions to a multiple of `blocks` (weight 0) and
     default `dtype` to the kernel's."""

@@ -59,6 +59,12 @@ class DataSpec:
         settings.update(changes.pop("settings", {}))
         return cls(row_width=changes.pop("row_width", a.max_sequence_length), settings=settings, **changes)
 
+    def with_width(self, width: int) -> DataSpec:
+        """The same spec for rows of `width` tokens (per-token extras, whose trailing shape is the row's
+        width, follow): for a kind whose rows are as wide as each step's data (GRPO's bucketed rollouts)."""
+        extra = {k: ((width,) if shape == (self.row_width,) else shape, dt) for k, (shape, dt) in self.extra.items()}
+        return dataclasses.replace(self, row_width=width, extra=extra)
+
     def batch_spec(self, accumulation: int, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
         """`{key: (shape, dtype)}` of a train batch of `rows` global rows per micro-batch, accumulation
         axis first: what the step is compiled for."""

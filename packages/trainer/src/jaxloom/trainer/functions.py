@@ -75,6 +75,30 @@ def check_fits(executable, devices) -> None:
         )
 
 
+class WidthSteps:
+    """The train step for rows whose width changes from step to step (a kind whose rows follow its data, as
+    GRPO's rollouts): called as the compiled step is, `(state, batch) -> (state, metrics)`; the step is
+    compiled ahead of time once per row width it meets (each checked to fit the devices, `check_fits`) and
+    reused after. `compiled` holds them by width."""
+
+    def __init__(self, functions: StepFunctions, rows: int):
+        self.functions, self.rows = functions, rows
+        self.compiled: dict[int, Any] = {}
+
+    def for_width(self, width: int):
+        """The step compiled for rows of `width` tokens (compiled now if it is the first of that width)."""
+        if width not in self.compiled:
+            start = time.monotonic()
+            executable = self.functions.lower(self.rows, width).compile()
+            check_fits(executable, jax.local_devices())
+            log.info("train step compiled for rows of %d tokens in %.1f s", width, time.monotonic() - start)
+            self.compiled[width] = executable
+        return self.compiled[width]
+
+    def __call__(self, state, batch):
+        return self.for_width(int(batch["input_ids"].shape[-1]))(state, batch)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
     """`train(state, batch) -> (state, metrics)` and `evaluate(state, batch) -> sums`, jitted; `config` is
@@ -107,13 +131,15 @@ class StepFunctions:
         )
         return cls(plan, spec, config, accumulation, train, evaluate)
 
-    def lower(self, rows: int):
-        """The train step lowered for batches of `rows` rows per micro-batch (`jax.stages.Lowered`:
-        `.as_text()` is the program before XLA's optimisations, `.compile()` the executable)."""
+    def lower(self, rows: int, width: int | None = None):
+        """The train step lowered for batches of `rows` rows per micro-batch (of `width` tokens; default the
+        spec's row width) (`jax.stages.Lowered`: `.as_text()` is the program before XLA's optimisations,
+        `.compile()` the executable)."""
         sharding = self.plan.batch_sharding
+        spec = self.spec if width is None else self.spec.with_width(width)
         batch = {
             k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-            for k, (shape, dtype) in self.spec.batch_spec(self.accumulation, rows).items()
+            for k, (shape, dtype) in spec.batch_spec(self.accumulation, rows).items()
         }
         if jax.process_count() > 1:
             batch[STOP_KEY] = jax.ShapeDtypeStruct((self.accumulation, rows, 1), np.int32, sharding=sharding)

@@ -43,17 +43,53 @@ from .step import STOP_KEY, Objective, StepConfig
 from .trainer import BaseTrainer
 
 log = logging.getLogger("jaxloom.trainer")
-ADV, OLD, REF = "advantages", "old_logps", "ref_logps"
+ADV, OLD, REF, SAMPLED = "advantages", "old_logps", "ref_logps", "sampling_logps"
+PROMPT_BUCKET = 16
+"""The narrowest prompt bucket: a step's prompts are padded to their longest, rounded up to a power of two >= this."""
+COMPLETION_BUCKET = 16
+"""The narrowest completion bucket (likewise; at most `max_completion_length`)."""
+
+
+def row_buckets(longest_prompt: int, longest_completion: int, max_completion_length: int) -> tuple[int, int]:
+    """`(prompt width, completion width)` of a step's rows: the step's longest prompt and longest completion, each
+    rounded up to a power of two (at least `PROMPT_BUCKET` / `COMPLETION_BUCKET` tokens; a completion at most
+    `max_completion_length`). Cost follows the data, not the caps, and compiles stay few: the generator
+    compiles once per prompt bucket, the train step once per (prompt, completion) bucket pair a run meets —
+    prompts of 10 to 40 tokens and completions up to 256 make at most 3 × 5."""
+    from jaxloom.generation.decode import bucket
+
+    return bucket(longest_prompt, PROMPT_BUCKET), min(max_completion_length, bucket(longest_completion, COMPLETION_BUCKET))
 
 
 # ---- the objective: a pure function, jitted inside the core's step ----------------------------------------------
-def token_logps(model, batch, temperature: float):
+def token_logps(model, batch, temperature: float, *, block_size: int = 0, data_shards: int = 1):
     """Per-token log-probabilities `[B, L-1]` of each row's next tokens under `model` (logits divided by
-    `temperature`, as TRL does), and the entropies of those distributions."""
-    out = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    `temperature`, as TRL does), and the entropies of those distributions. With `block_size > 0` (the
+    trainer's `loss_block_size`) and a jaxloom causal LM, the output layer runs in blocks of positions
+    (`jaxloom.models.linear_token_log_probs`): no `[B, L, V]` logits in the step or the rollout."""
+    from .step import forward_for_loss
+
+    ids = batch["input_ids"]
+    weight = jnp.ones((ids.shape[0], ids.shape[1] - 1), jnp.float32)
+    out, head = forward_for_loss(
+        model,
+        ids,
+        weight,
+        positions=batch["positions"],
+        segment_ids=batch["segment_ids"],
+        block_size=block_size,
+        data_shards=data_shards,
+    )
+    if head is not None:
+        from jaxloom.models import linear_token_log_probs
+
+        logp, entropy = linear_token_log_probs(
+            head.hidden, head.kernel, head.targets, temperature=temperature, **head.settings()
+        )
+        return logp[:, :-1], entropy[:, :-1]
     logits = out.logits[:, :-1].astype(jnp.float32) / temperature
     logp_all = jax.nn.log_softmax(logits, axis=-1)
-    logp = jnp.take_along_axis(logp_all, batch["input_ids"][:, 1:, None], axis=-1)[..., 0]
+    logp = jnp.take_along_axis(logp_all, ids[:, 1:, None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
     return logp, entropy
 
@@ -86,9 +122,12 @@ def aggregate(loss, mask, loss_type: str, max_completion_length: int):
 
 def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
     """The GRPO objective of one micro-batch of rollout rows: `(summed loss, sums)`; `sums["units"]`
-    normalises it (see `aggregate`), the rest are TRL's metrics' sums."""
-    del cfg
-    logp, entropy = token_logps(state.replace(params=params).model, batch, rl.temperature)
+    normalises it (see `aggregate`), the rest are TRL's metrics' sums, and with the sampler's log-probs in the
+    batch (`SAMPLED`) how far the training forward's log-probs of the same tokens are from them."""
+    model = state.replace(params=params).model
+    logp, entropy = token_logps(
+        model, batch, rl.temperature, block_size=cfg.loss_block_size, data_shards=cfg.data_shards
+    )
     mask = batch["loss_mask"][:, 1:].astype(jnp.float32)
     old = batch[OLD][:, 1:] if iterations > 1 else jax.lax.stop_gradient(logp)
     ref = batch[REF][:, 1:] if rl.beta else jax.lax.stop_gradient(logp)
@@ -104,13 +143,24 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
         "clipped": jnp.sum(bound * mask),
         "entropy_sum": jnp.sum(jax.lax.stop_gradient(entropy) * mask),
     }
+    if SAMPLED in batch:
+        diff = jnp.abs(jax.lax.stop_gradient(logp) - batch[SAMPLED][:, 1:]) * mask
+        sums["logprob_diff_sum"] = jnp.sum(diff)
+        sums["logprob_diff_max"] = jnp.max(diff)  # one micro-batch a step (GRPO): the step's maximum
     return total, sums
 
 
 def grpo_metrics(sums):
-    """TRL's step metrics: `kl`, `clip_ratio` (tokens whose ratio the clip bound), `entropy`."""
+    """TRL's step metrics: `kl`, `clip_ratio` (tokens whose ratio the clip bound), `entropy`; and, with the
+    sampler's log-probs, `sampling/logprob_diff/mean` and `/max`: |trainer − sampler| log-prob of the completion
+    tokens (0 up to float32 rounding when both run the same model in float32; in bf16 the difference an
+    importance-sampling correction would undo)."""
     n = jnp.maximum(sums["completion_tokens"], 1.0)
-    return {"kl": sums["kl_sum"] / n, "clip_ratio": sums["clipped"] / n, "entropy": sums["entropy_sum"] / n}
+    out = {"kl": sums["kl_sum"] / n, "clip_ratio": sums["clipped"] / n, "entropy": sums["entropy_sum"] / n}
+    if "logprob_diff_sum" in sums:
+        out["sampling/logprob_diff/mean"] = sums["logprob_diff_sum"] / n
+        out["sampling/logprob_diff/max"] = sums["logprob_diff_max"]
+    return out
 
 
 # ---- reward functions: user code -----------------------------------------------------------------------------
@@ -220,13 +270,17 @@ class PromptOrder:
         self.records, self.per_rollout, self.seed, self.shuffle = records, per_rollout, seed, shuffle
         self.rollout = 0
 
-    def prompts(self, rollout: int) -> list[dict]:
+    def indices(self, rollout: int) -> list[int]:
+        """The record indices of rollout `rollout`'s prompts."""
         n, out = len(self.records), []
         for flat in range(rollout * self.per_rollout, (rollout + 1) * self.per_rollout):
             epoch, i = divmod(flat, n)
             order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-            out.append(self.records[order[i]])
+            out.append(int(order[i]))
         return out
+
+    def prompts(self, rollout: int) -> list[dict]:
+        return [self.records[i] for i in self.indices(rollout)]
 
     # what the core asks of a training loader
     def __next__(self) -> int:
@@ -257,6 +311,7 @@ class Rollouts(Batches):
         )
         self.trainer, self.engine = trainer, engine
         self.records: list[dict] | None = None
+        self.encoded: list[np.ndarray] | None = None  # each prompt's token ids, made once
         self.cached: tuple[int, dict] | None = None  # the last rollout's batch (num_iterations > 1 reuses it)
         self.metrics: list[tuple[int, dict[str, float]]] = []  # (step trained on it, metrics)
 
@@ -276,6 +331,29 @@ class Rollouts(Batches):
             self.records = records
         return self.records
 
+    def prompt_ids(self) -> list[np.ndarray]:
+        """Every prompt's token ids (text as the tokenizer encodes it, chat through its template with the
+        generation prompt), encoded once for the run; not yet cut to `max_prompt_length`."""
+        if self.encoded is None:
+            records = self.prompt_records()
+            chat = isinstance(records[0]["prompt"], list)
+            encoded = jd_encode(self.trainer.tokenizer, [r["prompt"] for r in records], chat)
+            self.encoded = [np.asarray(ids, np.int32) for ids in encoded]
+        return self.encoded
+
+    def longest_prompt(self) -> int:
+        """The widest prompt a step can hold: `max_prompt_length`, or (None) the longest prompt of the data."""
+        cap = self.arguments.rl.max_prompt_length
+        longest = max(len(ids) for ids in self.prompt_ids())
+        return longest if cap is None else min(cap, longest)
+
+    def widest_row(self) -> int:
+        """The widest row a step of this run can have (its prompt bucket + `max_completion_length`): what
+        `jaxloom plan` budgets memory for."""
+        rl = self.arguments.rl
+        prompt, _ = row_buckets(self.longest_prompt(), 1, rl.max_completion_length)
+        return prompt + rl.max_completion_length
+
     def per_rollout(self) -> int:
         return self.arguments.total_batch_size // self.arguments.rl.num_generations
 
@@ -294,6 +372,10 @@ class Rollouts(Batches):
                 "(total_batch_size / num_generations)"
             )
         return rollouts * a.rl.num_iterations * a.num_train_epochs
+
+    def check_train_data(self) -> None:
+        """Prompt records are read whole and checked (`prompt_records`), not as next-token text."""
+        self.prompt_records()
 
     def check_eval_data(self) -> None:
         if self.dataset_eval is not None:
@@ -324,23 +406,30 @@ class Rollouts(Batches):
         t, a = self.trainer, self.arguments
         rl, tok = a.rl, t.tokenizer
         started = time.perf_counter()
-        records = self.train_loader().prompts(index)
+        order = self.train_loader()
+        records = order.prompts(index)
         group = rl.num_generations
         chat = isinstance(records[0]["prompt"], list)
-        encoded = jd_encode(tok, [r["prompt"] for r in records], chat)
-        width, kept = rl.max_prompt_length, []
-        truncated = 0
+        encoded = [self.prompt_ids()[i] for i in order.indices(index)]
+        cap, kept, truncated = rl.max_prompt_length, [], 0
         for ids in encoded:
-            truncated += len(ids) > width
-            kept.append(ids[-width:])  # the prompt's end is kept: it leads into the completion
-        b = len(kept) * group
-        prompt = np.full((b, width), tok.pad_token_id or 0, np.int32)
-        prompt_mask = np.zeros((b, width), np.int32)
+            truncated += cap is not None and len(ids) > cap
+            kept.append(ids if cap is None else ids[-cap:])  # the prompt's end is kept: it leads into the completion
+        width, _ = row_buckets(max(map(len, kept)), 1, rl.max_completion_length)
+        unique = np.full((len(kept), width), tok.pad_token_id or 0, np.int32)
+        unique_mask = np.zeros((len(kept), width), np.int32)
         for i, ids in enumerate(kept):
-            prompt[i * group : (i + 1) * group, width - len(ids) :] = ids
-            prompt_mask[i * group : (i + 1) * group, width - len(ids) :] = 1
+            unique[i, width - len(ids) :], unique_mask[i, width - len(ids) :] = ids, 1
+        prompt, prompt_mask = np.repeat(unique, group, axis=0), np.repeat(unique_mask, group, axis=0)
+        b = len(kept) * group
         key = jax.random.fold_in(t.state.rng, index)
-        completion, completion_mask = (self.engine or self.generate)(prompt, prompt_mask, key)
+        if self.engine is not None:  # an external engine: the prompt rows as they are trained on, no log-probs
+            completion, completion_mask = self.engine(prompt, prompt_mask, key)
+            sampled = None
+        else:  # one prefill per prompt, shared by its group
+            completion, completion_mask, sampled = self.generate(unique, unique_mask, key)
+        _, cwidth = row_buckets(width, int(np.max(completion_mask.sum(axis=1), initial=1)), completion.shape[1])
+        completion, completion_mask = completion[:, :cwidth], completion_mask[:, :cwidth]
         generated = time.perf_counter()
         texts = [
             tok.decode(c[m > 0], skip_special_tokens=True) for c, m in zip(completion, completion_mask, strict=True)
@@ -385,6 +474,11 @@ class Rollouts(Batches):
         zeros = np.zeros((1, b, ids.shape[1]), np.float32)
         batch[OLD] = t.logps_of(batch, reference=False) if rl.num_iterations > 1 else self._put(zeros)
         batch[REF] = t.logps_of(batch, reference=True) if rl.beta else self._put(zeros)
+        if SAMPLED in self.spec.extra:  # the sampler's log-prob of each completion token, at the token's column
+            at_tokens = np.zeros((b, ids.shape[1]), np.float32)
+            if sampled is not None:
+                at_tokens[:, width:] = np.where(completion_mask > 0, sampled[:, :cwidth], 0.0)
+            batch[SAMPLED] = self._put(at_tokens[None])
         lengths = completion_mask.sum(axis=1)
         metrics = {
             "reward": float(np.mean(total)),
@@ -393,14 +487,19 @@ class Rollouts(Batches):
             "completions/mean_length": float(lengths.mean()),
             "completions/clipped_ratio": float(np.mean(~ended)),
             "prompts/truncated": float(truncated),
+            "rows/width": float(ids.shape[1]),
             "time/rollout_s": generated - started,
             "time/reward_s": scored - generated,
         }
         self.metrics.append((t.current_step + 1, metrics))
         return batch
 
-    def generate(self, prompt: np.ndarray, mask: np.ndarray, key: jax.Array) -> tuple[np.ndarray, np.ndarray]:
-        """In-process generation with the policy's current weights, on the training mesh."""
+    def generate(
+        self, prompt: np.ndarray, mask: np.ndarray, key: jax.Array
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """In-process generation with the policy's current weights, on the training mesh: `num_generations`
+        completions of each prompt row (one prefill per prompt, its KV cache shared by the group), as
+        `(completion_ids, completion_mask, completion_logps)` with rows `i * num_generations + j`."""
         import jaxloom.generation as jg
 
         t, rl = self.trainer, self.arguments.rl
@@ -413,8 +512,10 @@ class Rollouts(Batches):
             eos_token_id=tuple(t.stop_ids),
             pad_token_id=t.tokenizer.pad_token_id or 0,
         )
-        out = jg.generate(t.state.model, prompt, mask, config, mesh=t.mesh, rng=key)
-        return np.asarray(out.completion_ids), np.asarray(out.completion_mask)
+        out = jg.generate(
+            t.state.model, prompt, mask, config, mesh=t.mesh, rng=key, num_return_sequences=rl.num_generations
+        )
+        return np.asarray(out.completion_ids), np.asarray(out.completion_mask), np.asarray(out.completion_logps)
 
     def _put(self, x: np.ndarray) -> jax.Array:
         """A global `[1, B, ...]` host array (the same on every process) on the batch's sharding."""
@@ -517,12 +618,34 @@ class GRPOTrainer(BaseTrainer):
         return Objective(loss=loss, metrics=grpo_metrics, weight="units", perplexity=False)
 
     def data_spec(self) -> DataSpec:
-        """Rows `[prompt | completion]` of `max_prompt_length + max_completion_length` tokens, with the
-        advantage per row and the old and reference log-probs per token."""
+        """Rows `[prompt | completion]`, with the advantage per row and the old, reference and (in-process
+        generation) sampler log-probs per token. `row_width` is `max_sequence_length`, the widest row the caps
+        allow; each step's rows are as wide as its data (`row_buckets`), its step compiled per width."""
         a = self.arguments
-        width = a.rl.max_prompt_length + a.rl.max_completion_length
+        width = a.max_sequence_length
         extra = {ADV: ((), np.float32), OLD: ((width,), np.float32), REF: ((width,), np.float32)}
+        if self.rollout_engine is None:
+            extra[SAMPLED] = ((width,), np.float32)
         return DataSpec(row_width=width, settings={}, extra=extra)
+
+    def configure_functions(self):
+        """The train step compiled once per row width a step brings (`functions.WidthSteps`), when first met:
+        nothing compiles before the first rollout says how wide its rows are."""
+        from .functions import WidthSteps
+        from .outputs import TrainerConfigureFunctionOutput
+
+        fns = self.functions
+        self._train_fn = WidthSteps(fns, self.arguments.total_batch_size)
+        return TrainerConfigureFunctionOutput(fns.train, fns.evaluate, self.mesh, self.checkpoints)
+
+    def lower_train_step(self):
+        """The train step lowered for the widest row this run can make (`Rollouts.widest_row`): what `jaxloom
+        plan` budgets memory for."""
+        return self.functions.lower(self.arguments.total_batch_size, self.batches.widest_row())  # type: ignore[attr-defined]
+
+    def compiled_train_step(self):
+        """The train step compiled for the widest row this run can make (see `lower_train_step`)."""
+        return self.lower_train_step().compile()
 
     def data_metrics(self, step: int | None = None) -> dict[str, float]:
         """The rollouts' metrics under TRL's names, for the log row of `step`: `reward`, `reward_std`,
@@ -548,10 +671,20 @@ class GRPOTrainer(BaseTrainer):
         a = self.arguments
         self.batches.prompt_records()  # type: ignore[attr-defined]  # the data is checked before step 1
         self.reward_functions  # noqa: B018 - imported and checked before step 1
-        if a.max_sequence_length > self.plan.config.max_position_embeddings:
+        positions = self.plan.config.max_position_embeddings
+        prompt = self.batches.longest_prompt()  # type: ignore[attr-defined]
+        if prompt + a.rl.max_completion_length > positions:
+            ids = self.batches.prompt_ids()  # type: ignore[attr-defined]
+            which = max(range(len(ids)), key=lambda i: len(ids[i]))
+            said = (
+                f"max_prompt_length = {a.rl.max_prompt_length}"
+                if a.rl.max_prompt_length is not None and a.rl.max_prompt_length < len(ids[which])
+                else f"the longest prompt (record {which}) is {prompt} tokens"
+            )
             raise ValueError(
-                f"max_prompt_length + max_completion_length = {a.max_sequence_length}; expected at most the "
-                f"model's max_position_embeddings ({self.plan.config.max_position_embeddings})"
+                f"{said}, + max_completion_length = {a.rl.max_completion_length} is {prompt + a.rl.max_completion_length}"
+                f"; expected at most the model's max_position_embeddings ({positions}): lower max_completion_length, "
+                f"or set max_prompt_length to cut prompts (their start is dropped, and counted)"
             )
         if a.rl.beta and self._reference is None and self.plan.lora is None:
             from .dpo import Reference
@@ -563,12 +696,13 @@ class GRPOTrainer(BaseTrainer):
     @functools.cached_property
     def _logps_fn(self):
         temperature = self.arguments.rl.temperature
+        fused = dict(block_size=self.arguments.loss_block_size, data_shards=self.data_shards())
 
         def fn(state, batch, adapters_off):
             if adapters_off:
                 state = state.replace(params=jax.tree_util.tree_map(jnp.zeros_like, state.params))
             rows = {k: batch[k][0] for k in ("input_ids", "positions", "segment_ids")}
-            logp, _ = token_logps(state.model, rows, temperature)
+            logp, _ = token_logps(state.model, rows, temperature, **fused)
             return jnp.pad(logp, ((0, 0), (1, 0)))[None]  # aligned with the row's tokens: column 0 predicts nothing
 
         return jax.jit(fn, static_argnums=2)

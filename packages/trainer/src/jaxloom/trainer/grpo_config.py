@@ -18,10 +18,11 @@ class RLArgs(_Group):
     )
     reward_weights: tuple[float, ...] | None = Field(None, description="GRPO: a weight per reward function (None: 1)")
     num_generations: int = Field(8, description="GRPO: completions per prompt (a group)")
-    max_prompt_length: int = Field(
-        512, description="GRPO: prompt tokens kept (longer prompts lose their start, and are counted)"
+    max_prompt_length: int | None = Field(
+        None,
+        description="GRPO: prompt tokens kept (longer prompts lose their start, and are counted; None: all, as TRL 1.16)",
     )
-    max_completion_length: int = Field(256, description="GRPO: tokens generated per completion")
+    max_completion_length: int = Field(512, description="GRPO: tokens generated per completion at most")
     temperature: float = Field(1.0, description="GRPO: sampling temperature (also divides the logits in the loss)")
     top_p: float = Field(1.0, description="GRPO: nucleus sampling (1: off)")
     top_k: int = Field(0, description="GRPO: keep the k most likely tokens (0: off)")
@@ -54,7 +55,8 @@ class RLArgs(_Group):
                 f"num_generations = {self.num_generations}; expected at least 2 (advantages compare completions "
                 "of one prompt)"
             )
-        _positive(self, "max_prompt_length", "max_completion_length", "num_iterations", "epsilon")
+        _positive(self, "max_completion_length", "num_iterations", "epsilon")
+        _positive(self, "max_prompt_length", allow_none=True)
         _positive(self, "temperature", "beta", allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p}; expected a value in (0, 1]")
@@ -74,7 +76,11 @@ class GRPOConfig(TrainingArguments):
     `temperature`, `top_p`, `top_k`, `beta`, `epsilon`, `epsilon_high`, `num_iterations`, `loss_type`,
     `scale_rewards`, `mask_truncated_completions`, `ref_model`. A step trains on `total_batch_size`
     completions: `total_batch_size / num_generations` prompts, each completed `num_generations` times.
-    `max_sequence_length` is `max_prompt_length + max_completion_length`; `packing` is off.
+    A step's rows are as wide as its longest prompt and its longest completion, each rounded up to a bucket
+    (`jaxloom.trainer.grpo.row_buckets`), not as the caps: `max_sequence_length` is the widest row the caps
+    allow, `max_prompt_length + max_completion_length`, or with no `max_prompt_length` (TRL 1.16: prompts are
+    never cut) `max_completion_length`, the prompts' own lengths being added from the data and checked against
+    the model's positions before step 1. `packing` is off.
 
         GRPOConfig(num_generations=8, max_completion_length=128, learning_rate=1e-6, reward_funcs=["m.acc"])
     """
@@ -84,14 +90,17 @@ class GRPOConfig(TrainingArguments):
     def __init__(self, **kwargs: Any):
         prompt = kwargs.get("max_prompt_length", RLArgs.model_fields["max_prompt_length"].default)
         completion = kwargs.get("max_completion_length", RLArgs.model_fields["max_completion_length"].default)
-        if isinstance(prompt, int) and isinstance(completion, int):
-            length = prompt + completion
+        if isinstance(prompt, int | None) and isinstance(completion, int):
+            length = (prompt or 0) + completion
             given = kwargs.get("max_sequence_length")
             if given is not None and given != length:
-                raise ValueError(
-                    f"max_sequence_length = {given}: with GRPO it is max_prompt_length + max_completion_length "
-                    f"({length}); set those two"
+                what = (
+                    f"max_prompt_length + max_completion_length ({length}); set those two"
+                    if prompt is not None
+                    else f"max_completion_length ({length}) with no max_prompt_length, each prompt's own length "
+                    "added; set max_prompt_length to cut prompts"
                 )
+                raise ValueError(f"max_sequence_length = {given}: with GRPO it is {what}")
             kwargs["max_sequence_length"] = length
         if kwargs.setdefault("packing", False):
             raise ValueError("packing = true: a GRPO row holds one prompt and its completion; set packing=false")

@@ -26,7 +26,7 @@ from .metrics import MetricsWriter, create_progress_bar, memory_in_use, peak_flo
 from .step import STOP_KEY
 
 # Step metrics that are not averaged into a log row (bookkeeping; tokens and the learning rate are logged apart).
-_NOT_AVERAGED = {"finite", "learning_rate", "tokens", STOP_KEY}
+_NOT_AVERAGED = {"finite", "learning_rate", "tokens", "row_width", STOP_KEY}
 
 
 class StepLog:
@@ -53,6 +53,7 @@ class StepLog:
         self._t_log = time.perf_counter()
         self._t0 = time.monotonic()
         self._elapsed_base = 0.0
+        self._tokens_seen = 0
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -87,6 +88,11 @@ class StepLog:
         self._elapsed_base = next(
             (r["train/elapsed_time"] for r in reversed(self.writer.history) if "train/elapsed_time" in r), 0.0
         )
+        # the earlier segments' tokens: their last row's count (a kind's rows may vary in width), and the steps
+        # after that row at this run's width
+        last = next((r for r in reversed(self.writer.history) if "train/tokens_seen" in r), {"step": 0})
+        counted = last.get("train/tokens_seen", 0)
+        self._tokens_seen = int(counted + (step - last["step"]) * a.training_batch_size * self.row_width)
 
     def step(self, step: int, metrics: dict[str, Any], *, extra: Callable[[], dict], state: Any = None) -> None:
         """`step`'s on-device `metrics` into the window; every `logging_steps` (and at the last step) the
@@ -97,22 +103,30 @@ class StepLog:
         if step % a.logging_steps == 0 or step == self.total_steps:
             host, now = jax.device_get(self._window), time.perf_counter()
             dt = now - self._t_log
-            tps = a.training_batch_size * self.row_width * len(host) / dt
+            widths = [float(m.get("row_width", self.row_width)) for m in host]  # as wide as each step's rows
+            tokens = int(a.training_batch_size * sum(widths))
+            self._tokens_seen += tokens
+            tps = tokens / dt
+            flops_token = (
+                self._flops_token
+                if all(w == self.row_width for w in widths)
+                else jmod.flops_per_token(self.config, round(float(np.mean(widths))))
+            )
             keys = ["loss", *sorted(k for k in host[-1] if k not in _NOT_AVERAGED and k != "loss")]
             row = {k: float(np.mean([m[k] for m in host])) for k in keys}
             if self.perplexity:
                 row["perplexity"] = math.exp(min(row["loss"], 50))
             row.update(
                 learning_rate=float(host[-1]["learning_rate"]),
-                tokens_seen=step * a.training_batch_size * self.row_width,
+                tokens_seen=self._tokens_seen,
                 elapsed_time=self._elapsed_base + time.monotonic() - self._t0,  # over every segment of the run
                 tokens_per_second=tps,
                 step_time=dt / len(host),
-                tflops_per_device=self._flops_token * tps / self.devices / 1e12,
+                tflops_per_device=flops_token * tps / self.devices / 1e12,
                 **memory_in_use(),
             )
             if self._peak:
-                row["mfu"] = self._flops_token * tps / self.devices / self._peak
+                row["mfu"] = flops_token * tps / self.devices / self._peak
             row.update(extra())
             self.log_metrics(row, None, step)
             if a.log_weight_distribution and state is not None:

@@ -193,6 +193,7 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
         "grad_norm": grad_norm,
         "finite": finite,
         "learning_rate": cfg.schedule(state.step) if cfg.schedule else zero,
+        "row_width": jnp.float32(batch["input_ids"].shape[-1]),  # tokens per row (a kind's rows may vary by step)
     }
     if stop is not None:
         metrics[STOP_KEY] = jnp.max(stop)
