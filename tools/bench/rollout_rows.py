@@ -1,4 +1,4 @@
-"""Rollout bench rows (issue 50; `nox -s bench`, or alone): `python tools/bench/rollout_rows.py [step|engine ...]` → JSON.
+"""Rollout bench rows (issue 50; `nox -s bench`, or alone): `python tools/bench/rollout_rows.py [step|engine]` → JSON.
 
 1. `step CAP`: a GRPO step of the Trainer with ~20-token prompts, 8 completions of 32 tokens each (16 rows a step),
    a 4-layer Llama (hidden 256, the bundled 4,096-token tokenizer), `max_prompt_length=CAP` (`none`: unset, TRL
@@ -39,8 +39,10 @@ WORDS = ["red", "blue", "green", "cat", "dog", "tree", "sun", "moon"]
 
 def prompt_records(n: int = 64) -> list[dict]:
     """Prompts of about 20 tokens of the bundled tokenizer."""
-    return [{"prompt": f"Name a word that rhymes with {w}, then say {WORDS[(i + 3) % 8]} twice, and stop: "} for i, w in
-            enumerate(WORDS * (n // 8))]
+    return [
+        {"prompt": f"Name a word that rhymes with {w}, then say {WORDS[(i + 3) % 8]} twice, and stop: "}
+        for i, w in enumerate(WORDS * (n // 8))
+    ]
 
 
 def rhymes(prompts, completions, **kwargs):
@@ -79,8 +81,12 @@ def run_step(cap: str, steps: int = 6) -> dict:
         tok = jd.load_processor()
         model = jm.create_model(jm.LlamaConfig(**LAYERS4), jm.RuntimeConfig(), seed=0)
         trainer = GRPOTrainer(
-            GRPOConfig(**settings), model=model, dataset_train=prompt_records(), processing_class=tok,
-            reward_funcs=rhymes, hooks=[Clock()],
+            GRPOConfig(**settings),
+            model=model,
+            dataset_train=prompt_records(),
+            processing_class=tok,
+            reward_funcs=rhymes,
+            hooks=[Clock()],
         )
         start = time.perf_counter()
         trainer.train()
@@ -107,7 +113,7 @@ def run_engine(layout: str, reps: int = 3) -> dict:
     ids = np.zeros((len(encoded), width), np.int32)
     mask = np.zeros_like(ids)
     for i, e in enumerate(encoded):
-        ids[i, width - len(e):], mask[i, width - len(e):] = e, 1
+        ids[i, width - len(e) :], mask[i, width - len(e) :] = e, 1
     kwargs = {}
     if shared:
         assert "num_return_sequences" in inspect.signature(jg.generate).parameters

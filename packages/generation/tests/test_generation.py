@@ -215,7 +215,9 @@ def test_a_group_shares_one_prefill_and_samples_what_repeated_prompts_do(scan):
         repeated = jg.generate(model, rep_ids, rep_mask, config, rng=key)
         np.testing.assert_array_equal(np.asarray(shared.completion_ids), np.asarray(repeated.completion_ids))
         np.testing.assert_array_equal(np.asarray(shared.sequences), np.asarray(repeated.sequences))
-        np.testing.assert_allclose(np.asarray(shared.completion_logps), np.asarray(repeated.completion_logps), atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(shared.completion_logps), np.asarray(repeated.completion_logps), atol=1e-6
+        )
     assert len({tuple(r) for r in np.asarray(shared.completion_ids)}) > 2  # sampled rows of a group differ
     with pytest.raises(ValueError, match="num_return_sequences = 0"):
         jg.generate(model, ids, mask, config, num_return_sequences=0)
@@ -226,7 +228,9 @@ def test_recorded_log_probs_equal_a_forward_pass_over_the_sequence():
     logits / temperature, before top-k filtering), and 0 after a row ends."""
     model = jm.create_model(jm.LlamaConfig(**TINY), jm.RuntimeConfig(), seed=3)
     ids, mask = prompts((5, 9, 2), width=9)
-    config = jg.GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=30, eos_token_id=tuple(range(3, 23)))
+    config = jg.GenerationConfig(
+        max_new_tokens=8, do_sample=True, temperature=0.7, top_k=30, eos_token_id=tuple(range(3, 23))
+    )
     out = jg.generate(model, ids, mask, config, rng=jax.random.PRNGKey(1), num_return_sequences=2)
     seq = np.asarray(out.sequences)
     seg = np.concatenate([np.repeat(mask, 2, axis=0), np.asarray(out.completion_mask)], axis=1)

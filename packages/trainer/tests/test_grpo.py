@@ -274,21 +274,46 @@ def test_trl_grpo_keys_without_a_prompt_cap_run_on_a_short_model(tmp_path):
     width, never 512 + completion. Each key is checked to be TRL's own."""
     trl = pytest.importorskip("trl")
     keys = dict(
-        num_generations=4, max_completion_length=64, temperature=1.0, top_k=16, beta=0.0, epsilon=0.2,
-        loss_type="dapo", scale_rewards="group", learning_rate=1e-3, logging_steps=1, seed=0,
+        num_generations=4,
+        max_completion_length=64,
+        temperature=1.0,
+        top_k=16,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        learning_rate=1e-3,
+        logging_steps=1,
+        seed=0,
     )
     fields = trl.GRPOConfig.__dataclass_fields__
     assert all(k in fields for k in keys) and "max_prompt_length" not in fields
+
     def trainer(out, records):
-        cfg = GRPOConfig(**keys, total_batch_size=8, max_training_steps=2, save_directory=str(out),
-                         progress_bar=False, use_tensorboard=False, warmup_steps=0)
-        return GRPOTrainer(cfg, model=jm.create_model(tiny(max_position_embeddings=256), lazy=True),
-                           dataset_train=records, processing_class=TOK, mesh=mesh(1), reward_funcs=letter_e)
+        cfg = GRPOConfig(
+            **keys,
+            total_batch_size=8,
+            max_training_steps=2,
+            save_directory=str(out),
+            progress_bar=False,
+            use_tensorboard=False,
+            warmup_steps=0,
+        )
+        return GRPOTrainer(
+            cfg,
+            model=jm.create_model(tiny(max_position_embeddings=256), lazy=True),
+            dataset_train=records,
+            processing_class=TOK,
+            mesh=mesh(1),
+            reward_funcs=letter_e,
+        )
 
     trainer(tmp_path / "a", RECORDS).train()
     assert all(r["train/rows/width"] <= 16 + 64 for r in rows(tmp_path / "a") if "train/rows/width" in r)
     long = [{"prompt": " ".join(WORDS * 30)}] * 8  # ~240 tokens + 64 > 256 positions: refused before step 1
-    with pytest.raises(ValueError, match=r"the longest prompt \(record 0\) is \d+ tokens, \+ max_completion_length = 64"):
+    with pytest.raises(
+        ValueError, match=r"the longest prompt \(record 0\) is \d+ tokens, \+ max_completion_length = 64"
+    ):
         trainer(tmp_path / "b", long).train()
     assert not (tmp_path / "b" / "checkpoints").exists()
 
@@ -323,9 +348,9 @@ def test_bucketed_rows_give_the_loss_of_rows_padded_to_the_caps(tmp_path):
 
     def run(b):
         mb = {k: v[0] for k, v in b.items()}
-        (loss, sums), grads = jax.value_and_grad(
-            lambda p: objective.loss(t.state, p, mb, cfg), has_aux=True
-        )(t.state.params)
+        (loss, sums), grads = jax.value_and_grad(lambda p: objective.loss(t.state, p, mb, cfg), has_aux=True)(
+            t.state.params
+        )
         return loss, sums, grads
 
     with jax.set_mesh(t.mesh):
@@ -362,9 +387,31 @@ def test_no_step_or_rollout_program_holds_the_whole_logits(tmp_path):
     config = jg.GenerationConfig(max_new_tokens=16, do_sample=True)
     prompt = np.ones((4, 16), np.int32)
     graphdef, state = jax.tree_util.tree_map(lambda x: x, __import__("flax").nnx.split(t.state.model))
-    texts["generation"] = decode._compiled(graphdef, config, 4).lower(state, prompt, prompt, jax.random.PRNGKey(0)).compile().as_text()
+    texts["generation"] = (
+        decode._compiled(graphdef, config, 4).lower(state, prompt, prompt, jax.random.PRNGKey(0)).compile().as_text()
+    )
     for name, text in texts.items():
         shapes = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"\[(\d+(?:,\d+)+)\]", text)}
         whole = [s for s in shapes if s and s[-1] == vocab and int(np.prod(s[:-1])) >= rows_ * (width - 1)]
         assert not whole, f"{name}: {whole}"
     t.finish()
+
+
+def test_the_prompt_cursor_is_saved_with_the_state_and_checked_on_resume(tmp_path):
+    """The prompt order is a cursor saved in each checkpoint (its position = the steps served) and restored with
+    the state; resuming on other prompts, or with another seed, is refused naming what changed."""
+    from jaxloom.trainer.grpo import PromptOrder
+
+    order = PromptOrder(RECORDS, 4, seed=3, shuffle=True, iterations=2)
+    served = [next(order) for _ in range(5)]
+    assert served == [0, 0, 1, 1, 2] and order.global_state_dict()["position"] == 5
+    again = PromptOrder(RECORDS, 4, seed=3, shuffle=True, iterations=2, state=order.global_state_dict())
+    assert next(again) == next(order) == 2 and again.prompts(2) == order.prompts(2)
+    with pytest.raises(ValueError, match=r"the prompts or their order changed .*records: 64 → 8"):
+        PromptOrder(RECORDS[:8], 4, seed=3, shuffle=True, iterations=2, state=order.global_state_dict())
+    with pytest.raises(ValueError, match=r"seed: 3 → 4"):
+        PromptOrder(RECORDS, 4, seed=4, shuffle=True, iterations=2, state=order.global_state_dict())
+    grpo_trainer(tmp_path, max_training_steps=2, save_steps=2).train()
+    resumed = grpo_trainer(tmp_path, max_training_steps=3)
+    resumed.train()
+    assert resumed.batches.train.position == 3  # continued from the saved position 2, then one step

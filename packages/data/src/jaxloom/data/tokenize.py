@@ -56,9 +56,7 @@ def check_record(record: Any, config) -> None:
     if config.messages_column in record:
         messages = record[config.messages_column]
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise ValueError(
-                f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}"
-            )
+            raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
         return
     if config.prompt_column in record and config.completion_column in record:
         for column in (config.prompt_column, config.completion_column):

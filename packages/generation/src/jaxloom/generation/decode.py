@@ -163,6 +163,10 @@ def _batch_axes(model, total: int):
     )
 
 
+def _take_rows(rows: jax.Array, x: jax.Array, axis: int) -> jax.Array:
+    return jnp.take(x, rows, axis=axis)
+
+
 def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationConfig, group: int = 1):
     """Prefill (once per prompt, shared by its `group` rows), then decode until every row has ended or
     `max_new_tokens`. Finished rows stop costing: a batch of `COMPACT_ROWS` or more rows decodes in phases, each
@@ -229,7 +233,7 @@ def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationC
         i, decoding, token, rows, done, *outputs = carry
         keep = jnp.argsort(done, stable=True)[:narrower]  # the rows still going first
         cache, pos, kv_seg, kv_pos = decoding
-        cache = jax.tree_util.tree_map(lambda c, ax: jnp.take(c, keep, axis=ax), cache, axes)
+        cache = jax.tree_util.tree_map(functools.partial(_take_rows, keep), cache, axes)
         decoding = (cache, pos[keep], kv_seg[keep], kv_pos[keep])
         carry = (i, decoding, token[keep], rows[keep], done[keep], *outputs)
         width = narrower

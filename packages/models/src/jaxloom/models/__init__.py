@@ -18,7 +18,13 @@ from .lora import (
     read_peft_config,
     save_peft_adapter,
 )
-from .losses import cross_entropy_gradient, linear_cross_entropy, linear_log_probs, linear_token_log_probs, output_logits
+from .losses import (
+    cross_entropy_gradient,
+    linear_cross_entropy,
+    linear_log_probs,
+    linear_token_log_probs,
+    output_logits,
+)
 from .llama import CausalLMOutput, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from .mixtral import MixtralForCausalLM, dispatch_tokens, expert_parallel_dispatch, grouped_matmul
 from .olmo2 import Olmo2Config, Olmo2ForCausalLM

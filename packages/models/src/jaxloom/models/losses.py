@@ -153,7 +153,9 @@ def output_logits(model, hidden: jax.Array) -> jax.Array:
     `output_projection()`, soft-capped like the model): for decoding, which needs the last position's logits
     only and so never makes the `[B, T, V]` ones of a whole prompt."""
     kernel, dtype, precision = model.output_projection()
-    return _logits(hidden, kernel, jnp.dtype(dtype or kernel.dtype), precision, _cap_value(getattr(model, "logit_softcap", None)))[0]
+    return _logits(
+        hidden, kernel, jnp.dtype(dtype or kernel.dtype), precision, _cap_value(getattr(model, "logit_softcap", None))
+    )[0]
 
 
 def _prepare(hidden, kernel, targets, weight, blocks: int, dtype):

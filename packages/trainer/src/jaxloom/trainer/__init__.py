@@ -2,12 +2,12 @@
 
 from .__about__ import __version__
 from .arguments import DPOConfig, TrainingArguments
-from .grpo_config import GRPOConfig
+from .grpo.config import GRPOConfig
 from .batches import DataSpec
 from .callbacks import Callback, Callbacks
 from .deployer import Deployer
 from .dpo import DPOTrainer
-from .grpo import GRPOTrainer
+from .grpo.trainer import GRPOTrainer
 from .optim import get_lr_schedule_fn, make_optimizer
 from .outputs import (
     TrainerConfigureDataloaderOutput,

@@ -199,7 +199,7 @@ def _config_keys(model_type: str) -> str:
     import jaxloom.models as jm
 
     from .arguments import ALIASES, RENAMED, DPOConfig
-    from .grpo_config import GRPOConfig
+    from .grpo.config import GRPOConfig
     from .kinds import TRAINERS
 
     if model_type not in jm.CONFIG_CLASSES:

@@ -19,7 +19,7 @@ from jaxloom.core import paths
 from .arguments import apply_overrides, expand_path, load_config_file
 from .kinds import TRAINERS, arguments_of
 from .dpo import DPOTrainer
-from .grpo import GRPOTrainer
+from .grpo.trainer import GRPOTrainer
 from .run_directory import RUN_CONFIG, staging_folder, use_endpoint
 from .runs import model_of, tokenizer_of
 from .trainer import BaseTrainer, Trainer

@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 import jaxloom.models as jmod
@@ -29,7 +28,8 @@ import jaxloom.state as js
 
 from .arguments import DPOConfig
 from .batches import DataSpec
-from .runs import run_model
+from . import reference
+from .reference import build_reference
 from .step import Objective, StepConfig, forward_for_loss
 from .trainer import BaseTrainer
 
@@ -181,7 +181,7 @@ def reference_logps(ref: js.TrainState, batch, after=None, fuse: tuple[int, int]
     `adapters_off`: `ref` is a LoRA policy, whose base is the reference: its adapters are zeroed here
     (`x A 0` adds exactly nothing), so the base is read where it lies, never copied."""
     if adapters_off:
-        ref = ref.replace(params=jax.tree_util.tree_map(jnp.zeros_like, ref.params))
+        ref = reference.adapters_off(ref)
     keys = ("input_ids", "positions", "segment_ids", "loss_mask")
     rows = {k: batch[k] for k in keys}
     if rows["input_ids"].ndim == 3:
@@ -240,40 +240,9 @@ class Reference:
         return batch
 
     def _build(self) -> js.TrainState:
-        """The reference as a `TrainState` with no optimizer (`optax.identity`), sharded like the policy."""
+        """The reference as a `TrainState` with no optimizer, sharded like the policy (`build_reference`)."""
         t = self.trainer
-        frozen, plan = optax.identity(), t.plan
-        if self.source is None:  # the starting policy, rebuilt from its source: the same on every resume
-            fn, inputs = plan.build_fn, plan.build_inputs
-            abstract = jax.eval_shape(lambda *i: _frozen(fn(*i), frozen), *inputs)
-            shardings = js.state_shardings(abstract, plan.shardings.params, t.mesh)
-            return jax.jit(lambda *i: _frozen(fn(*i), frozen), out_shardings=shardings)(*inputs)
-        model = self.source if isinstance(self.source, nnx.Module) else _load_reference(str(self.source))
-        if model.config.vocab_size != plan.config.vocab_size:
-            raise ValueError(
-                f"ref_model has vocab_size {model.config.vocab_size}, the policy {plan.config.vocab_size}; expected "
-                "the same vocabulary (a reference scores the policy's tokens)"
-            )
-        runtime = t.arguments.runtime.apply(model.runtime)
-        abstract_model = jmod.create_model(model.config, runtime, lazy=True, model_class=type(model))
-        graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)  # type: ignore[misc]
-        _, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-        params = jax.tree_util.tree_map(
-            lambda p, t: p.astype(t.dtype), nnx.to_pure_dict(params), nnx.to_pure_dict(target)
-        )
-        state = js.TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=frozen.init(params),
-            rng=jax.random.PRNGKey(0),
-            model_state=nnx.to_pure_dict(rest),
-            graphdef=graphdef,
-            tx=frozen,
-        )
-        shardings = js.state_shardings(
-            jax.eval_shape(lambda: state), jmod.param_shardings(abstract_model, t.mesh), t.mesh
-        )
-        return jax.device_put(state, shardings)
+        return build_reference(t.plan, t.mesh, t.arguments.runtime, self.source)
 
     # ---- precomputed reference log-probs ----------------------------------------------------------------
     def cache_file(self) -> Path:
@@ -356,19 +325,6 @@ class Reference:
                     "changed since they were computed; remove that folder to compute them again"
                 )
         return out
-
-
-def _load_reference(path: str) -> nnx.Module:
-    """An HF directory, or a jaxloom run directory (its newest checkpoint's parameters)."""
-    where = Path(path)
-    if (where / "run_config.json").is_file():
-        return run_model(where)
-    if (where / "config.json").is_file():
-        return jmod.from_pretrained(str(where))
-    raise FileNotFoundError(
-        f"ref_model = {path!r}: expected a Hugging Face model directory (with config.json) or a jaxloom run "
-        "directory (with run_config.json)"
-    )
 
 
 # ---- the trainer -------------------------------------------------------------------------------------------
@@ -460,18 +416,6 @@ class DPOTrainer(BaseTrainer):
         out = super().configure_model()
         self.reference.ready()
         return out
-
-
-def _frozen(state: js.TrainState, tx) -> js.TrainState:
-    return js.TrainState(
-        step=state.step,
-        params=state.params,
-        opt_state=tx.init(state.params),
-        rng=state.rng,
-        model_state=state.model_state,
-        graphdef=state.graphdef,
-        tx=tx,
-    )
 
 
 def _row_keys(local: dict[str, np.ndarray]) -> list[bytes]:

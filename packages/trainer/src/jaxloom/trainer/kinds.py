@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .arguments import DPOConfig, TrainingArguments
-from .grpo_config import GRPOConfig
+from .grpo.config import GRPOConfig
 
 TRAINERS = ("sft", "dpo", "grpo")
 """The `trainer=` key: `sft` (next-token training, the default), `dpo` (preference training) or `grpo` (online

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .arguments import GROUPS, TrainingArguments, _Group, _positive, _signature
+from ..arguments import GROUPS, TrainingArguments, _Group, _positive, _signature
 
 
 class RLArgs(_Group):
@@ -20,7 +20,7 @@ class RLArgs(_Group):
     num_generations: int = Field(8, description="GRPO: completions per prompt (a group)")
     max_prompt_length: int | None = Field(
         None,
-        description="GRPO: prompt tokens kept (longer prompts lose their start, and are counted; None: all, as TRL 1.16)",
+        description="GRPO: prompt tokens kept (longer prompts lose their start, counted; None: all, as TRL 1.16)",
     )
     max_completion_length: int = Field(512, description="GRPO: tokens generated per completion at most")
     temperature: float = Field(1.0, description="GRPO: sampling temperature (also divides the logits in the loss)")
@@ -77,7 +77,7 @@ class GRPOConfig(TrainingArguments):
     `scale_rewards`, `mask_truncated_completions`, `ref_model`. A step trains on `total_batch_size`
     completions: `total_batch_size / num_generations` prompts, each completed `num_generations` times.
     A step's rows are as wide as its longest prompt and its longest completion, each rounded up to a bucket
-    (`jaxloom.trainer.grpo.row_buckets`), not as the caps: `max_sequence_length` is the widest row the caps
+    (`jaxloom.trainer.grpo.rollouts.row_buckets`), not as the caps: `max_sequence_length` is the widest row the caps
     allow, `max_prompt_length + max_completion_length`, or with no `max_prompt_length` (TRL 1.16: prompts are
     never cut) `max_completion_length`, the prompts' own lengths being added from the data and checked against
     the model's positions before step 1. `packing` is off.

@@ -1,0 +1,99 @@
+"""Reward functions (user code, TRL's form) and group-relative advantages."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+class RewardError(RuntimeError):
+    """A reward function failed (raised, returned NaN or the wrong number of rewards)."""
+
+
+def load_reward_function(spec: Any) -> Callable:
+    """A reward function from a callable or a dotted import path (`my_rewards.accuracy`), checked to take
+    TRL's keywords (`prompts`, `completions`, and the dataset's columns through `**kwargs`)."""
+    if isinstance(spec, str):
+        module, _, name = spec.rpartition(".")
+        if not module:
+            raise ValueError(f"reward_funcs: {spec!r}; expected a dotted import path such as my_rewards.accuracy")
+        try:
+            fn = getattr(_import_from_here(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward_funcs: {spec!r} does not import ({type(e).__name__}: {e})") from None
+    else:
+        fn = spec
+    if not callable(fn):
+        raise TypeError(f"reward_funcs: {spec!r} is not callable")
+    params = inspect.signature(fn).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    missing = [k for k in ("prompts", "completions") if k not in params and not var_kw]
+    if missing or not var_kw:
+        raise TypeError(
+            f"reward function {reward_name(fn)}{inspect.signature(fn)}: expected TRL's form "
+            "(prompts, completions, **kwargs) -> list[float] (dataset columns arrive as keyword arguments)"
+        )
+    return fn
+
+
+def _import_from_here(module: str) -> Any:
+    """`module`, found as `python -m` finds it: the working directory comes first (the `jaxloom` command's and a
+    Ray worker's `sys.path` do not hold it, and a user's reward module sits beside their data)."""
+    import os
+    import sys
+
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(module)
+
+
+def reward_name(fn: Callable) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def call_reward(fn: Callable, prompts: list, completions: list, columns: dict[str, list], **extra) -> np.ndarray:
+    """`fn`'s rewards of the completions, checked: one finite number (or None, as TRL allows: no reward) per
+    completion. A raise is retried one completion at a time to name the prompt that fails."""
+    name = reward_name(fn)
+    try:
+        out = fn(prompts=prompts, completions=completions, **columns, **extra)
+    except Exception as e:  # noqa: BLE001 - user code: find the failing prompt, then say which
+        for i in range(len(prompts)):
+            try:
+                fn(prompts=[prompts[i]], completions=[completions[i]], **{k: [v[i]] for k, v in columns.items()})
+            except Exception:  # noqa: BLE001
+                raise RewardError(
+                    f"reward function {name} raised on prompt index {i} of this step ({type(e).__name__}: {e})"
+                ) from e
+        raise RewardError(f"reward function {name} raised ({type(e).__name__}: {e})") from e
+    try:
+        values = np.asarray([np.nan if v is None else float(v) for v in out], np.float64)
+    except (TypeError, ValueError) as e:
+        raise RewardError(f"reward function {name} returned {type(out).__name__}; expected a list of numbers") from e
+    if len(values) != len(prompts):
+        raise RewardError(f"reward function {name} returned {len(values)} rewards for {len(prompts)} completions")
+    bad = [i for i, (v, raw) in enumerate(zip(values, out, strict=True)) if raw is not None and not math.isfinite(v)]
+    if bad:
+        raise RewardError(f"reward function {name} returned {values[bad[0]]} for completion {bad[0]}; expected finite")
+    return values
+
+
+def advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
+    """Group-relative advantages of the summed `rewards [B]` (groups of `group` consecutive completions):
+    reward minus its group's mean, divided by the group's std (`scale="group"`, unbiased as torch's), the
+    batch's (`"batch"`), or not (`"none"`), + 1e-4 as TRL. Also each group's std."""
+    grouped = rewards.reshape(-1, group)
+    mean = grouped.mean(axis=1, keepdims=True)
+    std = grouped.std(axis=1, ddof=1, keepdims=True)
+    adv = grouped - mean
+    if scale == "group":
+        adv = adv / (std + 1e-4)
+    elif scale == "batch":
+        adv = adv / (rewards.std(ddof=1) + 1e-4)
+    return adv.reshape(-1), std.reshape(-1)

@@ -1,0 +1,380 @@
+"""The rollout stage of GRPO (`Rollouts`, the trainer's batches component): the step's prompts from a cursor saved
+with the state, completed by the policy's current weights in process (one prefill per prompt, rows compacted as
+they end, log-probs recorded), scored, and laid out as rows as wide as the step's data."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+import jaxloom.data as jd
+
+from ..batches import Batches, DataSpec
+from ..step import STOP_KEY
+from .loss import ADV, OLD, REF, SAMPLED
+from .rewards import advantages, call_reward, reward_name
+
+log = logging.getLogger("jaxloom.trainer")
+PROMPT_BUCKET = 16
+"""The narrowest prompt bucket: a step's prompts are padded to their longest, rounded up to a power of two >= this."""
+COMPLETION_BUCKET = 16
+"""The narrowest completion bucket (likewise; at most `max_completion_length`)."""
+
+
+def row_buckets(longest_prompt: int, longest_completion: int, max_completion_length: int) -> tuple[int, int]:
+    """`(prompt width, completion width)` of a step's rows: the step's longest prompt and longest completion, each
+    rounded up to a power of two (at least `PROMPT_BUCKET` / `COMPLETION_BUCKET` tokens; a completion at most
+    `max_completion_length`). Cost follows the data, not the caps, and compiles stay few: the generator
+    compiles once per prompt bucket, the train step once per (prompt, completion) bucket pair a run meets —
+    prompts of 10 to 40 tokens and completions up to 256 make at most 3 × 5."""
+    from jaxloom.generation.decode import bucket
+
+    return bucket(longest_prompt, PROMPT_BUCKET), min(
+        max_completion_length, bucket(longest_completion, COMPLETION_BUCKET)
+    )
+
+
+def read_records(data: Any) -> list[dict]:
+    """Every record of `data` (records, an HF dataset, a path): prompt datasets are read whole."""
+    if isinstance(data, list | tuple) and (not data or isinstance(data[0], dict)):
+        return list(data)
+    source = jd.as_source(data)
+    names = source.shard_names() if callable(source.shard_names) else source.shard_names
+    return [dict(r) for name in names for r in source.read_shard(name)]
+
+
+class PromptOrder:
+    """The prompts of each rollout: a permutation of the records per epoch (seeded), read in order by a cursor.
+    `position` counts the optimizer steps served (a rollout serves `iterations` steps; `next()` gives the next
+    step's rollout index); it is saved with every checkpoint (`global_state_dict`) and restored with the state
+    (`state=`), checked against the records and settings it was saved with, as a text loader's position is."""
+
+    KEYS = ("records", "prompts_per_rollout", "iterations", "seed", "shuffle")
+
+    def __init__(
+        self,
+        records: list[dict],
+        per_rollout: int,
+        seed: int,
+        shuffle: bool,
+        iterations: int = 1,
+        state: dict[str, Any] | None = None,
+    ):
+        self.records, self.per_rollout, self.seed, self.shuffle = records, per_rollout, seed, shuffle
+        self.iterations, self.position = iterations, 0
+        if state is not None:
+            self.load(state)
+
+    def indices(self, rollout: int) -> list[int]:
+        """The record indices of rollout `rollout`'s prompts."""
+        n, out = len(self.records), []
+        for flat in range(rollout * self.per_rollout, (rollout + 1) * self.per_rollout):
+            epoch, i = divmod(flat, n)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            out.append(int(order[i]))
+        return out
+
+    def prompts(self, rollout: int) -> list[dict]:
+        return [self.records[i] for i in self.indices(rollout)]
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position; an error naming what changed when the prompts or their order did."""
+        if state.get("kind") != "rollouts":
+            raise ValueError(
+                f"the data position {state!r} is not a GRPO prompt position; expected the same trainer kind"
+            )
+        now = self.global_state_dict()
+        changed = [f"{k}: {state[k]!r} → {now[k]!r}" for k in self.KEYS if k in state and state[k] != now[k]]
+        if changed:
+            raise ValueError(
+                "the prompts or their order changed since this position was saved ("
+                + "; ".join(changed)
+                + "); expected the data and settings the run was started with (resume with them, or start a new run)"
+            )
+        self.position = int(state.get("position", 0))
+
+    # what the core asks of a training loader
+    def __next__(self) -> int:
+        rollout = self.position // self.iterations
+        self.position += 1
+        return rollout
+
+    def __iter__(self):
+        return self
+
+    def global_state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "rollouts",
+            "position": self.position,
+            "records": len(self.records),
+            "prompts_per_rollout": self.per_rollout,
+            "iterations": self.iterations,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def close(self) -> None:
+        pass
+
+
+class Rollouts(Batches):
+    """The batches of a GRPO run: rollouts of the policy (see the module docstring). `engine(prompt_ids,
+    prompt_mask, key) -> (completion_ids, completion_mask)` may replace the in-process generation."""
+
+    def __init__(self, trainer: Any, spec: DataSpec, engine: Callable | None = None):
+        super().__init__(
+            trainer.arguments,
+            spec,
+            mesh=trainer.mesh,
+            data_axes=trainer.data_axes,
+            tokenizer=lambda: trainer.tokenizer,
+            dataset_train=trainer.dataset_train,
+        )
+        self.trainer, self.engine = trainer, engine
+        self.records: list[dict] | None = None
+        self.encoded: list[np.ndarray] | None = None  # each prompt's token ids, made once
+        self.cached: tuple[int, dict] | None = None  # the last rollout's batch (num_iterations > 1 reuses it)
+        self.metrics: list[tuple[int, dict[str, float]]] = []  # (step trained on it, metrics)
+
+    # ---- what the core asks of the batches ----------------------------------------------------------------
+    def prompt_records(self) -> list[dict]:
+        """The prompt records, read once and checked: each has a `prompt` (text or chat messages)."""
+        if self.records is None:
+            records = read_records(self.dataset_train)
+            if not records:
+                raise ValueError("dataset_train has no records; expected prompt records ({'prompt': ...})")
+            for i, r in enumerate(records[:1000]):
+                if "prompt" not in r:
+                    raise ValueError(
+                        f"dataset_train record {i} has no 'prompt' column (it has {sorted(r)}); GRPO reads a "
+                        "prompt (text, or a list of chat messages) per record, other columns go to the rewards"
+                    )
+            self.records = records
+        return self.records
+
+    def prompt_ids(self) -> list[np.ndarray]:
+        """Every prompt's token ids (text as the tokenizer encodes it, chat through its template with the
+        generation prompt), encoded once for the run; not yet cut to `max_prompt_length`."""
+        if self.encoded is None:
+            records = self.prompt_records()
+            chat = isinstance(records[0]["prompt"], list)
+            encoded = jd_encode(self.trainer.tokenizer, [r["prompt"] for r in records], chat)
+            self.encoded = [np.asarray(ids, np.int32) for ids in encoded]
+        return self.encoded
+
+    def longest_prompt(self) -> int:
+        """The widest prompt a step can hold: `max_prompt_length`, or (None) the longest prompt of the data."""
+        cap = self.arguments.rl.max_prompt_length
+        longest = max(len(ids) for ids in self.prompt_ids())
+        return longest if cap is None else min(cap, longest)
+
+    def widest_row(self) -> int:
+        """The widest row a step of this run can have (its prompt bucket + `max_completion_length`): what
+        `jaxloom plan` budgets memory for."""
+        rl = self.arguments.rl
+        prompt, _ = row_buckets(self.longest_prompt(), 1, rl.max_completion_length)
+        return prompt + rl.max_completion_length
+
+    def per_rollout(self) -> int:
+        return self.arguments.total_batch_size // self.arguments.rl.num_generations
+
+    def train_loader(self, state: Any = None) -> PromptOrder:  # type: ignore[override]
+        """The prompt cursor (made once), at the restored position `state` when resuming (a checkpoint written
+        before the cursor was saved resumes at its step)."""
+        if self.train is None:
+            a = self.arguments
+            if state is not None and "position" not in state:
+                state = {**state, "position": int(jax.device_get(self.trainer.state.step))}
+            self.train = PromptOrder(  # type: ignore[assignment]
+                self.prompt_records(),
+                self.per_rollout(),
+                a.seed,
+                a.shuffle_train_dataset,
+                iterations=a.rl.num_iterations,
+                state=state,
+            )
+        return self.train  # type: ignore[return-value]
+
+    def steps_for_epochs(self) -> int:
+        a = self.arguments
+        rollouts = len(self.prompt_records()) // self.per_rollout()
+        if rollouts == 0:
+            raise ValueError(
+                f"dataset_train has {len(self.prompt_records())} prompts; a step needs {self.per_rollout()} "
+                "(total_batch_size / num_generations)"
+            )
+        return rollouts * a.rl.num_iterations * a.num_train_epochs
+
+    def check_train_data(self) -> None:
+        """Prompt records are read whole and checked (`prompt_records`), not as next-token text."""
+        self.prompt_records()
+
+    def check_eval_data(self) -> None:
+        if self.dataset_eval is not None:
+            raise ValueError("GRPO has no evaluation pass here: drop dataset_eval (data.eval)")
+
+    def global_batch(self, local: Any, *, stop_code: int | None = None) -> dict[str, jax.Array]:  # type: ignore[override]
+        """The batch of rollout `local` (the cursor's `next()`): a new rollout, or the last one again within
+        `num_iterations`."""
+        a = self.arguments
+        rollout = int(local)
+        if self.cached is None or self.cached[0] != rollout:
+            step = self.train.position - 1 if self.train is not None else 0  # the step this batch trains
+            if step % a.rl.num_iterations:
+                log.warning(
+                    "resumed inside a rollout's num_iterations (step %d): it is rolled out again with the "
+                    "current weights",
+                    step,
+                )
+            self.cached = (rollout, self.rollout(rollout))
+        batch = dict(self.cached[1])
+        if jax.process_count() > 1 and stop_code is not None:
+            rows = a.total_batch_size
+            batch[STOP_KEY] = self._put(np.full((1, rows, 1), stop_code, np.int32))
+        return batch
+
+    # ---- one rollout ---------------------------------------------------------------------------------------
+    def rollout(self, index: int) -> dict[str, jax.Array]:
+        """Generate, score and lay out rollout `index` (its prompts, `num_generations` completions each)."""
+        t, a = self.trainer, self.arguments
+        rl, tok = a.rl, t.tokenizer
+        started = time.perf_counter()
+        order = self.train_loader()
+        records = order.prompts(index)
+        group = rl.num_generations
+        chat = isinstance(records[0]["prompt"], list)
+        encoded = [self.prompt_ids()[i] for i in order.indices(index)]
+        cap, kept, truncated = rl.max_prompt_length, [], 0
+        for ids in encoded:
+            truncated += cap is not None and len(ids) > cap
+            kept.append(ids if cap is None else ids[-cap:])  # the prompt's end is kept: it leads into the completion
+        width, _ = row_buckets(max(map(len, kept)), 1, rl.max_completion_length)
+        unique = np.full((len(kept), width), tok.pad_token_id or 0, np.int32)
+        unique_mask = np.zeros((len(kept), width), np.int32)
+        for i, ids in enumerate(kept):
+            unique[i, width - len(ids) :], unique_mask[i, width - len(ids) :] = ids, 1
+        prompt, prompt_mask = np.repeat(unique, group, axis=0), np.repeat(unique_mask, group, axis=0)
+        b = len(kept) * group
+        key = jax.random.fold_in(t.state.rng, index)
+        if self.engine is not None:  # an external engine: the prompt rows as they are trained on, no log-probs
+            completion, completion_mask = self.engine(prompt, prompt_mask, key)
+            sampled = None
+        else:  # one prefill per prompt, shared by its group
+            completion, completion_mask, sampled = self.generate(unique, unique_mask, key)
+        _, cwidth = row_buckets(width, int(np.max(completion_mask.sum(axis=1), initial=1)), completion.shape[1])
+        completion, completion_mask = completion[:, :cwidth], completion_mask[:, :cwidth]
+        generated = time.perf_counter()
+        texts = [
+            tok.decode(c[m > 0], skip_special_tokens=True) for c, m in zip(completion, completion_mask, strict=True)
+        ]
+        prompts = [r["prompt"] for r in records for _ in range(group)]
+        completions: list[Any] = [[{"role": "assistant", "content": x}] for x in texts] if chat else texts
+        columns = {k: [r[k] for r in records for _ in range(group)] for k in records[0] if k != "prompt"}
+        funcs, weights = t.reward_functions, t.reward_weights
+        rewards = np.stack(
+            [
+                call_reward(
+                    f,
+                    prompts,
+                    completions,
+                    columns,
+                    completion_ids=[list(c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)],
+                )
+                for f in funcs
+            ],
+            axis=1,
+        )
+        scored = time.perf_counter()
+        total = np.nansum(rewards * np.asarray(weights)[None], axis=1)
+        adv, std = advantages(total, group, rl.scale_rewards)
+        eos = set(t.stop_ids)
+        ended = np.asarray(
+            [any(int(x) in eos for x in c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)]
+        )
+        loss_mask = completion_mask.copy()
+        if rl.mask_truncated_completions:
+            loss_mask[~ended] = 0
+        ids = np.concatenate([prompt, completion], axis=1)
+        seg = np.concatenate([prompt_mask, completion_mask], axis=1)
+        rows = {
+            "input_ids": ids,
+            "segment_ids": seg,
+            "positions": np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32),
+            "loss_mask": np.concatenate([np.zeros_like(prompt_mask), loss_mask], axis=1),
+        }
+        batch = {k: self._put(v[None]) for k, v in rows.items()}
+        batch[ADV] = self._put(adv.astype(np.float32)[None])
+        zeros = np.zeros((1, b, ids.shape[1]), np.float32)
+        batch[OLD] = t.logps_of(batch, reference=False) if rl.num_iterations > 1 else self._put(zeros)
+        batch[REF] = t.logps_of(batch, reference=True) if rl.beta else self._put(zeros)
+        if SAMPLED in self.spec.extra:  # the sampler's log-prob of each completion token, at the token's column
+            at_tokens = np.zeros((b, ids.shape[1]), np.float32)
+            if sampled is not None:
+                at_tokens[:, width:] = np.where(completion_mask > 0, sampled[:, :cwidth], 0.0)
+            batch[SAMPLED] = self._put(at_tokens[None])
+        lengths = completion_mask.sum(axis=1)
+        metrics = {
+            "reward": float(np.mean(total)),
+            "reward_std": float(np.mean(std)),
+            **{f"rewards/{reward_name(f)}/mean": float(np.nanmean(rewards[:, j])) for j, f in enumerate(funcs)},
+            "completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": float(np.mean(~ended)),
+            "prompts/truncated": float(truncated),
+            "rows/width": float(ids.shape[1]),
+            "time/rollout_s": generated - started,
+            "time/reward_s": scored - generated,
+        }
+        self.metrics.append((t.current_step + 1, metrics))
+        return batch
+
+    def generate(
+        self, prompt: np.ndarray, mask: np.ndarray, key: jax.Array
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """In-process generation with the policy's current weights, on the training mesh: `num_generations`
+        completions of each prompt row (one prefill per prompt, its KV cache shared by the group), as
+        `(completion_ids, completion_mask, completion_logps)` with rows `i * num_generations + j`."""
+        import jaxloom.generation as jg
+
+        t, rl = self.trainer, self.arguments.rl
+        config = jg.GenerationConfig(
+            max_new_tokens=rl.max_completion_length,
+            do_sample=rl.temperature > 0,
+            temperature=rl.temperature or 1.0,
+            top_k=rl.top_k or None,
+            top_p=rl.top_p if rl.top_p < 1 else None,
+            eos_token_id=tuple(t.stop_ids),
+            pad_token_id=t.tokenizer.pad_token_id or 0,
+        )
+        out = jg.generate(
+            t.state.model, prompt, mask, config, mesh=t.mesh, rng=key, num_return_sequences=rl.num_generations
+        )
+        return np.asarray(out.completion_ids), np.asarray(out.completion_mask), np.asarray(out.completion_logps)
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """A global `[1, B, ...]` host array (the same on every process) on the batch's sharding."""
+        spec = PartitionSpec(None, *self.sharding.spec[1:2])
+        sharding = NamedSharding(self.mesh, spec)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    def take_metrics(self, step: int | None = None) -> dict[str, float]:
+        """The metrics of the rollouts of steps up to `step` (default: all) not yet taken, averaged (TRL logs
+        them averaged over the logging steps); a rollout made for a later step waits for its own row."""
+        due = [m for s, m in self.metrics if step is None or s <= step]
+        self.metrics = [(s, m) for s, m in self.metrics if not (step is None or s <= step)]
+        if not due:
+            return {}
+        return {k: float(np.mean([m[k] for m in due if k in m])) for k in due[-1]}
+
+
+def jd_encode(tokenizer: Any, prompts: Sequence[Any], chat: bool) -> list[list[int]]:
+    """Token ids of each prompt: text as the tokenizer encodes it, chat messages through its template with
+    the generation prompt (TRL's conversational form)."""
+    from jaxloom.generation import encode_prompts
+
+    return encode_prompts(tokenizer, list(prompts), apply_chat_template=chat)

@@ -1,0 +1,198 @@
+"""`GRPOTrainer`: the core of `BaseTrainer` with GRPO's objective and its rollout stage."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxloom.state as js
+
+from ..batches import DataSpec
+from ..step import Objective
+from .. import reference
+from ..reference import build_reference
+from ..trainer import BaseTrainer
+from .config import GRPOConfig
+from .loss import ADV, OLD, REF, SAMPLED, grpo_loss, grpo_metrics, token_logps
+from .rewards import load_reward_function
+from .rollouts import Rollouts
+
+
+class GRPOTrainer(BaseTrainer):
+    """Online RL with reward functions (TRL's `GRPOTrainer` names): `reward_funcs` are callables
+    `(prompts, completions, **columns) -> list[float]` or dotted import paths (also `arguments.reward_funcs`),
+    weighted by `reward_weights`; `dataset_train` holds prompt records (`prompt`: text or chat messages; other
+    columns reach the rewards). Arguments otherwise as `BaseTrainer`'s; `arguments` is a `GRPOConfig`;
+    `rollout_engine(prompt_ids, prompt_mask, key) -> (completion_ids, completion_mask)` replaces the
+    in-process generation (the seam for an external engine)."""
+
+    MATCH_BOS = True
+
+    def __init__(
+        self,
+        arguments: GRPOConfig | None = None,
+        model_state: js.TrainState | None = None,
+        model: nnx.Module | None = None,
+        dataset_train: Any = None,
+        dataset_eval: Any = None,
+        data_collator: Any = None,
+        finetune: bool = True,
+        processing_class: Any = None,
+        *,
+        reward_funcs: Any = None,
+        rollout_engine: Callable | None = None,
+        mesh=None,
+        hooks: list | None = None,
+        **deprecated_kwargs: Any,
+    ):
+        arguments = arguments if arguments is not None else GRPOConfig()
+        if not isinstance(arguments, GRPOConfig):
+            raise TypeError(f"GRPOTrainer takes a GRPOConfig, got {type(arguments).__name__}")
+        if data_collator is not None:
+            raise ValueError("GRPOTrainer builds its rows from rollouts: data_collator is not used; drop it")
+        super().__init__(
+            arguments,
+            model_state,
+            model,
+            dataset_train,
+            dataset_eval,
+            None,
+            finetune,
+            processing_class,
+            mesh=mesh,
+            hooks=hooks,
+            **deprecated_kwargs,
+        )
+        given = reward_funcs if reward_funcs is not None else arguments.rl.reward_funcs
+        given = [given] if callable(given) or isinstance(given, str) else list(given or [])
+        if not given:
+            raise ValueError("GRPO needs reward_funcs: callables or dotted paths (reward_funcs=my_rewards.accuracy)")
+        for f in given:  # callables are checked now; paths are imported when the run trains (see reward_functions)
+            if not isinstance(f, str):
+                load_reward_function(f)
+        self._reward_specs = given
+        weights = arguments.rl.reward_weights
+        if weights is not None and len(weights) != len(given):
+            raise ValueError(f"reward_weights has {len(weights)} weights for {len(given)} reward functions")
+        self.reward_weights = list(weights) if weights is not None else [1.0] * len(given)
+        self.rollout_engine = rollout_engine
+        self._reference: js.TrainState | None = None
+
+    batches = functools.cached_property(lambda self: Rollouts(self, self.data_spec(), self.rollout_engine))  # type: ignore[assignment]
+
+    @functools.cached_property
+    def reward_functions(self) -> list[Callable]:
+        """The reward functions, dotted paths imported (user code runs): only when the run trains, at setup
+        before step 1 — never by a command that only reads a run (`convert`, `generate`, `eval`, `plan`), so a
+        run directory from elsewhere cannot make those import anything."""
+        return [load_reward_function(f) for f in self._reward_specs]
+
+    def objective(self) -> Objective:
+        """The GRPO loss of `loss_type`; TRL's metrics (`kl`, `clip_ratio`, `entropy`)."""
+        rl = self.arguments.rl
+        loss = functools.partial(grpo_loss, rl=rl, iterations=rl.num_iterations)
+        return Objective(loss=loss, metrics=grpo_metrics, weight="units", perplexity=False)
+
+    def data_spec(self) -> DataSpec:
+        """Rows `[prompt | completion]`, with the advantage per row and the old, reference and (in-process
+        generation) sampler log-probs per token. `row_width` is `max_sequence_length`, the widest row the caps
+        allow; each step's rows are as wide as its data (`row_buckets`), its step compiled per width."""
+        a = self.arguments
+        width = a.max_sequence_length
+        extra = {ADV: ((), np.float32), OLD: ((width,), np.float32), REF: ((width,), np.float32)}
+        if self.rollout_engine is None:
+            extra[SAMPLED] = ((width,), np.float32)
+        return DataSpec(row_width=width, settings={}, extra=extra)
+
+    def configure_functions(self):
+        """The train step compiled once per row width a step brings (`functions.WidthSteps`), when first met:
+        nothing compiles before the first rollout says how wide its rows are."""
+        from ..functions import WidthSteps
+        from ..outputs import TrainerConfigureFunctionOutput
+
+        fns = self.functions
+        self._train_fn = WidthSteps(fns, self.arguments.total_batch_size)
+        return TrainerConfigureFunctionOutput(fns.train, fns.evaluate, self.mesh, self.checkpoints)
+
+    def lower_train_step(self):
+        """The train step lowered for the widest row this run can make (`Rollouts.widest_row`): what `jaxloom
+        plan` budgets memory for."""
+        return self.functions.lower(self.arguments.total_batch_size, self.batches.widest_row())  # type: ignore[attr-defined]
+
+    def compiled_train_step(self):
+        """The train step compiled for the widest row this run can make (see `lower_train_step`)."""
+        return self.lower_train_step().compile()
+
+    def data_metrics(self, step: int | None = None) -> dict[str, float]:
+        """The rollouts' metrics under TRL's names, for the log row of `step`: `reward`, `reward_std`,
+        `rewards/<func>/mean`, `completions/mean_length`, `completions/clipped_ratio`, `prompts/truncated`,
+        `time/rollout_s`, `time/reward_s` (averaged over the steps since the last row)."""
+        return self.batches.take_metrics(step)  # type: ignore[attr-defined]
+
+    @functools.cached_property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Where a completion ends: the tokenizer's EOS and, for chat prompts, the template's end of turn."""
+        from jaxloom.generation import end_of_turn_ids
+
+        tok = self.tokenizer
+        ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        if self.batches.prompt_records() and isinstance(self.batches.prompt_records()[0]["prompt"], list):  # type: ignore[attr-defined]
+            ids |= set(end_of_turn_ids(tok))
+        return tuple(sorted(ids))
+
+    def configure_model(self):
+        """The policy, then (with `beta > 0`) the reference: the base with the adapters off under LoRA (no copy),
+        `ref_model`, or the initial policy (rebuilt from its source on every start, never checkpointed)."""
+        out = super().configure_model()
+        a = self.arguments
+        self.batches.prompt_records()  # type: ignore[attr-defined]  # the data is checked before step 1
+        self.reward_functions  # noqa: B018 - imported and checked before step 1
+        positions = self.plan.config.max_position_embeddings
+        prompt = self.batches.longest_prompt()  # type: ignore[attr-defined]
+        if prompt + a.rl.max_completion_length > positions:
+            ids = self.batches.prompt_ids()  # type: ignore[attr-defined]
+            which = max(range(len(ids)), key=lambda i: len(ids[i]))
+            said = (
+                f"max_prompt_length = {a.rl.max_prompt_length}"
+                if a.rl.max_prompt_length is not None and a.rl.max_prompt_length < len(ids[which])
+                else f"the longest prompt (record {which}) is {prompt} tokens"
+            )
+            raise ValueError(
+                f"{said}, + max_completion_length = {a.rl.max_completion_length} is "
+                f"{prompt + a.rl.max_completion_length}; expected at most the model's max_position_embeddings "
+                f"({positions}): lower max_completion_length, or set max_prompt_length to cut prompts (their start "
+                "is dropped, and counted)"
+            )
+        if a.rl.beta and self._reference is None and self.plan.lora is None:
+            self._reference = build_reference(self.plan, self.mesh, a.runtime, a.rl.ref_model)
+        return out
+
+    @functools.cached_property
+    def _logps_fn(self):
+        temperature = self.arguments.rl.temperature
+        fused = dict(block_size=self.arguments.loss_block_size, data_shards=self.data_shards())
+
+        def fn(state, batch, adapters_off):
+            if adapters_off:
+                state = reference.adapters_off(state)
+            rows = {k: batch[k][0] for k in ("input_ids", "positions", "segment_ids")}
+            logp, _ = token_logps(state.model, rows, temperature, **fused)
+            return jnp.pad(logp, ((0, 0), (1, 0)))[None]  # aligned with the row's tokens: column 0 predicts nothing
+
+        return jax.jit(fn, static_argnums=2)
+
+    def logps_of(self, batch: dict[str, jax.Array], *, reference: bool) -> jax.Array:
+        """Per-token log-probs `[1, B, L]` of the rollout rows of `batch`: the policy's now (the old log-probs
+        of `num_iterations`), or with `reference` the reference's."""
+        with jax.set_mesh(self.mesh):
+            if not reference:
+                return self._logps_fn(self.state, batch, False)
+            if self._reference is None:  # LoRA: the base is the policy with its adapters off
+                return self._logps_fn(self.state, batch, True)
+            return self._logps_fn(self._reference, batch, False)

@@ -1,0 +1,86 @@
+"""The frozen reference model of preference training (DPO) and online RL (GRPO): built once, sharded like the
+policy, never checkpointed, and the one way to read a LoRA policy's base ("adapters off").
+
+    ref = build_reference(plan, mesh, runtime, source)    # source: None (the starting policy), a model, a directory
+    base = adapters_off(lora_state)                        # the base of a LoRA policy, read where it lies
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import jaxloom.models as jmod
+import jaxloom.state as js
+
+from .runs import run_model
+
+
+def adapters_off(state: js.TrainState) -> js.TrainState:
+    """A LoRA policy's state with its adapters zeroed: the base model (`x A 0` adds exactly nothing), read where
+    its frozen weights lie, never copied. The reference of DPO and GRPO under LoRA (TRL's way)."""
+    return state.replace(params=jax.tree_util.tree_map(jnp.zeros_like, state.params))
+
+
+def build_reference(plan: Any, mesh: Any, runtime: Any, source: Any) -> js.TrainState:
+    """The reference as a `TrainState` with no optimizer (`optax.identity`), sharded like the policy on `mesh`.
+    `source`: None (the starting policy, rebuilt from `plan`'s source: the same on every resume), an `nnx` model,
+    an HF directory or a jaxloom run directory; `runtime` (the arguments' `RuntimeConfig` changes, `.apply(r)`)
+    sets its compute settings."""
+    frozen = optax.identity()
+    if source is None:
+        fn, inputs = plan.build_fn, plan.build_inputs
+        abstract = jax.eval_shape(lambda *i: _frozen(fn(*i), frozen), *inputs)
+        shardings = js.state_shardings(abstract, plan.shardings.params, mesh)
+        return jax.jit(lambda *i: _frozen(fn(*i), frozen), out_shardings=shardings)(*inputs)
+    model = source if isinstance(source, nnx.Module) else _load_reference(str(source))
+    if model.config.vocab_size != plan.config.vocab_size:
+        raise ValueError(
+            f"ref_model has vocab_size {model.config.vocab_size}, the policy {plan.config.vocab_size}; expected "
+            "the same vocabulary (a reference scores the policy's tokens)"
+        )
+    abstract_model = jmod.create_model(model.config, runtime.apply(model.runtime), lazy=True, model_class=type(model))
+    graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)  # type: ignore[misc]
+    _, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+    params = jax.tree_util.tree_map(lambda p, t: p.astype(t.dtype), nnx.to_pure_dict(params), nnx.to_pure_dict(target))
+    state = js.TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=frozen.init(params),
+        rng=jax.random.PRNGKey(0),
+        model_state=nnx.to_pure_dict(rest),
+        graphdef=graphdef,
+        tx=frozen,
+    )
+    shardings = js.state_shardings(jax.eval_shape(lambda: state), jmod.param_shardings(abstract_model, mesh), mesh)
+    return jax.device_put(state, shardings)
+
+
+def _frozen(state: js.TrainState, tx) -> js.TrainState:
+    return js.TrainState(
+        step=state.step,
+        params=state.params,
+        opt_state=tx.init(state.params),
+        rng=state.rng,
+        model_state=state.model_state,
+        graphdef=state.graphdef,
+        tx=tx,
+    )
+
+
+def _load_reference(path: str) -> nnx.Module:
+    """An HF directory, or a jaxloom run directory (its newest checkpoint's parameters)."""
+    where = Path(path)
+    if (where / "run_config.json").is_file():
+        return run_model(where)
+    if (where / "config.json").is_file():
+        return jmod.from_pretrained(str(where))
+    raise FileNotFoundError(
+        f"ref_model = {path!r}: expected a Hugging Face model directory (with config.json) or a jaxloom run "
+        "directory (with run_config.json)"
+    )
