@@ -263,6 +263,8 @@ def main() -> None:
     results["peft"] = run_process([str(HERE / "peft_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # GRPO: rollout tokens/s and the step's split on the 8.4M model; the same tiny job in jaxloom and in TRL
     results["grpo"] = run_process([str(HERE / "grpo_rows.py")], {"JAX_PLATFORMS": "cpu"})
+    # GRPO rollouts: a step's cost at prompt caps 32, 512 and unset; the generator's tokens/s, half the rows ending
+    results["rollouts"] = run_process([str(HERE / "rollout_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Each model family's training step at about Llama's parameter count, in tokens/s relative to Llama's
     results["families"] = run_process([str(HERE / "family_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # The gang: 2 Ray workers (2 JAX processes) vs 1 process on the same 2-device mesh; driver CPU
@@ -687,6 +689,29 @@ def table(r: dict) -> str:
     rows += gpu_rows(r.get("gpu", {}))
     rows += lora_rows(r.get("lora", {}))
     rows += grpo_rows(r.get("grpo", {}))
+    o = r.get("rollouts")
+    if o:
+        rows += [
+            (
+                "GRPO step s, 20-token prompts: cap 512 / cap 32 (cost follows the data)",
+                f"{o['step_cap_512']['seconds_per_step']:.2f} / {o['step_cap_32']['seconds_per_step']:.2f}",
+                f"{o['step_ratio_512_vs_32']:.2f}",
+                "<= 1.15",
+            ),
+            (
+                "GRPO step s, 20-token prompts: no cap / cap 32",
+                f"{o['step_cap_none']['seconds_per_step']:.2f} / {o['step_cap_32']['seconds_per_step']:.2f}",
+                f"{o['step_ratio_unset_vs_32']:.2f}",
+                "<= 1.15",
+            ),
+            (
+                "generator tokens/s, 16 prompts x 8, half ending early: now vs prompts padded to 512",
+                f"{o['engine_now']['generated_tokens_per_s']:.0f} vs "
+                f"{o['engine_before']['generated_tokens_per_s']:.0f}",
+                f"{o['engine_speedup']:.1f}",
+                ">= 1.5",
+            ),
+        ]
     p = r.get("peft")
     if p:
         rows.append(
