@@ -28,7 +28,15 @@ TEST_ENV = {
     "JAX_PLATFORMS": "cpu",
     "TF_CPP_MIN_LOG_LEVEL": "3",
     "PYTHONHASHSEED": "0",
+    # JAX's persistent compilation cache, shared by every target, test, worker and subprocess of one `nox -s tests`
+    # (a CI run starts it empty): the same tiny model's steps compile once, not once per test and per `jaxloom
+    # train` subprocess. A size limit turns on JAX's file lock, so that parallel workers never read an entry being
+    # written. Programs compiled in under 0.3 s are not worth a file.
+    "JAX_COMPILATION_CACHE_DIR": str(Path(__file__).resolve().parent / ".nox" / "jax-compilation-cache"),
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(16 * 2**30),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.3",
 }
+CACHE_LOCK = "filelock>=3.12"
 TARGETS = (*parts.PARTS, parts.META)
 # Parts whose tests compare against transformers' PyTorch models. Torch is installed from a local CPU
 # wheel only: a plain `torch` requirement would download a multi-GB CUDA build.
@@ -99,11 +107,13 @@ def tests(session: nox.Session, target: str) -> None:
     start = time.perf_counter()
     if target == SMOKE:
         install_parts(session, parts.closure("trainer"))
+        session.install(CACHE_LOCK)
         session.run("python", "-c", "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__)")
         session.run("pytest", "tests/smoke", *session.posargs, env=TEST_ENV)
         session.log(f"tests({target}) took {time.perf_counter() - start:.1f} s")
         return
     install_parts(session, parts.closure(target) if target != parts.META else [*parts.PARTS, parts.META])
+    session.install(CACHE_LOCK)  # JAX's compilation cache with a size limit needs it (TEST_ENV)
     if target in NEEDS_TORCH:
         wheels = sorted(glob.glob(TORCH_WHEELS))
         if wheels:

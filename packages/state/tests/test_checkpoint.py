@@ -266,3 +266,31 @@ def test_a_read_only_manager_changes_nothing(tmp_path):
     with pytest.raises(ValueError, match="read-only"):
         reader.save(1, {"x": jnp.ones(2)})
     assert in_flight.is_dir()
+
+
+def test_a_step_removed_while_it_is_read_is_not_corruption(tmp_path, monkeypatch):
+    """Issue 52: a reader beside a run that rotates its checkpoints (save_total_limit) finds the step it reads
+    removed mid-read: it reads the newest complete step as it is then, renames nothing, and says why."""
+    mesh = mesh_of(fsdp=1)
+    state = make_state(mesh)
+    writer = js.CheckpointManager(str(tmp_path), save_total_limit=None, async_save=False)
+    for step in (1, 2, 3):
+        writer.save(step, state, data_state={}, metadata={})
+    writer.wait_until_finished()
+    reader = js.CheckpointManager(str(tmp_path), read_only=True)
+    real = js.CheckpointManager._restore_one
+    calls = []
+
+    def rotating(self, target_, step, params_only):  # the writer saves 4 and removes 3 while 3 is being read
+        calls.append(step)
+        if step == 3 and len(calls) == 1:
+            writer.save(4, state, data_state={}, metadata={})
+            writer.wait_until_finished()
+            shutil.rmtree(tmp_path / "3")
+            raise FileNotFoundError(f"{tmp_path / '3'}: No such file or directory")
+        return real(self, target_, step, params_only)
+
+    monkeypatch.setattr(js.CheckpointManager, "_restore_one", rotating)
+    restored = reader.restore(target(mesh))
+    assert restored.step == 4 and calls == [3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name[0].isdigit()) == ["1", "2", "4"]  # nothing set aside

@@ -48,10 +48,13 @@ def _last_logits(model, input_ids, **kwargs):
     """`(logits of the last position [B, V], output)`: a jaxloom causal LM stops before its output layer and
     projects the last position only (a prompt's `[B, P, V]` logits are never made); other models compute all."""
     if hasattr(model, "output_projection") and "return_hidden" in inspect.signature(model.__call__).parameters:
-        from jaxloom.models import output_logits
-
         out = model(input_ids, return_hidden=True, **kwargs)
-        return output_logits(model, out.hidden[:, -1]), out
+        kernel, dtype, precision = model.output_projection()  # as the model's output layer computes them
+        logits = jnp.dot(out.hidden[:, -1].astype(dtype), kernel.astype(dtype), precision=precision)
+        cap = getattr(model, "logit_softcap", None)
+        if cap is not None:  # Gemma 2: cap · tanh(logits / cap), in the logits' dtype
+            logits = cap * jnp.tanh(logits / cap)
+        return logits.astype(jnp.float32), out
     out = model(input_ids, **kwargs)
     return out.logits[:, -1], out
 

@@ -23,7 +23,6 @@ from .losses import (
     linear_cross_entropy,
     linear_log_probs,
     linear_token_log_probs,
-    output_logits,
 )
 from .llama import CausalLMOutput, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from .mixtral import MixtralForCausalLM, dispatch_tokens, expert_parallel_dispatch, grouped_matmul
@@ -55,7 +54,6 @@ __all__ = [
     "linear_cross_entropy",
     "linear_token_log_probs",
     "linear_log_probs",
-    "output_logits",
     "SCAN_ABOVE_LAYERS",
     "CONFIG_CLASSES",
     "CausalLMOutput",

@@ -121,8 +121,8 @@ def linear_token_log_probs(
     softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`(logp, entropy)`, each `[B, T]`: the log-probability of `targets [B, T]` and the entropy of the
-    distribution, under the logits `z = hidden @ kernel` (computed in `dtype` at `precision`, soft-capped as in
-    `linear_cross_entropy`, read in float32) divided by `temperature` — position by position, as an RL loss
+    distribution, under the logits `z = hidden @ kernel` (computed in `dtype` at `precision`, capped by `softcap`
+    as in `linear_cross_entropy`, read in float32) divided by `temperature` — position by position, as an RL loss
     reads them (GRPO's per-token ratios), in `blocks` blocks of positions so the `[B, T, V]` logits are never
     held whole. Differentiable: each block is rematerialised in the backward pass (its logits are recomputed
     there, not kept), so memory stays one block's logits."""
@@ -146,16 +146,6 @@ def linear_token_log_probs(
 
     _, (logp, entropy) = jax.lax.scan(body, None, (_split(hidden, blocks), _split(targets, blocks)))
     return _join(logp)[:, :t], _join(entropy)[:, :t]
-
-
-def output_logits(model, hidden: jax.Array) -> jax.Array:
-    """The float32 logits a jaxloom causal LM computes from its final `hidden [..., D]` states (its
-    `output_projection()`, soft-capped like the model): for decoding, which needs the last position's logits
-    only and so never makes the `[B, T, V]` ones of a whole prompt."""
-    kernel, dtype, precision = model.output_projection()
-    return _logits(
-        hidden, kernel, jnp.dtype(dtype or kernel.dtype), precision, _cap_value(getattr(model, "logit_softcap", None))
-    )[0]
 
 
 def _prepare(hidden, kernel, targets, weight, blocks: int, dtype):

@@ -445,8 +445,10 @@ class CheckpointManager:
         if step is not None and step not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; available: {steps}")
         candidates = [step] if step is not None else sorted(steps, reverse=True)
-        errors = []
-        for s in candidates:
+        errors: list[str] = []
+        vanished = 0
+        while candidates:
+            s = candidates.pop(0)
             try:
                 started = time.monotonic()
                 log.info("restoring checkpoint %s …", self.directory / str(s))
@@ -462,7 +464,22 @@ class CheckpointManager:
                     seconds,
                 )
                 return restored
-            except CheckpointCorruptError as e:
+            except Exception as e:
+                if self._vanished(s) and step is None and vanished < 8:
+                    # another run removed it while it was read (its save_total_limit): not corruption; read the
+                    # newest complete step as it is now
+                    vanished += 1
+                    self._manager = None
+                    log.warning(
+                        "checkpoint %s disappeared while it was read (the run writing %s removed it); reading the "
+                        "newest complete checkpoint now",
+                        self.directory / str(s),
+                        self.directory,
+                    )
+                    candidates = sorted(self.all_steps(), reverse=True)
+                    continue
+                if not isinstance(e, CheckpointCorruptError):
+                    raise
                 errors.append(str(e))
                 if not fallback or step is not None:
                     raise
@@ -470,9 +487,20 @@ class CheckpointManager:
                     log.error("%s; reading an older checkpoint (left in place: this manager only reads)", e)
                     continue
                 log.error("%s; moved aside to %s; falling back to an older checkpoint", e, self._set_aside(s))
+        if not errors:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory} (they were removed while being read)")
+        where = "left in place: this manager only reads" if self.config.read_only else "moved aside as <step>.corrupt"
         raise CheckpointCorruptError(
-            f"every checkpoint in {self.directory} is corrupt (moved aside as <step>.corrupt): " + " | ".join(errors)
+            f"every checkpoint in {self.directory} is corrupt ({where}): " + " | ".join(errors)
         )
+
+    def _vanished(self, step: int) -> bool:
+        """Whether complete step `step` is gone from the directory (removed by the run that writes it)."""
+        self._manager = None
+        try:
+            return step not in self.all_steps()
+        except OSError:
+            return False
 
     def _set_aside(self, step: int) -> Path:
         """Rename corrupt checkpoint `step` to `<step>.corrupt` (process 0), so that it is never chosen

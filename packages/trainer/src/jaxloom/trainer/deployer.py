@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -264,13 +265,10 @@ class Deployer:
         `params_sharding_rules` on the mesh. `load_params` / `load_opt_state` choose what is read (the
         optimizer state needs `optimizer` for its structure); `float_dtype` casts floating params;
         `update_rng` continues this deployer's RNG stream from the saved position."""
-        manager = js.CheckpointManager(ckpt_dir)
+        # a reader: it never sets a step aside or cleans up (the run that writes `ckpt_dir` may be training), and it
+        # reads the arrays as saved, so their digests are checked before any cast to `float_dtype`
+        manager = js.CheckpointManager(ckpt_dir, read_only=True)
         shapes = manager.restore_shapes()
-        if float_dtype is not None:
-            shapes = jax.tree_util.tree_map(
-                lambda s: jax.ShapeDtypeStruct(s.shape, float_dtype) if np.issubdtype(s.dtype, np.floating) else s,
-                shapes,
-            )
         specs = self.get_params_spec(shapes, params_sharding_rules)
         shard = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self._mesh, s))  # noqa: E731
         params_t = jax.tree_util.tree_map(shard, shapes, specs)
@@ -290,8 +288,13 @@ class Deployer:
         meta = restored.metadata
         if update_rng and "rng_stream" in meta:
             self.rng = jmesh.RngStream.from_state_dict(meta["rng_stream"])
+        params = restored.state.params
+        if float_dtype is not None:
+            params = jax.tree_util.tree_map(
+                lambda x: x.astype(float_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
+            )
         ckpt = {
-            "params": restored.state.params if load_params else None,
+            "params": params if load_params else None,
             "opt_state": restored.state.opt_state if load_opt_state and optimizer is not None else None,
         }
         return ckpt, js.from_jsonable(meta.get("info", {}))
