@@ -346,8 +346,8 @@ def test_new_families_train_fused_as_with_whole_logits(tmp_path, family):
     np.testing.assert_allclose(whole, blocks, rtol=1e-5)
     assert whole[-1] < whole[0]
     pw, pb = params_of(runs["whole"].state), params_of(runs["blocks"].state)
-    for k in pw:
-        np.testing.assert_allclose(pw[k], pb[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    for k in pw:  # Adam divides by sqrt(v): a near-zero gradient's float32 rounding moves its weight by ~1e-6 too
+        np.testing.assert_allclose(pw[k], pb[k], rtol=1e-4, atol=1e-5, err_msg=k)
 
 
 def test_expert_parallel_mixtral_trains_as_fully_sharded_with_its_tokens_moving(tmp_path):

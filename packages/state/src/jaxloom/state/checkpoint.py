@@ -456,10 +456,11 @@ class CheckpointManager:
                 read = restored.state.params if params_only else (restored.state.params, restored.state.opt_state)
                 size = sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(read))
                 seconds = time.monotonic() - started
-                log.info(
-                    "restored checkpoint %s (step %d): %.2f GB in %.1f s",
+                log.info(  # the checkpoint's step (a params-only restore keeps the target's step 0)
+                    "restored checkpoint %s (step %d%s): %.2f GB in %.1f s",
                     self.directory / str(s),
-                    restored.step,
+                    s,
+                    ", parameters only" if params_only else "",
                     size / 1e9,
                     seconds,
                 )
