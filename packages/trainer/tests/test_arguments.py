@@ -131,6 +131,26 @@ def test_other_frameworks_names_are_understood_or_refused_with_the_name_to_use()
         TrainingArguments(max_steps=3, max_training_steps=4)
 
 
+def test_hf_and_trl_names_point_to_the_setting_that_does_it():
+    """Issue 51's hints: gradient_checkpointing → remat (not async_checkpointing), report_to → use_tensorboard /
+    use_wandb, dataset_text_field → the text column; TRL's max_length is max_sequence_length for SFT as for DPO;
+    one reward function is accepted as TRL accepts it."""
+    from jaxloom.trainer import GRPOConfig
+    from jaxloom.trainer.kinds import arguments_of
+
+    for name, hint in (
+        ("gradient_checkpointing", "use remat"),
+        ("report_to", "use use_tensorboard=true|false and use_wandb"),
+        ("dataset_text_field", "use a 'text' column"),
+    ):
+        with pytest.raises(ValueError) as e:
+            TrainingArguments(**{name: True})
+        assert f"'{name}' ({hint}" in str(e.value) and "did you mean" not in str(e.value), str(e.value)
+    kind, a = arguments_of({"max_length": 256})
+    assert kind == "sft" and a.max_sequence_length == 256
+    assert GRPOConfig(reward_funcs="my_rewards.accuracy").rl.reward_funcs == ("my_rewards.accuracy",)
+
+
 def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path):
     """YAML and JSON readers keep the last of two equal keys without a word (issue 43); jaxloom names it."""
     from jaxloom.trainer.arguments import load_config_file

@@ -660,6 +660,11 @@ RENAMED = {
     "bf16": "dtype=bfloat16 (the compute dtype; param_dtype for the stored weights)",
     "fp16": "dtype=float16 (the compute dtype; param_dtype for the stored weights)",
     "logging_dir": "save_directory (TensorBoard events are written to save_directory/tensorboard)",
+    "gradient_checkpointing": "remat (remat=full, or a policy such as checkpoint_dots: each layer's activations "
+    "recomputed in the backward pass)",
+    "report_to": "use_tensorboard=true|false and use_wandb=true|false (TensorBoard is on by default)",
+    "dataset_text_field": "a 'text' column in the records (jaxloom reads text, messages, or prompt + completion): "
+    "rename the field",
 }
 
 

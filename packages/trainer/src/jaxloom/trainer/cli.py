@@ -230,7 +230,7 @@ def _config_keys(model_type: str) -> str:
         lines.append(f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}")
     lines += ["", "# other names (HF Trainer, TRL, EasyDeL): read as the jaxloom key, or refused naming it"]
     lines += [f"{alias}: the same as {name}" for alias, name in ALIASES.items()]
-    lines.append("max_length: the same as max_sequence_length (TRL's DPO name; trainer=dpo)")
+    lines.append("max_length: the same as max_sequence_length (TRL's SFTConfig and DPOConfig name; trainer=sft or dpo)")
     lines += [f"{name}: refused; use {instead}" for name, instead in RENAMED.items()]
     lines += ["", *_launcher_keys()]
     return "\n".join(lines)

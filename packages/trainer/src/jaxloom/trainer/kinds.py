@@ -19,6 +19,6 @@ def arguments_of(data: dict[str, Any]) -> tuple[str, TrainingArguments]:
     kind = data.pop("trainer", "sft") or "sft"
     if kind not in TRAINERS:
         raise ValueError(f"trainer = {kind!r}; expected one of {', '.join(TRAINERS)}")
-    if kind == "dpo" and "max_length" in data:  # TRL's name, given on top of a config: it is the setting
+    if kind in ("sft", "dpo") and "max_length" in data:  # TRL's SFTConfig/DPOConfig name: it is the setting
         data["max_sequence_length"] = data.pop("max_length")
     return kind, {"dpo": DPOConfig, "grpo": GRPOConfig}.get(kind, TrainingArguments)(**data)

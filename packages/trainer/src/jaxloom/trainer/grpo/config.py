@@ -43,6 +43,11 @@ class RLArgs(_Group):
         None, description="GRPO: the KL reference, an HF directory (None: the initial policy; with LoRA, the base)"
     )
 
+    @field_validator("reward_funcs", mode="before")
+    @classmethod
+    def _one_function(cls, v):  # TRL takes one reward function as well as a list
+        return (v,) if isinstance(v, str) else v
+
     @field_validator("scale_rewards", mode="before")
     @classmethod
     def _bool_scale(cls, v):  # TRL < 0.22 took true/false
