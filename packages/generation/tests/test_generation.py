@@ -141,6 +141,11 @@ def test_prompts_follow_the_tokenizers_own_bos_policy():
         ids = jg.encode_prompts(t, chat, apply_chat_template=True)[0]
         assert ids == tok.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
         assert ids[:2].count(tok.bos_token_id) == 1
+    # a text with the chat template is the user's message (issue 53: it was read as a list of messages), alone or
+    # in a list
+    as_user = tok.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
+    assert jg.encode_prompts(tok, "hi", apply_chat_template=True) == [as_user]
+    assert jg.encode_prompts(tok, ["hi", chat], apply_chat_template=True) == [as_user, as_user]
 
 
 def test_chat_generation_stops_at_the_templates_end_of_turn_token():

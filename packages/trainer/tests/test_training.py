@@ -80,6 +80,15 @@ def test_nan_loss_stops_naming_the_step(tmp_path, donate):
     assert t.checkpoints.all_steps() == [2]  # the earlier checkpoint is untouched
 
 
+def test_the_nan_stop_names_the_checkpoints_where_they_are(tmp_path):
+    """Issue 53: the stop message names the run directory's checkpoint path, a URI included (it read
+    `s3:/bucket/run/checkpoints` when the path was rebuilt with pathlib). Nothing is read or written: a
+    trainer's constructor does no I/O."""
+    assert trainer(tmp_path).stop_control.where == f" in {tmp_path / 'checkpoints'}"
+    assert trainer("s3://bucket/run").stop_control.where == " in s3://bucket/run/checkpoints"
+    assert trainer(tmp_path, checkpoint_directory="gs://b/ck").stop_control.where == " in gs://b/ck"
+
+
 def test_out_of_memory_points_to_jaxloom_plan(tmp_path):
     """What the device raises when it runs out of memory (raised here by a hook at step 3) ends training with
     the usual note (the step, the newest checkpoint) and one saying how to see and shrink the memory."""

@@ -29,15 +29,16 @@ class GenerationResults(NamedTuple):
 def encode_prompts(tokenizer, prompts, *, apply_chat_template: bool = False) -> list[list[int]]:
     """The token ids `generate_unified` decodes after, one list per prompt: `prompts` is a text, a list of
     texts, or chat message lists (a list of `{"role", "content"}` dicts, or a list of those) rendered by
-    `tokenizer`'s chat template with `apply_chat_template=True`. Each is encoded as `transformers` does:
+    `tokenizer`'s chat template with `apply_chat_template=True` (a text is then the user's message). Each is encoded as `transformers` does:
     plain text with the tokenizer's own special-token policy (BOS where the tokenizer adds it), a rendered
     chat template as it is (the template writes its special tokens itself).
     Raises ValueError for an empty list or an empty prompt."""
     prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) else list(prompts)
     if not prompts:
         raise ValueError("the prompt list is empty")
-    if apply_chat_template:
-        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    if apply_chat_template:  # a text is the user's message
+        conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
         encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     else:
         encoded = [list(tokenizer(p)["input_ids"]) for p in prompts]

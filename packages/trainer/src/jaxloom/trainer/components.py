@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 
 import inspect
-from pathlib import Path
 from typing import Any
 
 from .batches import Batches
@@ -119,7 +118,7 @@ def generation(trainer: Any) -> Generation:
 
 def stop_control(trainer: Any) -> StopControl:
     a = trainer.arguments
-    where = f" in {a.checkpoint_directory or Path(a.save_directory or '.') / 'checkpoints'}"
+    where = f" in {trainer.run_directory.checkpoints}" if a.save_directory else ""  # the run directory's path (a URI)
     return StopControl(a.nan_policy, a.training_time_limit, where=where)
 
 
