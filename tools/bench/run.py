@@ -265,6 +265,8 @@ def main() -> None:
     results["grpo"] = run_process([str(HERE / "grpo_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # GRPO rollouts: a step's cost at prompt caps 32, 512 and unset; the generator's tokens/s, half the rows ending
     results["rollouts"] = run_process([str(HERE / "rollout_rows.py")], {"JAX_PLATFORMS": "cpu"})
+    # Scanned layers at the speed of unrolled ones: an 18-layer Llama, defaults vs scan_layers=false vs scan_unroll=1
+    results["scan"] = run_process([str(HERE / "scan_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Each model family's training step at about Llama's parameter count, in tokens/s relative to Llama's
     results["families"] = run_process([str(HERE / "family_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # The gang: 2 Ray workers (2 JAX processes) vs 1 process on the same 2-device mesh; driver CPU
@@ -689,6 +691,22 @@ def table(r: dict) -> str:
     rows += gpu_rows(r.get("gpu", {}))
     rows += lora_rows(r.get("lora", {}))
     rows += grpo_rows(r.get("grpo", {}))
+    sc = r.get("scan")
+    if sc:
+        rows += [
+            (
+                "18-layer Llama step, Trainer defaults (stacked, scan unrolled) vs scan_layers=false",
+                f"{sc['defaults']['tokens_per_second']:.0f} vs {sc['unrolled']['tokens_per_second']:.0f} tok/s",
+                f"{sc['defaults_step_vs_unrolled']:.3f}",
+                "<= 1.03",
+            ),
+            (
+                "the same with scan_unroll=1 (a rolled scan, compile flat in depth)",
+                f"{sc['rolled_scan']['tokens_per_second']:.0f} tok/s",
+                f"{sc['rolled_scan_step_vs_unrolled']:.3f}",
+                "",
+            ),
+        ]
     o = r.get("rollouts")
     if o:
         rows += [

@@ -80,7 +80,7 @@ def test_scanned_model_shards_on_a_mesh():
 
 def _compiled_size(layers):
     model = jm.create_model(
-        jm.LlamaConfig(**SMALL, num_hidden_layers=layers), jm.RuntimeConfig(scan_layers=True), lazy=True
+        jm.LlamaConfig(**SMALL, num_hidden_layers=layers), jm.RuntimeConfig(scan_layers=True, scan_unroll=1), lazy=True
     )
     graphdef, state = nnx.split(model)
     ids = jax.ShapeDtypeStruct((2, 16), jnp.int32)
@@ -89,8 +89,30 @@ def _compiled_size(layers):
 
 
 def test_program_size_is_flat_in_depth():
-    """The lowered train program of a 48-layer stack is about the size of an 8-layer one (one body)."""
+    """With `scan_unroll=1` the lowered train program of a 48-layer stack is about the size of an 8-layer one (one
+    body): compile time flat in depth, TPU's default."""
     assert _compiled_size(48) < 1.1 * _compiled_size(8)
+
+
+def test_a_scanned_stack_runs_as_straight_line_code_by_default_on_cpu_and_gpu():
+    """Issue 49: the layers stay stacked (one checkpoint layout) but the default `scan_unroll` unrolls the scan on
+    CPU and GPU, where a rolled scan cost 19 % (CPU, 18 layers) and 25 % (H100) of a step: the compiled train
+    program has no loop over the layers, and its numbers equal the rolled scan's."""
+    config = jm.LlamaConfig(**SMALL, num_hidden_layers=4)
+    assert jm.RuntimeConfig().unroll(4, "cpu") == 4 and jm.RuntimeConfig().unroll(4, "gpu") == 4
+    assert jm.RuntimeConfig().unroll(4, "tpu") == 1 and jm.RuntimeConfig(scan_unroll=2).unroll(4, "cpu") == 2
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)))
+    programs, results = {}, {}
+    for unroll in (None, 1):
+        model = jm.create_model(config, jm.RuntimeConfig(scan_layers=True, scan_unroll=unroll), seed=5)
+        graphdef, state = nnx.split(model)
+        fn = jax.jit(jax.value_and_grad(lambda s, x, g=graphdef: jnp.sum(jnp.sin(nnx.merge(g, s)(x).logits))))
+        programs[unroll] = fn.lower(state, ids).compile().as_text()
+        results[unroll] = fn(state, ids)
+    assert " while(" not in programs[None] and " while(" in programs[1]
+    np.testing.assert_allclose(results[None][0], results[1][0], rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(results[None][1]), jax.tree_util.tree_leaves(results[1][1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["tiled", "ragged"])

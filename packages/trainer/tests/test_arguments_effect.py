@@ -83,6 +83,7 @@ SETUP = {
     "remat": ("full", lambda t: t.runtime.remat),
     "scan_layers": (True, lambda t: "layers" in t.plan.abstract.params["model"] and _stacked(t)),
     "moe_implementation": ("dense", lambda t: t.runtime.moe_implementation),
+    "scan_unroll": (1, lambda t: t.runtime.unroll(t.config.num_hidden_layers)),  # its program: models' test
     "batch_axis": (("fsdp", "dp", "ep"), lambda t: (t.data_axes, t.runtime.partition_axis.batch_axis)),
     "sharding_axis_dims": ((2, -1, 1, 1, 1), lambda t: dict(t.mesh.shape)),
     "sharding_axis_names": (("dp", "fsdp", "ep", "mp", "sp"), lambda t: tuple(t.mesh.shape)),

@@ -29,7 +29,8 @@ class GenerationResults(NamedTuple):
 def encode_prompts(tokenizer, prompts, *, apply_chat_template: bool = False) -> list[list[int]]:
     """The token ids `generate_unified` decodes after, one list per prompt: `prompts` is a text, a list of
     texts, or chat message lists (a list of `{"role", "content"}` dicts, or a list of those) rendered by
-    `tokenizer`'s chat template with `apply_chat_template=True` (a text is then the user's message). Each is encoded as `transformers` does:
+    `tokenizer`'s chat template with `apply_chat_template=True` (a text is then the user's
+    message). Each is encoded as `transformers` does:
     plain text with the tokenizer's own special-token policy (BOS where the tokenizer adds it), a rendered
     chat template as it is (the template writes its special tokens itself).
     Raises ValueError for an empty list or an empty prompt."""

@@ -262,10 +262,11 @@ class CausalLM(nnx.Module):
         return self.lm_head.kernel[...], self.lm_head.dtype, self.lm_head.precision
 
     def _scan(self, run, x, cache, remat: bool, per_layer):
-        """The stacked layers as one `lax.scan`: the body is one layer, traced and compiled once whatever
-        the depth; each step slices that layer's parameters (and cache) off the leading axis. With remat,
-        the body is checkpointed, so the backward keeps only each layer's input (and what the policy
-        saves)."""
+        """The stacked layers as one `lax.scan`: the body is one layer, traced once whatever the depth; each
+        step slices that layer's parameters (and cache) off the leading axis. `runtime.unroll` layers run per
+        iteration (all of them by default on CPU and GPU: straight-line code, the speed of unrolled layers; 1:
+        compiled once whatever the depth). With remat, the body is checkpointed, so the backward keeps only
+        each layer's input (and what the policy saves)."""
         graphdef, stacked = nnx.split(self.model.layers)
 
         def layer_fn(layer_state, x, layer_cache, layer_data):
@@ -274,15 +275,17 @@ class CausalLM(nnx.Module):
             window, rope = layer_data
             return run(nnx.merge(graphdef, layer_state), x, layer_cache, window, rope)
 
-        if remat:  # prevent_cse is unnecessary inside scan (the loop already keeps the recomputation apart)
-            layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=False)
+        unroll = self.runtime.unroll(self.config.num_hidden_layers)  # the stack's layout is the same for any
+        if remat:  # a rolled loop keeps the recomputation apart; unrolled copies need the barrier, as unrolled layers
+            policy = REMAT_POLICIES[self.runtime.remat]
+            layer_fn = jax.checkpoint(layer_fn, policy=policy, prevent_cse=unroll > 1)
 
         def body(x, xs):
             layer_state, layer_cache, layer_data = xs
             x, aux, layer_cache = layer_fn(layer_state, x, layer_cache, layer_data)
             return x, (aux, layer_cache)
 
-        x, (aux, new_cache) = jax.lax.scan(body, x, (stacked, cache, per_layer))
+        x, (aux, new_cache) = jax.lax.scan(body, x, (stacked, cache, per_layer), unroll=unroll)
         return x, None if aux is None else jnp.sum(aux), new_cache
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> Any:

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 from typing import Annotated, Any, Literal
 
+import jax
 import jax.numpy as jnp
 
 from pydantic import AfterValidator, BeforeValidator
@@ -138,6 +139,11 @@ class RuntimeConfig:
       (EasyDeL's gradient-checkpointing names and `EasyDeLGradientCheckPointers` members are read too).
     scan_layers: stack the decoder layers' parameters and run them with one `lax.scan` (compile time
       flat in depth); None = scan when the model has more than `SCAN_ABOVE_LAYERS` (16) layers.
+    scan_unroll: layers per iteration of a scanned stack (`lax.scan`'s `unroll`). The parameters stay stacked
+      whatever it is (a checkpoint's layout never depends on it); unrolled iterations give XLA straight-line
+      code across layers: the speed of unrolled layers for their compile time. None: every layer on CPU and
+      GPU (measured on CPU: a scanned 18-layer step 19 % slower than unrolled at 1, as fast at 18; on an H100
+      the rolled scan cost 25 %), 1 on TPU (compile time flat in depth, as MaxText scans).
     moe_implementation: how routed experts compute: 'ragged' (`lax.ragged_dot`, grouped GEMM kernels on
       GPU/TPU), 'tiled' (tokens sorted by expert in fixed tiles, pure JAX: FLOPs follow k on any
       platform), 'dense' (every expert on every token: the test reference) or 'auto' (ragged on
@@ -152,8 +158,16 @@ class RuntimeConfig:
     attn_block_size: PositiveInt = 512
     remat: Annotated[str, BeforeValidator(remat_policy)] = "none"
     scan_layers: bool | None = None
+    scan_unroll: PositiveInt | None = None
     moe_implementation: Literal["auto", "ragged", "tiled", "dense"] = "auto"
     partition_axis: PartitionAxis = dataclasses.field(default_factory=PartitionAxis)
+
+    def unroll(self, num_layers: int, platform: str | None = None) -> int:
+        """The `lax.scan` unroll of a scanned stack of `num_layers` layers on `platform` (default: JAX's
+        backend): `scan_unroll`, or by platform when it is None (see the field)."""
+        if self.scan_unroll is not None:
+            return max(1, min(self.scan_unroll, num_layers))
+        return 1 if (platform or jax.default_backend()) == "tpu" else num_layers
 
     def scans(self, num_layers: int) -> bool:
         """Whether a model of `num_layers` decoder layers runs them as one scanned stack."""

@@ -252,6 +252,10 @@ class RuntimeArgs(_Group):
     scan_layers: bool | None = Field(
         None, description="scan the decoder stack: compile time flat in depth (None: above 16 layers)"
     )
+    # Layers per iteration of a scanned stack: the stacked layout (and checkpoints) stay, the code is straight-line.
+    scan_unroll: int | None = Field(
+        None, description="layers per iteration of a scanned stack (None: all on CPU/GPU, 1 on TPU)"
+    )
     # MoE experts: auto (ragged on GPU/TPU, tiled on CPU), ragged, tiled, dense (reference).
     moe_implementation: str | None = Field(None, description="MoE expert computation: auto, ragged, tiled, dense")
     # The mesh axes batch rows are split over, in order. None: the model's `partition_axis.batch_axis`
@@ -323,6 +327,7 @@ class RuntimeArgs(_Group):
             "attn_block_size",
             "remat",
             "scan_layers",
+            "scan_unroll",
             "moe_implementation",
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}

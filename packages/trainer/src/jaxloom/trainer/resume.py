@@ -45,6 +45,7 @@ CHANGEABLE = frozenset(
         "attn_mechanism",
         "attn_block_size",
         "remat",
+        "scan_unroll",  # the stacked layout is the same for any unroll
         "moe_implementation",
         "loss_block_size",
         "sharding_axis_dims",
