@@ -106,12 +106,13 @@ def test_commands_that_read_a_run_take_no_process_settings_from_it(tmp_path):
 
 
 def _bad_record_run(directory: Path):
-    """A run whose data has a record with a number as its text at line 70, reached at step 5, just after the
-    asynchronous step-4 checkpoint started."""
+    """A run whose data has, at line 70, a pre-tokenized record with a token id past the vocabulary (found only
+    when the loader reads it with the tokenizer: the up-front check of small files reads structure, issue 57),
+    reached at step 5, just after the asynchronous step-4 checkpoint started."""
     directory.mkdir()
     data = directory / "data.jsonl"
     lines = [json.dumps({"text": f"record {i}: the quick brown fox jumps over the lazy dog"}) for i in range(200)]
-    lines[69] = json.dumps({"text": 70})
+    lines[69] = json.dumps({"input_ids": [5, 6, 10**7]})
     data.write_text("\n".join(lines) + "\n")
     out = directory / "run"
     return (
@@ -135,7 +136,7 @@ def test_an_error_mid_training_waits_for_the_checkpoint_in_flight_and_exits_20_t
         results = list(pool.map(lambda i: _bad_record_run(tmp_path / f"r{i}"), range(20)))
     for (proc, _lines, err), data, out in results:
         assert proc.returncode == 2, err[-3000:]  # run_worker's timeout would have raised on a hang
-        assert f"{data}:70: column 'text' holds int, expected text" in err, err[-3000:]
+        assert f"{data}:70: input_ids hold 5..10000000; expected ids in [0, " in err, err[-3000:]
         assert "training stopped during step" in err and "the newest complete checkpoint is" in err, err[-3000:]
         assert not list((out / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
         assert steps(out) and max(steps(out)) % 4 == 0

@@ -27,7 +27,7 @@ def test_no_pickle_load_anywhere_in_the_sources():
 
 # The one import by name a config can ask for: GRPO's reward functions (`reward_funcs=my_rewards.accuracy`,
 # the and TRL's way of naming user code), imported only when a run trains — see the test below.
-REWARD_IMPORT = "packages/trainer/src/jaxloom/trainer/grpo.py"
+REWARD_IMPORT = "packages/trainer/src/jaxloom/trainer/grpo/rewards.py"
 
 
 def test_no_eval_exec_or_import_by_name_from_config_values():
