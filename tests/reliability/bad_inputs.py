@@ -134,6 +134,12 @@ CASES += [
         r"most the model's max_position_embeddings \(32\)",
     ),
     (
+        "a step too large for the host's memory (CPU)",
+        "step_too_large",
+        r"the train step needs [\d.]+ GiB on this host \(8 CPU devices × what XLA compiled for each\) and this host "
+        r"has [\d.]+ GiB free: expected a smaller total_batch_size",
+    ),
+    (
         "evaluation file with no records",
         "empty_eval_file",
         r"dataset_eval gives no batch of evaluation_batch_size = 8 rows; expected at least one",
@@ -466,6 +472,20 @@ def long_preview_prompt(tmp):
         "generation_max_new_tokens=8",
         "generation_prompts=['" + "word " * 40 + "']",
     )
+
+
+def step_too_large(tmp):
+    """A step that cannot fit the host's memory (on CPU XLA reports no limit; the host's free memory is): refused
+    when the step is compiled, before step 1, with both numbers."""
+    from jaxloom.trainer.compose import build_run
+
+    long = ("max_sequence_length=262144", "model.max_position_embeddings=262144", "total_batch_size=64")
+    trainer, _ = build_run(None, _tiny(tmp, *long, "loss_block_size=0"))
+    try:
+        trainer.initialize_trainer_utils()
+        trainer.compile_aot()
+    finally:
+        trainer.finish()
 
 
 def empty_eval_file(tmp):

@@ -27,7 +27,7 @@ TINY = [
 
 def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, repeat=0, env=None, timeout=300, on_stop=None):
     """Run worker.py; with `stop_after=n`, send `sig` when it prints `STEP n` (and `repeat` more times, 50 ms
-    apart, as an impatient user does), or call `on_stop(line)` there instead (`sig=None`). Returns (proc,
+    apart, as an impatient user does), or call `on_stop(line, proc)` there instead (`sig=None`). Returns (proc,
     stdout, stderr)."""
     # the runs share one compilation cache (as restarts with `compilation_cache_dir` do): a resumed or
     # repeated run loads its compiled programs instead of compiling them again
@@ -49,7 +49,7 @@ def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, repeat=0, e
         lines.append(line.strip())
         if stop_after is not None and line.strip() == f"STEP {stop_after}":
             if sig is None:
-                on_stop(line)
+                on_stop(line, proc)
                 continue
             proc.send_signal(sig)
             if sig == signal.SIGKILL:

@@ -109,6 +109,7 @@ def test_full_disk_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(
     assert proc.returncode == 3, err[-3000:]
     error = next(x for x in lines if x.startswith("ERROR "))
     assert "saving checkpoint 8 in" in error and "Earlier checkpoints [4] are untouched" in error, error
+    assert error.startswith("ERROR the disk is full") and "A checkpoint takes about" in error, error
     assert "STEP 8" in lines and "STEP 9" not in lines  # stopped at the failed save, not later
     from jaxloom.state import CheckpointManager
 

@@ -5,13 +5,17 @@ server on loopback (moto) reached through a relay the test takes down (`jaxloom.
   the save's own (backoff, `storage_retry_seconds`) ride it out, the run goes on and ends bitwise where an
   uninterrupted run ends;
 - gone for good: the run stops with one clear error once `storage_retry_seconds` is spent; back again, a
-  rerun resumes from the newest complete checkpoint and ends bitwise the same.
+  rerun resumes from the newest complete checkpoint and ends bitwise the same;
+- a run paused past its lease (SIGSTOP) while another run takes the directory over: resumed (SIGCONT), it
+  stops at its next write with one error naming the new owner, and the new owner's checkpoints are intact.
 
 (SIGKILL during an upload, on S3 and GCS: packages/trainer/tests/test_resume_cli.py; a GCS server stopped
 and started again with its objects: packages/state/tests/test_object_store.py.)"""
 
 import os
+import signal
 import threading
+import time
 
 import numpy as np
 from faultrun import run_worker
@@ -29,7 +33,7 @@ def _run_with_outage(uri, relay, folder, *overrides, down_at=5, up_after=None, e
     """The worker on `uri`, its store reached through `relay`, taken down when the worker prints `STEP
     down_at` and brought back `up_after` seconds later (None: left down)."""
 
-    def watch(line_seen):
+    def watch(line_seen, proc):
         relay.down()
         if up_after is not None:
             threading.Timer(up_after, relay.up).start()
@@ -80,3 +84,48 @@ def test_a_store_gone_for_good_stops_the_run_with_one_error_and_a_rerun_resumes(
     assert again.returncode == 0, err[-3000:]
     assert f"RESUMED_FROM {uri}/checkpoints/4" in lines, (lines, err[-5000:])
     _same(reference, tmp_path)
+
+
+def test_a_run_paused_past_its_lease_stops_before_writing_and_the_run_that_took_over_is_intact(reference, tmp_path):
+    """Run A is SIGSTOPped after step 5 (its lease: 3 s); run B takes the expired lease over (generation 2),
+    resumes from checkpoint 4 and finishes; A, continued, renews nothing and writes nothing: its save of step 8
+    is fenced (exit 4, one error naming B). B's checkpoints are B's, and a rerun resumes B's last one bitwise."""
+    from jaxloom.state import CheckpointManager
+
+    common = ("storage_lease_seconds=3", "async_checkpointing=false")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "c").mkdir()
+    with s3_server() as bucket:
+        uri = f"{bucket}/runs/lease"
+        taken = {}
+
+        def pause_and_take_over(line, proc):
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(4)  # past A's lease
+                taken["b"] = run_worker(uri, *common, env={"FINAL_TO": str(tmp_path / "b")})
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+
+        a, lines, err = run_worker(
+            uri, *common, stop_after=5, sig=None, on_stop=pause_and_take_over, env={"FINAL_TO": str(tmp_path / "a")}
+        )
+        assert "b" in taken, (lines, err[-3000:])
+        b, b_lines, b_err = taken["b"]
+        assert b.returncode == 0, b_err[-3000:]
+        assert any(x.startswith("RESUMED_FROM") and x.endswith("checkpoints/4") for x in b_lines), b_lines
+        assert a.returncode == 4, err[-3000:]
+        errors = [x for x in err.splitlines() if x.startswith("jaxloom: error")]
+        assert len(errors) == 1 and "LeaseLostError" in errors[0] and "taken by another run" in errors[0], err[-3000:]
+        assert "nothing more was written" in err, err[-3000:]
+        assert not (tmp_path / "a" / "final.npz").exists()
+        manager = CheckpointManager(f"{uri}/checkpoints", read_only=True)
+        steps = manager.all_steps()
+        assert steps[-1] == 16, steps
+        generations = {s: manager.read_meta(s).get("lease_generation") for s in steps}
+        assert all(g == 2 for s, g in generations.items() if s > 4), generations
+        c, c_lines, c_err = run_worker(uri, *common, env={"FINAL_TO": str(tmp_path / "c")})
+    assert c.returncode == 0, c_err[-3000:]
+    _same(reference, tmp_path / "b")
+    _same(reference, tmp_path / "c")  # B's final checkpoint, restored with its digests checked

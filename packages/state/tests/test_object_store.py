@@ -4,6 +4,8 @@ s3fs. Save, restore onto another mesh bitwise; a truncated, deleted or flipped d
 flip found in the same read), set aside, the previous step restored, and that step written again. A step
 is complete only once its commit marker is written. The HF export into a bucket."""
 
+import time
+
 import fsspec
 import jax
 import numpy as np
@@ -136,6 +138,38 @@ def test_conditional_writes_and_the_run_lease(scheme):
         taken = js.StoreLease(f"{bucket}/run").acquire()
         assert taken.owner()["pid"] == os.getpid()  # taken over
         taken.release()
+
+        # fencing: a holder paused past its lease, taken over meanwhile, learns it before its next write
+        first = js.StoreLease(f"{bucket}/fenced", ttl=3).acquire()
+        assert first.check() == first.generation == 1  # renewed now; the generation a write records
+        first._stop.set()  # paused: no renewal from here on
+        time.sleep(3.5)
+        second = js.StoreLease(f"{bucket}/fenced", ttl=30).acquire()  # expired: taken over
+        assert second.generation == 2
+        with pytest.raises(js.LeaseLostError, match=r"taken by another run \(pid \d+ .* generation 2"):
+            first.check()
+        first.release()  # never removes the new owner's lease
+        assert second.owner()["generation"] == 2 and second.check() == 2
+        second.release()
+
+
+def test_a_step_written_after_the_lease_changed_hands_is_never_resumed(tmp_path, caplog):
+    """Generations recorded by `save(generation=...)` never decrease with the step: a step of an older
+    generation above a newer generation's step was written by a run that had lost the lease; it is skipped by
+    `resumable_step` and `restore` (a local-disk checkpoint carries no generation and is never skipped)."""
+    state = make_state(mesh_of(fsdp=2))
+    manager = js.CheckpointManager(str(tmp_path / "ckpt"), async_save=False, save_total_limit=None)
+    manager.save(4, train_steps(state, 4), generation=1)  # the first run
+    manager.save(8, train_steps(state, 8), generation=2)  # the run that took over
+    manager.save(12, train_steps(state, 9), generation=1)  # the first run, late (no fence)
+    assert manager.all_steps() == [4, 8, 12] and manager.latest_step() == 12
+    with caplog.at_level("WARNING"):
+        assert manager.resumable_step() == 8
+    assert "had lost this directory's lease (generation 1, after generation 2 took over)" in caplog.text
+    restored = manager.restore(target(mesh_of(fsdp=2)))
+    assert restored.step == 8 and equal(restored.state.params, train_steps(state, 8).params)
+    manager.save(16, train_steps(state, 10))  # no generation: never fenced out
+    assert manager.resumable_step() == 16
 
 
 def test_hf_export_to_gcs_streams_and_loads_back(tmp_path):

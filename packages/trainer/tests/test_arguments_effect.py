@@ -276,6 +276,10 @@ RUN_LEVEL = {
         "../../../tests/reliability/test_store_faults.py::"
         "test_a_store_gone_for_good_stops_the_run_with_one_error_and_a_rerun_resumes"
     ),
+    "storage_lease_seconds": (
+        "../../../tests/reliability/test_store_faults.py::"
+        "test_a_run_paused_past_its_lease_stops_before_writing_and_the_run_that_took_over_is_intact"
+    ),
     "overwrite_output_dir": (
         "../../../tests/reliability/test_run_directory.py::test_an_earlier_run_is_never_replaced_silently"
     ),

@@ -3,6 +3,7 @@ reward alone, `num_iterations > 1` trains on the stored old log-probs, the KL to
 step 1, and bad settings or data are refused before step 1 with one clear error each."""
 
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -183,6 +184,24 @@ def test_a_failing_reward_names_itself_and_the_prompt_and_loses_nothing(tmp_path
     assert (tmp_path / "a" / "checkpoints" / "1").is_dir()  # the step before stands
     with pytest.raises(RuntimeError, match="reward function returns_nan returned nan for completion 0"):
         grpo_trainer(tmp_path / "b", rewards=[returns_nan]).train()
+
+    def hangs_at_step_2(prompts, completions, **kwargs):  # a reward that hangs (a judge that never answers)
+        calls.append(1)
+        if len(calls) == 2:
+            time.sleep(60)
+        return [0.0] * len(prompts)
+
+    calls: list = []
+    t = grpo_trainer(tmp_path / "c", rewards=[hangs_at_step_2], reward_timeout=1.0, save_steps=1, max_training_steps=3)
+    started = time.monotonic()
+    with pytest.raises(
+        RuntimeError, match=r"reward function hangs_at_step_2 did not return within reward_timeout = 1 s"
+    ):
+        t.train()
+    assert time.monotonic() - started < 50  # cut, not waited for
+    assert (tmp_path / "c" / "checkpoints" / "1").is_dir()  # the step before stands
+    with pytest.raises(ValueError, match="reward_timeout"):
+        grpo_args(tmp_path / "d", reward_timeout=0)
 
 
 def test_long_prompts_are_truncated_at_their_start_and_counted(tmp_path):

@@ -496,6 +496,35 @@ def test_a_run_directory_removed_mid_run_gets_its_files_back(tmp_path):
     assert main(["convert", "--to-hf", str(run), str(tmp_path / "hf")]) == 0
 
 
+def test_data_prepare_conflicts_are_one_line_and_write_nothing(tmp_path, capsys):
+    """A prepare resumed after its source changed, and a second prepare while another writes the same store, were
+    `FileExistsError` tracebacks (issue 52): one line each, exit 2, the unfinished store left as it was."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(40)))
+    partial = tmp_path / "store.partial"
+    partial.mkdir()
+    files = {str(data): [data.stat().st_size, data.stat().st_mtime_ns - 1]}  # begun before the last edit
+    (partial / "plan.json").write_text(json.dumps({"source_files": files}))
+    before = sorted(p.name for p in partial.iterdir())
+    capsys.readouterr()
+    assert main(["data", "prepare", str(data), str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxloom: error: ") and "which has changed since" in err, err
+    assert sorted(p.name for p in partial.iterdir()) == before and not (tmp_path / "store").exists()
+
+    (partial / "plan.json").unlink()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (partial / "prepare.lock").write_text(str(sleeper.pid))  # another prepare, alive, writes it
+        assert main(["data", "prepare", str(data), str(tmp_path / "store")]) == 2
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"being written by another `jaxloom data prepare` (pid {sleeper.pid})" in err
+    assert not (tmp_path / "store").exists()
+
+
 def test_ctrl_c_during_data_prepare_stops_at_once_and_the_same_command_continues(tmp_path):
     """Ctrl-C during `jaxloom data prepare` was sometimes swallowed and the prepare ran on to exit 0 (issue 43):
     it exits 130 at once saying what is kept, and the same command finishes the store."""

@@ -3,7 +3,7 @@
 from .__about__ import __version__
 from .checkpoint import CheckpointConfig, CheckpointCorruptError, CheckpointManager, CheckpointSaveError, Restored
 from .convert import convert_checkpoint
-from .lock import DirectoryLock, DirectoryLockedError, StoreLease
+from .lock import DirectoryLock, DirectoryLockedError, LeaseLostError, StoreLease
 from .export import save_pretrained
 from .shared import check_shared_directory
 from .serialization import from_jsonable, load_json, save_json, to_jsonable
@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointManager",
     "CheckpointSaveError",
+    "LeaseLostError",
     "Restored",
     "StoreLease",
     "TrainState",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import hashlib
 import json
 import logging
@@ -162,10 +163,63 @@ def save_failure(directory: Any, step: int | None, e: Exception) -> CheckpointSa
         steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
     except Exception:  # noqa: BLE001 - the first error is the one to report
         steps = "(cannot be listed)"
+    full = _disk_full(e)
+    if full is not None:
+        return CheckpointSaveError(
+            f"the disk is full: saving {what} in {directory} failed ({full}). {_space_needed(directory, steps)}, then "
+            f"rerun: the run resumes from its newest complete checkpoint. Earlier checkpoints {steps} are untouched; "
+            "the partial write will never be restored."
+        )
     return CheckpointSaveError(
         f"saving {what} in {directory} failed: {first}. Earlier checkpoints "
         f"{steps} are untouched; the partial write will never be restored."
     )
+
+
+_FULL = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded", errno.EFBIG: "File too large"}
+
+
+def _disk_full(error: BaseException | None) -> str | None:
+    """The reason when `error` (or what caused it) is a write the disk refused for space — full, over quota, a
+    file over the size limit — whatever wrapped it (tensorstore's OCDBT writer reports it as text); None
+    otherwise."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, OSError) and error.errno in _FULL:
+            return _FULL[error.errno]
+        for reason in _FULL.values():
+            if reason.lower() in str(error).lower():
+                return reason
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
+
+def _space_needed(directory: Any, steps: Any) -> str:
+    """How much to free: the newest complete checkpoint's size (what the next one takes) against the space
+    free on that filesystem."""
+    import shutil
+
+    advice = "(or lower save_total_limit, or save elsewhere)"
+    try:
+        free = shutil.disk_usage(str(directory if directory.exists() else directory.parent)).free
+    except (OSError, ValueError):
+        return f"Free space there {advice}"
+    size = 0
+    if isinstance(steps, list) and steps:
+        try:
+            size = sum(paths.files_with_sizes(directory / str(steps[-1])).values())
+        except Exception:  # noqa: BLE001 - the size is advice only
+            size = 0
+    said = f"{_size(free)} is free there"
+    if size > free:
+        return f"A checkpoint takes about {_size(size)} and {said}: free at least {_size(size - free)} {advice}"
+    if size:
+        return f"A checkpoint takes about {_size(size)} and {said} now: free more {advice}"
+    return f"{said.capitalize()}: free more {advice}"
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 @config
@@ -292,6 +346,40 @@ class CheckpointManager:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def resumable_step(self) -> int | None:
+        """The newest complete checkpoint a run may resume from: `latest_step`, less any step written late by
+        a run that had lost the directory's lease (`fenced_out`)."""
+        steps = self.all_steps()
+        stale = self.fenced_out(steps)
+        steps = [s for s in steps if s not in stale]
+        return steps[-1] if steps else None
+
+    def fenced_out(self, steps: list[int] | None = None) -> set[int]:
+        """Of `steps` (default: every complete step), those written by an older lease generation than a lower
+        step's (`save(generation=...)`): a run paused
+        past its lease that wrote after another run took the directory over. Checkpoints without a generation (a
+        local disk) are never fenced out."""
+        steps = self.all_steps() if steps is None else steps
+        newest, stale = 0, set()
+        for s in sorted(steps):
+            try:
+                generation = self.read_meta(s).get("lease_generation")
+            except (OSError, ValueError):
+                continue  # unreadable: the restore reports it
+            if generation is None:
+                continue
+            if generation < newest:
+                stale.add(s)
+                log.warning(
+                    "checkpoint %s was written by a run that had lost this directory's lease (generation %d, after "
+                    "generation %d took over); it is never resumed",
+                    self.directory / str(s),
+                    generation,
+                    newest,
+                )
+            newest = max(newest, generation)
+        return stale
+
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
         manager = self._listing()
@@ -317,20 +405,32 @@ class CheckpointManager:
             due = late
         return due
 
-    def save(self, step: int, state: TrainState, *, data_state: Any = None, metadata: dict | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: TrainState,
+        *,
+        data_state: Any = None,
+        metadata: dict | None = None,
+        generation: int | None = None,
+    ) -> None:
         """Save `state` as checkpoint `step` (all processes call this). Returns once arrays are on the
         host; the write continues in the background when `async_save`. `data_state` (the loaders'
         position) and `metadata` are stored as JSON beside the arrays. A store out of reach is retried with
-        backoff for `retry_seconds` (see `CheckpointConfig`)."""
+        backoff for `retry_seconds` (see `CheckpointConfig`). `generation`: the writer's lease generation on a
+        store (`StoreLease.check`), recorded so that a step written late by a run that lost the lease is never
+        resumed after a newer generation's step (`resumable_step`)."""
         if self.config.read_only:
             raise ValueError(f"checkpoint manager of {self.directory} is read-only (a reader); it saves nothing")
         _retry_unreachable(
-            lambda: self._save_once(step, state, data_state, metadata),
+            lambda: self._save_once(step, state, data_state, metadata, generation),
             self.config.retry_seconds,
             f"saving checkpoint {step} in {self.directory}",
         )
 
-    def _save_once(self, step: int, state: TrainState, data_state: Any, metadata: dict | None) -> None:
+    def _save_once(
+        self, step: int, state: TrainState, data_state: Any, metadata: dict | None, generation: int | None = None
+    ) -> None:
         try:  # on an object store these list and read it: a store out of reach is a save that failed
             manager, ocp = self._open(), _ocp()
             self._write_checksums()  # the manifests of earlier saves finalised since
@@ -352,6 +452,7 @@ class CheckpointManager:
             "metadata": metadata or {},
             "versions": _versions(),
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            **({"lease_generation": int(generation)} if generation is not None else {}),
         }
         if self.config.array_format == "raw":
             _, save_args, _ = arrays.orbax_types()
@@ -444,7 +545,11 @@ class CheckpointManager:
             )
         if step is not None and step not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; available: {steps}")
-        candidates = [step] if step is not None else sorted(steps, reverse=True)
+        if step is None:
+            stale = self.fenced_out(steps)
+            candidates = sorted((s for s in steps if s not in stale), reverse=True)
+        else:
+            candidates = [step]
         errors: list[str] = []
         vanished = 0
         while candidates:

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,11 @@ OWNER_ENV = "JAXLOOM_RUN_OWNER"
 
 class DirectoryLockedError(RuntimeError):
     """Another live run owns the directory."""
+
+
+class LeaseLostError(DirectoryLockedError):
+    """This run's lease on its store directory was taken by another run (this one was paused or cut off past
+    the lease's expiry): it must not write there again."""
 
 
 def _start_time(pid: int) -> str | None:
@@ -126,6 +132,11 @@ class DirectoryLock:
             return self
         raise DirectoryLockedError(f"could not take {self.path}: it keeps changing hands")
 
+    def check(self) -> None:
+        """The fence before a write (see `StoreLease.check`): a lock on a local disk cannot be taken from a
+        live owner, so there is nothing to check; None (no lease generation)."""
+        return None
+
     def release(self) -> None:
         """Remove the lock file if this process holds it."""
         if self.held:
@@ -153,11 +164,16 @@ class StoreLease:
         self.path = f"{str(directory).rstrip('/')}/{LOCK_FILE}"
         self.ttl = ttl
         self.held = False
+        self.generation = 0  # one more than the lease's previous holder's: a takeover is a new generation
+        self.lost: dict[str, Any] | None = None  # the new owner, once another run took the lease
         self._version: str | None = None
         self._stop: Any = None
+        self._since = ""
+        self._renewing = threading.Lock()  # the background renewal and a fence (`check`) never interleave
+        self.on_lost: Any = None  # called (from the renewal thread) when the renewal finds the lease taken
 
     def _me(self) -> dict[str, Any]:
-        return {**_identity(), "expires": time.time() + self.ttl}
+        return {**_identity(), "since": self._since, "generation": self.generation, "expires": time.time() + self.ttl}
 
     def owner(self) -> dict[str, Any] | None:
         """The lease's contents, or None when there is none (or it cannot be read)."""
@@ -204,35 +220,81 @@ class StoreLease:
                         f"for it, stop it, or choose another save_directory. If that run is gone, delete {self.path}."
                     )
                 version = found[1]
+                self.generation = int(owner.get("generation") or 0) + 1 if isinstance(owner, dict) else 1
+            else:
+                self.generation = 1
+            self._since = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             try:
                 paths.write_if(self.path, json.dumps(self._me()).encode(), version)
             except paths.PreconditionFailed:
                 continue  # another taker won this round: look again
             self._version = paths.read_versioned(self.path)[1]  # type: ignore[index]
-            self.held = True
+            self.held, self.lost = True, None
             self._renew_in_background()
             return self
         raise DirectoryLockedError(f"could not take {self.path}: it keeps changing hands")
 
     def _renew_in_background(self) -> None:
-        import threading
-
-        from jaxloom.core import paths
 
         stop = self._stop = threading.Event()
 
         def renew() -> None:
             while not stop.wait(self.ttl / 3):
                 try:
-                    paths.write_if(self.path, json.dumps(self._me()).encode(), self._version)
-                    self._version = paths.read_versioned(self.path)[1]  # type: ignore[index]
-                except paths.PreconditionFailed:
-                    log.error("the lease %s was taken by another run: this run no longer owns its directory", self.path)
+                    self._renew()
+                except LeaseLostError as e:
+                    log.warning("%s", e)
+                    if self.on_lost is not None:
+                        self.on_lost()
                     return
                 except Exception as e:  # noqa: BLE001 - the store out of reach: try again at the next renewal
                     log.warning("renewing the lease %s failed (%s); retrying", self.path, str(e)[:200])
 
         threading.Thread(target=renew, name="jaxloom-lease", daemon=True).start()
+
+    def _renew(self) -> None:
+        """Extend the lease by one conditional write on the version this run last wrote; `LeaseLostError`
+        naming the new owner when the lease changed hands since."""
+        from jaxloom.core import paths
+
+        with self._renewing:
+            self._renew_locked(paths)
+
+    def _renew_locked(self, paths: Any) -> None:
+        if self.lost is not None:
+            raise LeaseLostError(self._lost_message())
+        found = paths.read_versioned(self.path)
+        try:
+            if found is None or found[1] != self._version:  # taken over (and maybe released since)
+                raise paths.PreconditionFailed(self.path)
+            paths.write_if(self.path, json.dumps(self._me()).encode(), self._version)
+        except paths.PreconditionFailed:
+            self.lost = self.owner() or {}
+            raise LeaseLostError(self._lost_message()) from None
+        found = paths.read_versioned(self.path)
+        self._version = found[1] if found is not None else self._version
+
+    def _lost_message(self) -> str:
+        o = self.lost or {}
+        who = (
+            f"pid {o.get('pid')} on {o.get('host')}, since {o.get('since')}, generation {o.get('generation')}"
+            if o
+            else "which has released it since"
+        )
+        return (
+            f"the lease {self.path} was taken by another run ({who}; this run held generation {self.generation}) "
+            f"while this run did not renew it for {self.ttl:.0f} s (paused, suspended or cut off from the store): "
+            "this run stops without writing there again; the other run owns the directory now"
+        )
+
+    def check(self) -> int:
+        """The fence before a write to the directory: renew the lease now and return its generation (which the
+        write records), or raise `LeaseLostError` naming the run that took it. A run paused past the lease's
+        expiry finds out here, before it writes, never after."""
+        if not self.held:
+            raise LeaseLostError(f"the lease {self.path} is not held by this run; it writes nothing there")
+        self._renew()
+        return self.generation
 
     def release(self) -> None:
         """Stop renewing and remove the lease if this process still holds it."""
@@ -242,6 +304,8 @@ class StoreLease:
             return
         self._stop.set()
         self.held = False
+        if self.lost is not None:  # another run's lease now: never touched
+            return
         try:
             found = paths.read_versioned(self.path)
             if found is not None and found[1] == self._version:

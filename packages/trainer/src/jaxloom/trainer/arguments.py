@@ -178,6 +178,11 @@ class CheckpointArgs(_Group):
     storage_retry_seconds: float = Field(
         120.0, description="how long a checkpoint save retries a store out of reach (backoff) before the run stops"
     )
+    # A run directory on a store is held by a lease object renewed every third of this; a run that did not renew
+    # it for this long (paused, suspended, cut off) may be taken over, and then writes nothing more there.
+    storage_lease_seconds: float = Field(
+        60.0, description="a store run directory's lease: another run may take it over after this long unrenewed"
+    )
     save_steps: int | None = Field(None, description="checkpoint every this many steps")
     save_minutes: float | None = Field(None, description="checkpoint every this many minutes")
     save_total_limit: int | None = Field(3, description="checkpoints kept (the newest)")
@@ -192,6 +197,11 @@ class CheckpointArgs(_Group):
     @model_validator(mode="after")
     def _check(self):
         _positive(self, "save_steps", "save_minutes", "save_total_limit", allow_none=True)
+        if not self.storage_lease_seconds >= 3:
+            raise ValueError(
+                f"storage_lease_seconds = {self.storage_lease_seconds}; expected at least 3 seconds "
+                "(the lease is renewed every third of it)"
+            )
         if self.storage_retry_seconds < 0:
             raise ValueError(f"storage_retry_seconds = {self.storage_retry_seconds}; expected a number of seconds >= 0")
         if self.save_directory is not None and not self.save_directory.strip():

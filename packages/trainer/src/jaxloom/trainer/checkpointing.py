@@ -10,7 +10,11 @@ identity), and the resume decision. Built from the arguments' checkpoint group.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
+
+import jax
+import numpy as np
 
 import jaxloom.state as js
 
@@ -25,8 +29,11 @@ class Checkpointing:
     `resume_if_possible`). `read_only`: a reader, which never changes the directory (no cleanup of a step
     being written, no corrupt step moved aside)."""
 
-    def __init__(self, config: Any, directory: str, *, read_only: bool = False):
+    def __init__(
+        self, config: Any, directory: str, *, read_only: bool = False, fence: Callable[[], int | None] | None = None
+    ):
         self.config, self.directory, self.read_only = config, directory, read_only
+        self.fence = fence  # before each save: the run still owns its directory (`RunDirectory.fence`)
         self._manager: js.CheckpointManager | None = None
         self.data_state: Any = None  # the loaders' position restored with the state (a resumed run)
 
@@ -53,8 +60,9 @@ class Checkpointing:
         return self.manager.should_save(step)
 
     def resume_step(self) -> int | None:
-        """The step a new start resumes from: the newest complete checkpoint when `resume_if_possible`."""
-        return self.manager.latest_step() if self.config.resume_if_possible else None
+        """The step a new start resumes from: the newest complete checkpoint (not one a run wrote after it lost
+        the directory's lease) when `resume_if_possible`."""
+        return self.manager.resumable_step() if self.config.resume_if_possible else None
 
     def check_resume(self, save_directory: str, identity: dict[str, Any]) -> None:
         """Before restoring: the run here must be one this run can continue (the same model, tokenizer,
@@ -76,7 +84,29 @@ class Checkpointing:
         return self.manager.restore(target, params_only=params_only)
 
     def save(self, step: int, state: js.TrainState, *, data_state: Any, metadata: dict[str, Any]) -> None:
-        self.manager.save(step, state, data_state=data_state, metadata=metadata)
+        """Save checkpoint `step` (every process), once the fence says this run still owns the directory: a run
+        that lost its store lease raises `LeaseLostError` on every process and writes nothing."""
+        generation = self._fenced()
+        self.manager.save(step, state, data_state=data_state, metadata=metadata, generation=generation)
+
+    def _fenced(self) -> int | None:
+        """The lease generation the next checkpoint records (process 0 renews the lease; every process learns
+        whether it was lost)."""
+        error, generation = None, None
+        if self.fence is not None:
+            try:
+                generation = self.fence()
+            except js.LeaseLostError as e:
+                error = e
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            lost = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+            if lost and error is None:
+                error = js.LeaseLostError("process 0 found the run directory's lease taken by another run")
+        if error is not None:
+            raise error
+        return generation
 
     def safe_on_disk(self) -> str:
         """After an error: wait for the checkpoint in flight (never leave it half written) and say what is

@@ -129,12 +129,14 @@ def exit_after_training_error(error: BaseException) -> None:
     """Training began and stopped on `error` (the trainer has already waited for the checkpoint in
     flight): print it with its notes (the step, what is safe on disk) and exit at once, so that orbax's
     writer threads cannot hold the interpreter open. Exit codes: 2 bad input, 3 failed save, 130 Ctrl-C,
-    1 anything else."""
+    4 the run directory's store lease taken by another run, 1 anything else."""
     import traceback
 
-    from jaxloom.state import CheckpointSaveError, DirectoryLockedError
+    from jaxloom.state import CheckpointSaveError, DirectoryLockedError, LeaseLostError
 
-    if isinstance(error, CheckpointSaveError):
+    if isinstance(error, LeaseLostError):
+        code = 4
+    elif isinstance(error, CheckpointSaveError):
         code = 3
     elif isinstance(error, KeyboardInterrupt):
         code = 130
@@ -541,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxloom.state import CheckpointSaveError
 
         if not isinstance(e, CheckpointSaveError):
-            if isinstance(e, FileNotFoundError):
+            if isinstance(e, FileNotFoundError | FileExistsError):  # a missing input; a target another run holds
                 print(f"jaxloom: error: {e}", file=sys.stderr)
                 return 2
             said = _disk_error(e)

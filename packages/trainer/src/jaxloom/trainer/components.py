@@ -79,7 +79,8 @@ def run_directory(trainer: Any) -> RunDirectory:
 
 
 def checkpointing(trainer: Any) -> Checkpointing:
-    return Checkpointing(trainer.arguments.checkpoint, trainer.run_directory.checkpoints)
+    run = trainer.run_directory
+    return Checkpointing(trainer.arguments.checkpoint, run.checkpoints, fence=run.fence)
 
 
 def step_log(trainer: Any) -> StepLog:
@@ -119,7 +120,10 @@ def generation(trainer: Any) -> Generation:
 def stop_control(trainer: Any) -> StopControl:
     a = trainer.arguments
     where = f" in {trainer.run_directory.checkpoints}" if a.save_directory else ""  # the run directory's path (a URI)
-    return StopControl(a.nan_policy, a.training_time_limit, where=where)
+    stop = StopControl(a.nan_policy, a.training_time_limit, where=where)
+    # a store lease taken over: stop after this step; the final save's fence then raises on every process
+    trainer.run_directory.on_lost = lambda: stop.request_stop("the run directory's lease was taken by another run")
+    return stop
 
 
 def exporter(trainer: Any) -> Exporter:

@@ -50,14 +50,18 @@ class Compilation:
         return executable
 
 
+class StepTooLargeError(ValueError):
+    """The compiled train step needs more memory than the devices (or, on CPU, the host) have."""
+
+
 def check_fits(executable, devices) -> None:
     """Refuse, before step 1, a train step whose compiled program needs more memory per device (arguments,
     outputs and temporaries, XLA's own count) than `devices` have: one error with both numbers and what to lower,
-    instead of an out-of-memory traceback at the first step. Devices that report no limit (CPU) are not checked."""
-    stats = [d.memory_stats() or {} for d in devices]
-    limits = [s["bytes_limit"] for s in stats if s.get("bytes_limit")]
+    instead of an out-of-memory traceback at the first step. CPU devices report no limit: they share the host's
+    memory, so the program's need times the local CPU devices is checked against the memory the host has free
+    (`host_memory_available`)."""
     memory = executable.memory_analysis()
-    if not limits or memory is None:
+    if memory is None:
         return
     need = (
         memory.argument_size_in_bytes
@@ -65,14 +69,50 @@ def check_fits(executable, devices) -> None:
         + memory.temp_size_in_bytes
         - memory.alias_size_in_bytes
     )
-    have = min(limits)
+    stats = [d.memory_stats() or {} for d in devices]
+    limits = [s["bytes_limit"] for s in stats if s.get("bytes_limit")]
+    what = "per device (parameters, optimizer state, batch and temporaries, as XLA compiled it)"
+    if limits:
+        have, where = min(limits), "a device has"
+    elif devices and all(d.platform == "cpu" for d in devices):
+        free = host_memory_available()
+        if free is None:
+            return
+        need *= len(devices)
+        have, where = free, "this host has"
+        what = f"on this host ({len(devices)} CPU devices × what XLA compiled for each)"
+    else:
+        return
     if need > have:
-        raise ValueError(
-            f"the train step needs {need / 2**30:.2f} GiB per device (parameters, optimizer state, batch and "
-            f"temporaries, as XLA compiled it) and a device has {have / 2**30:.2f} GiB: expected a smaller "
-            "total_batch_size (with gradient_accumulation_steps for the same batch), a shorter max_sequence_length, "
-            "remat (gradient checkpointing) or more fsdp shards (`jaxloom plan` prints the memory per device)"
+        raise StepTooLargeError(
+            f"the train step needs {need / 2**30:.2f} GiB {what} and {where} {have / 2**30:.2f} GiB free: expected "
+            "a smaller total_batch_size (with gradient_accumulation_steps for the same batch), a shorter "
+            "max_sequence_length, remat (gradient checkpointing) or more fsdp shards (`jaxloom plan` prints the "
+            "memory per device). Nothing was trained."
         )
+
+
+def host_memory_available() -> int | None:
+    """Bytes this process may still allocate: the kernel's MemAvailable, or less under a cgroup (container)
+    memory limit; None when neither can be read."""
+    import re
+    from pathlib import Path
+
+    found: list[int] = []
+    try:
+        match = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+        if match:
+            found.append(int(match.group(1)) * 1024)
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            found.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 class WidthSteps:

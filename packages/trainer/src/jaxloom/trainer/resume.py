@@ -40,6 +40,7 @@ CHANGEABLE = frozenset(
         "checkpoint_format",  # each format restores whatever this says; new steps are written in this one
         "storage_endpoint_url",
         "storage_retry_seconds",
+        "storage_lease_seconds",
         # how it computes and where: the restore reshards
         "dtype",
         "attn_mechanism",

@@ -63,6 +63,7 @@ class RunDirectory:
         self.config = config
         self._lock: js.DirectoryLock | js.StoreLease | None = None
         self._synced: dict[str, tuple[int, int]] = {}  # file -> (size, mtime) last uploaded (a URI run)
+        self.on_lost: Any = None  # called when the lease renewal finds the directory taken over (a URI run)
 
     @property
     def is_remote(self) -> bool:
@@ -105,7 +106,12 @@ class RunDirectory:
         paths.check_writable_target(c.checkpoint_directory, "checkpoint_directory")
         if is_process_zero:
             remote = self.is_remote
-            self._lock = (js.StoreLease(c.save_directory) if remote else js.DirectoryLock(directory)).acquire()
+            lock = (
+                js.StoreLease(c.save_directory, ttl=c.storage_lease_seconds) if remote else js.DirectoryLock(directory)
+            )
+            if isinstance(lock, js.StoreLease):
+                lock.on_lost = lambda: self.on_lost() if self.on_lost is not None else None
+            self._lock = lock.acquire()
             if remote:
                 self._pull()
         shared = c.checkpoint_directory or c.save_directory  # every process writes its part of each checkpoint there
@@ -146,11 +152,28 @@ class RunDirectory:
             )
         return False
 
+    def fence(self) -> int | None:
+        """Before a write into the run directory (process 0): on a store, renew the lease now and return its
+        generation (a checkpoint records it); `jaxloom.state.LeaseLostError` naming the run that took the lease
+        over when this run lost it — it must not write there again. None on a local disk or on another process."""
+        if self._lock is None or not self._lock.held:
+            return None
+        return self._lock.check()
+
+    @property
+    def lost(self) -> bool:
+        """Whether another run took this run's lease (a run directory on a store): nothing is written there."""
+        return getattr(self._lock, "lost", None) is not None
+
     def release(self) -> None:
-        """Upload what changed (a URI run) and give up the lock (another run may take the directory)."""
+        """Upload what changed (a URI run) and give up the lock (another run may take the directory). A run
+        that lost its lease uploads nothing: its files stay in the staging folder (`local`)."""
         if self._lock is not None and self._lock.held:
             try:
-                self.sync()
+                if not self.lost:
+                    self.sync()
+            except js.LeaseLostError as e:
+                log.error("%s; the run's files stay in %s", e, self.local)
             finally:
                 self._lock.release()
 
@@ -161,6 +184,7 @@ class RunDirectory:
             return []
         local, dest = self.local, self.config.save_directory.rstrip("/")
         assert local is not None
+        self.fence()  # never upload into a directory another run took over
         sent: list[str] = []
         for name in sorted(paths.files_with_sizes(local)):
             if name.startswith(".") or "/." in name:  # a file being written (.tmp) or the local lock

@@ -10,7 +10,10 @@ from typing import Any
 
 import jax
 
+from jaxloom.state import LeaseLostError
+
 from . import export
+from .functions import StepTooLargeError
 from .loop import run_loop
 from .metrics import MetricsWriter, _NoBar
 from .outputs import ALREADY_COMPLETE, TrainerOutput
@@ -40,9 +43,13 @@ def train(trainer: Any) -> TrainerOutput:
         step, stop_reason = run_loop(trainer, step, trainer.all_callbacks(), trainer._train_fn)
         return finish(trainer, step, stop_reason)
     except BaseException as e:
-        e.add_note(
-            f"jaxloom: training stopped during step {trainer.current_step + 1}; {trainer.checkpointing.safe_on_disk()}"
-        )
+        if isinstance(e, StepTooLargeError):  # refused before any step: the error says so
+            raise
+        if isinstance(e, LeaseLostError):  # the directory is another run's now: nothing of it is this run's to report
+            safe = f"nothing more was written to {trainer.run_directory.checkpoints}"
+        else:
+            safe = trainer.checkpointing.safe_on_disk()
+        e.add_note(f"jaxloom: training stopped during step {trainer.current_step + 1}; {safe}")
         note_out_of_memory(e)
         raise
     finally:  # after the final save: a second Ctrl-C while it is written is absorbed, not fatal

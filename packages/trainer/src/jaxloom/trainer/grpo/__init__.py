@@ -30,7 +30,14 @@ from typing import Any
 _HOMES = {
     "config": ("GRPOConfig", "RLArgs"),
     "loss": ("ADV", "OLD", "REF", "SAMPLED", "aggregate", "grpo_loss", "grpo_metrics", "per_token_loss", "token_logps"),
-    "rewards": ("RewardError", "advantages", "call_reward", "load_reward_function", "reward_name"),
+    "rewards": (
+        "RewardError",
+        "RewardTimeoutError",
+        "advantages",
+        "call_reward",
+        "load_reward_function",
+        "reward_name",
+    ),
     "rollouts": ("COMPLETION_BUCKET", "PROMPT_BUCKET", "PromptOrder", "Rollouts", "read_records", "row_buckets"),
     "trainer": ("GRPOTrainer",),
 }

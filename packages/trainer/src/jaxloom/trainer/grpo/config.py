@@ -17,6 +17,9 @@ class RLArgs(_Group):
         (), description="GRPO: reward functions as dotted import paths (my_rewards.accuracy); Python callables too"
     )
     reward_weights: tuple[float, ...] | None = Field(None, description="GRPO: a weight per reward function (None: 1)")
+    reward_timeout: float | None = Field(
+        300.0, description="GRPO: seconds a reward function may take on one step's completions (None: no limit)"
+    )
     num_generations: int = Field(8, description="GRPO: completions per prompt (a group)")
     max_prompt_length: int | None = Field(
         None,
@@ -61,7 +64,7 @@ class RLArgs(_Group):
                 "of one prompt)"
             )
         _positive(self, "max_completion_length", "num_iterations", "epsilon")
-        _positive(self, "max_prompt_length", allow_none=True)
+        _positive(self, "max_prompt_length", "reward_timeout", allow_none=True)
         _positive(self, "temperature", "beta", allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p}; expected a value in (0, 1]")
@@ -79,13 +82,14 @@ class GRPOConfig(TrainingArguments):
     """The arguments of `GRPOTrainer`: every `TrainingArguments` argument and the `rl` group (TRL's names):
     `reward_funcs`, `reward_weights`, `num_generations`, `max_prompt_length`, `max_completion_length`,
     `temperature`, `top_p`, `top_k`, `beta`, `epsilon`, `epsilon_high`, `num_iterations`, `loss_type`,
-    `scale_rewards`, `mask_truncated_completions`, `ref_model`. A step trains on `total_batch_size`
-    completions: `total_batch_size / num_generations` prompts, each completed `num_generations` times.
-    A step's rows are as wide as its longest prompt and its longest completion, each rounded up to a bucket
+    `scale_rewards`, `mask_truncated_completions`, `ref_model`, and `reward_timeout` (jaxloom's: seconds a reward
+    function may take on a step's completions before the run stops naming it). A step trains on `total_batch_size`
+    completions: `total_batch_size / num_generations` prompts, each completed `num_generations` times. A step's rows
+    are as wide as its longest prompt and its longest completion, each rounded up to a bucket
     (`jaxloom.trainer.grpo.rollouts.row_buckets`), not as the caps: `max_sequence_length` is the widest row the caps
-    allow, `max_prompt_length + max_completion_length`, or with no `max_prompt_length` (TRL 1.16: prompts are
-    never cut) `max_completion_length`, the prompts' own lengths being added from the data and checked against
-    the model's positions before step 1. `packing` is off.
+    allow, `max_prompt_length + max_completion_length`, or with no `max_prompt_length` (TRL 1.16: prompts are never
+    cut) `max_completion_length`, the prompts' own lengths being added from the data and checked against the model's
+    positions before step 1. `packing` is off.
 
         GRPOConfig(num_generations=8, max_completion_length=128, learning_rate=1e-6, reward_funcs=["m.acc"])
     """

@@ -57,16 +57,55 @@ def reward_name(fn: Callable) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def call_reward(fn: Callable, prompts: list, completions: list, columns: dict[str, list], **extra) -> np.ndarray:
+class RewardTimeoutError(RewardError):
+    """A reward function did not return within `reward_timeout` seconds."""
+
+
+def within(fn: Callable, seconds: float | None, name: str, **kwargs: Any) -> Any:
+    """`fn(**kwargs)`, cut after `seconds` (None: no limit) with `RewardTimeoutError` naming `name`. The call
+    runs in a daemon thread, which Python cannot stop: a function cut off keeps running there, but the run no
+    longer waits for it and the process can exit."""
+    if seconds is None:
+        return fn(**kwargs)
+    import threading
+
+    done, box = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            box["out"] = fn(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"jaxloom-reward-{name}", daemon=True).start()
+    if not done.wait(seconds):
+        raise RewardTimeoutError(
+            f"reward function {name} did not return within reward_timeout = {seconds:g} s (it hangs, or is slower "
+            "than expected: raise reward_timeout, or None for no limit)"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+def call_reward(
+    fn: Callable, prompts: list, completions: list, columns: dict[str, list], *, timeout: float | None = None, **extra
+) -> np.ndarray:
     """`fn`'s rewards of the completions, checked: one finite number (or None, as TRL allows: no reward) per
-    completion. A raise is retried one completion at a time to name the prompt that fails."""
+    completion, within `timeout` seconds (`reward_timeout`). A raise is retried one completion at a time to name
+    the prompt that fails."""
     name = reward_name(fn)
     try:
-        out = fn(prompts=prompts, completions=completions, **columns, **extra)
+        out = within(fn, timeout, name, prompts=prompts, completions=completions, **columns, **extra)
+    except RewardTimeoutError:
+        raise
     except Exception as e:  # noqa: BLE001 - user code: find the failing prompt, then say which
         for i in range(len(prompts)):
             try:
-                fn(prompts=[prompts[i]], completions=[completions[i]], **{k: [v[i]] for k, v in columns.items()})
+                one = {k: [v[i]] for k, v in columns.items()}
+                within(fn, timeout, name, prompts=[prompts[i]], completions=[completions[i]], **one)
             except Exception:  # noqa: BLE001
                 raise RewardError(
                     f"reward function {name} raised on prompt index {i} of this step ({type(e).__name__}: {e})"

@@ -284,6 +284,7 @@ class Rollouts(Batches):
                     prompts,
                     completions,
                     columns,
+                    timeout=rl.reward_timeout,
                     completion_ids=[list(c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)],
                 )
                 for f in funcs
