@@ -47,6 +47,7 @@ FAMILIES = [
     "phi3",
     "olmo2",
     "qwen2_mixed_window",
+    "smollm3",
 ]
 
 

@@ -122,6 +122,22 @@ FAMILIES = {
         ),
     ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # SmolLM3: layer 1 of 2 without RoPE (interval 2) and with a window of 4, biases on attention and the MLP
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=4,
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
 # families whose layers differ in structure (dense and sparse feed-forward): never scanned
 UNSCANNED = {"qwen3_moe"}

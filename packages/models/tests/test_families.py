@@ -13,7 +13,7 @@ import jaxloom.models as jm  # noqa: E402
 from hf_util import batch, hf_logits, make_hf  # noqa: E402
 
 # The 12-token batch crosses every window (4 or 6), passes Phi-3's original length (8), and its soft-caps bind.
-NEW = ["qwen2_mixed_window", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "mistral"]
+NEW = ["qwen2_mixed_window", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "mistral", "smollm3"]
 
 
 def rel_err(ours, ref, mask):
@@ -54,6 +54,9 @@ DROPPED = [
     ("qwen3_moe", {"norm_topk_prob": True}),
     ("qwen2_mixed_window", {"layer_types": ("sliding_attention", "sliding_attention")}),
     ("qwen3", {"head_dim": 24, "rms_norm_eps": 0.5}),
+    ("smollm3", {"no_rope_layers": (1, 1)}),  # RoPE on the NoPE layer
+    ("smollm3", {"no_rope_layers": (0, 0)}),  # none on the RoPE layer
+    ("smollm3", {"use_sliding_window": False}),
 ]
 
 
@@ -80,6 +83,7 @@ def test_registered_lists_every_family():
         "gemma3_text",
         "phi3",
         "olmo2",
+        "smollm3",
     }
 
 
@@ -116,6 +120,55 @@ def test_published_config_keys_load(tmp_path):
     moe = jm.config_from_hf_dict(dict(model_type="qwen3_moe", num_experts=16, num_hidden_layers=4))
     assert moe.num_experts == 16 and moe.to_hf_dict()["num_local_experts"] == 16
     assert json.loads(json.dumps(g3.to_hf_dict()))["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
+
+
+SMOLLM3_3B = {  # HuggingFaceTB/SmolLM3-3B's config.json
+    "architectures": ["SmolLM3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128012,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 11008,
+    "layer_types": ["full_attention"] * 36,
+    "max_position_embeddings": 65536,
+    "max_window_layers": 28,
+    "mlp_bias": False,
+    "model_type": "smollm3",
+    "no_rope_layer_interval": 4,
+    "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(36)],
+    "num_attention_heads": 16,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 4,
+    "pad_token_id": 128004,
+    "pretraining_tp": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 5000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.53.0.dev0",
+    "use_cache": False,
+    "use_sliding_window": False,
+    "vocab_size": 128256,
+}
+
+
+@pytest.mark.parametrize("published", [SMOLLM3_3B], ids=["SmolLM3-3B"])
+def test_published_full_size_configs_count_the_parameters_transformers_counts(published):
+    """A published config.json, full size, is accepted and counts what transformers' model of it holds (built on
+    the meta device: nothing allocated on either side)."""
+    config = jm.config_from_hf_dict(dict(published))
+    ours = jm.count_params(jm.create_model(config, lazy=True))
+    keys = {k: v for k, v in published.items() if k not in ("architectures", "transformers_version", "torch_dtype")}
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**keys))
+    assert ours == theirs.num_parameters()
+    if published["model_type"] == "smollm3":  # every fourth layer without RoPE
+        assert [i for i, k in enumerate(config.attention_types()) if k.endswith("+nope")] == list(range(3, 36, 4))
 
 
 @pytest.mark.parametrize(

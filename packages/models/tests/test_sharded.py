@@ -132,6 +132,8 @@ FAMILIES = {
         ),
     ),
     "olmo2": jm.Olmo2Config(**TINY),
+    # a NoPE layer with a window beside a RoPE layer: per-layer RoPE tables and windows as scanned data
+    "smollm3": jm.SmolLM3Config(**TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=4),
 }
 
 

@@ -1,5 +1,5 @@
-"""jaxloom.models: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3, Phi-3 and OLMo 2 in Flax NNX,
-with HF configs and weights."""
+"""jaxloom.models: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3, Phi-3, OLMo 2 and SmolLM3 in
+Flax NNX, with HF configs and weights."""
 
 from .__about__ import __version__
 from .attention import AttentionUnavailableError, attend, choose_implementation, make_attention_mask
@@ -30,6 +30,7 @@ from .olmo2 import Olmo2Config, Olmo2ForCausalLM
 from .phi3 import Phi3Config, Phi3ForCausalLM
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from .registry import TaskType, get_model_class, register, registered
+from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM
 from .runtime import SCAN_ABOVE_LAYERS, AttentionMechanisms, EasyDeLGradientCheckPointers, RuntimeConfig
 
 __all__ = [
@@ -66,6 +67,8 @@ __all__ = [
     "Phi3Config",
     "Phi3ForCausalLM",
     "Qwen3Config",
+    "SmolLM3Config",
+    "SmolLM3ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeConfig",
     "Qwen3MoeForCausalLM",

@@ -412,6 +412,7 @@ class Attention(nnx.Module):
             kind = c.attention_types()[0]
             window = c.window_of(kind)
             rope = rope_frequencies(self.h, *c.rope_of(kind), c.max_position_embeddings, seq_len=t, positions=positions)
+            rope = rope if c.uses_rope(kind) else (jnp.zeros_like(rope[0]), rope[1])
         inv_freq, scale = rope
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         if cache is not None:

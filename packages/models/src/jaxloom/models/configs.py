@@ -119,6 +119,8 @@ class LlamaConfig:
     """
 
     model_type: ClassVar[str] = "llama"
+    # The layer types `attention_types()` may name (transformers' `layer_types` values; SmolLM3 adds NoPE forms).
+    attention_kinds: ClassVar[tuple[str, ...]] = ("full_attention", "sliding_attention")
     # How the family computes, beyond its fields (see `DecoderLayer`, `Attention`, `RMSNorm`):
     norm_style: ClassVar[str] = "llama"  # llama | olmo | gemma (1 + w)
     block_norms: ClassVar[str] = "pre"  # pre | sandwich (Gemma) | post (OLMo 2)
@@ -186,9 +188,9 @@ class LlamaConfig:
         if self.rope_scaling is not None:
             _check_rope_scaling(type(self).__name__, self.rope_scaling, self.head_dim or 0)
         for kind in dict.fromkeys(self.attention_types()):
-            if kind not in ("full_attention", "sliding_attention"):
+            if kind not in self.attention_kinds:
                 raise ValueError(
-                    f"{type(self).__name__}: layer type {kind!r}; expected full_attention or sliding_attention"
+                    f"{type(self).__name__}: layer type {kind!r}; expected " + " or ".join(self.attention_kinds)
                 )
         if len(self.attention_types()) != self.num_hidden_layers:
             raise ValueError(
@@ -210,6 +212,11 @@ class LlamaConfig:
         """`(rope_theta, rope_scaling)` of a layer of type `kind` (Gemma 3's local layers have their own)."""
         del kind
         return self.rope_theta, self.rope_scaling
+
+    def uses_rope(self, kind: str) -> bool:
+        """Whether a layer of type `kind` rotates q and k (SmolLM3's NoPE layers do not)."""
+        del kind
+        return True
 
     @property
     def mlp_activation(self) -> str:

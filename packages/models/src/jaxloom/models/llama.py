@@ -195,6 +195,9 @@ class CausalLM(nnx.Module):
             )
             for kind in dict.fromkeys(kinds)
         }
+        tables = {  # a NoPE layer (SmolLM3): zero frequencies, so cos 1 and sin 0 rotate nothing, exactly
+            kind: table if c.uses_rope(kind) else (jnp.zeros_like(table[0]), table[1]) for kind, table in tables.items()
+        }
 
         def run(layer, x, layer_cache, window, rope):
             return layer(x, positions, segment_ids, token_mask, layer_cache, **decode, window=window, rope=rope)
