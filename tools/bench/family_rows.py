@@ -41,6 +41,7 @@ def configs():
         ),
         "phi3": jm.Phi3Config(**BASE, sliding_window=128),
         "olmo2": jm.Olmo2Config(**BASE),
+        "smollm3": jm.SmolLM3Config(**BASE, tie_word_embeddings=False),
     }
 
 
