@@ -216,7 +216,8 @@ def test_a_store_that_goes_away_is_one_clear_error_and_a_rerun_resumes_when_it_i
 
     with gcs_emulator(data_dir=str(tmp_path / "objects")) as bucket:
         state = make_state(mesh_of(fsdp=1))
-        manager = js.CheckpointManager(f"{bucket}/gone/checkpoints", async_save=False)
+        # the save's own backoff shortened (its default rides out 120 s): this test is about the one error it ends in
+        manager = js.CheckpointManager(f"{bucket}/gone/checkpoints", async_save=False, retry_seconds=2)
         manager.save(1, state)
         os.kill(int(os.environ["JAXLOOM_GCS_EMULATOR_PID"]), signal.SIGKILL)  # the server goes away
         with caplog.at_level("WARNING"), pytest.raises(js.CheckpointSaveError) as failed:
