@@ -61,3 +61,27 @@ def test_two_processes_train_grpo_as_one_process(tmp_path):
     assert sorted(one) == sorted(two)
     for k in one:  # the same global mesh, the same rollouts; only the reductions' transport differs
         np.testing.assert_allclose(one[k], two[k], rtol=2e-5, atol=1e-6, err_msg=k)
+
+
+def test_a_grpo_run_from_the_command_line_is_usable_afterwards(tmp_path, capsys):
+    """A GRPO run started as docs/rl.md shows (the demo's defaults underneath, no max_sequence_length given)
+    used to record the demo's 128-token rows in run_config.json, so `generate`, `convert` and `train RUN_DIR`
+    all refused its directory (issue 51): what a run directory records is what ran."""
+    from jaxloom.trainer.cli import main
+
+    run = tmp_path / "run"
+    model = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1"]
+    argv = ["train", "trainer=grpo", f"data.train={prompts(tmp_path / 'p.jsonl', n=8)}"]
+    argv += ["reward_funcs=grpo_rewards.letter_e", "num_generations=2", "max_completion_length=8"]
+    argv += ["total_batch_size=8", "max_training_steps=2", *model, f"save_directory={run}", "progress_bar=false"]
+    assert main(argv) == 0
+    recorded = json.loads((run / "run_config.json").read_text())
+    assert "max_sequence_length" not in recorded and recorded["trainer"] == "grpo"
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "say red:", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith(">>> say red:\n")
+    assert main(["convert", "--to-hf", str(run), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert main(["train", str(run)]) == 4  # resumed by its directory: already complete (exit 4)
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{\n") :])["stop_reason"].startswith("already complete"), out

@@ -89,7 +89,7 @@ def test_a_store_gone_for_good_stops_the_run_with_one_error_and_a_rerun_resumes(
 def test_a_run_paused_past_its_lease_stops_before_writing_and_the_run_that_took_over_is_intact(reference, tmp_path):
     """Run A is SIGSTOPped after step 5 (its lease: 3 s); run B takes the expired lease over (generation 2),
     resumes from checkpoint 4 and finishes; A, continued, renews nothing and writes nothing: its save of step 8
-    is fenced (exit 4, one error naming B). B's checkpoints are B's, and a rerun resumes B's last one bitwise."""
+    is fenced (exit 5, one error naming B). B's checkpoints are B's, and a rerun resumes B's last one bitwise."""
     from jaxloom.state import CheckpointManager
 
     common = ("storage_lease_seconds=3", "async_checkpointing=false")
@@ -115,7 +115,7 @@ def test_a_run_paused_past_its_lease_stops_before_writing_and_the_run_that_took_
         b, b_lines, b_err = taken["b"]
         assert b.returncode == 0, b_err[-3000:]
         assert any(x.startswith("RESUMED_FROM") and x.endswith("checkpoints/4") for x in b_lines), b_lines
-        assert a.returncode == 4, err[-3000:]
+        assert a.returncode == 5, err[-3000:]
         errors = [x for x in err.splitlines() if x.startswith("jaxloom: error")]
         assert len(errors) == 1 and "LeaseLostError" in errors[0] and "taken by another run" in errors[0], err[-3000:]
         assert "nothing more was written" in err, err[-3000:]

@@ -65,7 +65,7 @@ def test_greedy_generate_on_an_hf_directory_equals_transformers(tmp_path):
     ids = tok(prompt).input_ids
     assert ids[0] != tok.bos_token_id  # the case where a hand-added BOS would differ
     ref = _reference(hf, tok, ids)
-    assert _jaxloom_generate(tmp_path, prompt) == prompt + tok.decode(ref, skip_special_tokens=True)
+    assert _jaxloom_generate(tmp_path, prompt) == f">>> {prompt}\n" + tok.decode(ref, skip_special_tokens=True)
     with_bos = _reference(hf, tok, [tok.bos_token_id, *ids])
     assert with_bos != ref  # so the comparison above tells the two apart
 
@@ -87,8 +87,8 @@ def test_a_chat_reply_stops_at_the_end_of_turn_token(tmp_path):
     went_on = _reference(hf, tok, ids, eos_token_id=tok.eos_token_id)
     assert went_on[0] == eot and tok.decode(went_on, skip_special_tokens=True).strip()  # it would go on
     assert _reference(hf, tok, ids, eos_token_id=[tok.eos_token_id, eot]) == [eot]
-    assert _jaxloom_generate(tmp_path, "hello", "--chat") == "hello"  # the prompt, then an empty reply
-    assert _jaxloom_generate(tmp_path, "hello") != "hello"  # (plain text is not a chat turn: it goes on)
+    assert _jaxloom_generate(tmp_path, "hello", "--chat") == ">>> hello"  # the prompt, then an empty reply
+    assert _jaxloom_generate(tmp_path, "hello") != ">>> hello"  # (plain text is not a chat turn: it goes on)
 
 
 def test_an_export_stops_and_encodes_as_training_did(tmp_path):

@@ -186,7 +186,7 @@ def test_a_copied_run_directory_converts_and_generates_from_anywhere(tmp_path):
         text=True,
         timeout=300,
     )
-    assert gen.returncode == 0 and gen.stdout.startswith("A list"), gen.stderr[-3000:]
+    assert gen.returncode == 0 and gen.stdout.startswith(">>> A list\n"), gen.stderr[-3000:]
     # the same run cannot be resumed without its data, and says so by name (exit 2, not a traceback)
     again = subprocess.run(
         [*cmd, "train", str(copied), "max_training_steps=3"],

@@ -220,7 +220,16 @@ def test_cli_train_plan_convert_and_errors(tmp_path, capsys):
     capsys.readouterr()
     for source in (str(tmp_path), str(tmp_path / "hf")):  # a run directory and an HF directory
         assert main(["generate", source, "--prompt", "The list", "--max-new-tokens", "4"]) == 0
-        assert capsys.readouterr().out.startswith("The list")
+        assert capsys.readouterr().out.startswith(">>> The list\n")  # the prompt apart from the completion
+    # sampling: each prompt and each sample its own key (the same prompt twice differs), one seed reproduces all
+    argv = ["generate", str(tmp_path), "--prompt", "The list", "--prompt", "The list", "--temperature", "1.0"]
+    argv += ["--num-return-sequences", "2", "--max-new-tokens", "6", "--seed", "3"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    lines = first.splitlines()
+    assert [x[:4] for x in lines] == [">>> ", "[1] ", "[2] ", ">>> ", "[1] ", "[2] "], lines
+    assert len({x[4:] for x in lines if x.startswith("[")}) == 4, lines
+    assert main(argv) == 0 and capsys.readouterr().out == first
     assert main(["generate", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     # eval of a run without a checkpoint is an error, never the score of a random model
     empty = [f"save_directory={tmp_path / 'empty'}", *tiny[1:]]

@@ -77,6 +77,8 @@ def _plan(trainer) -> dict[str, Any]:
 
 def _generate(ns) -> int:
     """`jaxloom generate`: from an HF directory (with its tokenizer if it has one) or a run directory."""
+    import numpy as np
+
     import jaxloom.data as jd
     import jaxloom.generation as jg
     import jaxloom.models as jm
@@ -111,31 +113,47 @@ def _generate(ns) -> int:
     )
     if ns.chat:  # a reply ends at the template's end-of-turn token
         config = jg.with_stop_ids(config, jg.end_of_turn_ids(tokenizer))
-    for prompt in ns.prompt:  # streamed: each token is printed as soon as it is decoded
+    n = ns.num_return_sequences
+    if n < 1:
+        raise ValueError(f"--num-return-sequences {n}; expected a positive integer")
+    if n > 1 and not sample:
+        raise ValueError(f"--num-return-sequences {n} with greedy decoding gives {n} equal texts; expected sampling "
+                         "(--temperature > 0) or 1")  # fmt: skip
+    for i, prompt in enumerate(ns.prompt):  # streamed: each token is printed as soon as it is decoded
         message = [{"role": "user", "content": prompt}] if ns.chat else prompt
         ids = jg.encode_prompts(tokenizer, message, apply_chat_template=ns.chat)[0]
-        print(prompt, end="", flush=True)
-        shown, new = "", []
-        for token in jg.stream(model, ids, config):
-            new.append(token)
-            text = tokenizer.decode(new, skip_special_tokens=True)
-            print(text[len(shown) :], end="", flush=True)
-            shown = text
-        print(flush=True)
+        print(f"{PROMPT_MARK}{prompt}", flush=True)  # the prompt on its own line; the completion(s) below it
+        for j in range(n):
+            if n > 1:
+                print(f"[{j + 1}] ", end="", flush=True)
+            # each prompt and each sample its own key; `--seed` still reproduces the whole output
+            seed = int(np.random.SeedSequence([ns.seed, i, j]).generate_state(1)[0] >> 1)
+            shown, new = "", []
+            for token in jg.stream(model, ids, config.replace(seed=seed)):
+                new.append(token)
+                text = tokenizer.decode(new, skip_special_tokens=True)
+                print(text[len(shown) :], end="", flush=True)
+                shown = text
+            print(flush=True)
     return 0
+
+
+PROMPT_MARK = ">>> "
+"""`jaxloom generate` prints each prompt on its own line after this mark; its completions follow on the next
+lines (numbered `[1] `, `[2] `, ... with `--num-return-sequences`)."""
 
 
 def exit_after_training_error(error: BaseException) -> None:
     """Training began and stopped on `error` (the trainer has already waited for the checkpoint in
     flight): print it with its notes (the step, what is safe on disk) and exit at once, so that orbax's
     writer threads cannot hold the interpreter open. Exit codes: 2 bad input, 3 failed save, 130 Ctrl-C,
-    4 the run directory's store lease taken by another run, 1 anything else."""
+    5 the run directory's store lease taken by another run, 1 anything else (4: a run already complete)."""
     import traceback
 
     from jaxloom.state import CheckpointSaveError, DirectoryLockedError, LeaseLostError
 
     if isinstance(error, LeaseLostError):
-        code = 4
+        code = 5
     elif isinstance(error, CheckpointSaveError):
         code = 3
     elif isinstance(error, KeyboardInterrupt):
@@ -305,7 +323,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="the whole output's seed (each prompt and sample its own key)")
+    gen.add_argument("--num-return-sequences", type=int, default=1, help="samples per prompt (TRL/HF's name)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each prompt")
     text = (
         "export the newest checkpoint of a run as a Hugging Face model directory (with its tokenizer), or rewrite "

@@ -156,6 +156,7 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
 
     data = apply_overrides(load_config_file(config_path or DEMO_CONFIG), overrides)
     data = _finetune_defaults(data, config_path, overrides)
+    data = kind_settings(data, config_path, overrides)  # before it is recorded: run_config.json is what runs
     resolved = json.loads(json.dumps(data))
     for section in ("model", "data"):
         if not isinstance(data.get(section) or {}, dict):
@@ -167,7 +168,6 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
     unknown = sorted(set(data_cfg) - set(DATA_KEYS))
     if unknown:
         raise ValueError(f"unknown key(s) in section data: {unknown}; expected train, eval, eval_fraction, tokenizer")
-    data = kind_settings(data, config_path, overrides)
     kind, args = arguments_of(data)
     data_cfg = {k: _expanded(v, f"data.{k}") for k, v in data_cfg.items()}
     if "from_pretrained" in model_cfg:
