@@ -420,6 +420,21 @@ def test_a_pretrained_model_without_a_config_file_gets_fine_tuning_defaults(tmp_
     demo, _ = build_run(None, ["max_training_steps=1", f"save_directory={tmp_path / 'demo'}"])
     assert demo.arguments.learning_rate == 3e-3 and demo.arguments.generation_prompts
 
+    # nothing of the demo's run is kept (300 steps, 16 rows of 128 tokens, logging every 25): the data's epochs
+    # (num_train_epochs honoured), TRL's 8 rows and logging every 10, rows as long as the model's positions allow
+    records = tmp_path / "forty.jsonl"
+    records.write_text("".join(json.dumps({"text": f"record {i} " * 5}) + "\n" for i in range(40)))
+    plain = [f"model.from_pretrained={model_dir}", f"data.train={records}", f"save_directory={tmp_path / 'ft'}"]
+    with caplog.at_level(logging.INFO, logger="jaxloom"):
+        ft, resolved = build_run(None, plain)
+    a = ft.arguments
+    assert (a.max_training_steps, a.num_train_epochs, a.total_batch_size, a.logging_steps) == (None, 3, 8, 10)
+    assert a.max_sequence_length == 64 == resolved["max_sequence_length"]  # min(TRL's 1024, the model's 64)
+    assert "max_sequence_length=64 (TRL's max_length 1024" in caplog.text
+    one, _ = build_run(None, [*plain, "num_train_epochs=1", "max_length=48"])
+    assert one.arguments.num_train_epochs == 1 and one.arguments.max_sequence_length == 48
+    assert 0 < one.total_steps < 40 and ft.total_steps == ft.batches.steps_for_epochs() < 300  # epochs, not 300
+
 
 def test_a_mixture_is_described_by_its_parts_and_weights(tmp_path):
     """The start-up summary and the report said "Mixture" (issue 42): each part's path and its share."""

@@ -92,13 +92,26 @@ def _run_on_a_store(uri: str, items: list[str]) -> tuple[str, list[str]]:
 # A run from `model.from_pretrained=DIR` with no config file fine-tunes: TRL's defaults for the job (SFTConfig,
 # DPOConfig: learning rate, linear decay, no warmup, no weight decay) and no previews, in place of the demo's
 # pretraining settings. Any of them given on the command line wins; a config file gets none of them.
+# A fine-tune's length, batch and cadences (TRL's / HF's defaults), in place of the demo's pretraining ones: the
+# data's epochs (HF's num_train_epochs) rather than the demo's 300 steps, TRL's 8 rows and logging every 10 steps,
+# HF's save every 500 steps (and the final save), no evaluation cadence or previews.
+_FINETUNE_RUN = {
+    "max_training_steps": None,
+    "num_train_epochs": 3,
+    "total_batch_size": 8,
+    "logging_steps": 10,
+    "save_steps": 500,
+    "evaluation_steps": None,
+    "generation_interval": None,
+    "generation_prompts": [],
+}
 FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
     "sft": {
         "learning_rate": 2e-5,
         "scheduler": "linear",
         "warmup_steps": 0,
         "weight_decay": 0.0,
-        "generation_prompts": [],
+        **_FINETUNE_RUN,
         "save_directory": "jaxloom-runs/finetune",
     },
     "grpo": {
@@ -106,7 +119,7 @@ FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
         "scheduler": "linear",
         "warmup_steps": 0,
         "weight_decay": 0.0,
-        "generation_prompts": [],
+        **_FINETUNE_RUN,
         "save_directory": "jaxloom-runs/grpo",
     },
     "dpo": {
@@ -114,15 +127,18 @@ FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
         "scheduler": "linear",
         "warmup_steps": 0,
         "weight_decay": 0.0,
-        "generation_prompts": [],
+        **_FINETUNE_RUN,
         "save_directory": "jaxloom-runs/dpo",
     },
 }
+FINETUNE_MAX_LENGTH = 1024
+"""A fine-tune's row length when none is given: TRL's `max_length` (SFT, DPO), capped at the model's positions."""
 
 
 def _finetune_defaults(data: dict, config_path: str | None, overrides: list[str]) -> dict:
     """`data` (the demo config with `overrides` applied) with `FINETUNE_DEFAULTS` for its trainer kind when
-    the run fine-tunes a pretrained model without a config file; said in the log."""
+    the run fine-tunes a pretrained model without a config file; said in the log. The demo's row length is
+    dropped too (SFT and DPO rows then follow the model: `_finetune_length`)."""
     given = {o.split("=", 1)[0] for o in overrides}
     if config_path is not None or "model.from_pretrained" not in given:
         return data
@@ -134,7 +150,11 @@ def _finetune_defaults(data: dict, config_path: str | None, overrides: list[str]
             kind,
             ", ".join(f"{k}={v}" for k, v in chosen.items()),
         )
-    return {**data, **chosen}
+    out = {**data, **chosen}
+    if "max_sequence_length" not in given and "max_length" not in given:
+        out.pop("max_sequence_length", None)
+        out["_finetune_length"] = True  # the model's positions decide it (build_run)
+    return out
 
 
 def kind_settings(data: dict, config_path: str | None, overrides: list[str]) -> dict:
@@ -165,6 +185,8 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
                 f"settings (e.g. {section}.train: ... / {section}.hidden_size: ...)"
             )
     model_cfg, data_cfg = dict(data.pop("model", {}) or {}), dict(data.pop("data", {}) or {})
+    length_from_model = bool(data.pop("_finetune_length", False)) and data.get("trainer", "sft") != "grpo"
+    resolved.pop("_finetune_length", None)
     unknown = sorted(set(data_cfg) - set(DATA_KEYS))
     if unknown:
         raise ValueError(f"unknown key(s) in section data: {unknown}; expected train, eval, eval_fraction, tokenizer")
@@ -213,6 +235,17 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
         model_cfg = {k: v for k, v in model_cfg.items() if k in explicit}
         resolved["model"] = json.loads(json.dumps(model_cfg))  # what the run directory rebuilds
     model = model_of(model_cfg, runtime, vocab_size=len(tokenizer))
+    if length_from_model:  # rows as long as TRL's max_length, within the model's positions
+        length = min(FINETUNE_MAX_LENGTH, int(model.config.max_position_embeddings))
+        args = args.replace(max_sequence_length=length)
+        resolved["max_sequence_length"] = length
+        log.info(
+            "fine-tuning defaults: max_sequence_length=%d (TRL's max_length %d, within the model's "
+            "max_position_embeddings %d; longer records are cut and counted)",
+            length,
+            FINETUNE_MAX_LENGTH,
+            model.config.max_position_embeddings,
+        )
     trainer = KINDS[kind](args, model=model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
     return trainer, resolved
 
