@@ -503,6 +503,26 @@ def test_a_bad_record_stops_once_naming_it_or_is_skipped_and_counted(tmp_path):
     assert max(r.get("train/skipped_records", 0) for r in rows) >= 1
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_records_longer_than_a_row_are_counted_in_the_metrics_and_the_report(tmp_path, caplog, packing):
+    """~60-token records in 32-token rows were cut with no word (issue 51): the first is said in the log with the
+    setting to raise, and every one is counted in the metrics and the report (unpacked: the tokens dropped)."""
+    import json as _json
+
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(_json.dumps({"text": f"document {i} " + "word " * 50}) + "\n" for i in range(24)))
+    with caplog.at_level("WARNING", logger="jaxloom"):
+        t = trainer(tmp_path / "run", train=str(path), evaluation=None, packing=packing, max_training_steps=2)
+        t.train()
+    assert "is longer than max_sequence_length 32" in caplog.text and "raise max_sequence_length" in caplog.text
+    rows = [_json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["train/truncated_records"] >= (8 if not packing else 1), last
+    assert (last["train/truncated_tokens"] > 0) == (not packing), last  # packing splits, nothing is dropped
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert f"- records longer than max_sequence_length: {int(last['train/truncated_records'])}" in report
+
+
 def test_a_step_that_cannot_fit_is_refused_before_step_1(tmp_path):
     """A sequence length that cannot fit ended in an out-of-memory traceback after the compile (issue 43): the
     compiled step's memory (XLA's count) is checked against each device's limit before step 1. CPU devices report

@@ -118,7 +118,8 @@ class DataLoader:
         self.streams = [_Stream(source, self) for source in sources]
         self._state = self._check_state(state) if state is not None else self._start_state()
         self._resumed = state is not None  # the first batch checks that the saved position still exists
-        self._skipped_returned = 0
+        self._skipped_returned = (0, 0, 0)  # skipped, truncated records, tokens cut (see `truncated`)
+        self._said_long = False  # the first record longer than a row is said in the log
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
 
@@ -182,10 +183,22 @@ class DataLoader:
     def skipped(self) -> int:
         """Bad records skipped (`bad_records='skip'`) to make the batches returned so far (not those made
         ahead by the prefetch thread)."""
-        return self._skipped_returned
+        return self._skipped_returned[0]
 
-    def _skipped_now(self) -> int:
-        return sum(s.skipped for s in self.streams)
+    @property
+    def truncated(self) -> tuple[int, int]:
+        """`(records, tokens)`: records longer than `max_sequence_length` in the batches returned so far, and the
+        tokens cut off them. Unpacked rows keep `truncation_mode`'s end of such a record and drop the rest;
+        packed rows split it over rows (no token dropped, but its later rows do not see its start)."""
+        return self._skipped_returned[1], self._skipped_returned[2]
+
+    def _skipped_now(self) -> tuple[int, int, int]:
+        streams = self.streams
+        return (
+            sum(s.skipped for s in streams),
+            sum(s.truncated for s in streams),
+            sum(s.truncated_tokens for s in streams),
+        )
 
     def state_dict(self) -> dict[str, int]:
         """The position after the last batch returned by `next()`: restoring it continues exactly there."""
@@ -263,6 +276,8 @@ class DataLoader:
         length, filled, segment = self.config.max_sequence_length, 0, 0
         while filled < length:
             ids, mask, offset = cursor.current()
+            if offset == 0 and len(ids) > length:  # a record longer than a row: split, its later rows without its start
+                self._long_record(cursor, len(ids), 0)
             take = min(length - filled, len(ids) - offset)
             segment += 1
             sl = slice(filled, filled + take)
@@ -284,6 +299,30 @@ class DataLoader:
             out["segment_ids"][r, sl], out["positions"][r, sl] = 1, np.arange(n)
         cursor.consume(len(ids) - cursor.state["token_offset"])
 
+    def _long_record(self, cursor, n: int, cut: int) -> None:
+        """Count a record of `n` tokens longer than a row (`cut` of them dropped); said once per loader."""
+        stream = cursor.loader
+        stream.truncated += 1
+        stream.truncated_tokens += cut
+        if not self._said_long:
+            self._said_long = True
+            c = self.config
+            end = "last" if c.truncation_mode == "keep_end" else "first"
+            what = (
+                f"its {end} {n - cut} tokens are kept (truncation_mode {c.truncation_mode}), {cut} dropped"
+                if cut
+                else "it is split over rows, the later ones without its start"
+            )
+            log.warning(
+                "a record of %d tokens (%s) is longer than max_sequence_length %d: %s. Such records are counted "
+                "(train/truncated_records, train/truncated_tokens, and the report); raise max_sequence_length (up "
+                "to the model's max_position_embeddings) to keep them whole",
+                n,
+                cursor.where(),
+                c.max_sequence_length,
+                what,
+            )
+
     def _pad_row(self, cursor, out, r) -> None:
         c, length = self.config, self.config.max_sequence_length
         ids, mask, _ = cursor.current()
@@ -293,6 +332,7 @@ class DataLoader:
                     f"a record of {len(ids)} tokens is longer than max_sequence_length {length} "
                     f"(record {cursor.where()}); set long_records='truncate' or raise the limit"
                 )
+            self._long_record(cursor, len(ids), len(ids) - length)
             keep = slice(len(ids) - length, None) if c.truncation_mode == "keep_end" else slice(0, length)
             ids, mask = ids[keep], mask[keep]
         n = len(ids)
@@ -421,6 +461,8 @@ class _Stream:
         self._block_memo: _Block | None = None
         self._stream_memo: tuple = (None, None)
         self.skipped = 0  # bad records skipped (bad_records='skip')
+        self.truncated = 0  # records longer than a row: cut (unpacked) or split over rows (packed)
+        self.truncated_tokens = 0  # tokens of those records cut off (unpacked rows)
 
 
 TOKENIZE_CHUNK = 256  # plain-text records tokenized per call, in visiting order, when first needed

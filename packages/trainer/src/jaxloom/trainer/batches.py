@@ -263,6 +263,13 @@ class Batches:
         total = float(tokens.sum())
         return {f"data_share_part{i}": float(t) / total for i, t in enumerate(tokens)} if total else {}
 
+    def truncated_records(self) -> tuple[int, int]:
+        """`(records, tokens)`: this process's training records longer than a row so far, and the tokens cut off
+        them (`jaxloom.data.DataLoader.truncated`)."""
+        loaders = getattr(self.train, "loaders", None) or []
+        counts = [getattr(loader, "truncated", (0, 0)) for loader in loaders]
+        return int(sum(c[0] for c in counts)), int(sum(c[1] for c in counts))
+
     def skipped_records(self) -> int:
         """Records skipped as unusable so far by this process's training streams (`bad_records="skip"`)."""
         loaders = getattr(self.train, "loaders", None) or []

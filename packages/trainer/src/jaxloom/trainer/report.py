@@ -104,6 +104,12 @@ def write_report(
         lines.append(f"- steps: {last['step']:,}")
     if "train/tokens_seen" in last:
         lines.append(f"- tokens seen: {int(last['train/tokens_seen']):,}")
+    if last.get("train/truncated_records"):
+        cut, dropped = int(last["train/truncated_records"]), int(last.get("train/truncated_tokens", 0))
+        lines.append(
+            f"- records longer than max_sequence_length: {cut:,} (tokens cut off them: {dropped:,}; raise "
+            "max_sequence_length to keep them whole)"
+        )
     if "train/elapsed_time" in last:
         lines.append(f"- wall time training: {_duration(last['train/elapsed_time'])} (every segment of the run)")
     lines += [

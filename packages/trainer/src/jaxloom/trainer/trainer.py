@@ -282,12 +282,16 @@ class BaseTrainer:
         return DataSpec.tokens(self.arguments)
 
     def data_metrics(self, step: int | None = None) -> dict[str, float]:
-        """Metrics of the data read so far, added to the log row of `step`: a mixture's shares, and the bad
-        records skipped so far (with `skip_bad_records`)."""
+        """Metrics of the data read so far, added to the log row of `step`: a mixture's shares, the bad
+        records skipped so far (with `skip_bad_records`), and the records longer than a row with the tokens cut
+        off them (once there is one: `truncated_records`, `truncated_tokens`)."""
         del step
         out = self.batches.mixture_shares()
         if self.arguments.skip_bad_records:
             out["skipped_records"] = float(self.batches.skipped_records())
+        records, tokens = self.batches.truncated_records()
+        if records:
+            out["truncated_records"], out["truncated_tokens"] = float(records), float(tokens)
         return out
 
     @property
