@@ -43,3 +43,17 @@ def test_api_reference_lists_every_public_name(site, part):
     module = importlib.import_module(f"jaxloom.{part}")
     public = {n for n in module.__all__ if not n.startswith("_")}
     assert {f"jaxloom.{part}.{n}" for n in public} <= anchors
+
+
+def test_every_install_line_of_the_readme_names_the_siblings_its_parts_need():
+    """`pip install packages/mesh` failed on a fresh machine (jaxloom-core is not on an index; issue 51): each
+    `pip install packages/...` line of the README names every jaxloom part its parts need (their closure, which
+    `nox -s tests` installs alone in a venv of its own for each part)."""
+    lines = [x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("pip install packages/")]
+    assert lines, "the README shows how to install parts"
+    for line in lines:
+        named = re.findall(r"packages/([\w*]+)", line.split("#", 1)[0])
+        if "*" in named:
+            continue  # every part
+        needed = {p for part in named for p in parts.closure(part)}
+        assert needed <= set(named), f"{line!r} lacks {sorted(needed - set(named))}"
