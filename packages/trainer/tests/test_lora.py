@@ -31,6 +31,21 @@ def base_bytes(model) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in named_leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
 
 
+def test_a_peft_export_names_the_directory_its_base_was_read_from(tmp_path):
+    """An exported adapter had `"base_model_name_or_path": null`, so PEFT's `AutoPeftModelForCausalLM` could not
+    find its base (issue 51): a model read with `from_pretrained(DIR)` is recorded, and its adapter names DIR."""
+    jm.save_hf_model(jm.create_model(tiny(), seed=0), tmp_path / "base")
+    model = jm.from_pretrained(tmp_path / "base")
+    assert jm.pretrained_source(model) == str((tmp_path / "base").absolute())
+    assert jm.pretrained_source(jm.create_model(tiny(), lazy=True)) is None
+    t = lora_trainer(tmp_path / "run", model, max_training_steps=1)
+    t.train()
+    t.save_pretrained(str(tmp_path / "adapter"), to_torch=True)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "base").absolute())
+    assert (tmp_path / "base" / "config.json").is_file()  # where PEFT will look
+
+
 def test_only_the_adapters_train_and_the_base_never_changes(tmp_path):
     model = jm.create_model(tiny(), seed=0)
     before = base_bytes(model)

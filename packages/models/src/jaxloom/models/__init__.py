@@ -6,7 +6,7 @@ from .attention import AttentionUnavailableError, attend, choose_implementation,
 from .build import count_params, create_model, flops_per_token, param_shardings, param_specs
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
 from .gemma import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
-from .hf import from_pretrained, save_hf_model, to_hf_state_dict
+from .hf import from_pretrained, pretrained_source, save_hf_model, to_hf_state_dict
 from .lora import (
     Frozen,
     LoRAConfig,
@@ -92,6 +92,7 @@ __all__ = [
     "get_model_class",
     "param_shardings",
     "param_specs",
+    "pretrained_source",
     "register",
     "registered",
     "save_hf_model",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import weakref
 import logging
 import os
 import re
@@ -178,7 +179,21 @@ def from_pretrained(
             f"{' …' if len(missing) > 20 else ''}; unexpected weights {unexpected[:20]}"
             f"{' …' if len(unexpected) > 20 else ''}"
         )
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    _SOURCES[model] = str(path.absolute())
+    return model
+
+
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → the directory it was read from
+
+
+def pretrained_source(model: Any) -> str | None:
+    """The directory `from_pretrained` read `model` from (absolute), or None for a model built otherwise: what a
+    PEFT adapter of it records as `base_model_name_or_path`."""
+    try:
+        return _SOURCES.get(model)
+    except TypeError:  # not weakly referenceable: not ours
+        return None
 
 
 def _lookup(tree, path_keys):

@@ -10,6 +10,8 @@ import logging
 import inspect
 from typing import Any
 
+from jaxloom.models import pretrained_source
+
 from .batches import Batches
 from .callbacks import Callback, Callbacks, trainer_hooks
 from .checkpointing import Checkpointing
@@ -151,6 +153,7 @@ def exporter(trainer: Any) -> Exporter:
         arguments=lambda: trainer.arguments,
         directory=lambda: trainer.run_directory.local,
         facts=facts,
+        base=lambda: pretrained_source(trainer._model_in),
     )
 
 

@@ -101,8 +101,9 @@ def shard_bytes(size: int | str) -> int:
 class Exporter:
     """`save_pretrained` and `save_information` with EasyDeL's signatures. `current()` gives the state to
     write by default (setting the run up if needed), `tokenizer()` the run's tokenizer, `arguments()` the
-    training arguments, `directory()` the run's `save_directory`, and `facts()` what the report shows
-    (`write_report`'s fields, with `identity`, `dataset_train` and `dataset_eval`)."""
+    training arguments, `directory()` the run's `save_directory`, `facts()` what the report shows
+    (`write_report`'s fields, with `identity`, `dataset_train` and `dataset_eval`), and `base()` where the
+    run's model came from (a PEFT adapter's `base_model_name_or_path`; None: unknown)."""
 
     def __init__(
         self,
@@ -112,9 +113,10 @@ class Exporter:
         arguments: Callable[[], Any],
         directory: Callable[[], Path],
         facts: Callable[[], dict[str, Any]],
+        base: Callable[[], str | None] = lambda: None,
     ):
         self.current, self.tokenizer, self.arguments = current, tokenizer, arguments
-        self.directory, self.facts = directory, facts
+        self.directory, self.facts, self.base = directory, facts, base
 
     def save_pretrained(
         self,
@@ -148,6 +150,7 @@ class Exporter:
         to_hf = bool(to_torch) if to_hf is None else to_hf
         if merge_adapters:
             options["merge_adapters"] = True
+        options["base_model"] = self.base()  # a PEFT adapter names its base, so PEFT's loaders find it
         return export(
             state, save_directory, tokenizer=self.tokenizer(), to_hf=to_hf, arguments=self.arguments(), **options
         )
