@@ -122,6 +122,13 @@ def test_a_tiny_model_learns_a_letter_from_the_reward_alone(tmp_path):
         "time/reward_s",
     ):
         assert f"train/{key}" in last, key
+    # the plot shows what GRPO trains for: its reward on top (its loss is near zero by construction; issue 51)
+    from jaxloom.trainer.report import plot_panels
+
+    panels = plot_panels(rows(tmp_path))
+    assert [label for label, _ in panels] == ["reward", "loss", "learning rate"]
+    assert [v for _, v in panels[0][1]["reward"]] == rewards
+    assert (tmp_path / "loss.png").is_file()
 
 
 def test_num_iterations_trains_on_the_stored_old_log_probs(tmp_path):

@@ -224,7 +224,11 @@ def _config_keys(model_type: str) -> str:
 
     if model_type not in jm.CONFIG_CLASSES:
         raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
-    lines = ["# data: what to train on", *[f"data.{k}  {v}" for k, v in DATA_KEYS.items()], ""]
+    from .compose import DATA_TYPES
+
+    lines = ["# data: what to train on"]
+    lines += [f"data.{k}: {DATA_TYPES[k][0]} = {DATA_TYPES[k][1]!r}  {v}" for k, v in DATA_KEYS.items()]
+    lines.append("")
     lines.append(f"# model: Hugging Face config names ({jm.CONFIG_CLASSES[model_type].__name__}), or from_pretrained")
     lines.append(
         "model.from_pretrained: str = None  a local Hugging Face model directory (config.json + safetensors): its "
@@ -243,11 +247,14 @@ def _config_keys(model_type: str) -> str:
         "# trainer",
         f"trainer: str = 'sft'  which trainer: {', '.join(TRAINERS)} (dpo adds # preference, grpo # rl)",
     ]
+    kinds = {"preference": "trainer=dpo only", "rl": "trainer=grpo only"}
     for f in [*DPOConfig.fields(), *(f for f in GRPOConfig.fields() if f["group"] == "rl")]:
         if f["group"] != group:
             group = f["group"]
-            lines += ["", f"# {group}"]
-        lines.append(f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}")
+            lines += ["", f"# {group}" + (f" ({kinds[group]}; a key both kinds have keeps each kind's default)"
+                                          if group in kinds else "")]  # fmt: skip
+        kind = {"preference": "dpo.", "rl": "grpo."}.get(group, "") if f["name"] in ("beta", "loss_type") else ""
+        lines.append(f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}" + (f" [{kind[:-1]}]" if kind else ""))
     lines += ["", "# other names (HF Trainer, TRL, EasyDeL): read as the jaxloom key, or refused naming it"]
     lines += [f"{alias}: the same as {name}" for alias, name in ALIASES.items()]
     lines.append("max_length: the same as max_sequence_length (TRL's SFTConfig and DPOConfig name; trainer=sft or dpo)")

@@ -35,6 +35,12 @@ DATA_KEYS = {
     "eval_fraction": "with train=bundled: the fraction of its documents held out for evaluation",
     "tokenizer": "'bundled', a local tokenizer directory or a Hugging Face Hub id",
 }
+DATA_TYPES = {  # each data key's type and default, as `jaxloom config keys` shows them
+    "train": ("str | list[str] | list[{path, weight}]", "bundled"),
+    "eval": ("str | list[str] | None", None),
+    "eval_fraction": ("float", 0.05),
+    "tokenizer": ("str", "bundled"),
+}
 KINDS: dict[str, type[BaseTrainer]] = {"sft": Trainer, "dpo": DPOTrainer, "grpo": GRPOTrainer}
 """The trainer class of each `trainer=` kind."""
 

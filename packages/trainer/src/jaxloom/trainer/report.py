@@ -9,30 +9,44 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def plot_panels(history: list[dict[str, Any]]) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
+    """What `plot_history` draws, top to bottom: `(y label, {line label: [(step, value)]})`. The reward first for
+    a run that has one (GRPO: what it trains for — its loss is near zero by construction), then the train and
+    eval loss, then the learning rate."""
+
+    def series(key: str) -> list[tuple[int, float]]:
+        return [(r["step"], r[key]) for r in history if key in r]
+
+    panels = []
+    if series("train/reward"):
+        panels.append(("reward", {"reward": series("train/reward")}))
+    losses = {"train loss": series("train/loss"), "eval loss": series("eval/loss")}
+    panels.append(("loss", {k: v for k, v in losses.items() if v}))
+    if series("train/learning_rate"):
+        panels.append(("learning rate", {"learning rate": series("train/learning_rate")}))
+    return panels
+
+
 def plot_history(history: list[dict[str, Any]], path: str | Path) -> Path | None:
-    """Train and eval loss, and the learning rate, against the step, as PNG."""
-    train = [(r["step"], r["train/loss"]) for r in history if "train/loss" in r]
-    if not train:
+    """`plot_panels(history)` as a PNG at `path`, against the step: the reward (when the run has one), the
+    train and eval loss, the learning rate. None when nothing was trained."""
+    if not any("train/loss" in r for r in history):
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    evals = [(r["step"], r["eval/loss"]) for r in history if "eval/loss" in r]
-    lrs = [(r["step"], r["train/learning_rate"]) for r in history if "train/learning_rate" in r]
-    fig, (a, b) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    a.plot(*zip(*train, strict=True), label="train loss")
-    if evals:
-        a.plot(*zip(*evals, strict=True), "o-", label="eval loss")
-    a.set_ylabel("loss")
-    a.legend()
-    a.grid(alpha=0.3)
-    if lrs:
-        b.plot(*zip(*lrs, strict=True), color="tab:green")
-    b.set_ylabel("learning rate")
-    b.set_xlabel("step")
-    b.grid(alpha=0.3)
+    panels = plot_panels(history)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3 * len(panels)), sharex=True, squeeze=False)
+    for ax, (label, lines) in zip(axes[:, 0], panels, strict=True):
+        for name, points in lines.items():
+            ax.plot(*zip(*points, strict=True), "o-" if name == "eval loss" else "-", label=name)
+        ax.set_ylabel(label)
+        if len(lines) > 1:
+            ax.legend()
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
