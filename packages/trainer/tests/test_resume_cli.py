@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from util import CLI_TINY
 
@@ -211,6 +212,11 @@ def test_cli_train_plan_convert_and_errors(tmp_path, capsys):
     assert main(["eval", *tiny]) == 0  # the run's newest checkpoint, evaluated
     out = capsys.readouterr().out
     assert json.loads(out[out.index("{\n") :])["loss"] > 0
+    # `config show` with the same arguments is the config that ran, as run_config.json records it (issue 51)
+    assert main(["config", "show", *tiny]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    recorded = json.loads((tmp_path / "run_config.json").read_text())
+    assert shown == recorded
     assert main(["plan", *tiny]) == 0
     out = capsys.readouterr().out
     plan = json.loads(out[out.index("{\n") :])

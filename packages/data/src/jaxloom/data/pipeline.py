@@ -313,7 +313,8 @@ class DataLoader:
                 if cut
                 else "it is split over rows, the later ones without its start"
             )
-            log.warning(
+            log.log(  # cut: a warning; split over packed rows (pretraining's usual case): said, quietly
+                logging.WARNING if cut else logging.INFO,
                 "a record of %d tokens (%s) is longer than max_sequence_length %d: %s. Such records are counted "
                 "(train/truncated_records, train/truncated_tokens, and the report); raise max_sequence_length (up "
                 "to the model's max_position_embeddings) to keep them whole",

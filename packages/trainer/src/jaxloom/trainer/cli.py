@@ -281,19 +281,24 @@ def _launcher_keys() -> list[str]:
 
 
 def _config_show(config: str | None, items: list[str]) -> str:
-    """The config the run would use, as YAML: the file (or run directory, or the demo) with the
-    overrides applied and every training argument resolved to its value (defaults included)."""
+    """The config the run would use, as YAML: exactly what `train` with the same arguments runs and records in
+    `run_config.json` (`resolve_settings`), then, as comments, where each setting you did not give comes from
+    and every other setting at its default."""
     import yaml
 
-    from .arguments import apply_overrides, load_config_file
+    from .compose import resolve_settings
     from .kinds import arguments_of
 
-    data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)
-    model, data_section = data.pop("model", {}) or {}, data.pop("data", {}) or {}
-    kind, args = arguments_of(data)  # checked as a run would check them
-    head = {"trainer": kind} if kind != "sft" else {}
-    resolved = {**head, "model": model, "data": data_section, **json.loads(json.dumps(args.to_dict(), default=str))}
-    return yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True)
+    resolved, sources = resolve_settings(config, items)
+    top = {k: v for k, v in resolved.items() if k not in ("model", "data")}
+    _, args = arguments_of(top)  # checked as a run would check them
+    text = yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True)
+    if sources:
+        text += "# where the settings you did not give come from:\n"
+        text += "".join(f"#   {k}: {where}\n" for k, where in sources.items())
+    defaults = {k: v for k, v in json.loads(json.dumps(args.to_dict(), default=str)).items() if k not in top}
+    text += "# every other setting, at its default (not recorded; `jaxloom config keys` says what each does):\n"
+    return text + "".join(f"# {line}\n" for line in yaml.safe_dump(defaults, sort_keys=False).splitlines())
 
 
 def _parser() -> argparse.ArgumentParser:

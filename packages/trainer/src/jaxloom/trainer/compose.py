@@ -173,38 +173,105 @@ def kind_settings(data: dict, config_path: str | None, overrides: list[str]) -> 
     return data
 
 
-def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]:
-    """Config file + overrides → (trainer, resolved config). Sections `model` and `data`; `trainer`
-    (`sft` or `dpo`) picks the trainer; the rest are its arguments. A pretrained model without a config file
-    gets `FINETUNE_DEFAULTS` instead of the demo's training settings."""
-    import jaxloom.data as jd
-    import jaxloom.models as jm
-
-    data = apply_overrides(load_config_file(config_path or DEMO_CONFIG), overrides)
+def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dict, dict[str, str]]:
+    """The one resolution of a run's settings, used by `train`, `plan`, `eval` and `config show`, and written to
+    `run_config.json`: the config file (the demo's without one), then the trainer kind's and a fine-tune's
+    defaults (`FINETUNE_DEFAULTS`), then the model's own facts (its tokenizer, its positions), then the command
+    line. Returns `(resolved, sources)`: the settings as recorded, and where each one the user did not give came
+    from (`{key: source}`; nested keys as `model.x`, `data.x`)."""
+    base = load_config_file(config_path or DEMO_CONFIG)
+    data = apply_overrides(base, overrides)
     data = _finetune_defaults(data, config_path, overrides)
-    data = kind_settings(data, config_path, overrides)  # before it is recorded: run_config.json is what runs
-    resolved = json.loads(json.dumps(data))
+    data = kind_settings(data, config_path, overrides)
     for section in ("model", "data"):
         if not isinstance(data.get(section) or {}, dict):
             raise ValueError(
                 f"{section}: {data[section]!r} ({type(data[section]).__name__}); expected a section of key: value "
                 f"settings (e.g. {section}.train: ... / {section}.hidden_size: ...)"
             )
-    model_cfg, data_cfg = dict(data.pop("model", {}) or {}), dict(data.pop("data", {}) or {})
-    length_from_model = bool(data.pop("_finetune_length", False)) and data.get("trainer", "sft") != "grpo"
-    resolved.pop("_finetune_length", None)
-    unknown = sorted(set(data_cfg) - set(DATA_KEYS))
+    resolved = json.loads(json.dumps(data))
+    length_from_model = bool(resolved.pop("_finetune_length", False)) and resolved.get("trainer", "sft") != "grpo"
+    unknown = sorted(set(resolved.get("data") or {}) - set(DATA_KEYS))
     if unknown:
         raise ValueError(f"unknown key(s) in section data: {unknown}; expected train, eval, eval_fraction, tokenizer")
-    kind, args = arguments_of(data)
-    data_cfg = {k: _expanded(v, f"data.{k}") for k, v in data_cfg.items()}
+    model_cfg = dict(resolved.get("model") or {})
+    explicit = {o.split("=", 1)[0].removeprefix("model.") for o in overrides if o.startswith("model.")}
     if "from_pretrained" in model_cfg:
         model_cfg["from_pretrained"] = expand_path(model_cfg["from_pretrained"], "model.from_pretrained")
+    if "from_pretrained" in explicit:  # the pretrained model brings its architecture: the file's is not applied
+        model_cfg = {k: v for k, v in model_cfg.items() if k in explicit}
+    if model_cfg or "model" in resolved:
+        resolved["model"] = model_cfg
+    data_cfg = {k: _expanded(v, f"data.{k}") for k, v in (resolved.get("data") or {}).items()}
     source = _model_tokenizer(model_cfg, data_cfg, overrides, config_path)
     if source is not None:  # the model directory is the source of truth for its tokenizer
-        data_cfg["tokenizer"] = source
-        resolved.setdefault("data", {})["tokenizer"] = source  # what the run records and rebuilds
-        log.info("tokenizer: the model's own, from %s (data.tokenizer=... to use another)", source)
+        resolved.setdefault("data", {})["tokenizer"] = source
+    if length_from_model:  # rows as long as TRL's max_length, within the model's positions
+        positions = model_cfg.get("max_position_embeddings")
+        if positions is None:
+            file = Path(model_cfg["from_pretrained"]) / "config.json"
+            positions = json.loads(file.read_text()).get("max_position_embeddings", FINETUNE_MAX_LENGTH)
+        resolved["max_sequence_length"] = min(FINETUNE_MAX_LENGTH, int(positions))
+    # where each setting the user did not give came from
+    given = {o.split("=", 1)[0] for o in overrides}
+    user_file = config_path is not None and Path(config_path).name != RUN_CONFIG
+    if user_file:
+        origin = "your config file"
+    elif config_path is not None:
+        origin = "the run directory's run_config.json"
+    else:
+        origin = "the demo's config (configs/demo.yaml)"
+    fine_tune = config_path is None and "model.from_pretrained" in given
+    kind = str(resolved.get("trainer", "sft"))
+    sources: dict[str, str] = {}
+    for key in _flat_settings(resolved):
+        if key in given or (user_file and key in _flat_settings(base)):
+            continue  # the user's own
+        if key == "data.tokenizer" and source is not None:
+            sources[key] = "the model directory's own tokenizer"
+        elif key == "max_sequence_length" and length_from_model:
+            sources[key] = f"TRL's max_length {FINETUNE_MAX_LENGTH}, within the model's max_position_embeddings"
+        elif fine_tune and key in FINETUNE_DEFAULTS.get(kind, {}):
+            sources[key] = "fine-tuning defaults (TRL's)"
+        else:
+            sources[key] = origin
+    return resolved, sources
+
+
+def _flat_settings(data: dict) -> dict[str, Any]:
+    """`data` with its `model` and `data` sections as `model.x` / `data.x` keys."""
+    out = {k: v for k, v in data.items() if k not in ("model", "data")}
+    for section in ("model", "data"):
+        out.update({f"{section}.{k}": v for k, v in (data.get(section) or {}).items()})
+    return out
+
+
+def announce_settings(sources: dict[str, str], resolved: dict) -> None:
+    """Say, at the start of a run, every setting the user did not give and where it came from."""
+    if not sources:
+        return
+    flat = _flat_settings(resolved)
+    width = max(len(k) for k in sources)
+    lines = [f"{k:<{width}} = {flat[k]!r}  ({where})" for k, where in sources.items()]
+    log.info("settings you did not give (key=value or your config file overrides any):\n  %s", "\n  ".join(lines))
+
+
+def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]:
+    """Config file + overrides → (trainer, resolved config) (`resolve_settings`). Sections `model` and `data`;
+    `trainer` (`sft`, `dpo` or `grpo`) picks the trainer; the rest are its arguments. A pretrained model without a
+    config file gets `FINETUNE_DEFAULTS` instead of the demo's training settings."""
+    import jaxloom.data as jd
+    import jaxloom.models as jm
+
+    resolved, sources = resolve_settings(config_path, overrides)
+    data = json.loads(json.dumps(resolved))
+    model_cfg, data_cfg = dict(data.pop("model", {}) or {}), dict(data.pop("data", {}) or {})
+    kind, args = arguments_of(data)
+    data_cfg = {k: _expanded(v, f"data.{k}") for k, v in data_cfg.items()}
+    if sources.get("data.tokenizer") == "the model directory's own tokenizer":
+        log.info("tokenizer: the model's own, from %s (data.tokenizer=... to use another)", data_cfg["tokenizer"])
+    if config_path is None or Path(config_path).name != RUN_CONFIG:
+        announce_settings(sources, resolved)
     tokenizer = tokenizer_of(data_cfg)
     train, evaluation = data_cfg.get("train", "bundled"), data_cfg.get("eval")
     if kind == "grpo" and train == "bundled":
@@ -236,22 +303,7 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
     # The arguments' runtime settings are applied by the trainer too; given here as well so that weights
     # loaded from Hugging Face are laid out (stacked for scan_layers) and cast as the run needs them.
     runtime = args.runtime.apply(jm.RuntimeConfig())
-    explicit = {o.split("=", 1)[0].removeprefix("model.") for o in overrides if o.startswith("model.")}
-    if "from_pretrained" in explicit:  # the pretrained model brings its architecture: the file's is not applied
-        model_cfg = {k: v for k, v in model_cfg.items() if k in explicit}
-        resolved["model"] = json.loads(json.dumps(model_cfg))  # what the run directory rebuilds
     model = model_of(model_cfg, runtime, vocab_size=len(tokenizer))
-    if length_from_model:  # rows as long as TRL's max_length, within the model's positions
-        length = min(FINETUNE_MAX_LENGTH, int(model.config.max_position_embeddings))
-        args = args.replace(max_sequence_length=length)
-        resolved["max_sequence_length"] = length
-        log.info(
-            "fine-tuning defaults: max_sequence_length=%d (TRL's max_length %d, within the model's "
-            "max_position_embeddings %d; longer records are cut and counted)",
-            length,
-            FINETUNE_MAX_LENGTH,
-            model.config.max_position_embeddings,
-        )
     trainer = KINDS[kind](args, model=model, dataset_train=train, dataset_eval=evaluation, processing_class=tokenizer)
     return trainer, resolved
 
