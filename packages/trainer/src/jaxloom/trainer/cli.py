@@ -253,8 +253,9 @@ def _config_keys(model_type: str) -> str:
             group = f["group"]
             lines += ["", f"# {group}" + (f" ({kinds[group]}; a key both kinds have keeps each kind's default)"
                                           if group in kinds else "")]  # fmt: skip
-        kind = {"preference": "dpo.", "rl": "grpo."}.get(group, "") if f["name"] in ("beta", "loss_type") else ""
-        lines.append(f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}" + (f" [{kind[:-1]}]" if kind else ""))
+        both = f["name"] in ("beta", "loss_type")  # each kind's own, with its own default
+        kind = {"preference": " [dpo]", "rl": " [grpo]"}.get(str(group), "") if both else ""
+        lines.append(f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}{kind}")
     lines += ["", "# other names (HF Trainer, TRL, EasyDeL): read as the jaxloom key, or refused naming it"]
     lines += [f"{alias}: the same as {name}" for alias, name in ALIASES.items()]
     lines.append("max_length: the same as max_sequence_length (TRL's SFTConfig and DPOConfig name; trainer=sft or dpo)")
