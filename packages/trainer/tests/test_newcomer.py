@@ -520,6 +520,21 @@ def test_a_run_directory_removed_mid_run_gets_its_files_back(tmp_path):
     assert main(["convert", "--to-hf", str(run), str(tmp_path / "hf")]) == 0
 
 
+def test_bad_data_is_named_at_its_first_line_before_the_run_starts_and_leaves_no_run_directory(tmp_path, capsys):
+    """Every line bad: the error named line 2 of a shuffled order, came after the run's banner, and left a
+    half-made run directory (issue 51): the first bad line in file order, before anything is written."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps({"text": i}) + "\n" for i in range(20)))
+    run = tmp_path / "run"
+    argv = ["train", f"data.train={data}", "max_training_steps=2", *CLI_TINY, f"save_directory={run}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{data}:1: column 'text' holds int" in err and "model: LlamaForCausalLM" not in err
+    assert not run.exists()  # nothing was trained: nothing is left behind
+    (run / "mine").mkdir(parents=True)  # a directory the user made: kept, whatever happens
+    assert main(argv) == 2 and (run / "mine").is_dir()
+
+
 def test_data_prepare_conflicts_are_one_line_and_write_nothing(tmp_path, capsys):
     """A prepare resumed after its source changed, and a second prepare while another writes the same store, were
     `FileExistsError` tracebacks (issue 52): one line each, exit 2, the unfinished store left as it was."""

@@ -63,6 +63,7 @@ class RunDirectory:
         self.config = config
         self._lock: js.DirectoryLock | js.StoreLease | None = None
         self._synced: dict[str, tuple[int, int]] = {}  # file -> (size, mtime) last uploaded (a URI run)
+        self._created = False  # whether take() made the local directory (a run that fails at setup removes it)
         self.on_lost: Any = None  # called when the lease renewal finds the directory taken over (a URI run)
 
     @property
@@ -104,6 +105,7 @@ class RunDirectory:
         assert directory is not None
         paths.check_writable_target(c.save_directory, "save_directory")  # before the lock: nothing written yet
         paths.check_writable_target(c.checkpoint_directory, "checkpoint_directory")
+        self._created = not directory.exists()
         if is_process_zero:
             remote = self.is_remote
             lock = (
@@ -176,6 +178,20 @@ class RunDirectory:
                 log.error("%s; the run's files stay in %s", e, self.local)
             finally:
                 self._lock.release()
+
+    def abandon(self) -> None:
+        """A run that failed before step 1: give the directory back, and remove what this run made of it when
+        that is nothing but empty folders (the lock gone) — no half-made run directory is left behind; one that
+        holds anything else (an earlier run, the user's files) is left as it is."""
+        self.release()
+        directory = self.local
+        if not self._created or directory is None or not directory.is_dir():
+            return
+        for root, _, _ in sorted(os.walk(directory), key=lambda w: -len(w[0])):  # deepest first
+            try:
+                os.rmdir(root)  # only an empty folder
+            except OSError:
+                return
 
     def sync(self) -> list[str]:
         """A run directory on a store (process 0, which holds the lock): upload the files of `local` that

@@ -29,6 +29,7 @@ def train(trainer: Any) -> TrainerOutput:
         trainer.initialize_trainer_utils()
     except BaseException as e:
         note_out_of_memory(e)
+        trainer.run_directory.abandon()  # nothing trained: no half-made run directory is left behind
         raise
     trainer.start_training_hook()
     step = trainer.current_step = int(jax.device_get(trainer.model_state.step))
