@@ -531,6 +531,9 @@ def test_bad_data_is_named_at_its_first_line_before_the_run_starts_and_leaves_no
     err = capsys.readouterr().err
     assert f"{data}:1: column 'text' holds int" in err and "model: LlamaForCausalLM" not in err
     assert not run.exists()  # nothing was trained: nothing is left behind
+    # a model directory that does not exist is named as missing (it said "no config.json"; issue 51)
+    assert main(["train", f"model.from_pretrained={tmp_path / 'nope'}", f"save_directory={run}"]) == 2
+    assert f"model.from_pretrained = '{tmp_path / 'nope'}' does not exist" in capsys.readouterr().err
     (run / "mine").mkdir(parents=True)  # a directory the user made: kept, whatever happens
     assert main(argv) == 2 and (run / "mine").is_dir()
 

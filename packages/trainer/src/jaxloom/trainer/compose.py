@@ -198,6 +198,18 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
     explicit = {o.split("=", 1)[0].removeprefix("model.") for o in overrides if o.startswith("model.")}
     if "from_pretrained" in model_cfg:
         model_cfg["from_pretrained"] = expand_path(model_cfg["from_pretrained"], "model.from_pretrained")
+        where = Path(model_cfg["from_pretrained"])
+        if not where.is_dir():
+            raise FileNotFoundError(
+                f"model.from_pretrained = {str(where)!r} does not exist; expected a local Hugging Face model "
+                "directory (config.json + safetensors; a Hub id is not downloaded: fetch it first, e.g. "
+                "`hf download ID --local-dir DIR`)"
+            )
+        if not (where / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.from_pretrained = {str(where)!r} has no config.json; expected a Hugging Face model directory "
+                "(config.json + safetensors)"
+            )
     if "from_pretrained" in explicit:  # the pretrained model brings its architecture: the file's is not applied
         model_cfg = {k: v for k, v in model_cfg.items() if k in explicit}
     if model_cfg or "model" in resolved:
