@@ -536,12 +536,15 @@ class BaseTrainer:
     apply_training_hooks = forward("stop_control")
 
     # ---- evaluation -------------------------------------------------------------------------------------
+    no_evaluation = "expected held-out records: dataset_eval= (data.eval=FILE on the command line)"
+    """What the error of `evaluate()` without evaluation data says to do (a kind without an evaluation pass says so)."""
+
     def evaluate(self, state: js.TrainState | None = None, metric_calculator=None) -> dict[str, float]:
         """Loss, perplexity and accuracy of `state` (default: the trainer's) over up to `eval_batches`
         batches of `dataset_eval`, plus `evaluation_time`. `metric_calculator(state, batch) -> dict` adds
         metrics of its own, averaged over the batches (`batch`: the global on-device batch)."""
         if self.dataset_eval is None:
-            raise ValueError("no dataset_eval was given")
+            raise ValueError(f"no dataset_eval was given; {self.no_evaluation}")
         if state is None and self.state is None:
             self.initialize_trainer_utils()
         state = self.state if state is None else self.plan.as_own(state, lambda: self.model_state)

@@ -32,6 +32,11 @@ class GRPOTrainer(BaseTrainer):
     `rollout_engine(prompt_ids, prompt_mask, key) -> (completion_ids, completion_mask)` replaces the
     in-process generation (the seam for an external engine)."""
 
+    no_evaluation = (
+        "GRPO has no evaluation pass yet (TRL's: the rewards of completions to held-out prompts); sample the policy "
+        "with `jaxloom generate RUN_DIR --prompt ...`"
+    )
+
     MATCH_BOS = True
 
     def __init__(
