@@ -92,13 +92,6 @@ class SmolLM3Config(LlamaConfig):
             data["sliding_window"] = None
         return data
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """transformers' keys, with `no_rope_layers` and `layer_types` written out (as its config holds them)."""
-        out = super().to_hf_dict()
-        out["no_rope_layers"] = [int(r) for r in self.rope_layers()]
-        out["layer_types"] = [k.removesuffix(NOPE) for k in self.attention_types()]
-        return out
-
 
 @register("smollm3", TaskType.CAUSAL_LM)
 class SmolLM3ForCausalLM(CausalLM):
