@@ -160,7 +160,15 @@ class RunDirectory:
         over when this run lost it — it must not write there again. None on a local disk or on another process."""
         if self._lock is None or not self._lock.held:
             return None
-        return self._lock.check()
+        try:
+            return self._lock.check()
+        except js.LeaseLostError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the store out of reach: the write itself retries or fails clearly
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            log.warning("the lease %s could not be checked (%s); writing as its generation", self.config.save_directory,
+                        first)  # fmt: skip
+            return getattr(self._lock, "generation", None)
 
     @property
     def lost(self) -> bool:
