@@ -287,6 +287,7 @@ class CheckpointManager:
         self._manager = None  # orbax.checkpoint.CheckpointManager, opened on first use
         self._last_save_time = time.monotonic()
         self._stray_seen: set[int] = set()  # step directories without a checkpoint, said once
+        self._fenced_said: set[int] = set()  # steps written after the lease changed hands, said once
         self._digests: dict[int, integrity.Pending] = {}  # step -> array digests dispatched, not yet written
         self._lock = threading.Lock()
         if self.directory.is_dir():
@@ -370,6 +371,9 @@ class CheckpointManager:
                 continue
             if generation < newest:
                 stale.add(s)
+                if s in self._fenced_said:
+                    continue
+                self._fenced_said.add(s)
                 log.warning(
                     "checkpoint %s was written by a run that had lost this directory's lease (generation %d, after "
                     "generation %d took over); it is never resumed",

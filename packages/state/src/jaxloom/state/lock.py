@@ -235,7 +235,6 @@ class StoreLease:
         raise DirectoryLockedError(f"could not take {self.path}: it keeps changing hands")
 
     def _renew_in_background(self) -> None:
-
         stop = self._stop = threading.Event()
 
         def renew() -> None:
@@ -260,7 +259,7 @@ class StoreLease:
         with self._renewing:
             self._renew_locked(paths)
 
-    def _renew_locked(self, paths: Any) -> None:
+    def _renew_locked(self, paths: Any) -> None:  # `paths`: jaxloom.core.paths (imported late: no I/O at import)
         if self.lost is not None:
             raise LeaseLostError(self._lost_message())
         found = paths.read_versioned(self.path)

@@ -96,11 +96,10 @@ def _run_on_a_store(uri: str, items: list[str]) -> tuple[str, list[str]]:
 
 
 # A run from `model.from_pretrained=DIR` with no config file fine-tunes: TRL's defaults for the job (SFTConfig,
-# DPOConfig: learning rate, linear decay, no warmup, no weight decay) and no previews, in place of the demo's
-# pretraining settings. Any of them given on the command line wins; a config file gets none of them.
-# A fine-tune's length, batch and cadences (TRL's / HF's defaults), in place of the demo's pretraining ones: the
-# data's epochs (HF's num_train_epochs) rather than the demo's 300 steps, TRL's 8 rows and logging every 10 steps,
-# HF's save every 500 steps (and the final save), no evaluation cadence or previews.
+# DPOConfig: learning rate, linear decay, no warmup, no weight decay), the data's epochs (HF's num_train_epochs)
+# rather than the demo's 300 steps, TRL's 8 rows and logging every 10 steps, HF's save every 500 steps (and the
+# final save), no evaluation cadence or previews. Any of them given on the command line wins; a config file gets
+# none of them.
 _FINETUNE_RUN = {
     "max_training_steps": None,
     "num_train_epochs": 3,
@@ -143,24 +142,21 @@ FINETUNE_MAX_LENGTH = 1024
 
 def _finetune_defaults(data: dict, config_path: str | None, overrides: list[str]) -> dict:
     """`data` (the demo config with `overrides` applied) with `FINETUNE_DEFAULTS` for its trainer kind when
-    the run fine-tunes a pretrained model without a config file; said in the log. The demo's row length is
-    dropped too (SFT and DPO rows then follow the model: `_finetune_length`)."""
-    given = {o.split("=", 1)[0] for o in overrides}
-    if config_path is not None or "model.from_pretrained" not in given:
+    the run fine-tunes a pretrained model without a config file (`_fine_tunes`), less the demo's row length (the
+    model's positions decide it: `resolve_settings`). The run says what it chose (`announce_settings`)."""
+    if not _fine_tunes(config_path, overrides):
         return data
-    kind = str(data.get("trainer", "sft"))
-    chosen = {k: v for k, v in FINETUNE_DEFAULTS.get(kind, {}).items() if k not in given}
-    if chosen:
-        log.info(
-            "fine-tuning defaults (%s, as TRL's; model.from_pretrained without a config file): %s",
-            kind,
-            ", ".join(f"{k}={v}" for k, v in chosen.items()),
-        )
+    given = {o.split("=", 1)[0] for o in overrides}
+    chosen = {k: v for k, v in FINETUNE_DEFAULTS.get(str(data.get("trainer", "sft")), {}).items() if k not in given}
     out = {**data, **chosen}
     if "max_sequence_length" not in given and "max_length" not in given:
         out.pop("max_sequence_length", None)
-        out["_finetune_length"] = True  # the model's positions decide it (build_run)
     return out
+
+
+def _fine_tunes(config_path: str | None, overrides: list[str]) -> bool:
+    """Whether a run fine-tunes with no config file: `model.from_pretrained` on the command line alone."""
+    return config_path is None and any(o.split("=", 1)[0] == "model.from_pretrained" for o in overrides)
 
 
 def kind_settings(data: dict, config_path: str | None, overrides: list[str]) -> dict:
@@ -190,7 +186,10 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
                 f"settings (e.g. {section}.train: ... / {section}.hidden_size: ...)"
             )
     resolved = json.loads(json.dumps(data))
-    length_from_model = bool(resolved.pop("_finetune_length", False)) and resolved.get("trainer", "sft") != "grpo"
+    given = {o.split("=", 1)[0] for o in overrides}
+    fine_tune = _fine_tunes(config_path, overrides)
+    kind = str(resolved.get("trainer", "sft"))
+    length_from_model = fine_tune and kind != "grpo" and not given & {"max_sequence_length", "max_length"}
     unknown = sorted(set(resolved.get("data") or {}) - set(DATA_KEYS))
     if unknown:
         raise ValueError(f"unknown key(s) in section data: {unknown}; expected train, eval, eval_fraction, tokenizer")
@@ -225,7 +224,6 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
             positions = json.loads(file.read_text()).get("max_position_embeddings", FINETUNE_MAX_LENGTH)
         resolved["max_sequence_length"] = min(FINETUNE_MAX_LENGTH, int(positions))
     # where each setting the user did not give came from
-    given = {o.split("=", 1)[0] for o in overrides}
     user_file = config_path is not None and Path(config_path).name != RUN_CONFIG
     if user_file:
         origin = "your config file"
@@ -233,8 +231,6 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
         origin = "the run directory's run_config.json"
     else:
         origin = "the demo's config (configs/demo.yaml)"
-    fine_tune = config_path is None and "model.from_pretrained" in given
-    kind = str(resolved.get("trainer", "sft"))
     sources: dict[str, str] = {}
     for key in _flat_settings(resolved):
         if key in given or (user_file and key in _flat_settings(base)):
