@@ -6,6 +6,7 @@ import json
 import signal
 
 import numpy as np
+import pytest
 from faultrun import TINY, run_worker
 from test_two_process_dpo import launch
 
@@ -85,3 +86,8 @@ def test_a_grpo_run_from_the_command_line_is_usable_afterwards(tmp_path, capsys)
     assert main(["train", str(run)]) == 4  # resumed by its directory: already complete (exit 4)
     out = capsys.readouterr().out
     assert json.loads(out[out.index("{\n") :])["stop_reason"].startswith("already complete"), out
+    # its evaluation pass (TRL's): held-out prompts completed by the trained policy and scored by its rewards
+    assert main(["eval", str(run), f"data.eval={prompts(tmp_path / 'e.jsonl', n=4)}"]) == 0
+    scores = json.loads(capsys.readouterr().out)
+    assert 0 <= scores["reward"] <= 1 and scores["rewards/letter_e/mean"] == pytest.approx(scores["reward"])
+    assert 0 < scores["completions/mean_length"] <= 8 and "evaluation_time" in scores

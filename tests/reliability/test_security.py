@@ -43,8 +43,8 @@ def test_no_eval_exec_or_import_by_name_from_config_values():
 
 
 def test_reading_a_grpo_run_imports_none_of_its_reward_functions(tmp_path, monkeypatch):
-    """A run directory from elsewhere names reward functions by path: `convert`, `generate`, `eval` and `plan`
-    read it without importing them (only training the run does)."""
+    """A run directory from elsewhere names reward functions by path: `convert`, `generate` and `plan` read it
+    without importing them (only training or evaluating the run does: scoring is running them)."""
     import json
     import sys
 

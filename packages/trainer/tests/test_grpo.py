@@ -161,6 +161,42 @@ def test_bad_settings_and_data_are_refused_before_step_one(tmp_path):
         grpo_args(tmp_path, num_generations=1)
 
 
+def test_the_evaluation_pass_scores_held_out_prompts_with_the_rewards(tmp_path):
+    """TRL's GRPO evaluation: completions of the held-out prompts (not the training ones), `num_generations` each,
+    sampled from the policy and scored by the reward functions; the metrics are those rewards' means, logged as
+    `eval/...` on the evaluation cadence and at the end; the same state evaluates to the same numbers."""
+    seen: list[tuple[list, list]] = []
+
+    def length(prompts, completions, **kwargs):
+        seen.append((list(prompts), list(kwargs["answer"])))
+        return [float(len(c)) for c in completions]
+
+    held_out = [{"prompt": f"name {w}:", "answer": w.upper()} for w in ["one", "two", "three", "four", "five"]]
+    t = GRPOTrainer(
+        grpo_args(tmp_path, max_training_steps=2, evaluation_steps=2, eval_batches=2),
+        model=jm.create_model(tiny(), lazy=True),
+        dataset_train=RECORDS,
+        dataset_eval=held_out,
+        processing_class=TOK,
+        mesh=mesh(1),
+        reward_funcs=[length],
+    )
+    t.train()
+    logged = [r for r in rows(tmp_path) if "eval/reward" in r]
+    assert [r["step"] for r in logged] == [2]  # on the cadence; the end of the run does not evaluate step 2 again
+    seen.clear()
+    again = t.evaluate()
+    # two groups of total_batch_size / num_generations = 4 prompts: the five held-out prompts, in order, 4 each
+    asked = [p for prompts, _ in seen for p in prompts]
+    assert asked == [r["prompt"] for r in held_out for _ in range(4)]
+    assert [a for _, answers in seen for a in answers] == [r["answer"] for r in held_out for _ in range(4)]
+    assert again["reward"] == pytest.approx(again["rewards/length/mean"])
+    assert {k: logged[0][f"eval/{k}"] for k in again if k != "evaluation_time"} == pytest.approx(
+        {k: v for k, v in again.items() if k != "evaluation_time"}
+    )
+    assert 0 <= again["completions/clipped_ratio"] <= 1 and again["completions/mean_length"] > 0
+
+
 def _bad():
     def bad(x):
         return x

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import errno
-import hashlib
 import json
 import logging
-import sys
 import threading
 import time
 import types
@@ -41,185 +38,34 @@ from . import arrays, integrity, stores
 from .arrays import CheckpointCorruptError
 from .train_state import TrainState
 
-log = logging.getLogger(__name__)
-CHECKSUMS = "jaxloom_checksums.json"
-DIGESTS = "jaxloom_digests.process_"  # + "<process index>.json": that process's partial array digests
-
-
-# What the store clients (aiohttp for gcsfs, botocore for s3fs, curl in tensorstore) say when a connection could
-# not be made or was lost.
-_GONE = (
-    "Cannot connect to host",
-    "Connection refused",
-    "Could not connect to the endpoint URL",
-    "Couldn't connect to server",
-    "Failed to connect",
-    "Connection reset",
-    "Connection was closed",
-    "Server disconnected",
-    "Empty reply from server",
+from .checkpoint_errors import (
+    CheckpointSaveError,
+    _holding_checkpoints,
+    _quiet_writer_threads,
+    _retry_unreachable,
+    save_failure,
+)
+from .checkpoint_files import (
+    CHECKSUMS,
+    DIGESTS,
+    check_target,
+    fenced_steps,
+    stored_shapes,
+    verify_folder,
+    write_checksums,
 )
 
-
-def _unreachable(error: BaseException | None) -> bool:
-    """Whether `error` (or its cause) is a connection that could not be made or was lost: the store is gone."""
-    seen = 0
-    while error is not None and seen < 8:
-        name = type(error).__name__
-        if isinstance(error, ConnectionError) or name in (
-            "ClientConnectorError",
-            "ServerDisconnectedError",
-            "EndpointConnectionError",
-            "ConnectionClosedError",
-            "ClientOSError",
-        ):
-            return True
-        if any(s in str(error) for s in _GONE):
-            return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
-
-
-class CheckpointSaveError(OSError):
-    """Writing a checkpoint failed (disk full, permissions, ...). The partial write is never chosen on
-    restore; the earlier checkpoints are untouched. After an I/O error orbax's writer threads may not
-    stop: exit the process (the `jaxloom` command does) rather than keep training."""
-
-
-class _WriterErrorsOneLine(logging.Filter):
-    """orbax's background writer logs each failed write of a save with its traceback (five for one full disk);
-    the save then fails with one `CheckpointSaveError` that says what happened. Those records keep their
-    one-line message, without the traceback."""
-
-    SAID = (
-        "raised an exception",
-        "Handler Commit operations",
-        "background save thread",
-        "Finalize thread",
-        "Checkpointer failed",
-    )
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and any(s in str(record.msg) for s in self.SAID):
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-_WRITER_FILTER = _WriterErrorsOneLine()
-
-
-def _quiet_writer_threads() -> None:
-    absl = logging.getLogger("absl")
-    if _WRITER_FILTER not in absl.filters:
-        absl.addFilter(_WRITER_FILTER)
-    if not getattr(sys.unraisablehook, "jaxloom", False):
-        sys.unraisablehook = _closed_loop_callbacks_dropped(sys.unraisablehook)
-
-
-def _closed_loop_callbacks_dropped(previous: Any) -> Any:
-    """An `unraisablehook` that drops `RuntimeError: Event loop is closed` raised in tensorstore's callbacks
-    after a failed write made orbax close its event loop (a dozen bare tracebacks for one full disk; the save
-    fails with one `CheckpointSaveError` that says what happened); anything else goes to `previous`."""
-
-    def hook(unraisable: Any) -> None:
-        value = unraisable.exc_value
-        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-            return
-        previous(unraisable)
-
-    hook.jaxloom = True  # type: ignore[attr-defined]
-    return hook
-
-
-def _holding_checkpoints(directory: Any, steps: list[int], said: set[int]) -> list[int]:
-    """`steps` whose directories hold a checkpoint (`params`, `meta`): a stray `mkdir checkpoints/7` is not one,
-    is never chosen, and is warned of once (`said`). A bucket's steps are committed by marker: orbax's list."""
-    if not isinstance(directory, Path):
-        return steps
-    out = []
-    for step in steps:
-        folder = directory / str(step)
-        if not folder.exists() or (folder / "meta").exists() or (folder / "params").exists():
-            out.append(step)  # (a step orbax knows whose folder is not there yet: a save in flight)
-        elif step not in said:
-            said.add(step)
-            log.warning("ignoring %s: a step directory without a checkpoint in it (params, meta)", folder)
-    return out
-
-
-def save_failure(directory: Any, step: int | None, e: Exception) -> CheckpointSaveError:
-    """The one error a failed save of checkpoint `step` (None: a background write) in `directory` raises, from
-    what the writer raised (`e`): what failed, what is still safe, what to do."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:500]
-    what = f"checkpoint {step}" if step is not None else "a background checkpoint write"
-    if _unreachable(e):  # listing it again would only wait for the client's retries once more
-        return CheckpointSaveError(
-            f"saving {what} in {directory} failed: the store cannot be reached ({first}). Checkpoints "
-            "saved before are untouched there; the partial write will never be restored. Rerun when the store "
-            "is back: the run resumes from its newest complete checkpoint."
-        )
-    steps: Any
-    try:
-        steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
-    except Exception:  # noqa: BLE001 - the first error is the one to report
-        steps = "(cannot be listed)"
-    full = _disk_full(e)
-    if full is not None:
-        return CheckpointSaveError(
-            f"the disk is full: saving {what} in {directory} failed ({full}). {_space_needed(directory, steps)}, then "
-            f"rerun: the run resumes from its newest complete checkpoint. Earlier checkpoints {steps} are untouched; "
-            "the partial write will never be restored."
-        )
-    return CheckpointSaveError(
-        f"saving {what} in {directory} failed: {first}. Earlier checkpoints "
-        f"{steps} are untouched; the partial write will never be restored."
-    )
-
-
-_FULL = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded", errno.EFBIG: "File too large"}
-
-
-def _disk_full(error: BaseException | None) -> str | None:
-    """The reason when `error` (or what caused it) is a write the disk refused for space — full, over quota, a
-    file over the size limit — whatever wrapped it (tensorstore's OCDBT writer reports it as text); None
-    otherwise."""
-    seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, OSError) and error.errno in _FULL:
-            return _FULL[error.errno]
-        for reason in _FULL.values():
-            if reason.lower() in str(error).lower():
-                return reason
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return None
-
-
-def _space_needed(directory: Any, steps: Any) -> str:
-    """How much to free: the newest complete checkpoint's size (what the next one takes) against the space
-    free on that filesystem."""
-    import shutil
-
-    advice = "(or lower save_total_limit, or save elsewhere)"
-    try:
-        free = shutil.disk_usage(str(directory if directory.exists() else directory.parent)).free
-    except (OSError, ValueError):
-        return f"Free space there {advice}"
-    size = 0
-    if isinstance(steps, list) and steps:
-        try:
-            size = sum(paths.files_with_sizes(directory / str(steps[-1])).values())
-        except Exception:  # noqa: BLE001 - the size is advice only
-            size = 0
-    said = f"{_size(free)} is free there"
-    if size > free:
-        return f"A checkpoint takes about {_size(size)} and {said}: free at least {_size(size - free)} {advice}"
-    if size:
-        return f"A checkpoint takes about {_size(size)} and {said} now: free more {advice}"
-    return f"{said.capitalize()}: free more {advice}"
-
-
-def _size(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+log = logging.getLogger(__name__)
+__all__ = [
+    "CHECKSUMS",
+    "DIGESTS",
+    "CheckpointConfig",
+    "CheckpointManager",
+    "CheckpointSaveError",
+    "Restored",
+    "save_failure",
+    "verify_folder",
+]
 
 
 @config
@@ -357,22 +203,11 @@ class CheckpointManager:
 
     def fenced_out(self, steps: list[int] | None = None) -> set[int]:
         """Of `steps` (default: every complete step), those written by an older lease generation than a lower
-        step's (`save(generation=...)`): a run paused
-        past its lease that wrote after another run took the directory over. Checkpoints without a generation (a
-        local disk) are never fenced out."""
-        steps = self.all_steps() if steps is None else steps
-        newest, stale = 0, set()
-        for s in sorted(steps):
-            try:
-                generation = self.read_meta(s).get("lease_generation")
-            except (OSError, ValueError):
-                continue  # unreadable: the restore reports it
-            if generation is None:
-                continue
-            if generation < newest:
-                stale.add(s)
-                if s in self._fenced_said:
-                    continue
+        step's (`save(generation=...)`; see `checkpoint_files.fenced_steps`), each warned about once."""
+        stale = set()
+        for s, generation, newest in fenced_steps(self.all_steps() if steps is None else steps, self.read_meta):
+            stale.add(s)
+            if s not in self._fenced_said:
                 self._fenced_said.add(s)
                 log.warning(
                     "checkpoint %s was written by a run that had lost this directory's lease (generation %d, after "
@@ -381,7 +216,6 @@ class CheckpointManager:
                     generation,
                     newest,
                 )
-            newest = max(newest, generation)
         return stale
 
     def all_steps(self) -> list[int]:
@@ -496,31 +330,10 @@ class CheckpointManager:
             self._manager = None
 
     def _write_checksums(self) -> None:
-        """After a write is finalised, every process records the digests of the arrays it saved (orbax's
-        format: `jaxloom_digests.process_<i>.json`, computed on the devices at save time), and process 0 the
-        manifest: `{"files": {path: [size, sha256 or None]}}` (its presence marks a verified checkpoint).
-        Array data files get only their size: their digests are in the digest parts (orbax's format) or the
-        item's index files (raw), which the manifest hashes."""
-        if self._manager is None:
-            return
-        me = jax.process_index()
-        with self._lock:
-            steps = self._manager.all_steps()
-            for step in steps:
-                folder = self.directory / str(step)
-                try:
-                    if step in self._digests:
-                        part = {"process_count": jax.process_count(), "arrays": integrity.fetch(self._digests[step])}
-                        paths.write_atomic(folder / f"{DIGESTS}{me}.json", json.dumps(part, sort_keys=True))
-                        del self._digests[step]
-                    if me == 0 and not (folder / CHECKSUMS).exists():
-                        paths.write_atomic(
-                            folder / CHECKSUMS, json.dumps({"files": _checksums(folder)}, sort_keys=True)
-                        )
-                except FileNotFoundError:  # not renamed into place yet, or deleted by keep-N meanwhile
-                    continue
-            for step in [s for s in self._digests if steps and s < min(steps)]:  # removed by keep-N
-                del self._digests[step]
+        """After a write is finalised: each process's array digests and process 0's manifest (`write_checksums`)."""
+        if self._manager is not None:
+            with self._lock:
+                write_checksums(self.directory, self._manager.all_steps(), self._digests)
 
     # ---- restoring --------------------------------------------------------------------------------
     def verify(self, step: int) -> dict[str, list]:
@@ -630,7 +443,7 @@ class CheckpointManager:
 
     def _restore_one(self, target: TrainState, step: int, params_only: bool) -> Restored:
         expected = self.verify(step) if self.config.verify else {}
-        self._check_target(target, step, params_only)
+        check_target(self, target, step, params_only)
         trees = {"params": target.params}
         if not params_only and jax.tree_util.tree_leaves(target.opt_state):
             trees["opt_state"] = target.opt_state
@@ -690,133 +503,13 @@ class CheckpointManager:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        folder = self.directory / str(step) / item
-        if arrays.is_ours(self.directory / str(step) / "params"):
-            return arrays.shapes(folder) if folder.exists() else None
-        if not folder.exists():
-            return None
-        stores.prepare_orbax(self.directory)
-        tree = _ocp().StandardCheckpointHandler().metadata(folder)
-        tree = getattr(tree, "tree", tree)
-        return jax.tree_util.tree_map(
-            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
-            tree,
-            is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
-        )
+        return stored_shapes(self.directory / str(step), item)
 
     def read_meta(self, step: int | None = None) -> dict:
         """The JSON metadata (step, data position, versions, ...) of checkpoint `step` (default: newest)."""
         step = self.latest_step() if step is None else step
         file = self.directory / str(step) / "meta" / "metadata"
         return json.loads(file.read_text())
-
-    def _check_target(self, target: TrainState, step: int, params_only: bool) -> None:
-        """Compare shapes before reading anything, and that the target's shardings divide them."""
-        items = {"params": target.params}
-        if not params_only and jax.tree_util.tree_leaves(target.opt_state):
-            items["opt_state"] = target.opt_state
-        for item, tree in items.items():
-            try:
-                found = self.restore_shapes(step, item)
-            except (ValueError, OSError, UnicodeDecodeError, KeyError, TypeError) as e:
-                raise CheckpointCorruptError(
-                    f"checkpoint {self.directory / str(step)}: metadata unreadable ({type(e).__name__}: {str(e)[:200]})"
-                ) from e
-            stored = {k: v.shape for k, v in _flat(found).items()} if found is not None else {}
-            wanted = {k: v.shape for k, v in _flat(tree).items()}
-            problems = [
-                f"{k}: stored {stored.get(k, 'nothing')} vs this run's {wanted.get(k, 'nothing')}"
-                for k in sorted(set(stored) | set(wanted))
-                if stored.get(k) != wanted.get(k)
-            ]
-            if problems:
-                what = "model shape" if item == "params" else "optimizer (its state differs)"
-                raise ValueError(
-                    f"checkpoint {self.directory / str(step)} was written for another configuration, another "
-                    f"{what}: "
-                    + "; ".join(problems[:10])
-                    + (" …" if len(problems) > 10 else "")
-                    + ". Train into a new save_directory, or set overwrite_output_dir=true to start over in this one."
-                )
-        for name, leaf in _flat(target.params).items():
-            sharding = getattr(leaf, "sharding", None)
-            if sharding is None:
-                raise ValueError(
-                    f"restore target parameter {name} has no sharding; build the target with "
-                    "jax.eval_shape and attach shardings (see state_shardings)"
-                )
-            if hasattr(sharding, "spec"):
-                from jaxloom.mesh import validate_specs
-
-                try:
-                    validate_specs({name: sharding.spec}, {name: leaf}, sharding.mesh)
-                except ValueError as e:
-                    raise ValueError(
-                        f"parameter {name} with shape {tuple(leaf.shape)} cannot be placed on the target mesh: {e}"
-                    ) from None
-
-
-def verify_folder(folder: Any) -> dict[str, list]:
-    """`CheckpointManager.verify` of the checkpoint in `folder` (see there)."""
-    manifest = folder / CHECKSUMS
-    if not manifest.exists():
-        log.warning("checkpoint %s has no checksums (written before finalisation ended); not verified", folder)
-        return {}
-    try:
-        written = json.loads(manifest.read_text())
-        if not isinstance(written, dict):
-            raise ValueError(f"expected a JSON object, found {type(written).__name__}")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"checkpoint {folder}: checksum manifest {CHECKSUMS} is unreadable ({e})") from e
-    expected = written["files"] if "files" in written else written  # state < 0.8: {path: [size, sha256]}
-    listed = paths.files_with_sizes(folder)
-    actual = _checksums(folder, listed)
-    for name, (size, digest) in sorted(expected.items()):
-        if name not in actual:
-            raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is missing")
-        if actual[name][0] != size:
-            raise CheckpointCorruptError(
-                f"checkpoint {folder}: file {name} is corrupt (size {actual[name][0]} vs {size} written)"
-            )
-        if actual[name][1] is not None and actual[name][1] != digest:  # array data: checked as read
-            raise CheckpointCorruptError(f"checkpoint {folder}: file {name} is corrupt (checksum differs)")
-    return _saved_digests(folder, listed)
-
-
-def _saved_digests(folder: Any, listed: dict[str, int]) -> dict[str, list]:
-    """The arrays' digests: every saving process's part added up; `{}` (not checked, with a warning)
-    when a part is missing (a process stopped before writing it)."""
-    names = sorted(n for n in listed if n.startswith(DIGESTS))
-    if not names:  # jaxloom's array format: each piece is checked against its digest as it is read
-        return {}
-    try:
-        parts = [json.loads((folder / n).read_text()) for n in names]
-        count = parts[0]["process_count"] if parts else 0
-        if not parts or len(parts) != count:
-            log.warning("checkpoint %s has %d of %d digest parts; array data not verified", folder, len(parts), count)
-            return {}
-        return integrity.combine([p["arrays"] for p in parts])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"checkpoint {folder}: array digests unreadable ({e})") from e
-
-
-def _retry_unreachable(attempt: Any, seconds: float, what: str) -> None:
-    """`attempt()`, again after 1 s, 2 s, 4 s, ... (at most 30 s apart) while it fails with a
-    `CheckpointSaveError` caused by a store out of reach, for `seconds` after the first failure."""
-    deadline, delay = None, 1.0
-    while True:
-        try:
-            return attempt()
-        except CheckpointSaveError as e:
-            if not _unreachable(e.__cause__):
-                raise
-            if deadline is None:  # counted from the first failure (the client's own retries took their time)
-                deadline = time.monotonic() + seconds
-            if time.monotonic() + delay > deadline:
-                raise
-            log.warning("%s: the store cannot be reached; trying again in %.0f s", what, delay)
-            time.sleep(delay)
-            delay = min(2 * delay, 30.0)
 
 
 def _ocp():
@@ -853,38 +546,6 @@ def _agree(error: str | None) -> str | None:
     if error is None and failed.any():
         error = f"could not be read by process {int(np.argmax(failed))} (see its log)"
     return error
-
-
-def _is_array_data(relative: Path) -> bool:
-    """Array bytes (jaxloom's `process_<i>.bin`, or orbax/OCDBT `d/` files of jaxloom-state < 0.9): checked by
-    their digests as they are read, not hashed."""
-    return relative.suffix == ".bin" or "d" in relative.parts[:-1]
-
-
-# Files orbax may rewrite after a step is committed on an object store (the commit time stamped into
-# _CHECKPOINT_METADATA, OCDBT manifests updated as the per-process databases are merged): not in the manifest.
-# Nothing is restored from the first two; a damaged OCDBT manifest fails the read itself (-> corrupt).
-_ORBAX_BOOKKEEPING = ("_CHECKPOINT_METADATA", "commit_success.txt", "manifest.ocdbt")
-
-
-def _checksums(folder: Any, listed: dict[str, int] | None = None) -> dict[str, list]:
-    """`{relative path: [size, sha256 or None]}`: array data files get only their size (from the listing).
-    jaxloom's own files (the manifest, the digest parts, written beside it) are not listed."""
-    out: dict[str, list] = {}
-    listed = paths.files_with_sizes(folder) if listed is None else listed
-    for name, size in sorted(listed.items()):
-        base = name.rsplit("/", 1)[-1]
-        if base.startswith("jaxloom_") or base in _ORBAX_BOOKKEEPING:
-            continue
-        digest = None
-        if not _is_array_data(Path(name)):
-            h = hashlib.sha256()
-            with (folder / name).open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):  # noqa: B023 - consumed at once
-                    h.update(chunk)
-            digest = h.hexdigest()
-        out[name] = [size, digest]
-    return out
 
 
 def _versions() -> dict[str, str]:

@@ -1,7 +1,8 @@
 """jaxloom.trainer: the training loop, its arguments, metrics, and the `jaxloom` command."""
 
 from .__about__ import __version__
-from .arguments import DPOConfig, TrainingArguments
+from .arguments import TrainingArguments
+from .dpo_config import DPOConfig
 from .grpo.config import GRPOConfig
 from .batches import DataSpec
 from .callbacks import Callback, Callbacks

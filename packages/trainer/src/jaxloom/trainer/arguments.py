@@ -462,36 +462,6 @@ GROUPS: dict[str, type[_Group]] = {
 _OWNER = {name: g for g, cls in GROUPS.items() for name in cls.model_fields}
 
 
-class PreferenceArgs(_Group):
-    """The settings of preference training (`DPOConfig`), TRL's names and defaults."""
-
-    beta: float = Field(
-        0.1, description="DPO: how far the policy may move from the reference (higher: less); IPO's tau"
-    )
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
-        "sigmoid", description="DPO: the preference loss, as TRL defines it: sigmoid (DPO), ipo, hinge"
-    )
-    label_smoothing: float = Field(
-        0.0, description="DPO sigmoid: the probability that a preference label is wrong (conservative DPO)"
-    )
-    # an HF directory or a jaxloom run directory; None: the starting policy, frozen
-    ref_model: str | None = Field(
-        None, description="DPO: the reference, an HF directory or a jaxloom run directory (None: the starting policy)"
-    )
-    precompute_ref_log_probs: bool = Field(
-        False, description="DPO: compute the reference log-probs in one pass before training; no reference held"
-    )
-
-    @model_validator(mode="after")
-    def _check(self):
-        _positive(self, "beta")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"label_smoothing = {self.label_smoothing}; expected a value in [0, 0.5)")
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ValueError(f"label_smoothing = {self.label_smoothing} applies to loss_type='sigmoid' only")
-        return self
-
-
 class TrainingArguments:
     """All training arguments, written flat as EasyDeL users write them:
 
@@ -617,46 +587,6 @@ def _signature(groups: dict[str, type[_Group]]) -> inspect.Signature:
 
 
 TrainingArguments.__signature__ = _signature(GROUPS)  # type: ignore[attr-defined]
-
-
-class DPOConfig(TrainingArguments):
-    """The arguments of `DPOTrainer`: every `TrainingArguments` argument, and the `preference` group —
-    `beta`, `loss_type` (`sigmoid`, `ipo`, `hinge`), `label_smoothing`, `ref_model`,
-    `precompute_ref_log_probs` — plus TRL's `max_length`, the tokens of one sequence
-    (prompt + chosen, or prompt + rejected), the same as `max_sequence_length`. `truncation_mode` defaults
-    to TRL's `keep_start`; `packing` is off (each row holds one pair).
-
-        DPOConfig(beta=0.1, loss_type="sigmoid", max_length=1024, learning_rate=5e-7)
-    """
-
-    GROUPS = {**GROUPS, "preference": PreferenceArgs}
-
-    def __init__(self, **kwargs: Any):
-        if "max_length" in kwargs:
-            length = kwargs.pop("max_length")
-            if "max_sequence_length" in kwargs and kwargs["max_sequence_length"] != length:
-                raise ValueError(
-                    f"max_length = {length!r} and max_sequence_length = {kwargs['max_sequence_length']!r}: "
-                    "they are one setting (tokens per sequence); give one"
-                )
-            kwargs["max_sequence_length"] = length
-        kwargs.setdefault("truncation_mode", "keep_start")
-        if kwargs.setdefault("packing", False):
-            raise ValueError("packing = true: preference pairs are not packed (one pair per row); set packing=false")
-        super().__init__(**kwargs)
-
-    @property
-    def max_length(self) -> int:
-        """TRL's name of `max_sequence_length`: tokens per sequence."""
-        return self.max_sequence_length
-
-
-DPOConfig.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [
-        *(p for p in _signature(DPOConfig.GROUPS).parameters.values() if p.name != "max_sequence_length"),
-        inspect.Parameter("max_length", inspect.Parameter.KEYWORD_ONLY, default=512, annotation=int),
-    ]
-)
 
 
 # Other frameworks' names with the same meaning, accepted for jaxloom's (the reference guides write some of them).

@@ -218,7 +218,8 @@ def _config_keys(model_type: str) -> str:
 
     import jaxloom.models as jm
 
-    from .arguments import ALIASES, RENAMED, DPOConfig
+    from .arguments import ALIASES, RENAMED
+    from .dpo_config import DPOConfig
     from .grpo.config import GRPOConfig
     from .kinds import TRAINERS
 

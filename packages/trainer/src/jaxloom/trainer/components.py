@@ -1,13 +1,14 @@
-"""How the trainer's components are built: one pure builder each, from the trainer's arguments and inputs
-(what it was given, and the trainer kind's `objective()` and `data_spec()`). `BaseTrainer` holds each as a
-`functools.cached_property`, so a component is built on first use and the constructor does no work.
+"""How the trainer's components are built: one builder each, from the run's inputs (what the trainer was given,
+and its kind's `objective()` and `data_spec()`) and the components it names. `Parts` holds them: a component is
+built on first use (the trainer's constructor does no work), in the order the run asks for them, and says what it
+was built from (`Parts.wiring()`: the component graph as data).
 """
 
 from __future__ import annotations
 
-import logging
-
 import inspect
+import logging
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jaxloom.models import pretrained_source
@@ -20,6 +21,7 @@ from .export import Exporter
 from .functions import StepFunctions
 from .monitor import StepLog
 from .plan import Plan
+from . import resume
 from .previews import Generation
 from .run_directory import RunDirectory, use_endpoint
 from .step import StepConfig
@@ -27,6 +29,79 @@ from .stopping import StopControl
 
 
 log = logging.getLogger("jaxloom.trainer")
+
+
+class Parts:
+    """A trainer's components by name, each built on first use by its builder (`builders[name](trainer)`), once.
+
+    `built(name)` says whether a component exists yet (a part that was never needed is never made: closing a run
+    closes only what it opened); `forget(*names)` drops components so the next use rebuilds them from the inputs
+    (a new starting point); `wiring()` lists the built components in the order they were made, each with the
+    components it asked for while it was built — the run's component graph, read from the run itself."""
+
+    def __init__(self, builders: dict[str, Callable[[Any], Any]]):
+        self.builders = builders
+        self.made: dict[str, Any] = {}
+        self.needs: dict[str, list[str]] = {}
+        self._building: list[str] = []
+
+    @classmethod
+    def of(cls, trainer_class: type) -> Parts:
+        """Empty `Parts` with the builders of `trainer_class`'s components (its `part` attributes; a trainer kind's
+        own builder of a name, such as GRPO's `batches`, wins over its base's)."""
+        builders = {}
+        for klass in reversed(trainer_class.__mro__):
+            builders.update({k: v.builder for k, v in vars(klass).items() if isinstance(v, part)})
+        return cls(builders)
+
+    def get(self, name: str, owner: Any) -> Any:
+        """The component `name` of `owner` (its trainer), built now if it is not yet."""
+        if self._building and name not in self.needs[self._building[-1]]:
+            self.needs[self._building[-1]].append(name)
+        if name in self.made:
+            return self.made[name]
+        if name in self._building:
+            raise RuntimeError(f"component {name!r} needs itself: {' -> '.join([*self._building, name])}")
+        self._building.append(name)
+        self.needs[name] = []
+        try:
+            part = self.builders[name](owner)
+        finally:
+            self._building.pop()
+        self.made[name] = part
+        return part
+
+    def built(self, name: str) -> bool:
+        """Whether component `name` has been built."""
+        return name in self.made
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Drop the components `names`: their next use builds them again."""
+        for name in names:
+            self.made.pop(name, None)
+            self.needs.pop(name, None)
+
+    def wiring(self) -> list[tuple[str, str, list[str]]]:
+        """`(name, component class, components it was built from)` of every built component, in build order."""
+        return [(n, type(p).__name__, list(self.needs.get(n, []))) for n, p in self.made.items()]
+
+
+class part:  # noqa: N801 - used like a property
+    """A trainer attribute that is its component `name` from the trainer's `Parts` (built on first use); on the
+    class, the builder function (its docstring and return annotation document the component)."""
+
+    def __init__(self, builder: Callable[[Any], Any]):
+        self.builder = builder
+        self.name = builder.__name__
+        self.__doc__ = builder.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return obj.parts.get(self.name, obj)
 
 
 def plan(trainer: Any) -> Plan:
@@ -74,18 +149,26 @@ def functions(trainer: Any) -> StepFunctions:
     return StepFunctions.build(plan, trainer.batches.spec, config, accumulation=accumulation, donate=a.donate_state)
 
 
+def run_identity(trainer: Any) -> dict[str, Any]:
+    """What this run is (arguments, model config, tokenizer, training data), recorded in every checkpoint."""
+    return resume.run_identity(trainer.arguments, trainer.config, trainer.tokenizer, trainer.dataset_train)
+
+
 def run_directory(trainer: Any) -> RunDirectory:
+    """The run's directory (`save_directory`, chosen now when not set): lock, run files, a store's staging."""
     trainer._directory()
     use_endpoint(trainer.arguments.checkpoint.storage_endpoint_url)  # before anything reads the store
     return RunDirectory(trainer.arguments.checkpoint)
 
 
 def checkpointing(trainer: Any) -> Checkpointing:
+    """Checkpoints in the run directory: cadence, saves behind the lease's fence, restore and resume."""
     run = trainer.run_directory
     return Checkpointing(trainer.arguments.checkpoint, run.checkpoints, fence=run.fence)
 
 
 def step_log(trainer: Any) -> StepLog:
+    """The per-step log: progress bar, metrics rows, TensorBoard, W&B."""
     return StepLog(
         trainer.arguments,
         config=trainer.config,
@@ -98,6 +181,7 @@ def step_log(trainer: Any) -> StepLog:
 
 
 def evaluator(trainer: Any) -> Evaluator:
+    """Evaluation over the held-out batches with the eval step of this kind's objective."""
     fns = trainer.functions
     return Evaluator(
         trainer.batches,
@@ -109,17 +193,19 @@ def evaluator(trainer: Any) -> Evaluator:
 
 
 def generation(trainer: Any) -> Generation:
+    """Generation from the current state: `generate_unified`, `generate_aio`, previews."""
     return Generation(
         trainer.arguments,
         tokenizer=lambda: trainer.tokenizer,
         mesh=trainer.mesh,
         current=lambda: trainer.model_state,
         setup=trainer.initialize_trainer_utils,
-        log=lambda: trainer.step_log if "step_log" in trainer.__dict__ else None,
+        log=lambda: trainer.step_log if trainer.parts.built("step_log") else None,
     )
 
 
 def stop_control(trainer: Any) -> StopControl:
+    """When the run stops: signals, the time limit, a non-finite loss, stop requests, a lost lease."""
     a = trainer.arguments
     where = f" in {trainer.run_directory.checkpoints}" if a.save_directory else ""  # the run directory's path (a URI)
     stop = StopControl(a.nan_policy, a.training_time_limit, where=where)
@@ -129,6 +215,8 @@ def stop_control(trainer: Any) -> StopControl:
 
 
 def exporter(trainer: Any) -> Exporter:
+    """The run's outputs: `save_pretrained` (HF, PEFT, torch) and `save_information` (report.md)."""
+
     def current():
         if trainer.state is None:  # a restored state (jaxloom convert) needs no loader, compile or lock
             trainer.initialize_trainer_utils()
@@ -144,7 +232,7 @@ def exporter(trainer: Any) -> Exporter:
             mesh=trainer.mesh,
             arguments=trainer.arguments,
             resumed_from=trainer.resumed_from,
-            history=trainer.step_log.history if "step_log" in trainer.__dict__ else [],
+            history=trainer.step_log.history if trainer.parts.built("step_log") else [],
         )
 
     return Exporter(
@@ -210,8 +298,8 @@ class forward:  # noqa: N801 - used like a decorator-less property
         if self._static is not False:
             return self._static  # nothing of the component is needed: it is not built
         if obj is None:
-            built = owner.__dict__.get(self.component) if owner is not None else None
-            builder = getattr(built, "func", None)
+            built = vars(owner).get(self.component) if owner is not None else None
+            builder = getattr(built, "builder", None)
             cls = getattr(builder, "__annotations__", {}).get("return") if builder is not None else None
             cls = COMPONENT_CLASSES.get(self.component, cls)
             return getattr(cls, self.name) if cls is not None else self

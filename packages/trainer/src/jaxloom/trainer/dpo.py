@@ -26,7 +26,7 @@ from flax import nnx
 import jaxloom.models as jmod
 import jaxloom.state as js
 
-from .arguments import DPOConfig
+from .dpo_config import DPOConfig
 from .batches import DataSpec
 from . import reference
 from .reference import build_reference
@@ -194,34 +194,42 @@ class Reference:
     """The frozen reference of preference training and its `[rows, 2]` sequence log-probs for each batch
     (`extend`): computed by the reference on the mesh, or read from log-probs precomputed in one pass before
     training (`precompute_ref_log_probs`; then no reference is held: `state` is None). `source`: an `nnx`
-    model, an HF directory, a jaxloom run directory, or None (the starting policy, rebuilt from the plan)."""
+    model, an HF directory, a jaxloom run directory, or None (the starting policy, rebuilt from the plan).
+    Its collaborators arrive with `ready()`, once the policy exists: the policy's state (`policy()`), the run's
+    plan, its batches component and the folder of the run's files (`folder()`)."""
 
-    def __init__(self, trainer: Any, source: Any):
-        self.trainer, self.source = trainer, source
+    def __init__(self, source: Any):
+        self.source = source
         self.state: js.TrainState | None = None
         self.cache: dict[bytes, np.ndarray] | None = None
         self.adapters_off = False  # a LoRA policy's base is the reference: `state` is the policy's own
+        self.policy: Any = None
+        self.plan: Any = None
+        self.batches: Any = None
+        self.folder: Any = None
 
-    def ready(self) -> None:
-        """Build the reference (once), after the policy: one program at a time on every process."""
+    def ready(self, *, policy: Any, plan: Any, batches: Any, folder: Any) -> None:
+        """Build the reference (once), after the policy: one program at a time on every process. `policy()` is
+        the policy's current `TrainState`, `plan` the run's `Plan`, `batches` its `Batches`, `folder()` the local
+        folder of the run's files (precomputed log-probs are kept there)."""
         if self.state is not None or self.cache is not None or self.adapters_off:
             return
-        t = self.trainer
-        jax.block_until_ready(t.state)  # one program at a time on every process (see reference_logps)
-        self.adapters_off = t.plan.lora is not None and self.source is None
+        self.policy, self.plan, self.batches, self.folder = policy, plan, batches, folder
+        jax.block_until_ready(policy())  # one program at a time on every process (see reference_logps)
+        self.adapters_off = plan.lora is not None and self.source is None
         # with LoRA, the base (the policy with its adapters off) is the reference: no second copy (TRL's way)
         self.state = None if self.adapters_off else jax.block_until_ready(self._build())
-        fuse = (t.arguments.loss_block_size, t.data_shards())
+        fuse = (batches.arguments.loss_block_size, batches.data_shards())
         fn = functools.partial(reference_logps, fuse=fuse, adapters_off=self.adapters_off)
-        self._train_fn = jax.jit(fn, out_shardings=t.batches.sharding, keep_unused=True)
-        self._eval_fn = jax.jit(fn, out_shardings=t.batches.eval_sharding, keep_unused=True)
-        if t.arguments.precompute_ref_log_probs:
+        self._train_fn = jax.jit(fn, out_shardings=batches.sharding, keep_unused=True)
+        self._eval_fn = jax.jit(fn, out_shardings=batches.eval_sharding, keep_unused=True)
+        if batches.arguments.precompute_ref_log_probs:
             self._precompute()
 
     def extend(self, local: dict[str, np.ndarray], batch: dict[str, jax.Array], training: bool) -> dict:
         """`batch` with the reference's log-probs of its pairs (`REF_KEY`)."""
-        t = self.trainer
-        a, data = t.arguments, t.batches
+        data = self.batches
+        a = data.arguments
         if self.cache is not None:
             values = self._cached_logps(local)
             if training:
@@ -234,15 +242,15 @@ class Reference:
                 rows = batch["input_ids"].shape[0]
                 batch[REF_KEY] = jax.make_array_from_process_local_data(data.eval_sharding, values, (rows, 2))
         elif training:
-            batch[REF_KEY] = self._train_fn(t.state if self.adapters_off else self.state, batch, t.state.step)
+            policy = self.policy()
+            batch[REF_KEY] = self._train_fn(policy if self.adapters_off else self.state, batch, policy.step)
         else:
-            batch[REF_KEY] = self._eval_fn(t.state if self.adapters_off else self.state, batch)
+            batch[REF_KEY] = self._eval_fn(self.policy() if self.adapters_off else self.state, batch)
         return batch
 
     def _build(self) -> js.TrainState:
         """The reference as a `TrainState` with no optimizer, sharded like the policy (`build_reference`)."""
-        t = self.trainer
-        return build_reference(t.plan, t.mesh, t.arguments.runtime, self.source)
+        return build_reference(self.plan, self.batches.mesh, self.batches.arguments.runtime, self.source)
 
     # ---- precomputed reference log-probs ----------------------------------------------------------------
     def cache_file(self) -> Path:
@@ -255,29 +263,28 @@ class Reference:
 
         from .resume import data_identity
 
-        t = self.trainer
+        data = self.batches
         if self.adapters_off:  # the reference is the base: its identity is the base's
             from .trainer import base_digest
 
-            ref: Any = {"lora_base": base_digest(t.state)}  # type: ignore[arg-type]
+            ref: Any = {"lora_base": base_digest(self.policy())}
         else:
             ref = integrity.digests(dict(named_leaves(self.state.params)))  # type: ignore[union-attr]
         key = {
             "reference": ref,
-            "train": data_identity(t.dataset_train),
-            "eval": data_identity(t.dataset_eval),
-            "settings": t.data_settings(),
-            "batches": [t.arguments.total_batch_size, t.arguments.eval_batch_size],
+            "train": data_identity(data.dataset_train),
+            "eval": data_identity(data.dataset_eval),
+            "settings": dict(data.spec.settings),
+            "batches": [data.arguments.total_batch_size, data.arguments.eval_batch_size],
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return t.run_directory.local / "ref_logps" / f"{digest}.process_{jax.process_index()}.npz"
+        return self.folder() / "ref_logps" / f"{digest}.process_{jax.process_index()}.npz"
 
     def _precompute(self) -> None:
         """One pass over the training (and evaluation) data computes the reference's log-probs of every pair
         (this process's rows), keyed by a hash of the pair's tokens, and keeps them in a file; then the
         reference is released for training. A file made earlier for the same reference and data is read."""
-        t = self.trainer
-        data = t.batches
+        data = self.batches
         path = self.cache_file()
         cache: dict[bytes, np.ndarray] = {}
         if path.is_file():
@@ -286,11 +293,11 @@ class Reference:
             log.info("reference log-probs of %d pairs read from %s; no reference is held", len(cache), path)
             self.cache, self.state = cache, None
             return
-        loaders = [data.loader(t.dataset_train, num_epochs=1, shuffle=False, prefetch=0)]
+        loaders = [data.loader(data.dataset_train, num_epochs=1, shuffle=False, prefetch=0)]
         evaluation = data.eval_loader()
         if evaluation is not None:
             loaders.append(evaluation)
-        with jax.set_mesh(t.mesh):
+        with jax.set_mesh(data.mesh):
             for loader in loaders:
                 training = loader is loaders[0]
                 if training:
@@ -299,8 +306,8 @@ class Reference:
                     batch_of = functools.partial(data.eval_tokens, rows=loader.per_shard * loader.dp)
                 fn = self._train_fn if training else self._eval_fn
                 for local in loader:
-                    ref = t.state if self.adapters_off else self.state
-                    values = _local_rows(fn(ref, batch_of(local)), t.mesh, t.data_axes)
+                    ref = self.policy() if self.adapters_off else self.state
+                    values = _local_rows(fn(ref, batch_of(local)), data.mesh, data.data_axes)
                     for key, value in zip(_row_keys(local), values.reshape(-1, 2), strict=True):
                         cache[key] = value
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -319,7 +326,7 @@ class Reference:
             if key in self.cache:  # type: ignore[operator]
                 out[i] = self.cache[key]  # type: ignore[index]
             elif local["loss_mask"][i].any():
-                folder = self.trainer.run_directory.local / "ref_logps"
+                folder = self.folder() / "ref_logps"
                 raise KeyError(
                     f"a pair has no precomputed reference log-probs in {folder}: the data "
                     "changed since they were computed; remove that folder to compute them again"
@@ -383,7 +390,7 @@ class DPOTrainer(BaseTrainer):
             hooks=hooks,
             **deprecated_kwargs,
         )
-        self.reference = Reference(self, ref_model if ref_model is not None else arguments.ref_model)
+        self.reference = Reference(ref_model if ref_model is not None else arguments.ref_model)
 
     @property
     def ref_state(self) -> js.TrainState | None:
@@ -414,7 +421,9 @@ class DPOTrainer(BaseTrainer):
     def configure_model(self):
         """The policy (as the core builds or restores it), then the frozen reference."""
         out = super().configure_model()
-        self.reference.ready()
+        self.reference.ready(
+            policy=lambda: self.state, plan=self.plan, batches=self.batches, folder=lambda: self.run_directory.local
+        )
         return out
 
 

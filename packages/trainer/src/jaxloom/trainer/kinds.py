@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .arguments import DPOConfig, TrainingArguments
+from .arguments import TrainingArguments
+from .dpo_config import DPOConfig
 from .grpo.config import GRPOConfig
 
 TRAINERS = ("sft", "dpo", "grpo")

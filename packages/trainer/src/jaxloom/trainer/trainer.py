@@ -1,6 +1,7 @@
-"""`BaseTrainer`: EasyDeL's documented surface as a facade over components that own their state.
+"""`BaseTrainer`: the trainer core, which holds components that own their state and drives them.
 
-The components, each built from its part of the arguments on first use (`functools.cached_property`):
+The components, each built on first use by its builder in `components.py` (`Parts`: `trainer.parts.wiring()`
+lists what was built, in order, and from what):
 
 | attribute | component | owns |
 | --- | --- | --- |
@@ -14,9 +15,11 @@ The components, each built from its part of the arguments on first use (`functoo
 | `generation` | `Generation` | generate_unified/aio, previews |
 | `stop_control` | `StopControl` | signals, time limit, non-finite loss, stop requests |
 
-A trainer kind (SFT here, `DPOTrainer`, ...) is an `objective()` and a `data_spec()` (plus any frozen state
-it builds in `configure_model()`); the loop (`loop.run_loop`) is the same for all. Constructing a trainer
-stores what it was given and nothing else: no file, thread, device query or compilation.
+A trainer kind (SFT here, `DPOTrainer`, `GRPOTrainer`) is an `objective()` and a `data_spec()` (plus any
+frozen state it builds in `configure_model()`); the loop (`loop.run_loop`) is the same for all. Constructing a
+trainer stores what it was given and nothing else: no file, thread, device query or compilation. The reference
+documents' members that are views of the components (`optimizer`, `log_metrics`, `generate_unified`, ...) are
+in `surface.py`, mixed in.
 """
 
 from __future__ import annotations
@@ -24,14 +27,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxloom.data as jd
 import jaxloom.models as jmod
@@ -39,7 +40,6 @@ import jaxloom.state as js
 from jaxloom.mesh import MeshConfig
 
 from . import components
-from .components import forward
 from .arguments import TrainingArguments
 from .batches import DataSpec
 from .checkpointing import Checkpointing
@@ -51,9 +51,9 @@ from .outputs import (
     TrainerConfigureModelOutput,
     TrainerOutput,
 )
-from .plan import data_axes
-from .resume import fresh_run_directory, run_identity
-from .run_directory import RUN_CONFIG, RUN_OUTPUTS
+from .resume import fresh_run_directory
+from .surface import ReferenceSurface
+from .run_directory import RUN_CONFIG
 from .session import train
 from .step import Objective
 from .stopping import NonFiniteLossError
@@ -63,39 +63,7 @@ log = logging.getLogger("jaxloom.trainer")
 _PLANNED = ("plan", "functions", "evaluator", "batches", "run_identity")  # rebuilt when the starting point changes
 
 
-class _Finish:
-    """`finish` as the reference has it, a static method (`BaseTrainer.finish()` ends the wandb run if one
-    is active), which called on a trainer also releases that trainer's threads and checkpoint writer."""
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return _finish_logging
-        return functools.partial(_finish_trainer, obj)
-
-
-def _finish_logging() -> None:
-    try:
-        import wandb
-    except ImportError:
-        return
-    if getattr(wandb, "run", None) is not None:
-        wandb.finish()
-
-
-def _finish_trainer(trainer: BaseTrainer) -> None:
-    built = trainer.__dict__
-    if "run_directory" in built:
-        trainer.run_directory.release()
-    if "checkpointing" in built:
-        trainer.checkpointing.close()
-    if "batches" in built:
-        trainer.batches.close()
-    if trainer._pool is not None:
-        trainer._pool.shutdown(wait=False)
-    _finish_logging()
-
-
-class BaseTrainer:
+class BaseTrainer(ReferenceSurface):
     """Train `model` (an `nnx` model, concrete or abstract from `create_model(lazy=True)`) or a
     `model_state` on `dataset_train` (anything `jaxloom.data.as_source` reads) with `arguments`.
     EasyDeL's signature, in its order:
@@ -123,8 +91,6 @@ class BaseTrainer:
     `data_spec()` (see `DPOTrainer`).
     """
 
-    finish = _Finish()
-    RUN_OUTPUTS = RUN_OUTPUTS
     MATCH_BOS = True  # the tokenizer adds BOS exactly when training does (next-token data); DPO keeps its own
 
     def __init__(
@@ -157,6 +123,7 @@ class BaseTrainer:
         self.data_collator, self.finetune = data_collator, bool(finetune)
         self.hooks = list(hooks or [])
         self.callbacks: list[Callback] = []
+        self.parts = components.Parts.of(type(self))  # the components, built on first use
         self._model_in: nnx.Module = model if model is not None else model_state.model  # type: ignore[union-attr]
         self._state_in = model_state
         self._tokenizer = processing_class
@@ -172,22 +139,18 @@ class BaseTrainer:
         # save_directory/run_config.json at setup, so that eval, generate, convert and plan rebuild the run.
         self.run_config: dict[str, Any] | None = None
 
-    # ---- the components (built on first use from the arguments: see components.py) ------------------------
-    plan = functools.cached_property(components.plan)
-    batches = functools.cached_property(components.batches)
-    functions = functools.cached_property(components.functions)
-    run_directory = functools.cached_property(components.run_directory)
-    checkpointing = functools.cached_property(components.checkpointing)
-    step_log = functools.cached_property(components.step_log)
-    evaluator = functools.cached_property(components.evaluator)
-    generation = functools.cached_property(components.generation)
-    stop_control = functools.cached_property(components.stop_control)
-    exporter = functools.cached_property(components.exporter)
-
-    @functools.cached_property
-    def run_identity(self) -> dict[str, Any]:
-        """What this run is (arguments, model config, tokenizer, training data), recorded in every checkpoint."""
-        return run_identity(self.arguments, self.config, self.tokenizer, self.dataset_train)
+    # ---- the components (built on first use by their builders in components.py) --------------------------
+    plan = components.part(components.plan)
+    batches = components.part(components.batches)
+    functions = components.part(components.functions)
+    run_directory = components.part(components.run_directory)
+    checkpointing = components.part(components.checkpointing)
+    step_log = components.part(components.step_log)
+    evaluator = components.part(components.evaluator)
+    generation = components.part(components.generation)
+    stop_control = components.part(components.stop_control)
+    exporter = components.part(components.exporter)
+    run_identity = components.part(components.run_identity)
 
     # ---- what the trainer is working on ---------------------------------------------------------------
     @property
@@ -203,8 +166,6 @@ class BaseTrainer:
             self._tokenizer = jd.match_bos(self._tokenizer, jd.DataConfig.add_bos)
             self._tokenizer_matched = True
         return self._tokenizer
-
-    processing_class = tokenizer
 
     @property
     def mesh(self):
@@ -223,49 +184,6 @@ class BaseTrainer:
     def model_state(self) -> js.TrainState:
         """The `TrainState` being trained: built (restored, or created on its shards) on first access."""
         return self.state if self.state is not None else self.configure_model().state
-
-    _model_state = model_state
-    dtype = property(lambda self: self.runtime.dtype, doc="Computation dtype (the arguments', else the model's).")
-    param_dtype = property(
-        lambda self: self.runtime.param_dtype, doc="Parameter dtype (the arguments', else the model's)."
-    )
-    optimizer = property(lambda self: self.plan.tx, doc="The optax optimizer of the run.")
-    tx = optimizer
-    scheduler = property(lambda self: self.plan.schedule, doc="The learning-rate schedule of the run.")
-    schedule = scheduler
-    config = property(lambda self: self.plan.config, doc="The model's config.")
-    model_class = property(lambda self: self.plan.model_class, doc="The model's class.")
-    n_params = property(lambda self: self.plan.n_params, doc="Parameters of the model.")
-    total_steps = property(lambda self: self.plan.total_steps, doc="Optimizer steps of the run.")
-    state_shardings = property(lambda self: self.plan.shardings, doc="The state's shardings.")
-    step_config = property(lambda self: self.functions.config, doc="The steps' static `StepConfig`.")
-    data_axes = property(lambda self: data_axes(self.runtime, self.mesh), doc="Mesh axes the batch rows split over.")
-    train_loader = property(lambda self: self.batches.train, doc="This process's training loader (once set up).")
-    writer = property(lambda self: self.step_log.writer, doc="The run's `MetricsWriter` (once training started).")
-    pbar = property(lambda self: self.step_log.pbar, doc="The progress bar (once training started).")
-    is_process_zero = property(lambda self: jax.process_index() == 0, doc="Whether this is process 0.")
-    process_zero_is_admin = property(lambda self: True, doc="Process 0 writes logs, reports and exports: always.")
-    is_enable = property(
-        lambda self: self.is_process_zero or not self.process_zero_is_admin,
-        doc="Whether this process does the writing (process 0, since it is the admin).",
-    )
-    training_batch_size = property(
-        lambda self: self.arguments.training_batch_size,
-        doc="Rows per optimizer step: total_batch_size × gradient_accumulation_steps.",
-    )
-    evaluation_batch_size = property(lambda self: self.arguments.eval_batch_size, doc="Rows per evaluation batch.")
-    _train_source = property(lambda self: jd.as_source(self.dataset_train), doc="The training data as a source.")
-    _eval_source = property(
-        lambda self: None if self.dataset_eval is None else jd.as_source(self.dataset_eval),
-        doc="The evaluation data as a source, or None.",
-    )
-
-    @property
-    def checkpoints(self) -> js.CheckpointManager | None:
-        """The run's `jaxloom.state.CheckpointManager` (None while the run has no save_directory)."""
-        return None if self.arguments.save_directory is None else self.checkpointing.manager
-
-    checkpoint_manager = checkpoints
 
     @property
     def model(self):
@@ -332,7 +250,7 @@ class BaseTrainer:
             self.generation.check_prompts(plan.config.max_position_embeddings)
             data.check_train_data()
             data.check_eval_data()
-            restored = self.checkpointing.data_state if "checkpointing" in self.__dict__ else None
+            restored = self.checkpointing.data_state if self.parts.built("checkpointing") else None
             data.train_loader(state=restored)
         evaluation = self.arguments.eval_batches if self.dataset_eval is not None else None
         return TrainerConfigureDataloaderOutput(data.train, data.eval_loader(), plan.total_steps, evaluation)
@@ -351,7 +269,7 @@ class BaseTrainer:
         Process-wide settings (the compilation cache) are applied here, at the start of a run."""
         if self._initialized:
             return
-        if self.run_directory.take(is_process_zero=self.is_process_zero) and "checkpointing" in self.__dict__:
+        if self.run_directory.take(is_process_zero=self.is_process_zero) and self.parts.built("checkpointing"):
             self.checkpointing.manager.reload()
         if self.arguments.compilation_cache_dir:
             use_compilation_cache(self.arguments.compilation_cache_dir)
@@ -510,30 +428,7 @@ class BaseTrainer:
             graphdef, _, rest = nnx.split(self._model_in, nnx.Param, ...)  # type: ignore[misc]
             self._state_in, self._model_in = None, nnx.merge(graphdef, model_parameters, rest)
         self.state = None
-        for name in _PLANNED:
-            self.__dict__.pop(name, None)
-
-    # ---- hooks (EasyDeL's names; the loop calls them through `trainer_hooks()`) --------------------------
-    def on_step_start(self, state: js.TrainState, step: int) -> js.TrainState:
-        """Called before training step `step`; returns the state to train on (override to change it)."""
-        return state
-
-    def on_step_end(self, state: js.TrainState, metrics: dict[str, Any], step: int) -> tuple[js.TrainState, dict]:
-        """Called after step `step` is dispatched with its (on-device) `metrics`; returns the state and
-        metrics to go on with (override to change them). Reading a metric here waits for the step."""
-        return state, metrics
-
-    def start_training_hook(self) -> None:
-        """Called when `train()` starts, after setup: starts the clock of `training_time_limit` and clears
-        any earlier stop request."""
-        self.stop_control.start()
-
-    def start_evaluation_hook(self) -> None:
-        """Called when an evaluation starts: records its start time (`evaluation_time` in its metrics)."""
-        self.evaluator.started = time.monotonic()
-
-    request_stop = forward("stop_control")
-    apply_training_hooks = forward("stop_control")
+        self.parts.forget(_PLANNED)
 
     # ---- evaluation -------------------------------------------------------------------------------------
     no_evaluation = "expected held-out records: dataset_eval= (data.eval=FILE on the command line)"
@@ -556,37 +451,6 @@ class BaseTrainer:
         self.evaluator.last = (step, metrics)
         self.log_metrics(metrics, self.pbar, step, mode="eval")
         return metrics
-
-    # ---- logging (EasyDeL's names, with their signatures: the `step_log` component's) -----------------
-    create_progress_bar = forward("step_log")
-    log_metrics = forward("step_log")
-    log_weight_distribution = forward("step_log")
-
-    # ---- generation (EasyDeL's names, with their signatures: the `generation` component's) --------------
-    maybe_generate = forward("generation")
-    preview = forward("generation")
-    generate_unified = forward("generation")
-    generate_aio = forward("generation")
-    create_generate_function = forward("generation")
-
-    # ---- data helpers -------------------------------------------------------------------------------------
-    create_collect_function = forward("batches")
-    create_grain_collect_function = forward("batches")
-    create_tfds_collect_function = forward("batches")
-
-    def specs_to_name_sharding(self, tree, mesh=None):
-        """`tree` with every `PartitionSpec` replaced by a `NamedSharding` on `mesh` (default: the trainer's)."""
-        mesh = mesh or self.mesh
-        return jax.tree_util.tree_map(
-            lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
-        )
-
-    count_model_parameters = forward("plan")  # a static method: no plan is built for it
-    calculate_number_total_flops = forward("plan")
-
-    # ---- outputs (EasyDeL's names, with their signatures: the `exporter` component's) --------------------
-    save_pretrained = forward("exporter")
-    save_information = forward("exporter")
 
 
 class Trainer(BaseTrainer):

@@ -4,6 +4,7 @@ they end, log-probs recorded), scored, and laid out as rows as wide as the step'
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -123,40 +124,73 @@ class PromptOrder:
         pass
 
 
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What a rollout asks of the run it serves, each a callable read when a rollout is made: the state being
+    trained (`state()`: its model samples, its `rng` seeds the rollout), the step being trained (`step()`), the
+    per-token log-probs of rollout rows (`logps(batch, reference)`: the policy's now, or the reference's) and the
+    reward functions with their weights (`rewards()`: imported when first asked, at setup)."""
+
+    state: Callable[[], Any]
+    step: Callable[[], int]
+    logps: Callable[..., jax.Array]
+    rewards: Callable[[], tuple[list[Callable], list[float]]]
+
+
 class Rollouts(Batches):
-    """The batches of a GRPO run: rollouts of the policy (see the module docstring). `engine(prompt_ids,
+    """The batches of a GRPO run: rollouts of the policy (see the module docstring), and its evaluation pass
+    (`evaluate`: the rewards of completions to held-out prompts). Built from the run's arguments, the prompts
+    (`dataset_train`, `dataset_eval`), the mesh, the tokenizer and the `Policy` it samples; `engine(prompt_ids,
     prompt_mask, key) -> (completion_ids, completion_mask)` may replace the in-process generation."""
 
-    def __init__(self, trainer: Any, spec: DataSpec, engine: Callable | None = None):
+    def __init__(
+        self,
+        arguments: Any,
+        spec: DataSpec,
+        *,
+        mesh: Any,
+        data_axes: tuple[str, ...],
+        tokenizer: Callable[[], Any],
+        dataset_train: Any,
+        policy: Policy,
+        dataset_eval: Any = None,
+        engine: Callable | None = None,
+    ):
         super().__init__(
-            trainer.arguments,
+            arguments,
             spec,
-            mesh=trainer.mesh,
-            data_axes=trainer.data_axes,
-            tokenizer=lambda: trainer.tokenizer,
-            dataset_train=trainer.dataset_train,
+            mesh=mesh,
+            data_axes=data_axes,
+            tokenizer=tokenizer,
+            dataset_train=dataset_train,
+            dataset_eval=dataset_eval,
         )
-        self.trainer, self.engine = trainer, engine
+        self.policy, self.engine = policy, engine
         self.records: list[dict] | None = None
         self.encoded: list[np.ndarray] | None = None  # each prompt's token ids, made once
         self.cached: tuple[int, dict] | None = None  # the last rollout's batch (num_iterations > 1 reuses it)
         self.metrics: list[tuple[int, dict[str, float]]] = []  # (step trained on it, metrics)
+        self._stop_ids: tuple[int, ...] | None = None
+        self._eval: tuple[list[dict], list[np.ndarray]] | None = None
 
     # ---- what the core asks of the batches ----------------------------------------------------------------
     def prompt_records(self) -> list[dict]:
         """The prompt records, read once and checked: each has a `prompt` (text or chat messages)."""
         if self.records is None:
-            records = read_records(self.dataset_train)
-            if not records:
-                raise ValueError("dataset_train has no records; expected prompt records ({'prompt': ...})")
-            for i, r in enumerate(records[:1000]):
-                if "prompt" not in r:
-                    raise ValueError(
-                        f"dataset_train record {i} has no 'prompt' column (it has {sorted(r)}); GRPO reads a "
-                        "prompt (text, or a list of chat messages) per record, other columns go to the rewards"
-                    )
-            self.records = records
+            self.records = _prompt_records(self.dataset_train, "dataset_train")
         return self.records
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """Where a completion ends: the tokenizer's EOS and, for chat prompts, the template's end of turn."""
+        if self._stop_ids is None:
+            from jaxloom.generation import end_of_turn_ids
+
+            tok = self.tokenizer()
+            ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+            if isinstance(self.prompt_records()[0]["prompt"], list):
+                ids |= set(end_of_turn_ids(tok))
+            self._stop_ids = tuple(sorted(ids))
+        return self._stop_ids
 
     def prompt_ids(self) -> list[np.ndarray]:
         """Every prompt's token ids (text as the tokenizer encodes it, chat through its template with the
@@ -164,7 +198,7 @@ class Rollouts(Batches):
         if self.encoded is None:
             records = self.prompt_records()
             chat = isinstance(records[0]["prompt"], list)
-            encoded = jd_encode(self.trainer.tokenizer, [r["prompt"] for r in records], chat)
+            encoded = jd_encode(self.tokenizer(), [r["prompt"] for r in records], chat)
             self.encoded = [np.asarray(ids, np.int32) for ids in encoded]
         return self.encoded
 
@@ -190,7 +224,7 @@ class Rollouts(Batches):
         if self.train is None:
             a = self.arguments
             if state is not None and "position" not in state:
-                state = {**state, "position": int(jax.device_get(self.trainer.state.step))}
+                state = {**state, "position": int(jax.device_get(self.policy.state().step))}
             self.train = PromptOrder(  # type: ignore[assignment]
                 self.prompt_records(),
                 self.per_rollout(),
@@ -216,8 +250,38 @@ class Rollouts(Batches):
         self.prompt_records()
 
     def check_eval_data(self) -> None:
-        if self.dataset_eval is not None:
-            raise ValueError("GRPO has no evaluation pass here: drop dataset_eval (data.eval)")
+        """Held-out prompt records (`dataset_eval`) are read whole and checked, as the training prompts are."""
+        self.eval_prompts()
+
+    def eval_prompts(self) -> tuple[list[dict], list[np.ndarray]] | None:
+        """The held-out prompt records and their token ids (read, checked and encoded once), or None."""
+        if self.dataset_eval is None:
+            return None
+        if self._eval is None:
+            records = _prompt_records(self.dataset_eval, "dataset_eval")
+            chat = isinstance(records[0]["prompt"], list)
+            ids = jd_encode(self.tokenizer(), [r["prompt"] for r in records], chat)
+            self._eval = (records, [np.asarray(i, np.int32) for i in ids])
+        return self._eval
+
+    def evaluate(self, batches: int) -> dict[str, float]:
+        """The evaluation pass (TRL's, for GRPO): `num_generations` completions of each held-out prompt sampled
+        from the current policy as in training, scored by the reward functions; up to `batches` groups of
+        `total_batch_size / num_generations` prompts, in order (not shuffled), each seeded by its index. Returns
+        the rollouts' metrics averaged over the prompts (`reward`, `reward_std`, `rewards/<func>/mean`,
+        `completions/mean_length`, `completions/clipped_ratio`, `prompts/truncated`)."""
+        records, ids = self.eval_prompts() or ([], [])
+        if not records:
+            raise ValueError("no dataset_eval was given")
+        per, out = self.per_rollout(), []
+        for i in range(min(batches, -(-len(records) // per))):
+            chosen = list(range(i * per, min((i + 1) * per, len(records))))
+            key = jax.random.fold_in(jax.random.PRNGKey(self.arguments.seed), 1_000_003 + i)
+            _, metrics, _ = self.sample([records[j] for j in chosen], [ids[j] for j in chosen], key)
+            out.append((len(chosen), metrics))
+        weight = sum(n for n, _ in out)
+        keep = [k for k in out[0][1] if not k.startswith(("time/", "rows/"))]
+        return {k: float(sum(n * m[k] for n, m in out) / weight) for k in keep}
 
     def global_batch(self, local: Any, *, stop_code: int | None = None) -> dict[str, jax.Array]:  # type: ignore[override]
         """The batch of rollout `local` (the cursor's `next()`): a new rollout, or the last one again within
@@ -242,14 +306,25 @@ class Rollouts(Batches):
     # ---- one rollout ---------------------------------------------------------------------------------------
     def rollout(self, index: int) -> dict[str, jax.Array]:
         """Generate, score and lay out rollout `index` (its prompts, `num_generations` completions each)."""
-        t, a = self.trainer, self.arguments
-        rl, tok = a.rl, t.tokenizer
-        started = time.perf_counter()
         order = self.train_loader()
         records = order.prompts(index)
+        encoded = [self.prompt_ids()[i] for i in order.indices(index)]
+        key = jax.random.fold_in(self.policy.state().rng, index)
+        rows, metrics, sampled = self.sample(records, encoded, key)
+        self.metrics.append((self.policy.step() + 1, metrics))
+        return self.layout(rows, sampled)
+
+    def sample(
+        self, records: list[dict], encoded: list[np.ndarray], key: jax.Array
+    ) -> tuple[dict[str, np.ndarray], dict[str, float], np.ndarray | None]:
+        """`num_generations` completions of each prompt (`encoded`: its token ids) from the current policy, scored:
+        `(rows, metrics, sampler log-probs)`, rows `i * num_generations + j` as host arrays (`input_ids`,
+        `segment_ids`, `positions`, `loss_mask`, the advantage per row under `ADV`, and `width`: the prompt
+        columns)."""
+        rl, tok = self.arguments.rl, self.tokenizer()
+        started = time.perf_counter()
         group = rl.num_generations
         chat = isinstance(records[0]["prompt"], list)
-        encoded = [self.prompt_ids()[i] for i in order.indices(index)]
         cap, kept, truncated = rl.max_prompt_length, [], 0
         for ids in encoded:
             truncated += cap is not None and len(ids) > cap
@@ -260,8 +335,6 @@ class Rollouts(Batches):
         for i, ids in enumerate(kept):
             unique[i, width - len(ids) :], unique_mask[i, width - len(ids) :] = ids, 1
         prompt, prompt_mask = np.repeat(unique, group, axis=0), np.repeat(unique_mask, group, axis=0)
-        b = len(kept) * group
-        key = jax.random.fold_in(t.state.rng, index)
         if self.engine is not None:  # an external engine: the prompt rows as they are trained on, no log-probs
             completion, completion_mask = self.engine(prompt, prompt_mask, key)
             sampled = None
@@ -269,6 +342,8 @@ class Rollouts(Batches):
             completion, completion_mask, sampled = self.generate(unique, unique_mask, key)
         _, cwidth = row_buckets(width, int(np.max(completion_mask.sum(axis=1), initial=1)), completion.shape[1])
         completion, completion_mask = completion[:, :cwidth], completion_mask[:, :cwidth]
+        if sampled is not None:
+            sampled = sampled[:, :cwidth]
         generated = time.perf_counter()
         texts = [
             tok.decode(c[m > 0], skip_special_tokens=True) for c, m in zip(completion, completion_mask, strict=True)
@@ -276,7 +351,7 @@ class Rollouts(Batches):
         prompts = [r["prompt"] for r in records for _ in range(group)]
         completions: list[Any] = [[{"role": "assistant", "content": x}] for x in texts] if chat else texts
         columns = {k: [r[k] for r in records for _ in range(group)] for k in records[0] if k != "prompt"}
-        funcs, weights = t.reward_functions, t.reward_weights
+        funcs, weights = self.policy.rewards()
         rewards = np.stack(
             [
                 call_reward(
@@ -294,7 +369,7 @@ class Rollouts(Batches):
         scored = time.perf_counter()
         total = np.nansum(rewards * np.asarray(weights)[None], axis=1)
         adv, std = advantages(total, group, rl.scale_rewards)
-        eos = set(t.stop_ids)
+        eos = set(self.stop_ids())
         ended = np.asarray(
             [any(int(x) in eos for x in c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)]
         )
@@ -308,17 +383,9 @@ class Rollouts(Batches):
             "segment_ids": seg,
             "positions": np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32),
             "loss_mask": np.concatenate([np.zeros_like(prompt_mask), loss_mask], axis=1),
+            ADV: adv.astype(np.float32),
+            "width": np.asarray(width),
         }
-        batch = {k: self._put(v[None]) for k, v in rows.items()}
-        batch[ADV] = self._put(adv.astype(np.float32)[None])
-        zeros = np.zeros((1, b, ids.shape[1]), np.float32)
-        batch[OLD] = t.logps_of(batch, reference=False) if rl.num_iterations > 1 else self._put(zeros)
-        batch[REF] = t.logps_of(batch, reference=True) if rl.beta else self._put(zeros)
-        if SAMPLED in self.spec.extra:  # the sampler's log-prob of each completion token, at the token's column
-            at_tokens = np.zeros((b, ids.shape[1]), np.float32)
-            if sampled is not None:
-                at_tokens[:, width:] = np.where(completion_mask > 0, sampled[:, :cwidth], 0.0)
-            batch[SAMPLED] = self._put(at_tokens[None])
         lengths = completion_mask.sum(axis=1)
         metrics = {
             "reward": float(np.mean(total)),
@@ -331,7 +398,24 @@ class Rollouts(Batches):
             "time/rollout_s": generated - started,
             "time/reward_s": scored - generated,
         }
-        self.metrics.append((t.current_step + 1, metrics))
+        return rows, metrics, (None if sampled is None else np.where(completion_mask > 0, sampled, 0.0))
+
+    def layout(self, rows: dict[str, np.ndarray], sampled: np.ndarray | None) -> dict[str, jax.Array]:
+        """A rollout's host rows (`sample`) as the train step's global batch `[1, B, ...]`: the tokens, the
+        advantages, the old and reference log-probs (computed now when `num_iterations > 1` / `beta > 0`) and the
+        sampler's log-probs at their tokens' columns."""
+        rl, width = self.arguments.rl, int(rows["width"])
+        batch = {k: self._put(rows[k][None]) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
+        batch[ADV] = self._put(rows[ADV][None])
+        b, length = rows["input_ids"].shape
+        zeros = np.zeros((1, b, length), np.float32)
+        batch[OLD] = self.policy.logps(batch, reference=False) if rl.num_iterations > 1 else self._put(zeros)
+        batch[REF] = self.policy.logps(batch, reference=True) if rl.beta else self._put(zeros)
+        if SAMPLED in self.spec.extra:  # the sampler's log-prob of each completion token, at the token's column
+            at_tokens = np.zeros((b, length), np.float32)
+            if sampled is not None:
+                at_tokens[:, width:] = sampled
+            batch[SAMPLED] = self._put(at_tokens[None])
         return batch
 
     def generate(
@@ -342,19 +426,18 @@ class Rollouts(Batches):
         `(completion_ids, completion_mask, completion_logps)` with rows `i * num_generations + j`."""
         import jaxloom.generation as jg
 
-        t, rl = self.trainer, self.arguments.rl
+        rl, tok = self.arguments.rl, self.tokenizer()
         config = jg.GenerationConfig(
             max_new_tokens=rl.max_completion_length,
             do_sample=rl.temperature > 0,
             temperature=rl.temperature or 1.0,
             top_k=rl.top_k or None,
             top_p=rl.top_p if rl.top_p < 1 else None,
-            eos_token_id=tuple(t.stop_ids),
-            pad_token_id=t.tokenizer.pad_token_id or 0,
+            eos_token_id=self.stop_ids(),
+            pad_token_id=tok.pad_token_id or 0,
         )
-        out = jg.generate(
-            t.state.model, prompt, mask, config, mesh=t.mesh, rng=key, num_return_sequences=rl.num_generations
-        )
+        model = self.policy.state().model
+        out = jg.generate(model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=rl.num_generations)
         return np.asarray(out.completion_ids), np.asarray(out.completion_mask), np.asarray(out.completion_logps)
 
     def _put(self, x: np.ndarray) -> jax.Array:
@@ -371,6 +454,20 @@ class Rollouts(Batches):
         if not due:
             return {}
         return {k: float(np.mean([m[k] for m in due if k in m])) for k in due[-1]}
+
+
+def _prompt_records(data: Any, name: str) -> list[dict]:
+    """Every record of `data` (read whole), checked: each has a `prompt` (text or chat messages)."""
+    records = read_records(data)
+    if not records:
+        raise ValueError(f"{name} has no records; expected prompt records ({{'prompt': ...}})")
+    for i, r in enumerate(records[:1000]):
+        if "prompt" not in r:
+            raise ValueError(
+                f"{name} record {i} has no 'prompt' column (it has {sorted(r)}); GRPO reads a "
+                "prompt (text, or a list of chat messages) per record, other columns go to the rewards"
+            )
+    return records
 
 
 def jd_encode(tokenizer: Any, prompts: Sequence[Any], chat: bool) -> list[list[int]]:

@@ -17,11 +17,32 @@ from ..batches import DataSpec
 from ..step import Objective
 from .. import reference
 from ..reference import build_reference
+from ..components import part
 from ..trainer import BaseTrainer
 from .config import GRPOConfig
 from .loss import ADV, OLD, REF, SAMPLED, grpo_loss, grpo_metrics, token_logps
 from .rewards import load_reward_function
-from .rollouts import Rollouts
+from .rollouts import Policy, Rollouts
+
+
+def rollouts(trainer: Any) -> Rollouts:
+    """GRPO's batches component: rollouts of the policy from the prompts, scored by the reward functions."""
+    return Rollouts(
+        trainer.arguments,
+        trainer.data_spec(),
+        mesh=trainer.mesh,
+        data_axes=trainer.data_axes,
+        tokenizer=lambda: trainer.tokenizer,
+        dataset_train=trainer.dataset_train,
+        dataset_eval=trainer.dataset_eval,
+        engine=trainer.rollout_engine,
+        policy=Policy(
+            state=lambda: trainer.state,
+            step=lambda: trainer.current_step,
+            logps=trainer.logps_of,
+            rewards=lambda: (trainer.reward_functions, trainer.reward_weights),
+        ),
+    )
 
 
 class GRPOTrainer(BaseTrainer):
@@ -32,10 +53,7 @@ class GRPOTrainer(BaseTrainer):
     `rollout_engine(prompt_ids, prompt_mask, key) -> (completion_ids, completion_mask)` replaces the
     in-process generation (the seam for an external engine)."""
 
-    no_evaluation = (
-        "GRPO has no evaluation pass yet (TRL's: the rewards of completions to held-out prompts); sample the policy "
-        "with `jaxloom generate RUN_DIR --prompt ...`"
-    )
+    no_evaluation = "expected held-out prompt records: dataset_eval= (data.eval=FILE on the command line)"
 
     MATCH_BOS = True
 
@@ -89,13 +107,13 @@ class GRPOTrainer(BaseTrainer):
         self.rollout_engine = rollout_engine
         self._reference: js.TrainState | None = None
 
-    batches = functools.cached_property(lambda self: Rollouts(self, self.data_spec(), self.rollout_engine))  # type: ignore[assignment]
+    batches = part(rollouts)  # type: ignore[assignment]
 
     @functools.cached_property
     def reward_functions(self) -> list[Callable]:
-        """The reward functions, dotted paths imported (user code runs): only when the run trains, at setup
-        before step 1 — never by a command that only reads a run (`convert`, `generate`, `eval`, `plan`), so a
-        run directory from elsewhere cannot make those import anything."""
+        """The reward functions, dotted paths imported (user code runs): only when the run trains (at setup,
+        before step 1) or is evaluated — never by a command that only reads a run (`convert`, `generate`, `plan`),
+        so a run directory from elsewhere cannot make those import anything."""
         return [load_reward_function(f) for f in self._reward_specs]
 
     def objective(self) -> Objective:
@@ -140,16 +158,35 @@ class GRPOTrainer(BaseTrainer):
         `time/rollout_s`, `time/reward_s` (averaged over the steps since the last row)."""
         return self.batches.take_metrics(step)  # type: ignore[attr-defined]
 
-    @functools.cached_property
+    @property
     def stop_ids(self) -> tuple[int, ...]:
         """Where a completion ends: the tokenizer's EOS and, for chat prompts, the template's end of turn."""
-        from jaxloom.generation import end_of_turn_ids
+        return self.batches.stop_ids()  # type: ignore[attr-defined]
 
-        tok = self.tokenizer
-        ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        if self.batches.prompt_records() and isinstance(self.batches.prompt_records()[0]["prompt"], list):  # type: ignore[attr-defined]
-            ids |= set(end_of_turn_ids(tok))
-        return tuple(sorted(ids))
+    def evaluate(self, state: js.TrainState | None = None, metric_calculator=None) -> dict[str, float]:
+        """GRPO's evaluation pass (TRL's): completions of the held-out prompts (`dataset_eval`) sampled from
+        `state` (default: the trainer's) as in training, scored by the reward functions, over up to
+        `eval_batches` groups of prompts; TRL's rollout metrics (`reward`, `reward_std`, `rewards/<func>/mean`,
+        `completions/mean_length`, `completions/clipped_ratio`) and `evaluation_time`. `metric_calculator` is
+        not supported here (there is no loss batch to give it)."""
+        import time
+
+        if metric_calculator is not None:
+            raise ValueError("GRPOTrainer.evaluate: metric_calculator is not supported (its pass scores rollouts)")
+        if self.dataset_eval is None:
+            raise ValueError(f"no dataset_eval was given; {self.no_evaluation}")
+        if self.state is None:
+            self.initialize_trainer_utils()
+        policy = self.state
+        if state is not None:
+            self.state = self.plan.as_own(state, lambda: self.model_state)
+        self.start_evaluation_hook()
+        started = self.evaluator.started
+        try:
+            metrics = self.batches.evaluate(self.arguments.eval_batches)  # type: ignore[attr-defined]
+        finally:
+            self.state = policy
+        return {**metrics, "evaluation_time": time.monotonic() - (started or time.monotonic())}
 
     def configure_model(self):
         """The policy, then (with `beta > 0`) the reference: the base with the adapters off under LoRA (no copy),

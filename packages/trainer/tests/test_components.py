@@ -1,0 +1,120 @@
+"""The component graph: each component built on first use by its builder in `components.py`, once, from the
+components it names; the trainer's constructor builds none; the wiring is data (`Parts.wiring()`); no component
+module imports the trainer or keeps it; the checkpoint path in a stop message is the run directory's (a URI)."""
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+from util import TOK, TRAIN, mesh, tiny
+
+import jaxloom.models as jm
+from jaxloom.trainer import Trainer, TrainingArguments
+from jaxloom.trainer.components import Parts
+from jaxloom.trainer.stopping import NonFiniteLossError
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "jaxloom" / "trainer"
+# the modules that define components (each a class owning its state), as opposed to the trainer and its drivers
+COMPONENT_MODULES = [
+    "batches.py",
+    "callbacks.py",
+    "checkpointing.py",
+    "evaluation.py",
+    "export.py",
+    "functions.py",
+    "monitor.py",
+    "plan.py",
+    "previews.py",
+    "reference.py",
+    "run_directory.py",
+    "step.py",
+    "stopping.py",
+    "grpo/rollouts.py",
+    "grpo/loss.py",
+    "grpo/rewards.py",
+]
+TRAINER_CLASSES = {"BaseTrainer", "Trainer", "DPOTrainer", "GRPOTrainer", "ReferenceSurface"}
+
+
+def test_parts_build_once_on_first_use_and_record_what_each_was_built_from():
+    calls = []
+
+    def a(owner):
+        calls.append("a")
+        return ["a", owner]
+
+    def b(owner):
+        calls.append("b")
+        return ("b", owner.parts.get("a", owner)[0])
+
+    class Owner:
+        parts = Parts({"a": a, "b": b})
+
+    owner = Owner()
+    assert not owner.parts.built("a") and owner.parts.wiring() == []
+    assert owner.parts.get("b", owner) == ("b", "a") and owner.parts.get("b", owner) == ("b", "a")
+    assert calls == ["b", "a"]  # each once: `b` began, asked for `a`, which was made first
+    assert owner.parts.wiring() == [("a", "list", []), ("b", "tuple", ["a"])]
+    owner.parts.forget(["b"])
+    assert owner.parts.built("a") and not owner.parts.built("b")
+    owner.parts.get("b", owner)
+    assert calls == ["b", "a", "b"]
+
+    def loop(owner):
+        return owner.parts.get("loop", owner)
+
+    owner.parts.builders["loop"] = loop
+    with pytest.raises(RuntimeError, match="component 'loop' needs itself: loop -> loop"):
+        owner.parts.get("loop", owner)
+
+
+def test_a_trainer_builds_no_component_until_one_is_used_then_shows_the_graph(tmp_path):
+    trainer = Trainer(
+        TrainingArguments(save_directory=str(tmp_path), max_training_steps=2, total_batch_size=8),
+        model=jm.create_model(tiny(), lazy=True),
+        dataset_train=TRAIN,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
+    assert trainer.parts.wiring() == []  # the constructor stores what it was given and nothing else
+    trainer.functions  # noqa: B018
+    wiring = {name: (cls, needs) for name, cls, needs in trainer.parts.wiring()}
+    assert wiring["functions"] == ("StepFunctions", ["plan", "batches"])
+    # max_training_steps given: the plan needs no data (without it, the epochs' steps are the batches' to count)
+    assert wiring["plan"] == ("Plan", []) and wiring["batches"] == ("Batches", [])
+    assert [n for n, _, _ in trainer.parts.wiring()] == ["plan", "batches", "functions"]  # the order they were made
+    assert not trainer.parts.built("checkpointing") and not trainer.parts.built("run_directory")
+    trainer.finish()  # releases only what was built: no run directory was taken
+    assert not trainer.parts.built("run_directory")
+
+
+def test_no_component_module_imports_the_trainer_or_keeps_it():
+    for rel in COMPONENT_MODULES:
+        tree = ast.parse((SRC / rel).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                target = (node.module or "").split(".")[-1]
+                names = {a.name for a in node.names}
+                assert target != "trainer" and not (names & TRAINER_CLASSES), f"{rel} imports the trainer"
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name not in TRAINER_CLASSES):
+            for node in ast.walk(cls):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                for t in targets:
+                    kept = isinstance(t, ast.Attribute) and t.attr in ("trainer", "_trainer")
+                    assert not kept, f"{path.relative_to(SRC)}: {cls.name} keeps the trainer"
+
+
+def test_the_nan_stop_message_names_the_checkpoints_of_a_run_on_a_store():
+    trainer = Trainer(
+        TrainingArguments(save_directory="s3://bucket/run", nan_policy="stop"),
+        model=jm.create_model(tiny(), lazy=True),
+        dataset_train=TRAIN,
+        processing_class=TOK,
+        mesh=mesh(1),
+    )
+    metrics = {"step": 3, "finite": False, "loss": math.nan, "grad_norm": math.inf}
+    with pytest.raises(NonFiniteLossError, match=r"The last checkpoint in s3://bucket/run/checkpoints is untouched"):
+        trainer.stop_control.apply_training_hooks(metrics)
