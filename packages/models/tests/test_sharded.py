@@ -1,5 +1,7 @@
 """Sharded forward passes equal one device; every remat policy gives the same gradients."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,8 +155,10 @@ def test_training_steps_on_fsdp_tp_equal_one_device(family):
         model = jm.create_model(config, runtime, seed=5, mesh=mesh)
         graphdef, params = nnx.split(model, nnx.Param)
         opt = tx.init(params)
+        placed = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt))
 
-        @jax.jit
+        # the next step's inputs keep the first's shardings: one compile per mesh, not one per layout XLA picks
+        @functools.partial(jax.jit, out_shardings=(*placed, None))
         def step(params, opt):
             def loss(p):
                 out = nnx.merge(graphdef, p)(ids, attention_mask=mask)
