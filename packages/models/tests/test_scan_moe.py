@@ -111,8 +111,9 @@ def test_a_scanned_stack_runs_as_straight_line_code_by_default_on_cpu_and_gpu():
         results[unroll] = fn(state, ids)
     assert " while(" not in programs[None] and " while(" in programs[1]
     np.testing.assert_allclose(results[None][0], results[1][0], rtol=1e-6)
+    # the gradients (|g| ~ 1e-2) summed in another order: float noise up to a few 1e-6
     for a, b in zip(jax.tree_util.tree_leaves(results[None][1]), jax.tree_util.tree_leaves(results[1][1]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["tiled", "ragged"])

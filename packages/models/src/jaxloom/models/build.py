@@ -64,9 +64,10 @@ def create_model(
     task: TaskType = TaskType.CAUSAL_LM,
 ):
     """A model for `config`. `lazy=True`: abstract (ShapeDtypeStructs, no memory). With `mesh`: every
-    parameter is created directly on its shard (never whole on one device). Same values for the same
-    seed whatever the mesh. `runtime`: dtypes, attention and remat (default `RuntimeConfig()`);
-    `model_class` overrides the class the registry picks for `config.model_type` and `task`."""
+    parameter is created directly on its shard (never whole on one device). Same values for the same seed
+    whatever the mesh (one compiled program draws them all, with or without a mesh). `runtime`: dtypes,
+    attention and remat (default `RuntimeConfig()`); `model_class` overrides the class the registry picks for
+    `config.model_type` and `task`."""
     runtime = runtime or RuntimeConfig()
     cls = model_class or get_model_class(config.model_type, task)
 
@@ -75,10 +76,10 @@ def create_model(
 
     if lazy:
         return nnx.eval_shape(make)
-    if mesh is None:
-        return make()
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
-    shardings = _variable_shardings(abstract, runtime, mesh)
+    # one compiled program draws every parameter (op by op, each shape would compile on its own: slower, and
+    # never in the persistent cache); the same program with or without a mesh, so the same values
+    shardings = None if mesh is None else _variable_shardings(abstract, runtime, mesh)
     state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
     return nnx.merge(graphdef, state)
 
