@@ -551,12 +551,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config, items = split_target(ns.items)
         if getattr(ns, "ray", None) is not None:
-            from .arguments import apply_overrides, load_config_file
+            from .compose import resolve_settings
             from .kinds import arguments_of
 
-            data = apply_overrides(load_config_file(config or DEMO_CONFIG), items)  # fail fast, before Ray starts
-            data = kind_settings(data, config, items)
-            _, args = arguments_of({k: v for k, v in data.items() if k not in ("model", "data")})
+            resolved, _ = resolve_settings(config, items)  # the run's own resolution, checked before Ray starts
+            _, args = arguments_of({k: v for k, v in resolved.items() if k not in ("model", "data")})
             if args.save_directory is None:  # chosen once by the driver: every restart of the gang resumes it
                 from .resume import fresh_run_directory
 
