@@ -69,6 +69,39 @@ def test_parts_build_once_on_first_use_and_record_what_each_was_built_from():
         owner.parts.get("loop", owner)
 
 
+def test_parts_build_each_component_once_across_threads_and_keep_each_threads_chain():
+    """Setup builds in the background (the train step compiles while the state is made): two threads asking for
+    one component get the same one, built once, and neither's chain of builds shows in the other's wiring."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    count, started = [], threading.Event()
+
+    def slow(owner):
+        count.append(1)
+        started.set()
+        time.sleep(0.2)
+        return object()
+
+    def other(owner):
+        started.wait()
+        return ("other", owner.parts.get("slow", owner))
+
+    class Owner:
+        parts = Parts({"slow": slow, "other": other, "plain": lambda owner: "plain"})
+
+    owner = Owner()
+    with ThreadPoolExecutor(3) as pool:
+        a = pool.submit(owner.parts.get, "slow", owner)
+        b = pool.submit(owner.parts.get, "other", owner)
+        started.wait()
+        c = pool.submit(owner.parts.get, "plain", owner)
+        assert b.result()[1] is a.result() and c.result() == "plain"
+    assert len(count) == 1
+    assert dict((n, needs) for n, _, needs in owner.parts.wiring()) == {"slow": [], "plain": [], "other": ["slow"]}
+
+
 def test_a_trainer_builds_no_component_until_one_is_used_then_shows_the_graph(tmp_path):
     trainer = Trainer(
         TrainingArguments(save_directory=str(tmp_path), max_training_steps=2, total_batch_size=8),

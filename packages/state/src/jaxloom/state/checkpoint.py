@@ -48,6 +48,7 @@ from .checkpoint_errors import (
 from .checkpoint_files import (
     CHECKSUMS,
     DIGESTS,
+    _flat,
     check_target,
     fenced_steps,
     stored_shapes,
@@ -523,12 +524,6 @@ def _as_abstract(tree: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
     )
-
-
-def _flat(tree: Any) -> dict[str, Any]:
-    from jaxloom.mesh import named_leaves
-
-    return dict(named_leaves(tree))
 
 
 def _named(items: dict[str, Any]) -> dict[str, Any]:

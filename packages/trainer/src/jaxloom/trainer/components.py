@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -37,13 +38,16 @@ class Parts:
     `built(name)` says whether a component exists yet (a part that was never needed is never made: closing a run
     closes only what it opened); `forget(*names)` drops components so the next use rebuilds them from the inputs
     (a new starting point); `wiring()` lists the built components in the order they were made, each with the
-    components it asked for while it was built — the run's component graph, read from the run itself."""
+    components it asked for while it was built — the run's component graph, read from the run itself.
+    Safe across threads (setup compiles and loads in the background): a component is built by one thread, once;
+    each thread keeps its own chain of components being built."""
 
     def __init__(self, builders: dict[str, Callable[[Any], Any]]):
         self.builders = builders
         self.made: dict[str, Any] = {}
         self.needs: dict[str, list[str]] = {}
-        self._building: list[str] = []
+        self._lock = threading.RLock()
+        self._local = threading.local()
 
     @classmethod
     def of(cls, trainer_class: type) -> Parts:
@@ -56,20 +60,24 @@ class Parts:
 
     def get(self, name: str, owner: Any) -> Any:
         """The component `name` of `owner` (its trainer), built now if it is not yet."""
-        if self._building and name not in self.needs[self._building[-1]]:
-            self.needs[self._building[-1]].append(name)
-        if name in self.made:
+        building: list[str] = self._local.__dict__.setdefault("chain", [])
+        if building and name not in self.needs[building[-1]]:
+            self.needs[building[-1]].append(name)
+        if name in self.made:  # the common case, every step: no lock
             return self.made[name]
-        if name in self._building:
-            raise RuntimeError(f"component {name!r} needs itself: {' -> '.join([*self._building, name])}")
-        self._building.append(name)
-        self.needs[name] = []
-        try:
-            part = self.builders[name](owner)
-        finally:
-            self._building.pop()
-        self.made[name] = part
-        return part
+        if name in building:
+            raise RuntimeError(f"component {name!r} needs itself: {' -> '.join([*building, name])}")
+        with self._lock:
+            if name in self.made:  # another thread built it meanwhile
+                return self.made[name]
+            building.append(name)
+            self.needs[name] = []
+            try:
+                made = self.builders[name](owner)
+            finally:
+                building.pop()
+            self.made[name] = made
+        return made
 
     def built(self, name: str) -> bool:
         """Whether component `name` has been built."""
@@ -119,18 +127,21 @@ def plan(trainer: Any) -> Plan:
     )
 
 
-def batches(trainer: Any) -> Batches:
-    """The run's loaders and global batches, for this trainer kind's `data_spec()`."""
-    return Batches(
-        trainer.arguments,
-        trainer.data_spec(),
+def data_inputs(trainer: Any) -> dict[str, Any]:
+    """What every batches component is built from: the mesh and its batch axes, the tokenizer (loaded on first
+    use) and the training and evaluation data (for `Batches` and the kinds' own, such as GRPO's `Rollouts`)."""
+    return dict(
         mesh=trainer.mesh,
         data_axes=trainer.data_axes,
         tokenizer=lambda: trainer.tokenizer,
         dataset_train=trainer.dataset_train,
         dataset_eval=trainer.dataset_eval,
-        collator=trainer.data_collator,
     )
+
+
+def batches(trainer: Any) -> Batches:
+    """The run's loaders and global batches, for this trainer kind's `data_spec()`."""
+    return Batches(trainer.arguments, trainer.data_spec(), collator=trainer.data_collator, **data_inputs(trainer))
 
 
 def functions(trainer: Any) -> StepFunctions:

@@ -280,8 +280,9 @@ class Rollouts(Batches):
             _, metrics, _ = self.sample([records[j] for j in chosen], [ids[j] for j in chosen], key)
             out.append((len(chosen), metrics))
         weight = sum(n for n, _ in out)
-        keep = [k for k in out[0][1] if not k.startswith(("time/", "rows/"))]
-        return {k: float(sum(n * m[k] for n, m in out) / weight) for k in keep}
+        keep = [k for k in out[0][1] if not k.startswith(("time/", "rows/", "prompts/"))]
+        means = {k: float(sum(n * m[k] for n, m in out) / weight) for k in keep}
+        return {**means, "prompts/truncated": float(sum(m["prompts/truncated"] for _, m in out))}  # a count
 
     def global_batch(self, local: Any, *, stop_code: int | None = None) -> dict[str, jax.Array]:  # type: ignore[override]
         """The batch of rollout `local` (the cursor's `next()`): a new rollout, or the last one again within

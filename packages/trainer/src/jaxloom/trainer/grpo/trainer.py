@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ from ..batches import DataSpec
 from ..step import Objective
 from .. import reference
 from ..reference import build_reference
-from ..components import part
+from ..components import data_inputs, part
 from ..trainer import BaseTrainer
 from .config import GRPOConfig
 from .loss import ADV, OLD, REF, SAMPLED, grpo_loss, grpo_metrics, token_logps
@@ -30,11 +31,7 @@ def rollouts(trainer: Any) -> Rollouts:
     return Rollouts(
         trainer.arguments,
         trainer.data_spec(),
-        mesh=trainer.mesh,
-        data_axes=trainer.data_axes,
-        tokenizer=lambda: trainer.tokenizer,
-        dataset_train=trainer.dataset_train,
-        dataset_eval=trainer.dataset_eval,
+        **data_inputs(trainer),
         engine=trainer.rollout_engine,
         policy=Policy(
             state=lambda: trainer.state,
@@ -169,8 +166,6 @@ class GRPOTrainer(BaseTrainer):
         `eval_batches` groups of prompts; TRL's rollout metrics (`reward`, `reward_std`, `rewards/<func>/mean`,
         `completions/mean_length`, `completions/clipped_ratio`) and `evaluation_time`. `metric_calculator` is
         not supported here (there is no loss batch to give it)."""
-        import time
-
         if metric_calculator is not None:
             raise ValueError("GRPOTrainer.evaluate: metric_calculator is not supported (its pass scores rollouts)")
         if self.dataset_eval is None:
