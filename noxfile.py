@@ -35,6 +35,10 @@ TEST_ENV = {
     "JAX_COMPILATION_CACHE_DIR": str(Path(__file__).resolve().parent / ".nox" / "jax-compilation-cache"),
     "JAX_COMPILATION_CACHE_MAX_SIZE": str(16 * 2**30),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.3",
+    # Python's compiled bytecode written and reused (an empty value turns the setting off: some images set it).
+    # Without it every process compiles the ~1,300 modules it imports from source again: 5 of a `jaxloom train`
+    # subprocess's 7 seconds of imports, in each test's subprocess, each xdist worker and each Ray worker.
+    "PYTHONDONTWRITEBYTECODE": "",
 }
 CACHE_LOCK = "filelock>=3.12"
 TARGETS = (*parts.PARTS, parts.META)

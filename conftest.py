@@ -1,0 +1,78 @@
+"""Plumbing shared by every part's tests (pytest loads this file for any path under the repository).
+
+The longest cases start first. pytest-xdist hands tests to its workers in collection order, so a 200-second
+case collected last keeps one core busy while the other has nothing left to do. `.ci/durations.json` holds each
+case's seconds from an earlier run; a case that takes at least `FIRST_AFTER` seconds there, and whose fixtures
+are all per-test or per-session (moving it changes no other case's set-up), moves to the front, longest first.
+Every other case keeps pytest's order. A case not in the file, or a file that is missing, changes nothing.
+
+`JAXLOOM_RECORD_DURATIONS=FILE pytest ...` writes this run's seconds per case (set-up + call + tear-down) to FILE
+(merged into what FILE holds); `python3 tools/durations.py` merges such files into `.ci/durations.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+DURATIONS = Path(__file__).resolve().parent / ".ci" / "durations.json"
+FIRST_AFTER = 8.0  # seconds
+_MOVABLE_SCOPES = {"function", "session"}
+
+
+def _known() -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(DURATIONS.read_text()).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def _movable(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    for name in info.names_closure:
+        defs = info.name2fixturedefs.get(name) or ()
+        if any(d.scope not in _MOVABLE_SCOPES for d in defs):
+            return False
+    return True
+
+
+def pytest_collection_modifyitems(session, config, items):
+    known = _known()
+    if not known:
+        return
+    first = [it for it in items if known.get(it.nodeid, 0.0) >= FIRST_AFTER and _movable(it)]
+    if not first:
+        return
+    first.sort(key=lambda it: -known[it.nodeid])
+    moved = {id(it) for it in first}
+    items[:] = first + [it for it in items if id(it) not in moved]
+
+
+_RECORDED: dict[str, float] = {}
+_RECORDING = [False]
+
+
+def pytest_configure(config):
+    # the controller (or a run without workers) records; an xdist worker's reports reach the controller
+    _RECORDING[0] = bool(os.environ.get("JAXLOOM_RECORD_DURATIONS")) and not hasattr(config, "workerinput")
+
+
+def pytest_runtest_logreport(report):
+    if _RECORDING[0]:
+        _RECORDED[report.nodeid] = _RECORDED.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    target = os.environ.get("JAXLOOM_RECORD_DURATIONS")
+    if not target or not _RECORDING[0] or not _RECORDED:
+        return
+    path = Path(target)
+    try:
+        merged = json.loads(path.read_text())
+    except (OSError, ValueError):
+        merged = {}
+    merged.update({k: round(v, 2) for k, v in _RECORDED.items()})
+    path.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
