@@ -24,12 +24,12 @@ class Announce:
         at = os.environ.get("FSIZE_LIMIT_AT")
         self.limit = tuple(int(x) for x in at.split(":")) if at else None
 
-    def on_step_start(self, trainer, step):
+    def on_step_start(self, run, step):
         if self.limit and step == self.limit[0]:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write is an error, not a dead process
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit[1], resource.RLIM_INFINITY))
 
-    def on_step_end(self, trainer, step, metrics):
+    def on_step_end(self, run, step, metrics):
         print(f"STEP {step}", flush=True)
 
 

@@ -15,9 +15,9 @@ class FirstParams:
     def __init__(self):
         self.value = None
 
-    def on_step_start(self, trainer, step):
+    def on_step_start(self, run, step):
         if step == 1 and self.value is None:
-            self.value = params_fingerprint(trainer.state.params)
+            self.value = params_fingerprint(run.state.params)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from jaxloom.trainer.compose import build_run
 
 
 class Announce:
-    def on_step_end(self, trainer, step, metrics):
+    def on_step_end(self, run, step, metrics):
         print(f"STEP {step}", flush=True)
 
 

@@ -232,14 +232,14 @@ def test_run_level_fields_second_set(tmp_path, monkeypatch):
 class _Poison:
     """NaN gradients at step 2 only (the parameters are restored after)."""
 
-    def on_step_start(self, trainer, step):
+    def on_step_start(self, run, step):
         if step == 2:
-            self.keep = trainer.state.params
-            trainer.state = trainer.state.replace(params=jax.tree_util.tree_map(lambda p: p * jnp.nan, self.keep))
+            self.keep = run.state.params
+            run.state = run.state.replace(params=jax.tree_util.tree_map(lambda p: p * jnp.nan, self.keep))
 
-    def on_step_end(self, trainer, metrics, step):
+    def on_step_end(self, run, step, metrics):
         if step == 2:
-            trainer.state = trainer.state.replace(params=self.keep)
+            run.state = run.state.replace(params=self.keep)
 
 
 # ---- the rest: fields whose effect the named tests check, each setting the field itself ------------------

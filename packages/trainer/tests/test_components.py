@@ -151,3 +151,81 @@ def test_the_nan_stop_message_names_the_checkpoints_of_a_run_on_a_store():
     metrics = {"step": 3, "finite": False, "loss": math.nan, "grad_norm": math.inf}
     with pytest.raises(NonFiniteLossError, match=r"The last checkpoint in s3://bucket/run/checkpoints is untouched"):
         trainer.stop_control.apply_training_hooks(metrics)
+
+
+def test_callbacks_get_a_view_of_the_run_never_the_trainer(tmp_path):
+    """Every event and cadence callback is called with the run's `RunView`: the state of its step (which it may
+    replace), the arguments, the checkpoint manager, the rows logged so far, and a stop request that ends the run
+    after that step, saved."""
+    from util import trainer as make_trainer
+
+    from jaxloom.trainer import BaseTrainer
+    from jaxloom.trainer.callbacks import RunView
+
+    seen = []
+
+    class Watch:
+        def on_step_start(self, run, step):
+            seen.append(("start", step, type(run), int(run.state.step)))
+
+        def on_step_end(self, run, step, metrics):
+            seen.append(("end", step, type(run), int(run.state.step)))
+            if step == 3:
+                run.request_stop("enough")
+
+        def on_save(self, run, step):
+            seen.append(("save", step, type(run), run.checkpoints.directory.name))
+
+    t = make_trainer(tmp_path, hooks=[Watch()], max_training_steps=8, save_steps=2, evaluation=None)
+    rows = []
+    t.add_callback(lambda run, step: rows.append((step, len(run.history), run.arguments.save_steps)), every=1)
+    out = t.train()
+    assert {kind for _, _, kind, _ in seen} == {RunView} and not any(issubclass(k, BaseTrainer) for *_, k, _ in seen)
+    assert [s for e, s, *_ in seen if e == "start"] == [1, 2, 3]  # stopped after step 3, as the view asked
+    assert [(s, n) for e, s, _, n in seen if e == "end"] == [(1, 1), (2, 2), (3, 3)]  # each step's own state
+    assert [(s, d) for e, s, _, d in seen if e == "save"] == [(2, "checkpoints"), (3, "checkpoints")]
+    assert out.stop_reason == "enough" and t.checkpoints.all_steps() == [2, 3]
+    assert [s for s, _, _ in rows] == [1, 2, 3] and all(every == 2 for *_, every in rows)
+    assert rows[-1][1] >= 2  # the rows logged before step 3's callback ran (logging_steps=1)
+
+
+def test_one_constructor_and_one_registry_for_every_trainer_kind():
+    """The kinds declare what differs (`arguments_class`, `take_inputs`); the constructor is BaseTrainer's, its
+    signature shows each kind's own inputs, and `kinds.KINDS` is the one registry the composition root and the
+    config reader use."""
+    import inspect
+
+    from jaxloom.trainer import DPOConfig, DPOTrainer
+    from jaxloom.trainer import compose, kinds
+    from jaxloom.trainer.grpo import GRPOConfig, GRPOTrainer
+
+    for cls in (Trainer, DPOTrainer, GRPOTrainer):
+        assert "__init__" not in vars(cls)
+    assert compose.KINDS is kinds.KINDS and kinds.TRAINERS == ("sft", "dpo", "grpo")
+    assert {k: c.arguments_class for k, c in kinds.KINDS.items()} == {
+        "sft": TrainingArguments,
+        "dpo": DPOConfig,
+        "grpo": GRPOConfig,
+    }
+    assert isinstance(kinds.arguments_of({"trainer": "dpo", "beta": 0.3})[1], DPOConfig)
+    params = inspect.signature(DPOTrainer).parameters
+    assert (
+        list(params)[-2:] == ["ref_model", "deprecated_kwargs"]
+        and "reward_funcs" in inspect.signature(GRPOTrainer).parameters
+    )
+    model = jm.create_model(tiny(), lazy=True)
+    with pytest.raises(TypeError, match="DPOTrainer takes a DPOConfig, got TrainingArguments"):
+        DPOTrainer(TrainingArguments(), model=model, dataset_train=TRAIN)
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['reward_funcs'\]"):
+        DPOTrainer(DPOConfig(), model=model, dataset_train=TRAIN, reward_funcs=[len])
+    dpo = DPOTrainer(DPOConfig(), model=model, dataset_train=TRAIN, ref_model="some/dir")
+    assert dpo.reference.source == "some/dir" and dpo.parts.wiring() == []  # kept; nothing built, nothing read
+    with pytest.raises(ValueError, match="data_collator is not used"):
+        GRPOTrainer(GRPOConfig(), model=model, dataset_train=TRAIN, reward_funcs=[len], data_collator=lambda b: b)
+
+
+def test_a_runs_model_is_read_with_the_arguments_every_kind_shares():
+    from jaxloom.trainer.runs import common_arguments
+
+    args = common_arguments({"trainer": "dpo", "beta": 0.5, "max_steps": 3, "sharding_axis_dims": [1, -1, 1, 1, 1]})
+    assert type(args) is TrainingArguments and args.max_training_steps == 3

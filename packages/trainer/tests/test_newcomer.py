@@ -506,9 +506,9 @@ def test_a_run_directory_removed_mid_run_gets_its_files_back(tmp_path):
     trainer_, resolved = build_run(None, overrides)
     trainer_.run_config = resolved
 
-    def wipe(t, step):
+    def wipe(run_, step):
         if step == 3:  # between saves (a save in flight whose folder is removed fails, with one clear error)
-            t.checkpointing.manager.wait_until_finished()
+            run_.checkpoints.wait_until_finished()
             shutil.rmtree(run)
 
     trainer_.add_callback(wipe, every=1, name="rm -rf")

@@ -245,9 +245,9 @@ def test_subclass_hooks_are_called_and_their_results_used(tmp_path):
         mesh=mesh(1),
     )
     mine = []
-    t.add_callback(lambda trainer, step: mine.append((step, int(trainer.state.step))), every=2, name="mine")
+    t.add_callback(lambda run, step: mine.append((step, int(run.state.step))), every=2, name="mine")
     with pytest.raises(ValueError, match="every=0"):
-        t.add_callback(lambda trainer, step: None, every=0)
+        t.add_callback(lambda run, step: None, every=0)
     out = t.train()
     assert mine == [(2, 2)]  # on its cadence, with its own step's state
     assert calls[:5] == ["start_training", ("start", 1), ("end", 1), ("start", 2), ("end", 2)]

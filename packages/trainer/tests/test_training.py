@@ -65,11 +65,9 @@ def test_same_curve_with_fsdp_alone_and_fsdp_x_tp(tmp_path):
 class Poison:
     """A hook that puts NaN into the parameters before step 3."""
 
-    def on_step_start(self, trainer, step):
+    def on_step_start(self, run, step):
         if step == 3:
-            trainer.state = trainer.state.replace(
-                params=jax.tree_util.tree_map(lambda p: p * jnp.nan, trainer.state.params)
-            )
+            run.state = run.state.replace(params=jax.tree_util.tree_map(lambda p: p * jnp.nan, run.state.params))
 
 
 @pytest.mark.parametrize("donate", [None, True])  # state kept (CPU default) or donated (GPU/TPU default)
@@ -94,7 +92,7 @@ def test_out_of_memory_points_to_jaxloom_plan(tmp_path):
     the usual note (the step, the newest checkpoint) and one saying how to see and shrink the memory."""
 
     class OutOfMemory:
-        def on_step_start(self, trainer, step):
+        def on_step_start(self, run, step):
             if step == 3:
                 raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.00GiB.")
 
@@ -112,7 +110,7 @@ def test_one_step_stays_in_flight_and_the_next_batch_is_staged_before_the_host_r
     events = []
 
     class Order:
-        def on_step_end(self, trainer, step, metrics):
+        def on_step_end(self, run, step, metrics):
             events.append(("dispatched", step))
 
     t = trainer(tmp_path, hooks=[Order()], max_training_steps=6, save_steps=4, logging_steps=2, evaluation=None)

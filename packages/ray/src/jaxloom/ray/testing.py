@@ -41,11 +41,11 @@ class _BoundFault:
     def __init__(self, fault: FaultInjector):
         self.fault = fault
 
-    def on_step_start(self, trainer, step: int) -> None:
+    def on_step_start(self, run, step: int) -> None:
         if step != self.fault.at_step:
             return
         if self.fault.wait_for_checkpoint:
-            trainer.checkpoints.wait_until_finished()
+            run.checkpoints.wait_until_finished()
         log.error("FaultInjector: %s at step %d (pid %d)", self.fault.kind, step, os.getpid())
         if self.fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -92,46 +92,45 @@ class _BeatHook:
         self._checkpoint: str | None = None
         self._due: int | None = None  # a step whose beat is owed
 
-    def on_step_start(self, trainer, step) -> None:
+    def on_step_start(self, run, step) -> None:
         if self._due is not None:  # the finished step's beat, unless its checkpoint sent one
-            self._beat(trainer, self._due)
+            self._beat(run, self._due)
 
-    def on_step_end(self, trainer, step, metrics) -> None:
-        self._read_reply(trainer)
+    def on_step_end(self, run, step, metrics) -> None:
+        self._read_reply(run)
         if time.monotonic() - self._last >= self.ctx.report_interval_s:
             # Sent when the next step starts, after this step's evaluation and checkpoint: a step that
             # saves reports once (with its checkpoint), not once before the save and once after.
             self._due = step
 
-    def on_save(self, trainer, step) -> None:
-        checkpoints = getattr(trainer, "checkpoints", None)
-        if checkpoints is not None:
-            self._checkpoint = str(checkpoints.directory / str(step))
-        self._beat(trainer, step)
+    def on_save(self, run, step) -> None:
+        if run.checkpoints is not None:
+            self._checkpoint = str(run.checkpoints.directory / str(step))
+        self._beat(run, step)
 
-    def _beat(self, trainer, step) -> None:
+    def _beat(self, run, step) -> None:
         self._last, self._due = time.monotonic(), None
         if self._reply is None:
-            self._reply = self.ctx.beat(step, "step", self._report(trainer, step))
+            self._reply = self.ctx.beat(step, "step", self._report(run, step))
         else:  # keep the older unanswered reply: it is read first
-            self.ctx.beat(step, "step", self._report(trainer, step))
+            self.ctx.beat(step, "step", self._report(run, step))
 
-    def _report(self, trainer, step) -> dict[str, Any] | None:
+    def _report(self, run, step) -> dict[str, Any] | None:
+        """`run` is the trainer's `RunView`: the rows logged so far, whether the run evaluates."""
         if self.ctx.rank != 0:
             return None
-        history = getattr(getattr(trainer, "writer", None), "history", None) or []
+        history = run.history
         for record in history[self._records :]:
             for key, value in record.items():
                 if key != "step" and "/" in key:
                     kind, name = key.split("/", 1)
                     self._latest[name if kind == "train" else f"{kind}_{name}"] = value
         self._records = len(history)
-        evaluates = getattr(trainer, "dataset_eval", None) is not None
-        if "loss" not in self._latest or (evaluates and "eval_loss" not in self._latest):
+        if "loss" not in self._latest or (run.evaluates and "eval_loss" not in self._latest):
             return None
         return {**self._latest, "step": int(step), "checkpoint_dir": self._checkpoint}
 
-    def _read_reply(self, trainer) -> None:
+    def _read_reply(self, run) -> None:
         if self._reply is None:
             return
         import ray
@@ -140,8 +139,8 @@ class _BeatHook:
         if not ready:
             return
         self._reply = None
-        if ray.get(ready[0]) and hasattr(trainer, "request_stop"):
-            trainer.request_stop("stop requested by the Ray driver")
+        if ray.get(ready[0]):
+            run.request_stop("stop requested by the Ray driver")
 
 
 class GangWorker:

@@ -15,7 +15,7 @@ from typing import Any
 from jaxloom.models import pretrained_source
 
 from .batches import Batches
-from .callbacks import Callback, Callbacks, trainer_hooks
+from .callbacks import Callback, Callbacks, RunView, trainer_hooks
 from .checkpointing import Checkpointing
 from .evaluation import Evaluator
 from .export import Exporter
@@ -256,27 +256,42 @@ def exporter(trainer: Any) -> Exporter:
     )
 
 
+def run_view(trainer: Any) -> RunView:
+    """What callbacks see of the run, and may change (`RunView`): the state, the arguments, the checkpoints, the
+    rows logged so far, a stop request. Callbacks get this, never the trainer."""
+    return RunView(
+        arguments=lambda: trainer.arguments,
+        state=(lambda: trainer.state, lambda value: setattr(trainer, "state", value)),
+        checkpoints=lambda: trainer.checkpoints,
+        history=lambda: trainer.step_log.history if trainer.parts.built("step_log") else [],
+        evaluates=trainer.dataset_eval is not None,
+        is_process_zero=trainer.is_process_zero,
+        request_stop=lambda reason: trainer.stop_control.request_stop(reason),
+    )
+
+
 def callbacks(trainer: Any) -> Callbacks:
     """Every callback of `trainer` in the order they run: checkpoint first (saved before anything that can
     fail runs on the step), evaluation and preview on their cadence, the trainer's own hooks, `hooks`, then
     the callbacks added with `add_callback`."""
     a = trainer.arguments
+    save, evaluate, preview = trainer.save_checkpoint, trainer._evaluate_and_log, trainer.preview
     builtin = [
-        Callback(lambda t, step: t.save_checkpoint(step), when=trainer.checkpointing.should_save, name="checkpoint"),
-        Callback(on_save=_run_files_kept, name="run files"),
+        Callback(lambda run, step: save(step), when=trainer.checkpointing.should_save, name="checkpoint"),
+        Callback(on_save=lambda run, step: _run_files_kept(trainer), name="run files"),
     ]
     if a.evaluation_steps and trainer.dataset_eval is not None:
-        builtin.append(Callback(lambda t, step: t._evaluate_and_log(step), every=a.evaluation_steps, name="evaluation"))
+        builtin.append(Callback(lambda run, step: evaluate(step), every=a.evaluation_steps, name="evaluation"))
     if a.generation_interval and a.generation_prompts:
-        builtin.append(Callback(lambda t, step: t.preview(step), every=a.generation_interval, name="preview"))
-    return Callbacks([*builtin, trainer_hooks(), *map(Callback.of, trainer.hooks), *trainer.callbacks])
+        builtin.append(Callback(lambda run, step: preview(step), every=a.generation_interval, name="preview"))
+    own = trainer_hooks(trainer.on_step_start, trainer.on_step_end)
+    return Callbacks([*builtin, own, *map(Callback.of, trainer.hooks), *trainer.callbacks])
 
 
-def _run_files_kept(trainer: Any, step: int) -> None:
+def _run_files_kept(trainer: Any) -> None:
     """After each checkpoint (process 0): a run directory removed under the run (`rm -rf`) gets back what
     rebuilds it — `run_config.json`, the tokenizer copy, `metrics.jsonl` with the whole history — so it can still
     be resumed by directory and converted; it was silently left with checkpoints only."""
-    del step
     if not trainer.is_process_zero or trainer.arguments.save_directory is None:
         return
     if trainer.run_directory.files_missing(trainer.run_config):

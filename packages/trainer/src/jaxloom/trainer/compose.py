@@ -17,12 +17,9 @@ from typing import Any
 from jaxloom.core import paths
 
 from .arguments import apply_overrides, expand_path, load_config_file
-from .kinds import TRAINERS, arguments_of
-from .dpo import DPOTrainer
-from .grpo.trainer import GRPOTrainer
+from .kinds import KINDS, TRAINERS, arguments_of
 from .run_directory import RUN_CONFIG, staging_folder, use_endpoint
 from .runs import model_of, tokenizer_of
-from .trainer import BaseTrainer, Trainer
 
 __all__ = ["DATA_KEYS", "DEMO_CONFIG", "KINDS", "READ_ONLY", "TRAINERS", "build_run", "restored", "split_target"]
 
@@ -41,9 +38,6 @@ DATA_TYPES = {  # each data key's type and default, as `jaxloom config keys` sho
     "eval_fraction": ("float", 0.05),
     "tokenizer": ("str", "bundled"),
 }
-KINDS: dict[str, type[BaseTrainer]] = {"sft": Trainer, "dpo": DPOTrainer, "grpo": GRPOTrainer}
-"""The trainer class of each `trainer=` kind."""
-
 # A run directory is data: commands that read one never take process-level or write-location settings
 # from it (where compiled code is cached, profiles or W&B runs are written).
 READ_ONLY = [

@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import jaxloom.models as jmod
 import jaxloom.state as js
@@ -356,41 +355,11 @@ class DPOTrainer(BaseTrainer):
     # (not set to add BOS the way next-token training's documents get it).
     MATCH_BOS = False
 
-    def __init__(
-        self,
-        arguments: DPOConfig | None = None,
-        model_state: js.TrainState | None = None,
-        model: nnx.Module | None = None,
-        dataset_train: Any = None,
-        dataset_eval: Any = None,
-        data_collator: Any = None,
-        finetune: bool = True,
-        processing_class: Any = None,
-        *,
-        ref_model: Any = None,
-        mesh=None,
-        hooks: list | None = None,
-        **deprecated_kwargs: Any,
-    ):
-        arguments = arguments if arguments is not None else DPOConfig()
-        if not isinstance(arguments, DPOConfig):
-            raise TypeError(
-                f"DPOTrainer takes a DPOConfig (beta, loss_type, max_length, ...), got {type(arguments).__name__}"
-            )
-        super().__init__(
-            arguments,
-            model_state,
-            model,
-            dataset_train,
-            dataset_eval,
-            data_collator,
-            finetune,
-            processing_class,
-            mesh=mesh,
-            hooks=hooks,
-            **deprecated_kwargs,
-        )
-        self.reference = Reference(ref_model if ref_model is not None else arguments.ref_model)
+    arguments_class = DPOConfig
+
+    def take_inputs(self, *, ref_model: Any = None) -> None:
+        """`ref_model` (default: `arguments.ref_model`): see the class."""
+        self.reference = Reference(ref_model if ref_model is not None else self.arguments.ref_model)
 
     @property
     def ref_state(self) -> js.TrainState | None:

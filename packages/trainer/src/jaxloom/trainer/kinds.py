@@ -1,25 +1,30 @@
-"""The trainer kinds of a config (`trainer: sft | dpo | grpo`) and the arguments class of each."""
+"""The trainer kinds of a config (`trainer: sft | dpo | grpo`): one registry, the kind's name to its trainer
+class; each class names the arguments it takes (`arguments_class`) and its own inputs (`take_inputs`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .arguments import TrainingArguments
-from .dpo_config import DPOConfig
-from .grpo.config import GRPOConfig
+from .dpo import DPOTrainer
+from .grpo.trainer import GRPOTrainer
+from .trainer import BaseTrainer, Trainer
 
-TRAINERS = ("sft", "dpo", "grpo")
-"""The `trainer=` key: `sft` (next-token training, the default), `dpo` (preference training) or `grpo` (online
-RL with reward functions)."""
+KINDS: dict[str, type[BaseTrainer]] = {"sft": Trainer, "dpo": DPOTrainer, "grpo": GRPOTrainer}
+"""The trainer class of each `trainer=` kind: `sft` (next-token training, the default), `dpo` (preference
+training) or `grpo` (online RL with reward functions). A new kind is one entry here."""
+
+TRAINERS = tuple(KINDS)
+"""The `trainer=` key's values."""
 
 
 def arguments_of(data: dict[str, Any]) -> tuple[str, TrainingArguments]:
     """`(kind, arguments)` of a config's top-level keys (the `model` and `data` sections already removed):
-    `trainer` picks the trainer (`sft`, `dpo`) and with it the arguments class."""
+    `trainer` picks the trainer kind and with it the arguments class (its `arguments_class`)."""
     data = dict(data)
     kind = data.pop("trainer", "sft") or "sft"
-    if kind not in TRAINERS:
-        raise ValueError(f"trainer = {kind!r}; expected one of {', '.join(TRAINERS)}")
+    if kind not in KINDS:
+        raise ValueError(f"trainer = {kind!r}; expected one of {', '.join(KINDS)}")
     if kind in ("sft", "dpo") and "max_length" in data:  # TRL's SFTConfig/DPOConfig name: it is the setting
         data["max_sequence_length"] = data.pop("max_length")
-    return kind, {"dpo": DPOConfig, "grpo": GRPOConfig}.get(kind, TrainingArguments)(**data)
+    return kind, KINDS[kind].arguments_class(**data)

@@ -21,7 +21,7 @@ log = logging.getLogger("jaxloom.trainer")
 
 def run_loop(trainer: Any, step: int, callbacks: Callbacks, train_fn: Any) -> tuple[int, str]:
     """Train `trainer.state` from `step` to the plan's last step (or a stop); returns `(step, stop reason)`."""
-    stop, data, total = trainer.stop_control, trainer.batches, trainer.plan.total_steps
+    stop, data, total, run = trainer.stop_control, trainer.batches, trainer.plan.total_steps, trainer.run_view
     loader = data.train_loader()
     profiler = Profiler(trainer.arguments.profile_steps, trainer.run_directory.local / "profile")
     pending, reason = None, "max_training_steps reached"
@@ -34,7 +34,7 @@ def run_loop(trainer: Any, step: int, callbacks: Callbacks, train_fn: Any) -> tu
 
     try:
         while step < total and not stop.reason:
-            callbacks.step_start(trainer, step + 1)  # steps are numbered like checkpoints: updates after the step
+            callbacks.step_start(run, step + 1)  # steps are numbered like checkpoints: updates after the step
             profiler.before(step + 1)
             try:
                 local = next(loader)
@@ -43,7 +43,7 @@ def run_loop(trainer: Any, step: int, callbacks: Callbacks, train_fn: Any) -> tu
                 break
             trainer.state, metrics = train_fn(trainer.state, data.global_batch(local, stop_code=stop.code))
             step = trainer.current_step = step + 1
-            metrics = callbacks.step_end(trainer, step, metrics)
+            metrics = callbacks.step_end(run, step, metrics)
             profiler.after(step, metrics)
             if pending:
                 settle(*pending)  # the previous step, now done on the device
@@ -53,7 +53,7 @@ def run_loop(trainer: Any, step: int, callbacks: Callbacks, train_fn: Any) -> tu
                 settle(*pending)
                 pending = None
                 for cb in due:
-                    cb.fn(trainer, step)  # type: ignore[misc]
+                    cb.fn(run, step)  # type: ignore[misc]
         if pending:
             settle(*pending)
     finally:

@@ -17,7 +17,7 @@ import jaxloom.data as jd
 import jaxloom.models as jm
 from jaxloom.mesh import MeshConfig
 
-from .kinds import arguments_of
+from .arguments import ALIASES, TrainingArguments
 from .checkpointing import Checkpointing
 from .plan import Plan
 from .run_directory import RUN_CONFIG, RunDirectory
@@ -55,7 +55,7 @@ def run_model(run_dir: str | Path, *, mesh=None) -> nnx.Module:
     model_section, data_section = dict(config.pop("model", {}) or {}), dict(config.pop("data", {}) or {})
     config.update(save_directory=str(run), resume_if_possible=True, overwrite_output_dir=False)
     config.update(max_training_steps=1)  # its length is not needed to read its weights
-    _, args = arguments_of(config)
+    args = common_arguments(config)
     runtime = args.runtime.apply(jm.RuntimeConfig())
     model = model_of(model_section, runtime, vocab_size=len(tokenizer_of(data_section, run)))
     if mesh is None:
@@ -66,3 +66,10 @@ def run_model(run_dir: str | Path, *, mesh=None) -> nnx.Module:
         return checkpoints.restore(plan.target(), params_only=True).state.model
     finally:
         checkpoints.close()
+
+
+def common_arguments(config: dict[str, Any]) -> TrainingArguments:
+    """The arguments every trainer kind shares, from a run's config (a kind's own keys, such as DPO's `beta`, are
+    left out): all that reading a run's model needs — its mesh, runtime and checkpoint settings."""
+    known = {f["name"] for f in TrainingArguments.fields()} | set(ALIASES)
+    return TrainingArguments(**{k: v for k, v in config.items() if k in known})

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 from flax import nnx
@@ -63,6 +64,19 @@ log = logging.getLogger("jaxloom.trainer")
 _PLANNED = ("plan", "functions", "evaluator", "batches", "run_identity")  # rebuilt when the starting point changes
 
 
+def _kind_signature(cls: type) -> inspect.Signature:
+    """The constructor's signature as `cls` takes it: the common parameters, then the kind's own keyword inputs
+    (`take_inputs`) before `**deprecated_kwargs`."""
+    common = list(inspect.signature(BaseTrainer.__init__).parameters.values())[1:]
+    own = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in inspect.signature(cls.take_inputs).parameters.values()
+        if p.name != "self"
+    ]
+    arguments = common[0].replace(annotation=f"{cls.arguments_class.__name__} | None")
+    return inspect.Signature([arguments, *common[1:-1], *own, common[-1]])
+
+
 class BaseTrainer(ReferenceSurface):
     """Train `model` (an `nnx` model, concrete or abstract from `create_model(lazy=True)`) or a
     `model_state` on `dataset_train` (anything `jaxloom.data.as_source` reads) with `arguments`.
@@ -81,17 +95,23 @@ class BaseTrainer(ReferenceSurface):
       new parameters drawn from `arguments.seed`.
     - `processing_class`: the tokenizer (default: the bundled one).
     - `mesh`: a `jax.sharding.Mesh` to use instead of the one the arguments describe.
-    - `hooks`: objects with optional `on_step_start(trainer, step)` / `on_step_end(trainer, step, metrics)` /
-      `on_save(trainer, step)` (after checkpoint `step` is written, or handed to the async writer); each
-      becomes a `Callback` (`Callback.of`).
+    - `hooks`: objects with optional `on_step_start(run, step)` / `on_step_end(run, step, metrics)` /
+      `on_save(run, step)` (after checkpoint `step` is saved or handed to the async writer), each a `Callback`
+      (`Callback.of`); `run` is the run's `RunView` (state, arguments, checkpoints, stop request).
     - `deprecated_kwargs`: none are accepted; any name here is an error naming it.
 
     Subclasses may override `on_step_start(state, step)`, `on_step_end(state, metrics, step)`,
-    `start_training_hook()` and `start_evaluation_hook()`; a trainer kind overrides `objective()` and
-    `data_spec()` (see `DPOTrainer`).
+    `start_training_hook()` and `start_evaluation_hook()`; a trainer kind sets `arguments_class` and overrides
+    `objective()`, `data_spec()` and `take_inputs()` (see `DPOTrainer`).
     """
 
     MATCH_BOS = True  # the tokenizer adds BOS exactly when training does (next-token data); DPO keeps its own
+    arguments_class: ClassVar[type[TrainingArguments]] = TrainingArguments
+    """The arguments this kind takes (`DPOTrainer`: `DPOConfig`); its constructor refuses any other."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = _kind_signature(cls)  # help() and IDEs show the kind's own inputs
 
     def __init__(
         self,
@@ -108,8 +128,15 @@ class BaseTrainer(ReferenceSurface):
         hooks: list | None = None,
         **deprecated_kwargs: Any,
     ):
+        own = inspect.signature(self.take_inputs).parameters
+        inputs = {k: deprecated_kwargs.pop(k) for k in list(deprecated_kwargs) if k in own}
         if deprecated_kwargs:
             raise TypeError(f"{type(self).__name__}: unknown argument(s) {sorted(deprecated_kwargs)}")
+        arguments = self.arguments_class() if arguments is None else arguments
+        if not isinstance(arguments, self.arguments_class):
+            raise TypeError(
+                f"{type(self).__name__} takes a {self.arguments_class.__name__}, got {type(arguments).__name__}"
+            )
         if isinstance(model_state, nnx.Module) and model is None:
             model, model_state = model_state, None
         if dataset_train is None:
@@ -118,7 +145,7 @@ class BaseTrainer(ReferenceSurface):
             raise ValueError("give a model (concrete or lazy) or a model_state")
         if data_collator is not None and not callable(data_collator):
             raise TypeError(f"data_collator {data_collator!r} is not callable")
-        self.arguments = arguments or TrainingArguments()
+        self.arguments = arguments
         self.dataset_train, self.dataset_eval = dataset_train, dataset_eval
         self.data_collator, self.finetune = data_collator, bool(finetune)
         self.hooks = list(hooks or [])
@@ -138,6 +165,11 @@ class BaseTrainer(ReferenceSurface):
         # The resolved config of a `jaxloom train` run (sections model, data, arguments): written to
         # save_directory/run_config.json at setup, so that eval, generate, convert and plan rebuild the run.
         self.run_config: dict[str, Any] | None = None
+        self.take_inputs(**inputs)
+
+    def take_inputs(self) -> None:
+        """A kind's own keyword inputs (DPO's `ref_model`), checked and kept: the one constructor passes the
+        keyword arguments this method names to it, after storing the common ones. No I/O."""
 
     # ---- the components (built on first use by their builders in components.py) --------------------------
     plan = components.part(components.plan)
@@ -151,6 +183,7 @@ class BaseTrainer(ReferenceSurface):
     stop_control = components.part(components.stop_control)
     exporter = components.part(components.exporter)
     run_identity = components.part(components.run_identity)
+    run_view = components.part(components.run_view)
 
     # ---- what the trainer is working on ---------------------------------------------------------------
     @property
@@ -217,17 +250,9 @@ class BaseTrainer(ReferenceSurface):
         """Token columns of one batch row (`data_spec().row_width`)."""
         return self.batches.spec.row_width
 
-    def data_settings(self) -> dict[str, Any]:
-        """`jaxloom.data.DataConfig` fields of this trainer's loaders (`data_spec().settings`)."""
-        return dict(self.batches.spec.settings)
-
     def data_shards(self) -> int:
         """How many ways the batch rows are split over the mesh (the data-parallel size)."""
         return self.batches.data_shards()
-
-    def batch_spec(self, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """`{key: (shape, dtype)}` of the train step's batch for `rows` global rows per micro-batch."""
-        return self.batches.spec.batch_spec(self.arguments.gradient_accumulation_steps, rows)
 
     # ---- builders (EasyDeL's) --------------------------------------------------------------------------
     def configure_model(self) -> TrainerConfigureModelOutput:
@@ -374,8 +399,9 @@ class BaseTrainer(ReferenceSurface):
 
     # ---- callbacks --------------------------------------------------------------------------------------
     def add_callback(self, fn, *, every: int | None = None, when=None, name: str = "") -> Callback:
-        """Run `fn(trainer, step)` after every `every`-th step (and/or whenever `when(step)` is true),
-        on that step's state; `name` labels it. Returns the `Callback`."""
+        """Run `fn(run, step)` after every `every`-th step (and/or whenever `when(step)` is true), on that step's
+        state (`run` is the run's `RunView`: `run.state`, `run.checkpoints`, `run.request_stop()`, ...); `name`
+        labels it. Returns the `Callback`."""
         cb = Callback(fn, every=every, when=when, name=name)
         self.callbacks.append(cb)
         return cb
@@ -400,7 +426,7 @@ class BaseTrainer(ReferenceSurface):
                 **({"lora_base": self._base_digest} if self.plan.lora is not None else {}),
             },
         )
-        self.all_callbacks().saved(self, step)
+        self.all_callbacks().saved(self.run_view, step)
 
     # ---- the loop --------------------------------------------------------------------------------------
     def train(self, model_parameters: Any = None, state: js.TrainState | None = None) -> TrainerOutput:

@@ -10,7 +10,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import jaxloom.state as js
 
@@ -54,42 +53,15 @@ class GRPOTrainer(BaseTrainer):
 
     MATCH_BOS = True
 
-    def __init__(
-        self,
-        arguments: GRPOConfig | None = None,
-        model_state: js.TrainState | None = None,
-        model: nnx.Module | None = None,
-        dataset_train: Any = None,
-        dataset_eval: Any = None,
-        data_collator: Any = None,
-        finetune: bool = True,
-        processing_class: Any = None,
-        *,
-        reward_funcs: Any = None,
-        rollout_engine: Callable | None = None,
-        mesh=None,
-        hooks: list | None = None,
-        **deprecated_kwargs: Any,
-    ):
-        arguments = arguments if arguments is not None else GRPOConfig()
-        if not isinstance(arguments, GRPOConfig):
-            raise TypeError(f"GRPOTrainer takes a GRPOConfig, got {type(arguments).__name__}")
-        if data_collator is not None:
+    arguments_class = GRPOConfig
+
+    def take_inputs(self, *, reward_funcs: Any = None, rollout_engine: Callable | None = None) -> None:
+        """`reward_funcs` (default: `arguments.reward_funcs`): callables, checked now, or dotted paths, imported
+        when the run trains; `rollout_engine`: see the class. GRPO builds its rows from rollouts: a
+        `data_collator` is refused."""
+        if self.data_collator is not None:
             raise ValueError("GRPOTrainer builds its rows from rollouts: data_collator is not used; drop it")
-        super().__init__(
-            arguments,
-            model_state,
-            model,
-            dataset_train,
-            dataset_eval,
-            None,
-            finetune,
-            processing_class,
-            mesh=mesh,
-            hooks=hooks,
-            **deprecated_kwargs,
-        )
-        given = reward_funcs if reward_funcs is not None else arguments.rl.reward_funcs
+        given = reward_funcs if reward_funcs is not None else self.arguments.rl.reward_funcs
         given = [given] if callable(given) or isinstance(given, str) else list(given or [])
         if not given:
             raise ValueError("GRPO needs reward_funcs: callables or dotted paths (reward_funcs=my_rewards.accuracy)")
@@ -97,7 +69,7 @@ class GRPOTrainer(BaseTrainer):
             if not isinstance(f, str):
                 load_reward_function(f)
         self._reward_specs = given
-        weights = arguments.rl.reward_weights
+        weights = self.arguments.rl.reward_weights
         if weights is not None and len(weights) != len(given):
             raise ValueError(f"reward_weights has {len(weights)} weights for {len(given)} reward functions")
         self.reward_weights = list(weights) if weights is not None else [1.0] * len(given)
