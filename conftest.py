@@ -2,12 +2,14 @@
 
 The longest cases start first. pytest-xdist hands tests to its workers in collection order, so a 200-second
 case collected last keeps one core busy while the other has nothing left to do. `.ci/durations.json` holds each
-case's seconds from an earlier run; a case that takes at least `FIRST_AFTER` seconds there, and whose fixtures
-are all per-test or per-session (moving it changes no other case's set-up), moves to the front, longest first.
-Every other case keeps pytest's order. A case not in the file, or a file that is missing, changes nothing.
+case's seconds from an earlier run (`tools/durations.py` writes it). A case whose fixtures are all per-test or
+per-session moves alone; the cases of a module with module- or class-wide fixtures move together, in their own
+order (a fixture is set up once per worker, as before). Whatever holds a case of at least `FIRST_AFTER` seconds
+moves to the front, longest first; everything else keeps pytest's order. A case not in the file, or a missing
+file, changes nothing.
 
-`JAXLOOM_RECORD_DURATIONS=FILE pytest ...` writes this run's seconds per case (set-up + call + tear-down) to FILE
-(merged into what FILE holds); `python3 tools/durations.py` merges such files into `.ci/durations.json`.
+`JAXLOOM_RECORD_DURATIONS=FILE pytest ...` writes this run's seconds per case (set-up + call + tear-down) to FILE,
+merged into what FILE holds.
 """
 
 from __future__ import annotations
@@ -43,12 +45,24 @@ def pytest_collection_modifyitems(session, config, items):
     known = _known()
     if not known:
         return
-    first = [it for it in items if known.get(it.nodeid, 0.0) >= FIRST_AFTER and _movable(it)]
-    if not first:
-        return
-    first.sort(key=lambda it: -known[it.nodeid])
-    moved = {id(it) for it in first}
-    items[:] = first + [it for it in items if id(it) not in moved]
+    blocks: list[list] = []
+    by_module: dict[str, list] = {}
+    for item in items:
+        if _movable(item):
+            blocks.append([item])
+            continue
+        module = item.nodeid.split("::")[0]
+        if module not in by_module:
+            by_module[module] = []
+            blocks.append(by_module[module])
+        by_module[module].append(item)
+
+    def weight(block: list) -> float:
+        longest = max(known.get(it.nodeid, 0.0) for it in block)
+        return longest if longest >= FIRST_AFTER else 0.0
+
+    blocks.sort(key=lambda b: -weight(b))  # stable: blocks under FIRST_AFTER keep their order
+    items[:] = [it for block in blocks for it in block]
 
 
 _RECORDED: dict[str, float] = {}

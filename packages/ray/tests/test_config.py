@@ -170,21 +170,27 @@ def test_a_step_that_saves_reports_once_with_its_checkpoint(tmp_path):
     import types
 
     from jaxloom.ray.worker import WorkerContext
+    from jaxloom.trainer.callbacks import RunView
 
     sent = []
     board = types.SimpleNamespace(beat=types.SimpleNamespace(remote=lambda *a: sent.append(a)))
     (hook,) = WorkerContext(rank=0, world_size=1, attempt=0, board=board, report_interval_s=0.0).hooks()
-    trainer = types.SimpleNamespace(
-        writer=types.SimpleNamespace(history=[]),
-        checkpoints=types.SimpleNamespace(directory=tmp_path),
-        dataset_eval=None,
+    history = []
+    run = RunView(  # what the trainer gives its callbacks
+        arguments=lambda: None,
+        state=(lambda: None, lambda value: None),
+        checkpoints=lambda: types.SimpleNamespace(directory=tmp_path),
+        history=lambda: history,
+        evaluates=False,
+        is_process_zero=True,
+        request_stop=lambda reason: None,
     )
     for step, saves in ((1, True), (2, False), (3, True)):
-        hook.on_step_start(trainer, step)
-        trainer.writer.history.append({"step": step, "train/loss": 1.0 / step})
-        hook.on_step_end(trainer, step, {})
+        hook.on_step_start(run, step)
+        history.append({"step": step, "train/loss": 1.0 / step})
+        hook.on_step_end(run, step, {})
         if saves:
-            hook.on_save(trainer, step)
-    hook.on_step_start(trainer, 4)
+            hook.on_save(run, step)
+    hook.on_step_start(run, 4)
     reports = [(step, report["step"], report["checkpoint_dir"]) for _, step, _, report in sent]
     assert reports == [(1, 1, str(tmp_path / "1")), (2, 2, str(tmp_path / "1")), (3, 3, str(tmp_path / "3"))]

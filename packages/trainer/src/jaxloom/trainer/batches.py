@@ -100,6 +100,7 @@ class Batches:
         self.sharding = NamedSharding(mesh, PartitionSpec(None, axes))
         self.eval_sharding = NamedSharding(mesh, PartitionSpec(axes))
         self.train: jd.MeshLoader | None = None
+        self.resume_state: Any = None  # the data position a restored checkpoint handed over
 
     # ---- loaders ----------------------------------------------------------------------------------
     def loader(self, data, *, global_rows=None, state=None, **overrides) -> jd.MeshLoader:
@@ -119,9 +120,19 @@ class Batches:
             data_axes=self.data_axes,
         )
 
+    # ---- checkpoint state (`checkpointing.Stateful`) -------------------------------------------------------
+    def checkpoint_state(self) -> Any:
+        """The training loader's global data position, saved with each checkpoint."""
+        return self.train.global_state_dict() if self.train is not None else None
+
+    def load_checkpoint_state(self, state: Any) -> None:
+        """Continue from `state` (a restored checkpoint's data position): the training loader starts there."""
+        self.resume_state = state
+
     def train_loader(self, state: Any = None) -> jd.MeshLoader:
-        """The training loader (made once), from the data position `state` when resuming, started: its
-        first batches are made while the step compiles."""
+        """The training loader (made once), from the data position `state` (default: the one a restored
+        checkpoint handed over), started: its first batches are made while the step compiles."""
+        state = self.resume_state if state is None else state
         if self.train is None:
             self.train = self.loader(self.dataset_train, state=state)
             self.train.start()

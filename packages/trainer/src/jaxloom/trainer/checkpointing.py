@@ -1,17 +1,22 @@
-"""A run's checkpoints: the manager (orbax underneath; opened on first use), its cadence, what each
-checkpoint records besides the state (the data position, tokens seen, the arguments, the run's
-identity), and the resume decision. Built from the arguments' checkpoint group.
+"""A run's checkpoints, in one place: the manager (orbax underneath; opened on first use), its cadence, the final
+save, what each checkpoint records besides the state (the data position, from the component that owns it, and
+the run's metadata), the resume decision, and handing the data position back on restore. Built from the
+arguments' checkpoint group, the run directory's checkpoint path and the components it saves.
 
-    ckpt = Checkpointing(arguments.checkpoint, directory="run/checkpoints")
+    ckpt = Checkpointing(arguments.checkpoint, "run/checkpoints", data=batches, metadata=lambda step: {...})
     ckpt.resume_step()                      # newest complete step, when resume_if_possible
-    ckpt.save(step, state, data_state=..., metadata={...})
+    ckpt.save(step, state)                  # the state, batches.checkpoint_state() and metadata(step)
+    restored = ckpt.restore(target)         # ... and batches.load_checkpoint_state(restored.data_state)
+
+`data` is anything with `checkpoint_state() -> jsonable` and `load_checkpoint_state(state)` (a `Stateful`, as
+torchtitan registers its data loader as checkpoint state): the batches component of every trainer kind.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -23,19 +28,36 @@ from .resume import check_resume
 log = logging.getLogger("jaxloom.trainer")
 
 
+class Stateful(Protocol):
+    """What a checkpoint saves besides the train state (the data position): `checkpoint_state()` as it is now,
+    `load_checkpoint_state(state)` to continue from one restored."""
+
+    def checkpoint_state(self) -> Any: ...
+
+    def load_checkpoint_state(self, state: Any) -> None: ...
+
+
 class Checkpointing:
     """`manager` (a `jaxloom.state.CheckpointManager` of `directory`, opened when first used) with the
     settings of `config` (`save_steps`, `save_minutes`, `save_total_limit`, `async_checkpointing`,
-    `resume_if_possible`). `read_only`: a reader, which never changes the directory (no cleanup of a step
+    `resume_if_possible`). `data`: the `Stateful` whose state each checkpoint saves and a resume restores;
+    `metadata(step)`: what each checkpoint records about the run; `fence()`: the run still owns its directory
+    (`RunDirectory.fence`). `read_only`: a reader, which never changes the directory (no cleanup of a step
     being written, no corrupt step moved aside)."""
 
     def __init__(
-        self, config: Any, directory: str, *, read_only: bool = False, fence: Callable[[], int | None] | None = None
+        self,
+        config: Any,
+        directory: str,
+        *,
+        read_only: bool = False,
+        fence: Callable[[], int | None] | None = None,
+        data: Stateful | None = None,
+        metadata: Callable[[int], dict[str, Any]] | None = None,
     ):
         self.config, self.directory, self.read_only = config, directory, read_only
-        self.fence = fence  # before each save: the run still owns its directory (`RunDirectory.fence`)
+        self.fence, self.data, self.metadata = fence, data, metadata
         self._manager: js.CheckpointManager | None = None
-        self.data_state: Any = None  # the loaders' position restored with the state (a resumed run)
 
     @property
     def manager(self) -> js.CheckpointManager:
@@ -78,16 +100,27 @@ class Checkpointing:
             log.warning("resuming the run in %s with changed settings:\n  %s", save_directory, "\n  ".join(changed))
 
     def restore(self, target: js.TrainState, *, params_only: bool = False) -> js.Restored:
-        """The newest complete checkpoint into `target`'s shapes and shardings (FileNotFoundError without one)."""
+        """The newest complete checkpoint into `target`'s shapes and shardings (FileNotFoundError without one);
+        a full restore hands its data position to `data` (the run continues where it stopped)."""
         if self.manager.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint under {self.manager.directory} (none complete)")
-        return self.manager.restore(target, params_only=params_only)
+        restored = self.manager.restore(target, params_only=params_only)
+        if self.data is not None and not params_only:
+            self.data.load_checkpoint_state(restored.data_state)
+        return restored
 
-    def save(self, step: int, state: js.TrainState, *, data_state: Any, metadata: dict[str, Any]) -> None:
-        """Save checkpoint `step` (every process), once the fence says this run still owns the directory: a run
-        that lost its store lease raises `LeaseLostError` on every process and writes nothing."""
+    def save(self, step: int, state: js.TrainState) -> None:
+        """Save checkpoint `step` (every process) with `data`'s position and `metadata(step)`, once the fence says
+        this run still owns the directory: a run that lost its store lease raises `LeaseLostError` on every
+        process and writes nothing."""
+        data_state = self.data.checkpoint_state() if self.data is not None else None
+        metadata = self.metadata(step) if self.metadata is not None else {}
         generation = self._fenced()
         self.manager.save(step, state, data_state=data_state, metadata=metadata, generation=generation)
+
+    def saved(self, step: int) -> bool:
+        """Whether `step` is the newest checkpoint already (the final save is skipped then)."""
+        return self.manager.latest_step() == step
 
     def _fenced(self) -> int | None:
         """The lease generation the next checkpoint records (process 0 renews the lease; every process learns

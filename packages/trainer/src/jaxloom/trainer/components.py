@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import jaxloom.state as js
 from jaxloom.models import pretrained_source
 
 from .batches import Batches
@@ -173,9 +174,24 @@ def run_directory(trainer: Any) -> RunDirectory:
 
 
 def checkpointing(trainer: Any) -> Checkpointing:
-    """Checkpoints in the run directory: cadence, saves behind the lease's fence, restore and resume."""
+    """Checkpoints in the run directory: cadence, saves behind the lease's fence with the batches' data position
+    and the run's metadata, restore (the data position handed back to the batches) and resume."""
     run = trainer.run_directory
-    return Checkpointing(trainer.arguments.checkpoint, run.checkpoints, fence=run.fence)
+
+    def metadata(step: int) -> dict[str, Any]:
+        """What each checkpoint records about the run: tokens seen, the arguments, the run's identity, a LoRA
+        run's base digest."""
+        a = trainer.arguments
+        return {
+            "tokens_seen": step * a.training_batch_size * trainer.row_width,
+            "arguments": js.to_jsonable(a.to_dict()),
+            "run": trainer.run_identity,
+            **({"lora_base": trainer._base_digest} if trainer.plan.lora is not None else {}),
+        }
+
+    return Checkpointing(
+        trainer.arguments.checkpoint, run.checkpoints, fence=run.fence, data=trainer.batches, metadata=metadata
+    )
 
 
 def step_log(trainer: Any) -> StepLog:

@@ -107,7 +107,7 @@ def already_complete(trainer: Any, step: int) -> TrainerOutput:
 
 def finish(trainer: Any, step: int, stop_reason: str) -> TrainerOutput:
     a, manager = trainer.arguments, trainer.checkpointing.manager
-    if manager.latest_step() != step:  # save first: the evaluation below can fail
+    if not trainer.checkpointing.saved(step):  # save first: the evaluation below can fail
         trainer.save_checkpoint(step)
     final = {}
     hurry = trainer.stop_control.by_signal  # Ctrl-C: out within a second or two, no evaluation or preview first

@@ -275,8 +275,7 @@ class BaseTrainer(ReferenceSurface):
             self.generation.check_prompts(plan.config.max_position_embeddings)
             data.check_train_data()
             data.check_eval_data()
-            restored = self.checkpointing.data_state if self.parts.built("checkpointing") else None
-            data.train_loader(state=restored)
+            data.train_loader()  # at the data position a restored checkpoint handed over (`Checkpointing.restore`)
         evaluation = self.arguments.eval_batches if self.dataset_eval is not None else None
         return TrainerConfigureDataloaderOutput(data.train, data.eval_loader(), plan.total_steps, evaluation)
 
@@ -349,7 +348,6 @@ class BaseTrainer(ReferenceSurface):
 
     def _restore(self) -> js.TrainState:
         restored = self.checkpointing.restore(self.plan.target())
-        self.checkpointing.data_state = restored.data_state
         self.resumed_from = f"{self.checkpointing.manager.directory}/{restored.step}"
         restored = dataclasses.replace(restored, state=self._with_base(restored, self.resumed_from))
         # a warning: a Python user who configured no logging still sees that the run continued an earlier one
@@ -413,19 +411,9 @@ class BaseTrainer(ReferenceSurface):
         return components.callbacks(self)
 
     def save_checkpoint(self, step: int) -> None:
-        """Save the current state as checkpoint `step` with the data position and the run's identity, then
-        tell the callbacks (`on_save`)."""
-        self.checkpointing.save(
-            step,
-            self.state,  # type: ignore[arg-type]
-            data_state=self.batches.train.global_state_dict(),  # type: ignore[union-attr]
-            metadata={
-                "tokens_seen": step * self.arguments.training_batch_size * self.row_width,
-                "arguments": js.to_jsonable(self.arguments.to_dict()),
-                "run": self.run_identity,
-                **({"lora_base": self._base_digest} if self.plan.lora is not None else {}),
-            },
-        )
+        """Save the current state as checkpoint `step` (with the data position and the run's metadata: see
+        `Checkpointing`), then tell the callbacks (`on_save`)."""
+        self.checkpointing.save(step, self.state)  # type: ignore[arg-type]
         self.all_callbacks().saved(self.run_view, step)
 
     # ---- the loop --------------------------------------------------------------------------------------

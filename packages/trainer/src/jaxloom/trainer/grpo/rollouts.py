@@ -221,6 +221,7 @@ class Rollouts(Batches):
     def train_loader(self, state: Any = None) -> PromptOrder:  # type: ignore[override]
         """The prompt cursor (made once), at the restored position `state` when resuming (a checkpoint written
         before the cursor was saved resumes at its step)."""
+        state = self.resume_state if state is None else state
         if self.train is None:
             a = self.arguments
             if state is not None and "position" not in state:
