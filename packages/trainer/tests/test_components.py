@@ -229,3 +229,51 @@ def test_a_runs_model_is_read_with_the_arguments_every_kind_shares():
 
     args = common_arguments({"trainer": "dpo", "beta": 0.5, "max_steps": 3, "sharding_axis_dims": [1, -1, 1, 1, 1]})
     assert type(args) is TrainingArguments and args.max_training_steps == 3
+
+
+def test_checkpointing_saves_and_hands_back_what_its_collaborators_own(tmp_path):
+    """`Checkpointing` alone: a save records the state, the data position its `data` collaborator reports and
+    `metadata(step)`; a restore hands the position back to `data` (a params-only read does not); `saved(step)`
+    says whether the final save is still due; a fence that refuses stops the save before anything is written."""
+    import jaxloom.state as js
+    from jaxloom.trainer.checkpointing import Checkpointing
+
+    class Position:  # the Stateful protocol, as the batches component implements it
+        def __init__(self):
+            self.now, self.loaded = {"record": 0}, []
+
+        def checkpoint_state(self):
+            return dict(self.now)
+
+        def load_checkpoint_state(self, state):
+            self.loaded.append(state)
+
+    args = TrainingArguments(save_directory=str(tmp_path), save_steps=2, async_checkpointing=False)
+    plan_model = jm.create_model(tiny(), seed=0)
+    from jaxloom.trainer.plan import Plan
+
+    plan = Plan.build(args, plan_model, mesh=mesh(1), total_steps=4)
+    state = plan.initial_state()
+    data = Position()
+    ckpt = Checkpointing(
+        args.checkpoint, str(tmp_path / "checkpoints"), data=data, metadata=lambda step: {"tokens_seen": 10 * step}
+    )
+    assert ckpt.should_save(2) and not ckpt.should_save(3)
+    data.now = {"record": 17}
+    ckpt.save(2, state)
+    assert ckpt.saved(2) and not ckpt.saved(4)
+    assert ckpt.manager.read_meta(2)["metadata"]["tokens_seen"] == 20
+    restored = ckpt.restore(plan.target())
+    assert restored.step == 2 and data.loaded == [{"record": 17}]  # the position went back to its owner
+    ckpt.restore(plan.target(), params_only=True)
+    assert len(data.loaded) == 1  # reading weights moves no data position
+    ckpt.close()
+
+    def lost():
+        raise js.LeaseLostError("taken by another run")
+
+    fenced = Checkpointing(args.checkpoint, str(tmp_path / "checkpoints"), data=data, fence=lost)
+    with pytest.raises(js.LeaseLostError):
+        fenced.save(4, state)
+    assert fenced.manager.all_steps() == [2]  # nothing written
+    fenced.close()
