@@ -308,10 +308,10 @@ def _run_files_kept(trainer: Any) -> None:
     """After each checkpoint (process 0): a run directory removed under the run (`rm -rf`) gets back what
     rebuilds it — `run_config.json`, the tokenizer copy, `metrics.jsonl` with the whole history — so it can still
     be resumed by directory and converted; it was silently left with checkpoints only."""
-    if not trainer.is_process_zero or trainer.arguments.save_directory is None:
+    if not trainer.is_process_zero or trainer.run_directory.location is None:
         return
     if trainer.run_directory.files_missing(trainer.run_config):
-        log.warning("%s lost its run files (removed?): writing them again", trainer.arguments.save_directory)
+        log.warning("%s lost its run files (removed?): writing them again", trainer.run_directory.location)
         trainer.run_directory.write_run_files(trainer.run_config, trainer.tokenizer)
     if trainer.step_log.writer is not None:
         trainer.step_log.writer.rewrite_if_gone()

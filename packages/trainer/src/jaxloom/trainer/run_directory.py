@@ -67,6 +67,12 @@ class RunDirectory:
         self.on_lost: Any = None  # called when the lease renewal finds the directory taken over (a URI run)
 
     @property
+    def location(self) -> str | None:
+        """The run directory as given (`save_directory`: a path or an `s3://` / `gs://` URI); None when unset."""
+        d = self.config.save_directory
+        return None if d is None else str(d)
+
+    @property
     def is_remote(self) -> bool:
         """Whether `save_directory` is on an object store (a URI)."""
         return self.config.save_directory is not None and paths.is_uri(self.config.save_directory)

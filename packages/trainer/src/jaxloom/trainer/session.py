@@ -72,7 +72,7 @@ def announce(trainer: Any, step: int) -> None:
         f"data: {export.describe_data(trainer.run_identity['train_data'], trainer.dataset_train)}; "
         f"{a.training_batch_size} rows × {trainer.row_width} tokens = {tokens:,} tokens per step",
         f"steps: {step} → {trainer.total_steps} ({start})",
-        f"save_directory: {a.save_directory}",
+        f"save_directory: {trainer.run_directory.location}",
     ]
     log.info("training\n  %s", "\n  ".join(lines))
 
@@ -129,10 +129,9 @@ def finish(trainer: Any, step: int, stop_reason: str) -> TrainerOutput:
         report = trainer.save_information(final=final, stop_reason=stop_reason, samples=samples)
     trainer.step_log.close()
     log.info("training stopped at step %d: %s", step, stop_reason)
-    if hurry and a.save_directory is not None:
-        log.info(
-            "checkpoint %d is saved: `jaxloom train %s` (or the same command again) resumes it", step, a.save_directory
-        )
+    where = trainer.run_directory.location
+    if hurry and where is not None:
+        log.info("checkpoint %d is saved: `jaxloom train %s` (or the same command again) resumes it", step, where)
     return TrainerOutput(
         trainer.state,
         final,
