@@ -1,0 +1,143 @@
+"""Each component of the trainer used alone, wired by hand as `components.py` wires them — what a newcomer reads
+to learn one: the plan, the batches, the step functions, the evaluator, stop control and the callbacks. No
+trainer is built in this module."""
+
+import jax
+import numpy as np
+import pytest
+from util import EVAL, TOK, TRAIN, mesh, tiny
+
+import jaxloom.models as jm
+from jaxloom.trainer import DataSpec, TrainingArguments
+from jaxloom.trainer.batches import Batches
+from jaxloom.trainer.callbacks import Callback, Callbacks, RunView
+from jaxloom.trainer.evaluation import Evaluator
+from jaxloom.trainer.functions import StepFunctions
+from jaxloom.trainer.plan import Plan
+from jaxloom.trainer.step import StepConfig
+from jaxloom.trainer.stopping import NonFiniteLossError, StopControl
+
+ARGS = TrainingArguments(
+    learning_rate=3e-3,
+    warmup_steps=0,
+    total_batch_size=8,
+    max_sequence_length=32,
+    max_training_steps=4,
+    eval_batches=2,
+    seed=0,
+)
+
+
+def _batches(args=ARGS, plan=None, **kw):
+    one = plan.mesh if plan is not None else mesh(1)
+    axes = plan.data_axes if plan is not None else ("fsdp",)
+    return Batches(
+        args, DataSpec.tokens(args), mesh=one, data_axes=axes, tokenizer=lambda: TOK, dataset_train=TRAIN, **kw
+    )
+
+
+def test_plan_batches_steps_and_evaluator_train_without_a_trainer():
+    """The plan (optimizer, shapes, shardings), the batches (global batches from this process's rows), the
+    jitted steps and the evaluator, wired by hand: the loss falls on repeated steps and the evaluation reports
+    the objective's metrics over `eval_batches` batches."""
+    model = jm.create_model(tiny(), lazy=True)
+    plan = Plan.build(ARGS, model, mesh=mesh(1), total_steps=ARGS.max_training_steps)
+    assert plan.total_steps == 4 and float(plan.schedule(0)) == pytest.approx(3e-3)
+    state = plan.initial_state()
+    data = _batches(plan=plan, dataset_eval=EVAL)
+    fns = StepFunctions.build(plan, data.spec, StepConfig(schedule=plan.schedule), accumulation=1, donate=False)
+    local = next(data.train_loader())
+    assert local["input_ids"].shape == (8, 32)  # this process's rows: [accumulation × rows, tokens]
+    batch = data.global_batch(local)
+    assert batch["input_ids"].shape == (1, 8, 32)  # the step's: [accumulation, global rows, tokens]
+    losses = []
+    for _ in range(4):  # the same batch: the loss must fall
+        state, metrics = fns.train(state, batch)
+        losses.append(float(jax.device_get(metrics["loss"])))
+    assert losses[-1] < losses[0] and int(state.step) == 4
+    evaluator = Evaluator(data, fns.evaluate, fns.config.objective, eval_batches=2, mesh=plan.mesh)
+    result = evaluator.run(state)
+    assert {"loss", "perplexity", "accuracy", "evaluation_time"} <= set(result)
+    assert result["perplexity"] == pytest.approx(np.exp(result["loss"]), rel=1e-5)
+    data.close()
+
+
+def test_the_batches_save_their_position_and_continue_from_it():
+    """The batches component is the data position's owner (`checkpoint_state`): a new one given that position
+    (`load_checkpoint_state`, as a restore does) yields exactly the batches the first would have yielded next."""
+    first = _batches()
+    loader = first.train_loader()
+    next(loader), next(loader)
+    position = first.checkpoint_state()
+    expected = [next(loader)["input_ids"] for _ in range(2)]
+    again = _batches()
+    again.load_checkpoint_state(position)
+    resumed = again.train_loader()
+    for want in expected:
+        np.testing.assert_array_equal(next(resumed)["input_ids"], want)
+    first.close(), again.close()
+    assert _batches().checkpoint_state() is None  # no loader yet: nothing to save
+
+
+def test_stop_control_agrees_on_why_training_stops():
+    """A request stops after the step that carries it; a non-finite loss stops (naming the step and where the
+    last checkpoint is) or, with `nan_policy="skip"`, is counted; the time limit ends training."""
+    ok = {"step": 1, "finite": True, "loss": 2.0, "grad_norm": 1.0}
+    stop = StopControl("stop", where=" in runs/a/checkpoints")
+    stop.apply_training_hooks(ok)
+    assert stop.reason is None
+    stop.request_stop("enough for today")
+    stop.apply_training_hooks({**ok, "step": 2})
+    assert stop.reason == "enough for today" and not stop.by_signal
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan .* at step 3; .* checkpoint in runs/a/checkpoints"):
+        StopControl("stop", where=" in runs/a/checkpoints").apply_training_hooks(
+            {**ok, "step": 3, "finite": False, "loss": float("nan")}
+        )
+    skip = StopControl("skip")
+    skip.apply_training_hooks({**ok, "finite": False, "loss": float("inf")})
+    assert skip.skipped == 1 and skip.reason is None
+    late = StopControl("stop", time_limit=1e-9)
+    late.apply_training_hooks(ok)
+    assert late.reason == "training_time_limit of 1e-09 s reached"
+
+
+def test_callbacks_run_in_order_on_their_cadence_and_may_replace_metrics():
+    """`Callbacks` fires each event in the order the callbacks were added; `due(step)` lists the callbacks
+    whose cadence (`every`, `when`) falls on the step; an `on_step_end` that returns a dict replaces the
+    metrics; a callback without a way to run, or a bad cadence, is refused when it is made."""
+    seen = []
+    state = {"value": 0}
+    run = RunView(
+        arguments=lambda: ARGS,
+        state=(lambda: state["value"], lambda v: state.update(value=v)),
+        checkpoints=lambda: None,
+        history=lambda: [],
+        evaluates=False,
+        is_process_zero=True,
+        request_stop=lambda reason: seen.append(("stop", reason)),
+    )
+
+    class Hook:
+        def on_step_start(self, run, step):
+            seen.append(("hook start", step))
+            run.state = run.state + 1
+
+        def on_step_end(self, run, step, metrics):
+            return {**metrics, "seen_by_hook": True}
+
+    every2 = Callback(lambda run, step: seen.append(("every 2", step)), every=2, name="every 2")
+    odd = Callback(lambda run, step: seen.append(("odd", step)), when=lambda step: step % 2 == 1, name="odd")
+    callbacks = Callbacks([every2, Callback.of(Hook()), odd])
+    for step in (1, 2, 3):
+        callbacks.step_start(run, step)
+        metrics = callbacks.step_end(run, step, {"loss": 1.0})
+        for cb in callbacks.due(step):
+            cb.fn(run, step)
+    assert metrics == {"loss": 1.0, "seen_by_hook": True} and state["value"] == 3
+    assert [s for s in seen if s[0] != "hook start"] == [("odd", 1), ("every 2", 2), ("odd", 3)]
+    with pytest.raises(ValueError, match="every=0; expected a positive integer"):
+        Callback(lambda run, step: None, every=0)
+    with pytest.raises(ValueError, match="give every=N steps and/or when=fn"):
+        Callback(lambda run, step: None)
+    with pytest.raises(TypeError, match="has none of on_step_start"):
+        Callback.of(object())
