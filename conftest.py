@@ -6,7 +6,8 @@ case's seconds from an earlier run (`tools/durations.py` writes it). A case whos
 per-session moves alone; the cases of a module with module- or class-wide fixtures move together, in their own
 order (a fixture is set up once per worker, as before). Whatever holds a case of at least `FIRST_AFTER` seconds
 moves to the front, longest first; everything else keeps pytest's order. A case not in the file, or a missing
-file, changes nothing.
+file, changes nothing; nor does a run without xdist workers (the ray target), where the order cannot shorten
+anything and moving a case away from the cases that compile the same programs first only moves cache misses.
 
 `JAXLOOM_RECORD_DURATIONS=FILE pytest ...` writes this run's seconds per case (set-up + call + tear-down) to FILE,
 merged into what FILE holds.
@@ -42,6 +43,8 @@ def _movable(item) -> bool:
 
 
 def pytest_collection_modifyitems(session, config, items):
+    if not hasattr(config, "workerinput"):  # only pytest-xdist's workers: one process runs in order anyway
+        return
     known = _known()
     if not known:
         return
