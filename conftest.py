@@ -53,10 +53,16 @@ def pytest_collection_modifyitems(session, config, items):
     known = _known()
     if not known:
         return
+    items[:] = longest_first(items, known, _movable)
+
+
+def longest_first(items: list, known: dict[str, float], movable) -> list:
+    """`items` with the blocks holding a case of at least FIRST_AFTER known seconds first, longest first: a
+    `movable(item)` case is a block of its own, the other cases of one module one block (in their order)."""
     blocks: list[list] = []
     by_module: dict[str, list] = {}
     for item in items:
-        if _movable(item):
+        if movable(item):
             blocks.append([item])
             continue
         module = item.nodeid.split("::")[0]
@@ -70,7 +76,7 @@ def pytest_collection_modifyitems(session, config, items):
         return longest if longest >= FIRST_AFTER else 0.0
 
     blocks.sort(key=lambda b: -weight(b))  # stable: blocks under FIRST_AFTER keep their order
-    items[:] = [it for block in blocks for it in block]
+    return [it for block in blocks for it in block]
 
 
 _RECORDED: dict[str, float] = {}

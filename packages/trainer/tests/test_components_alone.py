@@ -5,10 +5,10 @@ trainer is built in this module."""
 import jax
 import numpy as np
 import pytest
-from util import EVAL, TOK, TRAIN, mesh, tiny
+from util import EVAL, TOK, TRAIN, args, mesh, tiny
 
 import jaxloom.models as jm
-from jaxloom.trainer import DataSpec, TrainingArguments
+from jaxloom.trainer import DataSpec
 from jaxloom.trainer.batches import Batches
 from jaxloom.trainer.callbacks import Callback, Callbacks, RunView
 from jaxloom.trainer.evaluation import Evaluator
@@ -17,15 +17,7 @@ from jaxloom.trainer.plan import Plan
 from jaxloom.trainer.step import StepConfig
 from jaxloom.trainer.stopping import NonFiniteLossError, StopControl
 
-ARGS = TrainingArguments(
-    learning_rate=3e-3,
-    warmup_steps=0,
-    total_batch_size=8,
-    max_sequence_length=32,
-    max_training_steps=4,
-    eval_batches=2,
-    seed=0,
-)
+ARGS = args(None, warmup_steps=0, max_training_steps=4, eval_batches=2)
 
 
 def _batches(args=ARGS, plan=None, **kw):

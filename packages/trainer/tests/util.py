@@ -35,6 +35,7 @@ def tiny(hidden=32, layers=2, **kw):
 
 
 def args(tmp, **kw):
+    """Small-run arguments writing to `tmp` (None: no save directory)."""
     base = dict(
         learning_rate=3e-3,
         warmup_steps=2,
@@ -42,7 +43,7 @@ def args(tmp, **kw):
         max_sequence_length=32,
         max_training_steps=6,
         logging_steps=1,
-        save_directory=str(tmp),
+        save_directory=None if tmp is None else str(tmp),
         progress_bar=False,
         use_tensorboard=False,
         seed=0,
