@@ -31,10 +31,11 @@ TEST_ENV = {
     # JAX's persistent compilation cache, shared by every target, test, worker and subprocess of one `nox -s tests`
     # (a CI run starts it empty): the same tiny model's steps compile once, not once per test and per `jaxloom
     # train` subprocess. A size limit turns on JAX's file lock, so that parallel workers never read an entry being
-    # written. Programs compiled in under 0.3 s are not worth a file.
+    # written. Every program gets a file: the many small ones (a digest, a cast, a sampler step) took 50 ms each to
+    # compile and load in a few ms; a `jaxloom train` subprocess took 7.1-7.6 s with them against 7.8-9.2 s without.
     "JAX_COMPILATION_CACHE_DIR": str(Path(__file__).resolve().parent / ".nox" / "jax-compilation-cache"),
     "JAX_COMPILATION_CACHE_MAX_SIZE": str(16 * 2**30),
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.3",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     # Python's compiled bytecode written and reused (an empty value turns the setting off: some images set it).
     # Without it every process compiles the ~1,300 modules it imports from source again: 5 of a `jaxloom train`
     # subprocess's 7 seconds of imports, in each test's subprocess, each xdist worker and each Ray worker.
@@ -48,6 +49,9 @@ NEEDS_TORCH = {"models", "state", "generation", "trainer"}
 # Targets whose tests run side by side (pytest-xdist, a worker per core up to 4). Not ray: each worker
 # would start its own local cluster.
 PARALLEL = {"models", "state", "generation", "trainer", parts.META}
+# Targets whose cases mostly wait (subprocess runs joined over gloo, store servers, outages and leases timed
+# in seconds): one worker more than the cores. The meta target kept 2 cores 74 % busy with a worker per core.
+WAITING = {parts.META}
 XDIST = "pytest-xdist>=3.5"
 # DPOTrainer's numbers are compared with TRL's DPOTrainer (test-only; installed next to the local CPU torch).
 NEEDS_TRL = {"trainer"}
@@ -143,7 +147,9 @@ def tests(session: nox.Session, target: str) -> None:
         workers = []
         if target in PARALLEL and (os.cpu_count() or 1) > 1:  # compiles are single-threaded: 2 cores, 2 tests
             session.install(XDIST)
-            workers = ["-n", str(min(4, os.cpu_count() or 1))]
+            count = min(4, os.cpu_count() or 1) + (1 if target in WAITING else 0)
+            # worksteal: a worker that runs out takes queued cases from a busy one (no idle tail behind a long case)
+            workers = ["-n", str(count), "--dist", "worksteal"]
         session.run("pytest", *paths, *skip, *workers, *session.posargs, env=TEST_ENV, success_codes=[0, 5])
     session.log(f"tests({target}) took {time.perf_counter() - start:.1f} s")
 

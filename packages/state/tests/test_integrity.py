@@ -42,3 +42,31 @@ def test_mismatches_compare_in_the_saved_dtype():
     saved = integrity.digests({"w": x})
     assert integrity.mismatches({"w": x.astype(jnp.float32)}, saved) == []  # restored as float32
     assert integrity.mismatches({"w": x.astype(jnp.float32) + 1}, saved) == ["w"]
+
+
+def test_small_shards_summed_on_the_host_give_the_device_digest(monkeypatch):
+    """Shards up to HOST_ELEMENTS are summed in numpy: every dtype, rank and offset as on the device."""
+    rng = np.random.default_rng(3)
+    arrays = {
+        "f32": rng.standard_normal((8, 12)).astype(np.float32),
+        "bf16": rng.standard_normal((4, 6, 8)).astype(jnp.bfloat16),
+        "f16": rng.standard_normal(16).astype(np.float16),
+        "i8": rng.integers(-100, 100, (8, 4)).astype(np.int8),
+        "u32": rng.integers(0, 2**32, (4, 8), dtype=np.uint32),
+        "b": rng.integers(0, 2, (8,)).astype(np.bool_),
+        "i4": rng.integers(-8, 8, (8, 2)).astype(jnp.int4),
+        "step": np.asarray(7, np.int32),
+    }
+    mesh = mesh_of(fsdp=2, tp=2)
+    placed = {}
+    for name, x in arrays.items():
+        spec = P(*(["fsdp", "tp", None][: x.ndim])) if x.ndim and x.shape[0] % 2 == 0 else P()
+        placed[name] = jax.device_put(x, NamedSharding(mesh, spec))
+    device_calls = []
+    device_partial = integrity._partial
+    monkeypatch.setattr(integrity, "_partial", lambda *a: device_calls.append(1) or device_partial(*a))
+    on_host = integrity.digests(placed)
+    assert not device_calls  # every shard here is small: no device program
+    monkeypatch.setattr(integrity, "HOST_ELEMENTS", -1)  # every shard on its device
+    assert integrity.digests(placed) == on_host and device_calls
+    assert "i4" not in on_host and set(on_host) == set(arrays) - {"i4"}  # sub-byte dtypes have no digest

@@ -239,7 +239,9 @@ def test_the_cli_lists_and_shows_its_settings(tmp_path, capsys):
         except SystemExit as e:
             assert e.code == 0
     out = capsys.readouterr().out
-    assert "jaxloom-trainer" in out and "jaxloom config keys" in out
+    from importlib.metadata import version
+
+    assert f"\njaxloom-trainer {version('jaxloom-trainer')}\n" in out and "jaxloom config keys" in out
     assert main(["config", "keys"]) == 0
     keys = capsys.readouterr().out
     for f in TrainingArguments.fields():
@@ -595,3 +597,17 @@ def test_ctrl_c_during_data_prepare_stops_at_once_and_the_same_command_continues
     assert proc.returncode == 130, err[-2000:]
     assert "prepare interrupted (signal 2): its finished units are kept" in err and "Traceback" not in err
     assert main(["data", "prepare", str(data), str(tmp_path / "store")]) == 0
+
+
+def test_the_versions_in_reports_name_every_installed_part():
+    from importlib.metadata import distributions
+
+    from jaxloom.trainer.report import versions
+
+    installed = {}
+    for dist in distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name == "jaxloom" or name.startswith("jaxloom-"):
+            installed[name] = dist.version
+    assert versions() == installed and "jaxloom-trainer" in installed
+    assert versions(libraries=True)["jax"] == __import__("jax").__version__

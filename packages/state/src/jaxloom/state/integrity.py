@@ -7,8 +7,11 @@ element's global index and a seed taken from the array's name. Integer sums modu
 the order of summation, so each process sums the shards it holds (one small program per shard, on that
 shard's device: no collective, nothing waits on another process) and the partial sums add up to the same
 two numbers for any mesh and any number of processes. Computing them reads each byte once, from device
-memory, where the restore has just put it. Because every weight is odd, changing one bit of one element
-always changes the digest; swapping two equal-shaped arrays changes it too (other seeds).
+memory, where the restore has just put it. Shards of at most `HOST_ELEMENTS` elements (norms, biases, the
+step counter: most leaves of a model, few of its bytes) are summed on the host with the same arithmetic
+instead: a device program per leaf shape costs a compile on the first save and a dispatch on each.
+Because every weight is odd, changing one bit of one element always changes the digest; swapping two
+equal-shaped arrays changes it too (other seeds).
 
 A checkpoint stores each process's partial digests of what it saved; a restore recomputes them over what
 it read, adds up every process's (one gather) and calls any difference corruption. No process reads a file
@@ -27,7 +30,11 @@ import numpy as np
 _M1, _M2, _GOLDEN = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35), np.uint32(0x9E3779B9)
 
 
-def _mix(h: jax.Array) -> jax.Array:
+# Shards up to this many elements are summed on the host (numpy), larger ones on their device.
+HOST_ELEMENTS = 1 << 16
+
+
+def _mix(h: Any) -> Any:
     """murmur3's 32-bit finaliser: every input bit affects every output bit."""
     h = h ^ (h >> 16)
     h = h * _M1
@@ -43,6 +50,8 @@ def _bits(x: jax.Array) -> jax.Array:
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
     size = np.dtype(x.dtype).itemsize
+    if jax.dtypes.itemsize_bits(x.dtype) != 8 * size:  # int4 and the like: no digest
+        raise TypeError(f"no digest for dtype {x.dtype}")
     if size == 4:
         return jax.lax.bitcast_convert_type(x, jnp.uint32)
     if size in (1, 2):
@@ -66,7 +75,37 @@ def _partial(x: jax.Array, seed: jax.Array, offsets: jax.Array, strides: jax.Arr
     return jnp.stack([jnp.sum(u * first, dtype=jnp.uint32), jnp.sum(u * second, dtype=jnp.uint32)])
 
 
-Pending = dict[str, tuple[list[jax.Array], str]]
+def _host_bits(x: np.ndarray) -> np.ndarray | None:
+    """`_bits` on the host for whole elements of 1, 2 or 4 bytes (None for others: they go to the device)."""
+    if x.dtype == np.bool_:
+        return x.astype(np.uint32)
+    size = x.dtype.itemsize
+    if size not in (1, 2, 4) or jax.dtypes.itemsize_bits(x.dtype) != 8 * size:  # int4 and the like
+        return None
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint32)
+
+
+def _host_partial(u: np.ndarray, seed: np.uint32, offsets: np.ndarray, strides: np.ndarray) -> np.ndarray:
+    """`_partial` in numpy (the same uint32 arithmetic, wrapping alike) over a shard's bit patterns `u`."""
+    index = np.zeros(u.shape, np.uint32)
+    for axis in range(u.ndim):
+        shape = [1] * u.ndim
+        shape[axis] = u.shape[axis]
+        coord = (np.arange(u.shape[axis], dtype=np.uint32) + offsets[axis]).reshape(shape)
+        index = index + coord * strides[axis]
+    first = _mix(index ^ seed) | np.uint32(1)
+    second = _mix(index * _GOLDEN + (seed ^ _M2)) | np.uint32(1)
+    return np.stack([np.sum(u * first, dtype=np.uint32), np.sum(u * second, dtype=np.uint32)])
+
+
+def _on_host(shard: Any, x: jax.Array) -> np.ndarray | None:
+    """The shard's bit patterns on the host when it is small and of a plain dtype, else None."""
+    if shard.data.size > HOST_ELEMENTS or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return None
+    return _host_bits(np.asarray(shard.data))
+
+
+Pending = dict[str, tuple[list[Any], str]]
 
 
 def dispatch(named: dict[str, Any]) -> Pending:
@@ -94,7 +133,11 @@ def dispatch(named: dict[str, Any]) -> Pending:
             starts = [sl.indices(dim)[0] for sl, dim in zip(shard.index, x.shape, strict=False)]
             starts += [0] * (len(shape) - len(starts))
             offsets = np.asarray([v % 2**32 for v in starts], np.uint32)
-            sums.append(_partial(shard.data, seed, offsets, strides_arr))
+            host = _on_host(shard, x)
+            if host is not None:
+                sums.append(_host_partial(host, seed, offsets, strides_arr))
+            else:
+                sums.append(_partial(shard.data, seed, offsets, strides_arr))
         pending[name] = (sums, str(x.dtype))
     return pending
 

@@ -303,13 +303,24 @@ def _config_show(config: str | None, items: list[str]) -> str:
     return text + "".join(f"# {line}\n" for line in yaml.safe_dump(defaults, sort_keys=False).splitlines())
 
 
+class _Versions(argparse.Action):
+    """`--version`: the installed parts' versions, one a line (looked up only when asked)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("\n".join(f"{k} {v}" for k, v in versions().items()))
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxloom",
         description="Train, evaluate, plan, generate from and convert jaxloom runs.",
         epilog="Settings: `jaxloom config keys` lists every key; `jaxloom config show` prints a resolved config.",
     )
-    parser.add_argument("--version", action="version", version=" ".join(f"{k} {v}" for k, v in versions().items()))
+    parser.add_argument("--version", action=_Versions, help="print the installed parts' versions, one a line, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     target = "[CONFIG.yaml | RUN_DIR] then key=value overrides (see `jaxloom config keys`)"
     helps = {
