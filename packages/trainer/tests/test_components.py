@@ -140,6 +140,24 @@ def test_no_component_module_imports_the_trainer_or_keeps_it():
                     assert not kept, f"{path.relative_to(SRC)}: {cls.name} keeps the trainer"
 
 
+def _readers(attribute: str) -> set[str]:
+    """The source modules that read `<something>.attribute`."""
+    found = set()
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == attribute and isinstance(node.ctx, ast.Load):
+                found.add(str(path.relative_to(SRC)))
+    return found
+
+
+def test_each_setting_is_read_by_its_owner_and_the_composition_root_only():
+    """`save_directory` by the run directory and the composition root (the builders, the command line, the
+    arguments' own checks); `learning_rate` by the optimizer the plan builds. A component that needs the run's
+    path asks the run directory."""
+    assert _readers("save_directory") == {"run_directory.py", "components.py", "cli.py", "arguments.py"}
+    assert _readers("learning_rate") == {"optim.py"}
+
+
 def test_the_nan_stop_message_names_the_checkpoints_of_a_run_on_a_store():
     trainer = Trainer(
         TrainingArguments(save_directory="s3://bucket/run", nan_policy="stop"),

@@ -168,7 +168,9 @@ def run_identity(trainer: Any) -> dict[str, Any]:
 
 def run_directory(trainer: Any) -> RunDirectory:
     """The run's directory (`save_directory`, chosen now when not set): lock, run files, a store's staging."""
-    trainer._directory()
+    if RunDirectory(trainer.arguments.checkpoint).location is None:  # a new name, the same on every process
+        trainer.arguments = trainer.arguments.replace(save_directory=resume.fresh_run_directory())
+        log.info("save_directory not set: this run writes to %s", trainer.arguments.save_directory)
     use_endpoint(trainer.arguments.checkpoint.storage_endpoint_url)  # before anything reads the store
     return RunDirectory(trainer.arguments.checkpoint)
 

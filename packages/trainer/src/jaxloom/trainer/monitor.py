@@ -42,11 +42,11 @@ class StepLog:
         devices: int,
         is_process_zero: bool,
         perplexity: bool = True,
-        directory: Any = None,
+        directory: Any,
     ):
         self.arguments, self.config, self.row_width, self.devices = arguments, config, row_width, devices
         self.is_process_zero, self.perplexity = is_process_zero, perplexity
-        self.directory = directory  # where the metrics and TensorBoard files go (default: save_directory)
+        self.directory = directory  # where the metrics and TensorBoard files go (the run directory's local folder)
         self.writer: MetricsWriter | None = None
         self.pbar: Any = None
         self._window: list[dict] = []
@@ -75,7 +75,7 @@ class StepLog:
         self._peak = peak_flops(override=a.peak_flops_per_device)  # not of each log row
         self.total_steps = total_steps
         self.writer = MetricsWriter(
-            self.directory if self.directory is not None else a.save_directory,
+            self.directory,
             tensorboard=a.use_tensorboard,
             use_wandb=a.use_wandb,
             wandb_project=a.wandb_project,

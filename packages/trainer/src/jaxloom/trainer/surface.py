@@ -22,7 +22,7 @@ import jaxloom.state as js
 
 from .components import forward
 from .plan import data_axes
-from .run_directory import RUN_OUTPUTS
+from .run_directory import RUN_OUTPUTS, RunDirectory
 
 __all__ = ["ReferenceSurface"]
 
@@ -108,7 +108,7 @@ class ReferenceSurface:
     @property
     def checkpoints(self) -> js.CheckpointManager | None:
         """The run's `jaxloom.state.CheckpointManager` (None while the run has no save_directory)."""
-        return None if self.arguments.save_directory is None else self.checkpointing.manager
+        return None if RunDirectory(self.arguments.checkpoint).location is None else self.checkpointing.manager
 
     checkpoint_manager = checkpoints
 

@@ -52,9 +52,8 @@ from .outputs import (
     TrainerConfigureModelOutput,
     TrainerOutput,
 )
-from .resume import fresh_run_directory
 from .surface import ReferenceSurface
-from .run_directory import RUN_CONFIG
+from .run_directory import RUN_CONFIG, RunDirectory
 from .session import train
 from .step import Objective
 from .stopping import NonFiniteLossError
@@ -304,7 +303,7 @@ class BaseTrainer(ReferenceSurface):
         if self._train_fn is None:
             self.configure_functions()
         if self.state is None and self._resume_step() is not None:
-            self.checkpointing.check_resume(self.arguments.save_directory, self.run_identity)
+            self.checkpointing.check_resume(self.run_directory.location, self.run_identity)
             self.configure_model()
             self.configure_dataloaders()
         else:
@@ -318,7 +317,7 @@ class BaseTrainer(ReferenceSurface):
         """The newest checkpoint of `save_directory` as this trainer's state, with nothing else set up
         (no loader, no compile): for commands that only read a run (`eval`, `generate`, `convert`).
         `params_only` leaves the optimizer state abstract. FileNotFoundError when there is none."""
-        if self.arguments.save_directory is None:
+        if RunDirectory(self.arguments.checkpoint).location is None:
             raise FileNotFoundError("save_directory is not set: there is no run to restore a checkpoint from")
         # a reader never changes the run (it may be training): not the run's own manager, which cleans up
         reader = Checkpointing(self.arguments.checkpoint, self.run_directory.checkpoints, read_only=True)
@@ -329,14 +328,6 @@ class BaseTrainer(ReferenceSurface):
         self.resumed_from = f"{reader.manager.directory}/{restored.step}"
         self.state = self._with_base(restored, self.resumed_from)
         return self.state
-
-    def _directory(self) -> str:
-        """The run's `save_directory` (a path or a URI); without one, a new one for this run (chosen once, at
-        setup)."""
-        if self.arguments.save_directory is None:
-            self.arguments = self.arguments.replace(save_directory=fresh_run_directory())
-            log.info("save_directory not set: this run writes to %s", self.arguments.save_directory)
-        return self.arguments.save_directory
 
     def _setup_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
