@@ -42,6 +42,14 @@ def configs():
         "phi3": jm.Phi3Config(**BASE, sliding_window=128),
         "olmo2": jm.Olmo2Config(**BASE),
         "smollm3": jm.SmolLM3Config(**BASE, tie_word_embeddings=False),
+        "gpt_oss (E=8, k=2)": jm.GptOssConfig(
+            **{**BASE, "intermediate_size": 96},
+            head_dim=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=128,
+            max_position_embeddings=4096,
+        ),
     }
 
 

@@ -48,6 +48,7 @@ FAMILIES = [
     "olmo2",
     "qwen2_mixed_window",
     "smollm3",
+    "gpt_oss",
 ]
 
 

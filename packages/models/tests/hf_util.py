@@ -138,6 +138,12 @@ FAMILIES = {
             eos_token_id=2,
         ),
     ),
+    # GPT-OSS: sinks, alternating windows of 4, biases everywhere, YaRN (its default), the SwiGLU clamp binding at 0.3
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.3),
+    ),
 }
 # families whose layers differ in structure (dense and sparse feed-forward): never scanned
 UNSCANNED = {"qwen3_moe"}

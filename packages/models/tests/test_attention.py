@@ -89,6 +89,57 @@ def test_chunked_equals_xla_with_softcap_and_a_traced_window(block):
         np.testing.assert_allclose(g, r, atol=5e-6)
 
 
+def _sink_reference(q, k, v, seg, pos, sinks, window):
+    """GPT-OSS's eager attention in numpy: the sink logit concatenated to each query's logits, softmax over both,
+    the sink's column dropped."""
+    q, k, v, seg, pos, sinks = (np.asarray(x, np.float64) for x in (q, k, v, seg, pos, sinks))
+    b, t, n, h = q.shape
+    k, v = (np.repeat(x, n // x.shape[2], axis=2) for x in (k, v))
+    logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(h)
+    see = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0) & (pos[:, None, :] <= pos[:, :, None])
+    if window is not None:
+        see &= (pos[:, :, None] - pos[:, None, :]) < window
+    logits = np.where(see[:, None], logits, -np.inf)
+    full = np.concatenate([logits, np.broadcast_to(sinks[None, :, None, None], (b, n, t, 1))], axis=-1)
+    probs = np.exp(full - full.max(-1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True))[..., :-1]
+    return np.einsum("bnts,bsnh->btnh", probs, v)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_sinks_equal_gpt_oss_and_chunked_equals_xla_with_their_gradient(window):
+    """Sinks (a logit per head in every query's softmax, attending to nothing): `xla` equals GPT-OSS's eager
+    attention; `chunked` (the sink as the running max's start) equals `xla` in values and in the gradients of q,
+    k, v and the sinks; a query that sees nothing still gets zeros."""
+    q, k, v, seg, pos = packed_batch()
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    real = np.asarray(seg != 0)[:, :, None, None]
+    ref = _sink_reference(q, k, v, seg, pos, sinks, window)
+
+    def fn(impl, q, k, v, sinks, block=512):
+        kw = dict(q_segment_ids=seg, q_positions=pos, window=window, implementation=impl, block_size=block)
+        return attend(q, k, v, sinks=sinks, **kw)
+
+    plain = np.asarray(attend(q, k, v, q_segment_ids=seg, q_positions=pos, window=window)) * real
+    assert np.abs(plain - ref * real).max() > 1e-2  # the sinks take a share of the attention at this scale
+    results = {}
+    for impl, block in (("xla", 512), ("chunked", 8), ("chunked", 13)):
+        out = np.asarray(fn(impl, q, k, v, sinks, block)) * real
+        np.testing.assert_allclose(out, ref * real, atol=2e-6)
+        loss = lambda q, k, v, s: jnp.sum(jnp.sin(fn(impl, q, k, v, s, block)) * real)  # noqa: B023, E731
+        results[(impl, block)] = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    assert np.abs(np.asarray(results[("xla", 512)][3])).max() > 1e-3  # the sinks learn
+    for key in (("chunked", 8), ("chunked", 13)):
+        for g, r in zip(results[key], results[("xla", 512)], strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=5e-6)
+    np.testing.assert_array_equal(np.asarray(fn("chunked", q, k, v, sinks, 8))[0, -5:], 0.0)  # padding
+    with pytest.raises(AttentionUnavailableError, match="no attention sinks"):
+        choose_implementation("flash", q_len=128, kv_len=128, cached=False, window=None, platform="gpu", sinks=True)
+    auto = dict(cached=False, window=None, platform="gpu", sinks=True)
+    assert choose_implementation("auto", q_len=128, kv_len=128, **auto) == "xla"  # never a kernel without sinks
+    assert choose_implementation("auto", q_len=4096, kv_len=4096, **auto) == "chunked"
+
+
 def test_flash_kernel_equals_xla_in_interpret_mode():
     """JAX's Pallas flash kernel (the GPU backend), run by Pallas' interpreter on CPU: same values and
     gradients as the reference on packed documents with padding (GQA heads repeated)."""

@@ -121,3 +121,40 @@ def test_a_batch_that_does_not_divide_the_mesh_still_runs():
     with jax.set_mesh(mesh):
         logits = jax.jit(lambda m, x: m(x).logits)(model, IDS[:1])
     np.testing.assert_allclose(gather(logits), np.asarray(ref(IDS[:1]).logits), atol=2e-5)
+
+
+def test_gpt_oss_experts_with_biases_equal_one_device_when_tokens_move_and_the_width_is_split():
+    """GPT-OSS's biased experts over ep × fsdp × tp with the batch over ep (tokens all-gathered to the experts,
+    outputs reduce-scattered back) and each expert's width over tp: the down projection's bias joins the partial
+    sums once (on the first slice of the width), as on one device."""
+    config = jm.GptOssConfig(
+        vocab_size=64,
+        hidden_size=D,
+        intermediate_size=F,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        swiglu_limit=0.5,
+    )
+
+    def with_biases(model):
+        for layer in model.model.layers:
+            for name in ("gate_up_proj_bias", "down_proj_bias"):
+                v = getattr(layer.mlp.experts, name)
+                v[...] = jax.device_put(0.5 * jax.random.normal(jax.random.key(len(name)), v.shape), v[...].sharding)
+        return model
+
+    ref_grads, ref_logits = step(
+        with_biases(jm.create_model(config, jm.RuntimeConfig(moe_implementation="dense"), seed=5)), IDS
+    )
+    mesh = MeshConfig.from_axes(ep=2, fsdp=2, tp=2).build()
+    runtime = jm.RuntimeConfig(moe_implementation="tiled", partition_axis=BATCH_OVER_EP)
+    (grads, logits), _ = step(with_biases(jm.create_model(config, runtime, seed=5, mesh=mesh)), IDS, mesh)
+    np.testing.assert_allclose(gather(logits), np.asarray(ref_logits), atol=2e-5)
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(gather(g), np.asarray(r), atol=1e-4)

@@ -13,7 +13,7 @@ import jaxloom.models as jm  # noqa: E402
 from hf_util import batch, hf_logits, make_hf  # noqa: E402
 
 # The 12-token batch crosses every window (4 or 6), passes Phi-3's original length (8), and its soft-caps bind.
-NEW = ["qwen2_mixed_window", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "mistral", "smollm3"]
+NEW = ["qwen2_mixed_window", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "mistral", "smollm3", "gpt_oss"]
 
 
 def rel_err(ours, ref, mask):
@@ -57,6 +57,10 @@ DROPPED = [
     ("smollm3", {"no_rope_layers": (1, 1)}),  # RoPE on the NoPE layer
     ("smollm3", {"no_rope_layers": (0, 0)}),  # none on the RoPE layer
     ("smollm3", {"use_sliding_window": False}),
+    ("gpt_oss", {"swiglu_limit": 100.0}),  # the clamp unbound
+    ("gpt_oss", {"swiglu_alpha": 1.0}),
+    ("gpt_oss", {"layer_types": ("full_attention", "full_attention")}),
+    ("gpt_oss", {"rope_scaling": None}),  # plain RoPE instead of its YaRN (the attention factor 1.35)
 ]
 
 
@@ -84,6 +88,7 @@ def test_registered_lists_every_family():
         "phi3",
         "olmo2",
         "smollm3",
+        "gpt_oss",
     }
 
 

@@ -136,6 +136,16 @@ FAMILIES = {
     "olmo2": jm.Olmo2Config(**TINY),
     # a NoPE layer with a window beside a RoPE layer: per-layer RoPE tables and windows as scanned data
     "smollm3": jm.SmolLM3Config(**TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=4),
+    # sinks, alternating windows, biased experts with the clamp binding; experts over ep, their width over tp
+    "gpt_oss": jm.GptOssConfig(
+        **{**TINY, "intermediate_size": 32},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        swiglu_limit=0.5,
+        rope_scaling=None,
+    ),
 }
 
 
@@ -178,7 +188,7 @@ def test_training_steps_on_fsdp_tp_equal_one_device(family):
 
     ref_losses, ref_params, model = train(None)
     assert model.scanned == (family != "qwen3_moe_mixed")
-    axes = dict(ep=2, fsdp=2, tp=2) if "moe" in family else dict(fsdp=4, tp=2)
+    axes = dict(ep=2, fsdp=2, tp=2) if hasattr(config, "expert_intermediate_size") else dict(fsdp=4, tp=2)
     mesh = MeshConfig.from_axes(**axes).build()
     with jax.set_mesh(mesh):
         losses, params, _ = train(mesh)

@@ -13,7 +13,8 @@ seen), positions (causality and windows) and a window length. Only the `xla` ref
   TPU); O(T); GPU, TPU.
 
 `auto` picks by platform and shape; an explicitly requested backend that cannot run raises
-`AttentionUnavailableError` instead of silently running another.
+`AttentionUnavailableError` instead of silently running another. Attention sinks (GPT-OSS: a learned logit per
+head that joins every query's softmax and attends to nothing) run on `xla` and `chunked`.
 
 Why JAX's own Pallas kernels for `flash` (and not tokamax): they ship inside `jax`, so no extra
 dependency or version pin; the GPU kernel takes segment ids (packed documents) and its backward is a
@@ -86,17 +87,18 @@ def choose_implementation(
     window,
     platform: str | None = None,
     softcap: float | None = None,
+    sinks: bool = False,
 ) -> str:
     """The backend `attend` runs for `requested` (`auto` or one of `IMPLEMENTATIONS`) on `platform`
     (default: JAX's default backend) for `q_len` queries against `kv_len` keys, with a sliding `window`
     (None: none; an int; or a traced per-layer value, as in a scanned stack of Gemma's local and global
-    layers) and a logit `softcap` (Gemma 2). `cached` calls (decoding with a KV cache) have queries and
-    keys of different lengths, which only `xla` and `chunked` take. Raises `AttentionUnavailableError`
-    when an explicit choice cannot run, naming what to pick instead."""
+    layers), a logit `softcap` (Gemma 2) and attention `sinks` (GPT-OSS). `cached` calls (decoding with a KV
+    cache) have queries and keys of different lengths, which only `xla` and `chunked` take. Raises
+    `AttentionUnavailableError` when an explicit choice cannot run, naming what to pick instead."""
     platform = platform or jax.default_backend()
     small = q_len * kv_len <= _AUTO_XLA_MAX_PAIRS
     if requested == "auto":
-        if cached or platform == "cpu" or window is not None or softcap is not None:
+        if cached or platform == "cpu" or window is not None or softcap is not None or sinks:
             return "xla" if small else "chunked"
         return "flash" if platform in ("gpu", "cuda", "rocm", "tpu") else ("xla" if small else "chunked")
     if requested not in IMPLEMENTATIONS:
@@ -105,6 +107,11 @@ def choose_implementation(
         return requested
     if cached:  # KV-cache decoding: T != S, which the fused kernels here do not take
         return "xla" if small else "chunked"
+    if sinks:
+        raise AttentionUnavailableError(
+            f"attn_mechanism={requested!r} has no attention sinks (this model's heads have them, GPT-OSS); use "
+            "'chunked' (blockwise, linear memory) or 'xla'."
+        )
     if softcap is not None:
         raise AttentionUnavailableError(
             f"attn_mechanism={requested!r} has no attention logit soft-capping (this model caps at {softcap}, "
@@ -150,6 +157,7 @@ def attend(
     block_size: int = 512,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of `q [B, T, N, H]` over `k, v [B, S, K, H]` (grouped-query: N = K·G), in `q`'s dtype.
 
@@ -162,17 +170,25 @@ def attend(
       `cached`: this is a KV-cache call (keys are the cache), which the fused kernels do not take.
     - `block_size`: keys per block for `chunked`; `scale`: logit scale (default `1/sqrt(H)`);
       `softcap`: logits become `softcap · tanh(logits / softcap)` after scaling (Gemma 2), or None.
+    - `sinks`: `[N]` a logit per query head that joins each query's softmax over its keys and attends to nothing
+      (GPT-OSS's attention sinks: a query may give its keys less than all of its attention), or None.
     """
     kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
     kv_positions = q_positions if kv_positions is None else kv_positions
     scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
     softcap = None if softcap is None else float(softcap)
     impl = choose_implementation(
-        implementation, q_len=q.shape[1], kv_len=k.shape[1], cached=cached, window=window, softcap=softcap
+        implementation,
+        q_len=q.shape[1],
+        kv_len=k.shape[1],
+        cached=cached,
+        window=window,
+        softcap=softcap,
+        sinks=sinks is not None,
     )
     if impl == "xla":
         mask = _block_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, causal, window)
-        return _xla_attention(q, k, v, mask, scale, softcap)
+        return _xla_attention(q, k, v, mask, scale, softcap, sinks)
     if impl == "chunked":
         return _chunked(
             q,
@@ -182,6 +198,7 @@ def attend(
             q_positions,
             kv_segment_ids,
             kv_positions,
+            None if sinks is None else sinks.astype(jnp.float32),
             window,
             causal,
             min(block_size, k.shape[1]),
@@ -200,14 +217,26 @@ def _cap(s, softcap):
     return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
-def _xla_attention(q, k, v, mask, scale, softcap=None):
-    """`q [B,T,N,H]`, `k, v [B,S,K,H]`, `mask [B,T,S]`; logits and softmax in float32."""
+def _sink_logits(sinks, kh: int) -> jax.Array:
+    """`sinks [N]` as `[1, K, G, 1]` float32, beside logits `[B, K, G, T, ...]` (query head n = k·G + g)."""
+    return sinks.astype(jnp.float32).reshape(1, kh, -1, 1)
+
+
+def _xla_attention(q, k, v, mask, scale, softcap=None, sinks=None):
+    """`q [B,T,N,H]`, `k, v [B,S,K,H]`, `mask [B,T,S]`; logits and softmax in float32; `sinks [N]` join each
+    query's softmax (their share of it is dropped)."""
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
     logits = _cap(jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale, softcap)
     logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    else:
+        sink = _sink_logits(sinks, kh)  # [1, K, G, 1]
+        top = jax.lax.stop_gradient(jnp.maximum(logits.max(-1), sink))  # [B, K, G, T]
+        e = jnp.exp(logits - top[..., None])
+        probs = (e / (e.sum(-1) + jnp.exp(sink - top))[..., None]).astype(v.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, h).astype(q.dtype)
 
 
@@ -230,7 +259,7 @@ def _key_blocks(k, v, k_seg, k_pos, block):
     return split(k), split(v), split(k_seg), split(k_pos)
 
 
-def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block, scale, softcap):
+def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal, block, scale, softcap):
     b, t, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
@@ -250,11 +279,12 @@ def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block,
         acc = acc * jnp.moveaxis(corr, -1, 1)[..., None] + pv
         return (m_new, norm, acc), None
 
-    init = (
-        jnp.full((b, kh, g, t), _NEG, jnp.float32),
-        jnp.zeros((b, kh, g, t), jnp.float32),
-        jnp.zeros((b, t, kh, g, h), jnp.float32),
-    )
+    if sinks is None:
+        m0, norm0 = jnp.full((b, kh, g, t), _NEG, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32)
+    else:  # the sink is the first "key": it sets the running max and adds exp(0) to the normaliser, nothing to acc
+        m0 = jnp.broadcast_to(_sink_logits(sinks, kh), (b, kh, g, t))
+        norm0 = jnp.ones((b, kh, g, t), jnp.float32)
+    init = (m0, norm0, jnp.zeros((b, t, kh, g, h), jnp.float32))
     (m, norm, acc), _ = jax.lax.scan(body, init, _key_blocks(k, v, k_seg, k_pos, block))
     safe = jnp.where(norm > 0, norm, 1.0)  # a query that sees nothing (padding) gets 0, not NaN
     out = (acc / jnp.moveaxis(safe, -1, 1)[..., None]).reshape(b, t, n, h).astype(q.dtype)
@@ -262,20 +292,21 @@ def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block,
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _chunked(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block, scale, softcap):
-    return _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block, scale, softcap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+def _chunked(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal, block, scale, softcap):
+    return _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal, block, scale, softcap)[0]
 
 
-def _chunked_fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block, scale, softcap):
-    out, lse = _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, window, causal, block, scale, softcap)
-    return out, (q, k, v, q_seg, q_pos, k_seg, k_pos, window, out, lse)  # O(T) residuals: no probabilities kept
+def _chunked_fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal, block, scale, softcap):
+    out, lse = _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal, block, scale, softcap)
+    return out, (q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, out, lse)  # O(T) residuals: no probabilities
 
 
 def _chunked_bwd(causal, block, scale, softcap, res, d_out):
     """Flash-attention backward: per key block, recompute the probabilities from the saved log-sum-exp,
-    accumulate dq over blocks and emit that block's dk, dv."""
-    q, k, v, q_seg, q_pos, k_seg, k_pos, window, out, lse = res
+    accumulate dq over blocks and emit that block's dk, dv. A sink's gradient: its probability `exp(sink - lse)`
+    times (0 - delta), its value being zero, summed over the queries of its head."""
+    q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, out, lse = res
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     g = n // kh
@@ -303,7 +334,12 @@ def _chunked_bwd(causal, block, scale, softcap, res, d_out):
     def unblock(x, like):
         return jnp.moveaxis(x, 0, 1).reshape(b, -1, kh, h)[:, :s_len].astype(like.dtype)
 
-    return (dq.reshape(b, t, n, h).astype(q.dtype), unblock(dk, k), unblock(dv, v), None, None, None, None, None)
+    d_sinks = None
+    if sinks is not None:
+        p_sink = jnp.exp(_sink_logits(sinks, kh) - lse)  # [B, K, G, T]
+        d_sinks = -jnp.sum(p_sink * delta, axis=(0, 3)).reshape(n).astype(sinks.dtype)
+    dq = dq.reshape(b, t, n, h).astype(q.dtype)
+    return (dq, unblock(dk, k), unblock(dv, v), None, None, None, None, d_sinks, None)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -362,7 +398,8 @@ def _flash(q, k, v, seg, causal, window, scale, *, interpret: bool = False, bloc
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, as the family's config says: biases (`qkv_bias`, `o_bias`),
     q/k RMSNorm (`qk_norm`: per head, Qwen3 / Gemma 3; over the whole projection, OLMo 2), the logit
-    scale (`attention_scale`, Gemma's `query_pre_attn_scalar`) and soft-cap (`attention_softcap`)."""
+    scale (`attention_scale`, Gemma's `query_pre_attn_scalar`) and soft-cap (`attention_softcap`), and a learned
+    sink logit per head (`attention_sinks`: GPT-OSS's `sinks`)."""
 
     def __init__(self, config: LlamaConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         d, n, kv, h = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -378,6 +415,11 @@ class Attention(nnx.Module):
             q_dim, k_dim = (h, h) if self.qk_norm == "head" else (n * h, kv * h)
             self.q_norm = RMSNorm(q_dim or 0, config.rms_norm_eps, runtime, config.norm_style)
             self.k_norm = RMSNorm(k_dim or 0, config.rms_norm_eps, runtime, config.norm_style)
+        self.sinks = (
+            nnx.Param(jax.nn.initializers.normal(std)(rngs.params(), (n,), runtime.param_dtype), logical_axes=(None,))
+            if config.attention_sinks
+            else None
+        )
         self.n, self.kv, self.h = n, kv, h
         self.config, self.runtime = config, runtime
 
@@ -440,5 +482,6 @@ class Attention(nnx.Module):
             block_size=rt.attn_block_size,
             scale=c.attention_scale,
             softcap=c.attention_softcap,
+            sinks=None if self.sinks is None else self.sinks[...],
         )
         return self.o_proj(out.reshape(b, t, self.n * self.h)), cache

@@ -100,7 +100,7 @@ def flops_per_token(config: LlamaConfig, seq_len: int, *, training: bool = True)
     attn = d * (n_q * h) * 2 + d * (n_kv * h) * 2
     mlp = 0
     for layer in range(layers):
-        if hasattr(config, "expert_names") and getattr(config, "is_sparse", lambda _: True)(layer):
+        if hasattr(config, "expert_intermediate_size") and getattr(config, "is_sparse", lambda _: True)(layer):
             mlp += 3 * d * config.expert_intermediate_size * config.num_experts_per_tok + d * config.num_experts
         else:
             mlp += 3 * d * f

@@ -126,6 +126,7 @@ class LlamaConfig:
     block_norms: ClassVar[str] = "pre"  # pre | sandwich (Gemma) | post (OLMo 2)
     qk_norm: ClassVar[str | None] = None  # None | head (Qwen3, Gemma 3) | projection (OLMo 2)
     fused_projections: ClassVar[bool] = False  # HF stores qkv_proj and gate_up_proj fused (Phi-3)
+    attention_sinks: ClassVar[bool] = False  # a learned sink logit per head joins each softmax (GPT-OSS)
     # config.json keys transformers accepts for this family and never reads (beyond the common ones)
     ignored_keys: ClassVar[frozenset[str]] = frozenset()
 

@@ -57,7 +57,7 @@ NF4_CODE = np.array(
 )
 QUANTIZATIONS = ("int8", "nf4")
 ALL_LINEAR = "all-linear"
-ROUTERS = ("gate",)  # an MoE block's router: a Linear here, not an `nn.Linear` in transformers (PEFT skips it)
+ROUTERS = ("gate", "router")  # an MoE block's router: a Linear here, not an `nn.Linear` in transformers (PEFT skips it)
 
 
 class Frozen(nnx.Variable):

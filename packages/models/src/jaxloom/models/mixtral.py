@@ -130,11 +130,7 @@ class SparseMoE(nnx.Module):
 
     def __call__(self, x, token_mask=None):
         dtype = self.runtime.dtype
-        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)  # [B, T, E]
-        top_w, top_i = jax.lax.top_k(probs, self.k)  # [B, T, k]
-        if self.normalize:  # Mixtral always; Qwen3-MoE with norm_topk_prob
-            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-        chosen = jax.nn.one_hot(top_i, self.e, dtype=jnp.float32)  # [B, T, k, E]
+        probs, top_w, top_i, chosen = route(self.gate(x), self.k, self.e, normalize=self.normalize)
         impl = resolve_moe_implementation(self.runtime.moe_implementation)
         w_gate, w_up, w_down = (w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if impl == "dense":
@@ -149,13 +145,28 @@ class SparseMoE(nnx.Module):
                 out = dispatch_tokens(*args, act=self.act, implementation=impl)
             else:
                 out = expert_parallel_dispatch(*args, act=self.act, implementation=impl, runtime=self.runtime)
-        # Switch-style load balancing: E · Σ_e (share of routed slots to e) · (mean router prob of e).
-        mask = jnp.ones(x.shape[:2], jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
-        n = jnp.maximum(mask.sum(), 1.0)
-        routed = jnp.einsum("btke,bt->e", chosen, mask) / (n * self.k)
-        mean_prob = jnp.einsum("bte,bt->e", probs, mask) / n
-        aux = self.e * jnp.sum(routed * mean_prob)
-        return out, aux
+        return out, balance_loss(probs, chosen, token_mask, self.k, self.e)
+
+
+def route(logits: jax.Array, k: int, experts: int, *, normalize: bool):
+    """Top-`k` routing from router `logits [B, T, E]`: `(probs [B, T, E]` (softmax, float32), `top_w [B, T, k]`
+    (the chosen experts' probabilities, renormalised to sum to one with `normalize`), `top_i [B, T, k]`,
+    `chosen [B, T, k, E]` (one-hot))."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top_w, top_i = jax.lax.top_k(probs, k)
+    if normalize:  # Mixtral and GPT-OSS always; Qwen3-MoE with norm_topk_prob
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    return probs, top_w, top_i, jax.nn.one_hot(top_i, experts, dtype=jnp.float32)
+
+
+def balance_loss(probs: jax.Array, chosen: jax.Array, token_mask, k: int, experts: int) -> jax.Array:
+    """Switch-style load balancing over the real tokens: `E · Σ_e (share of routed slots to e) · (mean router
+    probability of e)`."""
+    mask = jnp.ones(probs.shape[:2], jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
+    n = jnp.maximum(mask.sum(), 1.0)
+    routed = jnp.einsum("btke,bt->e", chosen, mask) / (n * k)
+    mean_prob = jnp.einsum("bte,bt->e", probs, mask) / n
+    return experts * jnp.sum(routed * mean_prob)
 
 
 def _expert_rows(x, top_i, experts: int, first_expert):
@@ -176,21 +187,49 @@ def _expert_rows(x, top_i, experts: int, first_expert):
     return rows, order, sizes, local
 
 
+def gated(act):
+    """The gated feed-forward's middle, `act(gate) · up` (SwiGLU, GeGLU), as `glu(gate, up)`."""
+    return lambda gate, up: act(gate) * up
+
+
 def dispatch_tokens(
-    x, top_i, top_w, w_gate, w_up, w_down, *, act, implementation: str, first_expert=0, some_experts=False
+    x,
+    top_i,
+    top_w,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    act=None,
+    glu=None,
+    biases=None,
+    implementation: str,
+    first_expert=0,
+    some_experts=False,
+    down_bias_here=True,
 ):
     """Route `x [B, T, D]` to the experts `top_i [B, T, k]` chose: sort the (token, expert) pairs by
-    expert, run each expert's gated MLP `act(x @ w_gate) * (x @ w_up) @ w_down` on its rows
-    (`grouped_matmul` with `implementation`; `w_gate`, `w_up [E, D, F]`, `w_down [E, F, D]`), scatter back
-    and combine with the router weights `top_w [B, T, k]`. With `some_experts`, the weights hold experts
+    expert, run each expert's gated MLP `glu(x @ w_gate + b_gate, x @ w_up + b_up) @ w_down + b_down` on its
+    rows (`grouped_matmul` with `implementation`; `w_gate`, `w_up [E, D, F]`, `w_down [E, F, D]`; `glu` defaults
+    to `act(gate) · up`; `biases` `(b_gate [E, F], b_up [E, F], b_down [E, D])` or None), scatter back and
+    combine with the router weights `top_w [B, T, k]`. With `some_experts`, the weights hold experts
     `first_expert .. first_expert + E - 1` only; pairs routed to other experts contribute zero and cost
-    nothing."""
+    nothing. `down_bias_here=False` leaves `b_down` out (a device holding a slice of `F` whose partial sums
+    another device's bias joins)."""
     b, t, d = x.shape
     k, experts = top_i.shape[-1], w_gate.shape[0]
+    glu = glu or gated(act)
     rows, order, sizes, local = _expert_rows(x, top_i, experts, first_expert)
     matmul = functools.partial(grouped_matmul, implementation=implementation, skip_unused=some_experts)
-    h = act(matmul(rows, w_gate, sizes)) * matmul(rows, w_up, sizes)
-    y = matmul(h, w_down, sizes)  # [N·k, D]
+    gate, up = matmul(rows, w_gate, sizes), matmul(rows, w_up, sizes)
+    if biases is not None:  # each sorted row's expert (rows routed elsewhere: any; they are dropped below)
+        row_expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows.shape[0]), side="right")
+        row_expert = jnp.minimum(row_expert, experts - 1)
+        b_gate, b_up, b_down = biases
+        gate, up = gate + b_gate[row_expert].astype(gate.dtype), up + b_up[row_expert].astype(up.dtype)
+    y = matmul(glu(gate, up), w_down, sizes)  # [N·k, D]
+    if biases is not None:  # `down_bias_here` may be traced (which slice of F this device holds)
+        y = y + (b_down[row_expert] * down_bias_here).astype(y.dtype)
     y = jnp.zeros_like(y).at[order].set(y)
     if some_experts:  # pairs routed to other devices' experts: no group ran them
         y = jnp.where(local[:, None], y, 0)
@@ -226,8 +265,10 @@ def _dividing(spec: P, shape: tuple[int, ...], mesh) -> P:
     return P(*out)
 
 
-def expert_parallel_dispatch(x, top_i, top_w, w_gate, w_up, w_down, *, act, implementation: str, runtime):
-    """`dispatch_tokens(x, top_i, top_w, w_gate, w_up, w_down, act=, implementation=)` with the experts
+def expert_parallel_dispatch(
+    x, top_i, top_w, w_gate, w_up, w_down, *, act=None, glu=None, biases=None, implementation: str, runtime
+):
+    """`dispatch_tokens(x, top_i, top_w, w_gate, w_up, w_down, act=, glu=, biases=, implementation=)` with the experts
     split over the current mesh's expert axes (`ep`, as `runtime.partition_axis` maps them), under
     `shard_map`.
 
@@ -251,8 +292,9 @@ def expert_parallel_dispatch(x, top_i, top_w, w_gate, w_up, w_down, *, act, impl
     w_in, w_out = P(ep_entry, None, mlp_entry), P(ep_entry, mlp_entry, None)
 
     summed = tuple(a for a in (*ep, *mlp) if a not in moving)  # partial sums: other experts, mlp slices
+    bias_specs = () if biases is None else (P(ep_entry, mlp_entry), P(ep_entry, mlp_entry), P(ep_entry, None))
 
-    def local(x, top_i, top_w, w_gate, w_up, w_down):
+    def local(x, top_i, top_w, w_gate, w_up, w_down, *local_biases):
         if moving:  # the ep group's tokens, in its devices' order
             x, top_i, top_w = (jax.lax.all_gather(a, moving, axis=0, tiled=True) for a in (x, top_i, top_w))
         if summed:
@@ -263,6 +305,9 @@ def expert_parallel_dispatch(x, top_i, top_w, w_gate, w_up, w_down, *, act, impl
         index = 0
         for a in ep:  # this device's position along the expert axes (row-major, as the spec splits E)
             index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+        first_slice = True  # the down projection's bias joins the partial sums once: on the first slice of F
+        for a in mlp:
+            first_slice = first_slice & (jax.lax.axis_index(a) == 0)
         out = dispatch_tokens(
             x,
             top_i,
@@ -271,9 +316,12 @@ def expert_parallel_dispatch(x, top_i, top_w, w_gate, w_up, w_down, *, act, impl
             w_up,
             w_down,
             act=act,
+            glu=glu,
+            biases=local_biases or None,
             implementation=implementation,
             first_expert=index * w_gate.shape[0],
             some_experts=True,
+            down_bias_here=first_slice,
         )
         if summed:
             out = jax.lax.psum(out, summed)
@@ -283,9 +331,9 @@ def expert_parallel_dispatch(x, top_i, top_w, w_gate, w_up, w_down, *, act, impl
 
     return jax.shard_map(
         local,
-        in_specs=(x_spec, x_spec, x_spec, w_in, w_in, w_out),
+        in_specs=(x_spec, x_spec, x_spec, w_in, w_in, w_out, *bias_specs),
         out_specs=x_spec,
-    )(x, top_i, top_w, w_gate, w_up, w_down)
+    )(x, top_i, top_w, w_gate, w_up, w_down, *(biases or ()))
 
 
 @register("mixtral", TaskType.CAUSAL_LM)

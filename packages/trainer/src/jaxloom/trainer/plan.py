@@ -275,6 +275,8 @@ def _check_attention(arguments, config, runtime, mesh) -> None:
         cached=False,
         window=config.sliding_window,
         platform=mesh.devices.flat[0].platform,
+        softcap=config.attention_softcap,
+        sinks=config.attention_sinks,
     )
     if runtime.attn_mechanism == "cudnn" and a.packing:
         raise ValueError(

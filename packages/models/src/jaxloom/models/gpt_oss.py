@@ -1,0 +1,282 @@
+"""GPT-OSS: OpenAI's open-weight mixture of experts (gpt-oss-20b, gpt-oss-120b).
+
+The Llama decoder with four differences, each as transformers computes it:
+
+- attention sinks: a learned logit per query head joins every softmax and attends to nothing (`self_attn.sinks`),
+  on alternating sliding-window (`sliding_window`, even layers by default) and full-attention layers;
+- biases on q, k, v and o;
+- a mixture of `num_local_experts` experts, `num_experts_per_tok` chosen per token by a router with a bias, the
+  chosen logits' softmax as their weights; each expert a clamped SwiGLU with biases: `(clip(up, ±limit) + 1) ·
+  g · sigmoid(alpha · g)` with `g = min(gate, limit)`, gate and up interleaved along the last axis of one
+  `gate_up_proj [E, D, 2F]` as transformers stores them;
+- YaRN RoPE by default (factor 32 over 4,096 positions, no truncation).
+
+The published checkpoints store the experts' weights in MXFP4 (`*_blocks`, `*_scales`): `from_pretrained`
+dequantizes them on load (`dequantize_mxfp4`, exact in float32 and bfloat16) and a model is exported in its
+parameters' dtype, unquantized, with no `quantization_config`. The experts run through Mixtral's token dispatch
+(grouped matmuls, expert parallelism)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxloom.core.schema import config
+
+from .configs import LlamaConfig, register_config
+from .layers import Linear, constrain
+from .llama import CausalLM
+from .mixtral import (
+    balance_loss,
+    dispatch_tokens,
+    expert_parallel_dispatch,
+    expert_parallel_mesh,
+    resolve_moe_implementation,
+    route,
+)
+from .registry import TaskType, register
+from .runtime import RuntimeConfig
+
+# transformers' default RoPE for GPT-OSS (its config's rope_parameters when none are given)
+YARN = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
+@register_config
+@config
+class GptOssConfig(LlamaConfig):
+    """GPT-OSS (transformers' `GptOssConfig` names): `num_local_experts` experts of width `intermediate_size`,
+    `num_experts_per_tok` per token, `swiglu_alpha` / `swiglu_limit` of the experts' clamped SwiGLU, `layer_types`
+    (default: sliding on even layers, full on odd ones) with `sliding_window`, attention sinks on every layer,
+    `router_aux_loss_coef` weighting the load-balancing loss in training. `rope_scaling` defaults to YaRN as
+    transformers' does (None: plain RoPE)."""
+
+    model_type: ClassVar[str] = "gpt_oss"
+    attention_sinks: ClassVar[bool] = True
+    # keys of the published config.json that transformers does not read (the quantization is handled on load)
+    ignored_keys: ClassVar[frozenset[str]] = frozenset({"experts_per_token", "initial_context_length"})
+
+    vocab_size: int = 201088
+    hidden_size: int = 2880
+    intermediate_size: int = 2880
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 64
+    num_key_value_heads: int | None = 8
+    head_dim: int | None = 64
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 150000.0
+    rope_scaling: dict[str, Any] | None = dataclasses.field(default_factory=lambda: dict(YARN))
+    attention_bias: bool = True
+    sliding_window: int | None = 128
+    layer_types: tuple[str, ...] | None = None
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 4
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    router_aux_loss_coef: float = 0.001
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
+            raise ValueError(
+                f"GptOssConfig: num_experts_per_tok {self.num_experts_per_tok} must be in "
+                f"[1, num_local_experts={self.num_local_experts}]"
+            )
+        if not self.swiglu_limit > 0:
+            raise ValueError(f"GptOssConfig.swiglu_limit = {self.swiglu_limit}; expected a positive number")
+
+    def attention_types(self) -> tuple[str, ...]:
+        if self.layer_types is not None:
+            return tuple(self.layer_types)
+        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers))
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_local_experts
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Each expert's feed-forward width."""
+        return self.intermediate_size
+
+    @classmethod
+    def from_hf_dict(cls, data: Mapping[str, Any]):
+        """As `LlamaConfig.from_hf_dict` reads `data` (a `config.json` dict); `rope_parameters` of type default mean
+        plain RoPE (absent: YaRN), and a `quantization_config` is accepted for MXFP4 (the published files),
+        dequantized on load."""
+        data = dict(data)
+        quant = data.pop("quantization_config", None)
+        method = (quant or {}).get("quant_method") if isinstance(quant, Mapping) else quant
+        if quant is not None and method != "mxfp4":
+            raise ValueError(
+                f"GptOssConfig: quantization_config quant_method = {method!r}; expected mxfp4 (the published "
+                "checkpoints' format, dequantized on load) or none"
+            )
+        rope = data.get("rope_parameters")
+        if isinstance(rope, Mapping) and rope.get("rope_type", "default") == "default" and "rope_scaling" not in data:
+            data["rope_scaling"] = None
+        return super().from_hf_dict(data)
+
+
+class GptOssExperts(nnx.Module):
+    """The experts' weights as transformers stores them: `gate_up_proj [E, D, 2F]` (gate and up interleaved along
+    the last axis: gate at even, up at odd columns) with `gate_up_proj_bias [E, 2F]`, `down_proj [E, F, D]` with
+    `down_proj_bias [E, D]`; sharded on the `expert` axis (→ `ep`) and the feed-forward width (→ `tp`)."""
+
+    def __init__(self, config: GptOssConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
+        e, d, f = config.num_local_experts, config.hidden_size, config.intermediate_size
+        init = jax.nn.initializers.normal(config.initializer_range)
+
+        def param(shape, axes, std=True):
+            value = init(rngs.params(), shape, runtime.param_dtype) if std else jnp.zeros(shape, runtime.param_dtype)
+            return nnx.Param(value, logical_axes=axes)
+
+        self.gate_up_proj = param((e, d, 2 * f), ("expert", "embed", "mlp"))
+        self.gate_up_proj_bias = param((e, 2 * f), ("expert", "mlp"), std=False)
+        self.down_proj = param((e, f, d), ("expert", "mlp", "embed"))
+        self.down_proj_bias = param((e, d), ("expert", None), std=False)
+
+    def split(self, dtype) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+        """`(w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D])` and `(b_gate, b_up, b_down)` in `dtype`: the
+        interleaved columns apart (a reshape to `[..., F, 2]`: the sharded width stays whole pairs)."""
+        e, d, two_f = self.gate_up_proj.shape
+        gate_up = self.gate_up_proj[...].astype(dtype).reshape(e, d, two_f // 2, 2)
+        bias = self.gate_up_proj_bias[...].astype(dtype).reshape(e, two_f // 2, 2)
+        weights = (gate_up[..., 0], gate_up[..., 1], self.down_proj[...].astype(dtype))
+        return weights, (bias[..., 0], bias[..., 1], self.down_proj_bias[...].astype(dtype))
+
+
+class GptOssMoE(nnx.Module):
+    """The router (`router`: a linear layer with a bias) picks `num_experts_per_tok` experts per token; their
+    weights are the softmax of the chosen logits (the router's softmax renormalised over the chosen: the same
+    numbers); the experts (`experts`) run their clamped SwiGLU through Mixtral's token dispatch (`dense`, the
+    reference, runs every expert on every token). Returns `(out, aux)`, `aux` the Switch load-balancing loss."""
+
+    def __init__(self, config: GptOssConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
+        e, d = config.num_local_experts, config.hidden_size
+        self.router = Linear(d, e, ("embed", None), runtime, use_bias=True, std=config.initializer_range, rngs=rngs)
+        self.experts = GptOssExperts(config, runtime, rngs=rngs)
+        self.k, self.e = config.num_experts_per_tok, e
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.runtime = runtime
+
+    def glu(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """GPT-OSS's clamped SwiGLU: `(clip(up, -limit, limit) + 1) · g · sigmoid(alpha · g)`, `g = min(gate,
+        limit)`."""
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+    def __call__(self, x, token_mask=None):
+        dtype = self.runtime.dtype
+        probs, top_w, top_i, chosen = route(self.router(x), self.k, self.e, normalize=True)
+        weights, biases = self.experts.split(dtype)
+        impl = resolve_moe_implementation(self.runtime.moe_implementation)
+        if impl == "dense":
+            w_gate, w_up, w_down = weights
+            b_gate, b_up, b_down = biases
+            xs = x.astype(dtype)
+            gate = jnp.einsum("btd,edf->btef", xs, w_gate) + b_gate
+            up = jnp.einsum("btd,edf->btef", xs, w_up) + b_up
+            h = constrain(self.glu(gate, up), ("batch", "length", "expert", "mlp"), self.runtime)
+            per_expert = jnp.einsum("btef,efd->bted", h, w_down) + b_down
+            out = jnp.einsum("bted,bte->btd", per_expert, jnp.einsum("btk,btke->bte", top_w, chosen).astype(dtype))
+        else:
+            args = (x.astype(dtype), top_i, top_w, *weights)
+            kw = dict(glu=self.glu, biases=biases, implementation=impl)
+            if expert_parallel_mesh(self.runtime, self.e) is None:
+                out = dispatch_tokens(*args, **kw)
+            else:
+                out = expert_parallel_dispatch(*args, **kw, runtime=self.runtime)
+        return out, balance_loss(probs, chosen, token_mask, self.k, self.e)
+
+
+@register("gpt_oss", TaskType.CAUSAL_LM)
+class GptOssForCausalLM(CausalLM):
+    """GPT-OSS for causal language modelling: Llama's decoder with attention sinks, biased projections and
+    `GptOssMoE` as every layer's feed-forward; its output carries the router's `aux_loss`."""
+
+    config_class = GptOssConfig
+    mlp_factory = GptOssMoE
+
+
+# ---- MXFP4 (the published checkpoints' expert weights) ---------------------------------------------------------
+
+# The 16 values of a 4-bit float (e2m1): the low nibble of a byte is the first of its two values.
+FP4_VALUES = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """`blocks [..., R, G, 16]` (uint8, two 4-bit values a byte) and `scales [..., R, G]` (uint8 exponents, biased
+    by 127) → `[..., G·32, R]`: each group of 32 values times `2**(scale - 127)`, the last two axes swapped as
+    transformers lays out `gate_up_proj` / `down_proj` (`[E, in, out]`), in `dtype`. Exact: every product is
+    representable."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales).astype(np.int32) - 127
+    if blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"MXFP4 blocks {blocks.shape} and scales {scales.shape} disagree; expected blocks [..., G, 16]"
+        )
+    values = np.empty((*blocks.shape[:-1], blocks.shape[-1] * 2), np.float32)
+    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, scales[..., None])
+    out = values.reshape(*blocks.shape[:-2], -1)  # [..., R, G·32]
+    return np.swapaxes(out, -1, -2).astype(dtype)
+
+
+class LazyMxfp4:
+    """An MXFP4 tensor read on demand: `shape` is the dequantized `[E, in, out]`; indexing dequantizes only the
+    experts (and output rows) asked for, so a process reads the slices its shards hold."""
+
+    def __init__(self, blocks: Any, scales: Any):
+        self.blocks, self.scales = blocks, scales
+        e, rows, groups, width = blocks.shape
+        self.shape = (e, groups * width * 2, rows)
+        self.ndim = 3
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        idx = () if idx and idx[0] is Ellipsis else idx
+        idx = (*idx, *(slice(None),) * (3 - len(idx)))
+        experts, inner, rows = idx
+        part = dequantize_mxfp4(self.blocks[experts][:, rows], self.scales[experts][:, rows])
+        return part[:, inner]
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[...]
+        return out if dtype is None else out.astype(dtype)
+
+
+def mxfp4_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
+    """`tensors` with each `NAME_blocks` / `NAME_scales` pair replaced by a lazily dequantized `NAME`."""
+    out = dict(tensors)
+    for name in [k for k in tensors if k.endswith("_blocks")]:
+        base = name.removesuffix("_blocks")
+        if f"{base}_scales" in tensors:
+            out[base] = LazyMxfp4(out.pop(name), out.pop(f"{base}_scales"))
+    return out
+
+
+__all__ = [
+    "FP4_VALUES",
+    "GptOssConfig",
+    "GptOssExperts",
+    "GptOssForCausalLM",
+    "GptOssMoE",
+    "LazyMxfp4",
+    "dequantize_mxfp4",
+    "mxfp4_tensors",
+]
