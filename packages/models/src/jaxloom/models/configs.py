@@ -386,11 +386,7 @@ class MixtralConfig(LlamaConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise ValueError(
-                f"MixtralConfig: num_experts_per_tok {self.num_experts_per_tok} must be in "
-                f"[1, num_local_experts={self.num_local_experts}]"
-            )
+        check_top_k(self, "num_local_experts")
 
     @property
     def num_experts(self) -> int:
@@ -410,6 +406,15 @@ class MixtralConfig(LlamaConfig):
     def expert_names(self) -> tuple[str, str, tuple[str, str, str]]:
         """Where transformers keeps the experts: `(mlp module, experts module, (gate, down, up) names)`."""
         return "block_sparse_moe", "experts", ("w1", "w2", "w3")
+
+
+def check_top_k(config: Any, experts_field: str) -> None:
+    """`num_experts_per_tok` of a mixture-of-experts `config` is in `[1, experts]` (`experts_field` names the
+    expert count as the family does): one error naming both otherwise (the config system puts the class name
+    first)."""
+    experts = getattr(config, experts_field)
+    if not 0 < config.num_experts_per_tok <= experts:
+        raise ValueError(f"num_experts_per_tok {config.num_experts_per_tok} must be in [1, {experts_field}={experts}]")
 
 
 def _check_rope_scaling(owner: str, scaling: Mapping[str, Any], head_dim: int) -> None:

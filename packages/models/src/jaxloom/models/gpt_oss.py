@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxloom.core.schema import config
 
-from .configs import LlamaConfig, register_config
+from .configs import LlamaConfig, check_top_k, register_config
 from .layers import Linear, constrain
 from .llama import CausalLM
 from .mixtral import (
@@ -90,11 +90,7 @@ class GptOssConfig(LlamaConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
-            raise ValueError(
-                f"GptOssConfig: num_experts_per_tok {self.num_experts_per_tok} must be in "
-                f"[1, num_local_experts={self.num_local_experts}]"
-            )
+        check_top_k(self, "num_local_experts")
         if not self.swiglu_limit > 0:
             raise ValueError(f"GptOssConfig.swiglu_limit = {self.swiglu_limit}; expected a positive number")
 

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 from jaxloom.core.schema import config
 
-from .configs import Qwen2Config, register_config
+from .configs import Qwen2Config, check_top_k, register_config
 from .llama import MLP, CausalLM
 from .mixtral import SparseMoE
 from .registry import TaskType, register
@@ -52,11 +52,7 @@ class Qwen3MoeConfig(Qwen3Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"Qwen3MoeConfig: num_experts_per_tok {self.num_experts_per_tok} must be in "
-                f"[1, num_experts={self.num_experts}]"
-            )
+        check_top_k(self, "num_experts")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"Qwen3MoeConfig: decoder_sparse_step = {self.decoder_sparse_step}; expected >= 1")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
