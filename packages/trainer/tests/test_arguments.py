@@ -211,3 +211,21 @@ def test_the_migration_table_names_every_hf_and_trl_name():
     assert TrainingArguments(eval_steps=7).evaluation_steps == 7
     with pytest.raises(ValueError, match=r"'bf16' \(use dtype=bfloat16"):
         TrainingArguments(bf16=True)
+
+
+def test_weight_decay_skips_what_hf_trainer_skips():
+    """HF Trainer's `get_decay_parameter_names`: no decay for any name holding `bias` or ending in a norm; the rest
+    decays (GPT-OSS's expert biases and its router's bias are biases; its sinks and expert weights decay)."""
+    import torch
+    import transformers
+
+    from jaxloom.trainer.optim import decays
+
+    tiny = dict(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = transformers.GptOssConfig(**tiny, num_key_value_heads=1, head_dim=16, num_local_experts=2)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    hf = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    for name, _ in model.named_parameters():
+        assert decays(name.split(".")) == (name in hf), name
+    assert not decays("model.layers.0.mlp.experts.gate_up_proj_bias".split("."))

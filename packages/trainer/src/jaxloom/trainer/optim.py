@@ -53,10 +53,11 @@ def get_lr_schedule_fn(
 
 
 def decays(path) -> bool:
-    """Whether weight decay applies to the parameter at `path` (a pytree key path or names): not to biases or
-    norm weights (`*norm`, `*layernorm`), as HF Trainer's `get_decay_parameter_names` excludes them."""
-    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    return not any(n == "bias" or n.endswith("norm") for n in names)
+    """Whether weight decay applies to the parameter at `path` (a pytree key path or names): not to biases (any
+    name holding `bias`: GPT-OSS's `gate_up_proj_bias`, a router's bias) or norm weights (`*norm`, `*layernorm`), as
+    HF Trainer's `get_decay_parameter_names` excludes them."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))).lower() for k in path]
+    return not any("bias" in n or n.endswith("norm") for n in names)
 
 
 def decay_mask(params):
