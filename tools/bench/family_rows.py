@@ -50,6 +50,20 @@ def configs():
             sliding_window=128,
             max_position_embeddings=4096,
         ),
+        "deepseek_v3 (E=8, k=2, MLA)": jm.DeepseekV3Config(
+            **{**BASE, "num_key_value_heads": 4},
+            moe_intermediate_size=96,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            kv_lora_rank=128,
+            q_lora_rank=192,
+            qk_rope_head_dim=32,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+        ),
     }
 
 

@@ -49,6 +49,7 @@ FAMILIES = [
     "qwen2_mixed_window",
     "smollm3",
     "gpt_oss",
+    "deepseek_v3",
 ]
 
 

@@ -144,9 +144,40 @@ FAMILIES = {
         "GptOssForCausalLM",
         dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.3),
     ),
+    # DeepSeek-V3: MLA with a q bottleneck, interleaved RoPE, YaRN with mscale_all_dim (the softmax scale), a dense
+    # layer then grouped routing (2 of 4 groups) with the correction bias, a shared expert, the routed scaling
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=12,
+            routed_scaling_factor=1.5,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+                beta_fast=16,
+                truncate=False,
+            ),
+        ),
+    ),
 }
 # families whose layers differ in structure (dense and sparse feed-forward): never scanned
-UNSCANNED = {"qwen3_moe"}
+UNSCANNED = {"qwen3_moe", "deepseek_v3"}
 
 
 def make_hf(family: str, path, seed: int = 0):
@@ -155,7 +186,7 @@ def make_hf(family: str, path, seed: int = 0):
 
     cfg_name, model_name, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, cfg_name)(**TINY, **extra)
+    config = getattr(transformers, cfg_name)(**{**TINY, **extra})
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():  # re-drawn: HF initialises norms to 1 (Gemma's to 0) and biases to 0, which hides them
         for name, p in model.named_parameters():
@@ -163,6 +194,9 @@ def make_hf(family: str, path, seed: int = 0):
                 p.add_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
+        for name, buffer in model.named_buffers():  # DeepSeek's router bias is a buffer: moved off zero too
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model.save_pretrained(path)
     return model
 

@@ -13,7 +13,19 @@ import jaxloom.models as jm  # noqa: E402
 from hf_util import batch, hf_logits, make_hf  # noqa: E402
 
 # The 12-token batch crosses every window (4 or 6), passes Phi-3's original length (8), and its soft-caps bind.
-NEW = ["qwen2_mixed_window", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "mistral", "smollm3", "gpt_oss"]
+NEW = [
+    "qwen2_mixed_window",
+    "qwen3",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "mistral",
+    "smollm3",
+    "gpt_oss",
+    "deepseek_v3",
+]
 
 
 def rel_err(ours, ref, mask):
@@ -61,6 +73,11 @@ DROPPED = [
     ("gpt_oss", {"swiglu_alpha": 1.0}),
     ("gpt_oss", {"layer_types": ("full_attention", "full_attention")}),
     ("gpt_oss", {"rope_scaling": None}),  # plain RoPE instead of its YaRN (the attention factor 1.35)
+    ("deepseek_v3", {"rope_interleave": False}),
+    ("deepseek_v3", {"routed_scaling_factor": 1.0}),
+    ("deepseek_v3", {"topk_group": 4}),  # every group open: the group restriction acts
+    ("deepseek_v3", {"norm_topk_prob": False}),
+    ("deepseek_v3", {"rope_scaling": None}),  # also drops mscale_all_dim's softmax scale
 ]
 
 
@@ -89,6 +106,7 @@ def test_registered_lists_every_family():
         "olmo2",
         "smollm3",
         "gpt_oss",
+        "deepseek_v3",
     }
 
 

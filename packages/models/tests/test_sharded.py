@@ -146,7 +146,23 @@ FAMILIES = {
         swiglu_limit=0.5,
         rope_scaling=None,
     ),
+    # MLA (q bottleneck, interleaved RoPE), a dense layer then grouped routing with a shared expert: unrolled
+    "deepseek_v3": jm.DeepseekV3Config(
+        **{**TINY, "num_key_value_heads": 4},
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+    ),
 }
+UNSCANNED = {"qwen3_moe_mixed", "deepseek_v3"}  # dense and sparse layers: never one scan
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -156,7 +172,7 @@ def test_training_steps_on_fsdp_tp_equal_one_device(family):
     (× ep for the MoE) give the losses and weights of one device."""
     config = FAMILIES[family]
     runtime = jm.RuntimeConfig(scan_layers=True, attn_mechanism="chunked", attn_block_size=4, remat="dots_saveable")
-    if family == "qwen3_moe_mixed":
+    if family in UNSCANNED:
         runtime = runtime.replace(scan_layers=None)
     ids, mask = inputs(8, 16)
     tx = optax.sgd(1.0)  # linear in the gradients: Adam would amplify float noise where a gradient is ~0
@@ -187,7 +203,7 @@ def test_training_steps_on_fsdp_tp_equal_one_device(family):
         return losses, [np.asarray(gather(x)) for x in jax.tree_util.tree_leaves(params)], model
 
     ref_losses, ref_params, model = train(None)
-    assert model.scanned == (family != "qwen3_moe_mixed")
+    assert model.scanned == (family not in UNSCANNED)
     axes = dict(ep=2, fsdp=2, tp=2) if hasattr(config, "expert_intermediate_size") else dict(fsdp=4, tp=2)
     mesh = MeshConfig.from_axes(**axes).build()
     with jax.set_mesh(mesh):

@@ -1,10 +1,11 @@
-"""jaxloom.models: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3, Phi-3, OLMo 2, SmolLM3 and
-GPT-OSS in Flax NNX, with HF configs and weights."""
+"""jaxloom.models: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3, Phi-3, OLMo 2, SmolLM3,
+GPT-OSS and DeepSeek-V3 in Flax NNX, with HF configs and weights."""
 
 from .__about__ import __version__
 from .attention import AttentionUnavailableError, attend, choose_implementation, make_attention_mask
 from .build import count_params, create_model, flops_per_token, param_shardings, param_specs
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
+from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from .gemma import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 from .gpt_oss import GptOssConfig, GptOssForCausalLM, dequantize_mxfp4
 from .hf import from_pretrained, pretrained_source, save_hf_model, to_hf_state_dict
@@ -63,6 +64,8 @@ __all__ = [
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3TextConfig",
+    "DeepseekV3Config",
+    "DeepseekV3ForCausalLM",
     "GptOssConfig",
     "GptOssForCausalLM",
     "dequantize_mxfp4",

@@ -96,14 +96,14 @@ def flops_per_token(config: LlamaConfig, seq_len: int, *, training: bool = True)
     causal attention counted whole, tripled for training (forward + backward). Embedding lookups
     are excluded, the output projection included."""
     d, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    n_q, n_kv, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    attn = d * (n_q * h) * 2 + d * (n_kv * h) * 2
+    attn = config.attention_matmul_params
     mlp = 0
     for layer in range(layers):
         if hasattr(config, "expert_intermediate_size") and getattr(config, "is_sparse", lambda _: True)(layer):
             mlp += 3 * d * config.expert_intermediate_size * config.num_experts_per_tok + d * config.num_experts
+            mlp += 3 * d * getattr(config, "shared_expert_intermediate_size", 0)  # DeepSeek's always-on experts
         else:
             mlp += 3 * d * f
     matmul_params = layers * attn + mlp + d * config.vocab_size
-    forward = 2 * matmul_params + 2 * layers * seq_len * n_q * h * 2  # QK^T and AV
+    forward = 2 * matmul_params + 2 * layers * seq_len * config.num_attention_heads * config.attention_score_dims
     return float(3 * forward if training else forward)

@@ -244,6 +244,22 @@ class LlamaConfig:
         """Output logits become `cap · tanh(logits / cap)` (Gemma 2); None: not capped."""
         return None
 
+    @property
+    def kv_cache_dims(self) -> tuple[int, int]:
+        """`(heads, width)` of each cached key and value (DeepSeek-V3's expanded latent heads differ)."""
+        return int(self.num_key_value_heads or 0), int(self.head_dim or 0)
+
+    @property
+    def attention_matmul_params(self) -> int:
+        """The weights one layer's attention multiplies by (q, k, v, o), for `flops_per_token`."""
+        d, n, kv, h = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        return d * (n * h) * 2 + d * (kv * h) * 2
+
+    @property
+    def attention_score_dims(self) -> int:
+        """Per query head, the width of QK^T plus that of AV (`2 · head_dim`; MLA's differ), for `flops_per_token`."""
+        return 2 * self.head_dim
+
     # Which projections carry a bias, per family.
     @property
     def qkv_bias(self) -> bool:

@@ -169,10 +169,21 @@ def from_pretrained(
         return var.replace(value=value)
 
     state = jax.tree_util.tree_map_with_path(load, abstract, is_leaf=is_variable)
+    extra = _extra_layers(tensors, config) if getattr(config, "checkpoint_extra_layers", False) else set()
+    if extra:
+        log.info(
+            "%s: skipped %d tensors of layers past the model's %d (multi-token prediction)",
+            path,
+            len(extra),
+            config.num_hidden_layers,
+        )
     unexpected = sorted(
         k
         for k in tensors
-        if k not in used and not _IGNORED.search(k) and not (config.tie_word_embeddings and k == "lm_head.weight")
+        if k not in used
+        and k not in extra
+        and not _IGNORED.search(k)
+        and not (config.tie_word_embeddings and k == "lm_head.weight")
     )
     if missing or unexpected:
         raise ValueError(
@@ -183,6 +194,16 @@ def from_pretrained(
     model = nnx.merge(graphdef, state)
     _SOURCES[model] = str(path.absolute())
     return model
+
+
+def _extra_layers(tensors: dict[str, Any], config: LlamaConfig) -> set[str]:
+    """The tensors of `model.layers.N` with N past the model's layers (DeepSeek-V3's multi-token prediction)."""
+    found = set()
+    for k in tensors:
+        m = re.match(r"model\.layers\.(\d+)\.", k)
+        if m and int(m.group(1)) >= config.num_hidden_layers:
+            found.add(k)
+    return found
 
 
 _SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → the directory it was read from

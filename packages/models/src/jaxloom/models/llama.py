@@ -64,11 +64,13 @@ class DecoderLayer(nnx.Module):
     `post_feedforward_layernorm` around the MLP) or `post` (OLMo 2: `post_attention_layernorm` and
     `post_feedforward_layernorm` on each branch's output only). The names are transformers'."""
 
-    def __init__(self, config: LlamaConfig, runtime: RuntimeConfig, mlp_factory, *, rngs: nnx.Rngs):
+    def __init__(
+        self, config: LlamaConfig, runtime: RuntimeConfig, mlp_factory, *, rngs: nnx.Rngs, attention_factory=Attention
+    ):
         norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, runtime, config.norm_style)
         layout = self.layout = config.block_norms
         self.input_layernorm = norm() if layout in ("pre", "sandwich") else None
-        self.self_attn = Attention(config, runtime, rngs=rngs)
+        self.self_attn = attention_factory(config, runtime, rngs=rngs)
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm() if layout == "sandwich" else None
         self.post_feedforward_layernorm = norm() if layout in ("sandwich", "post") else None
@@ -120,6 +122,7 @@ class CausalLM(nnx.Module):
 
     config_class: type[LlamaConfig] = LlamaConfig
     mlp_factory: Any = MLP
+    attention_factory: Any = Attention  # the self-attention module (DeepSeek-V3: multi-head latent attention)
 
     def __init__(self, config: LlamaConfig, runtime: RuntimeConfig | None = None, *, rngs: nnx.Rngs):
         if not isinstance(config, self.config_class):
@@ -141,10 +144,15 @@ class CausalLM(nnx.Module):
                 "shape; expected scan_layers=False or None (auto: unrolled)"
             )
         self.scanned = runtime.scans(n) and uniform
+        attention = type(self).attention_factory
         if self.scanned:
-            self.model.layers = stack_layers(lambda r: DecoderLayer(config, runtime, factories[0], rngs=r), n, rngs)
+            self.model.layers = stack_layers(
+                lambda r: DecoderLayer(config, runtime, factories[0], rngs=r, attention_factory=attention), n, rngs
+            )
         else:
-            self.model.layers = nnx.List([DecoderLayer(config, runtime, f, rngs=rngs) for f in factories])
+            self.model.layers = nnx.List(
+                [DecoderLayer(config, runtime, f, rngs=rngs, attention_factory=attention) for f in factories]
+            )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime, config.norm_style)
         self.lm_head = (
             None
@@ -294,13 +302,12 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> Any:
         """Zeroed key/value buffers in the compute dtype: a list of per-layer `(k, v)` `[B, S, KV, H]`, or
         for a scanned stack one `(k, v)` pair stacked `[L, B, S, KV, H]`."""
-        c = self.config
-        shape = (batch_size, max_length, c.num_key_value_heads, c.head_dim)
+        shape = (batch_size, max_length, *self.config.kv_cache_dims)
         dtype = dtype or self.runtime.dtype
         if self.scanned:
-            stacked = (c.num_hidden_layers, *shape)
+            stacked = (self.config.num_hidden_layers, *shape)
             return jnp.zeros(stacked, dtype), jnp.zeros(stacked, dtype)
-        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_hidden_layers)]
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(self.config.num_hidden_layers)]
 
 
 def stack_layers(make_layer, n: int, rngs: nnx.Rngs) -> nnx.Module:

@@ -1,0 +1,382 @@
+"""DeepSeek-V3 (and the models built on its architecture: DeepSeek-R1, Kimi K2, ...): multi-head latent attention
+and a mixture of routed and shared experts with an aux-loss-free router, as transformers computes them.
+
+- MLA: queries through a low-rank bottleneck (`q_a_proj` → `q_a_layernorm` → `q_b_proj`; or one `q_proj` when
+  `q_lora_rank` is None); keys and values from one compressed latent (`kv_a_proj_with_mqa` → `kv_a_layernorm` →
+  `kv_b_proj`) of `kv_lora_rank`, beside a decoupled RoPE part (`qk_rope_head_dim`) shared by every head; each head's
+  key is `[nope (qk_nope_head_dim) | rope]`, its value `v_head_dim` wide. `rope_interleave` pairs the rotated
+  dimensions as DeepSeek lays them out. With YaRN, the softmax scale gains `mscale(factor, mscale_all_dim)²`.
+- MoE from layer `first_k_dense_replace` on: sigmoid scores; the top `num_experts_per_tok` of the scores plus the
+  router's `e_score_correction_bias` (the aux-loss-free balance), among the `topk_group` best of `n_group` expert
+  groups (a group's score: its two best); the chosen scores (without the bias), renormalised with
+  `norm_topk_prob`, times `routed_scaling_factor`; `n_shared_experts` always-on experts added. The routed experts
+  run Mixtral's token dispatch (grouped matmuls, expert parallelism); layers before are dense MLPs. The layers
+  differ in structure, so the stack runs unrolled.
+
+The correction bias is loaded, used and exported; it gets no gradient, and no weight decay (its name holds
+`bias`), so training keeps it as loaded (the paper's update rule that moves it by each expert's load is not
+applied). The KV cache holds each head's expanded key and value (the value padded to the key's width), not the
+compressed latent: decoding from the latent needs the weight-absorbed attention, which is not written yet. The
+published multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`) are skipped on load, and the
+published FP8 weights (`quantization_config: fp8`) must be cast to bfloat16 first (DeepSeek's
+`fp8_cast_bf16.py`): both said by name."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxloom.core.schema import config
+
+from .attention import attend
+from .configs import LlamaConfig, check_top_k, register_config
+from .layers import ACTIVATIONS, Linear, RMSNorm, apply_rope, constrain
+from .llama import MLP, CausalLM
+from .mixtral import dispatch_tokens, expert_parallel_dispatch, expert_parallel_mesh, resolve_moe_implementation
+from .registry import TaskType, register
+from .runtime import RuntimeConfig
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with their default epsilon
+
+
+@register_config
+@config
+class DeepseekV3Config(LlamaConfig):
+    """DeepSeek-V3 (transformers' `DeepseekV3Config` names; `n_routed_experts` may be given as `num_local_experts`).
+
+    - Attention (MLA): `q_lora_rank` (the queries' bottleneck; None: one `q_proj`), `kv_lora_rank` (the keys' and
+      values' latent), `qk_nope_head_dim` and `qk_rope_head_dim` (each key's un-rotated and rotated parts; `head_dim`
+      is the rotated part's width, as transformers sets it), `v_head_dim`, `rope_interleave` (DeepSeek's pairing of
+      the rotated dimensions).
+    - Experts: `n_routed_experts` of width `moe_intermediate_size`, `num_experts_per_tok` chosen per token among the
+      `topk_group` best of `n_group` groups, weights renormalised with `norm_topk_prob` and scaled by
+      `routed_scaling_factor`; `n_shared_experts` always on; the first `first_k_dense_replace` layers dense MLPs of
+      width `intermediate_size`."""
+
+    model_type: ClassVar[str] = "deepseek_v3"
+    # the published files hold the multi-token-prediction layers after the last decoder layer: skipped on load
+    checkpoint_extra_layers: ClassVar[bool] = True
+    ignored_keys: ClassVar[frozenset[str]] = frozenset(
+        {
+            "aux_loss_alpha",
+            "ep_size",
+            "moe_layer_freq",
+            "seq_aux",
+            "num_nextn_predict_layers",
+            "num_mtp_layers",
+            "auto_map",
+        }
+    )
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    num_key_value_heads: int | None = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    rope_interleave: bool = True
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "head_dim", self.qk_rope_head_dim)
+        super().__post_init__()
+        check_top_k(self, "n_routed_experts")
+        if self.n_routed_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(
+                f"n_group = {self.n_group}, topk_group = {self.topk_group} for {self.n_routed_experts} experts; "
+                "expected groups that divide the experts and 1 <= topk_group <= n_group"
+            )
+        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            raise ValueError(
+                f"num_experts_per_tok = {self.num_experts_per_tok} is more than the {self.topk_group} chosen groups "
+                f"of {self.n_routed_experts // self.n_group} experts hold"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Each head's key width: the un-rotated part and the RoPE part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Each routed expert's feed-forward width."""
+        return self.moe_intermediate_size
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        """The always-on experts' width (one MLP of `n_shared_experts` experts' width)."""
+        return self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def expert_names(self) -> tuple[str, str, tuple[str, str, str]]:
+        """Where the published files keep the experts: `(mlp module, experts module, (gate, down, up) names)`."""
+        return "mlp", "experts", ("gate_proj", "down_proj", "up_proj")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a mixture of experts."""
+        return layer >= self.first_k_dense_replace
+
+    @property
+    def attention_scale(self) -> float:
+        """`1/sqrt(qk_head_dim)`, times YaRN's `mscale(factor, mscale_all_dim)²` (transformers' `yarn_apply_mscale`)."""
+        scale = self.qk_head_dim**-0.5
+        s = self.rope_scaling
+        if s and s.get("rope_type", s.get("type")) not in (None, "default") and s.get("mscale_all_dim"):
+            factor = float(s["factor"])
+            m = 1.0 if factor <= 1 else 0.1 * float(s["mscale_all_dim"]) * math.log(factor) + 1.0
+            scale *= m * m
+        return scale
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int]:
+        return self.num_attention_heads, self.qk_head_dim
+
+    @property
+    def attention_matmul_params(self) -> int:
+        d, n = self.hidden_size, self.num_attention_heads
+        q = d * n * self.qk_head_dim if self.q_lora_rank is None else (d + n * self.qk_head_dim) * self.q_lora_rank
+        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim)
+        kv += self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + n * self.v_head_dim * d
+
+    @property
+    def attention_score_dims(self) -> int:
+        return self.qk_head_dim + self.v_head_dim
+
+    @classmethod
+    def from_hf_dict(cls, data: Mapping[str, Any]):
+        """As `LlamaConfig.from_hf_dict` reads `data` (a `config.json` dict), with the published files' own keys:
+        `scoring_func` must be sigmoid and `topk_method` noaux_tc (DeepSeek-V3's router); FP8 weights are refused
+        by name; `num_local_experts` is `n_routed_experts`."""
+        data = dict(data)
+        checks = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+        for key, expected in checks.items():
+            value = data.pop(key, expected)
+            if value != expected:
+                raise ValueError(f"{key} = {value!r}; expected {expected!r} (DeepSeek-V3's router)")
+        quant = data.pop("quantization_config", None)
+        if quant is not None:
+            method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+            raise ValueError(
+                f"quantization_config quant_method = {method!r}: cast the weights to bfloat16 first (DeepSeek's "
+                "inference/fp8_cast_bf16.py) and load that directory"
+            )
+        if "num_local_experts" in data:
+            data.setdefault("n_routed_experts", data.pop("num_local_experts"))
+        derived = {"qk_head_dim": None, "head_dim": None}  # written by transformers, derived from the widths
+        for key in derived:
+            derived[key] = data.pop(key, None)
+        out = super().from_hf_dict(data)
+        for key, value in derived.items():
+            if value is not None and value != getattr(out, key):
+                raise ValueError(
+                    f"{key} = {value}; expected {getattr(out, key)} (qk_nope_head_dim {out.qk_nope_head_dim}, "
+                    f"qk_rope_head_dim {out.qk_rope_head_dim})"
+                )
+        return out
+
+
+def _deinterleave(x: jax.Array) -> jax.Array:
+    """DeepSeek's rotated pairs `(x0, x1), (x2, x3), ...` as halves `(x0, x2, ... | x1, x3, ...)`: rotating those
+    with the rotate-half convention is transformers' interleaved rotation (keys and queries alike)."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+class MultiHeadLatentAttention(nnx.Module):
+    """MLA with transformers' module names; keys and values expanded per head from the latent, then `attend` (any
+    backend that takes a key width different from the value's: the value is padded to the key's width and the
+    output cut back)."""
+
+    def __init__(self, config: DeepseekV3Config, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
+        c, d, n = config, config.hidden_size, config.num_attention_heads
+        std, bias = config.initializer_range, config.attention_bias
+
+        def linear(din, dout, axes, use_bias=False):
+            return Linear(din, dout, axes, runtime, use_bias=use_bias, std=std, rngs=rngs)
+
+        if c.q_lora_rank is None:
+            self.q_proj = linear(d, n * c.qk_head_dim, ("embed", "heads"))
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = linear(d, c.q_lora_rank, ("embed", None), bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, runtime)
+            self.q_b_proj = linear(c.q_lora_rank, n * c.qk_head_dim, (None, "heads"))
+        self.kv_a_proj_with_mqa = linear(d, c.kv_lora_rank + c.qk_rope_head_dim, ("embed", None), bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, runtime)
+        self.kv_b_proj = linear(c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim), (None, "heads"))
+        self.o_proj = linear(n * c.v_head_dim, d, ("heads", "embed"), bias)
+        self.config, self.runtime = config, runtime
+
+    def __call__(
+        self,
+        x,
+        positions,
+        segment_ids,
+        cache=None,
+        cache_index=None,
+        kv_positions=None,
+        kv_segment_ids=None,
+        *,
+        window=None,
+        rope=None,
+    ):
+        """As `Attention.__call__`: `rope` is `(inv_freq, scale)` of the RoPE part; `window` the layer's (None)."""
+        b, t, _ = x.shape
+        c, rt = self.config, self.runtime
+        n, nope, rot, vd = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(b, t, n, nope + rot)
+        q_nope, q_rot = q[..., :nope], q[..., nope:]
+        latent = self.kv_a_proj_with_mqa(x)
+        kv, k_rot = self.kv_a_layernorm(latent[..., : c.kv_lora_rank]), latent[..., c.kv_lora_rank :]
+        k_rot = k_rot.reshape(b, t, 1, rot)
+        if c.rope_interleave:
+            q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
+        inv_freq, scale = rope
+        q_rot, k_rot = apply_rope(q_rot, positions, inv_freq, scale), apply_rope(k_rot, positions, inv_freq, scale)
+        kv = self.kv_b_proj(kv).reshape(b, t, n, nope + vd)
+        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rot, (b, t, n, rot))], axis=-1)
+        v = kv[..., nope:]
+        if vd < nope + rot:  # one width for keys and values: the value padded with zeros, the output cut back
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, nope + rot - vd)))
+        q = jnp.concatenate([q_nope, q_rot], axis=-1)
+        if cache is not None:
+            at = (0, cache_index, 0, 0)
+            cache = (
+                jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), at),
+                jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), at),
+            )
+            k, v = cache[0].astype(q.dtype), cache[1].astype(q.dtype)
+        q = constrain(q, ("batch", "query_length", "heads", "head_dim"), rt)
+        out = attend(
+            q,
+            k,
+            v,
+            q_segment_ids=segment_ids,
+            q_positions=positions,
+            kv_segment_ids=kv_segment_ids if cache is not None else None,
+            kv_positions=kv_positions if cache is not None else None,
+            causal=True,
+            window=window,
+            implementation=rt.attn_mechanism,
+            cached=cache is not None,
+            block_size=rt.attn_block_size,
+            scale=c.attention_scale,
+        )
+        return self.o_proj(out[..., :vd].reshape(b, t, n * vd)), cache
+
+
+class Router(nnx.Module):
+    """`gate`: the router's weights (`kernel [D, E]`, transformers' `gate.weight` transposed) and
+    `e_score_correction_bias [E]`, added to the scores only to choose the experts."""
+
+    def __init__(self, config: DeepseekV3Config, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
+        e, d = config.n_routed_experts, config.hidden_size
+        init = jax.nn.initializers.normal(config.initializer_range)
+        self.kernel = nnx.Param(init(rngs.params(), (d, e), runtime.param_dtype), logical_axes=("embed", None))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), runtime.param_dtype), logical_axes=(None,))
+
+    def __call__(self, x, config: DeepseekV3Config):
+        """`(top_w [B, T, k], top_i [B, T, k])` in float32, as `DeepseekV3TopkRouter` computes them."""
+        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32))  # [B, T, E]
+        choice = scores + jax.lax.stop_gradient(self.e_score_correction_bias[...].astype(jnp.float32))
+        e, g = config.n_routed_experts, config.n_group
+        grouped = choice.reshape(*choice.shape[:-1], g, e // g)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [B, T, G]: a group's two best
+        _, best_groups = jax.lax.top_k(group_scores, config.topk_group)
+        keep = jax.nn.one_hot(best_groups, g, dtype=jnp.bool_).any(-2)  # [B, T, G]
+        choice = jnp.where(jnp.repeat(keep, e // g, axis=-1), choice, -jnp.inf)
+        _, top_i = jax.lax.top_k(choice, config.num_experts_per_tok)
+        top_w = jnp.take_along_axis(scores, top_i, axis=-1)
+        if config.norm_topk_prob:
+            top_w = top_w / (top_w.sum(-1, keepdims=True) + 1e-20)
+        return top_w * config.routed_scaling_factor, top_i
+
+
+class DeepseekMoE(nnx.Module):
+    """Routed experts (`w_gate`, `w_up [E, D, F]`, `w_down [E, F, D]`; per-expert tensors `experts.{e}.*` in the files)
+    chosen by `gate` (`Router`), plus the always-on `shared_experts` (an MLP of `n_shared_experts` experts' width).
+    No auxiliary loss (the router balances through its bias)."""
+
+    def __init__(self, config: DeepseekV3Config, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
+        e, d, f = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        init = jax.nn.initializers.normal(config.initializer_range)
+        self.gate = Router(config, runtime, rngs=rngs)
+
+        def param(shape, axes):
+            return nnx.Param(init(rngs.params(), shape, runtime.param_dtype), logical_axes=axes)
+
+        self.w_gate = param((e, d, f), ("expert", "embed", "mlp"))
+        self.w_up = param((e, d, f), ("expert", "embed", "mlp"))
+        self.w_down = param((e, f, d), ("expert", "mlp", "embed"))
+        shared = config.replace(intermediate_size=config.shared_expert_intermediate_size)
+        self.shared_experts = MLP(shared, runtime, rngs=rngs)
+        self.act, self.e, self.config, self.runtime = ACTIVATIONS[config.mlp_activation], e, config, runtime
+
+    def __call__(self, x, token_mask=None):
+        dtype = self.runtime.dtype
+        top_w, top_i = self.gate(x, self.config)
+        weights = tuple(w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        impl = resolve_moe_implementation(self.runtime.moe_implementation)
+        if impl == "dense":
+            w_gate, w_up, w_down = weights
+            xs = x.astype(dtype)
+            h = self.act(jnp.einsum("btd,edf->btef", xs, w_gate)) * jnp.einsum("btd,edf->btef", xs, w_up)
+            h = constrain(h, ("batch", "length", "expert", "mlp"), self.runtime)
+            chosen = jax.nn.one_hot(top_i, self.e, dtype=jnp.float32)
+            routed = jnp.einsum(
+                "btef,efd,bte->btd", h, w_down, jnp.einsum("btk,btke->bte", top_w, chosen).astype(dtype)
+            )
+        else:
+            args = (x.astype(dtype), top_i, top_w, *weights)
+            if expert_parallel_mesh(self.runtime, self.e) is None:
+                routed = dispatch_tokens(*args, act=self.act, implementation=impl)
+            else:
+                routed = expert_parallel_dispatch(*args, act=self.act, implementation=impl, runtime=self.runtime)
+        shared, _ = self.shared_experts(x)
+        return routed + shared, None
+
+
+@register("deepseek_v3", TaskType.CAUSAL_LM)
+class DeepseekV3ForCausalLM(CausalLM):
+    """DeepSeek-V3 for causal language modelling: multi-head latent attention in every layer, dense MLPs in the
+    first `first_k_dense_replace` layers and `DeepseekMoE` after (the stack unrolled: its layers differ)."""
+
+    config_class = DeepseekV3Config
+    attention_factory = MultiHeadLatentAttention
+
+    def mlp_factory_for(self, config: DeepseekV3Config, layer: int) -> Any:  # type: ignore[override]
+        return DeepseekMoE if config.is_sparse(layer) else MLP
+
+
+__all__ = ["DeepseekMoE", "DeepseekV3Config", "DeepseekV3ForCausalLM", "MultiHeadLatentAttention", "Router"]

@@ -1,0 +1,161 @@
+"""DeepSeek-V3 beyond the shared family tests (parity, export, generation, sharding, each feature acting: the family
+lists): the router's correction bias acts, the published config counts what transformers counts, the published
+files' extra layers (multi-token prediction) are skipped on load and their FP8 weights refused by name, and the
+token dispatch equals the dense reference."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jaxloom.models as jm  # noqa: E402
+from hf_util import batch, hf_logits, make_hf  # noqa: E402
+from jaxloom.models import safetensors_io  # noqa: E402
+
+
+def rel_err(ours, ref, mask):
+    keep = mask.astype(bool)
+    return float(np.abs(ours[keep] - ref[keep]).max() / np.abs(ref[keep]).max())
+
+
+def test_the_correction_bias_acts_and_extra_layers_in_the_files_are_skipped(tmp_path):
+    """The router's `e_score_correction_bias` is read (zeroed, the logits leave transformers'); a checkpoint with a
+    layer past the model's (the published multi-token-prediction layer) loads to the same model."""
+    hf = make_hf("deepseek_v3", tmp_path / "src")
+    ids, mask, pos = batch("right", lengths=(12, 12, 12, 12))
+    ref = hf_logits(hf, ids, mask, pos)
+    model = jm.from_pretrained(tmp_path / "src")
+    assert rel_err(np.asarray(model(ids, attention_mask=mask, positions=pos).logits), ref, mask) < 1e-4
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    bias[...] = jnp.zeros_like(bias[...])
+    assert rel_err(np.asarray(model(ids, attention_mask=mask, positions=pos).logits), ref, mask) > 1e-3
+
+    tensors = dict(safetensors_io.load(tmp_path / "src" / "model.safetensors"))
+    tensors.update(
+        {k.replace("model.layers.1.", "model.layers.2."): v for k, v in tensors.items() if ".layers.1." in k}
+    )
+    tensors["model.layers.2.eh_proj.weight"] = np.zeros((64, 128), np.float32)  # an MTP layer's own projection
+    (tmp_path / "mtp").mkdir()
+    safetensors_io.save({k: np.asarray(v) for k, v in tensors.items()}, tmp_path / "mtp" / "model.safetensors")
+    (tmp_path / "mtp" / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    again = jm.from_pretrained(tmp_path / "mtp")
+    assert rel_err(np.asarray(again(ids, attention_mask=mask, positions=pos).logits), ref, mask) < 1e-4
+
+
+DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3's config.json (its FP8 quantization_config apart: see below)
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "pretraining_tp": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+
+def test_the_published_config_counts_the_parameters_transformers_counts_and_fp8_is_refused_by_name():
+    config = jm.config_from_hf_dict(dict(DEEPSEEK_V3))
+    ours = jm.count_params(jm.create_model(config, lazy=True))
+    keys = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("architectures", "transformers_version")}
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**keys))
+    bias = config.n_routed_experts * (config.num_hidden_layers - config.first_k_dense_replace)  # a buffer there
+    assert ours == theirs.num_parameters() + bias
+    print(f"\nDeepSeek-V3: {ours:,} parameters ({ours - bias:,} without the router biases), 671B published")
+    assert 670e9 < ours < 672e9
+    fp8 = {**DEEPSEEK_V3, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    with pytest.raises(ValueError, match="quant_method = 'fp8': cast the weights to bfloat16 first"):
+        jm.config_from_hf_dict(fp8)
+    with pytest.raises(ValueError, match="scoring_func = 'softmax'"):
+        jm.config_from_hf_dict({**DEEPSEEK_V3, "scoring_func": "softmax"})
+    with pytest.raises(ValueError, match="qk_head_dim = 100"):
+        jm.config_from_hf_dict({**DEEPSEEK_V3, "qk_head_dim": 100})
+    assert json.loads(json.dumps(config.to_hf_dict()))["n_routed_experts"] == 256
+
+
+def test_token_dispatch_equals_the_dense_reference():
+    config = jm.DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=64,
+    )
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 64, (3, 16)))
+
+    def run(impl):
+        model = jm.create_model(config, jm.RuntimeConfig(moe_implementation=impl), seed=5)
+        graphdef, state = nnx.split(model)
+        loss = lambda state: jnp.sum(jnp.sin(nnx.merge(graphdef, state)(ids).logits))  # noqa: E731
+        return np.asarray(model(ids).logits), jax.grad(loss)(state)
+
+    ref_logits, ref_grads = run("dense")
+    for impl in ("tiled", "ragged"):
+        logits, grads = run(impl)
+        np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
+        for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-4)
