@@ -87,6 +87,11 @@ def _host_bits(x: np.ndarray) -> np.ndarray | None:
 
 def _host_partial(u: np.ndarray, seed: np.uint32, offsets: np.ndarray, strides: np.ndarray) -> np.ndarray:
     """`_partial` in numpy (the same uint32 arithmetic, wrapping alike) over a shard's bit patterns `u`."""
+    with np.errstate(over="ignore"):  # a 0-d shard's products are numpy scalars, which warn as they wrap
+        return _host_sums(u, seed, offsets, strides)
+
+
+def _host_sums(u: np.ndarray, seed: np.uint32, offsets: np.ndarray, strides: np.ndarray) -> np.ndarray:
     index = np.zeros(u.shape, np.uint32)
     for axis in range(u.ndim):
         shape = [1] * u.ndim
