@@ -217,3 +217,14 @@ def test_token_dispatch_with_biases_and_the_clamp_equals_the_dense_reference():
         np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
         for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_all_linear_lora_targets_what_peft_targets(tmp_path, family):
+    """`lora_target_modules=all-linear` picks the layers PEFT's all-linear picks on transformers' model: its
+    `nn.Linear`s but the output layer (GPT-OSS's router and DeepSeek's gate are not linear layers there)."""
+    hf = make_hf(family, tmp_path)
+    theirs = {n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    model = jm.from_pretrained(tmp_path)
+    ours = {".".join(path) for _, _, path in jm.lora.targets(model, jm.LoRAConfig(target_modules="all-linear"))}
+    assert ours == theirs and ours
