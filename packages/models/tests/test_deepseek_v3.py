@@ -3,6 +3,7 @@ lists): the router's correction bias acts, the published config counts what tran
 files' extra layers (multi-token prediction) are skipped on load and their FP8 weights refused by name, and the
 token dispatch equals the dense reference."""
 
+import copy
 import json
 
 import jax
@@ -107,7 +108,8 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3's config.json (its FP8 quantization_c
 def test_the_published_config_counts_the_parameters_transformers_counts_and_fp8_is_refused_by_name():
     config = jm.config_from_hf_dict(dict(DEEPSEEK_V3))
     ours = jm.count_params(jm.create_model(config, lazy=True))
-    keys = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("architectures", "transformers_version")}
+    # a deep copy: transformers rewrites the rope_scaling dict it is given in place
+    keys = copy.deepcopy({k: v for k, v in DEEPSEEK_V3.items() if k not in ("architectures", "transformers_version")})
     with torch.device("meta"):
         theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**keys))
     bias = config.n_routed_experts * (config.num_hidden_layers - config.first_k_dense_replace)  # a buffer there
@@ -115,8 +117,9 @@ def test_the_published_config_counts_the_parameters_transformers_counts_and_fp8_
     print(f"\nDeepSeek-V3: {ours:,} parameters ({ours - bias:,} without the router biases), 671B published")
     assert 670e9 < ours < 672e9
     fp8 = {**DEEPSEEK_V3, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
-    with pytest.raises(ValueError, match="quant_method = 'fp8': cast the weights to bfloat16 first"):
-        jm.config_from_hf_dict(fp8)
+    assert jm.config_from_hf_dict(fp8) == config  # the published file as it is: its weights dequantized on load
+    with pytest.raises(ValueError, match="quant_method = 'awq'; expected fp8"):
+        jm.config_from_hf_dict({**DEEPSEEK_V3, "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(ValueError, match="scoring_func = 'softmax'"):
         jm.config_from_hf_dict({**DEEPSEEK_V3, "scoring_func": "softmax"})
     with pytest.raises(ValueError, match="qk_head_dim = 100"):
@@ -169,3 +172,53 @@ def test_token_dispatch_equals_the_dense_reference():
         np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
         for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-4)
+
+
+def test_block_scaled_fp8_weights_load_as_transformers_dequantizes_them(tmp_path):
+    """The published layout: `NAME.weight` in float8 e4m3 beside `NAME.weight_scale_inv` (a float32 scale per
+    128 × 128 block; here 16 × 16 with ragged edges), `quantization_config: fp8`. Each weight reads as transformers'
+    `_dequantize_fp8_weight` gives it, bit for bit, and the model's logits are those of transformers' model on the
+    dequantized weights."""
+    import ml_dtypes
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    src, packed = tmp_path / "src", tmp_path / "fp8"
+    make_hf("deepseek_v3", src)
+    tensors = dict(safetensors_io.load(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    block = (16, 16)
+    rng = np.random.default_rng(0)
+    dequantized = {}
+    for name in [k for k in tensors if k.endswith("proj.weight") and ".layers." in k]:
+        w = np.asarray(tensors[name])
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        scale = rng.uniform(1.0, 2.0, (rows, cols)).astype(np.float32) * np.abs(w).max() / 448  # within e4m3
+        expanded = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[: w.shape[0], : w.shape[1]]
+        tensors[name] = (w / expanded).astype(ml_dtypes.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = scale
+        theirs = _dequantize_fp8_weight(
+            torch.tensor(tensors[name].view(np.uint8)).view(torch.float8_e4m3fn),
+            torch.tensor(scale),
+            list(block),
+            torch.float32,
+        )
+        dequantized[name] = theirs.numpy()
+    packed.mkdir()
+    safetensors_io.save({k: np.asarray(v) for k, v in tensors.items()}, packed / "model.safetensors")
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block), "fmt": "e4m3"}
+    (packed / "config.json").write_text(json.dumps(config))
+
+    ours = jm.from_pretrained(packed)
+    weights = jm.to_hf_state_dict(ours)
+    assert len(dequantized) > 10
+    for name, reference in dequantized.items():
+        np.testing.assert_array_equal(weights[name], reference, err_msg=name)
+    plain = dict(safetensors_io.load(src / "model.safetensors"))
+    plain.update(dequantized)
+    (tmp_path / "plain").mkdir()
+    safetensors_io.save({k: np.asarray(v) for k, v in plain.items()}, tmp_path / "plain" / "model.safetensors")
+    (tmp_path / "plain" / "config.json").write_text((src / "config.json").read_text())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
+    ids, mask, pos = batch("right", lengths=(12, 12, 12, 12))
+    ref = hf_logits(hf, ids, mask, pos)
+    assert rel_err(np.asarray(ours(ids, attention_mask=mask, positions=pos).logits), ref, mask) < 1e-4

@@ -18,8 +18,8 @@ The correction bias is loaded, used and exported; it gets no gradient, and no we
 applied). The KV cache holds each head's expanded key and value (the value padded to the key's width), not the
 compressed latent: decoding from the latent needs the weight-absorbed attention, which is not written yet. The
 published multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`) are skipped on load, and the
-published FP8 weights (`quantization_config: fp8`) must be cast to bfloat16 first (DeepSeek's
-`fp8_cast_bf16.py`): both said by name."""
+published FP8 weights (`quantization_config: fp8`, 128 × 128 block scales) are dequantized as they are read
+(`jaxloom.models.fp8`); a model is exported in its parameters' dtype, unquantized."""
 
 from __future__ import annotations
 
@@ -175,8 +175,9 @@ class DeepseekV3Config(LlamaConfig):
     @classmethod
     def from_hf_dict(cls, data: Mapping[str, Any]):
         """As `LlamaConfig.from_hf_dict` reads `data` (a `config.json` dict), with the published files' own keys:
-        `scoring_func` must be sigmoid and `topk_method` noaux_tc (DeepSeek-V3's router); FP8 weights are refused
-        by name; `num_local_experts` is `n_routed_experts`."""
+        `scoring_func` must be sigmoid and `topk_method` noaux_tc (DeepSeek-V3's router); a `quantization_config`
+        of fp8 (the published files) is accepted, its weights dequantized on load; `num_local_experts` is
+        `n_routed_experts`."""
         data = dict(data)
         checks = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
         for key, expected in checks.items():
@@ -184,11 +185,11 @@ class DeepseekV3Config(LlamaConfig):
             if value != expected:
                 raise ValueError(f"{key} = {value!r}; expected {expected!r} (DeepSeek-V3's router)")
         quant = data.pop("quantization_config", None)
-        if quant is not None:
-            method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        if quant is not None and method != "fp8":
             raise ValueError(
-                f"quantization_config quant_method = {method!r}: cast the weights to bfloat16 first (DeepSeek's "
-                "inference/fp8_cast_bf16.py) and load that directory"
+                f"quantization_config quant_method = {method!r}; expected fp8 (the published block-scaled weights, "
+                "dequantized on load) or none"
             )
         if "num_local_experts" in data:
             data.setdefault("n_routed_experts", data.pop("num_local_experts"))

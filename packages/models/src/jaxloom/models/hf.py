@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from . import safetensors_io
 from .build import is_variable, variable_specs
 from .configs import LlamaConfig, config_from_hf_dict
+from .fp8 import fp8_tensors
 from .gpt_oss import mxfp4_tensors
 from .registry import TaskType, get_model_class
 from .runtime import RuntimeConfig
@@ -129,7 +130,8 @@ def from_pretrained(
         config = config.replace(**config_overrides)
     runtime = runtime or RuntimeConfig()
     cls = get_model_class(config.model_type, task)
-    tensors = mxfp4_tensors(_open_checkpoint(path))  # GPT-OSS's published experts: dequantized as they are read
+    # published quantized weights, dequantized as they are read: GPT-OSS's MXFP4 experts, DeepSeek-V3's FP8 blocks
+    tensors = fp8_tensors(mxfp4_tensors(_open_checkpoint(path)), raw.get("quantization_config"))
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, runtime, rngs=nnx.Rngs(0))))
     specs = variable_specs(abstract, runtime, mesh) if mesh is not None else None
     used, missing = set(), []

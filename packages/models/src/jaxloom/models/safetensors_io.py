@@ -21,6 +21,7 @@ _DTYPES = {
     "I8": np.int8,
     "U8": np.uint8,
     "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # DeepSeek-V3's published weights (with block scales)
 }
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
