@@ -56,6 +56,9 @@ XDIST = "pytest-xdist>=3.5"
 # DPOTrainer's numbers are compared with TRL's DPOTrainer (test-only; installed next to the local CPU torch).
 NEEDS_TRL = {"trainer"}
 TRL = "trl==1.16.0"
+# LoRA / QLoRA adapters are read and written against PEFT itself (test-only; after the CPU torch, like TRL).
+NEEDS_PEFT = {"models"}
+PEFT = "peft>=0.17"
 TORCH_WHEELS = "/opt/wheels/torch-2.13.0+cpu-*.whl"
 # Lint and format check (ruff, settings in pyproject.toml); the meta target runs them, so CI does.
 LINT_DEPS = ("ruff>=0.6",)
@@ -128,6 +131,8 @@ def tests(session: nox.Session, target: str) -> None:
             session.install(wheels[-1])
             if target in NEEDS_TRL:  # after torch: TRL must not pull a CUDA build of it
                 session.install(TRL)
+            if target in NEEDS_PEFT:  # after torch, for the same reason
+                session.install(PEFT)
         else:
             session.warn(f"no local CPU torch wheel ({TORCH_WHEELS}): parity tests against transformers will skip")
     paths = [f"packages/{target}/tests"]
