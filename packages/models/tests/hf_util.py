@@ -201,6 +201,12 @@ def make_hf(family: str, path, seed: int = 0):
     return model
 
 
+def rel_err(ours, ref, mask):
+    """The largest difference over the real tokens, relative to the largest reference logit there."""
+    keep = mask.astype(bool)
+    return float(np.abs(ours[keep] - ref[keep]).max() / np.abs(ref[keep]).max())
+
+
 def hf_logits(model, ids, mask, positions):
     import torch
 

@@ -16,13 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxloom.models as jm  # noqa: E402
-from hf_util import batch, hf_logits, make_hf  # noqa: E402
+from hf_util import batch, hf_logits, make_hf, rel_err  # noqa: E402
 from jaxloom.models import safetensors_io  # noqa: E402
-
-
-def rel_err(ours, ref, mask):
-    keep = mask.astype(bool)
-    return float(np.abs(ours[keep] - ref[keep]).max() / np.abs(ref[keep]).max())
 
 
 def test_the_correction_bias_acts_and_extra_layers_in_the_files_are_skipped(tmp_path):

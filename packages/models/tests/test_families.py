@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxloom.models as jm  # noqa: E402
-from hf_util import batch, hf_logits, make_hf  # noqa: E402
+from hf_util import batch, hf_logits, make_hf, rel_err  # noqa: E402
 
 # The 12-token batch crosses every window (4 or 6), passes Phi-3's original length (8), and its soft-caps bind.
 NEW = [
@@ -26,11 +26,6 @@ NEW = [
     "gpt_oss",
     "deepseek_v3",
 ]
-
-
-def rel_err(ours, ref, mask):
-    keep = mask.astype(bool)
-    return float(np.abs(ours[keep] - ref[keep]).max() / np.abs(ref[keep]).max())
 
 
 @pytest.mark.parametrize("family", NEW)

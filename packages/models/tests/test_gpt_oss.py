@@ -15,13 +15,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxloom.models as jm  # noqa: E402
-from hf_util import batch, hf_logits, make_hf  # noqa: E402
+from hf_util import batch, hf_logits, make_hf, rel_err  # noqa: E402
 from jaxloom.models import safetensors_io  # noqa: E402
-
-
-def rel_err(ours, ref, mask):
-    keep = mask.astype(bool)
-    return float(np.abs(ours[keep] - ref[keep]).max() / np.abs(ref[keep]).max())
 
 
 def test_mxfp4_experts_load_as_transformers_dequantizes_them_and_export_unquantized(tmp_path):

@@ -7,14 +7,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import jaxloom.models as jm  # noqa: E402
-from hf_util import FAMILIES, UNSCANNED, batch, hf_logits, make_hf  # noqa: E402
+from hf_util import FAMILIES, UNSCANNED, batch, hf_logits, make_hf, rel_err  # noqa: E402
 
 RTOL = 1e-4
-
-
-def rel_err(ours, ref, mask):
-    keep = mask.astype(bool)
-    return float(np.abs(ours[keep] - ref[keep]).max() / np.abs(ref[keep]).max())
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

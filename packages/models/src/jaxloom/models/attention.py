@@ -395,6 +395,57 @@ def _flash(q, k, v, seg, causal, window, scale, *, interpret: bool = False, bloc
     return out.astype(q.dtype)
 
 
+def self_attention(
+    q,
+    k,
+    v,
+    runtime: RuntimeConfig,
+    *,
+    positions,
+    segment_ids,
+    cache=None,
+    cache_index=None,
+    kv_positions=None,
+    kv_segment_ids=None,
+    window=None,
+    scale=None,
+    softcap=None,
+    sinks=None,
+):
+    """A decoder layer's causal self-attention of `q [B, T, N, H]` over this call's `k, v [B, T, K, H]`, or, with
+    `cache=(k, v)` (`[B, S, K, H]` each), over the cache after writing this call's keys and values at
+    `cache_index` (its slots described by `kv_positions` / `kv_segment_ids`): `(out [B, T, N, H], new_cache)`.
+    The backend, block size and sharding are `runtime`'s; `window`, `scale`, `softcap` and `sinks` as `attend`."""
+    if cache is not None:
+        at = (0, cache_index, 0, 0)
+        cache = (
+            jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), at),
+            jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), at),
+        )
+        k, v = cache[0].astype(q.dtype), cache[1].astype(q.dtype)
+    q = constrain(q, ("batch", "query_length", "heads", "head_dim"), runtime)
+    k = constrain(k, ("batch", "key_length", "kv_heads", "kv_head_dim"), runtime)
+    v = constrain(v, ("batch", "key_length", "kv_heads", "kv_head_dim"), runtime)
+    out = attend(
+        q,
+        k,
+        v,
+        q_segment_ids=segment_ids,
+        q_positions=positions,
+        kv_segment_ids=kv_segment_ids if cache is not None else None,
+        kv_positions=kv_positions if cache is not None else None,
+        causal=True,
+        window=window,
+        implementation=runtime.attn_mechanism,
+        cached=cache is not None,
+        block_size=runtime.attn_block_size,
+        scale=scale,
+        softcap=softcap,
+        sinks=sinks,
+    )
+    return out, cache
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, as the family's config says: biases (`qkv_bias`, `o_bias`),
     q/k RMSNorm (`qk_norm`: per head, Qwen3 / Gemma 3; over the whole projection, OLMo 2), the logit
@@ -457,29 +508,18 @@ class Attention(nnx.Module):
             rope = rope if c.uses_rope(kind) else (jnp.zeros_like(rope[0]), rope[1])
         inv_freq, scale = rope
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
-        if cache is not None:
-            at = (0, cache_index, 0, 0)
-            cache = (
-                jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), at),
-                jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), at),
-            )
-            k, v = cache[0].astype(q.dtype), cache[1].astype(q.dtype)
-        q = constrain(q, ("batch", "query_length", "heads", "head_dim"), rt)
-        k = constrain(k, ("batch", "key_length", "kv_heads", "kv_head_dim"), rt)
-        v = constrain(v, ("batch", "key_length", "kv_heads", "kv_head_dim"), rt)
-        out = attend(
+        out, cache = self_attention(
             q,
             k,
             v,
-            q_segment_ids=segment_ids,
-            q_positions=positions,
-            kv_segment_ids=kv_segment_ids if cache is not None else None,
-            kv_positions=kv_positions if cache is not None else None,
-            causal=True,
+            rt,
+            positions=positions,
+            segment_ids=segment_ids,
+            cache=cache,
+            cache_index=cache_index,
+            kv_positions=kv_positions,
+            kv_segment_ids=kv_segment_ids,
             window=window,
-            implementation=rt.attn_mechanism,
-            cached=cache is not None,
-            block_size=rt.attn_block_size,
             scale=c.attention_scale,
             softcap=c.attention_softcap,
             sinks=None if self.sinks is None else self.sinks[...],

@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxloom.core.schema import config
 
-from .attention import attend
+from .attention import self_attention
 from .configs import LlamaConfig, check_top_k, register_config
 from .layers import ACTIVATIONS, Linear, RMSNorm, apply_rope, constrain
 from .llama import MLP, CausalLM
@@ -271,27 +271,18 @@ class MultiHeadLatentAttention(nnx.Module):
         if vd < nope + rot:  # one width for keys and values: the value padded with zeros, the output cut back
             v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, nope + rot - vd)))
         q = jnp.concatenate([q_nope, q_rot], axis=-1)
-        if cache is not None:
-            at = (0, cache_index, 0, 0)
-            cache = (
-                jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), at),
-                jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), at),
-            )
-            k, v = cache[0].astype(q.dtype), cache[1].astype(q.dtype)
-        q = constrain(q, ("batch", "query_length", "heads", "head_dim"), rt)
-        out = attend(
+        out, cache = self_attention(
             q,
             k,
             v,
-            q_segment_ids=segment_ids,
-            q_positions=positions,
-            kv_segment_ids=kv_segment_ids if cache is not None else None,
-            kv_positions=kv_positions if cache is not None else None,
-            causal=True,
+            rt,
+            positions=positions,
+            segment_ids=segment_ids,
+            cache=cache,
+            cache_index=cache_index,
+            kv_positions=kv_positions,
+            kv_segment_ids=kv_segment_ids,
             window=window,
-            implementation=rt.attn_mechanism,
-            cached=cache is not None,
-            block_size=rt.attn_block_size,
             scale=c.attention_scale,
         )
         return self.o_proj(out[..., :vd].reshape(b, t, n * vd)), cache
