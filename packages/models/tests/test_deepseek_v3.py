@@ -117,6 +117,15 @@ def test_the_published_config_counts_the_parameters_transformers_counts_and_fp8_
         jm.config_from_hf_dict({**DEEPSEEK_V3, "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(ValueError, match="scoring_func = 'softmax'"):
         jm.config_from_hf_dict({**DEEPSEEK_V3, "scoring_func": "softmax"})
+    for bad, words in (
+        ({"kv_lora_rank": 0}, "kv_lora_rank = 0; expected a positive integer"),
+        ({"q_lora_rank": -1}, "q_lora_rank = -1"),
+        ({"n_group": 3}, "n_group = 3, topk_group = 4 for 256 experts"),
+        ({"routed_scaling_factor": 0}, "routed_scaling_factor = 0"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            jm.config_from_hf_dict({**DEEPSEEK_V3, **bad})
+    assert jm.config_from_hf_dict({**DEEPSEEK_V3, "q_lora_rank": None}).q_lora_rank is None  # one q_proj
     with pytest.raises(ValueError, match="qk_head_dim = 100"):
         jm.config_from_hf_dict({**DEEPSEEK_V3, "qk_head_dim": 100})
     assert json.loads(json.dumps(config.to_hf_dict()))["n_routed_experts"] == 256

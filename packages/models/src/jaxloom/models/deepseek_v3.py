@@ -35,9 +35,9 @@ from jaxloom.core.schema import config
 
 from .attention import self_attention
 from .configs import LlamaConfig, check_top_k, register_config
-from .layers import ACTIVATIONS, Linear, RMSNorm, apply_rope, constrain
+from .layers import ACTIVATIONS, Linear, RMSNorm, apply_rope
 from .llama import MLP, CausalLM
-from .mixtral import dispatch_tokens, expert_parallel_dispatch, expert_parallel_mesh, resolve_moe_implementation
+from .mixtral import gated, run_experts
 from .registry import TaskType, register
 from .runtime import RuntimeConfig
 
@@ -99,6 +99,16 @@ class DeepseekV3Config(LlamaConfig):
     eos_token_id: int | list[int] | None = 1
 
     def __post_init__(self) -> None:
+        widths = ("moe_intermediate_size", "n_routed_experts", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
+        for name in (*widths, "v_head_dim", "n_group", "topk_group", "q_lora_rank"):
+            value = getattr(self, name)
+            if not (value is None and name == "q_lora_rank") and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} = {value!r}; expected a positive integer")
+        if self.n_shared_experts < 0 or self.first_k_dense_replace < 0 or not self.routed_scaling_factor > 0:
+            raise ValueError(
+                f"n_shared_experts = {self.n_shared_experts}, first_k_dense_replace = {self.first_k_dense_replace}, "
+                f"routed_scaling_factor = {self.routed_scaling_factor}; expected >= 0, >= 0 and > 0"
+            )
         object.__setattr__(self, "head_dim", self.qk_rope_head_dim)
         super().__post_init__()
         check_top_k(self, "n_routed_experts")
@@ -339,22 +349,7 @@ class DeepseekMoE(nnx.Module):
         dtype = self.runtime.dtype
         top_w, top_i = self.gate(x, self.config)
         weights = tuple(w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        impl = resolve_moe_implementation(self.runtime.moe_implementation)
-        if impl == "dense":
-            w_gate, w_up, w_down = weights
-            xs = x.astype(dtype)
-            h = self.act(jnp.einsum("btd,edf->btef", xs, w_gate)) * jnp.einsum("btd,edf->btef", xs, w_up)
-            h = constrain(h, ("batch", "length", "expert", "mlp"), self.runtime)
-            chosen = jax.nn.one_hot(top_i, self.e, dtype=jnp.float32)
-            routed = jnp.einsum(
-                "btef,efd,bte->btd", h, w_down, jnp.einsum("btk,btke->bte", top_w, chosen).astype(dtype)
-            )
-        else:
-            args = (x.astype(dtype), top_i, top_w, *weights)
-            if expert_parallel_mesh(self.runtime, self.e) is None:
-                routed = dispatch_tokens(*args, act=self.act, implementation=impl)
-            else:
-                routed = expert_parallel_dispatch(*args, act=self.act, implementation=impl, runtime=self.runtime)
+        routed = run_experts(x.astype(dtype), top_i, top_w, weights, glu=gated(self.act), runtime=self.runtime)
         shared, _ = self.shared_experts(x)
         return routed + shared, None
 

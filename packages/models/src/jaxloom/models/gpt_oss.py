@@ -30,16 +30,9 @@ from flax import nnx
 from jaxloom.core.schema import config
 
 from .configs import LlamaConfig, check_top_k, register_config
-from .layers import Linear, constrain
+from .layers import Linear
 from .llama import CausalLM
-from .mixtral import (
-    balance_loss,
-    dispatch_tokens,
-    expert_parallel_dispatch,
-    expert_parallel_mesh,
-    resolve_moe_implementation,
-    route,
-)
+from .mixtral import balance_loss, route, run_experts
 from .registry import TaskType, register
 from .runtime import RuntimeConfig
 
@@ -180,23 +173,7 @@ class GptOssMoE(nnx.Module):
         dtype = self.runtime.dtype
         probs, top_w, top_i, chosen = route(self.router(x), self.k, self.e, normalize=True)
         weights, biases = self.experts.split(dtype)
-        impl = resolve_moe_implementation(self.runtime.moe_implementation)
-        if impl == "dense":
-            w_gate, w_up, w_down = weights
-            b_gate, b_up, b_down = biases
-            xs = x.astype(dtype)
-            gate = jnp.einsum("btd,edf->btef", xs, w_gate) + b_gate
-            up = jnp.einsum("btd,edf->btef", xs, w_up) + b_up
-            h = constrain(self.glu(gate, up), ("batch", "length", "expert", "mlp"), self.runtime)
-            per_expert = jnp.einsum("btef,efd->bted", h, w_down) + b_down
-            out = jnp.einsum("bted,bte->btd", per_expert, jnp.einsum("btk,btke->bte", top_w, chosen).astype(dtype))
-        else:
-            args = (x.astype(dtype), top_i, top_w, *weights)
-            kw = dict(glu=self.glu, biases=biases, implementation=impl)
-            if expert_parallel_mesh(self.runtime, self.e) is None:
-                out = dispatch_tokens(*args, **kw)
-            else:
-                out = expert_parallel_dispatch(*args, **kw, runtime=self.runtime)
+        out = run_experts(x.astype(dtype), top_i, top_w, weights, glu=self.glu, biases=biases, runtime=self.runtime)
         return out, balance_loss(probs, chosen, token_mask, self.k, self.e)
 
 

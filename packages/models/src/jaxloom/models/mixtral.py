@@ -131,21 +131,34 @@ class SparseMoE(nnx.Module):
     def __call__(self, x, token_mask=None):
         dtype = self.runtime.dtype
         probs, top_w, top_i, chosen = route(self.gate(x), self.k, self.e, normalize=self.normalize)
-        impl = resolve_moe_implementation(self.runtime.moe_implementation)
-        w_gate, w_up, w_down = (w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        if impl == "dense":
-            weights = jnp.einsum("btk,btke->bte", top_w, chosen)  # [B, T, E]
-            h = self.act(jnp.einsum("btd,edf->btef", x.astype(dtype), w_gate))
-            h = h * jnp.einsum("btd,edf->btef", x.astype(dtype), w_up)
-            h = constrain(h, ("batch", "length", "expert", "mlp"), self.runtime)
-            out = jnp.einsum("btef,efd,bte->btd", h, w_down, weights.astype(dtype))
-        else:
-            args = (x.astype(dtype), top_i, top_w, w_gate, w_up, w_down)
-            if expert_parallel_mesh(self.runtime, self.e) is None:
-                out = dispatch_tokens(*args, act=self.act, implementation=impl)
-            else:
-                out = expert_parallel_dispatch(*args, act=self.act, implementation=impl, runtime=self.runtime)
+        weights = tuple(w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        out = run_experts(x.astype(dtype), top_i, top_w, weights, glu=gated(self.act), runtime=self.runtime)
         return out, balance_loss(probs, chosen, token_mask, self.k, self.e)
+
+
+def run_experts(x, top_i, top_w, weights, *, glu, runtime: RuntimeConfig, biases=None):
+    """The routed experts' output for `x [B, T, D]` (in its dtype) by `runtime.moe_implementation`: `dense`, the
+    reference, runs every expert on every token (exact, `E/k` times the FLOPs); otherwise the token dispatch
+    (`dispatch_tokens`), under `shard_map` when the mesh splits the experts (`expert_parallel_dispatch`).
+    `weights` are `(w_gate [E, D, F], w_up, w_down [E, F, D])`, `biases` `(b_gate [E, F], b_up, b_down [E, D])`
+    or None, `glu(gate, up)` the expert's middle."""
+    impl = resolve_moe_implementation(runtime.moe_implementation)
+    experts = weights[0].shape[0]
+    if impl != "dense":
+        kw = dict(glu=glu, biases=biases, implementation=impl)
+        if expert_parallel_mesh(runtime, experts) is None:
+            return dispatch_tokens(x, top_i, top_w, *weights, **kw)
+        return expert_parallel_dispatch(x, top_i, top_w, *weights, **kw, runtime=runtime)
+    w_gate, w_up, w_down = weights
+    gate, up = jnp.einsum("btd,edf->btef", x, w_gate), jnp.einsum("btd,edf->btef", x, w_up)
+    if biases is not None:
+        gate, up = gate + biases[0], up + biases[1]
+    h = constrain(glu(gate, up), ("batch", "length", "expert", "mlp"), runtime)
+    per_expert = jnp.einsum("btef,efd->bted", h, w_down)
+    if biases is not None:
+        per_expert = per_expert + biases[2]
+    chosen = jax.nn.one_hot(top_i, experts, dtype=top_w.dtype)
+    return jnp.einsum("bted,bte->btd", per_expert, jnp.einsum("btk,btke->bte", top_w, chosen).astype(x.dtype))
 
 
 def route(logits: jax.Array, k: int, experts: int, *, normalize: bool):
