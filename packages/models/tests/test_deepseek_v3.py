@@ -226,3 +226,40 @@ def test_block_scaled_fp8_weights_load_as_transformers_dequantizes_them(tmp_path
     ids, mask, pos = batch("right", lengths=(12, 12, 12, 12))
     ref = hf_logits(hf, ids, mask, pos)
     assert rel_err(np.asarray(ours(ids, attention_mask=mask, positions=pos).logits), ref, mask) < 1e-4
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_the_flop_count_reads_the_latent_attentions_own_weights(q_lora_rank):
+    """`flops_per_token` counts MLA's projections as built (bottleneck or one q_proj; the latent's two steps), and
+    each sparse layer's routed experts (k of them), shared experts and router."""
+    from jaxloom.models.layers import Linear
+
+    config = jm.DeepseekV3Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+    )
+    model = jm.create_model(config, lazy=True)
+    attention = model.model.layers[0].self_attn
+    built = sum(int(np.prod(m.kernel.shape)) for m in vars(attention).values() if isinstance(m, Linear))
+    assert config.attention_matmul_params == built
+    d, f = config.hidden_size, config.moe_intermediate_size
+    mlp = (
+        3 * d * config.intermediate_size + 3 * d * f * 2 + d * 8 + 3 * d * f
+    )  # dense layer; sparse: k=2, router, shared
+    forward = 2 * (2 * built + mlp + d * config.vocab_size) + 2 * 2 * 128 * 4 * (24 + 12)
+    assert jm.flops_per_token(config, 128) == 3 * forward
