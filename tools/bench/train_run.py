@@ -107,6 +107,7 @@ def main():
             args, model, dataset_train=records, processing_class=jd.load_processor(), mesh=mesh, hooks=[Clock()]
         )
         trainer.train()
+        marks["attention"] = trainer.plan.attention
     print(
         json.dumps(
             {
@@ -116,6 +117,7 @@ def main():
                 "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 "devices": jax.device_count(),
                 "platform": jax.devices()[0].platform,
+                **({"attention": marks["attention"]} if "attention" in marks else {}),
             }
         )
     )

@@ -220,3 +220,76 @@ def test_chunked_memory_is_linear_in_length_and_xla_is_not():
     xla = _temp_bytes("xla", 2048) / _temp_bytes("xla", 512)
     assert chunked < 5.0, chunked
     assert xla > 8.0, xla  # quadratic terms dominate (the linear ones keep it under 16)
+
+
+def test_document_table_describes_exactly_what_segment_ids_allow():
+    """cuDNN's packed layout sees documents as (offset, length) per row: the table built from segment ids must
+    allow exactly the pairs the reference mask allows (same document, causal), padding in no document, a
+    row of more documents than the table holds flagged, not silently merged."""
+    seg = jnp.asarray(
+        [
+            [1, 1, 1, 2, 2, 0, 0, 0],  # two documents, right padding
+            [0, 0, 3, 3, 3, 3, 4, 4],  # left padding, two documents
+            [5, 6, 7, 8, 8, 8, 9, 0],  # five documents: more than the table holds
+            [0, 0, 0, 0, 0, 0, 0, 0],  # padding only
+        ],
+        jnp.int32,
+    )
+    offsets, lengths, fits = jm.document_table(seg, 3)
+    assert offsets.shape == (4, 4) and lengths.shape == (4, 3)
+    np.testing.assert_array_equal(np.asarray(fits), [True, True, False, True])
+    np.testing.assert_array_equal(np.asarray(offsets[:2]), [[0, 3, -1, -1], [2, 6, -1, -1]])
+    np.testing.assert_array_equal(np.asarray(lengths[:2]), [[3, 2, -1], [4, 2, -1]])
+    np.testing.assert_array_equal(np.asarray(offsets[3]), [-1] * 4)
+    np.testing.assert_array_equal(np.asarray(lengths[3]), [-1] * 3)
+    # the pairs the table allows (rows that fit) against the reference mask from segment ids and positions
+    pos = jnp.broadcast_to(jnp.arange(8), seg.shape)
+    ref = np.asarray(jm.make_attention_mask(seg, pos, pos))
+    for b in (0, 1, 3):
+        allowed = np.zeros((8, 8), bool)
+        for o, n in zip(np.asarray(offsets[b]), np.asarray(lengths[b]), strict=False):
+            if n > 0:
+                for t in range(o, o + n):
+                    allowed[t, o : t + 1] = True
+        np.testing.assert_array_equal(allowed, ref[b], err_msg=f"row {b}")
+
+
+def test_auto_picks_cudnn_on_hopper_where_it_can_run():
+    gpu = dict(q_len=2048, kv_len=2048, cached=False, platform="gpu", head_dim=128)
+    hopper = dict(gpu, capability=(9, 0))
+    assert choose_implementation("auto", window=None, dtype=jnp.bfloat16, **hopper) == "cudnn"
+    assert choose_implementation("auto", window=None, dtype=jnp.float16, **hopper) == "cudnn"
+    assert choose_implementation("auto", window=4096, dtype=jnp.bfloat16, **hopper) == "cudnn"  # a fixed window
+    # what cuDNN cannot take here: the Pallas kernel (or chunked with a window), never an error
+    assert choose_implementation("auto", window=None, dtype=jnp.float32, **hopper) == "flash"
+    assert choose_implementation("auto", window=None, dtype=jnp.bfloat16, **dict(gpu, capability=(8, 0))) == "flash"
+    assert choose_implementation("auto", window=None, dtype=jnp.bfloat16, **dict(gpu, capability=None)) == "flash"
+    assert choose_implementation("auto", window=64, dtype=jnp.bfloat16, **dict(gpu, capability=(8, 6))) == "chunked"
+    assert choose_implementation("auto", window=jnp.int32(4), dtype=jnp.bfloat16, **hopper) == "chunked"
+    assert choose_implementation("auto", window=None, dtype=jnp.bfloat16, **dict(hopper, head_dim=320)) == "flash"
+    mla = dict(hopper, head_dim=192, value_head_dim=128)  # DeepSeek's keys are wider than its values
+    assert choose_implementation("auto", window=None, dtype=jnp.bfloat16, **mla) == "flash"
+    assert choose_implementation("auto", window=None, dtype=jnp.bfloat16, softcap=30.0, **hopper) == "chunked"
+    assert choose_implementation("auto", window=None, dtype=jnp.bfloat16, sinks=True, **hopper) == "chunked"
+    # ROCm and TPU keep the Pallas kernel; this process has no GPU, so detection says none
+    assert choose_implementation("auto", window=None, dtype=jnp.bfloat16, **dict(hopper, platform="rocm")) == "flash"
+    assert jm.cuda_capability("cpu") is None and not jm.cudnn_packs(None) and not jm.cudnn_packs((8, 9))
+    with pytest.raises(AttentionUnavailableError, match="bfloat16 or float16; this run computes in float32"):
+        choose_implementation("cudnn", window=None, dtype=jnp.float32, **hopper)
+
+
+@pytest.mark.skipif(not jm.cudnn_packs(jm.cuda_capability()), reason="needs an NVIDIA GPU of Hopper or later")
+@pytest.mark.parametrize("window", [None, 7])
+def test_cudnn_equals_xla_on_packed_documents(window):
+    """On a Hopper GPU: cuDNN's packed layout keeps documents apart as the reference does (values and
+    gradients, bf16 tolerances), and a row of more documents than `max_documents` gives the same result."""
+    q, k, v, _, _ = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in packed_batch(t=64, h=64))
+    seg = np.array([[1] * 9 + [2] * 20 + [3] * 30 + [0] * 5, [0] * 6 + [4] * 58], np.int32)
+    pos = np.concatenate([np.arange(9), np.arange(20), np.arange(30), np.zeros(5), np.zeros(6), np.arange(58)])
+    seg, pos = jnp.asarray(seg), jnp.asarray(pos.reshape(2, 64), jnp.int32)
+    ref_out, ref_grads = run("xla", q, k, v, seg, pos, window=window)
+    for docs in (32, 2):  # 2: row 0's three documents overflow the table: that call runs flash or chunked
+        out, grads = run("cudnn", q, k, v, seg, pos, window=window, max_documents=docs)
+        np.testing.assert_allclose(out.astype(np.float32), ref_out.astype(np.float32), atol=3e-2)
+        for g, r in zip(grads, ref_grads, strict=True):
+            np.testing.assert_allclose(g.astype(np.float32), r.astype(np.float32), atol=6e-2)

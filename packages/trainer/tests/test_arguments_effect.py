@@ -80,6 +80,7 @@ SETUP = {
     "param_dtype": ("bfloat16", lambda t: jax.tree_util.tree_leaves(t.plan.abstract.params)[0].dtype),
     "attn_mechanism": ("chunked", lambda t: t.runtime.attn_mechanism),
     "attn_block_size": (8, lambda t: t.runtime.attn_block_size),
+    "attn_max_documents": (8, lambda t: t.runtime.attn_max_documents),  # what it does on a GPU: models' test
     "remat": ("full", lambda t: t.runtime.remat),
     "scan_layers": (True, lambda t: "layers" in t.plan.abstract.params["model"] and _stacked(t)),
     "moe_implementation": ("dense", lambda t: t.runtime.moe_implementation),

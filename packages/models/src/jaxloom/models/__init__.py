@@ -2,7 +2,15 @@
 GPT-OSS and DeepSeek-V3 in Flax NNX, with HF configs and weights."""
 
 from .__about__ import __version__
-from .attention import AttentionUnavailableError, attend, choose_implementation, make_attention_mask
+from .attention import (
+    AttentionUnavailableError,
+    attend,
+    choose_implementation,
+    cuda_capability,
+    cudnn_packs,
+    document_table,
+    make_attention_mask,
+)
 from .build import count_params, create_model, flops_per_token, param_shardings, param_specs
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -50,6 +58,9 @@ __all__ = [
     "EasyDeLGradientCheckPointers",
     "attend",
     "choose_implementation",
+    "cuda_capability",
+    "cudnn_packs",
+    "document_table",
     "grouped_matmul",
     "dispatch_tokens",
     "expert_parallel_dispatch",

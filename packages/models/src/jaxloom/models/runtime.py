@@ -135,6 +135,9 @@ class RuntimeConfig:
       or 'auto' (by platform and length). An explicit backend that cannot run is an error.
       EasyDeL's names and `AttentionMechanisms` members are read as the backend they run on.
     attn_block_size: keys per block of the 'chunked' backend.
+    attn_max_documents: documents a row that 'cudnn' keeps apart in its packed layout (MaxText's
+      `max_segments_per_seq`); its softmax statistics take `B·M·N·T` floats a layer. A row with more runs the
+      'flash' kernel for that step (same result, slower).
     remat: rematerialisation of each decoder layer: none, full, or a policy saving matmul outputs
       (EasyDeL's gradient-checkpointing names and `EasyDeLGradientCheckPointers` members are read too).
     scan_layers: stack the decoder layers' parameters and run them with one `lax.scan` (compile time
@@ -156,6 +159,7 @@ class RuntimeConfig:
     precision: Annotated[str | None, AfterValidator(_precision_name)] = None
     attn_mechanism: Annotated[str, BeforeValidator(attn_backend)] = "auto"
     attn_block_size: PositiveInt = 512
+    attn_max_documents: PositiveInt = 32
     remat: Annotated[str, BeforeValidator(remat_policy)] = "none"
     scan_layers: bool | None = None
     scan_unroll: PositiveInt | None = None

@@ -257,6 +257,9 @@ class RuntimeArgs(_Group):
         None, description="attention backend: auto, xla, chunked, cudnn, flash (EasyDeL's names too)"
     )
     attn_block_size: int | None = Field(None, description="query/key block of the chunked and flash backends")
+    attn_max_documents: int | None = Field(
+        None, description="documents a packed row that cudnn keeps apart (more: flash for that step); None: 32"
+    )
     remat: str | None = Field(None, description="activation rematerialisation policy (None: the model's)")
     # Scan the decoder stack (compile time flat in depth); the model's default scans above 16 layers.
     scan_layers: bool | None = Field(
@@ -335,6 +338,7 @@ class RuntimeArgs(_Group):
             "param_dtype",
             "attn_mechanism",
             "attn_block_size",
+            "attn_max_documents",
             "remat",
             "scan_layers",
             "scan_unroll",

@@ -65,6 +65,7 @@ class Plan:
     arguments: Any = None
     lora: Any = None  # the LoRAConfig of an adapter run (jaxloom.models.LoRAConfig), else None
     n_trainable: int = 0
+    attention: str = "auto"  # the attention backend the model runs here (what `auto` picked)
 
     @classmethod
     def build(
@@ -83,7 +84,7 @@ class Plan:
         runs when the settings cannot work (the evaluation batch size too with `check_eval`)."""
         runtime = arguments.runtime.apply(model.runtime)
         config, model_class = model.config, type(model)
-        _check_attention(arguments, config, runtime, mesh)
+        attention = _check_attention(arguments, config, runtime, mesh)
         axes = data_axes(runtime, mesh)
         _check_shapes(arguments, config, mesh, axes, check_eval)
         tx, schedule = make_optimizer(arguments.optim, total_steps)
@@ -119,6 +120,7 @@ class Plan:
             arguments=arguments,
             lora=lora,
             n_trainable=Plan.count_model_parameters(abstract.params),
+            attention=attention,
         )
 
     @property
@@ -264,25 +266,30 @@ def _check_shapes(arguments, config, mesh, axes, check_eval: bool) -> None:
         raise ValueError(f"evaluation_batch_size = {a.eval_batch_size}: {e}") from None
 
 
-def _check_attention(arguments, config, runtime, mesh) -> None:
-    """The attention backend must run on this mesh's platform at this length, before anything
-    compiles; cuDNN's kernel cannot keep packed documents apart."""
+def _check_attention(arguments, config, runtime, mesh) -> str:
+    """The attention backend this run's model runs (what `auto` picks here), checked to run on this mesh's
+    platform at this length before anything compiles; cuDNN before Hopper cannot keep packed documents apart."""
     a = arguments
-    jmod.choose_implementation(
+    platform = mesh.devices.flat[0].platform
+    chosen = jmod.choose_implementation(
         runtime.attn_mechanism,
         q_len=a.max_sequence_length,
         kv_len=a.max_sequence_length,
         cached=False,
         window=config.sliding_window,
-        platform=mesh.devices.flat[0].platform,
+        platform=platform,
         softcap=config.attention_softcap,
         sinks=config.attention_sinks,
+        dtype=runtime.dtype,
+        head_dim=getattr(config, "qk_head_dim", None) or config.head_dim,  # DeepSeek's MLA: keys wider than values
+        value_head_dim=getattr(config, "v_head_dim", None) or config.head_dim,
     )
-    if runtime.attn_mechanism == "cudnn" and a.packing:
+    if chosen == "cudnn" and a.packing and not jmod.cudnn_packs(jmod.cuda_capability(platform)):
         raise ValueError(
-            "attn_mechanism='cudnn' cannot keep packed documents apart (it knows lengths, not "
-            "segments): set packing=false, or use attn_mechanism='flash' or 'auto'"
+            "attn_mechanism='cudnn' cannot keep packed documents apart on this GPU (cuDNN's packed layout "
+            "needs Hopper or later): set packing=false, or use attn_mechanism='flash' or 'auto'"
         )
+    return chosen
 
 
 def _matches(state: js.TrainState, abstract: js.TrainState) -> bool:

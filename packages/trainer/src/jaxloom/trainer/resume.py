@@ -45,6 +45,7 @@ CHANGEABLE = frozenset(
         "dtype",
         "attn_mechanism",
         "attn_block_size",
+        "attn_max_documents",
         "remat",
         "scan_unroll",  # the stacked layout is the same for any unroll
         "moe_implementation",

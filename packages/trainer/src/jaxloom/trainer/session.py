@@ -71,6 +71,8 @@ def announce(trainer: Any, step: int) -> None:
         f" in {jax.process_count()} process(es)",
         f"data: {export.describe_data(trainer.run_identity['train_data'], trainer.dataset_train)}; "
         f"{a.training_batch_size} rows × {trainer.row_width} tokens = {tokens:,} tokens per step",
+        f"attention: {trainer.plan.attention}"
+        + (f" (auto, on {devices.flat[0].platform})" if trainer.runtime.attn_mechanism == "auto" else ""),
         f"steps: {step} → {trainer.total_steps} ({start})",
         f"save_directory: {trainer.run_directory.location}",
     ]
