@@ -13,9 +13,10 @@ seen), positions (causality and windows) and a window length. Only the `xla` ref
 - `flash`: Pallas flash attention with segment ids (JAX's own Triton kernel on GPU, its TPU kernel on
   TPU); O(T); GPU, TPU.
 
-`auto` picks by platform and shape (cuDNN on NVIDIA GPUs where it can run, bf16/fp16); an explicitly requested backend that cannot run raises
-`AttentionUnavailableError` instead of silently running another. Attention sinks (GPT-OSS: a learned logit per
-head that joins every query's softmax and attends to nothing) run on `xla` and `chunked`.
+`auto` picks by platform and shape (cuDNN on NVIDIA GPUs where it can run, bf16/fp16); an explicitly
+requested backend that cannot run raises `AttentionUnavailableError` instead of silently running another.
+Attention sinks (GPT-OSS: a learned logit per head that joins every query's softmax and attends to nothing)
+run on `xla` and `chunked`.
 
 Why JAX's own Pallas kernels for `flash` (and not tokamax): they ship inside `jax`, so no extra
 dependency or version pin; the GPU kernel takes segment ids (packed documents) and its backward is a
