@@ -114,12 +114,21 @@ def correctness_rows(results, out):
     import jax.numpy as jnp
     import numpy as np
 
-    seg, _ = _packed(2, 2048, 400, np.random.default_rng(1))
-    seg = jnp.asarray(seg)
+    packed, _ = _packed(2, 2048, 400, np.random.default_rng(1))
+    single = np.zeros((2, 2048), np.int32)
+    single[0, :1900], single[1] = 1, 2  # one document a row, right padding: per-row lengths
     args = _qkvd(2, 2048, jnp.bfloat16, seed=1)
     ref32 = [x.astype(jnp.float32) for x in args]
-    for name, kw in (("packed", {}), ("window_256", {"window": 256}), ("overflow_2", {"max_documents": 2})):
+    cases = (
+        ("packed", packed, {}),
+        ("window_256", packed, {"window": 256}),
+        ("overflow_2", packed, {"max_documents": 2}),
+        ("single", single, {}),
+        ("single_window_256", single, {"window": 256}),
+    )
+    for name, seg, kw in cases:
         row = f"correct_cudnn_{name}"
+        seg = jnp.asarray(seg)
         try:
             window = kw.get("window")
             (_, got) = _attention_grad("cudnn", seg, **kw)(*args)
@@ -155,8 +164,7 @@ def attention_rows(results, out):
                 jnp.asarray(packed),
                 lengths,
                 ({}, "cudnn"),
-                ({"max_documents": 8}, "cudnn"),
-                ({"max_documents": 128}, "cudnn"),
+                ({"max_documents": 2}, "cudnn"),  # every row overflows: the flash kernel behind the switch
                 ({}, "flash"),
             ),
         )

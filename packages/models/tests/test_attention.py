@@ -254,6 +254,28 @@ def test_document_table_describes_exactly_what_segment_ids_allow():
         np.testing.assert_array_equal(allowed, ref[b], err_msg=f"row {b}")
 
 
+def test_each_step_runs_the_smallest_cudnn_program_its_rows_fit():
+    """cuDNN's packed kernel costs grow with the table size, so `cudnn` compiles a few (`packed_tables`) and
+    each step picks: rows of one document from token 0 take per-row lengths, then the smallest table every
+    row fits, and a row beyond the largest takes the flash kernel."""
+    from jaxloom.models.attention import cudnn_branch, packed_tables
+
+    assert packed_tables(32) == (4, 16, 32) and packed_tables(8) == (4, 8) and packed_tables(1) == (2,)
+    tables = packed_tables(32)
+
+    def branch(*rows):
+        seg = jnp.asarray([r + [0] * (40 - len(r)) for r in rows], jnp.int32)
+        return int(cudnn_branch(jm.document_table(seg, tables[-1])[0], tables))
+
+    one_each, padding = [[1] * 30, [2] * 40], [[0] * 40]
+    assert branch(*one_each) == 0 and branch(*one_each, *padding) == 0 and branch(*padding) == 0
+    assert branch([0, 0] + [1] * 20) == 1  # one document, not from token 0: the packed layout
+    assert branch([1, 2, 3], [4] * 9) == 1  # three documents: the table of 4
+    assert branch([1, 2, 3, 4, 5], [6]) == 2  # five: the table of 16
+    assert branch(list(range(1, 21))) == 3  # twenty: the table of 32
+    assert branch(list(range(1, 34))) == 4  # 33 documents: more than any table, the flash kernel
+
+
 def test_auto_picks_cudnn_on_hopper_where_it_can_run():
     gpu = dict(q_len=2048, kv_len=2048, cached=False, platform="gpu", head_dim=128)
     hopper = dict(gpu, capability=(9, 0))
@@ -293,3 +315,11 @@ def test_cudnn_equals_xla_on_packed_documents(window):
         np.testing.assert_allclose(out.astype(np.float32), ref_out.astype(np.float32), atol=3e-2)
         for g, r in zip(grads, ref_grads, strict=True):
             np.testing.assert_allclose(g.astype(np.float32), r.astype(np.float32), atol=6e-2)
+    # one right-padded document a row: per-row lengths
+    seg = jnp.asarray([[1] * 50 + [0] * 14, [2] * 64], jnp.int32)
+    pos = jnp.asarray(np.stack([np.r_[np.arange(50), np.zeros(14)], np.arange(64)]), jnp.int32)
+    ref_out, ref_grads = run("xla", q, k, v, seg, pos, window=window)
+    out, grads = run("cudnn", q, k, v, seg, pos, window=window)
+    np.testing.assert_allclose(out.astype(np.float32), ref_out.astype(np.float32), atol=3e-2)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g.astype(np.float32), r.astype(np.float32), atol=6e-2)

@@ -452,27 +452,46 @@ def _cudnn(q, k, v, seg, pos, causal, window, scale, max_documents: int = 32, bl
         return out.astype(q.dtype)
     from jax._src.cudnn import fused_attention_stablehlo as fused
 
-    offsets, lengths, fits = document_table(seg, max(2, max_documents))  # M >= 2: the packed layout
+    tables = packed_tables(max_documents)
+    offsets, lengths, _ = document_table(seg, tables[-1])
     valid = (seg != 0)[:, :, None, None]
     # padding tokens belong to no document: cuDNN leaves their rows unwritten, so they are zeroed here, and the
     # selects' gradients give their q/k/v zeros whatever the kernel wrote
     q, k, v = (jnp.where(valid, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
+    mask = fused.MaskType.PADDING_CAUSAL if causal else fused.MaskType.PADDING
 
-    def packed(q, k, v):
+    def single(q, k, v):  # one document from each row's first token: per-row lengths, no packed layout
         out = fused.dot_product_attention(
             q,
             k,
             v,
-            q_seqlen=lengths,
-            kv_seqlen=lengths,
-            q_offsets=offsets,
-            kv_offsets=offsets,
+            q_seqlen=jnp.maximum(lengths[:, 0], 0),
+            kv_seqlen=jnp.maximum(lengths[:, 0], 0),
             scale=scale,
-            mask_type=fused.MaskType.PADDING_CAUSAL if causal else fused.MaskType.PADDING,
+            mask_type=mask,
             qkv_layout="BTNH",
             sliding_window_length=window,
         )
         return jnp.where(valid, out, jnp.zeros((), out.dtype)).astype(q.dtype)
+
+    def packed(m):
+        def run(q, k, v):
+            out = fused.dot_product_attention(
+                q,
+                k,
+                v,
+                q_seqlen=lengths[:, :m],
+                kv_seqlen=lengths[:, :m],
+                q_offsets=offsets[:, : m + 1],
+                kv_offsets=offsets[:, : m + 1],
+                scale=scale,
+                mask_type=mask,
+                qkv_layout="BTNH",
+                sliding_window_length=window,
+            )
+            return jnp.where(valid, out, jnp.zeros((), out.dtype)).astype(q.dtype)
+
+        return run
 
     def overflow(q, k, v):
         t = q.shape[1]
@@ -480,7 +499,29 @@ def _cudnn(q, k, v, seg, pos, causal, window, scale, max_documents: int = 32, bl
             return _flash(q, k, v, seg, causal, window, scale)
         return _chunked(q, k, v, seg, pos, seg, pos, None, window, causal, min(block, t), scale, None)
 
-    return jax.lax.cond(jnp.all(fits), packed, overflow, q, k, v)
+    branches = [single, *(packed(m) for m in tables), overflow]
+    return jax.lax.switch(cudnn_branch(offsets, tables), branches, q, k, v)
+
+
+def packed_tables(max_documents: int) -> tuple[int, ...]:
+    """The document-table sizes `cudnn` compiles for `max_documents` (the largest): 4 and 16 below it, then it.
+    cuDNN's packed kernel costs grow with rows × table size × length (an H200, 16 heads, 16,384 tokens of
+    documents of ~T/4 at T = 2048: 1.68 ms with a table of 8, 2.00 with 32, 5.12 with 128), so each step
+    runs the smallest table its rows fit."""
+    top = max(2, max_documents)
+    return tuple(sorted({m for m in (4, 16) if m < top} | {top}))
+
+
+def cudnn_branch(offsets: jax.Array, tables: tuple[int, ...]) -> jax.Array:
+    """Which of `_cudnn`'s programs a step runs, from the largest `document_table`'s `offsets`: 0 when each row
+    holds at most one document starting at its first token (per-row lengths), `i + 1` for the smallest
+    `tables[i]` every row fits, `len(tables) + 1` when some row holds more (the `flash` kernel)."""
+    count = jnp.max(jnp.sum(offsets[:, :-1] >= 0, axis=1))
+    first = jnp.all(offsets[:, 0] <= 0)  # each row's document (if any) starts at token 0
+    index = jnp.sum(count > jnp.asarray(tables)) + 1
+    overflow = offsets[:, -1] >= 0  # a document beyond the largest table
+    index = jnp.where(jnp.any(overflow), len(tables) + 1, index)
+    return jnp.where((count <= 1) & first, 0, index).astype(jnp.int32)
 
 
 def _flash(q, k, v, seg, causal, window, scale, *, interpret: bool = False, block: int = 128):
