@@ -1,6 +1,6 @@
 """GPU rows of `nox -s bench`, runnable alone: `python tools/bench/gpu_rows.py [OUT_JSON] [PART ...]`.
 
-One call of a lent device measures it all (≈ 6 minutes on an H100/H200, compiles included):
+One call of a lent device measures it all (≈ 7 minutes on an H200, compiles and installs included):
 
 1. `correctness_rows`: cuDNN's packed attention against the float32 `xla` reference on the GPU, values and
    gradients, packed documents with padding, with a window, and with more documents than `max_documents`
@@ -223,7 +223,6 @@ TRAINING = (
     ("train_gpu_2048_trainer_flash", 2048, "trainer", {"attn_mechanism": "flash"}, TOKENS),
     ("train_gpu_8192_bare", 8192, "bare", {}, TOKENS),
     ("train_gpu_2048_trainer_16k", 2048, "trainer", {}, 2 * TOKENS),
-    ("train_gpu_8192_trainer_flash", 8192, "trainer", {"attn_mechanism": "flash"}, TOKENS),
 )
 
 

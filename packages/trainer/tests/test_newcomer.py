@@ -48,6 +48,7 @@ def test_resume_is_explicit_and_summaries_cover_the_whole_run(tmp_path, capsys, 
     first = _summary(capsys.readouterr().out)
     assert first["step"] == 4 and first["resumed_from"] is None
     assert "steps: 0 → 4 (a new run)" in caplog.text and f"save_directory: {run}" in caplog.text  # start-up summary
+    assert "attention: xla (auto, on cpu)" in caplog.text  # what `auto` picked for these short rows
     report, rows = (run / "report.md").read_text(), _rows(run)
 
     # the same run again: nothing to train, a distinct status, nothing rewritten or duplicated

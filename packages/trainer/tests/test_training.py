@@ -251,6 +251,10 @@ def test_attention_backend_is_checked_at_setup_before_anything_compiles(tmp_path
     cudnn = jm.create_model(tiny(), jm.RuntimeConfig(attn_mechanism="cudnn"), lazy=True)
     with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
         trainer_from(tmp_path, cudnn).configure_model()
+    # what runs is known at setup: `auto` resolved for this platform and length, an explicit choice kept
+    assert trainer_from(tmp_path, jm.create_model(tiny(), lazy=True)).plan.attention == "xla"
+    chunked = jm.create_model(tiny(), jm.RuntimeConfig(attn_mechanism="blockwise"), lazy=True)  # EasyDeL's name
+    assert trainer_from(tmp_path, chunked).plan.attention == "chunked"
 
 
 # `jaxloom` command overrides for a tiny Mixtral run without evaluation, previews or TensorBoard.

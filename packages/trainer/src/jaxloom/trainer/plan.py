@@ -45,7 +45,9 @@ class Plan:
     state's `abstract` tree and `shardings`, the train and eval batch shardings (`batch_sharding`,
     `eval_sharding`), and `build_fn(*build_inputs)`, which makes the state (from `given`, the state
     the trainer was given, when there is one); `arguments` are the run's; `lora` is an adapter run's
-    `LoRAConfig` (None: every parameter trains) and `n_trainable` the parameters the optimizer updates."""
+    `LoRAConfig` (None: every parameter trains) and `n_trainable` the parameters the optimizer updates;
+    `attention` is the backend the model's attention runs here (what `auto` picked for this platform, dtype and
+    length)."""
 
     config: Any
     model_class: type
