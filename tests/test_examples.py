@@ -13,6 +13,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 def run(script: str, *args: str, timeout: int = 600) -> str:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as on a laptop
+    env["XLA_FLAGS"] = os.environ.get("JAXLOOM_TEST_XLA_FLAGS", "")  # the tests' compile settings only
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
         capture_output=True,

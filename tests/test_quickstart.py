@@ -83,6 +83,7 @@ def test_the_quickstart_walkthrough_runs_command_by_command(tmp_path):
     chatml_model(tmp_path / "qwen")
     data(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = os.environ.get("JAXLOOM_TEST_XLA_FLAGS", "")  # the tests' compile settings only
     env.update(JAX_PLATFORMS="cpu", MODEL=str(tmp_path / "qwen"), RAY_ADDRESS="")
     jaxloom = str(Path(sys.executable).with_name("jaxloom"))
     outputs = []

@@ -34,7 +34,7 @@ def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, repeat=0, e
     cache = str(Path(tempfile.gettempdir()) / f"jaxloom-reliability-xla-cache-{os.getuid()}")
     full_env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
         "TEST_XLA_CACHE": cache,
         **(env or {}),
     }

@@ -68,7 +68,11 @@ def test_a_stop_signal_to_one_process_stops_every_process_after_the_same_step(tm
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAXLOOM_RUN_OWNER": "mp-test"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
+        "JAXLOOM_RUN_OWNER": "mp-test",
+    }
     args = [sys.executable, str(WORKER), str(tmp_path), "max_training_steps=5000", "save_steps=5000"]
     logs = [tmp_path / f"p{r}.out" for r in range(2)]
     procs = [
@@ -129,7 +133,11 @@ def test_two_processes_finish_with_previews_evaluation_report_and_plot(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAXLOOM_RUN_OWNER": "mp-test"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
+        "JAXLOOM_RUN_OWNER": "mp-test",
+    }
     args = [sys.executable, str(WORKER), str(tmp_path), "max_training_steps=4", "generation_interval=2"]
     args += ["generation_prompts=[The interpreter, A list is]", "generation_max_new_tokens=24", "evaluation_steps=2"]
     logs = [tmp_path / f"p{r}.out" for r in range(2)]
@@ -160,7 +168,11 @@ def test_a_closed_output_pipe_never_stops_training(tmp_path):
 
     cmd = [sys.executable, "-m", "jaxloom.trainer.cli", "train", *TINY, "max_training_steps=8", "logging_steps=1"]
     cmd += [f"save_directory={tmp_path / 'run'}", "save_steps=100"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
+        "JAX_PLATFORMS": "cpu",
+    }
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(tmp_path / "err", "w"), env=env)
     assert proc.stdout.readline()  # the first console line, then the reader is gone
     proc.stdout.close()

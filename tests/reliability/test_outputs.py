@@ -55,7 +55,7 @@ def weights(path):
 
 
 def child(out, seed, mode):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("JAXLOOM_TEST_XLA_FLAGS", "")}
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, str(out), str(seed), mode],
         stdout=subprocess.PIPE,
@@ -130,7 +130,7 @@ def test_a_full_disk_during_jaxloom_convert_is_one_line_and_keeps_the_previous_e
         "from jaxloom.trainer.cli import main\n"
         f"sys.exit(main(['convert', '--to-hf', {str(tmp_path / 'run')!r}, {str(out)!r}]))\n"
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("JAXLOOM_TEST_XLA_FLAGS", "")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "jaxloom: error: the disk is full writing" in proc.stderr and "Traceback" not in proc.stderr
@@ -159,7 +159,7 @@ def train_into(directory, *extra):
         [sys.executable, "-m", "jaxloom.trainer.cli", "train", f"save_directory={directory}", *tiny, *extra],
         capture_output=True,
         text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("JAXLOOM_TEST_XLA_FLAGS", "")},
         timeout=300,
     )
 

@@ -86,7 +86,10 @@ def test_commands_that_read_a_run_take_no_process_settings_from_it(tmp_path):
     (in_flight / "params" / "process_0.bin").write_bytes(b"\0" * 64)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
+    }
     try:
         assert holder.stdout.readline().strip() == "HELD"
         out = subprocess.run(

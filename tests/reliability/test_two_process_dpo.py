@@ -32,7 +32,7 @@ def launch(out, count, args, devices):
         port = s.getsockname()[1]
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
         "JAXLOOM_RUN_OWNER": "two-process-dpo",  # the processes of one run share its directory lock
     }
     procs = [

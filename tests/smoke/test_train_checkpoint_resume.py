@@ -27,7 +27,10 @@ TINY = [
 
 def train(run: Path, steps: int) -> dict:
     jaxloom = Path(sys.executable).with_name("jaxloom")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
+    }
     out = subprocess.run(
         [str(jaxloom), "train", f"save_directory={run}", f"max_training_steps={steps}", *TINY],
         capture_output=True,

@@ -33,7 +33,11 @@ def test_a_stop_signal_to_the_driver_saves_the_gang_and_exits_cleanly(ray_cluste
         "num_workers=2",
         "max_failures=2",
     ]
-    env = {**os.environ, "XLA_FLAGS": "", "RAY_ADDRESS": ray_cluster["info"]["address"]}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": os.environ.get("JAXLOOM_TEST_XLA_FLAGS", ""),
+        "RAY_ADDRESS": ray_cluster["info"]["address"],
+    }
     with open(tmp_path / "driver.err", "w") as err:
         driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
         try:

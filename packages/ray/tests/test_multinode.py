@@ -76,7 +76,12 @@ def _driver(cluster, mode, root):
     stalls after a complete checkpoint) is answered by killing the second node, and NEED-NODE by a new one."""
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "multinode_driver.py"), mode, str(root)],
-        env={**cluster["env"], "RAY_ADDRESS": cluster["address"], "XLA_FLAGS": "", "RAY_DEDUP_LOGS": "0"},
+        env={
+            **cluster["env"],
+            "RAY_ADDRESS": cluster["address"],
+            "XLA_FLAGS": os.environ.get("JAXLOOM_TEST_XLA_FLAGS", ""),
+            "RAY_DEDUP_LOGS": "0",
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

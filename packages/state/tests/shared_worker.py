@@ -10,7 +10,11 @@ import sys
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4" if sys.argv[4] == "restore" else ""
+os.environ["XLA_FLAGS"] = (
+    f"--xla_force_host_platform_device_count=4 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}"
+    if sys.argv[4] == "restore"
+    else os.environ.get("JAXLOOM_TEST_XLA_FLAGS", "")
+)
 import jax  # noqa: E402
 
 from jaxloom.state import check_shared_directory  # noqa: E402

@@ -178,7 +178,10 @@ def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
         [sys.executable, str(WORKER), str(tmp_path)],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        env={
+            **os.environ,
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
+        },
     )
     for line in proc.stdout:
         if line.strip() == "SAVING 2":

@@ -3,7 +3,7 @@
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -14,7 +14,10 @@ transformers = pytest.importorskip("transformers")
 
 from util import TOK  # noqa: E402
 
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+ENV = {
+    **os.environ,
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
+}
 NEW = 12
 
 

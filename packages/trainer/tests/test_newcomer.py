@@ -29,7 +29,10 @@ TINY = [
     "generation_interval=null",
     "generation_prompts=[]",
 ]
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+ENV = {
+    **os.environ,
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
+}
 
 
 def _summary(text: str) -> dict:

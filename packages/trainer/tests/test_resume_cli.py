@@ -21,7 +21,10 @@ WORKER = Path(__file__).with_name("run_worker.py")
 
 def run(out, kill_after=None, mode="sync", extra=(), drop_env=()):
     err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads until the end (it can fill)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # now: an emulator's endpoint
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
+    }  # now: an emulator's endpoint
     for key in drop_env:
         env.pop(key, None)
     proc = subprocess.Popen(
