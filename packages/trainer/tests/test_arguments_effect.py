@@ -281,6 +281,7 @@ RUN_LEVEL = {
         "../../../tests/reliability/test_store_faults.py::"
         "test_a_run_paused_past_its_lease_stops_before_writing_and_the_run_that_took_over_is_intact"
     ),
+    "router_bias_update_rate": "test_training.py::test_router_bias_update_rate_takes_effect_in_a_run",
     "overwrite_output_dir": (
         "../../../tests/reliability/test_run_directory.py::test_an_earlier_run_is_never_replaced_silently"
     ),

@@ -7,6 +7,8 @@ import pytest
 import util
 from util import args, losses, mesh, params_of, tiny, trainer
 
+from jaxloom.mesh import gather
+
 import jaxloom.models as jm
 import jaxloom.state as js
 from jaxloom.trainer import BaseTrainerProtocol, NonFiniteLossError, StepConfig, train_step
@@ -152,6 +154,80 @@ def test_skip_policy_keeps_the_old_parameters():
     )
     new2, _ = jax.jit(lambda s, b: train_step(s, b, bad))(state, batch)
     assert np.isnan(np.asarray(new2.params["lm_head"]["kernel"])).all()
+
+
+def tiny_deepseek():
+    """Two layers (dense, then four routed experts in two groups with a shared one): one bias-balanced router."""
+    return jm.DeepseekV3Config(
+        vocab_size=len(util.TOK),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+    )
+
+
+def test_a_step_moves_deepseek_router_biases_toward_balance():
+    """DeepSeek-V3's aux-loss-free balancing, one step exactly: the router's `e_score_correction_bias` moves by the
+    rate up for experts that took fewer of the step's real tokens than the mean and down for those that took more
+    (the loads the forward routed, padding excluded); the optimizer never moves it; rate 0 leaves it."""
+    model = jm.create_model(tiny_deepseek(), seed=0)
+    state = js.TrainState.create(model, __import__("optax").adamw(1e-2, weight_decay=0.1))
+    rng = np.random.default_rng(0)
+    seg = np.ones((1, 4, 16), np.int32)
+    seg[0, 1, 10:] = 0  # padding routes nothing
+    batch = {
+        "input_ids": jnp.asarray(rng.integers(1, 40, (1, 4, 16)), jnp.int32),
+        "segment_ids": jnp.asarray(seg),
+        "positions": jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (1, 4, 16)),
+        "loss_mask": jnp.ones((1, 4, 16), jnp.int32),
+    }
+    out = model(batch["input_ids"][0], positions=batch["positions"][0], segment_ids=batch["segment_ids"][0])
+    assert set(out.expert_load) == {1}  # the dense layer 0 routes nothing
+    load = np.asarray(out.expert_load[1])
+    assert load.sum() == (seg != 0).sum() * 2  # every real token chose two experts
+    rate = 0.01
+    new, metrics = jax.jit(lambda s, b: train_step(s, b, StepConfig(router_bias_update_rate=rate)))(state, batch)
+    bias = np.asarray(new.params["model"]["layers"][1]["mlp"]["gate"]["e_score_correction_bias"])
+    np.testing.assert_allclose(bias, rate * np.sign(load.mean() - load), atol=1e-7)
+    assert float(metrics["router_imbalance"]) == pytest.approx(load.max() / load.mean(), rel=1e-5)
+    frozen, _ = jax.jit(lambda s, b: train_step(s, b, StepConfig()))(state, batch)
+    np.testing.assert_array_equal(
+        np.asarray(frozen.params["model"]["layers"][1]["mlp"]["gate"]["e_score_correction_bias"]), 0
+    )
+    kernel = frozen.params["model"]["layers"][1]["mlp"]["gate"]["kernel"]  # the router's weights do train
+    assert not np.array_equal(
+        np.asarray(kernel), np.asarray(state.params["model"]["layers"][1]["mlp"]["gate"]["kernel"])
+    )
+
+
+def test_router_bias_update_rate_takes_effect_in_a_run(tmp_path):
+    """Through the Trainer: each of three steps moves each bias by -rate, 0 or +rate (so they end on multiples of
+    the rate, not all zero); `router_bias_update_rate=0` keeps them at zero; the imbalance is logged."""
+    rate = 0.01
+    moved = trainer(tmp_path / "moved", tiny_deepseek(), router_bias_update_rate=rate, max_training_steps=3).train()
+    bias = np.asarray(gather(moved.state.params["model"]["layers"][1]["mlp"]["gate"]["e_score_correction_bias"]))
+    units = bias / rate
+    np.testing.assert_allclose(units, np.round(units), atol=1e-3)
+    assert np.abs(units).max() <= 3 and np.any(units != 0)
+    frozen = trainer(tmp_path / "frozen", tiny_deepseek(), router_bias_update_rate=0.0, max_training_steps=3).train()
+    np.testing.assert_array_equal(
+        np.asarray(gather(frozen.state.params["model"]["layers"][1]["mlp"]["gate"]["e_score_correction_bias"])), 0
+    )
+    rows = [__import__("json").loads(x) for x in (tmp_path / "moved" / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/router_imbalance" in r for r in rows)
 
 
 def test_time_limit_saves_and_stops(tmp_path):

@@ -13,7 +13,7 @@ from .attention import (
 )
 from .build import count_params, create_model, flops_per_token, param_shardings, param_specs
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
-from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, expert_load, update_router_bias
 from .gemma import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 from .gpt_oss import GptOssConfig, GptOssForCausalLM, dequantize_mxfp4
 from .hf import from_pretrained, pretrained_source, save_hf_model, to_hf_state_dict
@@ -34,7 +34,7 @@ from .losses import (
     linear_log_probs,
     linear_token_log_probs,
 )
-from .llama import CausalLMOutput, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from .llama import CausalLMOutput, RouterLoad, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from .mixtral import MixtralForCausalLM, dispatch_tokens, expert_parallel_dispatch, grouped_matmul
 from .olmo2 import Olmo2Config, Olmo2ForCausalLM
 from .phi3 import Phi3Config, Phi3ForCausalLM
@@ -71,6 +71,9 @@ __all__ = [
     "SCAN_ABOVE_LAYERS",
     "CONFIG_CLASSES",
     "CausalLMOutput",
+    "RouterLoad",
+    "expert_load",
+    "update_router_bias",
     "Gemma2Config",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",

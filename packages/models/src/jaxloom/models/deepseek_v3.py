@@ -36,7 +36,7 @@ from jaxloom.core.schema import config
 from .attention import self_attention
 from .configs import LlamaConfig, check_top_k, register_config
 from .layers import ACTIVATIONS, Linear, RMSNorm, apply_rope
-from .llama import MLP, CausalLM
+from .llama import MLP, CausalLM, RouterLoad
 from .mixtral import gated, run_experts
 from .registry import TaskType, register
 from .runtime import RuntimeConfig
@@ -328,7 +328,8 @@ class Router(nnx.Module):
 class DeepseekMoE(nnx.Module):
     """Routed experts (`w_gate`, `w_up [E, D, F]`, `w_down [E, F, D]`; per-expert tensors `experts.{e}.*` in the files)
     chosen by `gate` (`Router`), plus the always-on `shared_experts` (an MLP of `n_shared_experts` experts' width).
-    No auxiliary loss (the router balances through its bias)."""
+    No auxiliary loss: the router balances through its bias, so the layer returns its `RouterLoad` (the trainer's
+    `router_bias_update_rate` moves the bias after each step, `update_router_bias`)."""
 
     def __init__(self, config: DeepseekV3Config, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         e, d, f = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -351,7 +352,22 @@ class DeepseekMoE(nnx.Module):
         weights = tuple(w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
         routed = run_experts(x.astype(dtype), top_i, top_w, weights, glu=gated(self.act), runtime=self.runtime)
         shared, _ = self.shared_experts(x)
-        return routed + shared, None
+        return routed + shared, RouterLoad(expert_load(top_i, self.e, token_mask))
+
+
+def expert_load(top_i: jax.Array, experts: int, token_mask=None) -> jax.Array:
+    """`[E]` float32: how many of the (real, where `token_mask [B, T]` is given) tokens chose each expert in
+    `top_i [B, T, k]`."""
+    chose = jax.nn.one_hot(top_i, experts, dtype=jnp.float32).sum(-2)  # [B, T, E]
+    if token_mask is not None:
+        chose = chose * token_mask[..., None].astype(jnp.float32)
+    return chose.sum((0, 1))
+
+
+def update_router_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's aux-loss-free balancing step: each expert's `e_score_correction_bias` moves by `rate` — up
+    when the expert took fewer tokens than the mean of `load [E]`, down when more, unchanged when equal."""
+    return bias + (rate * jnp.sign(jnp.mean(load) - load)).astype(bias.dtype)
 
 
 @register("deepseek_v3", TaskType.CAUSAL_LM)
@@ -366,4 +382,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         return DeepseekMoE if config.is_sparse(layer) else MLP
 
 
-__all__ = ["DeepseekMoE", "DeepseekV3Config", "DeepseekV3ForCausalLM", "MultiHeadLatentAttention", "Router"]
+__all__ = [
+    "DeepseekMoE",
+    "DeepseekV3Config",
+    "DeepseekV3ForCausalLM",
+    "MultiHeadLatentAttention",
+    "Router",
+    "expert_load",
+    "update_router_bias",
+]

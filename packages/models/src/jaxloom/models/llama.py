@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,17 +23,26 @@ REMAT_POLICIES = {
 }
 
 
+class RouterLoad(NamedTuple):
+    """What an MoE layer whose router balances through a bias (DeepSeek-V3's aux-loss-free balancing) returns in
+    place of an auxiliary loss: `load [E]`, the real tokens each routed expert took in this call (float32)."""
+
+    load: jax.Array
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class CausalLMOutput:
     """What a causal LM returns: `logits [B, T, V]`, the MoE `aux_loss` (None for dense models), the
     updated KV `cache` when called with one, and, when called with `return_hidden=True`, the final normed
-    `hidden [B, T, D]` in place of the logits (None)."""
+    `hidden [B, T, D]` in place of the logits (None). `expert_load` maps the index of each layer whose router
+    balances through a bias (`RouterLoad`) to the tokens its experts took (None: no such layer)."""
 
     logits: jax.Array | None  # [B, T, V]
     aux_loss: jax.Array | None = None  # MoE load-balancing loss (unscaled), None for dense models
     cache: Any = None  # per layer (k, v) `[B, S, KV, H]`, or stacked `[L, B, S, KV, H]` when scanned
     hidden: jax.Array | None = None  # [B, T, D], what the output projection reads
+    expert_load: dict[int, jax.Array] | None = None  # layer index → `[E]` tokens per routed expert
 
 
 # A full-attention layer's "window" when a scanned stack mixes local and global layers (a traced value): longer
@@ -215,6 +224,7 @@ class CausalLM(nnx.Module):
             return lambda layer, x, layer_cache: run(layer, x, layer_cache, window, rope)
 
         remat = self.runtime.remat != "none" and cache is None
+        loads: dict[int, jax.Array] = {}
         if self.scanned:
             if len(tables) == 1:  # one attention pattern: the window stays static (every backend takes it)
                 x, aux_total, new_cache = self._scan(with_pattern(kinds[0]), x, cache, remat, None)
@@ -227,6 +237,9 @@ class CausalLM(nnx.Module):
                     ),
                 )
                 x, aux_total, new_cache = self._scan(run, x, cache, remat, per_layer)
+            if isinstance(aux_total, RouterLoad):
+                loads = dict(enumerate(aux_total.load))
+                aux_total = None
         else:
             aux_total, new_cache = None, []
             for i, layer in enumerate(self.model.layers):
@@ -235,19 +248,21 @@ class CausalLM(nnx.Module):
                     step = nnx.remat(step, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=True)
                 x, aux, layer_cache = step(layer, x, None if cache is None else cache[i])
                 new_cache.append(layer_cache)
-                if aux is not None:
+                if isinstance(aux, RouterLoad):
+                    loads[i] = aux.load
+                elif aux is not None:
                     aux_total = aux if aux_total is None else aux_total + aux
         x = self.model.norm(x)
         if aux_total is not None:
             aux_total = aux_total / self.config.num_hidden_layers
         new_cache = new_cache if cache is not None else None
         if return_hidden:
-            return CausalLMOutput(logits=None, aux_loss=aux_total, cache=new_cache, hidden=x)
+            return CausalLMOutput(logits=None, aux_loss=aux_total, cache=new_cache, hidden=x, expert_load=loads or None)
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
         if self.logit_softcap is not None:  # Gemma 2: cap · tanh(logits / cap)
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
         logits = constrain(logits, ("batch", "length", "vocab"), self.runtime)
-        return CausalLMOutput(logits=logits, aux_loss=aux_total, cache=new_cache)
+        return CausalLMOutput(logits=logits, aux_loss=aux_total, cache=new_cache, expert_load=loads or None)
 
     @property
     def cache_refresh_position(self) -> int | None:
@@ -297,6 +312,8 @@ class CausalLM(nnx.Module):
             return x, (aux, layer_cache)
 
         x, (aux, new_cache) = jax.lax.scan(body, x, (stacked, cache, per_layer), unroll=unroll)
+        if isinstance(aux, RouterLoad):  # `[L, E]`: each layer's loads
+            return x, aux, new_cache
         return x, None if aux is None else jnp.sum(aux), new_cache
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> Any:

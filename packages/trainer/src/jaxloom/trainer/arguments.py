@@ -132,6 +132,12 @@ class LoopArgs(_Group):
         "stop", description="a non-finite loss stops the run, or its update is skipped"
     )
     z_loss: float = Field(0.0, description="weight of the log(Z)^2 auxiliary loss (0: off)")
+    # DeepSeek-V3's aux-loss-free balancing (its paper's bias update speed; Megatron's moe_router_bias_update_rate):
+    # after each step a router's e_score_correction_bias moves this much up for experts that took fewer tokens than
+    # the mean and down for those that took more. Models without such a router ignore it; 0 freezes the biases.
+    router_bias_update_rate: float = Field(
+        0.001, description="DeepSeek-V3 router bias step toward balanced experts after each step (0: frozen)"
+    )
     loss_block_size: int = Field(
         512, description="positions per device in each block of the fused output projection and loss (0: whole logits)"
     )
@@ -149,7 +155,7 @@ class LoopArgs(_Group):
             "training_time_limit",
             allow_none=True,
         )
-        _positive(self, "z_loss", "loss_block_size", allow_zero=True)
+        _positive(self, "z_loss", "loss_block_size", "router_bias_update_rate", allow_zero=True)
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed = {self.seed}; expected an integer in [0, 2**32)")
         return self

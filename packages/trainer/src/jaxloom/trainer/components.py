@@ -153,6 +153,7 @@ def functions(trainer: Any) -> StepFunctions:
         loss_block_size=a.loss_block_size,
         data_shards=trainer.batches.data_shards(),
         aux_loss_coef=getattr(plan.config, "router_aux_loss_coef", 0.0),
+        router_bias_update_rate=a.router_bias_update_rate,
         skip_nonfinite=a.nan_policy == "skip",
         schedule=plan.schedule,
         objective=trainer.objective(),

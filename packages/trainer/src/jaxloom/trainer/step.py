@@ -19,6 +19,10 @@ import optax
 from jaxloom.models.losses import block_count, linear_cross_entropy
 from jaxloom.state import TrainState
 
+EXPERT_LOAD = "expert_load"
+"""Key of an objective's sums holding, per decoder layer whose router balances through a bias (DeepSeek-V3), the
+tokens each routed expert took: the train step moves those biases by `StepConfig.router_bias_update_rate`."""
+
 STOP_KEY = "stop_request"
 """Batch key of the per-row stop requests of a multi-process run; the step returns their maximum under
 the same key, so every process learns of any process's request after the same step."""
@@ -63,7 +67,10 @@ def token_loss(state: TrainState, params, batch, cfg: StepConfig):
         correct = jnp.sum((target_logit >= jnp.max(logits, axis=-1)) * weight)
     if out.aux_loss is not None and cfg.aux_loss_coef:
         loss_sum = loss_sum + cfg.aux_loss_coef * out.aux_loss * n
-    return loss_sum, {"tokens": n, "correct": correct}
+    sums = {"tokens": n, "correct": correct}
+    if out.expert_load is not None:  # routers balanced by a bias: what their experts took, for the step's update
+        sums[EXPERT_LOAD] = {str(i): jax.lax.stop_gradient(load) for i, load in out.expert_load.items()}
+    return loss_sum, sums
 
 
 class FusedHead(NamedTuple):
@@ -137,16 +144,18 @@ class Objective:
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """The train step's static settings: `z_loss` weight, MoE `aux_loss_coef`, `skip_nonfinite` (keep the
-    old parameters when loss or gradients are not finite), the learning-rate `schedule` (for the logged
-    learning rate), the `objective` (default: next-token cross entropy), and for that objective's fused
-    output projection `loss_block_size` (positions per data shard in a block; 0: whole logits) and
-    `data_shards` (how many ways the batch rows are split)."""
+    """The train step's static settings: `z_loss` weight, MoE `aux_loss_coef` and `router_bias_update_rate` (how
+    far a bias-balanced router's `e_score_correction_bias` moves after each step, toward equal loads),
+    `skip_nonfinite` (keep the old parameters when loss or gradients are not finite), the learning-rate
+    `schedule` (for the logged learning rate), the `objective` (default: next-token cross entropy), and for
+    that objective's fused output projection `loss_block_size` (positions per data shard in a block; 0: whole
+    logits) and `data_shards` (how many ways the batch rows are split)."""
 
     z_loss: float = 0.0
     loss_block_size: int = 0
     data_shards: int = 1
     aux_loss_coef: float = 0.0  # MoE load balancing (router_aux_loss_coef)
+    router_bias_update_rate: float = 0.0  # DeepSeek-V3's aux-loss-free balancing: bias step per train step
     skip_nonfinite: bool = False  # nan_policy="skip": keep the old params when loss/grads are not finite
     schedule: Callable | None = None
     objective: Objective = Objective()
@@ -182,6 +191,9 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new = state.apply_gradients(grads)
+    loads = sums.pop(EXPERT_LOAD, None)
+    if loads is not None and cfg.router_bias_update_rate:
+        new = new.replace(params=balance_routers(new.params, loads, cfg.router_bias_update_rate))
     if cfg.skip_nonfinite:
         kept = jax.tree_util.tree_map(
             lambda a, b: jnp.where(finite, a, b), (new.params, new.opt_state), (state.params, state.opt_state)
@@ -195,13 +207,35 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
         "learning_rate": cfg.schedule(state.step) if cfg.schedule else zero,
         "row_width": jnp.float32(batch["input_ids"].shape[-1]),  # tokens per row (a kind's rows may vary by step)
     }
+    if loads:  # how far the busiest expert is from an even share, averaged over the bias-balanced layers
+        metrics["router_imbalance"] = jnp.mean(
+            jnp.stack([jnp.max(x) / jnp.maximum(jnp.mean(x), 1.0) for x in loads.values()])
+        )
     if stop is not None:
         metrics[STOP_KEY] = jnp.max(stop)
     return new, metrics
+
+
+def balance_routers(params, loads: dict[str, jax.Array], rate: float):
+    """`params` with each decoder layer's `e_score_correction_bias` moved by `rate` toward balance
+    (`jaxloom.models.update_router_bias`), from `loads` (layer index as a string → tokens per expert `[E]`)."""
+    from jaxloom.models import update_router_bias
+
+    def visit(path, leaf):
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        if keys[-1] != "e_score_correction_bias" or "layers" not in keys:
+            return leaf
+        layer = keys[keys.index("layers") + 1]
+        if layer not in loads:
+            return leaf
+        return update_router_bias(leaf, loads[layer], rate)
+
+    return jax.tree_util.tree_map_with_path(visit, params)
 
 
 def eval_step(state: TrainState, batch, cfg: StepConfig):
     """The summed loss (`loss_sum`) and the objective's summed statistics (for next-token losses: `tokens`,
     `correct`) of `state`'s model on one eval `batch` `[B, L]` (no accumulation axis), with `cfg`'s losses."""
     loss_sum, sums = cfg.objective.loss(state, state.params, batch, dataclasses.replace(cfg, aux_loss_coef=0.0))
+    sums.pop(EXPERT_LOAD, None)
     return {"loss_sum": loss_sum, **sums}
