@@ -44,6 +44,34 @@ def test_the_correction_bias_acts_and_extra_layers_in_the_files_are_skipped(tmp_
     assert rel_err(np.asarray(again(ids, attention_mask=mask, positions=pos).logits), ref, mask) < 1e-4
 
 
+def test_a_kimi_k2_checkpoint_loads_as_deepseek_v3_and_exports_without_remote_code(tmp_path):
+    """Moonshot publishes Kimi K2 as `model_type: kimi_k2` with its own remote code over DeepSeek-V3's tensors: it
+    loads as DeepSeek-V3 (logits equal transformers' DeepSeek-V3 on the same files) and exports as `deepseek_v3`,
+    which transformers reads without remote code."""
+    hf = make_hf("deepseek_v3", tmp_path / "src")
+    ids, mask, pos = batch("right", lengths=(12, 12, 12, 12))
+    ref = hf_logits(hf, ids, mask, pos)
+    kimi = tmp_path / "kimi"
+    kimi.mkdir()
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config |= {
+        "model_type": "kimi_k2",
+        "auto_map": {
+            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+        },
+    }
+    (kimi / "config.json").write_text(json.dumps(config))
+    (kimi / "model.safetensors").write_bytes((tmp_path / "src" / "model.safetensors").read_bytes())
+    model = jm.from_pretrained(kimi)
+    assert isinstance(model, jm.DeepseekV3ForCausalLM) and model.config.model_type == "deepseek_v3"
+    assert rel_err(np.asarray(model(ids, attention_mask=mask, positions=pos).logits), ref, mask) < 1e-4
+    jm.save_hf_model(model, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "deepseek_v3"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert rel_err(hf_logits(back, ids, mask, pos), ref, mask) < 1e-4
+
+
 DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3's config.json (its FP8 quantization_config apart: see below)
     "architectures": ["DeepseekV3ForCausalLM"],
     "attention_bias": False,

@@ -493,9 +493,20 @@ for _cls in (LlamaConfig, MistralConfig, Qwen2Config, MixtralConfig):
     register_config(_cls)
 
 
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+"""Published `model_type`s whose files hold an architecture jaxloom has under another name: Moonshot's Kimi K2
+(`kimi_k2`, its own remote code, `architectures: DeepseekV3ForCausalLM`) is DeepSeek-V3 tensor for tensor. Such a
+model loads as that family and is exported under it (transformers then reads it without remote code)."""
+
+
 def config_from_hf_dict(data: Mapping[str, Any]) -> LlamaConfig:
-    """The right config class for `data["model_type"]`."""
+    """The right config class for `data["model_type"]` (or the family a `MODEL_TYPE_ALIASES` name is)."""
     kind = data.get("model_type")
+    if kind in MODEL_TYPE_ALIASES:
+        kind = MODEL_TYPE_ALIASES[kind]
+        data = {**data, "model_type": kind}
     if kind not in CONFIG_CLASSES:
-        raise ValueError(f"model_type {kind!r} is not supported; known: {sorted(CONFIG_CLASSES)}")
+        raise ValueError(
+            f"model_type {kind!r} is not supported; known: {sorted({*CONFIG_CLASSES, *MODEL_TYPE_ALIASES})}"
+        )
     return CONFIG_CLASSES[kind].from_hf_dict(data)
