@@ -36,18 +36,18 @@ TEST_ENV = {
     "PYTHONHASHSEED": "0",
     # JAX's persistent compilation cache, shared by every target, test, worker and subprocess of one `nox -s tests`
     # (a CI run starts it empty): the same tiny model's steps compile once, not once per test and per `jaxloom
-    # train` subprocess. A size limit turns on JAX's file lock, so that parallel workers never read an entry being
-    # written. Every program gets a file: the many small ones (a digest, a cast, a sampler step) took 50 ms each to
-    # compile and load in a few ms; a `jaxloom train` subprocess took 7.1-7.6 s with them against 7.8-9.2 s without.
+    # train` subprocess. Every program gets a file: the many small ones (a digest, a cast, a sampler step) took 50 ms
+    # each to compile and load in a few ms; a `jaxloom train` subprocess took 7.1-7.6 s with them against 7.8-9.2 s
+    # without. No size limit: with one, JAX takes a lock and reads every entry's size and access time on each write
+    # (the cache reaches ~2,600 entries in a run), and the generation target took 109 s against 82 s with an empty
+    # cache. Without it an entry read while another process writes it fails to load and is compiled again (JAX warns).
     "JAX_COMPILATION_CACHE_DIR": str(Path(__file__).resolve().parent / ".nox" / "jax-compilation-cache"),
-    "JAX_COMPILATION_CACHE_MAX_SIZE": str(16 * 2**30),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     # Python's compiled bytecode written and reused (an empty value turns the setting off: some images set it).
     # Without it every process compiles the ~1,300 modules it imports from source again: 5 of a `jaxloom train`
     # subprocess's 7 seconds of imports, in each test's subprocess, each xdist worker and each Ray worker.
     "PYTHONDONTWRITEBYTECODE": "",
 }
-CACHE_LOCK = "filelock>=3.12"
 TARGETS = (*parts.PARTS, parts.META)
 # Parts whose tests compare against transformers' PyTorch models. Torch is installed from a local CPU
 # wheel only: a plain `torch` requirement would download a multi-GB CUDA build.
@@ -124,13 +124,11 @@ def tests(session: nox.Session, target: str) -> None:
     start = time.perf_counter()
     if target == SMOKE:
         install_parts(session, parts.closure("trainer"))
-        session.install(CACHE_LOCK)
         session.run("python", "-c", "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__)")
         session.run("pytest", "tests/smoke", *session.posargs, env=TEST_ENV)
         session.log(f"tests({target}) took {time.perf_counter() - start:.1f} s")
         return
     install_parts(session, parts.closure(target) if target != parts.META else [*parts.PARTS, parts.META])
-    session.install(CACHE_LOCK)  # JAX's compilation cache with a size limit needs it (TEST_ENV)
     if target in NEEDS_TORCH:
         wheels = sorted(glob.glob(TORCH_WHEELS))
         if wheels:

@@ -72,6 +72,42 @@ def test_a_kimi_k2_checkpoint_loads_as_deepseek_v3_and_exports_without_remote_co
     assert rel_err(hf_logits(back, ids, mask, pos), ref, mask) < 1e-4
 
 
+def test_generation_caches_the_compressed_latent_and_decodes_as_the_full_forward(tmp_path):
+    """The KV cache holds one head of `kv_lora_rank + qk_rope_head_dim` a token (no value slot), and attention over
+    it (projections absorbed into the query and output, LoRA adapters on `kv_b_proj` merged in) gives the logits
+    of the uncached forward, token by token."""
+    make_hf("deepseek_v3", tmp_path / "src")
+    model = jm.from_pretrained(tmp_path / "src")
+    c = model.config
+    keys, values = model.init_cache(2, 12)[0]
+    assert keys.shape == (2, 12, 1, c.kv_lora_rank + c.qk_rope_head_dim) and values.shape == (2, 12, 1, 0)
+    lora = jm.LoRAConfig(r=4, target_modules=("kv_b_proj",))
+    adapted = jm.apply_lora(model, lora, seed=1)
+    changed = 0
+    for path, leaf in nnx.iter_graph(adapted):
+        if path and path[-1] == "lora_b":  # non-zero adapters: the merged kernel must be what decoding uses
+            leaf[...] = jax.random.normal(jax.random.PRNGKey(len(path)), leaf[...].shape) * 0.1
+            changed += 1
+    assert changed == c.num_hidden_layers
+    ids, mask, pos = batch("right", lengths=(12, 12, 12, 12))
+    ids, pos = ids[:2], pos[:2]
+    full = np.asarray(adapted(ids, positions=pos).logits)
+    cache = adapted.init_cache(2, 12)
+    seg = jnp.ones((2, 12), jnp.int32)
+    for t in range(12):
+        out = adapted(
+            ids[:, t : t + 1],
+            positions=pos[:, t : t + 1],
+            segment_ids=seg[:, t : t + 1],
+            cache=cache,
+            cache_index=t,
+            kv_positions=pos,
+            kv_segment_ids=seg.at[:, t + 1 :].set(0),
+        )
+        cache = out.cache
+        np.testing.assert_allclose(np.asarray(out.logits[:, 0]), full[:, t], atol=2e-4, err_msg=f"token {t}")
+
+
 DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3's config.json (its FP8 quantization_config apart: see below)
     "architectures": ["DeepseekV3ForCausalLM"],
     "attention_bias": False,

@@ -246,8 +246,14 @@ class LlamaConfig:
 
     @property
     def kv_cache_dims(self) -> tuple[int, int]:
-        """`(heads, width)` of each cached key and value (DeepSeek-V3's expanded latent heads differ)."""
+        """`(heads, width)` of each cached key (DeepSeek-V3 caches its compressed latent: one head of
+        `kv_lora_rank + qk_rope_head_dim`)."""
         return int(self.num_key_value_heads or 0), int(self.head_dim or 0)
+
+    @property
+    def value_cache_dims(self) -> tuple[int, int]:
+        """`(heads, width)` of each cached value (as the keys'; none for DeepSeek-V3, whose latent is both)."""
+        return self.kv_cache_dims
 
     @property
     def attention_matmul_params(self) -> int:

@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxloom.core.schema import config
 
-from .attention import self_attention
+from .attention import attend, self_attention
 from .configs import LlamaConfig, check_top_k, register_config
 from .layers import ACTIVATIONS, Linear, RMSNorm, apply_rope
 from .llama import MLP, CausalLM, RouterLoad
@@ -168,7 +168,11 @@ class DeepseekV3Config(LlamaConfig):
 
     @property
     def kv_cache_dims(self) -> tuple[int, int]:
-        return self.num_attention_heads, self.qk_head_dim
+        return 1, self.kv_lora_rank + self.qk_rope_head_dim  # the compressed latent and the rotated key part
+
+    @property
+    def value_cache_dims(self) -> tuple[int, int]:
+        return 1, 0  # the latent serves as the values too
 
     @property
     def attention_matmul_params(self) -> int:
@@ -223,9 +227,10 @@ def _deinterleave(x: jax.Array) -> jax.Array:
 
 
 class MultiHeadLatentAttention(nnx.Module):
-    """MLA with transformers' module names; keys and values expanded per head from the latent, then `attend` (any
-    backend that takes a key width different from the value's: the value is padded to the key's width and the
-    output cut back)."""
+    """MLA with transformers' module names. Without a cache (training, scoring) keys and values are expanded per
+    head from the latent, then `attend` (any backend: the value is padded to the key's width and the output cut
+    back). With one (generation) the cache holds the compressed latent and attention runs over it with the
+    projections absorbed into the query and the output (`_over_latent`)."""
 
     def __init__(self, config: DeepseekV3Config, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         c, d, n = config, config.hidden_size, config.num_attention_heads
@@ -275,27 +280,71 @@ class MultiHeadLatentAttention(nnx.Module):
             q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
         inv_freq, scale = rope
         q_rot, k_rot = apply_rope(q_rot, positions, inv_freq, scale), apply_rope(k_rot, positions, inv_freq, scale)
+        if cache is not None:  # decoding: the cache holds the compressed latent, attention runs over it
+            return self._over_latent(
+                q_nope,
+                q_rot,
+                kv,
+                k_rot,
+                cache,
+                positions=positions,
+                segment_ids=segment_ids,
+                cache_index=cache_index,
+                kv_positions=kv_positions,
+                kv_segment_ids=kv_segment_ids,
+                window=window,
+            )
         kv = self.kv_b_proj(kv).reshape(b, t, n, nope + vd)
         k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rot, (b, t, n, rot))], axis=-1)
         v = kv[..., nope:]
         if vd < nope + rot:  # one width for keys and values: the value padded with zeros, the output cut back
             v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, nope + rot - vd)))
         q = jnp.concatenate([q_nope, q_rot], axis=-1)
-        out, cache = self_attention(
+        out, _ = self_attention(
+            q, k, v, rt, positions=positions, segment_ids=segment_ids, window=window, scale=c.attention_scale
+        )
+        return self.o_proj(out[..., :vd].reshape(b, t, n * vd)), None
+
+    def _over_latent(self, q_nope, q_rot, latent, k_rot, cache, *, window, **where):
+        """Attention over the compressed cache (DeepSeek-V2's weight absorption): each cache slot holds the normed
+        latent `[r]` and the rotated key part `[rot]` (`kv_cache_dims`: one head of `r + rot`, the value slot
+        empty), `kv_lora_rank + qk_rope_head_dim` numbers a token where the expanded heads take
+        `heads · (qk_head_dim + v_head_dim)`. The key projection moves onto the query
+        (`q_nope · W_uk` against the latent) and the value projection after the softmax (the attended latent
+        times `W_uv`): the same scores and outputs as expanding every cached token. `where`: `positions`,
+        `segment_ids`, `cache_index`, `kv_positions`, `kv_segment_ids` as `__call__` takes them."""
+        c, rt = self.config, self.runtime
+        b, t, n, nope = q_nope.shape
+        r, vd = c.kv_lora_rank, c.v_head_dim
+        w = _kernel(self.kv_b_proj, rt.dtype).reshape(r, n, nope + vd)
+        q = jnp.concatenate([jnp.einsum("btnd,rnd->btnr", q_nope, w[..., :nope]), q_rot.astype(rt.dtype)], axis=-1)
+        entry = jnp.concatenate([latent[:, :, None, :], k_rot], axis=-1)
+        keys = jax.lax.dynamic_update_slice(cache[0], entry.astype(cache[0].dtype), (0, where["cache_index"], 0, 0))
+        k = keys.astype(q.dtype)
+        v = k.at[..., r:].set(0)  # the values are the latent itself
+        out = attend(
             q,
             k,
             v,
-            rt,
-            positions=positions,
-            segment_ids=segment_ids,
-            cache=cache,
-            cache_index=cache_index,
-            kv_positions=kv_positions,
-            kv_segment_ids=kv_segment_ids,
+            q_segment_ids=where["segment_ids"],
+            q_positions=where["positions"],
+            kv_segment_ids=where["kv_segment_ids"],
+            kv_positions=where["kv_positions"],
+            causal=True,
             window=window,
+            implementation=rt.attn_mechanism,
+            cached=True,
+            block_size=rt.attn_block_size,
             scale=c.attention_scale,
         )
-        return self.o_proj(out[..., :vd].reshape(b, t, n * vd)), cache
+        heads = jnp.einsum("btnr,rnv->btnv", out[..., :r], w[..., nope:])
+        return self.o_proj(heads.reshape(b, t, n * vd)), (keys, cache[1])
+
+
+def _kernel(layer, dtype) -> jax.Array:
+    """`[in, out]`: a `Linear`'s kernel, or a LoRA layer's merged one (its adapters included), in `dtype`."""
+    merged = getattr(layer, "merged", None)
+    return merged(dtype) if merged is not None else layer.kernel[...].astype(dtype)
 
 
 class Router(nnx.Module):
@@ -365,8 +414,9 @@ def expert_load(top_i: jax.Array, experts: int, token_mask=None) -> jax.Array:
 
 
 def update_router_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
-    """DeepSeek-V3's aux-loss-free balancing step: each expert's `e_score_correction_bias` moves by `rate` — up
-    when the expert took fewer tokens than the mean of `load [E]`, down when more, unchanged when equal."""
+    """DeepSeek-V3's aux-loss-free balancing step: `bias [E]` (a router's `e_score_correction_bias`) with each
+    expert's entry moved by `rate` — up when the expert took fewer tokens than the mean of `load [E]`, down when
+    more, unchanged when equal."""
     return bias + (rate * jnp.sign(jnp.mean(load) - load)).astype(bias.dtype)
 
 

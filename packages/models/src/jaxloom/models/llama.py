@@ -319,12 +319,13 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> Any:
         """Zeroed key/value buffers in the compute dtype: a list of per-layer `(k, v)` `[B, S, KV, H]`, or
         for a scanned stack one `(k, v)` pair stacked `[L, B, S, KV, H]`."""
-        shape = (batch_size, max_length, *self.config.kv_cache_dims)
+        keys = (batch_size, max_length, *self.config.kv_cache_dims)
+        values = (batch_size, max_length, *self.config.value_cache_dims)
         dtype = dtype or self.runtime.dtype
         if self.scanned:
-            stacked = (self.config.num_hidden_layers, *shape)
-            return jnp.zeros(stacked, dtype), jnp.zeros(stacked, dtype)
-        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(self.config.num_hidden_layers)]
+            layers = self.config.num_hidden_layers
+            return jnp.zeros((layers, *keys), dtype), jnp.zeros((layers, *values), dtype)
+        return [(jnp.zeros(keys, dtype), jnp.zeros(values, dtype)) for _ in range(self.config.num_hidden_layers)]
 
 
 def stack_layers(make_layer, n: int, rngs: nnx.Rngs) -> nnx.Module:
