@@ -405,8 +405,8 @@ class DeepseekMoE(nnx.Module):
 
 
 def expert_load(top_i: jax.Array, experts: int, token_mask=None) -> jax.Array:
-    """`[E]` float32: how many of the (real, where `token_mask [B, T]` is given) tokens chose each expert in
-    `top_i [B, T, k]`."""
+    """`[E]` float32 (E = `experts`): how many of the (real, where `token_mask [B, T]` is given) tokens chose each
+    expert in `top_i [B, T, k]`."""
     chose = jax.nn.one_hot(top_i, experts, dtype=jnp.float32).sum(-2)  # [B, T, E]
     if token_mask is not None:
         chose = chose * token_mask[..., None].astype(jnp.float32)
