@@ -182,7 +182,8 @@ def tiny_deepseek():
 def test_a_step_moves_deepseek_router_biases_toward_balance():
     """DeepSeek-V3's aux-loss-free balancing, one step exactly: the router's `e_score_correction_bias` moves by the
     rate up for experts that took fewer of the step's real tokens than the mean and down for those that took more
-    (the loads the forward routed, padding excluded); the optimizer never moves it; rate 0 leaves it."""
+    (the loads the forward routed, padding excluded); the optimizer adds nothing to it (rate 0 leaves it: the run
+    test below)."""
     model = jm.create_model(tiny_deepseek(), seed=0)
     state = js.TrainState.create(model, __import__("optax").adamw(1e-2, weight_decay=0.1))
     rng = np.random.default_rng(0)
@@ -194,20 +195,17 @@ def test_a_step_moves_deepseek_router_biases_toward_balance():
         "positions": jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (1, 4, 16)),
         "loss_mask": jnp.ones((1, 4, 16), jnp.int32),
     }
-    out = model(batch["input_ids"][0], positions=batch["positions"][0], segment_ids=batch["segment_ids"][0])
-    assert set(out.expert_load) == {1}  # the dense layer 0 routes nothing
-    load = np.asarray(out.expert_load[1])
+    routed = jax.jit(lambda ids, pos, seg: model(ids, positions=pos, segment_ids=seg).expert_load)
+    loads = routed(batch["input_ids"][0], batch["positions"][0], batch["segment_ids"][0])
+    assert set(loads) == {1}  # the dense layer 0 routes nothing
+    load = np.asarray(loads[1])
     assert load.sum() == (seg != 0).sum() * 2  # every real token chose two experts
     rate = 0.01
     new, metrics = jax.jit(lambda s, b: train_step(s, b, StepConfig(router_bias_update_rate=rate)))(state, batch)
     bias = np.asarray(new.params["model"]["layers"][1]["mlp"]["gate"]["e_score_correction_bias"])
     np.testing.assert_allclose(bias, rate * np.sign(load.mean() - load), atol=1e-7)
     assert float(metrics["router_imbalance"]) == pytest.approx(load.max() / load.mean(), rel=1e-5)
-    frozen, _ = jax.jit(lambda s, b: train_step(s, b, StepConfig()))(state, batch)
-    np.testing.assert_array_equal(
-        np.asarray(frozen.params["model"]["layers"][1]["mlp"]["gate"]["e_score_correction_bias"]), 0
-    )
-    kernel = frozen.params["model"]["layers"][1]["mlp"]["gate"]["kernel"]  # the router's weights do train
+    kernel = new.params["model"]["layers"][1]["mlp"]["gate"]["kernel"]  # the router's weights do train
     assert not np.array_equal(
         np.asarray(kernel), np.asarray(state.params["model"]["layers"][1]["mlp"]["gate"]["kernel"])
     )
