@@ -211,6 +211,28 @@ def test_a_step_moves_deepseek_router_biases_toward_balance():
     )
 
 
+def test_a_scanned_stack_moves_each_layers_router_bias_by_its_own_load():
+    """Every layer sparse, scanned: the stacked bias `[L, E]` moves row by row, each by its own layer's load."""
+    config = dataclasses.replace(tiny_deepseek(), first_k_dense_replace=0)
+    model = jm.create_model(config, jm.RuntimeConfig(scan_layers=True), seed=0)
+    assert model.scanned
+    state = js.TrainState.create(model, __import__("optax").sgd(1e-2))
+    rng = np.random.default_rng(1)
+    batch = {
+        "input_ids": jnp.asarray(rng.integers(1, 40, (1, 4, 16)), jnp.int32),
+        "segment_ids": jnp.ones((1, 4, 16), jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (1, 4, 16)),
+        "loss_mask": jnp.ones((1, 4, 16), jnp.int32),
+    }
+    routed = jax.jit(lambda ids, pos, seg: model(ids, positions=pos, segment_ids=seg).expert_load)
+    loads = routed(batch["input_ids"][0], batch["positions"][0], batch["segment_ids"][0])
+    load = np.stack([np.asarray(loads[i]) for i in range(config.num_hidden_layers)])
+    rate = 0.01
+    new, _ = jax.jit(lambda s, b: train_step(s, b, StepConfig(router_bias_update_rate=rate)))(state, batch)
+    bias = np.asarray(new.params["model"]["layers"]["mlp"]["gate"]["e_score_correction_bias"])
+    np.testing.assert_allclose(bias, rate * np.sign(load.mean(-1, keepdims=True) - load), atol=1e-7)
+
+
 def test_router_bias_update_rate_takes_effect_in_a_run(tmp_path):
     """Through the Trainer: each of three steps moves each bias by -rate, 0 or +rate (so they end on multiples of
     the rate, not all zero); `router_bias_update_rate=0` keeps them at zero; the imbalance is logged."""

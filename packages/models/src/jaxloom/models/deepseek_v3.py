@@ -416,8 +416,8 @@ def expert_load(top_i: jax.Array, experts: int, token_mask=None) -> jax.Array:
 def update_router_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
     """DeepSeek-V3's aux-loss-free balancing step: `bias [E]` (a router's `e_score_correction_bias`) with each
     expert's entry moved by `rate` — up when the expert took fewer tokens than the mean of `load [E]`, down when
-    more, unchanged when equal."""
-    return bias + (rate * jnp.sign(jnp.mean(load) - load)).astype(bias.dtype)
+    more, unchanged when equal (`[L, E]` and `[L, E]`: each row its own layer's)."""
+    return bias + (rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)).astype(bias.dtype)
 
 
 @register("deepseek_v3", TaskType.CAUSAL_LM)

@@ -218,13 +218,16 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
 
 def balance_routers(params, loads: dict[str, jax.Array], rate: float):
     """`params` with each decoder layer's `e_score_correction_bias` moved by `rate` toward balance
-    (`jaxloom.models.update_router_bias`), from `loads` (layer index as a string → tokens per expert `[E]`)."""
+    (`jaxloom.models.update_router_bias`), from `loads` (layer index as a string → tokens per expert `[E]`). A
+    scanned stack's bias `[L, E]` takes every layer's load in order."""
     from jaxloom.models import update_router_bias
 
     def visit(path, leaf):
         keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
         if keys[-1] != "e_score_correction_bias" or "layers" not in keys:
             return leaf
+        if leaf.ndim == 2:  # stacked layers: one row each
+            return update_router_bias(leaf, jnp.stack([loads[str(i)] for i in range(leaf.shape[0])]), rate)
         layer = keys[keys.index("layers") + 1]
         if layer not in loads:
             return leaf
