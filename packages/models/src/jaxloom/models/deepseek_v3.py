@@ -407,10 +407,10 @@ class DeepseekMoE(nnx.Module):
 def expert_load(top_i: jax.Array, experts: int, token_mask=None) -> jax.Array:
     """`[E]` float32 (E = `experts`): how many of the (real, where `token_mask [B, T]` is given) tokens chose each
     expert in `top_i [B, T, k]`."""
-    chose = jax.nn.one_hot(top_i, experts, dtype=jnp.float32).sum(-2)  # [B, T, E]
+    weight = jnp.ones(top_i.shape, jnp.float32)
     if token_mask is not None:
-        chose = chose * token_mask[..., None].astype(jnp.float32)
-    return chose.sum((0, 1))
+        weight = weight * token_mask[..., None].astype(jnp.float32)
+    return jnp.zeros((experts,), jnp.float32).at[top_i.reshape(-1)].add(weight.reshape(-1))  # no [B, T, k, E]
 
 
 def update_router_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
