@@ -85,6 +85,79 @@ def test_adapters_made_by_peft_load_here_and_merge_for_transformers(tmp_path, fa
     )
 
 
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize(
+    "family, scan, params",
+    [
+        ("mixtral", True, EXPERTS),
+        ("gpt_oss", False, EXPERTS),
+        ("deepseek_v3", False, ["down_proj"]),
+        ("qwen3_moe", False, ["experts.gate_up_proj"]),
+    ],
+)
+def test_adapters_on_the_experts_interchange_with_peft_target_parameters(tmp_path, family, scan, params):
+    """PEFT's `target_parameters` (its `ParamWrapper`: one low-rank pair per expert on transformers' stacked
+    `gate_up_proj` / `down_proj`): written here, PEFT's model gives our logits; drawn by PEFT, they load here
+    with its logits, train alone, and merge into a model transformers loads with the same logits."""
+    import transformers
+
+    hf = make_hf(family, tmp_path / "base")
+    ids, mask, positions = batch("right")
+    plain = hf_logits(hf, ids, mask, positions)
+    model = jm.from_pretrained(tmp_path / "base", jm.RuntimeConfig(scan_layers=scan))
+    jm.apply_lora(model, jm.LoRAConfig(r=2, alpha=4, target_modules=("o_proj",), target_parameters=params))
+    _randomize_adapters(model)
+    for path, var in nnx.iter_graph(model):  # o_proj's adapters added nothing: what moves the logits is the experts'
+        if isinstance(var, nnx.Param) and path[-2:] == ("o_proj", "lora_b"):
+            var.set_value(jnp.zeros_like(var.get_value()))
+    jm.save_peft_adapter(model, tmp_path / "ours")
+    written = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert written["target_parameters"] == sorted(params)
+    mine = peft.PeftModel.from_pretrained(hf, str(tmp_path / "ours")).eval()
+    want = hf_logits(mine, ids, mask, positions)
+    got = _ours(model, ids, mask, positions)
+    np.testing.assert_allclose(got * mask[..., None], want * mask[..., None], atol=2e-5, rtol=2e-5)
+    assert np.abs((want - plain) * mask[..., None]).max() > 1e-2  # the experts' adapters act, in PEFT as here
+
+    hf = make_hf(family, tmp_path / "base")  # a fresh transformers model; PEFT draws B too (init_lora_weights=False)
+    config = peft.LoraConfig(
+        r=2, lora_alpha=8, target_modules=["o_proj"], target_parameters=params, init_lora_weights=False
+    )
+    theirs = peft.get_peft_model(hf, config).eval()
+    theirs.save_pretrained(tmp_path / "theirs")
+    want = hf_logits(theirs, ids, mask, positions)
+    base = jm.from_pretrained(tmp_path / "base", jm.RuntimeConfig(scan_layers=scan))
+    read = jm.read_peft_config(tmp_path / "theirs")
+    assert read.target_parameters == tuple(sorted(params))
+    jm.apply_lora(base, read)
+    jm.load_peft_weights(base, tmp_path / "theirs")
+    got = _ours(base, ids, mask, positions)
+    np.testing.assert_allclose(got * mask[..., None], want * mask[..., None], atol=2e-5, rtol=2e-5)
+    trained = {"/".join(map(str, p)) for p, v in nnx.iter_graph(base) if isinstance(v, nnx.Param)}
+    assert trained and all("lora_" in p for p in trained), sorted(trained)[:5]  # the experts' base weights frozen
+    assert any("experts" in p or "down_lora" in p or "gate_up_lora" in p for p in trained)
+
+    merged = jm.merge_lora(base)
+    jm.save_hf_model(merged, tmp_path / "merged")
+    alone = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    np.testing.assert_allclose(
+        hf_logits(alone, ids, mask, positions) * mask[..., None], want * mask[..., None], atol=2e-5, rtol=2e-5
+    )
+
+
+def test_expert_targets_are_checked_by_name():
+    """A name that selects no stacked expert weight, or a model without experts, is one error naming what exists."""
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    moe = jm.create_model(jm.MixtralConfig(**small, num_key_value_heads=2, num_local_experts=4))
+    with pytest.raises(ValueError, match=r"no such parameter.*model\.layers\.0\.mlp\.experts\.gate_up_proj"):
+        jm.apply_lora(moe, jm.LoRAConfig(target_parameters=("mlp.experts.up_proj",)))
+    dense = jm.create_model(jm.LlamaConfig(**small, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="has no stacked expert weights"):
+        jm.apply_lora(dense, jm.LoRAConfig(target_parameters=("gate_up_proj",)))
+
+
 def test_an_adapter_for_another_base_or_module_is_refused_by_name(tmp_path):
     small = jm.create_model(
         jm.LlamaConfig(

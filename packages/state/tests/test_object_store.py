@@ -204,7 +204,23 @@ def test_hf_export_to_gcs_streams_and_loads_back(tmp_path):
         np.testing.assert_array_equal(np.asarray(loaded[k]), gather(expected[k]), err_msg=k)
 
 
-def test_a_store_that_goes_away_is_one_clear_error_and_a_rerun_resumes_when_it_is_back(caplog, tmp_path):
+@pytest.fixture
+def quick_gcsfs_backoff(monkeypatch):
+    """gcsfs's own backoff between its six tries of a request (1 + 2 + 4 + 8 + 16 s, fixed when gcsfs is imported:
+    33 s for each call that meets a stopped server) cut to 50 ms a try. The tries, the errors they end in and what
+    jaxloom makes of them are unchanged; the test took 72 s with the real sleeps, two thirds of them there."""
+    import asyncio
+    import types
+
+    import gcsfs.retry
+
+    sleep = asyncio.sleep
+    monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(sleep=lambda seconds: sleep(0.05)))
+
+
+def test_a_store_that_goes_away_is_one_clear_error_and_a_rerun_resumes_when_it_is_back(
+    caplog, tmp_path, quick_gcsfs_backoff
+):
     """The GCS server stops mid-run (issue 43): the next save is one `CheckpointSaveError` saying the store
     cannot be reached and what to do, not four retry tracebacks and a raw client error. Started again (the same
     objects), a new manager finds checkpoint 1 complete and restores it: nothing saved before is lost."""

@@ -272,6 +272,9 @@ RUN_LEVEL = {
         for name in ("use_peft", "lora_r", "lora_alpha", "lora_target_modules")
     },
     "lora_from": "test_lora.py::test_sigkill_then_resume_is_bitwise_and_the_run_converts_to_peft_or_merged",
+    "lora_target_parameters": (
+        "test_lora.py::test_lora_on_the_experts_trains_on_fsdp_x_ep_as_on_fsdp_alone_and_exports_for_peft"
+    ),
     "storage_endpoint_url": "test_resume_cli.py::test_run_directory_on_a_store_sigkill_then_resume_ends_bitwise_equal",
     "storage_retry_seconds": (
         "../../../tests/reliability/test_store_faults.py::"

@@ -176,3 +176,58 @@ def test_qlora_trains_on_a_quantized_base_and_each_adapter_setting_acts(tmp_path
         args(tmp_path, **LORA, lora_dropout=0.05)
     with pytest.raises(ValueError, match="load_in_4bit = true without use_peft"):
         args(tmp_path, load_in_4bit=True)
+
+
+def test_lora_on_the_experts_trains_on_fsdp_x_ep_as_on_fsdp_alone_and_exports_for_peft(tmp_path):
+    """`lora_target_parameters` (TRL's name; PEFT's `target_parameters`) adapts a Mixtral's stacked expert weights:
+    only the adapters train (the experts' own weights stay frozen), the run on fsdp × ep (each device holding half
+    the experts and their adapters, the tokens moving) equals the run on fsdp alone, and the export is a PEFT adapter
+    with the experts' pairs under PEFT's names."""
+    from safetensors.numpy import load_file
+
+    from jaxloom.mesh import PartitionAxis
+
+    config = jm.MixtralConfig(
+        vocab_size=len(TOK),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    experts = "mlp.experts.gate_up_proj,mlp.experts.down_proj"
+    settings = {**LORA, "lora_target_modules": "q_proj", "lora_target_parameters": experts, "learning_rate": 5e-2}
+    runs = {}
+    for name, axes, batch_axis in (
+        ("fsdp", dict(fsdp=4), ("fsdp", "dp")),
+        ("ep", dict(fsdp=2, ep=2), ("fsdp", "dp", "ep")),
+    ):
+        runtime = jm.RuntimeConfig(moe_implementation="tiled", partition_axis=PartitionAxis(batch_axis=batch_axis))
+        t = Trainer(
+            args(tmp_path / name, **settings, warmup_steps=0, max_training_steps=3),
+            jm.create_model(config, runtime, seed=0),
+            dataset_train=TRAIN,
+            processing_class=TOK,
+            mesh=mesh(4, **axes),
+        )
+        runs[name] = (t, t.train())
+    trained = params_of(runs["ep"][1].state)
+    adapted = [k for k in trained if "gate_up_lora" in k or "down_lora" in k]
+    assert len(adapted) == 4 * 2 and all(k.endswith(("lora_a", "lora_b")) for k in trained), sorted(trained)
+    assert all(np.abs(trained[k]).max() > 0 for k in adapted if k.endswith("lora_b"))  # B left zero: it trained
+    frozen = {k for k, _ in named_leaves(runs["ep"][1].state.frozen)}
+    assert any(k.endswith("w_gate") for k in frozen)  # the experts' own weights are the frozen base
+    np.testing.assert_allclose(losses(tmp_path / "ep"), losses(tmp_path / "fsdp"), rtol=1e-5)
+    ours = params_of(runs["fsdp"][1].state)
+    for k in ours:
+        np.testing.assert_allclose(trained[k], ours[k], rtol=1e-4, atol=1e-5, err_msg=k)  # Adam: 1/sqrt(v)
+
+    runs["ep"][0].save_pretrained(str(tmp_path / "adapter"), to_torch=True)
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["target_parameters"] == sorted(experts.split(","))
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    inner = tensors["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"]  # gate_up: [r·E, D]
+    outer = tensors["base_model.model.model.layers.1.mlp.experts.lora_B.weight"]  # down: [D, r·E]
+    assert inner.shape == (4 * 4, 32) and outer.shape == (32, 4 * 4)

@@ -17,6 +17,7 @@ from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, expert_load, u
 from .gemma import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 from .gpt_oss import GptOssConfig, GptOssForCausalLM, dequantize_mxfp4
 from .hf import from_pretrained, pretrained_source, save_hf_model, to_hf_state_dict
+from .expert_adapters import ExpertLoRA, expert_weights
 from .lora import (
     Frozen,
     LoRAConfig,
@@ -45,6 +46,8 @@ from .runtime import SCAN_ABOVE_LAYERS, AttentionMechanisms, EasyDeLGradientChec
 
 __all__ = [
     "Frozen",
+    "ExpertLoRA",
+    "expert_weights",
     "LoRAConfig",
     "LoRALinear",
     "apply_lora",

@@ -37,7 +37,8 @@ from .attention import attend, self_attention
 from .configs import LlamaConfig, check_top_k, register_config
 from .layers import ACTIVATIONS, Linear, RMSNorm, apply_rope
 from .llama import MLP, CausalLM, RouterLoad
-from .mixtral import gated, run_experts
+from .expert_adapters import ExpertLoRA
+from .mixtral import SparseMoE, gated, run_experts, stacked_weights
 from .registry import TaskType, register
 from .runtime import RuntimeConfig
 
@@ -378,7 +379,11 @@ class DeepseekMoE(nnx.Module):
     """Routed experts (`w_gate`, `w_up [E, D, F]`, `w_down [E, F, D]`; per-expert tensors `experts.{e}.*` in the files)
     chosen by `gate` (`Router`), plus the always-on `shared_experts` (an MLP of `n_shared_experts` experts' width).
     No auxiliary loss: the router balances through its bias, so the layer returns its `RouterLoad` (the trainer's
-    `router_bias_update_rate` moves the bias after each step, `update_router_bias`)."""
+    `router_bias_update_rate` moves the bias after each step, `update_router_bias`). LoRA on the routed experts as
+    Mixtral's (`SparseMoE`)."""
+
+    EXPERT_WEIGHTS: ClassVar[dict[str, tuple[str, ...]]] = SparseMoE.EXPERT_WEIGHTS
+    HF_EXPERTS: ClassVar[str] = SparseMoE.HF_EXPERTS
 
     def __init__(self, config: DeepseekV3Config, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         e, d, f = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -391,6 +396,8 @@ class DeepseekMoE(nnx.Module):
         self.w_gate = param((e, d, f), ("expert", "embed", "mlp"))
         self.w_up = param((e, d, f), ("expert", "embed", "mlp"))
         self.w_down = param((e, f, d), ("expert", "mlp", "embed"))
+        self.gate_up_lora: ExpertLoRA | None = nnx.data(None)
+        self.down_lora: ExpertLoRA | None = nnx.data(None)
         shared = config.replace(intermediate_size=config.shared_expert_intermediate_size)
         self.shared_experts = MLP(shared, runtime, rngs=rngs)
         self.act, self.e, self.config, self.runtime = ACTIVATIONS[config.mlp_activation], e, config, runtime
@@ -398,7 +405,7 @@ class DeepseekMoE(nnx.Module):
     def __call__(self, x, token_mask=None):
         dtype = self.runtime.dtype
         top_w, top_i = self.gate(x, self.config)
-        weights = tuple(w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        weights = stacked_weights(self, dtype, self.runtime)
         routed = run_experts(x.astype(dtype), top_i, top_w, weights, glu=gated(self.act), runtime=self.runtime)
         shared, _ = self.shared_experts(x)
         return routed + shared, RouterLoad(expert_load(top_i, self.e, token_mask))

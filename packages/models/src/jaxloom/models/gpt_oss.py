@@ -30,8 +30,9 @@ from flax import nnx
 from jaxloom.core.schema import config
 
 from .configs import LlamaConfig, check_top_k, register_config
-from .layers import Linear
+from .layers import Linear, _precision
 from .llama import CausalLM
+from .expert_adapters import ExpertLoRA, expert_weights
 from .mixtral import balance_loss, route, run_experts
 from .registry import TaskType, register
 from .runtime import RuntimeConfig
@@ -123,7 +124,14 @@ class GptOssConfig(LlamaConfig):
 class GptOssExperts(nnx.Module):
     """The experts' weights as transformers stores them: `gate_up_proj [E, D, 2F]` (gate and up interleaved along
     the last axis: gate at even, up at odd columns) with `gate_up_proj_bias [E, 2F]`, `down_proj [E, F, D]` with
-    `down_proj_bias [E, D]`; sharded on the `expert` axis (→ `ep`) and the feed-forward width (→ `tp`)."""
+    `down_proj_bias [E, D]`; sharded on the `expert` axis (→ `ep`) and the feed-forward width (→ `tp`). LoRA on
+    `gate_up_proj` / `down_proj` (`target_parameters`): `gate_up_lora` / `down_lora` (`ExpertLoRA`)."""
+
+    EXPERT_WEIGHTS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "gate_up_proj": ("gate_up_proj",),
+        "down_proj": ("down_proj",),
+    }
+    HF_EXPERTS: ClassVar[str] = ""  # this module is transformers' `mlp.experts`
 
     def __init__(self, config: GptOssConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         e, d, f = config.num_local_experts, config.hidden_size, config.intermediate_size
@@ -137,14 +145,18 @@ class GptOssExperts(nnx.Module):
         self.gate_up_proj_bias = param((e, 2 * f), ("expert", "mlp"), std=False)
         self.down_proj = param((e, f, d), ("expert", "mlp", "embed"))
         self.down_proj_bias = param((e, d), ("expert", None), std=False)
+        self.gate_up_lora: ExpertLoRA | None = nnx.data(None)
+        self.down_lora: ExpertLoRA | None = nnx.data(None)
 
-    def split(self, dtype) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+    def split(self, dtype, precision=None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         """`(w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D])` and `(b_gate, b_up, b_down)` in `dtype`: the
         interleaved columns apart (a reshape to `[..., F, 2]`: the sharded width stays whole pairs)."""
         e, d, two_f = self.gate_up_proj.shape
-        gate_up = self.gate_up_proj[...].astype(dtype).reshape(e, d, two_f // 2, 2)
+        (gate_up,) = expert_weights(self, "gate_up_proj", dtype, precision)
+        (down,) = expert_weights(self, "down_proj", dtype, precision)
+        gate_up = gate_up.reshape(e, d, two_f // 2, 2)
         bias = self.gate_up_proj_bias[...].astype(dtype).reshape(e, two_f // 2, 2)
-        weights = (gate_up[..., 0], gate_up[..., 1], self.down_proj[...].astype(dtype))
+        weights = (gate_up[..., 0], gate_up[..., 1], down)
         return weights, (bias[..., 0], bias[..., 1], self.down_proj_bias[...].astype(dtype))
 
 
@@ -172,7 +184,7 @@ class GptOssMoE(nnx.Module):
     def __call__(self, x, token_mask=None):
         dtype = self.runtime.dtype
         probs, top_w, top_i, chosen = route(self.router(x), self.k, self.e, normalize=True)
-        weights, biases = self.experts.split(dtype)
+        weights, biases = self.experts.split(dtype, _precision(self.runtime))
         out = run_experts(x.astype(dtype), top_i, top_w, weights, glu=self.glu, biases=biases, runtime=self.runtime)
         return out, balance_loss(probs, chosen, token_mask, self.k, self.e)
 

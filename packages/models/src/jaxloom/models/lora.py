@@ -10,6 +10,13 @@ The adapters carry the logical axes of the weight they adapt (A its input axis, 
 they shard with it on any mesh; in a scanned layer stack they carry its leading layer axis. Adapters are
 float32 whatever the base's dtype.
 
+Experts (`target_parameters`, PEFT's name for adapting a parameter rather than a module): the stacked expert
+weights of an MoE layer, named as transformers names them (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`),
+get one low-rank pair per expert (`ExpertLoRA`: `lora_a [E, in, r]`, `lora_b [E, r, out]`), and the experts run
+with `W + A B · scaling` through the same dispatch (dense, token dispatch, expert-parallel) as the base. The files
+are PEFT's `ParamWrapper` layout (`lora_A [r·E, in]`, `lora_B [out, r·E]`, the second target of a module nested
+under `base_layer`).
+
 QLoRA (`quantize="int8"` or `"nf4"`): the base kernel is stored quantized — int8 with one float32 scale per
 output column, or NF4 (QLoRA's 4-bit normal-float code, two codes a byte) with one float32 absmax per block
 of `block_size` inputs — and dequantized in the forward pass, in the compute dtype.
@@ -29,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .expert_adapters import EXPERT_PARAMETERS, ExpertLoRA, expert_weights
 from .layers import Linear
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -69,8 +77,10 @@ class Frozen(nnx.Variable):
 class LoRAConfig:
     """The adapters: rank `r`, `alpha` (scale `alpha / r`, or `alpha / sqrt(r)` with `use_rslora`),
     `target_modules` (HF module names such as `q_proj`, or `"all-linear"`: every linear layer but the output
-    layer), and `quantize` the frozen base (`None`, `"int8"`, `"nf4"`) in blocks of `block_size` inputs
-    (NF4). PEFT's names and meanings."""
+    layer), `target_parameters` (the stacked expert weights of MoE layers, as transformers names them:
+    `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, or a suffix of those), and `quantize` the frozen base
+    (`None`, `"int8"`, `"nf4"`; the experts' weights stay unquantized) in blocks of `block_size` inputs (NF4).
+    PEFT's names and meanings."""
 
     r: int = 16
     alpha: float = 32.0
@@ -78,6 +88,7 @@ class LoRAConfig:
     use_rslora: bool = False
     quantize: str | None = None
     block_size: int = 64
+    target_parameters: tuple[str, ...] | str = ()
 
     def __post_init__(self):
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
@@ -90,7 +101,10 @@ class LoRAConfig:
             object.__setattr__(self, "target_modules", tuple(m for m in self.target_modules.split(",") if m))
         if isinstance(self.target_modules, list):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
-        if not self.target_modules:
+        names = self.target_parameters
+        names = tuple(m for m in names.split(",") if m) if isinstance(names, str) else tuple(names or ())
+        object.__setattr__(self, "target_parameters", names)
+        if not self.target_modules and not self.target_parameters:
             raise ValueError("lora_target_modules is empty; expected module names such as q_proj,v_proj or all-linear")
 
     @property
@@ -198,19 +212,84 @@ class LoRALinear(nnx.Module):
 
 
 # ---- applying, merging, finding -------------------------------------------------------------------------------
-def _linears(module: nnx.Module, prefix: tuple[str, ...] = ()):
-    """`(parent, attribute, path)` of every `Linear` / `LoRALinear` under `module`, in a fixed order."""
+def _find(module: nnx.Module, wanted, prefix: tuple[str, ...] = ()):
+    """`(parent, attribute, path)` of every value under `module` for which `wanted(value)` holds (not looking inside
+    one), through submodules and lists of them, in a fixed order."""
     for name in sorted(vars(module)):
         value = getattr(module, name)
         path = (*prefix, name)
-        if isinstance(value, Linear | LoRALinear):
+        if wanted(value):
             yield module, name, path
         elif isinstance(value, nnx.Module):
-            yield from _linears(value, path)
+            yield from _find(value, wanted, path)
         elif isinstance(value, nnx.List | list | tuple):
             for i, item in enumerate(value):
                 if isinstance(item, nnx.Module):
-                    yield from _linears(item, (*path, str(i)))
+                    yield from _find(item, wanted, (*path, str(i)))
+
+
+def _linears(module: nnx.Module):
+    """`(parent, attribute, path)` of every `Linear` / `LoRALinear` under `module`, in a fixed order."""
+    return _find(module, lambda value: isinstance(value, Linear | LoRALinear))
+
+
+def _expert_hosts(module: nnx.Module):
+    """`(host, path)` of every MoE module under `module` whose stacked expert weights can take adapters (its class
+    names them in `EXPERT_WEIGHTS`), in a fixed order."""
+    for parent, name, path in _find(module, lambda v: isinstance(v, nnx.Module) and hasattr(type(v), "EXPERT_WEIGHTS")):
+        yield getattr(parent, name), path
+
+
+def _expert_weight_names(host: nnx.Module, name: str) -> tuple[str, ...]:
+    """The attributes of `host` holding the weights behind transformers' `name`."""
+    return type(host).EXPERT_WEIGHTS[name]
+
+
+def _hf_experts(model: nnx.Module, host: nnx.Module, path: tuple[str, ...]) -> list[str]:
+    """transformers' name(s) of the experts module `host` at `path` stands for (`model.layers.3.mlp.experts`), one
+    per layer of a scanned stack."""
+    suffix = tuple(filter(None, [type(host).HF_EXPERTS]))
+    if len(path) > 2 and path[:2] == ("model", "layers") and not path[2].isdigit():  # a scanned stack
+        return [".".join((*path[:2], str(i), *path[2:], *suffix)) for i in range(model.config.num_hidden_layers)]
+    return [".".join((*path, *suffix))]
+
+
+def expert_targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Module, tuple[str, ...], str]]:
+    """`(host, path, name)` for each stacked expert weight `config.target_parameters` selects in `model`, matched
+    as PEFT matches them (the full name, or a suffix after a dot); a name that selects nothing, or a part of a
+    scanned stack, is an error listing what the model has."""
+    if not config.target_parameters:
+        return []
+    hosts = list(_expert_hosts(model))
+    if not hosts:
+        raise ValueError(
+            f"lora_target_parameters {list(config.target_parameters)}: {type(model).__name__} has no stacked expert "
+            "weights (only MoE layers do); adapt its linear layers with lora_target_modules"
+        )
+    found, used = [], set()
+    for host, path in hosts:
+        modules = _hf_experts(model, host, path)
+        for name in EXPERT_PARAMETERS:
+            keys = [f"{m}.{name}" for m in modules]
+            hits = {t for t in config.target_parameters for k in keys if k == t or k.endswith(f".{t}")}
+            matched = [k for k in keys if any(k == t or k.endswith(f".{t}") for t in hits)]
+            if matched and len(matched) != len(keys):
+                raise ValueError(
+                    f"lora_target_parameters {sorted(hits)} select some layers of a scanned stack ({matched[0]}, not "
+                    f"{[k for k in keys if k not in matched][0]}); name every layer's, or run with scan_layers=false"
+                )
+            if matched:
+                used |= hits
+                found.append((host, path, name))
+    unknown = [t for t in config.target_parameters if t not in used]
+    if unknown:
+        example = _hf_experts(model, *hosts[0])[0]
+        raise ValueError(
+            f"lora_target_parameters {unknown}: {type(model).__name__} has no such parameter; its stacked expert "
+            f"weights are {[f'{example}.{n}' for n in EXPERT_PARAMETERS]} in every MoE layer (a suffix such as "
+            "mlp.experts.gate_up_proj selects them all)"
+        )
+    return found
 
 
 def linear_names(model: nnx.Module) -> list[str]:
@@ -241,9 +320,12 @@ def targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Module, str
 def apply_lora(model: nnx.Module, config: LoRAConfig, *, seed: int = 0) -> nnx.Module:
     """`model` with adapters on the layers `config` targets (in place; also returned). Each layer's A is drawn
     from `seed` and the layer's path, so the same layer gets the same draw whatever else is targeted."""
-    if any(isinstance(getattr(p, n), LoRALinear) for p, n, _ in _linears(model)):
+    if any(isinstance(getattr(p, n), LoRALinear) for p, n, _ in _linears(model)) or any(
+        getattr(h, a) is not None for h, _ in _expert_hosts(model) for a in EXPERT_PARAMETERS.values()
+    ):
         raise ValueError("this model already has LoRA adapters")
     base_key = jax.random.PRNGKey(seed)
+    experts = expert_targets(model, config)  # checked before anything changes
     chosen = {path for _, _, path in targets(model, config)}
     for parent, name, path in list(_linears(model)):
         if path in chosen:
@@ -251,6 +333,10 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, *, seed: int = 0) -> nnx.M
             setattr(parent, name, LoRALinear(getattr(parent, name), config, key))
         elif config.quantize and name != "lm_head":  # QLoRA stores every linear layer of the base quantized
             setattr(parent, name, LoRALinear(getattr(parent, name), config, None))
+    for host, path, name in experts:
+        key = jax.random.fold_in(base_key, zlib.crc32(".".join((*path, name)).encode()) & 0x7FFFFFFF)
+        weights = [getattr(host, attr) for attr in _expert_weight_names(host, name)]
+        setattr(host, EXPERT_PARAMETERS[name], ExpertLoRA(weights, config.r, config.scaling, key))
     _freeze(model)
     model.lora_config = config
     return model
@@ -289,7 +375,8 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         source = layer.kernel_codes if layer.kernel_codes is not None else layer.kernel
         axes = source.get_metadata().get("logical_axes")
         runtime: Any = _Runtime(dtype)  # the fields Linear reads
-        plain = nnx.eval_shape(lambda r=runtime: Linear(1, 1, (None, None), r, rngs=nnx.Rngs(0)))
+        biased = layer.bias is not None
+        plain = nnx.eval_shape(lambda r=runtime, b=biased: Linear(1, 1, (None, None), r, use_bias=b, rngs=nnx.Rngs(0)))
         plain.kernel = nnx.Param(kernel, logical_axes=axes)
         plain.bias = (
             None
@@ -298,6 +385,15 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         )
         plain.dtype, plain.precision = layer.dtype, layer.precision
         setattr(parent, name, plain)
+    for host, _ in _expert_hosts(model):
+        for name, attr in EXPERT_PARAMETERS.items():
+            if getattr(host, attr) is None:
+                continue
+            merged = expert_weights(host, name, jnp.float32, jax.lax.Precision.HIGHEST)
+            for weight, value in zip(_expert_weight_names(host, name), merged, strict=True):
+                var = getattr(host, weight)
+                setattr(host, weight, Frozen(value.astype(var.get_value().dtype), **var.get_metadata()))
+            setattr(host, attr, None)
     _freeze(model, Frozen, nnx.Param)  # a plain model again: every weight a parameter
     if hasattr(model, "lora_config"):
         del model.lora_config
@@ -341,6 +437,7 @@ def peft_config(config: LoRAConfig, model: nnx.Module, base: str | None = None) 
         "lora_alpha": config.alpha,
         "lora_dropout": 0.0,
         "target_modules": modules,
+        "target_parameters": sorted(config.target_parameters) or None,
         "use_rslora": config.use_rslora,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -368,7 +465,26 @@ def adapter_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
         for i, module in enumerate(modules):
             out[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
             out[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+    for key, adapters, i in _expert_adapter_keys(model):
+        a, b = np.asarray(gather(adapters.lora_a[...])), np.asarray(gather(adapters.lora_b[...]))
+        a, b = (a, b) if i is None else (a[i], b[i])
+        experts, din, r = a.shape
+        out[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.transpose(0, 2, 1).reshape(experts * r, din))
+        out[f"{key}.lora_B.weight"] = np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[-1], r * experts))
     return out
+
+
+def _expert_adapter_keys(model: nnx.Module):
+    """`(key, adapters, layer)` for each expert weight with adapters: PEFT's key up to `.lora_A.weight`, the
+    `ExpertLoRA`, and the index into its leading layer axis (None outside a scanned stack). PEFT wraps a module's
+    targeted parameters one inside the other in the module's order, so all but the last sit under `base_layer`s."""
+    for host, path in _expert_hosts(model):
+        adapted = [(n, getattr(host, a)) for n, a in EXPERT_PARAMETERS.items() if getattr(host, a) is not None]
+        modules = _hf_experts(model, host, path)
+        for j, (_, adapters) in enumerate(adapted):
+            nesting = ".base_layer" * (len(adapted) - 1 - j)
+            for i, module in enumerate(modules):
+                yield f"base_model.model.{module}{nesting}", adapters, (i if len(modules) > 1 else None)
 
 
 def save_peft_adapter(
@@ -409,12 +525,13 @@ def read_peft_config(directory: str | Path) -> LoRAConfig:
     for key in ("rank_pattern", "alpha_pattern"):
         if raw.get(key):
             raise ValueError(f"{path}: {key} = {raw[key]!r}; jaxloom reads one rank and alpha for every layer")
-    modules = raw.get("target_modules")
+    modules = raw.get("target_modules") or ()
     return LoRAConfig(
         r=int(raw["r"]),
         alpha=float(raw.get("lora_alpha", 8)),
         target_modules=modules if isinstance(modules, str) else tuple(sorted(modules)),
         use_rslora=bool(raw.get("use_rslora", False)),
+        target_parameters=tuple(sorted(raw.get("target_parameters") or ())),
     )
 
 
@@ -449,6 +566,27 @@ def load_peft_weights(model: nnx.Module, directory: str | Path) -> nnx.Module:
                     f"layer needs {tuple(var.get_value().shape)}: the adapter was made for another base model"
                 )
             var.set_value(jnp.asarray(value, jnp.float32))
+    expert_pairs: dict[int, tuple[ExpertLoRA, list[tuple[np.ndarray, np.ndarray]]]] = {}
+    for key, adapters, _ in _expert_adapter_keys(model):
+        keys = [f"{key}.lora_{x}.weight" for x in "AB"]
+        missing = [k for k in keys if k not in tensors]
+        if missing:
+            raise ValueError(f"{path}: no tensor {missing[0]}; the adapter does not cover this base's experts")
+        used.update(keys)
+        expert_pairs.setdefault(id(adapters), (adapters, []))[1].append((tensors[keys[0]], tensors[keys[1]]))
+    for adapters, pairs in expert_pairs.values():
+        *_, experts, din, r = adapters.lora_a.get_value().shape
+        dout = adapters.lora_b.get_value().shape[-1]
+        for x, y in pairs:
+            if x.shape != (experts * r, din) or y.shape != (dout, r * experts):
+                raise ValueError(
+                    f"{path}: the experts' adapters are lora_A {x.shape}, lora_B {y.shape}; this base's {experts} "
+                    f"experts need {(experts * r, din)} and {(dout, r * experts)}: it was made for another base"
+                )
+        a = np.stack([x.reshape(experts, r, din).transpose(0, 2, 1) for x, _ in pairs])
+        b = np.stack([y.reshape(dout, r, experts).transpose(2, 1, 0) for _, y in pairs])
+        adapters.lora_a.set_value(jnp.asarray(a.reshape(adapters.lora_a.get_value().shape), jnp.float32))
+        adapters.lora_b.set_value(jnp.asarray(b.reshape(adapters.lora_b.get_value().shape), jnp.float32))
     left = sorted(set(tensors) - used)
     if left:
         raise ValueError(f"{path}: tensors for modules this model does not adapt: {left[:5]}")

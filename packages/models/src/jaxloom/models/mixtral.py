@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +12,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .configs import MixtralConfig
-from .layers import ACTIVATIONS, Linear, constrain
+from .layers import ACTIVATIONS, Linear, _precision, constrain
 from .llama import CausalLM
+from .expert_adapters import ExpertLoRA, expert_weights
 from .registry import TaskType, register
 from .runtime import RuntimeConfig
 
@@ -111,7 +113,16 @@ class SparseMoE(nnx.Module):
     Expert parallelism: on a mesh whose expert axis (`ep`) has more than one device, the dispatch runs
     under `shard_map` (`expert_parallel_dispatch`): every device keeps only its `E/ep` experts'
     weights and the tokens move to them, never the weights to the tokens.
+
+    LoRA on the experts (`target_parameters`): `gate_up_lora` / `down_lora` (`ExpertLoRA`, None without) adapt
+    transformers' `mlp.experts.gate_up_proj` (`w_gate` then `w_up`) and `mlp.experts.down_proj` (`w_down`).
     """
+
+    EXPERT_WEIGHTS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "gate_up_proj": ("w_gate", "w_up"),  # transformers concatenates their outputs: gate, then up
+        "down_proj": ("w_down",),
+    }
+    HF_EXPERTS: ClassVar[str] = "experts"  # transformers' module of the stacked weights, under this one's name
 
     def __init__(self, config: MixtralConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
@@ -125,15 +136,25 @@ class SparseMoE(nnx.Module):
         self.w_gate = param((e, d, f), ("expert", "embed", "mlp"))
         self.w_up = param((e, d, f), ("expert", "embed", "mlp"))
         self.w_down = param((e, f, d), ("expert", "mlp", "embed"))
+        self.gate_up_lora: ExpertLoRA | None = nnx.data(None)
+        self.down_lora: ExpertLoRA | None = nnx.data(None)
         self.k, self.e, self.normalize = config.num_experts_per_tok, e, config.normalize_top_k
         self.act, self.runtime = ACTIVATIONS[config.mlp_activation], runtime
 
     def __call__(self, x, token_mask=None):
         dtype = self.runtime.dtype
         probs, top_w, top_i, chosen = route(self.gate(x), self.k, self.e, normalize=self.normalize)
-        weights = tuple(w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        weights = stacked_weights(self, dtype, self.runtime)
         out = run_experts(x.astype(dtype), top_i, top_w, weights, glu=gated(self.act), runtime=self.runtime)
         return out, balance_loss(probs, chosen, token_mask, self.k, self.e)
+
+
+def stacked_weights(moe: nnx.Module, dtype, runtime: RuntimeConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(w_gate, w_up, w_down)` of an MoE module with Mixtral's layout in `dtype`, its experts' adapters added."""
+    precision = _precision(runtime)
+    w_gate, w_up = expert_weights(moe, "gate_up_proj", dtype, precision)
+    (w_down,) = expert_weights(moe, "down_proj", dtype, precision)
+    return w_gate, w_up, w_down
 
 
 def run_experts(x, top_i, top_w, weights, *, glu, runtime: RuntimeConfig, biases=None):

@@ -412,6 +412,11 @@ class AdapterArgs(_Group):
     lora_target_modules: tuple[str, ...] | str | None = Field(
         None, description="LoRA: HF module names (q_proj,v_proj, ...) or all-linear (None: q_proj,v_proj)"
     )
+    lora_target_parameters: tuple[str, ...] | str | None = Field(
+        None,
+        description="LoRA on MoE experts (PEFT's target_parameters): transformers' stacked expert weights, "
+        "mlp.experts.gate_up_proj,mlp.experts.down_proj (None: the experts stay frozen)",
+    )
     use_rslora: bool = Field(False, description="LoRA: rank-stabilised scale lora_alpha / sqrt(lora_r)")
     load_in_8bit: bool = Field(False, description="QLoRA: the frozen base stored int8 (a scale per output column)")
     load_in_4bit: bool = Field(False, description="QLoRA: the frozen base stored 4-bit (bnb_4bit_quant_type)")
@@ -455,7 +460,12 @@ class AdapterArgs(_Group):
             return dataclasses.replace(read_peft_config(self.lora_from), quantize=quantize)
         modules = self.lora_target_modules or ("q_proj", "v_proj")
         return LoRAConfig(
-            r=self.lora_r, alpha=self.lora_alpha, target_modules=modules, use_rslora=self.use_rslora, quantize=quantize
+            r=self.lora_r,
+            alpha=self.lora_alpha,
+            target_modules=modules,
+            use_rslora=self.use_rslora,
+            quantize=quantize,
+            target_parameters=self.lora_target_parameters or (),
         )
 
 
