@@ -54,6 +54,14 @@ def test_sft_chat_trains_only_on_the_answers(tmp_path):
     assert re.search(r"held-out exact match: \d\.\d\d", out)
 
 
+def test_reward_model_learns_its_pairs_and_drives_grpo(tmp_path):
+    out = run("reward_model.py", "--out", str(tmp_path), "--steps", "20", "--tiny")
+    accuracy = float(re.search(r"held-out accuracy (\S+),", out).group(1))
+    assert accuracy >= 0.9, out[-2000:]
+    assert (tmp_path / "reward_model" / "config.json").is_file()
+    assert re.search(r"GRPO with the reward model: 2 steps, last rewards/reward_model/mean -?\d", out), out[-2000:]
+
+
 def test_finetune_hf_llama_round_trips_through_hf_format(tmp_path):
     out = run("finetune_hf_llama.py", "--make-tiny-model", "--out", str(tmp_path), "--steps", "3")
     for name in ("config.json", "model.safetensors", "tokenizer.json"):

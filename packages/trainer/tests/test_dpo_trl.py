@@ -39,9 +39,9 @@ def pairs(form: str) -> list[dict]:
     return out
 
 
-def hf_llama(seed: int, directory):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+def hf_config(**extra):
+    """The tiny HF Llama config of these tests (the bundled tokenizer's special tokens)."""
+    return transformers.LlamaConfig(
         vocab_size=len(TOK) + 8,  # room for the turn tokens of the family chat formats
         hidden_size=32,
         intermediate_size=64,
@@ -52,8 +52,13 @@ def hf_llama(seed: int, directory):
         bos_token_id=TOK.bos_token_id,
         eos_token_id=TOK.eos_token_id,
         pad_token_id=TOK.pad_token_id,
+        **extra,
     )
-    model = transformers.LlamaForCausalLM(config).float()
+
+
+def hf_llama(seed: int, directory):
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(hf_config()).float()
     model.save_pretrained(directory)
     return model
 

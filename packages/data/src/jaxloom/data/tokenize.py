@@ -206,8 +206,10 @@ def tokenize_pair(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray
     (appended as text when missing); prompt + completion are tokenized together with the tokenizer's own
     special-token policy (chat: its template, the prompt with the generation prompt) and the prompt is their
     common prefix with the prompt alone; each sequence is cut to `config.max_sequence_length` by
-    `config.truncation_mode` ('keep_start': its first tokens, 'keep_end': its last). Masks are 1 on
-    completion tokens. Columns: `config.prompt_column` (optional: absent, the shared start of chosen and
+    `config.truncation_mode` ('keep_start': its first tokens, 'keep_end': its last), or, with
+    `config.long_records = 'raise'`, a longer one makes the record bad (TRL's `RewardTrainer` drops such pairs:
+    skipped and counted with `bad_records='skip'`). Masks are 1 on completion tokens.
+    Columns: `config.prompt_column` (optional: absent, the shared start of chosen and
     rejected is the prompt), `config.chosen_column`, `config.rejected_column`.
 
     A bad record is a ValueError saying what is wrong: a column missing, text mixed with messages, an
@@ -243,6 +245,11 @@ def tokenize_pair(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray
     cut = slice(None, length) if config.truncation_mode == "keep_start" else slice(-length, None)
     out = []
     for name, ids in ((cc, pc_ids), (rc, pr_ids)):
+        if config.long_records == "raise" and len(ids) > length:
+            raise ValueError(
+                f"the {name!r} sequence is {len(ids)} tokens, longer than max_length = {length}; expected pairs "
+                "that fit (TRL's RewardTrainer drops longer ones: skip_bad_records=true does that, counting them)"
+            )
         mask = np.zeros(len(ids), np.int32)
         mask[n:] = 1
         ids_a, mask = np.asarray(ids, np.int32)[cut], mask[cut]

@@ -12,6 +12,7 @@ from .attention import (
     make_attention_mask,
 )
 from .build import count_params, create_model, flops_per_token, param_shardings, param_specs
+from .classifier import SequenceClassifierOutput, as_sequence_classifier, is_classifier, last_token
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, expert_load, update_router_bias
 from .gemma import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
@@ -45,6 +46,10 @@ from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM
 from .runtime import SCAN_ABOVE_LAYERS, AttentionMechanisms, EasyDeLGradientCheckPointers, RuntimeConfig
 
 __all__ = [
+    "SequenceClassifierOutput",
+    "as_sequence_classifier",
+    "is_classifier",
+    "last_token",
     "Frozen",
     "ExpertLoRA",
     "expert_weights",

@@ -115,7 +115,9 @@ class LlamaConfig:
     - `tie_word_embeddings`: the output projection reuses the input embedding.
     - `attention_bias`, `mlp_bias`: biases on the attention and MLP projections.
     - `sliding_window`: attend only to this many previous tokens (None: all).
-    - `bos_token_id`, `eos_token_id`, `pad_token_id`: special tokens, kept for export and generation.
+    - `bos_token_id`, `eos_token_id`, `pad_token_id`: special tokens, kept for export and generation (a sequence
+      classifier reads its score at the last token that is not `pad_token_id`).
+    - `num_labels`: the scores of a sequence classifier (`id2label` in config.json; None: transformers' 2).
     """
 
     model_type: ClassVar[str] = "llama"
@@ -150,6 +152,7 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    num_labels: int | None = None
 
     def __post_init__(self) -> None:
         # Hashable forms: configs are static data under jit.
@@ -293,6 +296,10 @@ class LlamaConfig:
         if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
             data["rope_scaling"] = None
         data = cls.family_adjust(data)
+        labels = data.pop("id2label", None)
+        data.pop("label2id", None)
+        if labels and "num_labels" not in data:
+            data["num_labels"] = len(labels)
         fields = {f.name for f in dataclasses.fields(cls)}
         for key in _ZERO_ONLY_HF_KEYS:
             value = data.pop(key, 0)
@@ -325,6 +332,10 @@ class LlamaConfig:
             rope.update(dict(self.rope_scaling))
             rope["rope_type"] = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
         out["rope_parameters"] = rope
+        labels = out.pop("num_labels")
+        if labels is not None:  # as transformers writes it
+            out["id2label"] = {str(i): f"LABEL_{i}" for i in range(labels)}
+            out["label2id"] = {f"LABEL_{i}": i for i in range(labels)}
         explicit = {f.name for f in dataclasses.fields(self) if f.default is not None}
         return {k: v for k, v in out.items() if v is not None or k in explicit}
 

@@ -115,7 +115,9 @@ def from_pretrained(
     """Read `path`, an HF model directory (`config.json` + safetensors, sharded or not), into a model for
     `task`; `config_overrides` replace fields of its config (e.g. a longer `max_position_embeddings`). With
     `mesh`, each process reads only the slices its devices hold, placed directly on their shards.
-    Weights are cast to `runtime.param_dtype`. Missing or unexpected weights are an error naming them."""
+    Weights are cast to `runtime.param_dtype`. Missing or unexpected weights are an error naming them, but for
+    a sequence classifier read from a causal LM's files (`task=TaskType.SEQUENCE_CLASSIFICATION`), as transformers
+    reads them: its `score` is drawn new (normal, `initializer_range`, seeded) and `lm_head` is left unread."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
@@ -134,13 +136,16 @@ def from_pretrained(
     tensors = fp8_tensors(mxfp4_tensors(_open_checkpoint(path)), raw.get("quantization_config"))
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, runtime, rngs=nnx.Rngs(0))))
     specs = variable_specs(abstract, runtime, mesh) if mesh is not None else None
-    used, missing = set(), []
+    used, missing, drawn = set(), [], []
 
     def load(path_keys, var):
         names = _names(path_keys)
         sources = hf_sources(names, config)
         wanted = _source_names(sources)
         absent = [s for s in wanted if s not in tensors]
+        if absent and all(s in cls.new_weights for s in absent):
+            drawn.extend(absent)
+            return _drawn(var, config.initializer_range, _lookup(specs, path_keys) if mesh is not None else None, mesh)
         if absent:
             missing.extend(absent)
             return var
@@ -186,6 +191,7 @@ def from_pretrained(
         and k not in extra
         and not _IGNORED.search(k)
         and not (config.tie_word_embeddings and k == "lm_head.weight")
+        and k not in cls.checkpoint_extras
     )
     if missing or unexpected:
         raise ValueError(
@@ -193,9 +199,21 @@ def from_pretrained(
             f"{' …' if len(missing) > 20 else ''}; unexpected weights {unexpected[:20]}"
             f"{' …' if len(unexpected) > 20 else ''}"
         )
+    if drawn:
+        log.warning("%s: %s are not in the checkpoint: drawn new, to be trained (as transformers does)", path, drawn)
     model = nnx.merge(graphdef, state)
     _SOURCES[model] = str(path.absolute())
     return model
+
+
+def _drawn(var, std: float, spec, mesh):
+    """`var` (abstract) drawn from a normal of `std` with a fixed seed (the same on every process), on `mesh`."""
+    shape, dtype = tuple(var.shape), var.get_value().dtype
+    value = np.random.default_rng(0).normal(0.0, std, shape).astype(np.float32)
+    if mesh is None:
+        return var.replace(value=jnp.asarray(value).astype(dtype))
+    sharding = NamedSharding(mesh, spec)
+    return var.replace(value=jax.make_array_from_callback(shape, sharding, lambda idx: value[idx].astype(dtype)))
 
 
 def _extra_layers(tensors: dict[str, Any], config: LlamaConfig) -> set[str]:

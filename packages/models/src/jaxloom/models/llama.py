@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +132,11 @@ class CausalLM(nnx.Module):
     config_class: type[LlamaConfig] = LlamaConfig
     mlp_factory: Any = MLP
     attention_factory: Any = Attention  # the self-attention module (DeepSeek-V3: multi-head latent attention)
+    # what a sequence classifier made from this class (`classifier.classifier_class`) changes, read by
+    # `from_pretrained`: no output layer; weights a causal LM's files lack (drawn new) and have (left unread)
+    has_lm_head: ClassVar[bool] = True
+    new_weights: ClassVar[tuple[str, ...]] = ()
+    checkpoint_extras: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: LlamaConfig, runtime: RuntimeConfig | None = None, *, rngs: nnx.Rngs):
         if not isinstance(config, self.config_class):
@@ -165,7 +170,7 @@ class CausalLM(nnx.Module):
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime, config.norm_style)
         self.lm_head = (
             None
-            if config.tie_word_embeddings
+            if config.tie_word_embeddings or not self.has_lm_head
             else Linear(
                 config.hidden_size,
                 config.vocab_size,

@@ -1,17 +1,8 @@
-"""`TaskType` and the registry `(model_type, task) → model class`."""
+"""The registry `(model_type, task) → model class` (and `TaskType`, from `tasks`)."""
 
 from __future__ import annotations
 
-import enum
-
-
-class TaskType(str, enum.Enum):
-    """What a model class is for (EasyDeL's names); the registry maps (model_type, task) to a class."""
-
-    CAUSAL_LM = "causal-language-model"
-    SEQUENCE_CLASSIFICATION = "sequence-classification"
-    BASE_MODULE = "base-module"
-    CUSTOM = "custom"  # a model class of the user's own (e.g. given to `RayDistributedTrainer(model_class=...)`)
+from .tasks import TaskType
 
 
 _REGISTRY: dict[tuple[str, TaskType], type] = {}
@@ -37,6 +28,11 @@ def get_model_class(model_type: str, task: TaskType | str = TaskType.CAUSAL_LM) 
         task = TaskType(task)
     except ValueError:
         raise ValueError(f"unknown task {task!r}; expected one of {[t.value for t in TaskType]}") from None
+    if (model_type, task) not in _REGISTRY and task == TaskType.SEQUENCE_CLASSIFICATION:
+        if (model_type, TaskType.CAUSAL_LM) in _REGISTRY:  # made from the causal LM, the first time it is asked for
+            from .classifier import classifier_class
+
+            _REGISTRY[(model_type, task)] = classifier_class(_REGISTRY[(model_type, TaskType.CAUSAL_LM)])
     if (model_type, task) not in _REGISTRY:
         known = sorted(f"{m}/{t.name}" for m, t in _REGISTRY)
         raise ValueError(f"no model registered for model_type={model_type!r}, task={task.name}; known: {known}")

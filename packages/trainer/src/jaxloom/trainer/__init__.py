@@ -9,6 +9,8 @@ from .callbacks import Callback, Callbacks
 from .deployer import Deployer
 from .dpo import DPOTrainer
 from .grpo.trainer import GRPOTrainer
+from .reward import RewardTrainer
+from .reward_config import RewardConfig
 from .optim import get_lr_schedule_fn, make_optimizer
 from .outputs import (
     TrainerConfigureDataloaderOutput,
@@ -35,6 +37,8 @@ __all__ = [
     "NonFiniteLossError",
     "Objective",
     "Plan",
+    "RewardConfig",
+    "RewardTrainer",
     "StepConfig",
     "Trainer",
     "TrainerConfigureDataloaderOutput",

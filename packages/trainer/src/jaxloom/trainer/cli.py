@@ -222,6 +222,7 @@ def _config_keys(model_type: str) -> str:
     from .dpo_config import DPOConfig
     from .grpo.config import GRPOConfig
     from .kinds import TRAINERS
+    from .reward_config import RewardConfig
 
     if model_type not in jm.CONFIG_CLASSES:
         raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
@@ -246,10 +247,13 @@ def _config_keys(model_type: str) -> str:
     lines += [
         "",
         "# trainer",
-        f"trainer: str = 'sft'  which trainer: {', '.join(TRAINERS)} (dpo adds # preference, grpo # rl)",
+        f"trainer: str = 'sft'  which trainer: {', '.join(TRAINERS)} "
+        "(dpo adds # preference, grpo # rl, reward # reward)",
     ]
-    kinds = {"preference": "trainer=dpo only", "rl": "trainer=grpo only"}
-    for f in [*DPOConfig.fields(), *(f for f in GRPOConfig.fields() if f["group"] == "rl")]:
+    kinds = {"preference": "trainer=dpo only", "rl": "trainer=grpo only", "reward": "trainer=reward only"}
+    own = [f for f in GRPOConfig.fields() if f["group"] == "rl"]
+    own += [f for f in RewardConfig.fields() if f["group"] == "reward"]
+    for f in [*DPOConfig.fields(), *own]:
         if f["group"] != group:
             group = f["group"]
             lines += ["", f"# {group}" + (f" ({kinds[group]}; a key both kinds have keeps each kind's default)"
@@ -259,7 +263,10 @@ def _config_keys(model_type: str) -> str:
         lines.append(f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}{kind}")
     lines += ["", "# other names (HF Trainer, TRL, EasyDeL): read as the jaxloom key, or refused naming it"]
     lines += [f"{alias}: the same as {name}" for alias, name in ALIASES.items()]
-    lines.append("max_length: the same as max_sequence_length (TRL's SFTConfig and DPOConfig name; trainer=sft or dpo)")
+    lines.append(
+        "max_length: the same as max_sequence_length (TRL's SFTConfig, DPOConfig and RewardConfig name; "
+        "trainer=sft, dpo or reward)"
+    )
     lines += [f"{name}: refused; use {instead}" for name, instead in RENAMED.items()]
     lines += ["", *_launcher_keys()]
     return "\n".join(lines)

@@ -129,6 +129,21 @@ FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
         **_FINETUNE_RUN,
         "save_directory": "jaxloom-runs/dpo",
     },
+    "reward": {
+        "learning_rate": 1e-4,  # TRL's RewardConfig
+        "scheduler": "linear",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        **_FINETUNE_RUN,
+        "save_directory": "jaxloom-runs/reward",
+    },
+}
+# The demo config's settings a trainer kind defines otherwise (without a config file): a GRPO row is
+# `max_prompt_length + max_completion_length` tokens; a reward model's sequence is TRL's `max_length` (1024), and a
+# classifier generates nothing (no previews).
+_KIND_DROPS = {
+    "grpo": ("max_sequence_length",),
+    "reward": ("max_sequence_length", "generation_prompts", "generation_interval"),
 }
 FINETUNE_MAX_LENGTH = 1024
 """A fine-tune's row length when none is given: TRL's `max_length` (SFT, DPO), capped at the model's positions."""
@@ -154,13 +169,16 @@ def _fine_tunes(config_path: str | None, overrides: list[str]) -> bool:
 
 
 def kind_settings(data: dict, config_path: str | None, overrides: list[str]) -> dict:
-    """`data` without the demo's settings that a trainer kind defines otherwise: a GRPO row is
-    `max_prompt_length + max_completion_length` tokens, so the demo's `max_sequence_length` is dropped (one given
-    on the command line or in the user's own file stays, and must agree)."""
+    """`data` without the demo's settings that a trainer kind defines otherwise (`_KIND_DROPS`): GRPO's and a
+    reward model's row length, a reward model's previews. One given on the command line or in the user's own file
+    stays (and must agree)."""
+    if config_path is not None:
+        return data
     given = {o.split("=", 1)[0] for o in overrides}
-    if data.get("trainer") == "grpo" and config_path is None and "max_sequence_length" not in given:
-        return {k: v for k, v in data.items() if k != "max_sequence_length"}
-    return data
+    if "max_length" in given:
+        given.add("max_sequence_length")
+    drops = set(_KIND_DROPS.get(str(data.get("trainer")), ())) - given
+    return {k: v for k, v in data.items() if k not in drops}
 
 
 def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dict, dict[str, str]]:
@@ -281,9 +299,9 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
             "trainer=grpo needs prompts: data.train=prompts.jsonl (records with a prompt, and any columns the "
             "reward functions read) and reward_funcs=my_rewards.fn; the bundled corpus is plain text"
         )
-    if kind == "dpo" and train == "bundled":
+    if kind in ("dpo", "reward") and train == "bundled":
         raise ValueError(
-            "trainer=dpo needs preference data: data.train=pairs.jsonl (records with prompt, chosen, rejected); "
+            f"trainer={kind} needs preference data: data.train=pairs.jsonl (records with prompt, chosen, rejected); "
             "the bundled corpus is plain text"
         )
     if train != "bundled" and "eval_fraction" in data_cfg:

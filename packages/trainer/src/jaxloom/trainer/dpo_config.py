@@ -3,12 +3,12 @@ argument and the `preference` group."""
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .arguments import GROUPS, TrainingArguments, _Group, _positive, _signature
+from .pair_config import PairArguments
+from .arguments import GROUPS, _Group, _positive
 
 __all__ = ["DPOConfig", "PreferenceArgs"]
 
@@ -43,7 +43,7 @@ class PreferenceArgs(_Group):
         return self
 
 
-class DPOConfig(TrainingArguments):
+class DPOConfig(PairArguments):
     """The arguments of `DPOTrainer`: every `TrainingArguments` argument, and the `preference` group —
     `beta`, `loss_type` (`sigmoid`, `ipo`, `hinge`), `label_smoothing`, `ref_model`,
     `precompute_ref_log_probs` — plus TRL's `max_length`, the tokens of one sequence
@@ -54,30 +54,7 @@ class DPOConfig(TrainingArguments):
     """
 
     GROUPS = {**GROUPS, "preference": PreferenceArgs}
-
-    def __init__(self, **kwargs: Any):
-        if "max_length" in kwargs:
-            length = kwargs.pop("max_length")
-            if "max_sequence_length" in kwargs and kwargs["max_sequence_length"] != length:
-                raise ValueError(
-                    f"max_length = {length!r} and max_sequence_length = {kwargs['max_sequence_length']!r}: "
-                    "they are one setting (tokens per sequence); give one"
-                )
-            kwargs["max_sequence_length"] = length
-        kwargs.setdefault("truncation_mode", "keep_start")
-        if kwargs.setdefault("packing", False):
-            raise ValueError("packing = true: preference pairs are not packed (one pair per row); set packing=false")
-        super().__init__(**kwargs)
-
-    @property
-    def max_length(self) -> int:
-        """TRL's name of `max_sequence_length`: tokens per sequence."""
-        return self.max_sequence_length
+    PAIR_DEFAULTS = {"truncation_mode": "keep_start"}  # TRL's
 
 
-DPOConfig.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [
-        *(p for p in _signature(DPOConfig.GROUPS).parameters.values() if p.name != "max_sequence_length"),
-        inspect.Parameter("max_length", inspect.Parameter.KEYWORD_ONLY, default=512, annotation=int),
-    ]
-)
+DPOConfig.__signature__ = DPOConfig.pair_signature()  # type: ignore[attr-defined]

@@ -44,7 +44,10 @@ class Evaluator:
                     break
                 batch = self.batches.eval_batch(local)
                 out = jax.device_get(self.eval_fn(state, batch))
-                total = {k: total.get(k, 0.0) + float(v) for k, v in out.items()}
+                total = {
+                    k: float(v) if k not in total else float(self.objective.combine(k)(total[k], float(v)))
+                    for k, v in out.items()
+                }
                 for k, v in (metric_calculator(state, batch) if metric_calculator else {}).items():
                     custom.setdefault(k, []).append(float(v))
         objective = self.objective

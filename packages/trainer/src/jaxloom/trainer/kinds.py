@@ -8,11 +8,13 @@ from typing import Any
 from .arguments import TrainingArguments
 from .dpo import DPOTrainer
 from .grpo.trainer import GRPOTrainer
+from .reward import RewardTrainer
 from .trainer import BaseTrainer, Trainer
 
-KINDS: dict[str, type[BaseTrainer]] = {"sft": Trainer, "dpo": DPOTrainer, "grpo": GRPOTrainer}
+KINDS: dict[str, type[BaseTrainer]] = {"sft": Trainer, "dpo": DPOTrainer, "grpo": GRPOTrainer, "reward": RewardTrainer}
 """The trainer class of each `trainer=` kind: `sft` (next-token training, the default), `dpo` (preference
-training) or `grpo` (online RL with reward functions). A new kind is one entry here."""
+training), `grpo` (online RL with reward functions) or `reward` (a reward model of preference pairs). A new kind
+is one entry here."""
 
 TRAINERS = tuple(KINDS)
 """The `trainer=` key's values."""
@@ -25,6 +27,6 @@ def arguments_of(data: dict[str, Any]) -> tuple[str, TrainingArguments]:
     kind = data.pop("trainer", "sft") or "sft"
     if kind not in KINDS:
         raise ValueError(f"trainer = {kind!r}; expected one of {', '.join(KINDS)}")
-    if kind in ("sft", "dpo") and "max_length" in data:  # TRL's SFTConfig/DPOConfig name: it is the setting
+    if kind in ("sft", "dpo", "reward") and "max_length" in data:  # TRL's SFTConfig/DPOConfig/RewardConfig name
         data["max_sequence_length"] = data.pop("max_length")
     return kind, KINDS[kind].arguments_class(**data)

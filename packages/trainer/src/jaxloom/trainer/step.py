@@ -134,12 +134,26 @@ class Objective:
       the step divides the summed loss (and gradients) by the summed `weight` once, over all micro-batches.
     - `metrics(sums) -> dict`: the logged metrics from the statistics summed over a step (or an evaluation).
     - `perplexity`: whether exp(loss) means something (next-token losses) and is logged.
+    - `extremes`: statistics combined over micro-batches (and evaluation batches) by their smallest (`"min"`) or
+      largest (`"max"`) value rather than added (`{"min_reward": "min"}`).
     """
 
     loss: Callable = token_loss
     metrics: Callable = token_metrics
     weight: str = "tokens"
     perplexity: bool = True
+    extremes: tuple[tuple[str, str], ...] = ()
+
+    def combine(self, key: str) -> Callable:
+        """How statistic `key` of two micro-batches combines: added, or by `extremes` its min or max."""
+        kind = dict(self.extremes).get(key)
+        return {"min": jnp.minimum, "max": jnp.maximum}[kind] if kind else jnp.add
+
+    def start(self, key: str, value: jax.Array) -> jax.Array:
+        """What statistic `key` (shaped as `value`) is before the first micro-batch: 0, or ±inf for an extreme."""
+        kind = dict(self.extremes).get(key)
+        fill = {"min": jnp.inf, "max": -jnp.inf}.get(kind or "", 0.0)
+        return jnp.full(value.shape, fill, value.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +188,8 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
     def micro(carry, mb):
         grads, loss, sums = carry
         (part, s), g = grad_fn(state.params, mb)
-        return (jax.tree_util.tree_map(jnp.add, grads, g), loss + part, jax.tree_util.tree_map(jnp.add, sums, s)), None
+        merged = {k: jax.tree_util.tree_map(objective.combine(k), sums[k], s[k]) for k in sums}
+        return (jax.tree_util.tree_map(jnp.add, grads, g), loss + part, merged), None
 
     zero = jnp.zeros((), jnp.float32)
     if jax.tree_util.tree_leaves(batch)[0].shape[0] == 1:  # one micro-batch: no loop for XLA to see through
@@ -182,7 +197,7 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
     else:
         first = jax.tree_util.tree_map(lambda x: x[0], batch)
         shapes = jax.eval_shape(lambda mb: objective.loss(state, state.params, mb, cfg)[1], first)
-        sums0 = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        sums0 = {k: jax.tree_util.tree_map(lambda x, k=k: objective.start(k, x), v) for k, v in shapes.items()}
         init = (jax.tree_util.tree_map(jnp.zeros_like, state.params), zero, sums0)
         (grads, loss_sum, sums), _ = jax.lax.scan(micro, init, batch)
     denom = jnp.maximum(sums[objective.weight], 1.0)

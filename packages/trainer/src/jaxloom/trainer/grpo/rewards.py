@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from pathlib import Path
 
 
 class RewardError(RuntimeError):
@@ -16,8 +17,11 @@ class RewardError(RuntimeError):
 
 
 def load_reward_function(spec: Any) -> Callable:
-    """A reward function from a callable or a dotted import path (`my_rewards.accuracy`), checked to take
-    TRL's keywords (`prompts`, `completions`, and the dataset's columns through `**kwargs`)."""
+    """A reward function from a callable, a dotted import path (`my_rewards.accuracy`) or the directory of a reward
+    model (a transformers `*ForSequenceClassification` of one label, as TRL takes a model there: `RewardModel`),
+    checked to take TRL's keywords (`prompts`, `completions`, and the dataset's columns through `**kwargs`)."""
+    if isinstance(spec, str) and (Path(spec) / "config.json").is_file():
+        return RewardModel(spec)
     if isinstance(spec, str):
         module, _, name = spec.rpartition(".")
         if not module:
@@ -136,3 +140,52 @@ def advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray,
     elif scale == "batch":
         adv = adv / (rewards.std(ddof=1) + 1e-4)
     return adv.reshape(-1), std.reshape(-1)
+
+
+class RewardModel:
+    """A reward model as a reward function, scoring as TRL's `GRPOTrainer` scores with a model: each prompt +
+    completion as text (chat: the conversation through the reward model's own chat template), encoded by the
+    reward model's tokenizer without special tokens (the template has them), right-padded, and the score read at
+    each sequence's last non-pad token (`jaxloom.models.last_token`). `path`: an HF directory of a sequence
+    classifier of one label (`RewardTrainer`'s export, or transformers'), its tokenizer beside it; read on first
+    use. Rows are padded to a power of two tokens, so the jitted scorer compiles once per width met."""
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        self.__name__ = Path(self.path).resolve().name  # TRL logs a model's reward under its name
+        self._loaded: Any = None
+
+    def _load(self) -> Any:
+        if self._loaded is None:
+            import jax
+            from transformers import AutoTokenizer
+
+            import jaxloom.models as jmod
+
+            model = jmod.from_pretrained(self.path, task=jmod.TaskType.SEQUENCE_CLASSIFICATION)
+            if (model.config.num_labels or 2) != 1:  # transformers' default is 2
+                raise ValueError(f"reward_funcs: {self.path} scores {model.config.num_labels} labels; expected 1")
+            tokenizer = AutoTokenizer.from_pretrained(self.path)
+            if tokenizer.pad_token_id is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            model.config = model.config.replace(pad_token_id=tokenizer.pad_token_id)  # as TRL sets it
+            score = jax.jit(lambda m, ids, mask: m(ids, attention_mask=mask).logits[:, 0])
+            self._loaded = (model, tokenizer, score)
+        return self._loaded
+
+    def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float]:
+        import jax.numpy as jnp
+
+        model, tokenizer, score = self._load()
+        if isinstance(prompts[0], list):  # chat: the whole conversation through the reward model's template
+            pairs = zip(prompts, completions, strict=True)
+            texts = [tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in pairs]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        encoded = tokenizer(texts, padding=True, padding_side="right", add_special_tokens=False, return_tensors="np")
+        ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        width = 1 << max(0, int(ids.shape[1] - 1).bit_length())
+        pad = ((0, 0), (0, width - ids.shape[1]))
+        ids = np.pad(ids, pad, constant_values=tokenizer.pad_token_id)
+        mask = np.pad(mask, pad)
+        return [float(x) for x in np.asarray(score(model, jnp.asarray(ids), jnp.asarray(mask)))]
