@@ -42,8 +42,9 @@ class SequenceClassifierOutput:
 
 
 def last_token(input_ids: jax.Array, token_mask: jax.Array, pad_token_id: int | None) -> jax.Array:
-    """`[B]` int32: each row's last token as transformers' sequence classifiers find it — the rightmost position
-    whose id is not `pad_token_id` (None: any id), among the positions where `token_mask` is true; 0 when none is."""
+    """`[B]` int32: each row of `input_ids [B, T]`'s last token as transformers' sequence classifiers find it — the
+    rightmost position whose id is not `pad_token_id` (None: any id), among the positions where `token_mask` is
+    true; 0 when none is."""
     keep = token_mask if pad_token_id is None else token_mask & (input_ids != pad_token_id)
     positions = jnp.arange(input_ids.shape[-1], dtype=jnp.int32)
     return jnp.max(jnp.where(keep, positions, 0), axis=-1)
