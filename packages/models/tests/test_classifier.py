@@ -82,3 +82,27 @@ def test_a_causal_lms_files_give_a_new_score_and_two_labels_by_default(tmp_path,
         hidden = decoder(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
     want = hidden[:, -1] @ np.asarray(model.score.kernel[...])  # left padding: every row's last token is the last
     np.testing.assert_allclose(ours(model, ids, mask), want, atol=2e-5, rtol=2e-5)
+
+
+def test_a_peft_seq_cls_adapter_loads_here_with_its_score(tmp_path):
+    """PEFT's `SEQ_CLS` adapters (LoRA, and `score` trained whole: `modules_to_save`) made on transformers'
+    classifier load here over the same base with PEFT's scores; the base's own `score` is replaced."""
+    peft = pytest.importorskip("peft")
+    hf = classifier_of("llama", tmp_path)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS")
+    config.init_lora_weights = False  # B drawn too: the adapters act
+    theirs = peft.get_peft_model(hf, config)
+    with torch.no_grad():
+        theirs.base_model.model.score.modules_to_save["default"].weight.normal_(0.0, 0.5)  # trained: differs
+    theirs.eval().save_pretrained(tmp_path / "adapter")
+    ids, mask, _ = batch("right")
+    want = hf_scores(theirs, ids, mask)
+    model = jm.from_pretrained(tmp_path / "classifier", task=CLS)
+    before = ours(model, ids, mask)
+    read = jm.read_peft_config(tmp_path / "adapter")
+    assert read.modules_to_save == ("classifier", "score")
+    jm.apply_lora(model, read)
+    jm.load_peft_weights(model, tmp_path / "adapter")
+    got = ours(model, ids, mask)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    assert np.abs(got - before).max() > 1e-2

@@ -208,3 +208,49 @@ def test_sigkill_then_resume_ends_bitwise_equal_and_the_run_converts_to_a_classi
     assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
     assert type(hf).__name__ == "LlamaForSequenceClassification" and hf.config.num_labels == 1
+
+
+def test_a_lora_reward_model_trains_its_score_and_loads_in_peft_with_the_same_scores(tmp_path):
+    """LoRA on a reward model (TRL's `use_peft` with PEFT's `SEQ_CLS` task): the adapters and the new `score` train
+    (PEFT's `modules_to_save`), the base does not; the adapter directory loads in `peft.PeftModel` over transformers'
+    classifier of the same base with the scores computed here."""
+    peft = pytest.importorskip("peft")
+    jm.save_hf_model(jm.create_model(tiny(), seed=0), tmp_path / "base")
+    args = RewardConfig(
+        max_length=24,
+        total_batch_size=16,
+        max_training_steps=4,
+        learning_rate=1e-2,
+        use_peft=True,
+        lora_r=4,
+        lora_target_modules="all-linear",
+        save_directory=str(tmp_path / "run"),
+        progress_bar=False,
+        use_tensorboard=False,
+    )
+    t = RewardTrainer(
+        args, model=jm.from_pretrained(tmp_path / "base"), dataset_train=separable(64, 0), processing_class=TOK
+    )
+    t.train()
+    from flax import nnx
+
+    names = {"/".join(map(str, p)) for p, v in nnx.iter_graph(t.state.model) if isinstance(v, nnx.Param)}
+    assert "score/kernel" in names and all(n.endswith(("lora_a", "lora_b")) or n == "score/kernel" for n in names)
+    t.save_pretrained(str(tmp_path / "adapter"), to_torch=True)
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["task_type"] == "SEQ_CLS" and written["modules_to_save"] == ["classifier", "score"]
+
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "base", num_labels=1, pad_token_id=TOK.pad_token_id
+    )
+    theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    texts = [r["prompt"] + r["rejected"] + TOK.eos_token for r in separable(4, 5)]
+    encoded = TOK(texts, padding=True, return_tensors="np")
+    with torch.no_grad():
+        want = theirs(
+            input_ids=torch.tensor(encoded["input_ids"]), attention_mask=torch.tensor(encoded["attention_mask"])
+        )
+    import jax.numpy as jnp
+
+    ours = t.state.model(jnp.asarray(encoded["input_ids"]), attention_mask=jnp.asarray(encoded["attention_mask"]))
+    np.testing.assert_allclose(np.asarray(ours.logits), want.logits.numpy(), atol=1e-4, rtol=1e-4)

@@ -79,7 +79,9 @@ class LoRAConfig:
     `target_modules` (HF module names such as `q_proj`, or `"all-linear"`: every linear layer but the output
     layer), `target_parameters` (the stacked expert weights of MoE layers, as transformers names them:
     `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, or a suffix of those), and `quantize` the frozen base
-    (`None`, `"int8"`, `"nf4"`; the experts' weights stay unquantized) in blocks of `block_size` inputs (NF4).
+    (`None`, `"int8"`, `"nf4"`; the experts' weights stay unquantized) in blocks of `block_size` inputs (NF4),
+    and `modules_to_save` (modules trained whole beside the adapters and saved with them: a classifier's `score`,
+    PEFT's `SEQ_CLS` default `("classifier", "score")`; names a model lacks are ignored, as PEFT ignores them).
     PEFT's names and meanings."""
 
     r: int = 16
@@ -89,6 +91,7 @@ class LoRAConfig:
     quantize: str | None = None
     block_size: int = 64
     target_parameters: tuple[str, ...] | str = ()
+    modules_to_save: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
@@ -104,6 +107,7 @@ class LoRAConfig:
         names = self.target_parameters
         names = tuple(m for m in names.split(",") if m) if isinstance(names, str) else tuple(names or ())
         object.__setattr__(self, "target_parameters", names)
+        object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save or ()))
         if not self.target_modules and not self.target_parameters:
             raise ValueError("lora_target_modules is empty; expected module names such as q_proj,v_proj or all-linear")
 
@@ -300,7 +304,8 @@ def linear_names(model: nnx.Module) -> list[str]:
 def targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Module, str, tuple[str, ...]]]:
     """The linear layers `config.target_modules` selects in `model`; an unknown name is an error listing the
     names the model has."""
-    found = list(_linears(model))
+    saved = set(config.modules_to_save)
+    found = [f for f in _linears(model) if not saved & set(f[2])]  # a module trained whole takes no adapters (PEFT)
     names = {path[-1] for _, _, path in found}
     if config.target_modules == ALL_LINEAR:
         return [f for f in found if f[2][-1] != "lm_head" and not (f[2][-1] in ROUTERS and "mlp" in f[2])]
@@ -331,30 +336,33 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, *, seed: int = 0) -> nnx.M
         if path in chosen:
             key = jax.random.fold_in(base_key, zlib.crc32(".".join(path).encode()) & 0x7FFFFFFF)
             setattr(parent, name, LoRALinear(getattr(parent, name), config, key))
-        elif config.quantize and name != "lm_head":  # QLoRA stores every linear layer of the base quantized
+        elif config.quantize and name != "lm_head" and not set(config.modules_to_save) & set(path):
+            # QLoRA stores every linear layer of the base quantized (not one trained whole)
             setattr(parent, name, LoRALinear(getattr(parent, name), config, None))
     for host, path, name in experts:
         key = jax.random.fold_in(base_key, zlib.crc32(".".join((*path, name)).encode()) & 0x7FFFFFFF)
         weights = [getattr(host, attr) for attr in _expert_weight_names(host, name)]
         setattr(host, EXPERT_PARAMETERS[name], ExpertLoRA(weights, config.r, config.scaling, key))
-    _freeze(model)
+    _freeze(model, keep=config.modules_to_save)
     model.lora_config = config
     return model
 
 
-def _freeze(module: nnx.Module, source: type = nnx.Param, target: type = Frozen) -> None:
-    """Every `source` variable under `module` but the adapters becomes a `target` (by default, every parameter
-    becomes `Frozen`: embeddings, norms, the output layer; only the adapters train)."""
+def _freeze(module: nnx.Module, source: type = nnx.Param, target: type = Frozen, keep: tuple[str, ...] = ()) -> None:
+    """Every `source` variable under `module` but the adapters and the modules named in `keep` becomes a `target` (by
+    default, every parameter becomes `Frozen`: embeddings, norms, the output layer; only the adapters train)."""
     for name in sorted(vars(module)):
         value = getattr(module, name)
+        if name in keep:
+            continue
         if isinstance(value, source) and name not in ("lora_a", "lora_b"):
             setattr(module, name, target(value.get_value(), **value.get_metadata()))
         elif isinstance(value, nnx.Module):
-            _freeze(value, source, target)
+            _freeze(value, source, target, keep)
         elif isinstance(value, nnx.List | list | tuple):
             for item in value:
                 if isinstance(item, nnx.Module):
-                    _freeze(item, source, target)
+                    _freeze(item, source, target, keep)
 
 
 def lora_config_of(model: nnx.Module) -> LoRAConfig | None:
@@ -432,7 +440,7 @@ def peft_config(config: LoRAConfig, model: nnx.Module, base: str | None = None) 
     modules = sorted({path[-1] for _, _, path in targets(model, config)})
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if _saved_modules(model, config) else "CAUSAL_LM",
         "r": config.r,
         "lora_alpha": config.alpha,
         "lora_dropout": 0.0,
@@ -442,7 +450,7 @@ def peft_config(config: LoRAConfig, model: nnx.Module, base: str | None = None) 
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": list(config.modules_to_save) or None,
         "base_model_name_or_path": base,
         "inference_mode": True,
     }
@@ -465,6 +473,9 @@ def adapter_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
         for i, module in enumerate(modules):
             out[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
             out[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+    for name, var, transposed in _saved_tensors(model, lora_config_of(model)):
+        value = np.asarray(gather(var[...]))
+        out[f"base_model.model.{name}"] = np.ascontiguousarray(value.T if transposed else value)
     for key, adapters, i in _expert_adapter_keys(model):
         a, b = np.asarray(gather(adapters.lora_a[...])), np.asarray(gather(adapters.lora_b[...]))
         a, b = (a, b) if i is None else (a[i], b[i])
@@ -472,6 +483,25 @@ def adapter_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
         out[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.transpose(0, 2, 1).reshape(experts * r, din))
         out[f"{key}.lora_B.weight"] = np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[-1], r * experts))
     return out
+
+
+def _saved_modules(model: nnx.Module, config: LoRAConfig | None) -> list[tuple[str, nnx.Module]]:
+    """`(name, module)` of the modules `config.modules_to_save` names that sit at the top of `model` (a classifier's
+    `score`)."""
+    names = config.modules_to_save if config is not None else ()
+    return [(n, getattr(model, n)) for n in names if isinstance(getattr(model, n, None), nnx.Module)]
+
+
+def _saved_tensors(model: nnx.Module, config: LoRAConfig | None):
+    """`(HF tensor name, variable, transposed)` of the weights of the modules trained whole (`modules_to_save`)."""
+    from .hf import hf_sources
+
+    for name, module in _saved_modules(model, config):
+        for leaf in sorted(vars(module)):
+            var = getattr(module, leaf)
+            if isinstance(var, nnx.Param):
+                tensor, transposed = hf_sources([name, leaf], model.config)[:2]
+                yield tensor, var, transposed
 
 
 def _expert_adapter_keys(model: nnx.Module):
@@ -519,7 +549,7 @@ def read_peft_config(directory: str | Path) -> LoRAConfig:
     raw = json.loads(path.read_text())
     if raw.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {raw.get('peft_type')!r}; expected LORA")
-    for key, ok in (("bias", ("none", None)), ("fan_in_fan_out", (False, None)), ("modules_to_save", (None, []))):
+    for key, ok in (("bias", ("none", None)), ("fan_in_fan_out", (False, None))):
         if raw.get(key) not in ok:
             raise ValueError(f"{path}: {key} = {raw.get(key)!r}; jaxloom reads adapters with {key} = {ok[0]!r}")
     for key in ("rank_pattern", "alpha_pattern"):
@@ -532,6 +562,7 @@ def read_peft_config(directory: str | Path) -> LoRAConfig:
         target_modules=modules if isinstance(modules, str) else tuple(sorted(modules)),
         use_rslora=bool(raw.get("use_rslora", False)),
         target_parameters=tuple(sorted(raw.get("target_parameters") or ())),
+        modules_to_save=tuple(raw.get("modules_to_save") or ()),
     )
 
 
@@ -587,6 +618,15 @@ def load_peft_weights(model: nnx.Module, directory: str | Path) -> nnx.Module:
         b = np.stack([y.reshape(dout, r, experts).transpose(2, 1, 0) for _, y in pairs])
         adapters.lora_a.set_value(jnp.asarray(a.reshape(adapters.lora_a.get_value().shape), jnp.float32))
         adapters.lora_b.set_value(jnp.asarray(b.reshape(adapters.lora_b.get_value().shape), jnp.float32))
+    for name, var, transposed in _saved_tensors(model, lora_config_of(model)):
+        key = f"base_model.model.{name}"
+        if key not in tensors:
+            raise ValueError(f"{path}: no tensor {key}; the adapter does not hold the module it trains whole")
+        value = tensors[key].T if transposed else tensors[key]
+        if tuple(value.shape) != tuple(var.get_value().shape):
+            raise ValueError(f"{path}: {key} has shape {tensors[key].shape}; this base's needs another: another base")
+        used.add(key)
+        var.set_value(jnp.asarray(value, var.get_value().dtype))
     left = sorted(set(tensors) - used)
     if left:
         raise ValueError(f"{path}: tensors for modules this model does not adapt: {left[:5]}")

@@ -202,6 +202,10 @@ class Plan:
         return own().replace(params=jax.device_put(state.params, self.shardings.params))
 
 
+SEQ_CLS_SAVED = ("classifier", "score")
+"""What a LoRA run on a sequence classifier trains whole beside the adapters: PEFT's `SEQ_CLS` `modules_to_save`."""
+
+
 def _lora_config(arguments, model, state) -> Any:
     """The run's `LoRAConfig` (None: every parameter trains); a model or state that already has adapters is
     taken as it is (its config)."""
@@ -209,7 +213,10 @@ def _lora_config(arguments, model, state) -> Any:
         raise ValueError(
             "the given model already has LoRA adapters; give the base model and set use_peft (or lora_from=ADAPTER_DIR)"
         )
-    return arguments.adapter.lora_config() if hasattr(arguments, "adapter") else None
+    lora = arguments.adapter.lora_config() if hasattr(arguments, "adapter") else None
+    if lora is not None and jmod.is_classifier(model) and not lora.modules_to_save:
+        lora = dataclasses.replace(lora, modules_to_save=SEQ_CLS_SAVED)  # the new score trains (PEFT's SEQ_CLS)
+    return lora
 
 
 def _adapter(lora, seed) -> Callable[[nnx.Module], nnx.Module]:
