@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -80,6 +82,7 @@ def test_ray_two_workers(tmp_path):
     assert (tmp_path / "checkpoints" / "4").is_dir()
 
 
+@pytest.mark.alone  # 43 s on a quiet machine, 80-235 s beside two busy workers: the meta target's longest case
 def test_tune_sweep(tmp_path):
     out = run("tune_sweep.py", "--out", str(tmp_path), "--tiny", "--steps", "2")
     losses = {int(k): float(v) for k, v in re.findall(r"trial \{'scaling_index': (\d)\}: eval_loss=(\S+)", out)}

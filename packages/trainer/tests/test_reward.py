@@ -4,6 +4,7 @@
 export scores as transformers' `AutoModelForSequenceClassification` scores it."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -214,7 +215,10 @@ def test_a_lora_reward_model_trains_its_score_and_loads_in_peft_with_the_same_sc
     """LoRA on a reward model (TRL's `use_peft` with PEFT's `SEQ_CLS` task): the adapters and the new `score` train
     (PEFT's `modules_to_save`), the base does not; the adapter directory loads in `peft.PeftModel` over transformers'
     classifier of the same base with the scores computed here."""
-    peft = pytest.importorskip("peft")
+    if os.environ.get("NOX_CURRENT_SESSION"):  # `nox -s tests` installs peft beside the CPU torch: never skipped
+        import peft
+    else:
+        peft = pytest.importorskip("peft")
     jm.save_hf_model(jm.create_model(tiny(), seed=0), tmp_path / "base")
     args = RewardConfig(
         max_length=24,
