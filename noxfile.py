@@ -61,6 +61,8 @@ PARALLEL = {"models", "state", "generation", "trainer", parts.META}
 # in seconds): one worker more than the cores. The meta target kept 2 cores 74 % busy with a worker per core.
 WAITING = {parts.META}
 XDIST = "pytest-xdist>=3.5"
+# Targets with cases marked `alone` (pyproject's markers): run after the rest, without xdist.
+ALONE = {parts.META}
 # DPOTrainer's numbers are compared with TRL's DPOTrainer (test-only; installed next to the local CPU torch).
 NEEDS_TRL = {"trainer"}
 TRL = "trl==1.16.0"
@@ -161,14 +163,11 @@ def tests(session: nox.Session, target: str) -> None:
             count = min(4, os.cpu_count() or 1) + (1 if target in WAITING else 0)
             # worksteal: a worker that runs out takes queued cases from a busy one (no idle tail behind a long case)
             workers = ["-n", str(count), "--dist", "worksteal"]
-        if workers:  # the cases marked `alone` after the others, with no worker beside them
-            ok = [0, 5]  # no case collected: a part without tests yet, or without cases marked `alone`
-            session.run(
-                "pytest", *paths, *skip, *workers, "-m", "not alone", *session.posargs, env=TEST_ENV, success_codes=ok
-            )
-            session.run("pytest", *paths, *skip, "-m", "alone", *session.posargs, env=TEST_ENV, success_codes=ok)
+        if workers and target in ALONE:  # the cases marked `alone` after the others, with no worker beside them
+            session.run("pytest", *paths, *skip, *workers, "-m", "not alone", *session.posargs, env=TEST_ENV)
+            session.run("pytest", *paths, *skip, "-m", "alone", *session.posargs, env=TEST_ENV)
         else:
-            session.run("pytest", *paths, *skip, *session.posargs, env=TEST_ENV, success_codes=[0, 5])
+            session.run("pytest", *paths, *skip, *workers, *session.posargs, env=TEST_ENV, success_codes=[0, 5])
     if target == parts.META:
         typed()
     session.log(f"tests({target}) took {time.perf_counter() - start:.1f} s")
