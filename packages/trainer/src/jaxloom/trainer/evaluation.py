@@ -8,6 +8,8 @@ evaluation data, and the last result (so the end of a run does not evaluate the 
 from __future__ import annotations
 
 import math
+import operator
+from collections import defaultdict
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +37,10 @@ class Evaluator:
         t0 = time.monotonic() if started is None else started
         total: dict[str, float] = {}
         custom: dict[str, list[float]] = {}
+        extremes = dict(self.objective.extremes)  # added on the host in Python, as the step adds on the device
+        ops: dict[str, Callable[[float, float], float]] = {"min": min, "max": max}
+        combine: defaultdict[str, Callable[[float, float], float]] = defaultdict(lambda: operator.add)
+        combine.update({k: ops[v] for k, v in extremes.items()})
         with jax.set_mesh(self.mesh):
             loader = self.batches.eval_loader()
             if loader is None:
@@ -44,10 +50,7 @@ class Evaluator:
                     break
                 batch = self.batches.eval_batch(local)
                 out = jax.device_get(self.eval_fn(state, batch))
-                total = {
-                    k: float(v) if k not in total else float(self.objective.combine(k)(total[k], float(v)))
-                    for k, v in out.items()
-                }
+                total = {k: float(v) if k not in total else combine[k](total[k], float(v)) for k, v in out.items()}
                 for k, v in (metric_calculator(state, batch) if metric_calculator else {}).items():
                     custom.setdefault(k, []).append(float(v))
         objective = self.objective
