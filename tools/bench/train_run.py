@@ -99,8 +99,10 @@ def main():
             adam_beta2=0.95,
             **({"loss_block_size": cfg["loss_block_size"]} if "loss_block_size" in cfg else {}),
             **cfg.get("arguments", {}),  # e.g. LoRA: use_peft, lora_r, lora_target_modules
+            **({"profile_steps": cfg["profile"]} if cfg.get("profile") else {}),
         )
-        runtime = jm.RuntimeConfig(dtype=cfg["dtype"], param_dtype="float32")
+        layout = {k: v for k, v in cfg.get("arguments", {}).items() if k in ("scan_layers", "scan_unroll")}
+        runtime = jm.RuntimeConfig(dtype=cfg["dtype"], param_dtype="float32", **layout)
         model = jm.create_model(jm.LlamaConfig(**m), runtime, lazy=True)
         mesh = MeshConfig.from_axes(**cfg["mesh"]).build() if cfg.get("mesh") else MeshConfig().build()
         trainer = Trainer(
@@ -108,6 +110,12 @@ def main():
         )
         trainer.train()
         marks["attention"] = trainer.plan.attention
+        if cfg.get("profile"):  # where the profiled steps' device time went (profile_summary.py)
+            sys.path.insert(0, str(Path(__file__).parent))
+            from profile_summary import summarize
+
+            first, last = cfg["profile"]
+            marks["profile"] = summarize(str(trainer.run_directory.local / "profile"), last - first + 1)
     print(
         json.dumps(
             {
@@ -118,6 +126,7 @@ def main():
                 "devices": jax.device_count(),
                 "platform": jax.devices()[0].platform,
                 **({"attention": marks["attention"]} if "attention" in marks else {}),
+                **({"profile": marks["profile"]} if "profile" in marks else {}),
             }
         )
     )

@@ -139,7 +139,10 @@ class LoopArgs(_Group):
         0.001, description="DeepSeek-V3 router bias step toward balanced experts after each step (0: frozen)"
     )
     loss_block_size: int = Field(
-        512, description="positions per device in each block of the fused output projection and loss (0: whole logits)"
+        2048,
+        description="positions per device in each block of the fused output projection and loss (0: whole logits); "
+        "a block holds positions x vocabulary float32 logits (256 MB at 32k tokens: lower it for a large vocabulary "
+        "on a small device)",
     )
 
     @model_validator(mode="after")
