@@ -64,6 +64,14 @@ def test_reward_model_learns_its_pairs_and_drives_grpo(tmp_path):
     assert re.search(r"GRPO with the reward model: 2 steps, last rewards/reward_model/mean -?\d", out), out[-2000:]
 
 
+def test_distillation_trains_a_teacher_then_a_smaller_student(tmp_path):
+    out = run("distillation.py", "--out", str(tmp_path), "--steps", "4", "--tiny")
+    assert re.search(r"teacher: 20 steps of next-token training, loss \d", out), out[-2000:]
+    loss = float(re.search(r"student: 4 steps of distillation, last loss (\S+)", out).group(1))
+    assert 0 < loss < 0.7, out[-2000:]  # the JSD is at most ln 2
+    assert (tmp_path / "student" / "checkpoints").is_dir()
+
+
 def test_finetune_hf_llama_round_trips_through_hf_format(tmp_path):
     out = run("finetune_hf_llama.py", "--make-tiny-model", "--out", str(tmp_path), "--steps", "3")
     for name in ("config.json", "model.safetensors", "tokenizer.json"):

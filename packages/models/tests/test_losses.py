@@ -192,3 +192,78 @@ def test_soft_capped_logits_values_gradients_and_log_probs(blocks):
         lambda h: jm.cross_entropy_gradient(h, kernel, targets, weight, blocks=blocks, softcap=cap), argnums=0
     )(hidden)
     np.testing.assert_allclose(d, ref_grads[0], rtol=1e-5, atol=1e-5)
+
+
+def jsd_reference(zs, zt, weight, beta, temperature):
+    """TRL 1.16's generalized JSD and the student's entropy, in float64 numpy, from the logits."""
+    zs, zt = np.asarray(zs, np.float64) / temperature, np.asarray(zt, np.float64) / temperature
+    ls = zs - np.log(np.exp(zs - zs.max(-1, keepdims=True)).sum(-1, keepdims=True)) - zs.max(-1, keepdims=True)
+    lt = zt - np.log(np.exp(zt - zt.max(-1, keepdims=True)).sum(-1, keepdims=True)) - zt.max(-1, keepdims=True)
+    ps, pt = np.exp(ls), np.exp(lt)
+    if beta == 0:
+        div = (pt * (lt - ls)).sum(-1)
+    elif beta == 1:
+        div = (ps * (ls - lt)).sum(-1)
+    else:
+        m = (1 - beta) * ps + beta * pt
+        div = beta * (pt * (lt - np.log(m))).sum(-1) + (1 - beta) * (ps * (ls - np.log(m))).sum(-1)
+    w = np.asarray(weight, np.float64)
+    return (w * div).sum(), (w * -(ps * ls).sum(-1)).sum()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, 0.3])
+@pytest.mark.parametrize("blocks", [1, 3])  # 3 does not divide T: padded
+def test_generalized_jsd_equals_a_numpy_reference_and_its_gradient(beta, blocks):
+    """`linear_generalized_jsd` (TRL 1.16's divergence: 0 forward KL, 0.5 JSD, 1 reverse KL) equals a float64 numpy
+    computation from the two models' logits, at a temperature, with a teacher of another width; its gradient
+    (student only) equals autodiff of a plain jnp computation of the same divergence."""
+    hidden, kernel, _, weight = inputs(1)
+    k = jax.random.split(jax.random.PRNGKey(7), 2)
+    t_hidden, t_kernel = jax.random.normal(k[0], (B, T, 12)), jax.random.normal(k[1], (12, V))
+    temperature = 0.7
+    loss, entropy = jm.linear_generalized_jsd(
+        hidden, kernel, t_hidden, t_kernel, weight, beta=beta, temperature=temperature, blocks=blocks
+    )
+    zs = np.asarray(hidden, np.float64) @ np.asarray(kernel, np.float64)
+    zt = np.asarray(t_hidden, np.float64) @ np.asarray(t_kernel, np.float64)
+    ref_loss, ref_entropy = jsd_reference(zs, zt, weight, beta, temperature)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=2e-5)
+    np.testing.assert_allclose(float(entropy), ref_entropy, rtol=2e-5)
+
+    def plain(h, kern):
+        ls = jax.nn.log_softmax(h @ kern / temperature, -1)
+        lt = jax.nn.log_softmax(t_hidden @ t_kernel / temperature, -1)
+        ps, pt = jnp.exp(ls), jnp.exp(lt)
+        if beta == 0:
+            div = jnp.sum(pt * (lt - ls), -1)
+        elif beta == 1:
+            div = jnp.sum(ps * (ls - lt), -1)
+        else:
+            lm = jnp.log((1 - beta) * ps + beta * pt)
+            div = beta * jnp.sum(pt * (lt - lm), -1) + (1 - beta) * jnp.sum(ps * (ls - lm), -1)
+        return jnp.sum(weight * div)
+
+    def fused(h, kern, th, tk):
+        return jm.linear_generalized_jsd(h, kern, th, tk, weight, beta=beta, temperature=temperature, blocks=blocks)[0]
+
+    got = jax.grad(fused, argnums=(0, 1, 2, 3))(hidden, kernel, t_hidden, t_kernel)
+    want = jax.grad(plain, argnums=(0, 1))(hidden, kernel)
+    for g, w in zip(got[:2], want, strict=True):  # float32 rounding of near-cancelling terms: atol at 1e-3 of the max
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3 * float(jnp.abs(w).max()))
+    assert not np.any(got[2]) and not np.any(got[3])  # the teacher is a constant
+
+
+def test_generalized_jsd_holds_neither_models_logits_and_refuses_bad_settings():
+    """Blocks keep the compiled gradient's temporaries under one model's `[B, T, V]` logits; a beta outside [0, 1]
+    and vocabularies that differ are refused by name."""
+    b, t, d, v = 2, 256, 16, 4096
+    hidden, kernel, weight = jnp.ones((b, t, d)), jnp.ones((d, v)) * 0.01, jnp.ones((b, t))
+    grad = jax.jit(
+        jax.grad(lambda h, k: jm.linear_generalized_jsd(h, k, h, k * 2, weight, beta=0.5, blocks=16)[0], argnums=(0, 1))
+    )
+    temp = grad.lower(hidden, kernel).compile().memory_analysis().temp_size_in_bytes
+    assert temp < b * t * v * 4 / 2, temp
+    with pytest.raises(ValueError, match="beta = 1.5"):
+        jm.linear_generalized_jsd(hidden, kernel, hidden, kernel, weight, beta=1.5)
+    with pytest.raises(ValueError, match="the same vocabulary"):
+        jm.linear_generalized_jsd(hidden, kernel, hidden, kernel[:, :10], weight, beta=0.5)

@@ -227,3 +227,28 @@ def test_cli_dpo_with_ray_two_workers(ray_cluster, tmp_path, capsys):
     assert rc == 0 and summary["attempts"] == 1 and summary["step"] == 2
     assert "rewards/margins" in summary["final"] and "logps/chosen" in summary["final"]
     assert json.loads((tmp_path / "dpo" / "run_config.json").read_text())["trainer"] == "dpo"
+
+
+def test_cli_distillation_with_ray_two_workers(ray_cluster, tmp_path, capsys):
+    """On-policy distillation through the same front door: `trainer=distillation` with a teacher directory of
+    another size runs as a 2-worker gang (each process rolls out its share and reads its teacher shard)."""
+    import jaxloom.data as jd
+    import jaxloom.models as jm
+    from jaxloom.trainer.cli import main
+
+    teacher = jm.LlamaConfig(
+        vocab_size=len(jd.load_processor()), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    jm.save_hf_model(jm.create_model(teacher, seed=3), tmp_path / "teacher")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}:"}) + "\n" for w in ["red", "cat", "sun", "tree"] * 4))
+    argv = ["train", *TINY_OVERRIDES, "trainer=distillation", f"data.train={prompts}", "beta=0.5"]
+    argv += [f"teacher_model_name_or_path={tmp_path / 'teacher'}", "max_prompt_length=16", "max_completion_length=16"]
+    argv += ["max_training_steps=2", "save_directory=distill", "--ray", "num_workers=2", f"storage_path={tmp_path}"]
+    rc = main(argv)
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{\n") :])
+    assert rc == 0 and summary["attempts"] == 1 and summary["step"] == 2
+    assert "entropy" in summary["final"] and "completions/mean_length" in summary["final"]
+    assert json.loads((tmp_path / "distill" / "run_config.json").read_text())["trainer"] == "distillation"

@@ -213,19 +213,21 @@ def test_one_constructor_and_one_registry_for_every_trainer_kind():
     config reader use."""
     import inspect
 
-    from jaxloom.trainer import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
-    from jaxloom.trainer import compose, kinds
+    from jaxloom.trainer import DistillationConfig, DistillationTrainer, DPOConfig, DPOTrainer, RewardConfig
+    from jaxloom.trainer import RewardTrainer, compose, kinds
     from jaxloom.trainer.grpo import GRPOConfig, GRPOTrainer
 
-    for cls in (Trainer, DPOTrainer, GRPOTrainer, RewardTrainer):
+    for cls in (Trainer, DPOTrainer, GRPOTrainer, RewardTrainer, DistillationTrainer):
         assert "__init__" not in vars(cls)
-    assert compose.KINDS is kinds.KINDS and kinds.TRAINERS == ("sft", "dpo", "grpo", "reward")
+    assert compose.KINDS is kinds.KINDS and kinds.TRAINERS == ("sft", "dpo", "grpo", "reward", "distillation")
     assert {k: c.arguments_class for k, c in kinds.KINDS.items()} == {
         "sft": TrainingArguments,
         "dpo": DPOConfig,
         "grpo": GRPOConfig,
         "reward": RewardConfig,
+        "distillation": DistillationConfig,
     }
+    assert "teacher_model" in inspect.signature(DistillationTrainer).parameters
     assert isinstance(kinds.arguments_of({"trainer": "dpo", "beta": 0.3})[1], DPOConfig)
     params = inspect.signature(DPOTrainer).parameters
     assert (

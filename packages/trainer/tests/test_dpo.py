@@ -7,7 +7,7 @@ import signal
 import numpy as np
 import pytest
 from test_resume_cli import run
-from util import TOK, mesh, params_of, tiny
+from util import TOK, mesh, params_of, quiet, tiny
 
 import jaxloom.models as jm
 from jaxloom.trainer import DPOConfig, DPOTrainer
@@ -26,19 +26,8 @@ def rule_pairs(n: int, seed: int) -> list[dict]:
 
 
 def dpo_args(tmp, **kw) -> DPOConfig:
-    base = dict(
-        max_length=16,
-        total_batch_size=8,
-        max_training_steps=6,
-        logging_steps=1,
-        learning_rate=3e-3,
-        warmup_steps=2,
-        save_directory=str(tmp),
-        progress_bar=False,
-        use_tensorboard=False,
-        seed=0,
-    )
-    return DPOConfig(**{**base, **kw})
+    base = dict(max_length=16, total_batch_size=8, max_training_steps=6, learning_rate=3e-3, warmup_steps=2)
+    return DPOConfig(**{**base, **quiet(tmp), **kw})
 
 
 def dpo_trainer(tmp, train, evaluation=None, **kw) -> DPOTrainer:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from util import TOK, mesh, tiny
+from util import TOK, mesh, quiet, tiny
 
 import jaxloom.models as jm
 from jaxloom.trainer import GRPOConfig, GRPOTrainer
@@ -33,13 +33,8 @@ def grpo_args(tmp, **kw) -> GRPOConfig:
         max_training_steps=4,
         learning_rate=3e-3,
         warmup_steps=0,
-        logging_steps=1,
-        save_directory=str(tmp),
-        progress_bar=False,
-        use_tensorboard=False,
-        seed=0,
     )
-    return GRPOConfig(**{**base, **kw})
+    return GRPOConfig(**{**base, **quiet(tmp), **kw})
 
 
 def grpo_trainer(tmp, rewards=(letter_e,), records=RECORDS, **kw) -> GRPOTrainer:
@@ -57,9 +52,11 @@ def rows(out) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
-def reference_loss(logp, old, ref, adv, mask, beta, lo, hi, loss_type, max_len):
-    """TRL's formulas, written out in numpy."""
+def reference_loss(logp, old, ref, adv, mask, beta, lo, hi, loss_type, max_len, level="token"):
+    """TRL's formulas, written out in numpy (`level="sequence"`: GSPO's one ratio per sequence)."""
     ratio = np.exp(logp - old)
+    if level == "sequence":
+        ratio = np.exp(((logp - old) * mask).sum(1, keepdims=True) / np.maximum(mask.sum(1, keepdims=True), 1))
     unclipped, clipped = ratio * adv[:, None], np.clip(ratio, 1 - lo, 1 + hi) * adv[:, None]
     loss = -np.minimum(unclipped, clipped) + beta * (np.exp(ref - logp) - (ref - logp) - 1)
     if loss_type == "grpo":
@@ -69,8 +66,10 @@ def reference_loss(logp, old, ref, adv, mask, beta, lo, hi, loss_type, max_len):
     return (loss * mask).sum() / mask.sum()  # bnpo, dapo (one micro-batch)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_each_loss_type_equals_a_numpy_reference(loss_type):
+def test_each_loss_type_equals_a_numpy_reference(loss_type, level):
+    """Each loss type, with a ratio per token or (GSPO, `importance_sampling_level="sequence"`) per sequence."""
     rng = np.random.default_rng(0)
     b, t = 6, 10
     logp, old, ref = (rng.normal(-2, 0.5, (b, t)).astype(np.float32) for _ in range(3))
@@ -84,10 +83,30 @@ def test_each_loss_type_equals_a_numpy_reference(loss_type):
         beta=0.04,
         epsilon_low=0.2,
         epsilon_high=0.28,
+        mask=jnp.asarray(mask),
+        level=level,
     )
     total, units = aggregate(loss, jnp.asarray(mask), loss_type, t)
-    want = reference_loss(logp, old, ref, adv, mask, 0.04, 0.2, 0.28, loss_type, t)
+    want = reference_loss(logp, old, ref, adv, mask, 0.04, 0.2, 0.28, loss_type, t, level)
     np.testing.assert_allclose(float(total / units), want, rtol=1e-5)
+
+
+def test_gspo_trains_with_one_ratio_per_sequence(tmp_path):
+    """`importance_sampling_level="sequence"` (GSPO, loss_type grpo) over two iterations of each rollout (the second
+    step's ratios differ from 1): the run trains, with finite losses, to other weights than the token-level ratio
+    gives on the same rollouts (the formula itself: `test_each_loss_type_equals_a_numpy_reference`)."""
+    runs = {}
+    for level in ("token", "sequence"):
+        t = grpo_trainer(
+            tmp_path / level, loss_type="grpo", importance_sampling_level=level, num_iterations=2, max_training_steps=2
+        )
+        runs[level] = t.train()
+    a, b = (
+        jax.tree_util.tree_leaves(runs["token"].state.params),
+        jax.tree_util.tree_leaves(runs["sequence"].state.params),
+    )
+    assert any(not np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert all(np.isfinite(r["train/loss"]) for r in rows(tmp_path / "sequence") if "train/loss" in r)
 
 
 def test_group_advantages_are_trls():

@@ -252,8 +252,11 @@ def test_the_cli_lists_and_shows_its_settings(tmp_path, capsys):
         assert f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}" in keys
     assert "model.rope_theta: " in keys and "data.train: str | list[str]" in keys  # data keys typed (issue 51)
     assert "data.eval_fraction: float = 0.05" in keys
-    # keys of two kinds (beta, loss_type) each under its kind, with that kind's default (issue 51)
-    assert "beta: float = 0.1  DPO" in keys and keys.count("[dpo]") == 2 and keys.count("[grpo]") == 2
+    # keys of several kinds (beta, loss_type, ref_model, the sampling settings) each under its kind, with that kind's
+    # default (issue 51)
+    assert "beta: float = 0.1  DPO" in keys and "beta: float = 1.0  distillation" in keys
+    assert (keys.count("[dpo]"), keys.count("[grpo]"), keys.count("[distillation]")) == (3, 8, 6)
+    assert "# distillation (trainer=distillation only" in keys
     assert "# rl (trainer=grpo only" in keys and "# preference (trainer=dpo only" in keys
     # what config keys left out or claimed wrongly (issue 42): the pretrained model, TRL's names, the --ray keys
     assert "model.from_pretrained: str = None  a local Hugging Face model directory" in keys and "HUB_ID" not in keys

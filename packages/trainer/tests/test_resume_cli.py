@@ -42,6 +42,24 @@ def run(out, kill_after=None, mode="sync", extra=(), drop_env=()):
         return proc, lines, err.read()
 
 
+def resumes_bitwise(tmp_path, extra, kill_after=7, checkpoint=4):
+    """Run the worker with `extra` overrides uninterrupted (`tmp_path/ref`) and killed by SIGKILL after step
+    `kill_after`, then again (`tmp_path/run`): the second start resumes from `checkpoint` and ends with the
+    uninterrupted run's parameters bit for bit. Returns both runs' final parameters."""
+    ref, _, err = run(tmp_path / "ref", extra=extra)
+    assert ref.returncode == 0, err[-3000:]
+    killed, _, _ = run(tmp_path / "run", kill_after=kill_after, extra=extra)
+    assert killed.returncode == -signal.SIGKILL
+    again, _, err = run(tmp_path / "run", extra=extra)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resumed from checkpoint {tmp_path / 'run'}/checkpoints/{checkpoint}" in err
+    a, b = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "run" / "final.npz")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    return a, b
+
+
 def data_overrides(kind, tmp_path):
     """The bundled records in memory, the bundled JSONL streamed in blocks, or a token store of it."""
     import jaxloom.data as jd

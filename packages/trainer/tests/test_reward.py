@@ -185,26 +185,15 @@ def test_a_reward_model_learns_to_separate_exports_for_transformers_and_drives_g
 def test_sigkill_then_resume_ends_bitwise_equal_and_the_run_converts_to_a_classifier(tmp_path):
     """`jaxloom train trainer=reward`: killed after step 7 and resumed, it ends where an uninterrupted run ends, bit
     for bit; `jaxloom convert --to-hf` of the run directory alone gives the classifier transformers loads."""
-    import signal
-
     from test_dpo import write_pairs
-    from test_resume_cli import run
+    from test_resume_cli import resumes_bitwise
 
     from jaxloom.trainer.cli import main
 
     extra = ["trainer=reward", f"data.train={write_pairs(tmp_path / 'pairs.jsonl', separable(256, 3))}"]
     extra += ["max_length=24", "center_rewards_coefficient=0.01"]
-    ref, _, err = run(tmp_path / "ref", extra=extra)
-    assert ref.returncode == 0, err[-3000:]
-    killed, _, _ = run(tmp_path / "run", kill_after=7, extra=extra)
-    assert killed.returncode == -signal.SIGKILL
-    again, _, err = run(tmp_path / "run", extra=extra)
-    assert again.returncode == 0, err[-3000:]
-    assert f"resumed from checkpoint {tmp_path / 'run'}/checkpoints/4" in err
-    a, b = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "run" / "final.npz")
-    assert sorted(a) == sorted(b) and any(k.startswith("score") for k in a), sorted(a)[:5]
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    a, _ = resumes_bitwise(tmp_path, extra)
+    assert any(k.startswith("score") for k in a), sorted(a)[:5]
 
     assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()

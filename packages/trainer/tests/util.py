@@ -34,21 +34,22 @@ def tiny(hidden=32, layers=2, **kw):
     )
 
 
-def args(tmp, **kw):
-    """Small-run arguments writing to `tmp` (None: no save directory)."""
-    base = dict(
-        learning_rate=3e-3,
-        warmup_steps=2,
-        total_batch_size=8,
-        max_sequence_length=32,
-        max_training_steps=6,
+def quiet(tmp) -> dict:
+    """What every small test run shares: a metrics row each step, no progress bar or TensorBoard file, seed 0,
+    writing to `tmp` (None: no save directory)."""
+    return dict(
         logging_steps=1,
         save_directory=None if tmp is None else str(tmp),
         progress_bar=False,
         use_tensorboard=False,
         seed=0,
     )
-    return TrainingArguments(**{**base, **kw})
+
+
+def args(tmp, **kw):
+    """Small-run arguments writing to `tmp` (None: no save directory)."""
+    base = dict(learning_rate=3e-3, warmup_steps=2, total_batch_size=8, max_sequence_length=32, max_training_steps=6)
+    return TrainingArguments(**{**base, **quiet(tmp), **kw})
 
 
 def mesh(n=1, **axes):

@@ -33,6 +33,7 @@ from .lora import (
 from .losses import (
     cross_entropy_gradient,
     linear_cross_entropy,
+    linear_generalized_jsd,
     linear_log_probs,
     linear_token_log_probs,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "expert_parallel_dispatch",
     "cross_entropy_gradient",
     "linear_cross_entropy",
+    "linear_generalized_jsd",
     "linear_token_log_probs",
     "linear_log_probs",
     "SCAN_ABOVE_LAYERS",

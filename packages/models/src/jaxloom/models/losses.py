@@ -204,6 +204,16 @@ def _block_stats(h, kernel, targets, weight, z_loss, dtype, precision, softcap=N
     return loss, correct, (shifted, total, lse, onehot, slope)
 
 
+def _backward_products(d_logits, h, k, precision):
+    """A block's gradients from `d loss / d logits` (in the kernel's compute dtype): to its hidden states `[B, T, D]`
+    and to the output kernel `[D, V]`, both accumulated in float32."""
+    d_h = jnp.dot(d_logits, k.T, precision=precision, preferred_element_type=jnp.float32)
+    d_k = jnp.einsum(
+        "btd,btv->dv", h.astype(d_logits.dtype), d_logits, precision=precision, preferred_element_type=jnp.float32
+    )
+    return d_h, d_k
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _fused(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision, softcap):
     def body(_, xs):
@@ -229,10 +239,7 @@ def _fused_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision
         scale = (1.0 + 2.0 * z_loss * lse) / total
         d_logits = w[..., None] * (shifted * scale[..., None] - onehot)
         d_logits = (d_logits if slope is None else d_logits * slope).astype(dtype)
-        d_h = jnp.dot(d_logits, k.T, precision=precision, preferred_element_type=jnp.float32)
-        d_k = jnp.einsum(
-            "btd,btv->dv", h.astype(dtype), d_logits, precision=precision, preferred_element_type=jnp.float32
-        )
+        d_h, d_k = _backward_products(d_logits, h, k, precision)
         return d_kernel + d_k, (loss, correct, d_h)
 
     xs = (_split(hidden, blocks), _split(targets, blocks), _split(weight, blocks))
@@ -265,3 +272,131 @@ def _gradient_only_bwd(blocks, z_loss, dtype, precision, softcap, residuals, g):
 
 
 _gradient_only.defvjp(_gradient_only_fwd, _gradient_only_bwd)
+
+
+def linear_generalized_jsd(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    teacher_hidden: jax.Array,
+    teacher_kernel: jax.Array,
+    weight: jax.Array,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    blocks: int = 1,
+    dtype=None,
+    precision=None,
+    softcap: float | None = None,
+    teacher_dtype=None,
+    teacher_softcap: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`(loss_sum, entropy_sum)`: the generalized Jensen-Shannon divergence of on-policy distillation between a
+    student's next-token distributions and a teacher's, summed over positions with `weight [B, T]`, and the summed
+    entropy of the student's (not differentiated), as TRL 1.16's `DistillationTrainer` computes them.
+
+    The student's logits are `hidden [B, T, D] @ kernel [D, V]`, the teacher's `teacher_hidden [B, T, D_t] @
+    teacher_kernel [D_t, V]` (the widths may differ; the vocabulary is shared), each in its `dtype` at `precision`,
+    soft-capped by its `softcap`, read in float32 and divided by `temperature`. With `p_s`, `p_t` their softmaxes:
+
+    - `beta = 0`: the forward KL, `Σ p_t (log p_t − log p_s)`;
+    - `beta = 1`: the reverse KL, `Σ p_s (log p_s − log p_t)`;
+    - otherwise, with the mixture `m = (1 − beta) p_s + beta p_t`: `beta KL(p_t ‖ m) + (1 − beta) KL(p_s ‖ m)`
+      (0.5: the Jensen-Shannon divergence).
+
+    Both models' logits are computed one block of positions at a time (`blocks`, as `linear_cross_entropy`), so
+    neither `[B, T, V]` is ever held; each block's gradient (to `hidden` and `kernel` only: the teacher is a
+    constant) is made in the same pass, nothing is recomputed."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta = {beta}; expected a value in [0, 1] (0: forward KL, 0.5: JSD, 1: reverse KL)")
+    if temperature <= 0:
+        raise ValueError(f"temperature = {temperature}; expected > 0")
+    if teacher_hidden.shape[:2] != hidden.shape[:2]:
+        raise ValueError(
+            f"teacher_hidden has positions {teacher_hidden.shape[:2]}, hidden {hidden.shape[:2]}; expected the same"
+        )
+    if teacher_kernel.shape[-1] != kernel.shape[-1]:
+        raise ValueError(
+            f"the teacher's vocabulary is {teacher_kernel.shape[-1]} tokens, the student's {kernel.shape[-1]}; "
+            "expected the same vocabulary"
+        )
+    targets = jnp.zeros(hidden.shape[:2], jnp.int32)
+    hidden, _, weight, dtype = _prepare(hidden, kernel, targets, weight, blocks, dtype)
+    teacher_hidden, _, _, teacher_dtype = _prepare(
+        jax.lax.stop_gradient(teacher_hidden), teacher_kernel, targets, weight, blocks, teacher_dtype
+    )
+    settings = (
+        blocks,
+        float(beta),
+        float(temperature),
+        dtype,
+        precision,
+        _cap_value(softcap),
+        teacher_dtype,
+        _cap_value(teacher_softcap),
+    )
+    return _jsd_fused(hidden, kernel, teacher_hidden, jax.lax.stop_gradient(teacher_kernel), weight, *settings)
+
+
+def _jsd_block(h, kernel, th, tkernel, w, beta, temperature, dtype, precision, softcap, tdtype, tsoftcap):
+    """One block: the summed weighted divergence and student entropy, and `d loss / d raw student logits`."""
+    zs, slope = _logits(h, kernel, dtype, precision, softcap)
+    zt, _ = _logits(th, tkernel, tdtype, precision, tsoftcap)
+    ls = jax.nn.log_softmax(zs / temperature, axis=-1)
+    lt = jax.nn.log_softmax(zt / temperature, axis=-1)
+    ps, pt = jnp.exp(ls), jnp.exp(lt)
+    if beta == 0.0:
+        div = jnp.sum(pt * (lt - ls), axis=-1)
+        g = ps - pt
+    elif beta == 1.0:
+        div = jnp.sum(ps * (ls - lt), axis=-1)
+        g = ps * (ls - lt - div[..., None])
+    else:
+        lm = jnp.logaddexp(ls + jnp.log1p(-beta), lt + jnp.log(beta))
+        kl_s = jnp.sum(ps * (ls - lm), axis=-1)
+        div = beta * jnp.sum(pt * (lt - lm), axis=-1) + (1.0 - beta) * kl_s
+        g = (1.0 - beta) * ps * (ls - lm - kl_s[..., None])
+    entropy = -jnp.sum(ps * ls, axis=-1)
+    d_logits = w[..., None] * g / temperature
+    if slope is not None:
+        d_logits = d_logits * slope
+    return jnp.sum(w * div), jnp.sum(w * entropy), d_logits.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11, 12))
+def _jsd_fused(hidden, kernel, th, tkernel, weight, blocks, beta, temperature, dtype, precision, softcap, tdtype, tcap):
+    def body(_, xs):
+        h, t, w = xs
+        settings = (beta, temperature, dtype, precision, softcap, tdtype, tcap)
+        loss, entropy, _ = _jsd_block(h, kernel, t, tkernel, w, *settings)
+        return None, (loss, entropy)
+
+    _, (loss, entropy) = jax.lax.scan(body, None, (_split(hidden, blocks), _split(th, blocks), _split(weight, blocks)))
+    return jnp.sum(loss), jnp.sum(entropy)
+
+
+def _jsd_fused_fwd(
+    hidden, kernel, th, tkernel, weight, blocks, beta, temperature, dtype, precision, softcap, tdtype, tcap
+):
+    k = kernel.astype(dtype)
+
+    def body(d_kernel, xs):
+        h, t, w = xs
+        loss, entropy, d_logits = _jsd_block(
+            h, kernel, t, tkernel, w, beta, temperature, dtype, precision, softcap, tdtype, tcap
+        )
+        d_h, d_k = _backward_products(d_logits, h, k, precision)
+        return d_kernel + d_k, (loss, entropy, d_h)
+
+    xs = (_split(hidden, blocks), _split(th, blocks), _split(weight, blocks))
+    d_kernel, (loss, entropy, d_h) = jax.lax.scan(body, jnp.zeros(kernel.shape, jnp.float32), xs)
+    residuals = (_join(d_h).astype(hidden.dtype), d_kernel.astype(kernel.dtype))
+    return (jnp.sum(loss), jnp.sum(entropy)), residuals
+
+
+def _jsd_fused_bwd(blocks, beta, temperature, dtype, precision, softcap, tdtype, tcap, residuals, cotangents):
+    d_h, d_kernel = residuals
+    g = cotangents[0]  # the entropy is not differentiated
+    return (g * d_h).astype(d_h.dtype), (g * d_kernel).astype(d_kernel.dtype), None, None, None
+
+
+_jsd_fused.defvjp(_jsd_fused_fwd, _jsd_fused_bwd)

@@ -7,6 +7,8 @@ from .grpo.config import GRPOConfig
 from .batches import DataSpec
 from .callbacks import Callback, Callbacks
 from .deployer import Deployer
+from .distillation import DistillationTrainer
+from .distillation_config import DistillationConfig
 from .dpo import DPOTrainer
 from .grpo.trainer import GRPOTrainer
 from .reward import RewardTrainer
@@ -29,6 +31,8 @@ __all__ = [
     "Callback",
     "Callbacks",
     "DPOConfig",
+    "DistillationConfig",
+    "DistillationTrainer",
     "GRPOConfig",
     "GRPOTrainer",
     "DPOTrainer",

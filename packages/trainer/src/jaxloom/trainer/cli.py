@@ -67,6 +67,11 @@ def _plan(trainer) -> dict[str, Any]:
         "memory_per_device": per_device,
         "state_gb_per_device": trainer.plan.state_gb_per_device(),  # parameters, optimizer state, frozen base
     }
+    frozen = getattr(trainer.functions, "frozen", None)
+    if frozen is not None:  # what the step reads and never trains: distillation's teacher
+        from .plan import gb_per_device
+
+        out["state_gb_per_device"]["teacher"] = gb_per_device(frozen.params)
     if trainer.plan.lora is not None:
         out["trainable_parameters"] = trainer.plan.n_trainable
     if capacity and per_device:
@@ -219,6 +224,7 @@ def _config_keys(model_type: str) -> str:
     import jaxloom.models as jm
 
     from .arguments import ALIASES, RENAMED
+    from .distillation_config import DistillationConfig
     from .dpo_config import DPOConfig
     from .grpo.config import GRPOConfig
     from .kinds import TRAINERS
@@ -248,18 +254,27 @@ def _config_keys(model_type: str) -> str:
         "",
         "# trainer",
         f"trainer: str = 'sft'  which trainer: {', '.join(TRAINERS)} "
-        "(dpo adds # preference, grpo # rl, reward # reward)",
+        "(dpo adds # preference, grpo # rl, reward # reward, distillation # distillation)",
     ]
-    kinds = {"preference": "trainer=dpo only", "rl": "trainer=grpo only", "reward": "trainer=reward only"}
+    kinds = {
+        "preference": "trainer=dpo only",
+        "rl": "trainer=grpo only",
+        "reward": "trainer=reward only",
+        "distillation": "trainer=distillation only",
+    }
     own = [f for f in GRPOConfig.fields() if f["group"] == "rl"]
     own += [f for f in RewardConfig.fields() if f["group"] == "reward"]
+    own += [f for f in DistillationConfig.fields() if f["group"] == "distillation"]
+    names = [f["name"] for f in [*DPOConfig.fields(), *own]]
+    shared = {n for n in names if names.count(n) > 1}  # a key of several kinds: each kind's own default
     for f in [*DPOConfig.fields(), *own]:
         if f["group"] != group:
             group = f["group"]
             lines += ["", f"# {group}" + (f" ({kinds[group]}; a key both kinds have keeps each kind's default)"
                                           if group in kinds else "")]  # fmt: skip
-        both = f["name"] in ("beta", "loss_type")  # each kind's own, with its own default
-        kind = {"preference": " [dpo]", "rl": " [grpo]"}.get(str(group), "") if both else ""
+        both = f["name"] in shared
+        kind = {"preference": " [dpo]", "rl": " [grpo]", "distillation": " [distillation]"}.get(str(group), "")
+        kind = kind if both else ""
         lines.append(f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}{kind}")
     lines += ["", "# other names (HF Trainer, TRL, EasyDeL): read as the jaxloom key, or refused naming it"]
     lines += [f"{alias}: the same as {name}" for alias, name in ALIASES.items()]

@@ -129,6 +129,14 @@ FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
         **_FINETUNE_RUN,
         "save_directory": "jaxloom-runs/dpo",
     },
+    "distillation": {
+        "learning_rate": 1e-6,  # TRL's DistillationConfig
+        "scheduler": "linear",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        **_FINETUNE_RUN,
+        "save_directory": "jaxloom-runs/distillation",
+    },
     "reward": {
         "learning_rate": 1e-4,  # TRL's RewardConfig
         "scheduler": "linear",
@@ -143,6 +151,7 @@ FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
 # classifier generates nothing (no previews).
 _KIND_DROPS = {
     "grpo": ("max_sequence_length",),
+    "distillation": ("max_sequence_length",),
     "reward": ("max_sequence_length", "generation_prompts", "generation_interval"),
 }
 FINETUNE_MAX_LENGTH = 1024
@@ -201,7 +210,8 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
     given = {o.split("=", 1)[0] for o in overrides}
     fine_tune = _fine_tunes(config_path, overrides)
     kind = str(resolved.get("trainer", "sft"))
-    length_from_model = fine_tune and kind != "grpo" and not given & {"max_sequence_length", "max_length"}
+    rollouts = kind in ("grpo", "distillation")  # rows of prompt + completion: their length is the caps'
+    length_from_model = fine_tune and not rollouts and not given & {"max_sequence_length", "max_length"}
     unknown = sorted(set(resolved.get("data") or {}) - set(DATA_KEYS))
     if unknown:
         raise ValueError(f"unknown key(s) in section data: {unknown}; expected train, eval, eval_fraction, tokenizer")
@@ -278,8 +288,8 @@ def announce_settings(sources: dict[str, str], resolved: dict) -> None:
 
 def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]:
     """Config file + overrides → (trainer, resolved config) (`resolve_settings`). Sections `model` and `data`;
-    `trainer` (`sft`, `dpo` or `grpo`) picks the trainer; the rest are its arguments. A pretrained model without a
-    config file gets `FINETUNE_DEFAULTS` instead of the demo's training settings."""
+    `trainer` (`sft`, `dpo`, `grpo`, `reward` or `distillation`) picks the trainer; the rest are its arguments. A
+    pretrained model without a config file gets `FINETUNE_DEFAULTS` instead of the demo's training settings."""
     import jaxloom.data as jd
     import jaxloom.models as jm
 
@@ -298,6 +308,11 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
         raise ValueError(
             "trainer=grpo needs prompts: data.train=prompts.jsonl (records with a prompt, and any columns the "
             "reward functions read) and reward_funcs=my_rewards.fn; the bundled corpus is plain text"
+        )
+    if kind == "distillation" and train == "bundled":
+        raise ValueError(
+            "trainer=distillation needs prompts: data.train=prompts.jsonl (records with a prompt) and "
+            "teacher_model_name_or_path=DIR; the bundled corpus is plain text"
         )
     if kind in ("dpo", "reward") and train == "bundled":
         raise ValueError(

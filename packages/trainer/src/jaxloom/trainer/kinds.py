@@ -1,19 +1,28 @@
-"""The trainer kinds of a config (`trainer: sft | dpo | grpo`): one registry, the kind's name to its trainer
-class; each class names the arguments it takes (`arguments_class`) and its own inputs (`take_inputs`)."""
+"""The trainer kinds of a config (`trainer: sft | dpo | grpo | reward | distillation`): one registry, the kind's
+name to its trainer class; each class names the arguments it takes (`arguments_class`) and its own inputs
+(`take_inputs`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .arguments import TrainingArguments
+from .distillation import DistillationTrainer
 from .dpo import DPOTrainer
 from .grpo.trainer import GRPOTrainer
 from .reward import RewardTrainer
 from .trainer import BaseTrainer, Trainer
 
-KINDS: dict[str, type[BaseTrainer]] = {"sft": Trainer, "dpo": DPOTrainer, "grpo": GRPOTrainer, "reward": RewardTrainer}
+KINDS: dict[str, type[BaseTrainer]] = {
+    "sft": Trainer,
+    "dpo": DPOTrainer,
+    "grpo": GRPOTrainer,
+    "reward": RewardTrainer,
+    "distillation": DistillationTrainer,
+}
 """The trainer class of each `trainer=` kind: `sft` (next-token training, the default), `dpo` (preference
-training), `grpo` (online RL with reward functions) or `reward` (a reward model of preference pairs). A new kind
+training), `grpo` (online RL with reward functions), `reward` (a reward model of preference pairs) or `distillation`
+(on-policy distillation of a teacher). A new kind
 is one entry here."""
 
 TRAINERS = tuple(KINDS)

@@ -172,16 +172,12 @@ class Plan:
     def state_gb_per_device(self) -> dict[str, float]:
         """GiB one device holds of the state: `parameters` (what trains), `optimizer` (its state) and `frozen`
         (a LoRA run's base), from shapes and shardings alone."""
-
-        def gb(tree) -> float:
-            total = 0
-            for x in jax.tree_util.tree_leaves(tree):
-                shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-                total += math.prod(shape) * x.dtype.itemsize
-            return total / 2**30
-
         t = self.target()
-        return {"parameters": gb(t.params), "optimizer": gb(t.opt_state), "frozen": gb(t.frozen)}
+        return {
+            "parameters": gb_per_device(t.params),
+            "optimizer": gb_per_device(t.opt_state),
+            "frozen": gb_per_device(t.frozen),
+        }
 
     def complete(self, state: js.TrainState) -> js.TrainState:
         """A restored state with its frozen weights (a LoRA run's base, never checkpointed) built from their
@@ -312,3 +308,12 @@ def _matches(state: js.TrainState, abstract: js.TrainState) -> bool:
         )
     except (ValueError, AttributeError):
         return False
+
+
+def gb_per_device(tree) -> float:
+    """GiB one device holds of the arrays of `tree` (concrete or abstract, by their shardings; unsharded: whole)."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += math.prod(shape) * x.dtype.itemsize
+    return total / 2**30

@@ -27,22 +27,23 @@ def adapters_off(state: js.TrainState) -> js.TrainState:
     return state.replace(params=jax.tree_util.tree_map(jnp.zeros_like, state.params))
 
 
-def build_reference(plan: Any, mesh: Any, runtime: Any, source: Any) -> js.TrainState:
+def build_reference(plan: Any, mesh: Any, runtime: Any, source: Any, name: str = "ref_model") -> js.TrainState:
     """The reference as a `TrainState` with no optimizer (`optax.identity`), sharded like the policy on `mesh`.
     `source`: None (the starting policy, rebuilt from `plan`'s source: the same on every resume), an `nnx` model,
     an HF directory or a jaxloom run directory; `runtime` (the arguments' `RuntimeConfig` changes, `.apply(r)`)
-    sets its compute settings."""
+    sets its compute settings; `name` is the setting that gave `source`, for errors (distillation's teacher:
+    `teacher_model_name_or_path`)."""
     frozen = optax.identity()
     if source is None:
         fn, inputs = plan.build_fn, plan.build_inputs
         abstract = jax.eval_shape(lambda *i: _frozen(fn(*i), frozen), *inputs)
         shardings = js.state_shardings(abstract, plan.shardings.params, mesh)
         return jax.jit(lambda *i: _frozen(fn(*i), frozen), out_shardings=shardings)(*inputs)
-    model = source if isinstance(source, nnx.Module) else _load_reference(str(source))
+    model = source if isinstance(source, nnx.Module) else _load_reference(str(source), name)
     if model.config.vocab_size != plan.config.vocab_size:
         raise ValueError(
-            f"ref_model has vocab_size {model.config.vocab_size}, the policy {plan.config.vocab_size}; expected "
-            "the same vocabulary (a reference scores the policy's tokens)"
+            f"{name} has vocab_size {model.config.vocab_size}, the policy {plan.config.vocab_size}; expected "
+            "the same vocabulary (it scores the policy's tokens)"
         )
     abstract_model = jmod.create_model(model.config, runtime.apply(model.runtime), lazy=True, model_class=type(model))
     graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)  # type: ignore[misc]
@@ -73,7 +74,7 @@ def _frozen(state: js.TrainState, tx) -> js.TrainState:
     )
 
 
-def _load_reference(path: str) -> nnx.Module:
+def _load_reference(path: str, name: str) -> nnx.Module:
     """An HF directory, or a jaxloom run directory (its newest checkpoint's parameters)."""
     where = Path(path)
     if (where / "run_config.json").is_file():
@@ -81,6 +82,6 @@ def _load_reference(path: str) -> nnx.Module:
     if (where / "config.json").is_file():
         return jmod.from_pretrained(str(where))
     raise FileNotFoundError(
-        f"ref_model = {path!r}: expected a Hugging Face model directory (with config.json) or a jaxloom run "
+        f"{name} = {path!r}: expected a Hugging Face model directory (with config.json) or a jaxloom run "
         "directory (with run_config.json)"
     )

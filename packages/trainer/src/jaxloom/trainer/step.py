@@ -163,7 +163,9 @@ class StepConfig:
     `skip_nonfinite` (keep the old parameters when loss or gradients are not finite), the learning-rate
     `schedule` (for the logged learning rate), the `objective` (default: next-token cross entropy), and for
     that objective's fused output projection `loss_block_size` (positions per data shard in a block; 0: whole
-    logits) and `data_shards` (how many ways the batch rows are split)."""
+    logits) and `data_shards` (how many ways the batch rows are split). `frozen` is None when the steps are built:
+    a kind whose objective reads a model it does not train (distillation's teacher) has its steps take it as their
+    first argument (`StepFunctions.build(frozen=...)`), and the step sets it here for the objective."""
 
     z_loss: float = 0.0
     loss_block_size: int = 0
@@ -173,6 +175,7 @@ class StepConfig:
     skip_nonfinite: bool = False  # nan_policy="skip": keep the old params when loss/grads are not finite
     schedule: Callable | None = None
     objective: Objective = Objective()
+    frozen: Any = None  # what the objective reads and never trains (distillation's teacher), set inside the step
 
 
 def train_step(state: TrainState, batch, cfg: StepConfig):

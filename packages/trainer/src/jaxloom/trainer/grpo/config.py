@@ -36,6 +36,11 @@ class RLArgs(_Group):
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
         "dapo", description="GRPO: how token losses are averaged: grpo, bnpo, dr_grpo or dapo (TRL's)"
     )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="GRPO: the probability ratio per token, or per sequence (GSPO: exp of the mean log-ratio over "
+        "the completion's tokens, TRL's formula)",
+    )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="GRPO: advantages divided by the std of the group, of the batch, or not"
     )
@@ -78,12 +83,37 @@ class RLArgs(_Group):
         return self
 
 
+def completion_rows(kwargs: dict[str, Any], group: type, kind: str) -> dict[str, Any]:
+    """The arguments `kwargs` of a kind whose rows are a prompt and a generated completion (GRPO, distillation;
+    `group` holds its `max_prompt_length` and `max_completion_length`) with `max_sequence_length` set from those two
+    (an other value given is refused) and `packing` off."""
+    kwargs = dict(kwargs)
+    prompt = kwargs.get("max_prompt_length", group.model_fields["max_prompt_length"].default)
+    completion = kwargs.get("max_completion_length", group.model_fields["max_completion_length"].default)
+    if isinstance(prompt, int | None) and isinstance(completion, int):
+        length = (prompt or 0) + completion
+        given = kwargs.get("max_sequence_length")
+        if given is not None and given != length:
+            what = (
+                f"max_prompt_length + max_completion_length ({length}); set those two"
+                if prompt is not None
+                else f"max_completion_length ({length}) with no max_prompt_length, each prompt's own length "
+                "added; set max_prompt_length to cut prompts"
+            )
+            raise ValueError(f"max_sequence_length = {given}: with {kind} it is {what}")
+        kwargs["max_sequence_length"] = length
+    if kwargs.setdefault("packing", False):
+        raise ValueError(f"packing = true: a {kind} row holds one prompt and its completion; set packing=false")
+    return kwargs
+
+
 class GRPOConfig(TrainingArguments):
     """The arguments of `GRPOTrainer`: every `TrainingArguments` argument and the `rl` group (TRL's names):
     `reward_funcs`, `reward_weights`, `num_generations`, `max_prompt_length`, `max_completion_length`,
     `temperature`, `top_p`, `top_k`, `beta`, `epsilon`, `epsilon_high`, `num_iterations`, `loss_type`,
-    `scale_rewards`, `mask_truncated_completions`, `ref_model`, and `reward_timeout` (jaxloom's: seconds a reward
-    function may take on a step's completions before the run stops naming it). A step trains on `total_batch_size`
+    `scale_rewards`, `mask_truncated_completions`, `ref_model`, `importance_sampling_level` (GSPO), and
+    `reward_timeout` (jaxloom's: seconds a reward function may take on a step's completions before the run stops
+    naming it). A step trains on `total_batch_size`
     completions: `total_batch_size / num_generations` prompts, each completed `num_generations` times. A step's rows
     are as wide as its longest prompt and its longest completion, each rounded up to a bucket
     (`jaxloom.trainer.grpo.rollouts.row_buckets`), not as the caps: `max_sequence_length` is the widest row the caps
@@ -97,23 +127,7 @@ class GRPOConfig(TrainingArguments):
     GROUPS = {**GROUPS, "rl": RLArgs}
 
     def __init__(self, **kwargs: Any):
-        prompt = kwargs.get("max_prompt_length", RLArgs.model_fields["max_prompt_length"].default)
-        completion = kwargs.get("max_completion_length", RLArgs.model_fields["max_completion_length"].default)
-        if isinstance(prompt, int | None) and isinstance(completion, int):
-            length = (prompt or 0) + completion
-            given = kwargs.get("max_sequence_length")
-            if given is not None and given != length:
-                what = (
-                    f"max_prompt_length + max_completion_length ({length}); set those two"
-                    if prompt is not None
-                    else f"max_completion_length ({length}) with no max_prompt_length, each prompt's own length "
-                    "added; set max_prompt_length to cut prompts"
-                )
-                raise ValueError(f"max_sequence_length = {given}: with GRPO it is {what}")
-            kwargs["max_sequence_length"] = length
-        if kwargs.setdefault("packing", False):
-            raise ValueError("packing = true: a GRPO row holds one prompt and its completion; set packing=false")
-        super().__init__(**kwargs)
+        super().__init__(**completion_rows(kwargs, RLArgs, "GRPO"))
         rows, group = self.total_batch_size, self.rl.num_generations
         if rows % group:
             raise ValueError(

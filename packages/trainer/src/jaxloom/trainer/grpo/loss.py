@@ -44,18 +44,24 @@ def token_logps(model, batch, temperature: float, *, block_size: int = 0, data_s
     return logp, entropy
 
 
-def per_token_loss(logp, old, ref, advantages, *, beta, epsilon_low, epsilon_high):
+def per_token_loss(logp, old, ref, advantages, *, beta, epsilon_low, epsilon_high, mask=None, level="token"):
     """TRL's token loss: `-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta k3(ref, logp)`, `r =
-    exp(logp - old)`; also the k3 KL and which tokens the clip bound (low with A < 0, high with A > 0)."""
-    ratio = jnp.exp(logp - old)
+    exp(logp - old)` per token (`level="token"`), or with `level="sequence"` (GSPO, TRL's
+    `importance_sampling_level`) one ratio per row, `exp` of the mean of `logp - old` over its completion tokens
+    (`mask`); also the k3 KL and which tokens the clip bound (low with A < 0, high with A > 0)."""
+    log_ratio = logp - old
+    if level == "sequence":
+        tokens = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
+        log_ratio = jnp.sum(log_ratio * mask, axis=-1, keepdims=True) / tokens
+    ratio = jnp.exp(log_ratio)
     a = advantages[:, None]
     clipped = jnp.clip(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    loss = -jnp.minimum(ratio * a, clipped * a)
+    loss = jnp.broadcast_to(-jnp.minimum(ratio * a, clipped * a), logp.shape)
     kl = jnp.exp(ref - logp) - (ref - logp) - 1
     if beta:
         loss = loss + beta * kl
     bound = ((ratio < 1 - epsilon_low) & (a < 0)) | ((ratio > 1 + epsilon_high) & (a > 0))
-    return loss, kl, bound
+    return loss, kl, jnp.broadcast_to(bound, logp.shape)
 
 
 def aggregate(loss, mask, loss_type: str, max_completion_length: int):
@@ -83,7 +89,15 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
     ref = batch[REF][:, 1:] if rl.beta else jax.lax.stop_gradient(logp)
     high = rl.epsilon if rl.epsilon_high is None else rl.epsilon_high
     loss, kl, bound = per_token_loss(
-        logp, old, ref, batch[ADV], beta=rl.beta, epsilon_low=rl.epsilon, epsilon_high=high
+        logp,
+        old,
+        ref,
+        batch[ADV],
+        beta=rl.beta,
+        epsilon_low=rl.epsilon,
+        epsilon_high=high,
+        mask=mask,
+        level=rl.importance_sampling_level,
     )
     total, units = aggregate(loss, mask, rl.loss_type, rl.max_completion_length)
     sums = {

@@ -155,6 +155,7 @@ class Rollouts(Batches):
         policy: Policy,
         dataset_eval: Any = None,
         engine: Callable | None = None,
+        settings: Any = None,
     ):
         super().__init__(
             arguments,
@@ -166,6 +167,7 @@ class Rollouts(Batches):
             dataset_eval=dataset_eval,
         )
         self.policy, self.engine = policy, engine
+        self.rl = settings if settings is not None else arguments.rl  # the sampling settings (GRPO's `rl` group)
         self.records: list[dict] | None = None
         self.encoded: list[np.ndarray] | None = None  # each prompt's token ids, made once
         self.cached: tuple[int, dict] | None = None  # the last rollout's batch (num_iterations > 1 reuses it)
@@ -204,19 +206,19 @@ class Rollouts(Batches):
 
     def longest_prompt(self) -> int:
         """The widest prompt a step can hold: `max_prompt_length`, or (None) the longest prompt of the data."""
-        cap = self.arguments.rl.max_prompt_length
+        cap = self.rl.max_prompt_length
         longest = max(len(ids) for ids in self.prompt_ids())
         return longest if cap is None else min(cap, longest)
 
     def widest_row(self) -> int:
         """The widest row a step of this run can have (its prompt bucket + `max_completion_length`): what
         `jaxloom plan` budgets memory for."""
-        rl = self.arguments.rl
+        rl = self.rl
         prompt, _ = row_buckets(self.longest_prompt(), 1, rl.max_completion_length)
         return prompt + rl.max_completion_length
 
     def per_rollout(self) -> int:
-        return self.arguments.total_batch_size // self.arguments.rl.num_generations
+        return self.arguments.total_batch_size // self.rl.num_generations
 
     def train_loader(self, state: Any = None) -> PromptOrder:  # type: ignore[override]
         """The prompt cursor (made once), at the restored position `state` when resuming (a checkpoint written
@@ -231,7 +233,7 @@ class Rollouts(Batches):
                 self.per_rollout(),
                 a.seed,
                 a.shuffle_train_dataset,
-                iterations=a.rl.num_iterations,
+                iterations=self.rl.num_iterations,
                 state=state,
             )
         return self.train  # type: ignore[return-value]
@@ -244,7 +246,7 @@ class Rollouts(Batches):
                 f"dataset_train has {len(self.prompt_records())} prompts; a step needs {self.per_rollout()} "
                 "(total_batch_size / num_generations)"
             )
-        return rollouts * a.rl.num_iterations * a.num_train_epochs
+        return rollouts * self.rl.num_iterations * a.num_train_epochs
 
     def check_train_data(self) -> None:
         """Prompt records are read whole and checked (`prompt_records`), not as next-token text."""
@@ -292,7 +294,7 @@ class Rollouts(Batches):
         rollout = int(local)
         if self.cached is None or self.cached[0] != rollout:
             step = self.train.position - 1 if self.train is not None else 0  # the step this batch trains
-            if step % a.rl.num_iterations:
+            if step % self.rl.num_iterations:
                 log.warning(
                     "resumed inside a rollout's num_iterations (step %d): it is rolled out again with the "
                     "current weights",
@@ -323,7 +325,7 @@ class Rollouts(Batches):
         `(rows, metrics, sampler log-probs)`, rows `i * num_generations + j` as host arrays (`input_ids`,
         `segment_ids`, `positions`, `loss_mask`, the advantage per row under `ADV`, and `width`: the prompt
         columns)."""
-        rl, tok = self.arguments.rl, self.tokenizer()
+        rl, tok = self.rl, self.tokenizer()
         started = time.perf_counter()
         group = rl.num_generations
         chat = isinstance(records[0]["prompt"], list)
@@ -353,6 +355,48 @@ class Rollouts(Batches):
         prompts = [r["prompt"] for r in records for _ in range(group)]
         completions: list[Any] = [[{"role": "assistant", "content": x}] for x in texts] if chat else texts
         columns = {k: [r[k] for r in records for _ in range(group)] for k in records[0] if k != "prompt"}
+        scored, score_metrics = self.score(prompts, completions, columns, completion, completion_mask)
+        eos = set(self.stop_ids())
+        ended = np.asarray(
+            [any(int(x) in eos for x in c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)]
+        )
+        loss_mask = completion_mask.copy()
+        if rl.mask_truncated_completions:
+            loss_mask[~ended] = 0
+        ids = np.concatenate([prompt, completion], axis=1)
+        seg = np.concatenate([prompt_mask, completion_mask], axis=1)
+        rows = {
+            "input_ids": ids,
+            "segment_ids": seg,
+            "positions": np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32),
+            "loss_mask": np.concatenate([np.zeros_like(prompt_mask), loss_mask], axis=1),
+            **scored,
+            "width": np.asarray(width),
+        }
+        lengths = completion_mask.sum(axis=1)
+        metrics = {
+            **score_metrics,
+            "completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": float(np.mean(~ended)),
+            "prompts/truncated": float(truncated),
+            "rows/width": float(ids.shape[1]),
+            "time/rollout_s": generated - started,
+        }
+        return rows, metrics, (None if sampled is None else np.where(completion_mask > 0, sampled, 0.0))
+
+    def score(
+        self,
+        prompts: list[Any],
+        completions: list[Any],
+        columns: dict[str, list],
+        completion: np.ndarray,
+        completion_mask: np.ndarray,
+    ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """GRPO's scoring of a rollout's completions (rows `i * num_generations + j`): the reward functions called
+        on them, their weighted sum and its advantage per row (`ADV`); TRL's metrics (`reward`, `reward_std`,
+        `rewards/<func>/mean`) and `time/reward_s`. A kind that scores otherwise (distillation: not at all)
+        overrides it: `(rows' extra columns, metrics)`."""
+        rl, group, started = self.rl, self.rl.num_generations, time.perf_counter()
         funcs, weights = self.policy.rewards()
         rewards = np.stack(
             [
@@ -368,45 +412,21 @@ class Rollouts(Batches):
             ],
             axis=1,
         )
-        scored = time.perf_counter()
         total = np.nansum(rewards * np.asarray(weights)[None], axis=1)
         adv, std = advantages(total, group, rl.scale_rewards)
-        eos = set(self.stop_ids())
-        ended = np.asarray(
-            [any(int(x) in eos for x in c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)]
-        )
-        loss_mask = completion_mask.copy()
-        if rl.mask_truncated_completions:
-            loss_mask[~ended] = 0
-        ids = np.concatenate([prompt, completion], axis=1)
-        seg = np.concatenate([prompt_mask, completion_mask], axis=1)
-        rows = {
-            "input_ids": ids,
-            "segment_ids": seg,
-            "positions": np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32),
-            "loss_mask": np.concatenate([np.zeros_like(prompt_mask), loss_mask], axis=1),
-            ADV: adv.astype(np.float32),
-            "width": np.asarray(width),
-        }
-        lengths = completion_mask.sum(axis=1)
         metrics = {
             "reward": float(np.mean(total)),
             "reward_std": float(np.mean(std)),
             **{f"rewards/{reward_name(f)}/mean": float(np.nanmean(rewards[:, j])) for j, f in enumerate(funcs)},
-            "completions/mean_length": float(lengths.mean()),
-            "completions/clipped_ratio": float(np.mean(~ended)),
-            "prompts/truncated": float(truncated),
-            "rows/width": float(ids.shape[1]),
-            "time/rollout_s": generated - started,
-            "time/reward_s": scored - generated,
+            "time/reward_s": time.perf_counter() - started,
         }
-        return rows, metrics, (None if sampled is None else np.where(completion_mask > 0, sampled, 0.0))
+        return {ADV: adv.astype(np.float32)}, metrics
 
     def layout(self, rows: dict[str, np.ndarray], sampled: np.ndarray | None) -> dict[str, jax.Array]:
         """A rollout's host rows (`sample`) as the train step's global batch `[1, B, ...]`: the tokens, the
         advantages, the old and reference log-probs (computed now when `num_iterations > 1` / `beta > 0`) and the
         sampler's log-probs at their tokens' columns."""
-        rl, width = self.arguments.rl, int(rows["width"])
+        rl, width = self.rl, int(rows["width"])
         batch = {k: self._put(rows[k][None]) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
         batch[ADV] = self._put(rows[ADV][None])
         b, length = rows["input_ids"].shape
@@ -428,7 +448,7 @@ class Rollouts(Batches):
         `(completion_ids, completion_mask, completion_logps)` with rows `i * num_generations + j`."""
         import jaxloom.generation as jg
 
-        rl, tok = self.arguments.rl, self.tokenizer()
+        rl, tok = self.rl, self.tokenizer()
         config = jg.GenerationConfig(
             max_new_tokens=rl.max_completion_length,
             do_sample=rl.temperature > 0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,9 @@ from .config import GRPOConfig
 from .loss import ADV, OLD, REF, SAMPLED, grpo_loss, grpo_metrics, token_logps
 from .rewards import load_reward_function
 from .rollouts import Policy, Rollouts
+
+
+log = logging.getLogger("jaxloom.trainer")
 
 
 def rollouts(trainer: Any) -> Rollouts:
@@ -61,6 +65,13 @@ class GRPOTrainer(BaseTrainer):
         `data_collator` is refused."""
         if self.data_collator is not None:
             raise ValueError("GRPOTrainer builds its rows from rollouts: data_collator is not used; drop it")
+        rl = self.arguments.rl
+        if rl.importance_sampling_level == "sequence" and rl.loss_type in ("bnpo", "dr_grpo", "dapo"):
+            log.warning(  # as TRL warns
+                "importance_sampling_level='sequence' with loss_type=%r sums per-token terms, weighting each "
+                "sequence by its length rather than GSPO's per-sequence objective; loss_type='grpo' is GSPO's setup",
+                rl.loss_type,
+            )
         given = reward_funcs if reward_funcs is not None else self.arguments.rl.reward_funcs
         given = [given] if callable(given) or isinstance(given, str) else list(given or [])
         if not given:
@@ -160,27 +171,33 @@ class GRPOTrainer(BaseTrainer):
         `ref_model`, or the initial policy (rebuilt from its source on every start, never checkpointed)."""
         out = super().configure_model()
         a = self.arguments
-        self.batches.prompt_records()  # type: ignore[attr-defined]  # the data is checked before step 1
+        self.check_rows(a.rl)
         self.reward_functions  # noqa: B018 - imported and checked before step 1
-        positions = self.plan.config.max_position_embeddings
-        prompt = self.batches.longest_prompt()  # type: ignore[attr-defined]
-        if prompt + a.rl.max_completion_length > positions:
-            ids = self.batches.prompt_ids()  # type: ignore[attr-defined]
-            which = max(range(len(ids)), key=lambda i: len(ids[i]))
-            said = (
-                f"max_prompt_length = {a.rl.max_prompt_length}"
-                if a.rl.max_prompt_length is not None and a.rl.max_prompt_length < len(ids[which])
-                else f"the longest prompt (record {which}) is {prompt} tokens"
-            )
-            raise ValueError(
-                f"{said}, + max_completion_length = {a.rl.max_completion_length} is "
-                f"{prompt + a.rl.max_completion_length}; expected at most the model's max_position_embeddings "
-                f"({positions}): lower max_completion_length, or set max_prompt_length to cut prompts (their start "
-                "is dropped, and counted)"
-            )
         if a.rl.beta and self._reference is None and self.plan.lora is None:
             self._reference = build_reference(self.plan, self.mesh, a.runtime, a.rl.ref_model)
         return out
+
+    def check_rows(self, settings) -> None:
+        """Before step 1: the prompt records are read and checked, and the longest prompt plus `settings`'
+        `max_completion_length` fits the model's positions (else one error naming the record and what to lower)."""
+        self.batches.prompt_records()  # type: ignore[attr-defined]
+        positions = self.plan.config.max_position_embeddings
+        prompt = self.batches.longest_prompt()  # type: ignore[attr-defined]
+        if prompt + settings.max_completion_length > positions:
+            ids = self.batches.prompt_ids()  # type: ignore[attr-defined]
+            which = max(range(len(ids)), key=lambda i: len(ids[i]))
+            cap = settings.max_prompt_length
+            said = (
+                f"max_prompt_length = {cap}"
+                if cap is not None and cap < len(ids[which])
+                else f"the longest prompt (record {which}) is {prompt} tokens"
+            )
+            raise ValueError(
+                f"{said}, + max_completion_length = {settings.max_completion_length} is "
+                f"{prompt + settings.max_completion_length}; expected at most the model's max_position_embeddings "
+                f"({positions}): lower max_completion_length, or set max_prompt_length to cut prompts (their start "
+                "is dropped, and counted)"
+            )
 
     @functools.cached_property
     def _logps_fn(self):
