@@ -295,8 +295,9 @@ def linear_generalized_jsd(
     entropy of the student's (not differentiated), as TRL 1.16's `DistillationTrainer` computes them.
 
     The student's logits are `hidden [B, T, D] @ kernel [D, V]`, the teacher's `teacher_hidden [B, T, D_t] @
-    teacher_kernel [D_t, V]` (the widths may differ; the vocabulary is shared), each in its `dtype` at `precision`,
-    soft-capped by its `softcap`, read in float32 and divided by `temperature`. With `p_s`, `p_t` their softmaxes:
+    teacher_kernel [D_t, V]` (the widths may differ; the vocabulary is shared), each in its dtype (`dtype`,
+    `teacher_dtype`; default: the kernel's) at `precision`, soft-capped by its cap (`softcap`, `teacher_softcap`),
+    read in float32 and divided by `temperature`. With `p_s`, `p_t` their softmaxes:
 
     - `beta = 0`: the forward KL, `Σ p_t (log p_t − log p_s)`;
     - `beta = 1`: the reverse KL, `Σ p_s (log p_s − log p_t)`;

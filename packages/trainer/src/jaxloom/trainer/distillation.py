@@ -182,8 +182,9 @@ class DistillationTrainer(GRPOTrainer):
         return DataSpec(row_width=self.arguments.max_sequence_length, settings={}, extra={})
 
     def data_metrics(self, step: int | None = None) -> dict[str, float]:
-        """The rollouts' metrics under TRL's names: `completions/mean_length`, `completions/clipped_ratio`,
-        `prompts/truncated`, `time/rollout_s` (averaged over the steps since the last row)."""
+        """The rollouts' metrics under TRL's names for the log row of `step`: `completions/mean_length`,
+        `completions/clipped_ratio`, `prompts/truncated`, `time/rollout_s` (averaged over the steps since the last
+        row)."""
         return self.batches.take_metrics(step)  # type: ignore[attr-defined]
 
     def configure_model(self):
