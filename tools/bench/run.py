@@ -263,6 +263,8 @@ def main() -> None:
     results["peft"] = run_process([str(HERE / "peft_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # GRPO: rollout tokens/s and the step's split on the 8.4M model; the same tiny job in jaxloom and in TRL
     results["grpo"] = run_process([str(HERE / "grpo_rows.py")], {"JAX_PLATFORMS": "cpu"})
+    # Distillation: the 8.4M student's step split (generate / teacher / student); the same job in TRL 1.16
+    results["distillation"] = run_process([str(HERE / "distill_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # GRPO rollouts: a step's cost at prompt caps 32, 512 and unset; the generator's tokens/s, half the rows ending
     results["rollouts"] = run_process([str(HERE / "rollout_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Scanned layers at the speed of unrolled ones: an 18-layer Llama, defaults vs scan_layers=false vs scan_unroll=1
@@ -311,6 +313,25 @@ def grpo_rows(g: dict) -> list[tuple[str, str, str, str]]:
                 "GRPO 8.4M s/step: TRL 1.16 vs jaxloom (16 × 64 tokens)",
                 f"{g['trl_8m']['seconds_per_step']:.2f} vs {g['model_8m']['seconds_per_step']:.2f}",
                 f"{g['trl_vs_jaxloom_8m']:.1f}",
+                "> 1",
+            )
+        )
+    return out
+
+
+def distillation_rows(g: dict) -> list[tuple[str, str, str, str]]:
+    """Distillation: the 8.4M student's step split (generate / teacher / student) and TRL vs jaxloom per step."""
+    out = []
+    m = g.get("jaxloom", {})
+    if "seconds_per_step" in m:
+        split = f"{m['seconds_per_step']:.2f} = {m['generate_s']:.2f} + {m['teacher_s']:.2f} + {m['student_s']:.2f}"
+        out.append(("distillation 8.4M ← 30M teacher: step s = generate + teacher + student", split, "", ""))
+    if "trl_vs_jaxloom" in g:
+        out.append(
+            (
+                "distillation s/step: TRL 1.16 vs jaxloom (16 × 64 tokens)",
+                f"{g['trl']['seconds_per_step']:.2f} vs {m['seconds_per_step']:.2f}",
+                f"{g['trl_vs_jaxloom']:.1f}",
                 "> 1",
             )
         )
@@ -691,6 +712,7 @@ def table(r: dict) -> str:
     rows += gpu_rows(r.get("gpu", {}))
     rows += lora_rows(r.get("lora", {}))
     rows += grpo_rows(r.get("grpo", {}))
+    rows += distillation_rows(r.get("distillation", {}))
     sc = r.get("scan")
     if sc:
         rows += [
