@@ -167,9 +167,13 @@ class DistillationTrainer(GRPOTrainer):
     @functools.cached_property
     def teacher(self) -> js.TrainState:
         """The teacher, loaded once (an HF or run directory, or the given model), sharded over the mesh by its own
-        partition rules, with the run's runtime settings; checked to share the student's vocabulary."""
-        source = self._teacher_source
-        return build_reference(self.plan, self.mesh, self.arguments.runtime, source, "teacher_model_name_or_path")
+        partition rules, with the run's runtime settings — or, with `teacher_model_init_kwargs={"load_in_4bit":
+        True}` (or 8-bit), its linear layers stored quantized and the whole replicated; checked to share the
+        student's vocabulary."""
+        d, name = self.arguments.distillation, "teacher_model_name_or_path"
+        return build_reference(
+            self.plan, self.mesh, self.arguments.runtime, self._teacher_source, name, quantize=d.teacher_quantization
+        )
 
     def objective(self) -> Objective:
         """TRL's generalized JSD of `beta` at `temperature`, averaged over the completion tokens; `entropy`."""

@@ -23,6 +23,11 @@ class DistillationArgs(_Group):
         description="distillation: the teacher, a Hugging Face model directory or a jaxloom run directory (it must "
         "share the student's vocabulary; its size may differ)",
     )
+    teacher_model_init_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="distillation: how the teacher is loaded, TRL's name; {load_in_4bit: true} stores its linear "
+        "layers in NF4 (QLoRA's code), {load_in_8bit: true} in int8",
+    )
     beta: float = Field(
         1.0,
         description="distillation: which divergence, the generalized JSD's interpolation (0: forward KL, 0.5: JSD, "
@@ -37,6 +42,12 @@ class DistillationArgs(_Group):
     )
     top_p: float = Field(1.0, description="distillation: nucleus sampling (1: off)")
     top_k: int = Field(0, description="distillation: keep the k most likely tokens (0: off)")
+
+    @property
+    def teacher_quantization(self) -> str | None:
+        """How the teacher's linear layers are stored (`teacher_model_init_kwargs`): "nf4", "int8" or None."""
+        kw = self.teacher_model_init_kwargs or {}
+        return "nf4" if kw.get("load_in_4bit") else "int8" if kw.get("load_in_8bit") else None
 
     # what GRPO's rollouts read: one completion per prompt, one step per rollout, every completion trained on
     @property
@@ -61,6 +72,15 @@ class DistillationArgs(_Group):
             raise ValueError(f"top_p = {self.top_p}; expected a value in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k = {self.top_k}; expected >= 0 (0: off)")
+        kw = self.teacher_model_init_kwargs or {}
+        unknown = sorted(set(kw) - {"load_in_4bit", "load_in_8bit"})
+        if unknown:
+            raise ValueError(
+                f"teacher_model_init_kwargs has {unknown}; expected load_in_4bit or load_in_8bit (the teacher's "
+                "storage; its compute settings are the run's)"
+            )
+        if kw.get("load_in_4bit") and kw.get("load_in_8bit"):
+            raise ValueError("teacher_model_init_kwargs sets load_in_4bit and load_in_8bit; expected one")
         return self
 
 

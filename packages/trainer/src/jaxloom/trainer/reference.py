@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxloom.models as jmod
 import jaxloom.state as js
@@ -27,12 +28,15 @@ def adapters_off(state: js.TrainState) -> js.TrainState:
     return state.replace(params=jax.tree_util.tree_map(jnp.zeros_like, state.params))
 
 
-def build_reference(plan: Any, mesh: Any, runtime: Any, source: Any, name: str = "ref_model") -> js.TrainState:
+def build_reference(
+    plan: Any, mesh: Any, runtime: Any, source: Any, name: str = "ref_model", quantize: str | None = None
+) -> js.TrainState:
     """The reference as a `TrainState` with no optimizer (`optax.identity`), sharded like the policy on `mesh`.
     `source`: None (the starting policy, rebuilt from `plan`'s source: the same on every resume), an `nnx` model,
     an HF directory or a jaxloom run directory; `runtime` (the arguments' `RuntimeConfig` changes, `.apply(r)`)
     sets its compute settings; `name` is the setting that gave `source`, for errors (distillation's teacher:
-    `teacher_model_name_or_path`)."""
+    `teacher_model_name_or_path`). `quantize` ("nf4", "int8"): its linear layers stored as QLoRA stores a base
+    (`jaxloom.models.quantize_frozen`), the whole state replicated over `mesh`."""
     frozen = optax.identity()
     if source is None:
         fn, inputs = plan.build_fn, plan.build_inputs
@@ -45,6 +49,19 @@ def build_reference(plan: Any, mesh: Any, runtime: Any, source: Any, name: str =
             f"{name} has vocab_size {model.config.vocab_size}, the policy {plan.config.vocab_size}; expected "
             "the same vocabulary (it scores the policy's tokens)"
         )
+    if quantize:
+        model = jmod.quantize_frozen(nnx.clone(model) if model is source else model, quantize)  # not the caller's
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+        state = js.TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=nnx.to_pure_dict(params),
+            opt_state=frozen.init(nnx.to_pure_dict(params)),
+            rng=jax.random.PRNGKey(0),
+            model_state=nnx.to_pure_dict(rest),
+            graphdef=graphdef,
+            tx=frozen,
+        )
+        return jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
     abstract_model = jmod.create_model(model.config, runtime.apply(model.runtime), lazy=True, model_class=type(model))
     graphdef, target, _ = nnx.split(abstract_model, nnx.Param, ...)  # type: ignore[misc]
     _, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
