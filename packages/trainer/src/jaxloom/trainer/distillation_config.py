@@ -86,8 +86,9 @@ class DistillationArgs(_Group):
 
 class DistillationConfig(TrainingArguments):
     """The arguments of `DistillationTrainer`: every `TrainingArguments` argument and the `distillation` group (TRL
-    1.16's `DistillationConfig` names): `teacher_model_name_or_path`, `beta`, `temperature`,
-    `max_completion_length`, `top_p`, `top_k`, and `max_prompt_length` (jaxloom's, as GRPO's: cut prompts lose
+    1.16's `DistillationConfig` names): `teacher_model_name_or_path`, `teacher_model_init_kwargs` (`load_in_4bit` or
+    `load_in_8bit`: the teacher's linear layers stored quantized), `beta`, `temperature`, `max_completion_length`,
+    `top_p`, `top_k`, and `max_prompt_length` (jaxloom's, as GRPO's: cut prompts lose
     their start). A step trains on `total_batch_size` completions, one per prompt, sampled from the student; rows
     are as wide as the step's data (GRPO's buckets), `max_sequence_length` being the widest the caps allow.
     `packing` is off.
