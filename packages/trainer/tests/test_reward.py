@@ -98,7 +98,8 @@ def separable(n, seed):
 def test_a_reward_model_learns_to_separate_exports_for_transformers_and_drives_grpo(tmp_path):
     """A reward model from a causal LM learns to score praise above complaint; its export is a transformers
     classifier with the same scores; given to GRPO as `reward_funcs=[its directory]` (TRL's form), it scores
-    completions as TRL's GRPOTrainer scores with a model, and a GRPO run logs its reward under its name."""
+    completions as TRL's GRPOTrainer scores with a model (sharded over a mesh too), and a GRPO run on two devices
+    reads it sharded over its training mesh and logs its reward under its name."""
     args = RewardConfig(
         max_length=24,
         total_batch_size=16,
@@ -156,6 +157,9 @@ def test_a_reward_model_learns_to_separate_exports_for_transformers_and_drives_g
         trl_way = hf(**encoded).logits[:, 0].numpy()
     np.testing.assert_allclose(scored, trl_way, atol=1e-4, rtol=1e-4)
     assert scored[0] > scored[1] and scored[2] > scored[3]  # what it learned
+    # read sharded over a mesh of 4, three rows split over its data axes (one empty row added): the same scores
+    sharded = RewardModel(str(tmp_path / "export"), mesh=mesh(4), data_axes=("dp", "fsdp"))
+    np.testing.assert_allclose(sharded(prompts=prompts[:3], completions=completions[:3]), scored[:3], atol=1e-5)
 
     from jaxloom.trainer import GRPOConfig, GRPOTrainer
 
@@ -174,12 +178,20 @@ def test_a_reward_model_learns_to_separate_exports_for_transformers_and_drives_g
         model=jm.create_model(tiny(), lazy=True),
         dataset_train=[{"prompt": p} for p in prompts * 4],
         processing_class=TOK,
-        mesh=mesh(1),
+        mesh=mesh(2),
         reward_funcs=[str(tmp_path / "export")],
     )
     grpo.train()
     logged = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["train/rewards/export/mean"]) for r in logged if "train/loss" in r), logged
+    # the reward model lies on the training mesh, split over its devices as the policy is
+    rm = grpo.reward_functions[0]
+    assert rm.mesh is grpo.mesh and rm.data_axes == tuple(grpo.data_axes)
+    import jax
+    from flax import nnx
+
+    placed = [x.sharding for x in jax.tree_util.tree_leaves(nnx.state(rm._load()[0]))]
+    assert all(len(s.device_set) == 2 for s in placed) and any(not s.is_fully_replicated for s in placed)
 
 
 def test_sigkill_then_resume_ends_bitwise_equal_and_the_run_converts_to_a_classifier(tmp_path):

@@ -16,12 +16,13 @@ class RewardError(RuntimeError):
     """A reward function failed (raised, returned NaN or the wrong number of rewards)."""
 
 
-def load_reward_function(spec: Any) -> Callable:
+def load_reward_function(spec: Any, *, mesh: Any = None, data_axes: tuple[str, ...] = ()) -> Callable:
     """A reward function from a callable, a dotted import path (`my_rewards.accuracy`) or the directory of a reward
-    model (a transformers `*ForSequenceClassification` of one label, as TRL takes a model there: `RewardModel`),
-    checked to take TRL's keywords (`prompts`, `completions`, and the dataset's columns through `**kwargs`)."""
+    model (a transformers `*ForSequenceClassification` of one label, as TRL takes a model there: `RewardModel`,
+    sharded over `mesh` with its rows split over `data_axes` when given), checked to take TRL's keywords
+    (`prompts`, `completions`, and the dataset's columns through `**kwargs`)."""
     if isinstance(spec, str) and (Path(spec) / "config.json").is_file():
-        return RewardModel(spec)
+        return RewardModel(spec, mesh=mesh, data_axes=data_axes)
     if isinstance(spec, str):
         module, _, name = spec.rpartition(".")
         if not module:
@@ -148,11 +149,19 @@ class RewardModel:
     reward model's tokenizer without special tokens (the template has them), right-padded, and the score read at
     each sequence's last non-pad token (`jaxloom.models.last_token`). `path`: an HF directory of a sequence
     classifier of one label (`RewardTrainer`'s export, or transformers'), its tokenizer beside it; read on first
-    use. Rows are padded to a power of two tokens, so the jitted scorer compiles once per width met."""
+    use. Rows are padded to a power of two tokens, so the jitted scorer compiles once per width met. With a `mesh`
+    (the training mesh: GRPO gives its own), the model is read sharded over it by its partition rules, each
+    process reading only its devices' slices, and the rows are split over `data_axes` (padded with empty rows to a
+    multiple of their size): the reward model takes a share of each device, as the policy does; without one, it
+    runs on the process's default device.
 
-    def __init__(self, path: str):
+        RewardModel("runs/rm/hf")(prompts, completions)          # a list of floats, one per completion
+    """
+
+    def __init__(self, path: str, *, mesh: Any = None, data_axes: tuple[str, ...] = ()):
         self.path = str(path)
         self.__name__ = Path(self.path).resolve().name  # TRL logs a model's reward under its name
+        self.mesh, self.data_axes = mesh, tuple(data_axes)
         self._loaded: Any = None
 
     def _load(self) -> Any:
@@ -162,14 +171,20 @@ class RewardModel:
 
             import jaxloom.models as jmod
 
-            model = jmod.from_pretrained(self.path, task=jmod.TaskType.SEQUENCE_CLASSIFICATION)
+            model = jmod.from_pretrained(self.path, task=jmod.TaskType.SEQUENCE_CLASSIFICATION, mesh=self.mesh)
             if (model.config.num_labels or 2) != 1:  # transformers' default is 2
                 raise ValueError(f"reward_funcs: {self.path} scores {model.config.num_labels} labels; expected 1")
             tokenizer = AutoTokenizer.from_pretrained(self.path)
             if tokenizer.pad_token_id is None:
                 tokenizer.pad_token = tokenizer.eos_token
             model.config = model.config.replace(pad_token_id=tokenizer.pad_token_id)  # as TRL sets it
-            score = jax.jit(lambda m, ids, mask: m(ids, attention_mask=mask).logits[:, 0])
+            fn = lambda m, ids, mask: m(ids, attention_mask=mask).logits[:, 0]  # noqa: E731
+            if self.mesh is None:
+                score = jax.jit(fn)
+            else:  # the scores whole on every process (each process's rewards cover every row)
+                from jax.sharding import NamedSharding, PartitionSpec
+
+                score = jax.jit(fn, out_shardings=NamedSharding(self.mesh, PartitionSpec()))
             self._loaded = (model, tokenizer, score)
         return self._loaded
 
@@ -184,8 +199,25 @@ class RewardModel:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
         encoded = tokenizer(texts, padding=True, padding_side="right", add_special_tokens=False, return_tensors="np")
         ids, mask = encoded["input_ids"], encoded["attention_mask"]
-        width = 1 << max(0, int(ids.shape[1] - 1).bit_length())
-        pad = ((0, 0), (0, width - ids.shape[1]))
+        rows, width = ids.shape[0], 1 << max(0, int(ids.shape[1] - 1).bit_length())
+        split = self._row_split()
+        pad = ((0, -rows % split), (0, width - ids.shape[1]))  # empty rows to fill the data shards, cut below
         ids = np.pad(ids, pad, constant_values=tokenizer.pad_token_id)
         mask = np.pad(mask, pad)
-        return [float(x) for x in np.asarray(score(model, jnp.asarray(ids), jnp.asarray(mask)))]
+        if self.mesh is None:
+            ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+        else:
+            import jax
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            where = NamedSharding(self.mesh, PartitionSpec(self.data_axes or None))
+            ids, mask = (jax.make_array_from_callback(x.shape, where, lambda i, x=x: x[i]) for x in (ids, mask))
+            with jax.set_mesh(self.mesh):
+                return [float(x) for x in np.asarray(score(model, ids, mask))[:rows]]
+        return [float(x) for x in np.asarray(score(model, ids, mask))[:rows]]
+
+    def _row_split(self) -> int:
+        """How many ways the rows are split: the product of the mesh's `data_axes` (1 without a mesh)."""
+        if self.mesh is None or not self.data_axes:
+            return 1
+        return int(np.prod([self.mesh.shape[a] for a in self.data_axes]))

@@ -93,8 +93,9 @@ class GRPOTrainer(BaseTrainer):
     def reward_functions(self) -> list[Callable]:
         """The reward functions, dotted paths imported (user code runs): only when the run trains (at setup,
         before step 1) or is evaluated — never by a command that only reads a run (`convert`, `generate`, `plan`),
-        so a run directory from elsewhere cannot make those import anything."""
-        return [load_reward_function(f) for f in self._reward_specs]
+        so a run directory from elsewhere cannot make those import anything. A reward model's directory is read
+        sharded over the training mesh (`RewardModel`)."""
+        return [load_reward_function(f, mesh=self.mesh, data_axes=self.data_axes) for f in self._reward_specs]
 
     def objective(self) -> Objective:
         """The GRPO loss of `loss_type`; TRL's metrics (`kl`, `clip_ratio`, `entropy`)."""
