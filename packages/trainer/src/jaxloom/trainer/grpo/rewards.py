@@ -205,16 +205,17 @@ class RewardModel:
         ids = np.pad(ids, pad, constant_values=tokenizer.pad_token_id)
         mask = np.pad(mask, pad)
         if self.mesh is None:
-            ids, mask = jnp.asarray(ids), jnp.asarray(mask)
-        else:
-            import jax
-            from jax.sharding import NamedSharding, PartitionSpec
+            return [float(x) for x in np.asarray(score(model, jnp.asarray(ids), jnp.asarray(mask)))[:rows]]
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
 
-            where = NamedSharding(self.mesh, PartitionSpec(self.data_axes or None))
-            ids, mask = (jax.make_array_from_callback(x.shape, where, lambda i, x=x: x[i]) for x in (ids, mask))
-            with jax.set_mesh(self.mesh):
-                return [float(x) for x in np.asarray(score(model, ids, mask))[:rows]]
-        return [float(x) for x in np.asarray(score(model, ids, mask))[:rows]]
+        where = NamedSharding(self.mesh, PartitionSpec(self.data_axes or None))
+
+        def put(x: np.ndarray) -> jax.Array:  # the same host rows on every process, each placing its shards
+            return jax.make_array_from_callback(x.shape, where, lambda index: x[index])
+
+        with jax.set_mesh(self.mesh):
+            return [float(x) for x in np.asarray(score(model, put(ids), put(mask)))[:rows]]
 
     def _row_split(self) -> int:
         """How many ways the rows are split: the product of the mesh's `data_axes` (1 without a mesh)."""
