@@ -177,6 +177,7 @@ def test_sigkill_then_resume_ends_bitwise_equal_through_the_command(tmp_path, ca
         "max_completion_length=16",
         "beta=0.5",
         "learning_rate=1e-2",
+        "max_training_steps=8",  # killed after 7, resumed from 4
     ]
     resumes_bitwise(tmp_path, extra)
     from jaxloom.trainer.cli import main
