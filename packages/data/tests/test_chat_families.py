@@ -3,6 +3,8 @@ block): the tokens are the whole conversation as the template renders it (what t
 and the targets are each assistant reply through its end-of-turn token (where generation must stop), never a
 role header or a user turn."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -66,3 +68,24 @@ def test_preference_pairs_in_a_family_format(style):
         target = tok.decode(np.asarray(ids)[np.asarray(mask) == 1])
         assert content in target and eot in np.asarray(ids)[np.asarray(mask) == 1].tolist()
         assert "Name a colour" not in target
+
+
+def test_a_pairs_margin_column_is_read_per_row_and_checked(tmp_path):
+    """`margin_column` (TRL's optional `margin`): each pair row carries its record's number (0 where the record has
+    none); a value that is not a finite number is a bad record naming its file and line, or skipped and counted."""
+    tok = jd.load_processor()
+    records = [{"prompt": "say", "chosen": " yes", "rejected": " no", "margin": m} for m in (0.5, None, 2, -1.25)]
+    records[1].pop("margin")
+    config = jd.DataConfig(
+        max_sequence_length=16, batch_size=4, pairs=True, packing=False, margin_column="margin", shuffle=False
+    )
+    batch = next(iter(jd.DataLoader(records, tok, config)))
+    assert batch["margin"].shape == (4, 1) and batch["margin"][:, 0].tolist() == [0.5, 0.0, 2.0, -1.25]
+    assert "margin" not in next(iter(jd.DataLoader(records, tok, dataclasses.replace(config, margin_column=None))))
+    bad = tmp_path / "pairs.jsonl"
+    lines = [f'{{"prompt": "say", "chosen": " a", "rejected": " b", "margin": {m}}}\n' for m in ("1", '"x"')]
+    bad.write_text("".join(lines))
+    with pytest.raises(ValueError, match=r"pairs.jsonl:2.*margin = 'x'; expected a finite number"):
+        next(iter(jd.DataLoader(str(bad), tok, dataclasses.replace(config, batch_size=2))))
+    skipping = jd.DataLoader(str(bad), tok, dataclasses.replace(config, batch_size=1, bad_records="skip"))
+    assert next(iter(skipping))["margin"][0, 0] == 1.0

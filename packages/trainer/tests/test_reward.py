@@ -72,10 +72,13 @@ def jaxloom_step_one(model_dir, records, tmp_path, center) -> dict[str, float]:
     return {k.removeprefix("train/"): v for k, v in row.items()}
 
 
-@pytest.mark.parametrize("form,center", [("text", None), ("implicit", 0.01), ("chat", None)])
+@pytest.mark.parametrize("form,center", [("text", None), ("implicit", 0.01), ("chat", None), ("margin", None)])
 def test_step_one_equals_trl(tmp_path, form, center):
+    """The forms of TRL's preference data, and its optional `margin` column (a number per pair, in the loss)."""
     model = hf_classifier(tmp_path / "model")
-    records = pairs(form)
+    records = pairs("text" if form == "margin" else form)
+    if form == "margin":
+        records = [{**r, "margin": [0.0, 0.5, -1.0, 2.0][i % 4]} for i, r in enumerate(records)]
     want = trl_step_one(model, records, tmp_path, center)
     got = jaxloom_step_one(tmp_path / "model", records, tmp_path, center)
     for key in ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward"):

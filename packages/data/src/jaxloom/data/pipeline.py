@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -46,6 +47,9 @@ class DataConfig:
     - `pairs`: each row holds one preference record (`prompt`, `chosen`, `rejected`; see `tokenize_pair`):
       its chosen sequence in the first `max_sequence_length` columns and its rejected one in the next, each
       right-padded, so a row is `2 × max_sequence_length` wide and the two stay together on one data shard.
+    - `margin_column` (with `pairs`): a number per preference record (TRL's `margin`: how far its chosen should
+      score above its rejected), read into `margin [rows, 1]` float32 beside the tokens; a record without it has
+      0, one whose value is not a finite number is a bad record. None: not read.
     - `bad_records`: a record that cannot be tokenized is an error naming its file and line ('raise'), or
       is skipped and counted (`DataLoader.skipped`) ('skip').
     - `text_column`, `messages_column`, `prompt_column`, `completion_column`: the record fields read for plain
@@ -72,6 +76,7 @@ class DataConfig:
     chosen_column: str = "chosen"
     rejected_column: str = "rejected"
     pairs: bool = False
+    margin_column: str | None = None
     bad_records: Literal["raise", "skip"] = "raise"
     add_bos: bool = True
     add_eos: bool = True
@@ -247,6 +252,8 @@ class DataLoader:
         b, length = c.batch_size, c.max_sequence_length * (2 if c.pairs else 1)
         out = {k: np.zeros((b, length), np.int32) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
         out["input_ids"][:] = self.tokenizer.pad_token_id
+        if c.pairs and c.margin_column:
+            out["margin"] = np.zeros((b, 1), np.float32)
         mixed = self.mixture is not None
         states = state["components"] if mixed else [state]
         cursors = [_Cursor(stream, st) for stream, st in zip(self.streams, states, strict=True)]
@@ -297,6 +304,8 @@ class DataLoader:
             sl = slice(half * length, half * length + n)
             out["input_ids"][r, sl], out["loss_mask"][r, sl] = ids[part], mask[part]
             out["segment_ids"][r, sl], out["positions"][r, sl] = 1, np.arange(n)
+        if "margin" in out:
+            out["margin"][r, 0] = cursor.margin
         cursor.consume(len(ids) - cursor.state["token_offset"])
 
     def _long_record(self, cursor, n: int, cut: int) -> None:
@@ -507,6 +516,7 @@ class _Cursor:
         self._block: _Block | None = loader._block_memo
         self._tokens_key = None
         self.split = 0  # pairs: where the rejected sequence starts in the current record's ids
+        self.margin = 0.0  # pairs with a margin column: the current record's margin
 
     def check_position(self) -> None:
         """A restored position must still exist: a dataset that shrank since it was saved would otherwise
@@ -629,7 +639,7 @@ class _Cursor:
         if not isinstance(record, dict):
             raise ValueError(f"a preference record must be an object, got {type(record).__name__}")
         chosen, chosen_mask, rejected, rejected_mask = tokenize_pair(record, tokenizer, config)
-        self.split = len(chosen)
+        self.split, self.margin = len(chosen), _margin(record, config.margin_column)
         return np.concatenate([chosen, rejected]), np.concatenate([chosen_mask, rejected_mask])
 
     def consume(self, n: int) -> None:
@@ -642,3 +652,17 @@ class _Cursor:
         block = self._load_block()
         index = int(block.order[self.state["row_pos"]])
         return describe(self.loader.source, block.key[2], block.starts[index])
+
+
+def _margin(record: dict, column: str | None) -> float:
+    """A preference record's `column` as a finite float (0 when the record has none, or no column is read)."""
+    if column is None or record.get(column) is None:
+        return 0.0
+    value = record[column]
+    try:
+        margin = float(value)
+    except (TypeError, ValueError):
+        margin = math.nan
+    if isinstance(value, bool) or not math.isfinite(margin):
+        raise ValueError(f"{column} = {value!r}; expected a finite number (how far chosen should score above rejected)")
+    return margin

@@ -30,7 +30,8 @@ from .step import STOP_KEY
 class DataSpec:
     """What a trainer kind reads and feeds its step: `row_width` token columns per batch row, the
     `jaxloom.data.DataConfig` fields of its loaders (`settings`), extra arrays of the step's batch
-    (`extra`: `{key: (trailing shape per row, dtype)}`, made by `extend`), and `extend(local, batch,
+    (`extra`: `{key: (trailing shape per row, dtype)}`, made by `extend` or read per row by the loaders, as a
+    preference record's `margin`), and `extend(local, batch,
     training) -> batch`, called on every global batch (`local`: this process's rows as numpy arrays;
     `training`: a train batch `[A, B, ...]` rather than an evaluation one `[B, ...]`); the arrays it adds are laid
     out like the token arrays (`batch["input_ids"].sharding`: rows over the data axes)."""
@@ -228,8 +229,10 @@ class Batches:
 
     def eval_tokens(self, local: dict[str, np.ndarray], rows: int) -> dict[str, jax.Array]:
         """This process's rows of an evaluation batch as one global batch of `rows` rows."""
-        shape = (rows, self.spec.row_width)
-        return {k: jax.make_array_from_process_local_data(self.eval_sharding, v, shape) for k, v in local.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.eval_sharding, v, (rows, v.shape[-1]))
+            for k, v in local.items()
+        }
 
     def global_batch(self, local: dict[str, np.ndarray], *, stop_code: int | None = None) -> dict[str, jax.Array]:
         """The train step's batch: the token arrays, then what the trainer kind adds (`DataSpec.extend`)."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxloom.models as jmod
 import jaxloom.state as js
@@ -31,6 +32,8 @@ from .step import Objective, StepConfig
 from .trainer import BaseTrainer
 
 EXTREMES = (("min_reward", "min"), ("max_reward", "max"))
+MARGIN = "margin"
+"""The batch key of each pair's margin (TRL's optional `margin` column, read by the loaders: 0 where absent)."""
 
 
 # ---- the objective: pure functions, jitted inside the core's step ----------------------------------------
@@ -46,7 +49,8 @@ def pair_rewards(model, batch) -> tuple[jax.Array, Any]:
 
 
 def reward_loss(state: js.TrainState, params, batch, cfg: StepConfig, *, center: float | None):
-    """The pairs' Bradley-Terry loss summed over the micro-batch (`−log σ(r_chosen − r_rejected)`, plus `center ·
+    """The pairs' Bradley-Terry loss summed over the micro-batch (`−log σ(r_chosen − r_rejected − margin)`, the
+    margin TRL's optional column (0 without it), plus `center ·
     (r_chosen + r_rejected)²` when `center` is set: TRL's `center_rewards_coefficient`), and TRL's statistics
     (`pairs` counts the pairs with tokens: padding rows at the end of the data count for nothing)."""
     rewards, out = pair_rewards(state.replace(params=params).model, batch)
@@ -54,7 +58,8 @@ def reward_loss(state: js.TrainState, params, batch, cfg: StepConfig, *, center:
     width = batch["segment_ids"].shape[-1] // 2
     valid = (batch["segment_ids"][:, :width] > 0).any(-1).astype(jnp.float32)
     n = valid.sum()
-    loss_sum = jnp.sum(-jax.nn.log_sigmoid(chosen - rejected) * valid)
+    margin = batch[MARGIN][:, 0] if MARGIN in batch else 0.0  # TRL's optional column: 0 where a record has none
+    loss_sum = jnp.sum(-jax.nn.log_sigmoid(chosen - rejected - margin) * valid)
     if center is not None:
         loss_sum = loss_sum + center * jnp.sum(jnp.square(chosen + rejected) * valid)
     if out.aux_loss is not None and cfg.aux_loss_coef:
@@ -124,11 +129,13 @@ class RewardTrainer(BaseTrainer):
         return Objective(loss=loss, metrics=reward_metrics, weight="pairs", perplexity=False, extremes=EXTREMES)
 
     def data_spec(self) -> DataSpec:
-        """Pairs, one per row (chosen and rejected side by side: `2 × max_length` tokens), unpacked; a pair
-        longer than `max_length` is a bad record (skipped and counted with `skip_bad_records`)."""
+        """Pairs, one per row (chosen and rejected side by side: `2 × max_length` tokens), unpacked, with each
+        record's `margin` (0 without one); a pair longer than `max_length` is a bad record (skipped and counted with
+        `skip_bad_records`)."""
         a = self.arguments
         return DataSpec.tokens(
             a,
             row_width=2 * a.max_sequence_length,
-            settings={"packing": False, "pairs": True, "long_records": "raise"},
+            settings={"packing": False, "pairs": True, "long_records": "raise", "margin_column": MARGIN},
+            extra={MARGIN: ((1,), np.float32)},
         )
