@@ -14,6 +14,7 @@ neither `[B, T, V]` logits are held. Teacher and student may differ in size; the
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import jax
@@ -137,20 +138,17 @@ class DistillationTrainer(GRPOTrainer):
     - `teacher_model`: the teacher as a jaxloom model, an HF directory or a jaxloom run directory (default:
       `arguments.teacher_model_name_or_path`); its vocabulary must be the student's.
     - `dataset_train`: prompt records (`prompt`: text or chat messages), as GRPO reads them.
-    - the rest as `BaseTrainer`. No evaluation pass yet (`dataset_eval` is refused).
+    - `dataset_eval`: held-out prompt records for the evaluation pass (`evaluate`, every `evaluation_steps`).
+    - the rest as `BaseTrainer`.
     """
 
-    no_evaluation = "distillation has no evaluation pass yet"
+    no_evaluation = "expected held-out prompt records: dataset_eval= (data.eval=FILE on the command line)"
     arguments_class = DistillationConfig  # type: ignore[assignment]
 
     def take_inputs(self, *, teacher_model: Any = None) -> None:  # type: ignore[override]
         """`teacher_model` (default: `arguments.teacher_model_name_or_path`), loaded when the run trains."""
         if self.data_collator is not None:
             raise ValueError("DistillationTrainer builds its rows from rollouts: data_collator is not used; drop it")
-        if self.dataset_eval is not None:
-            raise ValueError(
-                "DistillationTrainer has no evaluation pass yet: dataset_eval (data.eval) is not used; drop it"
-            )
         source = teacher_model if teacher_model is not None else self.arguments.teacher_model_name_or_path
         if source is None:
             raise ValueError(
@@ -199,4 +197,54 @@ class DistillationTrainer(GRPOTrainer):
         return out
 
     def evaluate(self, state=None, metric_calculator=None) -> dict[str, float]:
-        raise ValueError(f"DistillationTrainer.evaluate: {self.no_evaluation}")
+        """The evaluation pass (TRL's, for distillation): the student (`state`, default the trainer's) completes the
+        held-out prompts (`dataset_eval`) as in training, in order, `total_batch_size` a batch (each seeded by its
+        index), over up to `eval_batches` batches; the divergence to the teacher and the student's entropy over
+        their completion tokens (`loss`, `entropy`), the rollouts' `completions/*` metrics and `evaluation_time`.
+        `metric_calculator` is not supported here (the batches are rollouts)."""
+        if metric_calculator is not None:
+            raise ValueError("DistillationTrainer.evaluate: metric_calculator is not supported (its pass is rollouts)")
+        if self.dataset_eval is None:
+            raise ValueError(f"no dataset_eval was given; {self.no_evaluation}")
+        if self.state is None:
+            self.initialize_trainer_utils()
+        student = self.state
+        if state is not None:
+            self.state = self.plan.as_own(state, lambda: self.model_state)
+        self.start_evaluation_hook()
+        started = self.evaluator.started or time.monotonic()
+        try:
+            sums, rollouts = self._evaluation_sums()
+        finally:
+            self.state = student
+        tokens = max(sums["tokens"], 1.0)
+        means = {k: float(np.mean([m[k] for m in rollouts])) for k in rollouts[0] if k.startswith("completions/")}
+        return {
+            "loss": sums["loss_sum"] / tokens,
+            "entropy": sums["entropy_sum"] / tokens,
+            **means,
+            "evaluation_time": time.monotonic() - started,
+        }
+
+    def _evaluation_sums(self) -> tuple[dict[str, float], list[dict[str, float]]]:
+        rollouts: Any = self.batches
+        records, ids = rollouts.eval_prompts()
+        per = self.arguments.total_batch_size
+        if len(records) < per:
+            raise ValueError(
+                f"dataset_eval has {len(records)} prompts; an evaluation batch takes total_batch_size = {per}"
+            )
+        sums: dict[str, float] = {}
+        metrics = []
+        for i in range(min(self.arguments.eval_batches, len(records) // per)):
+            key = jax.random.fold_in(jax.random.PRNGKey(self.arguments.seed), 1_000_003 + i)
+            rows, rollout_metrics, _ = rollouts.sample(
+                records[i * per : (i + 1) * per], ids[i * per : (i + 1) * per], key
+            )
+            batch = {k: v[0] for k, v in rollouts.layout(rows, None).items()}
+            with jax.set_mesh(self.mesh):
+                out = jax.device_get(self.functions.evaluate(self.state, batch))
+            for k in ("loss_sum", "tokens", "entropy_sum"):
+                sums[k] = sums.get(k, 0.0) + float(out[k])
+            metrics.append(rollout_metrics)
+        return sums, metrics
