@@ -36,6 +36,16 @@ class RLArgs(_Group):
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
         "dapo", description="GRPO: how token losses are averaged: grpo, bnpo, dr_grpo or dapo (TRL's)"
     )
+    tools: tuple[str, ...] = Field(
+        (), description="GRPO: functions the model may call, as dotted import paths (TRL's tools; Python callables too)"
+    )
+    max_tool_calling_iterations: int | None = Field(
+        None, description="GRPO: tool turns a completion may take at most (None: while the model calls tools)"
+    )
+    tool_timeout: float | None = Field(
+        60.0,
+        description="GRPO: seconds one tool call may take before it is cut and reported as an error (None: no limit)",
+    )
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token",
         description="GRPO: the probability ratio per token, or per sequence (GSPO: exp of the mean log-ratio over "
@@ -51,7 +61,7 @@ class RLArgs(_Group):
         None, description="GRPO: the KL reference, an HF directory (None: the initial policy; with LoRA, the base)"
     )
 
-    @field_validator("reward_funcs", mode="before")
+    @field_validator("reward_funcs", "tools", mode="before")
     @classmethod
     def _one_function(cls, v):  # TRL takes one reward function as well as a list
         return (v,) if isinstance(v, str) else v
@@ -69,7 +79,9 @@ class RLArgs(_Group):
                 "of one prompt)"
             )
         _positive(self, "max_completion_length", "num_iterations", "epsilon")
-        _positive(self, "max_prompt_length", "reward_timeout", allow_none=True)
+        _positive(
+            self, "max_prompt_length", "reward_timeout", "max_tool_calling_iterations", "tool_timeout", allow_none=True
+        )
         _positive(self, "temperature", "beta", allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p}; expected a value in (0, 1]")
@@ -110,12 +122,12 @@ def completion_rows(kwargs: dict[str, Any], group: type, kind: str) -> dict[str,
 class GRPOConfig(TrainingArguments):
     """The arguments of `GRPOTrainer`: every `TrainingArguments` argument and the `rl` group (TRL's names):
     `reward_funcs`, `reward_weights`, `num_generations`, `max_prompt_length`, `max_completion_length`,
-    `temperature`, `top_p`, `top_k`, `beta`, `epsilon`, `epsilon_high`, `num_iterations`, `loss_type`,
-    `scale_rewards`, `mask_truncated_completions`, `ref_model`, `importance_sampling_level` (GSPO), and
-    `reward_timeout` (jaxloom's: seconds a reward function may take on a step's completions before the run stops
-    naming it). A step trains on `total_batch_size`
-    completions: `total_batch_size / num_generations` prompts, each completed `num_generations` times. A step's rows
-    are as wide as its longest prompt and its longest completion, each rounded up to a bucket
+    `temperature`, `top_p`, `top_k`, `beta`, `epsilon`, `epsilon_high`, `num_iterations`, `loss_type`, `scale_rewards`,
+    `mask_truncated_completions`, `ref_model`, `importance_sampling_level` (GSPO), `tools` and
+    `max_tool_calling_iterations` (tool calls in the rollouts), and jaxloom's `reward_timeout` (seconds a reward
+    function may take on a step's completions before the run stops naming it) and `tool_timeout`. A step trains on
+    `total_batch_size` completions: `total_batch_size / num_generations` prompts, each completed `num_generations`
+    times. A step's rows are as wide as its longest prompt and its longest completion, each rounded up to a bucket
     (`jaxloom.trainer.grpo.rollouts.row_buckets`), not as the caps: `max_sequence_length` is the widest row the caps
     allow, `max_prompt_length + max_completion_length`, or with no `max_prompt_length` (TRL 1.16: prompts are never
     cut) `max_completion_length`, the prompts' own lengths being added from the data and checked against the model's

@@ -46,6 +46,22 @@ def load_reward_function(spec: Any, *, mesh: Any = None, data_axes: tuple[str, .
     return fn
 
 
+def load_tool(spec: Any) -> Callable:
+    """A tool the model may call: a callable, or a dotted import path (`my_tools.get_weather`) imported as reward
+    functions are."""
+    if isinstance(spec, str):
+        module, _, name = spec.rpartition(".")
+        try:
+            spec = getattr(_import_from_here(module), name) if module else None
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"tools: {spec!r} does not import ({type(e).__name__}: {e})") from None
+        if spec is None:
+            raise ValueError("tools: expected a dotted import path such as my_tools.get_weather")
+    if not callable(spec):
+        raise TypeError(f"tools: {spec!r} is not callable")
+    return spec
+
+
 def _import_from_here(module: str) -> Any:
     """`module`, found as `python -m` finds it: the working directory comes first (the `jaxloom` command's and a
     Ray worker's `sys.path` do not hold it, and a user's reward module sits beside their data)."""

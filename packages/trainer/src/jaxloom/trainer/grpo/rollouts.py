@@ -20,6 +20,7 @@ from ..batches import Batches, DataSpec
 from ..step import STOP_KEY
 from .loss import ADV, OLD, REF, SAMPLED
 from .rewards import advantages, call_reward, reward_name
+from .tools import tool_turns
 
 log = logging.getLogger("jaxloom.trainer")
 PROMPT_BUCKET = 16
@@ -129,12 +130,14 @@ class Policy:
     """What a rollout asks of the run it serves, each a callable read when a rollout is made: the state being
     trained (`state()`: its model samples, its `rng` seeds the rollout), the step being trained (`step()`), the
     per-token log-probs of rollout rows (`logps(batch, reference)`: the policy's now, or the reference's) and the
-    reward functions with their weights (`rewards()`: imported when first asked, at setup)."""
+    reward functions with their weights (`rewards()`: imported when first asked, at setup), and the tools the model
+    may call (`tools()`: a `ToolSet`, or None)."""
 
     state: Callable[[], Any]
     step: Callable[[], int]
     logps: Callable[..., jax.Array]
     rewards: Callable[[], tuple[list[Callable], list[float]]]
+    tools: Callable[[], Any] = lambda: None  # the run's `ToolSet` (tools.py), None without tools
 
 
 class Rollouts(Batches):
@@ -199,10 +202,19 @@ class Rollouts(Batches):
         generation prompt), encoded once for the run; not yet cut to `max_prompt_length`."""
         if self.encoded is None:
             records = self.prompt_records()
-            chat = isinstance(records[0]["prompt"], list)
-            encoded = jd_encode(self.tokenizer(), [r["prompt"] for r in records], chat)
-            self.encoded = [np.asarray(ids, np.int32) for ids in encoded]
+            self.encoded = [np.asarray(ids, np.int32) for ids in self.encode([r["prompt"] for r in records])]
         return self.encoded
+
+    def encode(self, prompts: list) -> list[list[int]]:
+        """Token ids of prompts: text as the tokenizer encodes it, chat through its template with the generation
+        prompt — and, with tools, their schemas rendered by the template (chat prompts only, as TRL's)."""
+        chat = isinstance(prompts[0], list)
+        tools = self.policy.tools()
+        if tools is None:
+            return jd_encode(self.tokenizer(), prompts, chat)
+        if not chat:
+            raise ValueError("tools need chat prompts (a list of messages per record), as TRL's; the prompts are text")
+        return [tools.encode(p) for p in prompts]
 
     def longest_prompt(self) -> int:
         """The widest prompt a step can hold: `max_prompt_length`, or (None) the longest prompt of the data."""
@@ -262,8 +274,7 @@ class Rollouts(Batches):
             return None
         if self._eval is None:
             records = _prompt_records(self.dataset_eval, "dataset_eval")
-            chat = isinstance(records[0]["prompt"], list)
-            ids = jd_encode(self.tokenizer(), [r["prompt"] for r in records], chat)
+            ids = self.encode([r["prompt"] for r in records])
             self._eval = (records, [np.asarray(i, np.int32) for i in ids])
         return self._eval
 
@@ -344,6 +355,12 @@ class Rollouts(Batches):
             sampled = None
         else:  # one prefill per prompt, shared by its group
             completion, completion_mask, sampled = self.generate(unique, unique_mask, key)
+        turns = None
+        if self.policy.tools() is not None and sampled is not None:  # TRL's tool loop (in-process generation only)
+            rows_prompts = [kept[i // group] for i in range(len(prompt))]
+            buckets = (PROMPT_BUCKET, COMPLETION_BUCKET)
+            turns = tool_turns(self, rows_prompts, completion, completion_mask, sampled, key, buckets)
+            completion, completion_mask, sampled = _padded(turns, rl.max_completion_length, tok.pad_token_id or 0)
         _, cwidth = row_buckets(width, int(np.max(completion_mask.sum(axis=1), initial=1)), completion.shape[1])
         completion, completion_mask = completion[:, :cwidth], completion_mask[:, :cwidth]
         if sampled is not None:
@@ -354,6 +371,8 @@ class Rollouts(Batches):
         ]
         prompts = [r["prompt"] for r in records for _ in range(group)]
         completions: list[Any] = [[{"role": "assistant", "content": x}] for x in texts] if chat else texts
+        if turns is not None:  # the turns as messages: assistant (with its tool calls), tool, assistant, ...
+            completions = turns.messages
         columns = {k: [r[k] for r in records for _ in range(group)] for k in records[0] if k != "prompt"}
         scored, score_metrics = self.score(prompts, completions, columns, completion, completion_mask)
         eos = set(self.stop_ids())
@@ -361,6 +380,8 @@ class Rollouts(Batches):
             [any(int(x) in eos for x in c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)]
         )
         loss_mask = completion_mask.copy()
+        if turns is not None:  # the tool turns' tokens are read, never trained on (nor in the KL or the entropy)
+            loss_mask = loss_mask * _padded_keep(turns, completion_mask.shape[1])
         if rl.mask_truncated_completions:
             loss_mask[~ended] = 0
         ids = np.concatenate([prompt, completion], axis=1)
@@ -382,6 +403,12 @@ class Rollouts(Batches):
             "rows/width": float(ids.shape[1]),
             "time/rollout_s": generated - started,
         }
+        if turns is not None:  # TRL's tool metrics, and jaxloom's tool turns per completion
+            metrics["tools/call_frequency"] = turns.calls / len(completion)
+            metrics["tools/failure_frequency"] = turns.failures / turns.calls if turns.calls else 0.0
+            metrics["tools/turns"] = sum(sum(m["role"] == "tool" for m in row) for row in turns.messages) / len(
+                completion
+            )
         return rows, metrics, (None if sampled is None else np.where(completion_mask > 0, sampled, 0.0))
 
     def score(
@@ -441,16 +468,23 @@ class Rollouts(Batches):
         return batch
 
     def generate(
-        self, prompt: np.ndarray, mask: np.ndarray, key: jax.Array
+        self,
+        prompt: np.ndarray,
+        mask: np.ndarray,
+        key: jax.Array,
+        *,
+        group: int | None = None,
+        max_new_tokens: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """In-process generation with the policy's current weights, on the training mesh: `num_generations`
-        completions of each prompt row (one prefill per prompt, its KV cache shared by the group), as
-        `(completion_ids, completion_mask, completion_logps)` with rows `i * num_generations + j`."""
+        """In-process generation with the policy's current weights, on the training mesh: `num_generations` (or
+        `group`) completions of at most `max_completion_length` (or `max_new_tokens`) tokens of each prompt row (one
+        prefill per prompt, its KV cache shared by the group), as `(completion_ids, completion_mask,
+        completion_logps)` with rows `i * num_generations + j`."""
         import jaxloom.generation as jg
 
         rl, tok = self.rl, self.tokenizer()
         config = jg.GenerationConfig(
-            max_new_tokens=rl.max_completion_length,
+            max_new_tokens=max_new_tokens or rl.max_completion_length,
             do_sample=rl.temperature > 0,
             temperature=rl.temperature or 1.0,
             top_k=rl.top_k or None,
@@ -459,7 +493,8 @@ class Rollouts(Batches):
             pad_token_id=tok.pad_token_id or 0,
         )
         model = self.policy.state().model
-        out = jg.generate(model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=rl.num_generations)
+        group = rl.num_generations if group is None else group
+        out = jg.generate(model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group)
         return np.asarray(out.completion_ids), np.asarray(out.completion_mask), np.asarray(out.completion_logps)
 
     def _put(self, x: np.ndarray) -> jax.Array:
@@ -498,3 +533,21 @@ def jd_encode(tokenizer: Any, prompts: Sequence[Any], chat: bool) -> list[list[i
     from jaxloom.generation import encode_prompts
 
     return encode_prompts(tokenizer, list(prompts), apply_chat_template=chat)
+
+
+def _padded(turns: Any, width: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A tool exchange's rows as `(completion_ids, completion_mask, sampled log-probs)`, `[rows, width]`."""
+    rows = len(turns.ids)
+    ids, mask, logps = np.full((rows, width), pad, np.int32), np.zeros((rows, width), np.int32), np.zeros((rows, width))
+    for i in range(rows):
+        n = len(turns.ids[i])
+        ids[i, :n], mask[i, :n], logps[i, :n] = turns.ids[i], 1, turns.logps[i]
+    return ids, mask, logps.astype(np.float32)
+
+
+def _padded_keep(turns: Any, width: int) -> np.ndarray:
+    """Which completion tokens the model wrote (1) rather than a tool turn (0), `[rows, width]`."""
+    keep = np.zeros((len(turns.keep), width), np.int32)
+    for i, k in enumerate(turns.keep):
+        keep[i, : len(k)] = k[:width]
+    return keep

@@ -22,7 +22,7 @@ from ..components import data_inputs, part
 from ..trainer import BaseTrainer
 from .config import GRPOConfig
 from .loss import ADV, OLD, REF, SAMPLED, grpo_loss, grpo_metrics, token_logps
-from .rewards import load_reward_function
+from .rewards import load_reward_function, load_tool
 from .rollouts import Policy, Rollouts
 
 
@@ -41,6 +41,7 @@ def rollouts(trainer: Any) -> Rollouts:
             step=lambda: trainer.current_step,
             logps=trainer.logps_of,
             rewards=lambda: (trainer.reward_functions, trainer.reward_weights),
+            tools=lambda: trainer.tool_set,
         ),
     )
 
@@ -51,7 +52,8 @@ class GRPOTrainer(BaseTrainer):
     weighted by `reward_weights`; `dataset_train` holds prompt records (`prompt`: text or chat messages; other
     columns reach the rewards). Arguments otherwise as `BaseTrainer`'s; `arguments` is a `GRPOConfig`;
     `rollout_engine(prompt_ids, prompt_mask, key) -> (completion_ids, completion_mask)` replaces the
-    in-process generation (the seam for an external engine)."""
+    in-process generation (the seam for an external engine); `tools` (also `arguments.tools`): functions the model
+    may call during its completions of chat prompts (TRL's; `grpo.tools`, docs/rl.md)."""
 
     no_evaluation = "expected held-out prompt records: dataset_eval= (data.eval=FILE on the command line)"
 
@@ -59,10 +61,13 @@ class GRPOTrainer(BaseTrainer):
 
     arguments_class = GRPOConfig
 
-    def take_inputs(self, *, reward_funcs: Any = None, rollout_engine: Callable | None = None) -> None:
+    def take_inputs(
+        self, *, reward_funcs: Any = None, rollout_engine: Callable | None = None, tools: Any = None
+    ) -> None:
         """`reward_funcs` (default: `arguments.reward_funcs`): callables, checked now, or dotted paths, imported
-        when the run trains; `rollout_engine`: see the class. GRPO builds its rows from rollouts: a
-        `data_collator` is refused."""
+        when the run trains; `tools` (default: `arguments.tools`): functions the model may call (TRL's), callables
+        or dotted paths; `rollout_engine`: see the class. GRPO builds its rows from rollouts: a `data_collator` is
+        refused."""
         if self.data_collator is not None:
             raise ValueError("GRPOTrainer builds its rows from rollouts: data_collator is not used; drop it")
         rl = self.arguments.rl
@@ -86,6 +91,12 @@ class GRPOTrainer(BaseTrainer):
         self.reward_weights = list(weights) if weights is not None else [1.0] * len(given)
         self.rollout_engine = rollout_engine
         self._reference: js.TrainState | None = None
+        given_tools = tools if tools is not None else self.arguments.rl.tools
+        self._tool_specs = (
+            [given_tools] if callable(given_tools) or isinstance(given_tools, str) else list(given_tools or [])
+        )
+        if self._tool_specs and rollout_engine is not None:
+            raise ValueError("tools run in jaxloom's own rollouts: a rollout_engine with tools is not supported")
 
     batches = part(rollouts)  # type: ignore[assignment]
 
@@ -96,6 +107,17 @@ class GRPOTrainer(BaseTrainer):
         so a run directory from elsewhere cannot make those import anything. A reward model's directory is read
         sharded over the training mesh (`RewardModel`)."""
         return [load_reward_function(f, mesh=self.mesh, data_axes=self.data_axes) for f in self._reward_specs]
+
+    @functools.cached_property
+    def tool_set(self) -> Any:
+        """The tools the model may call (`grpo.tools.ToolSet`: their schemas for the chat template, its tool-call
+        format, calls with `tool_timeout`), dotted paths imported when the run trains; None without tools."""
+        if not self._tool_specs:
+            return None
+        from .tools import ToolSet
+
+        functions = [load_tool(t) for t in self._tool_specs]
+        return ToolSet(functions, self.tokenizer, timeout=self.arguments.rl.tool_timeout)
 
     def objective(self) -> Objective:
         """The GRPO loss of `loss_type`; TRL's metrics (`kl`, `clip_ratio`, `entropy`)."""

@@ -1,0 +1,280 @@
+"""Tools in GRPO's rollouts (TRL 1.16's `tools=`): Python callables the model may call while it completes a prompt.
+
+    tools = ToolSet([get_weather], tokenizer, timeout=10.0)
+    prompt_ids = tools.encode(messages)                 # the chat template renders the tools' schemas
+    calls = tools.parse(text)                           # the family's tool-call format, [] when none
+    results = tools.run(calls)                          # one tool message per call: its result, or its error
+    suffix = tools.suffix_ids(results)                  # the tool turn and the next assistant header, as TRL builds it
+
+A tool is a function with type hints and a Google-style docstring (TRL's rule: `transformers.utils.get_json_schema`
+makes its schema). A call runs with a time limit; a tool that raises, passes the limit or returns something that is
+not a string is reported to the model as an error in its tool message, and counted — never a crash. The formats
+parsed are those of the families that define one: Qwen2.5/Qwen3 (`<tool_call>{"name", "arguments"}</tool_call>`,
+several a turn) and Llama 3.1/3.2 (one bare `{"name", "parameters"}` object a turn), read as TRL's response schemas
+read them; a chat template that renders neither is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+QWEN_CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.S)
+LLAMA_CALL = re.compile(r'^\s*(\{"name":\s*".+?",\s*"parameters":\s*.+\})\s*$', re.S)
+
+
+def tool_format(tokenizer: Any) -> str:
+    """`"qwen"` or `"llama3"`: the tool-call format `tokenizer`'s chat template renders (read from the template
+    itself); an error naming the tokenizer when it renders no format jaxloom parses."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if "<tool_call>" in template:
+        return "qwen"
+    if '"parameters"' in template and "<|eot_id|>" in template:
+        return "llama3"
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    raise ValueError(
+        f"tools: the chat template of {name!r} renders no tool-call format jaxloom reads (Qwen2.5/Qwen3's "
+        "<tool_call> JSON, Llama 3.1's JSON calls); expected a model whose chat template supports tools"
+    )
+
+
+def tool_name(fn: Callable) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+class ToolSet:
+    """The tools of a run (`tools`: callables), for `tokenizer`'s chat format; `timeout`: seconds one call may
+    take (None: no limit). See the module docstring."""
+
+    def __init__(self, tools: Sequence[Callable], tokenizer: Any, *, timeout: float | None = 60.0):
+        from transformers.utils import get_json_schema
+
+        self.tools = {tool_name(f): f for f in tools}
+        self.schemas = []
+        for f in tools:
+            try:
+                self.schemas.append(get_json_schema(f))
+            except Exception as e:  # noqa: BLE001 - transformers' own message names what the docstring lacks
+                raise ValueError(f"tools: {tool_name(f)} has no schema TRL's rule can make ({e})") from None
+        self.tokenizer, self.timeout = tokenizer, timeout
+        self.format = tool_format(tokenizer)
+
+    # ---- rendering ------------------------------------------------------------------------------------------
+    def encode(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat prompt with the tools' schemas, the generation prompt added (TRL's prompt)."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=self.schemas, tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def suffix_ids(self, tool_messages: list[dict]) -> list[int]:
+        """The tokens after an assistant turn's end that carry `tool_messages` and open the next assistant turn,
+        as TRL's `GRPOTrainer` makes them: the template's rendering of a minimal conversation with and without the
+        tool messages (and the generation prompt), the shorter cut after its last EOS, the difference taken."""
+        tok = self.tokenizer
+        calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+        dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+        prefix = tok.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True, return_dict=False)
+        full = tok.apply_chat_template(
+            dummy + tool_messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        eos = [i for i, t in enumerate(prefix) if t == tok.eos_token_id]
+        if eos:
+            prefix = prefix[: eos[-1] + 1]
+        if list(full[: len(prefix)]) != list(prefix):
+            raise ValueError("tools: the chat template renders a tool turn that does not extend the conversation")
+        return list(full[len(prefix) :])
+
+    # ---- parsing and calling --------------------------------------------------------------------------------
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        """`(content, calls)` of an assistant turn's text (its end-of-turn token removed): the calls in TRL's form
+        (`{"type": "function", "function": {"name", "arguments"}}`) and the text around them. A call that is not
+        valid JSON is a call of no tool (its error goes back to the model)."""
+        for end in self._ends():
+            text = text.split(end)[0]
+        if self.format == "qwen":
+            found = QWEN_CALL.findall(text)
+            content = QWEN_CALL.sub("", text).strip()
+            return content, [self._call(raw, "arguments") for raw in found]
+        match = LLAMA_CALL.match(text)
+        if not match:
+            return text, []
+        return "", [self._call(match.group(1), "parameters")]
+
+    def _ends(self) -> list[str]:
+        tok = self.tokenizer
+        from jaxloom.generation import end_of_turn_ids
+
+        ids = [*end_of_turn_ids(tok), *([tok.eos_token_id] if tok.eos_token_id is not None else [])]
+        return [tok.convert_ids_to_tokens(i) for i in ids]
+
+    @staticmethod
+    def _call(raw: str, key: str) -> dict:
+        try:
+            obj = json.loads(raw)
+            name, arguments = obj["name"], obj.get(key, {})
+            if not isinstance(name, str) or not isinstance(arguments, dict):
+                raise TypeError("name must be a string and the arguments an object")
+        except (ValueError, KeyError, TypeError) as e:
+            return {"type": "function", "function": {"name": "unknown", "arguments": {}}, "error": f"{e}"}
+        return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+    def run(self, calls: list[dict]) -> tuple[list[dict], int]:
+        """One tool message per call (`{"role": "tool", "name", "content"}`: the result, or `{"error": ...}` as
+        text) and how many calls failed (raised, passed the time limit, returned a non-string, named no tool)."""
+        messages, failed = [], 0
+        for call in calls:
+            name, arguments = call["function"]["name"], call["function"]["arguments"]
+            error = call.get("error")
+            result: Any = None
+            if error is None and name not in self.tools:
+                error = f"Tool {name} not found."
+            if error is None:
+                result, error = self._invoke(self.tools[name], arguments)
+            if error is None and not isinstance(result, str):
+                error = f"{name} returned {type(result).__name__}; expected a string"
+            failed += error is not None
+            content = str({"error": error}) if error is not None else result
+            messages.append({"role": "tool", "name": name, "content": content})
+        return messages, failed
+
+    def _invoke(self, fn: Callable, arguments: dict) -> tuple[Any, str | None]:
+        """`(result, error)` of one call within the time limit (a call past it is abandoned: its thread is left to
+        end on its own, its result unused)."""
+        box: dict[str, Any] = {}
+
+        def target():
+            try:
+                box["result"] = fn(**arguments)
+            except Exception as e:  # noqa: BLE001 - a tool's fault goes back to the model (TRL's text: str(e))
+                box["error"] = str(e) or type(e).__name__
+
+        thread = threading.Thread(target=target, daemon=True, name=f"jaxloom-tool-{tool_name(fn)}")
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            return None, f"{tool_name(fn)} took longer than {self.timeout} s and was cut"
+        return box.get("result"), box.get("error")
+
+
+class Exchange:
+    """The tool turns of a rollout's rows (`exchange`): per row its completion tokens (model turns and tool turns),
+    which of them the model wrote (`keep`: 1; the tool turns' tokens 0), their sampled log-probs (0 on tool
+    tokens), the turns as messages (what reward functions receive), and the counts of calls and failed calls."""
+
+    def __init__(self, rows: int):
+        self.ids: list[list[int]] = [[] for _ in range(rows)]
+        self.keep: list[list[int]] = [[] for _ in range(rows)]
+        self.logps: list[list[float]] = [[] for _ in range(rows)]
+        self.messages: list[list[dict]] = [[] for _ in range(rows)]
+        self.calls = self.failures = self.turns = 0
+
+    def add(self, row: int, ids: Sequence[int], logps: Sequence[float] | None, model: bool) -> None:
+        self.ids[row] += list(ids)
+        self.keep[row] += [int(model)] * len(ids)
+        self.logps[row] += list(logps) if logps is not None else [0.0] * len(ids)
+
+
+def exchange(
+    tools: ToolSet,
+    prompts: Sequence[Sequence[int]],
+    first: Sequence[tuple[Sequence[int], Sequence[float]]],
+    generate: Callable[[list[list[int]], int, int], list[tuple[list[int], list[float]]]],
+    *,
+    max_completion_length: int,
+    positions: int,
+    max_iterations: int | None,
+) -> Exchange:
+    """TRL 1.16's tool loop over a rollout's rows: each row's first completion (`first`: its tokens and sampled
+    log-probs) is parsed for tool calls; the calls run (`tools.run`), their messages are appended as a tool turn
+    (`tools.suffix_ids`), and the model continues from its whole history (`generate(histories, budget, iteration)`
+    gives each history's new tokens and log-probs, at most `budget` of them) — up to `max_iterations` times (None:
+    while the model calls tools). A tool turn that would take a row past `max_completion_length` tokens of
+    completion, or its history to the model's `positions`, is not added: the row ends as it is (TRL's rule)."""
+    out = Exchange(len(prompts))
+    for row, (ids, logps) in enumerate(first):
+        out.add(row, ids, logps, model=True)
+    segments = {row: list(ids) for row, (ids, _) in enumerate(first)}
+    iteration = 0
+    while segments:
+        calls_of = {}
+        for row, ids in segments.items():
+            content, calls = tools.parse(tools.tokenizer.decode(ids, skip_special_tokens=False))
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [{k: v for k, v in c.items() if k != "error"} for c in calls]
+                calls_of[row] = calls
+            out.messages[row].append(message)
+        if not calls_of or (max_iterations is not None and iteration >= max_iterations):
+            break
+        histories = {}
+        for row, calls in calls_of.items():
+            results, failed = tools.run(calls)
+            out.calls, out.failures = out.calls + len(calls), out.failures + failed
+            suffix = tools.suffix_ids(results)
+            completion = len(out.ids[row]) + len(suffix)
+            if completion >= max_completion_length or len(prompts[row]) + completion >= positions:
+                continue  # no room for the tool turn and a reply: the row ends here
+            out.messages[row].extend(results)
+            out.add(row, suffix, None, model=False)
+            histories[row] = [*prompts[row], *out.ids[row]]
+        if not histories:
+            break
+        rows = sorted(histories)
+        budget = max(max_completion_length - len(out.ids[r]) for r in rows)
+        new = generate([histories[r] for r in rows], budget, iteration)
+        segments = {}
+        for row, (ids, logps) in zip(rows, new, strict=True):
+            room = max_completion_length - len(out.ids[row])
+            out.add(row, ids[:room], logps[:room], model=True)
+            segments[row] = list(ids[:room])
+        out.turns += 1
+        iteration += 1
+    return out
+
+
+def tool_turns(
+    rollouts: Any, prompts: list, completion: Any, mask: Any, sampled: Any, key: Any, buckets: tuple[int, int]
+) -> Exchange:
+    """The tool loop of one rollout of GRPO's `rollouts` (`exchange`, TRL's): each row's first completion (`completion`,
+    `mask`, `sampled` log-probs, after `prompts`) parsed for calls, the tools run, their turn appended and the model
+    continuing from its whole history with the policy's current weights (histories left-padded to a power of two of
+    at least `buckets[0]` tokens, the budget to one of at least `buckets[1]`: one generation program per width and
+    budget met), each iteration seeded by the rollout's `key` and its index."""
+    import jax
+    import numpy as np
+
+    rl, tok = rollouts.rl, rollouts.tokenizer()
+    tools = rollouts.policy.tools()
+    first = [(list(c[m > 0]), list(lp[m > 0])) for c, m, lp in zip(completion, mask, sampled, strict=True)]
+    pad, rows = tok.pad_token_id or 0, len(prompts)
+
+    def generate(histories: list[list[int]], budget: int, iteration: int):
+        from jaxloom.generation.decode import bucket
+
+        width = bucket(max(map(len, histories)), buckets[0])
+        ids = np.full((rows, width), pad, np.int32)  # every row, so the program's shape holds: extra rows idle
+        mask_ = np.zeros((rows, width), np.int32)
+        for i in range(rows):
+            h = histories[i] if i < len(histories) else histories[0]
+            ids[i, width - len(h) :], mask_[i, width - len(h) :] = h, 1
+        steps = min(rl.max_completion_length, bucket(budget, buckets[1]))
+        out_ids, out_mask, out_logps = rollouts.generate(
+            ids, mask_, jax.random.fold_in(key, 1 + iteration), group=1, max_new_tokens=steps
+        )
+        return [(list(c[m > 0]), list(lp[m > 0])) for c, m, lp in zip(out_ids, out_mask, out_logps, strict=True)][
+            : len(histories)
+        ]
+
+    return exchange(
+        tools,
+        prompts,
+        first,
+        generate,
+        max_completion_length=rl.max_completion_length,
+        positions=rollouts.policy.state().model.config.max_position_embeddings,
+        max_iterations=getattr(rl, "max_tool_calling_iterations", None),
+    )
