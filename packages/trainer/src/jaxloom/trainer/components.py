@@ -145,8 +145,9 @@ def batches(trainer: Any) -> Batches:
     return Batches(trainer.arguments, trainer.data_spec(), collator=trainer.data_collator, **data_inputs(trainer))
 
 
-def functions(trainer: Any) -> StepFunctions:
-    """The train and eval steps jitted over the plan's shardings, for this kind's `objective()`."""
+def functions(trainer: Any, frozen: Any = None) -> StepFunctions:
+    """The train and eval steps jitted over the plan's shardings, for this kind's `objective()`; `frozen`: what
+    the objective reads and never trains (distillation's teacher), the steps' first argument."""
     a, plan = trainer.arguments, trainer.plan
     config = StepConfig(
         z_loss=a.z_loss,
@@ -159,7 +160,8 @@ def functions(trainer: Any) -> StepFunctions:
         objective=trainer.objective(),
     )
     accumulation = a.gradient_accumulation_steps
-    return StepFunctions.build(plan, trainer.batches.spec, config, accumulation=accumulation, donate=a.donate_state)
+    spec = trainer.batches.spec
+    return StepFunctions.build(plan, spec, config, accumulation=accumulation, donate=a.donate_state, frozen=frozen)
 
 
 def run_identity(trainer: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import numpy as np
 import jaxloom.state as js
 
 from .batches import DataSpec
+from . import components
 from .components import data_inputs, part
 from .distillation_config import DistillationConfig
 from .functions import StepFunctions
@@ -112,18 +113,7 @@ def student_rollouts(trainer: Any) -> StudentRollouts:
 
 def teacher_functions(trainer: Any) -> StepFunctions:
     """The train and eval steps with the teacher as their frozen first argument (`StepFunctions.build(frozen=)`)."""
-    from . import components
-
-    plain = components.functions(trainer)
-    a = trainer.arguments
-    return StepFunctions.build(
-        trainer.plan,
-        plain.spec,
-        plain.config,
-        accumulation=plain.accumulation,
-        donate=a.donate_state,
-        frozen=trainer.teacher,
-    )
+    return components.functions(trainer, frozen=trainer.teacher)
 
 
 # ---- the trainer -------------------------------------------------------------------------------------------

@@ -107,6 +107,4 @@ class DistillationConfig(TrainingArguments):
             )
 
 
-DistillationConfig.__signature__ = _signature(  # type: ignore[attr-defined]
-    {**GROUPS, "distillation": DistillationArgs}
-)
+DistillationConfig.__signature__ = _signature(DistillationConfig.GROUPS)  # type: ignore[attr-defined]

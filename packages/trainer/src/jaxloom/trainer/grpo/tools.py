@@ -61,6 +61,10 @@ class ToolSet:
                 raise ValueError(f"tools: {tool_name(f)} has no schema TRL's rule can make ({e})") from None
         self.tokenizer, self.timeout = tokenizer, timeout
         self.format = tool_format(tokenizer)
+        from jaxloom.generation import end_of_turn_ids
+
+        ends = [*end_of_turn_ids(tokenizer), *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])]
+        self.ends = [tokenizer.convert_ids_to_tokens(i) for i in ends]  # where a turn's text stops, read once
 
     # ---- rendering ------------------------------------------------------------------------------------------
     def encode(self, messages: list[dict]) -> list[int]:
@@ -93,7 +97,7 @@ class ToolSet:
         """`(content, calls)` of an assistant turn's text (its end-of-turn token removed): the calls in TRL's form
         (`{"type": "function", "function": {"name", "arguments"}}`) and the text around them. A call that is not
         valid JSON is a call of no tool (its error goes back to the model)."""
-        for end in self._ends():
+        for end in self.ends:
             text = text.split(end)[0]
         if self.format == "qwen":
             found = QWEN_CALL.findall(text)
@@ -103,13 +107,6 @@ class ToolSet:
         if not match:
             return text, []
         return "", [self._call(match.group(1), "parameters")]
-
-    def _ends(self) -> list[str]:
-        tok = self.tokenizer
-        from jaxloom.generation import end_of_turn_ids
-
-        ids = [*end_of_turn_ids(tok), *([tok.eos_token_id] if tok.eos_token_id is not None else [])]
-        return [tok.convert_ids_to_tokens(i) for i in ids]
 
     @staticmethod
     def _call(raw: str, key: str) -> dict:
