@@ -35,12 +35,12 @@ def grpo(data, *extra):
     ]
 
 
-def test_sigkill_during_grpo_then_resume_ends_bitwise_equal(tmp_path):
-    # synchronous saves: checkpoint 4 is complete when step 5 runs, whatever the machine's load
-    args = [*TINY, *grpo(prompts(tmp_path / "p.jsonl")), "max_training_steps=8", "async_checkpointing=false"]
+def killed_then_resumed(tmp_path, args, kill_after=5) -> list[dict]:
+    """A reference run of `args`, then the same run killed (SIGKILL) after step `kill_after` and resumed: their
+    final weights are bitwise equal. Returns the resumed run's metrics rows."""
     ref, _, err = run_worker(tmp_path / "ref", *args)
     assert ref.returncode == 0, err[-3000:]
-    killed, _, _ = run_worker(tmp_path / "run", *args, stop_after=5)
+    killed, _, _ = run_worker(tmp_path / "run", *args, stop_after=kill_after)
     assert killed.returncode == -signal.SIGKILL
     again, _, err = run_worker(tmp_path / "run", *args)
     assert again.returncode == 0, err[-3000:]
@@ -49,8 +49,42 @@ def test_sigkill_during_grpo_then_resume_ends_bitwise_equal(tmp_path):
     assert sorted(a) == sorted(b)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigkill_during_grpo_then_resume_ends_bitwise_equal(tmp_path):
+    # synchronous saves: checkpoint 4 is complete when step 5 runs, whatever the machine's load
+    args = [*TINY, *grpo(prompts(tmp_path / "p.jsonl")), "max_training_steps=8", "async_checkpointing=false"]
+    rows = killed_then_resumed(tmp_path, args)
     assert any("train/rewards/letter_e/mean" in r and "train/reward" in r for r in rows), rows[-1]
+
+
+def test_sigkill_during_a_multi_turn_grpo_run_then_resume_ends_bitwise_equal(tmp_path):
+    """Tool exchanges in the rollouts (issue 54) resume bitwise: an environment per row (`Counter`, its reward its
+    own), a `rollout_func` whose first turn calls the row's tool, the tool's answer appended and the model's
+    continuation sampled in process — all on the command line, as dotted paths."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from tool_calling import chat_tokenizer
+
+    chat_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    with open(tmp_path / "p.jsonl", "w") as fh:
+        for i in range(16):
+            fh.write(json.dumps({"prompt": [{"role": "user", "content": f"Count {i}."}], "target": 1 + i % 3}) + "\n")
+    args = [
+        *TINY, "trainer=grpo", f"data.train={tmp_path / 'p.jsonl'}", f"data.tokenizer={tmp_path / 'tokenizer'}",
+        "environment_factory=grpo_rewards.Counter", "rollout_func=grpo_rewards.first_turn", "num_generations=2",
+        "max_completion_length=48", "max_sequence_length=null", "model.max_position_embeddings=512",
+        "learning_rate=3e-3", "max_training_steps=6", "save_steps=2", "async_checkpointing=false",
+    ]  # fmt: skip
+    rows = killed_then_resumed(tmp_path, args, kill_after=3)
+    tools = [r for r in rows if "train/tools/call_frequency" in r]
+    assert tools and all(
+        r["train/tools/call_frequency"] == 1.0 and r["train/tools/failure_frequency"] == 0.0 for r in tools
+    )
+    assert all(0 <= r["train/rewards/Counter/mean"] <= 1 for r in tools)
 
 
 def test_two_processes_train_grpo_as_one_process(tmp_path):

@@ -5,6 +5,9 @@
    after the first (compile / warm-up) step, each in its own process.
 2. The same on the 8.4M Llama (bench CPU_MODEL), 16 completions of 64 tokens a step; for jaxloom also the
    rollout tokens/s and the step's time split into rollout, reward and train (the rest of the step).
+3. A multi-turn rollout on the 8.4M Llama (`examples/tool_calling.py`: a prior on chats that sometimes call a
+   tool, then GRPO with its `Server` environment): the step split into generation (both turns), the tool calls,
+   the reward and the train step, with the tool calls and turns per completion.
 """
 
 from __future__ import annotations
@@ -154,6 +157,33 @@ def run_jaxloom(model_dir: str, completion: int = 16, rows: int = 8) -> dict:
     }
 
 
+def run_multiturn(steps: int = 8) -> dict:
+    """Row 3: `examples/tool_calling.py` on the 8.4M model; medians over the steps after the first."""
+    sys.path.insert(0, str(HERE.parents[1] / "examples"))
+    import tool_calling
+    from run import CPU_MODEL
+
+    sizes = {k: v for k, v in CPU_MODEL.items() if k not in ("vocab_size", "max_position_embeddings")}
+    with tempfile.TemporaryDirectory() as d:
+        out = tool_calling.main(["--out", d, "--steps", str(steps)], sizes=sizes)
+    rows = out["history"][1:]
+
+    def med(key: str) -> float:
+        return statistics.median(r[f"train/{key}"] for r in rows)
+
+    step, rollout, tools, reward = med("step_time"), med("time/rollout_s"), med("time/tools_s"), med("time/reward_s")
+    return {
+        "seconds_per_step": step,
+        "generate_s": rollout - tools,
+        "tools_s": tools,
+        "reward_s": reward,
+        "train_s": step - rollout - reward,
+        "calls_per_completion": med("tools/call_frequency"),
+        "turns_per_completion": med("tools/turns"),
+        "completion_tokens": med("completions/mean_length"),
+    }
+
+
 def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
@@ -177,7 +207,13 @@ def main() -> None:
                 out[name] = json.loads(r.stdout.strip().splitlines()[-1])
         out["trl_vs_jaxloom_seconds_per_step"] = out["trl"]["seconds_per_step"] / out["jaxloom"]["seconds_per_step"]
         out["trl_vs_jaxloom_8m"] = out["trl_8m"]["seconds_per_step"] / out["model_8m"]["seconds_per_step"]
+        r = subprocess.run([sys.executable, __file__, "multiturn"], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(r.stderr[-3000:])
+        out["multiturn_8m"] = json.loads(r.stdout.strip().splitlines()[-1])
         print(json.dumps(out))
+    elif what == "multiturn":
+        print(json.dumps(run_multiturn()))
     else:  # one job: KIND MODEL_DIR [COMPLETION_TOKENS ROWS]
         sizes = [int(x) for x in sys.argv[3:5]]
         print(json.dumps((run_trl if what == "trl" else run_jaxloom)(sys.argv[2], *sizes)))

@@ -298,6 +298,18 @@ def grpo_rows(g: dict) -> list[tuple[str, str, str, str]]:
                 "",
             )
         )
+    t = g.get("multiturn_8m")
+    if t:
+        out.append(
+            (
+                "GRPO 8.4M multi-turn (a tool, 16 completions): step s = generate + tools + reward + train",
+                f"{t['seconds_per_step']:.2f} = {t['generate_s']:.2f} + {t['tools_s']:.4f} + {t['reward_s']:.4f} + "
+                f"{t['train_s']:.2f} ({t['calls_per_completion']:.2f} calls, {t['completion_tokens']:.0f} tokens a "
+                "completion)",
+                "",
+                "",
+            )
+        )
     if "trl" in g:
         out.append(
             (

@@ -117,7 +117,11 @@ def test_a_scanned_stack_runs_as_straight_line_code_by_default_on_cpu_and_gpu():
         fn = jax.jit(jax.value_and_grad(lambda s, x, g=graphdef: jnp.sum(jnp.sin(nnx.merge(g, s)(x).logits))))
         programs[unroll] = fn.lower(state, ids).compile().as_text()
         results[unroll] = fn(state, ids)
-    assert " while(" not in programs[None] and " while(" in programs[1]
+
+    def loops(text: str) -> list[str]:  # a scatter may compile to a loop of its own (XLA's older CPU emitters)
+        return [line for line in text.splitlines() if " while(" in line and "scatter" not in line]
+
+    assert not loops(programs[None]) and loops(programs[1])
     np.testing.assert_allclose(results[None][0], results[1][0], rtol=1e-6)
     # the gradients (|g| ~ 1e-2) summed in another order: float noise up to a few 1e-6
     for a, b in zip(jax.tree_util.tree_leaves(results[None][1]), jax.tree_util.tree_leaves(results[1][1]), strict=True):

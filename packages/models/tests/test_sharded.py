@@ -182,6 +182,7 @@ def test_training_steps_on_fsdp_tp_equal_one_device(family):
         graphdef, params = nnx.split(model, nnx.Param)
         opt = tx.init(params)
         placed = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt))
+        params, opt = jax.device_put((params, opt), placed)  # committed as the step's outputs are: one compile, not two
 
         # the next step's inputs keep the first's shardings: one compile per mesh, not one per layout XLA picks
         @functools.partial(jax.jit, out_shardings=(*placed, None))

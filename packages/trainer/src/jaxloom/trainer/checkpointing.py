@@ -141,17 +141,16 @@ class Checkpointing:
             raise error
         return generation
 
-    def safe_on_disk(self) -> str:
+    def safe_on_disk(self, run: str | None = None) -> str:
         """After an error: wait for the checkpoint in flight (never leave it half written) and say what is
-        safe on disk."""
+        safe on disk — and, given the `run` directory, the command that resumes from it."""
         try:
             self.manager.wait_until_finished()
             latest = self.manager.latest_step()
-            return (
-                f"the newest complete checkpoint is {self.manager.directory}/{latest}"
-                if latest
-                else "no checkpoint was complete"
-            )
+            if not latest:
+                return "no checkpoint was complete"
+            resume = f"; once the cause is fixed, `jaxloom train {run}` resumes from it" if run is not None else ""
+            return f"the newest complete checkpoint is {self.manager.directory}/{latest}{resume}"
         except Exception as e:  # noqa: BLE001 - the first error is the one to report
             return f"the checkpoint in flight failed too ({type(e).__name__}: {str(e)[:200]})"
 

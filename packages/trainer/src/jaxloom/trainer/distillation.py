@@ -147,6 +147,7 @@ class DistillationTrainer(GRPOTrainer):
             )
         self._teacher_source = source
         self._reward_specs, self.reward_weights, self.rollout_engine = [], [], None
+        self._tool_specs, self._environment_spec, self._rollout_spec = [], None, None  # the student's own rollouts
         self._reference = None
 
     batches = part(student_rollouts)  # type: ignore[assignment]

@@ -49,7 +49,7 @@ def train(trainer: Any) -> TrainerOutput:
         if isinstance(e, LeaseLostError):  # the directory is another run's now: nothing of it is this run's to report
             safe = f"nothing more was written to {trainer.run_directory.checkpoints}"
         else:
-            safe = trainer.checkpointing.safe_on_disk()
+            safe = trainer.checkpointing.safe_on_disk(trainer.run_directory.location)
         e.add_note(f"jaxloom: training stopped during step {trainer.current_step + 1}; {safe}")
         note_out_of_memory(e)
         raise

@@ -18,7 +18,8 @@ An external rollout engine (vLLM on GPU, say) plugs in as another `generate(prom
 callable: `Rollouts.engine`.
 
 Modules: `config` (`GRPOConfig`, TRL's names), `loss` (the objective), `rewards` (reward functions and
-advantages), `rollouts` (the rollout stage), `trainer` (`GRPOTrainer`). Names are loaded on first use, so that
+advantages), `rollouts` (the rollout stage), `tools` (tool calls in the rollouts, TRL's `tools=`), `environments`
+(TRL's `environment_factory`), `trainer` (`GRPOTrainer`). Names are loaded on first use, so that
 reading the config (`jaxloom config keys`, a run directory's settings) imports no trainer.
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 
 _HOMES = {
     "config": ("GRPOConfig", "RLArgs"),
+    "environments": ("EnvironmentCallError", "Environments"),
     "loss": ("ADV", "OLD", "REF", "SAMPLED", "aggregate", "grpo_loss", "grpo_metrics", "per_token_loss", "token_logps"),
     "rewards": (
         "RewardError",

@@ -46,6 +46,16 @@ class RLArgs(_Group):
         60.0,
         description="GRPO: seconds one tool call may take before it is cut and reported as an error (None: no limit)",
     )
+    environment_factory: str | dict[str, str] | None = Field(
+        None,
+        description="GRPO: environments of the rollouts (TRL's environment_factory): a dotted path to a class or "
+        "factory, or {name: path} routed by each record's `environment` field (Python callables too)",
+    )
+    rollout_func: str | None = Field(
+        None,
+        description="GRPO: a custom rollout (TRL's rollout_func(prompts, trainer) -> {prompt_ids, completion_ids, "
+        "logprobs, ...}) as a dotted path (a Python callable too)",
+    )
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token",
         description="GRPO: the probability ratio per token, or per sequence (GSPO: exp of the mean log-ratio over "
@@ -124,7 +134,8 @@ class GRPOConfig(TrainingArguments):
     `reward_funcs`, `reward_weights`, `num_generations`, `max_prompt_length`, `max_completion_length`,
     `temperature`, `top_p`, `top_k`, `beta`, `epsilon`, `epsilon_high`, `num_iterations`, `loss_type`, `scale_rewards`,
     `mask_truncated_completions`, `ref_model`, `importance_sampling_level` (GSPO), `tools` and
-    `max_tool_calling_iterations` (tool calls in the rollouts), and jaxloom's `reward_timeout` (seconds a reward
+    `max_tool_calling_iterations` (tool calls in the rollouts), `environment_factory` and `rollout_func` (dotted paths
+    here; `GRPOTrainer` also takes the objects), and jaxloom's `reward_timeout` (seconds a reward
     function may take on a step's completions before the run stops naming it) and `tool_timeout`. A step trains on
     `total_batch_size` completions: `total_batch_size / num_generations` prompts, each completed `num_generations`
     times. A step's rows are as wide as its longest prompt and its longest completion, each rounded up to a bucket

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 from pathlib import Path
 
+from .environments import EnvironmentCallError
+
 
 class RewardError(RuntimeError):
     """A reward function failed (raised, returned NaN or the wrong number of rewards)."""
@@ -46,19 +48,19 @@ def load_reward_function(spec: Any, *, mesh: Any = None, data_axes: tuple[str, .
     return fn
 
 
-def load_tool(spec: Any) -> Callable:
-    """A tool the model may call: a callable, or a dotted import path (`my_tools.get_weather`) imported as reward
-    functions are."""
+def load_tool(spec: Any, what: str = "tools") -> Callable:
+    """A tool the model may call (or another piece of user code, `what` naming its setting): a callable, or a dotted
+    import path (`my_tools.get_weather`) imported as reward functions are."""
     if isinstance(spec, str):
         module, _, name = spec.rpartition(".")
         try:
             spec = getattr(_import_from_here(module), name) if module else None
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"tools: {spec!r} does not import ({type(e).__name__}: {e})") from None
+            raise ValueError(f"{what}: {spec!r} does not import ({type(e).__name__}: {e})") from None
         if spec is None:
-            raise ValueError("tools: expected a dotted import path such as my_tools.get_weather")
+            raise ValueError(f"{what}: expected a dotted import path such as my_module.name")
     if not callable(spec):
-        raise TypeError(f"tools: {spec!r} is not callable")
+        raise TypeError(f"{what}: {spec!r} is not callable")
     return spec
 
 
@@ -120,7 +122,7 @@ def call_reward(
     name = reward_name(fn)
     try:
         out = within(fn, timeout, name, prompts=prompts, completions=completions, **columns, **extra)
-    except RewardTimeoutError:
+    except (RewardTimeoutError, EnvironmentCallError):  # already names what failed
         raise
     except Exception as e:  # noqa: BLE001 - user code: find the failing prompt, then say which
         for i in range(len(prompts)):

@@ -4,6 +4,7 @@ they end, log-probs recorded), scored, and laid out as rows as wide as the step'
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -20,6 +21,7 @@ from ..batches import Batches, DataSpec
 from ..step import STOP_KEY
 from .loss import ADV, OLD, REF, SAMPLED
 from .rewards import advantages, call_reward, reward_name
+from .environments import EnvironmentCallError, environment_rows, raise_naming_the_record
 from .tools import tool_turns
 
 log = logging.getLogger("jaxloom.trainer")
@@ -130,14 +132,17 @@ class Policy:
     """What a rollout asks of the run it serves, each a callable read when a rollout is made: the state being
     trained (`state()`: its model samples, its `rng` seeds the rollout), the step being trained (`step()`), the
     per-token log-probs of rollout rows (`logps(batch, reference)`: the policy's now, or the reference's) and the
-    reward functions with their weights (`rewards()`: imported when first asked, at setup), and the tools the model
-    may call (`tools()`: a `ToolSet`, or None)."""
+    reward functions with their weights (`rewards()`: imported when first asked, at setup), the tools the model
+    may call (`tools()`: a `ToolSet`, or None), the environments of its rows (`environments()`: `Environments`, or
+    None) and a custom rollout (`rollout()`: TRL's `rollout_func` as `prompts -> dict`, or None)."""
 
     state: Callable[[], Any]
     step: Callable[[], int]
     logps: Callable[..., jax.Array]
     rewards: Callable[[], tuple[list[Callable], list[float]]]
     tools: Callable[[], Any] = lambda: None  # the run's `ToolSet` (tools.py), None without tools
+    environments: Callable[[], Any] = lambda: None  # the run's `Environments` (environments.py), or None
+    rollout: Callable[[], Any] = lambda: None  # `rollout_func` bound to its trainer: prompts -> rows, or None
 
 
 class Rollouts(Batches):
@@ -182,7 +187,7 @@ class Rollouts(Batches):
     def prompt_records(self) -> list[dict]:
         """The prompt records, read once and checked: each has a `prompt` (text or chat messages)."""
         if self.records is None:
-            self.records = _prompt_records(self.dataset_train, "dataset_train")
+            self.records = _prompt_records(self.dataset_train, "dataset_train", self.policy.environments() is not None)
         return self.records
 
     def stop_ids(self) -> tuple[int, ...]:
@@ -192,7 +197,7 @@ class Rollouts(Batches):
 
             tok = self.tokenizer()
             ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-            if isinstance(self.prompt_records()[0]["prompt"], list):
+            if isinstance(prompt_of(self.prompt_records()[0]), list):
                 ids |= set(end_of_turn_ids(tok))
             self._stop_ids = tuple(sorted(ids))
         return self._stop_ids
@@ -202,19 +207,27 @@ class Rollouts(Batches):
         generation prompt), encoded once for the run; not yet cut to `max_prompt_length`."""
         if self.encoded is None:
             records = self.prompt_records()
-            self.encoded = [np.asarray(ids, np.int32) for ids in self.encode([r["prompt"] for r in records])]
+            self.encoded = [np.asarray(ids, np.int32) for ids in self.encode(records, "dataset_train")]
         return self.encoded
 
-    def encode(self, prompts: list) -> list[list[int]]:
-        """Token ids of prompts: text as the tokenizer encodes it, chat through its template with the generation
-        prompt — and, with tools, their schemas rendered by the template (chat prompts only, as TRL's)."""
+    def encode(self, records: list[dict], source: str) -> list[list[int]]:
+        """Token ids of the records' prompts: text as the tokenizer encodes it, chat through its template with the
+        generation prompt — and, with tools or environments, the schemas of the tools of each record rendered by
+        the template (chat prompts only, as TRL's). `source` names the records in an error."""
+        prompts = [prompt_of(r) for r in records]
         chat = isinstance(prompts[0], list)
-        tools = self.policy.tools()
-        if tools is None:
+        tools, envs = self.policy.tools(), self.policy.environments()
+        if tools is None and envs is None:
             return jd_encode(self.tokenizer(), prompts, chat)
         if not chat:
-            raise ValueError("tools need chat prompts (a list of messages per record), as TRL's; the prompts are text")
-        return [tools.encode(p) for p in prompts]
+            raise ValueError(
+                f"tools and environments need chat prompts (a list of messages per record), as TRL's; {source}'s "
+                "prompts are text"
+            )
+        if envs is None:
+            return [tools.encode(p) for p in prompts]
+        names = envs.names(records, source)
+        return [envs.toolset(n).encode(p) for n, p in zip(names, prompts, strict=True)]
 
     def longest_prompt(self) -> int:
         """The widest prompt a step can hold: `max_prompt_length`, or (None) the longest prompt of the data."""
@@ -273,8 +286,8 @@ class Rollouts(Batches):
         if self.dataset_eval is None:
             return None
         if self._eval is None:
-            records = _prompt_records(self.dataset_eval, "dataset_eval")
-            ids = self.encode([r["prompt"] for r in records])
+            records = _prompt_records(self.dataset_eval, "dataset_eval", self.policy.environments() is not None)
+            ids = self.encode(records, "dataset_eval")
             self._eval = (records, [np.asarray(i, np.int32) for i in ids])
         return self._eval
 
@@ -291,7 +304,8 @@ class Rollouts(Batches):
         for i in range(min(batches, -(-len(records) // per))):
             chosen = list(range(i * per, min((i + 1) * per, len(records))))
             key = jax.random.fold_in(jax.random.PRNGKey(self.arguments.seed), 1_000_003 + i)
-            _, metrics, _ = self.sample([records[j] for j in chosen], [ids[j] for j in chosen], key)
+            where = [f"dataset_eval record {j}" for j in chosen]
+            _, metrics, _ = self.sample([records[j] for j in chosen], [ids[j] for j in chosen], key, where)
             out.append((len(chosen), metrics))
         weight = sum(n for n, _ in out)
         keep = [k for k in out[0][1] if not k.startswith(("time/", "rows/", "prompts/"))]
@@ -323,65 +337,95 @@ class Rollouts(Batches):
         """Generate, score and lay out rollout `index` (its prompts, `num_generations` completions each)."""
         order = self.train_loader()
         records = order.prompts(index)
-        encoded = [self.prompt_ids()[i] for i in order.indices(index)]
+        indices = order.indices(index)
+        encoded = [self.prompt_ids()[i] for i in indices]
         key = jax.random.fold_in(self.policy.state().rng, index)
-        rows, metrics, sampled = self.sample(records, encoded, key)
+        rows, metrics, sampled = self.sample(records, encoded, key, [f"dataset_train record {i}" for i in indices])
         self.metrics.append((self.policy.step() + 1, metrics))
         return self.layout(rows, sampled)
 
     def sample(
-        self, records: list[dict], encoded: list[np.ndarray], key: jax.Array
+        self, records: list[dict], encoded: list[np.ndarray], key: jax.Array, where: Sequence[str] | None = None
     ) -> tuple[dict[str, np.ndarray], dict[str, float], np.ndarray | None]:
         """`num_generations` completions of each prompt (`encoded`: its token ids) from the current policy, scored:
         `(rows, metrics, sampler log-probs)`, rows `i * num_generations + j` as host arrays (`input_ids`,
         `segment_ids`, `positions`, `loss_mask`, the advantage per row under `ADV`, and `width`: the prompt
-        columns)."""
+        columns). With environments each row's instance is reset first (its text appended to the prompt); a
+        `rollout_func` replaces the generation; with tools the exchange continues (`tool_turns`). `where` names
+        each record in an error (default: its index in the step)."""
         rl, tok = self.rl, self.tokenizer()
         started = time.perf_counter()
         group = rl.num_generations
-        chat = isinstance(records[0]["prompt"], list)
-        cap, kept, truncated = rl.max_prompt_length, [], 0
-        for ids in encoded:
-            truncated += cap is not None and len(ids) > cap
-            kept.append(ids if cap is None else ids[-cap:])  # the prompt's end is kept: it leads into the completion
+        where = list(where) if where is not None else [f"prompt {i} of this step" for i in range(len(records))]
+        row_records = [r for r in records for _ in range(group)]
+        row_where = [w for w in where for _ in range(group)]
+        prompts = [prompt_of(r) for r in row_records]
+        chat = isinstance(prompts[0], list)
+        envs, tools, row_tools = self.policy.environments(), self.policy.tools(), None
+        row_ids = [ids for ids in encoded for _ in range(group)]
+        columns = {k: [r.get(k) for r in row_records] for k in records[0] if k != "prompt"}
+        if envs is not None:  # TRL's environments: one instance per row, reset with its record
+            prompts, row_ids, tools, row_tools, columns["environments"] = environment_rows(
+                envs, records, group, prompts, row_ids, row_where
+            )
+        custom = self.policy.rollout()
+        keep = None
+        if custom is not None:  # TRL's rollout_func: the user's own generation, its extra fields to the rewards
+            out = _rollout_rows(custom(copy.deepcopy(prompts)), len(prompts), rl.max_completion_length)
+            row_ids = [np.asarray(ids, np.int32) for ids in out.pop("prompt_ids")]
+            kept, truncated = row_ids, 0
+        else:
+            cap = rl.max_prompt_length
+            kept = [ids if cap is None else ids[-cap:] for ids in row_ids]  # the end is kept: it leads into the reply
+            truncated = sum(cap is not None and len(ids) > cap for ids in row_ids[::group])
         width, _ = row_buckets(max(map(len, kept)), 1, rl.max_completion_length)
-        unique = np.full((len(kept), width), tok.pad_token_id or 0, np.int32)
-        unique_mask = np.zeros((len(kept), width), np.int32)
+        prompt = np.full((len(kept), width), tok.pad_token_id or 0, np.int32)
+        prompt_mask = np.zeros((len(kept), width), np.int32)
         for i, ids in enumerate(kept):
-            unique[i, width - len(ids) :], unique_mask[i, width - len(ids) :] = ids, 1
-        prompt, prompt_mask = np.repeat(unique, group, axis=0), np.repeat(unique_mask, group, axis=0)
-        if self.engine is not None:  # an external engine: the prompt rows as they are trained on, no log-probs
+            prompt[i, width - len(ids) :], prompt_mask[i, width - len(ids) :] = ids, 1
+        if custom is not None:
+            completion, completion_mask, sampled, keep = _custom_completions(out, tok, rl.max_completion_length)
+            columns.update(out)  # what is left: the fields for the reward functions
+        elif self.engine is not None:  # an external engine: the prompt rows as they are trained on, no log-probs
             completion, completion_mask = self.engine(prompt, prompt_mask, key)
             sampled = None
-        else:  # one prefill per prompt, shared by its group
-            completion, completion_mask, sampled = self.generate(unique, unique_mask, key)
+        elif _grouped(prompt, prompt_mask, group):
+            # one prefill per prompt, shared by its group
+            completion, completion_mask, sampled = self.generate(prompt[::group], prompt_mask[::group], key)
+        else:  # an environment's observation made a group's prompts differ: a prefill per row
+            completion, completion_mask, sampled = self.generate(prompt, prompt_mask, key, group=1)
         turns = None
-        if self.policy.tools() is not None and sampled is not None:  # TRL's tool loop (in-process generation only)
-            rows_prompts = [kept[i // group] for i in range(len(prompt))]
+        if tools is not None and sampled is not None:  # TRL's tool loop (in-process generation only)
             buckets = (PROMPT_BUCKET, COMPLETION_BUCKET)
-            turns = tool_turns(self, rows_prompts, completion, completion_mask, sampled, key, buckets)
+            turns = tool_turns(
+                self, kept, completion, completion_mask, sampled, key, buckets, tools=tools, row_tools=row_tools
+            )
             completion, completion_mask, sampled = _padded(turns, rl.max_completion_length, tok.pad_token_id or 0)
+            keep = _padded_keep(turns, completion_mask.shape[1])
         _, cwidth = row_buckets(width, int(np.max(completion_mask.sum(axis=1), initial=1)), completion.shape[1])
         completion, completion_mask = completion[:, :cwidth], completion_mask[:, :cwidth]
         if sampled is not None:
             sampled = sampled[:, :cwidth]
+        if keep is not None:
+            keep = keep[:, :cwidth]
         generated = time.perf_counter()
         texts = [
             tok.decode(c[m > 0], skip_special_tokens=True) for c, m in zip(completion, completion_mask, strict=True)
         ]
-        prompts = [r["prompt"] for r in records for _ in range(group)]
         completions: list[Any] = [[{"role": "assistant", "content": x}] for x in texts] if chat else texts
         if turns is not None:  # the turns as messages: assistant (with its tool calls), tool, assistant, ...
             completions = turns.messages
-        columns = {k: [r[k] for r in records for _ in range(group)] for k in records[0] if k != "prompt"}
-        scored, score_metrics = self.score(prompts, completions, columns, completion, completion_mask)
+        try:
+            scored, score_metrics = self.score(prompts, completions, columns, completion, completion_mask)
+        except EnvironmentCallError as e:
+            raise_naming_the_record(e, row_where)
         eos = set(self.stop_ids())
         ended = np.asarray(
             [any(int(x) in eos for x in c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)]
         )
         loss_mask = completion_mask.copy()
-        if turns is not None:  # the tool turns' tokens are read, never trained on (nor in the KL or the entropy)
-            loss_mask = loss_mask * _padded_keep(turns, completion_mask.shape[1])
+        if keep is not None:  # tool and environment tokens are read, never trained on (nor in the KL or the entropy)
+            loss_mask = loss_mask * keep
         if rl.mask_truncated_completions:
             loss_mask[~ended] = 0
         ids = np.concatenate([prompt, completion], axis=1)
@@ -394,7 +438,7 @@ class Rollouts(Batches):
             **scored,
             "width": np.asarray(width),
         }
-        lengths = completion_mask.sum(axis=1)
+        lengths = (completion_mask if keep is None else completion_mask * keep).sum(axis=1)  # the model's tokens (TRL)
         metrics = {
             **score_metrics,
             "completions/mean_length": float(lengths.mean()),
@@ -403,12 +447,8 @@ class Rollouts(Batches):
             "rows/width": float(ids.shape[1]),
             "time/rollout_s": generated - started,
         }
-        if turns is not None:  # TRL's tool metrics, and jaxloom's tool turns per completion
-            metrics["tools/call_frequency"] = turns.calls / len(completion)
-            metrics["tools/failure_frequency"] = turns.failures / turns.calls if turns.calls else 0.0
-            metrics["tools/turns"] = sum(sum(m["role"] == "tool" for m in row) for row in turns.messages) / len(
-                completion
-            )
+        if turns is not None:
+            metrics.update(turns.metrics())
         return rows, metrics, (None if sampled is None else np.where(completion_mask > 0, sampled, 0.0))
 
     def score(
@@ -423,31 +463,7 @@ class Rollouts(Batches):
         on them, their weighted sum and its advantage per row (`ADV`); TRL's metrics (`reward`, `reward_std`,
         `rewards/<func>/mean`) and `time/reward_s`. A kind that scores otherwise (distillation: not at all)
         overrides it: `(rows' extra columns, metrics)`."""
-        rl, group, started = self.rl, self.rl.num_generations, time.perf_counter()
-        funcs, weights = self.policy.rewards()
-        rewards = np.stack(
-            [
-                call_reward(
-                    f,
-                    prompts,
-                    completions,
-                    columns,
-                    timeout=rl.reward_timeout,
-                    completion_ids=[list(c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)],
-                )
-                for f in funcs
-            ],
-            axis=1,
-        )
-        total = np.nansum(rewards * np.asarray(weights)[None], axis=1)
-        adv, std = advantages(total, group, rl.scale_rewards)
-        metrics = {
-            "reward": float(np.mean(total)),
-            "reward_std": float(np.mean(std)),
-            **{f"rewards/{reward_name(f)}/mean": float(np.nanmean(rewards[:, j])) for j, f in enumerate(funcs)},
-            "time/reward_s": time.perf_counter() - started,
-        }
-        return {ADV: adv.astype(np.float32)}, metrics
+        return group_rewards(self.policy, self.rl, prompts, completions, columns, completion, completion_mask)
 
     def layout(self, rows: dict[str, np.ndarray], sampled: np.ndarray | None) -> dict[str, jax.Array]:
         """A rollout's host rows (`sample`) as the train step's global batch `[1, B, ...]`: the tokens, the
@@ -513,13 +529,14 @@ class Rollouts(Batches):
         return {k: float(np.mean([m[k] for m in due if k in m])) for k in due[-1]}
 
 
-def _prompt_records(data: Any, name: str) -> list[dict]:
-    """Every record of `data` (read whole), checked: each has a `prompt` (text or chat messages)."""
+def _prompt_records(data: Any, name: str, environments: bool = False) -> list[dict]:
+    """Every record of `data` (read whole), checked: each has a `prompt` (text or chat messages) — or, when
+    `environments` own the data, may have none (its environment's `reset` gives it)."""
     records = read_records(data)
     if not records:
         raise ValueError(f"{name} has no records; expected prompt records ({{'prompt': ...}})")
     for i, r in enumerate(records[:1000]):
-        if "prompt" not in r:
+        if "prompt" not in r and not environments:
             raise ValueError(
                 f"{name} record {i} has no 'prompt' column (it has {sorted(r)}); GRPO reads a "
                 "prompt (text, or a list of chat messages) per record, other columns go to the rewards"
@@ -551,3 +568,112 @@ def _padded_keep(turns: Any, width: int) -> np.ndarray:
     for i, k in enumerate(turns.keep):
         keep[i, : len(k)] = k[:width]
     return keep
+
+
+EMPTY_PROMPT = [{"role": "user", "content": ""}]
+"""The prompt of a record without one, when an environment owns the data (its `reset` returns the prompt; TRL's)."""
+
+
+def prompt_of(record: dict) -> Any:
+    """A record's prompt (text or chat messages); an environment's record may have none (`EMPTY_PROMPT`)."""
+    return record.get("prompt", EMPTY_PROMPT)
+
+
+def _grouped(prompt: np.ndarray, mask: np.ndarray, group: int) -> bool:
+    """Whether every row of each group of `group` rows holds its group's first prompt (then one prefill serves it)."""
+    first = np.repeat(np.arange(0, len(prompt), group), group)
+    return bool((prompt == prompt[first]).all() and (mask == mask[first]).all())
+
+
+ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+def _rollout_rows(out: Any, rows: int, max_completion_length: int) -> dict[str, list]:
+    """The output of a `rollout_func` checked (TRL's contract: `prompt_ids`, `completion_ids` and `logprobs`, one list
+    per row — each prompt `num_generations` times — and optionally `env_mask`; other fields go to the reward
+    functions, one value per row); a completion longer than `max_completion_length` is cut to it, counted as clipped."""
+    if not isinstance(out, dict):
+        raise ValueError(f"rollout_func returned {type(out).__name__}; expected a dict with {list(ROLLOUT_KEYS)}")
+    missing = [k for k in ROLLOUT_KEYS if k not in out]
+    if missing:
+        raise ValueError(f"rollout_func must return keys {missing} in its output dict (one list per row)")
+    checked = {}
+    for k, v in out.items():
+        v = list(v) if not isinstance(v, str) else v
+        if not isinstance(v, list) or len(v) != rows:
+            n = len(v) if isinstance(v, list) else type(v).__name__
+            raise ValueError(
+                f"rollout_func's {k!r} has {n} entries for {rows} rows; expected one per row (each prompt "
+                "num_generations times, rows i * num_generations + j)"
+            )
+        checked[k] = v
+    for k in ("logprobs", "env_mask"):
+        given = checked.get(k, checked["completion_ids"])
+        for i, (ids, values) in enumerate(zip(checked["completion_ids"], given, strict=True)):
+            if len(values) != len(ids):
+                raise ValueError(
+                    f"rollout_func's {k!r} row {i} has {len(values)} values for {len(ids)} completion tokens; "
+                    "expected one per token"
+                )
+    for k in ("completion_ids", "logprobs", "env_mask"):
+        if k in checked:
+            checked[k] = [list(v)[:max_completion_length] for v in checked[k]]
+    return checked
+
+
+def _custom_completions(
+    out: dict[str, list], tok: Any, cap: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """A `rollout_func`'s completions (`_rollout_rows`, its fields popped from `out`) as `(completion_ids, mask,
+    sampled log-probs, keep)`, `keep` from its `env_mask` (TRL's: 1 on the model's tokens), or None."""
+    completion, mask, sampled = _padded_rows(out.pop("completion_ids"), out.pop("logprobs"), tok, cap)
+    env_mask = out.pop("env_mask", None)
+    keep = None if env_mask is None else (_padded_rows(env_mask, env_mask, tok, cap)[2] > 0).astype(np.int32)
+    return completion, mask, sampled, keep
+
+
+def _padded_rows(ids: list, values: list, tok: Any, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ragged completion rows (`ids`, and `values` per token) right-padded to `width`: `(ids, mask, values)`."""
+    out = np.full((len(ids), width), tok.pad_token_id or 0, np.int32)
+    mask, vals = np.zeros((len(ids), width), np.int32), np.zeros((len(ids), width), np.float32)
+    for i, (row, v) in enumerate(zip(ids, values, strict=True)):
+        out[i, : len(row)], mask[i, : len(row)], vals[i, : len(v)] = row, 1, v
+    return out, mask, vals
+
+
+def group_rewards(
+    policy: Policy,
+    rl: Any,
+    prompts: list[Any],
+    completions: list[Any],
+    columns: dict[str, list],
+    completion: np.ndarray,
+    completion_mask: np.ndarray,
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """GRPO's scoring (`Rollouts.score`): `policy`'s reward functions called on the completions, their weighted sum
+    and its group-relative advantage per row (`ADV`, groups of `rl.num_generations`), and TRL's metrics."""
+    group, started = rl.num_generations, time.perf_counter()
+    funcs, weights = policy.rewards()
+    rewards = np.stack(
+        [
+            call_reward(
+                f,
+                prompts,
+                completions,
+                columns,
+                timeout=rl.reward_timeout,
+                completion_ids=[list(c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)],
+            )
+            for f in funcs
+        ],
+        axis=1,
+    )
+    total = np.nansum(rewards * np.asarray(weights)[None], axis=1)
+    adv, std = advantages(total, group, rl.scale_rewards)
+    metrics = {
+        "reward": float(np.mean(total)),
+        "reward_std": float(np.mean(std)),
+        **{f"rewards/{reward_name(f)}/mean": float(np.nanmean(rewards[:, j])) for j, f in enumerate(funcs)},
+        "time/reward_s": time.perf_counter() - started,
+    }
+    return {ADV: adv.astype(np.float32)}, metrics

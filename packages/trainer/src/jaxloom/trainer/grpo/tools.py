@@ -119,18 +119,20 @@ class ToolSet:
             return {"type": "function", "function": {"name": "unknown", "arguments": {}}, "error": f"{e}"}
         return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
-    def run(self, calls: list[dict]) -> tuple[list[dict], int]:
+    def run(self, calls: list[dict], tools: dict[str, Callable] | None = None) -> tuple[list[dict], int]:
         """One tool message per call (`{"role": "tool", "name", "content"}`: the result, or `{"error": ...}` as
-        text) and how many calls failed (raised, passed the time limit, returned a non-string, named no tool)."""
+        text) and how many calls failed (raised, passed the time limit, returned a non-string, named no tool).
+        `tools` (by name) replaces the set's own for this call: an environment row's bound methods."""
+        tools = self.tools if tools is None else tools
         messages, failed = [], 0
         for call in calls:
             name, arguments = call["function"]["name"], call["function"]["arguments"]
             error = call.get("error")
             result: Any = None
-            if error is None and name not in self.tools:
+            if error is None and name not in tools:
                 error = f"Tool {name} not found."
             if error is None:
-                result, error = self._invoke(self.tools[name], arguments)
+                result, error = self._invoke(tools[name], arguments)
             if error is None and not isinstance(result, str):
                 error = f"{name} returned {type(result).__name__}; expected a string"
             failed += error is not None
@@ -168,6 +170,18 @@ class Exchange:
         self.logps: list[list[float]] = [[] for _ in range(rows)]
         self.messages: list[list[dict]] = [[] for _ in range(rows)]
         self.calls = self.failures = self.turns = 0
+        self.tool_seconds = self.generate_seconds = 0.0  # time in the tools' calls, and in the later generations
+
+    def metrics(self) -> dict[str, float]:
+        """TRL's tool metrics (`tools/call_frequency`: calls per completion, `tools/failure_frequency`: failed calls
+        per call), and jaxloom's `tools/turns` (tool turns per completion) and `time/tools_s` (time in the calls)."""
+        rows = len(self.ids)
+        return {
+            "tools/call_frequency": self.calls / rows,
+            "tools/failure_frequency": self.failures / self.calls if self.calls else 0.0,
+            "tools/turns": sum(sum(m["role"] == "tool" for m in row) for row in self.messages) / rows,
+            "time/tools_s": self.tool_seconds,
+        }
 
     def add(self, row: int, ids: Sequence[int], logps: Sequence[float] | None, model: bool) -> None:
         self.ids[row] += list(ids)
@@ -184,13 +198,17 @@ def exchange(
     max_completion_length: int,
     positions: int,
     max_iterations: int | None,
+    row_tools: Sequence[dict[str, Callable]] | None = None,
 ) -> Exchange:
     """TRL 1.16's tool loop over a rollout's rows: each row's first completion (`first`: its tokens and sampled
     log-probs) is parsed for tool calls; the calls run (`tools.run`), their messages are appended as a tool turn
     (`tools.suffix_ids`), and the model continues from its whole history (`generate(histories, budget, iteration)`
     gives each history's new tokens and log-probs, at most `budget` of them) — up to `max_iterations` times (None:
     while the model calls tools). A tool turn that would take a row past `max_completion_length` tokens of
-    completion, or its history to the model's `positions`, is not added: the row ends as it is (TRL's rule)."""
+    completion, or its history to the model's `positions`, is not added: the row ends as it is (TRL's rule).
+    `row_tools` (per row, by name) replaces the set's tools for that row: an environment instance's methods."""
+    import time
+
     out = Exchange(len(prompts))
     for row, (ids, logps) in enumerate(first):
         out.add(row, ids, logps, model=True)
@@ -208,8 +226,9 @@ def exchange(
         if not calls_of or (max_iterations is not None and iteration >= max_iterations):
             break
         histories = {}
+        started = time.perf_counter()
         for row, calls in calls_of.items():
-            results, failed = tools.run(calls)
+            results, failed = tools.run(calls, None if row_tools is None else row_tools[row])
             out.calls, out.failures = out.calls + len(calls), out.failures + failed
             suffix = tools.suffix_ids(results)
             completion = len(out.ids[row]) + len(suffix)
@@ -218,11 +237,14 @@ def exchange(
             out.messages[row].extend(results)
             out.add(row, suffix, None, model=False)
             histories[row] = [*prompts[row], *out.ids[row]]
+        out.tool_seconds += time.perf_counter() - started
         if not histories:
             break
         rows = sorted(histories)
         budget = max(max_completion_length - len(out.ids[r]) for r in rows)
+        started = time.perf_counter()
         new = generate([histories[r] for r in rows], budget, iteration)
+        out.generate_seconds += time.perf_counter() - started
         segments = {}
         for row, (ids, logps) in zip(rows, new, strict=True):
             room = max_completion_length - len(out.ids[row])
@@ -234,18 +256,26 @@ def exchange(
 
 
 def tool_turns(
-    rollouts: Any, prompts: list, completion: Any, mask: Any, sampled: Any, key: Any, buckets: tuple[int, int]
+    rollouts: Any,
+    prompts: list,
+    completion: Any,
+    mask: Any,
+    sampled: Any,
+    key: Any,
+    buckets: tuple[int, int],
+    tools: ToolSet,
+    row_tools: Sequence[dict[str, Callable]] | None = None,
 ) -> Exchange:
     """The tool loop of one rollout of GRPO's `rollouts` (`exchange`, TRL's): each row's first completion (`completion`,
     `mask`, `sampled` log-probs, after `prompts`) parsed for calls, the tools run, their turn appended and the model
     continuing from its whole history with the policy's current weights (histories left-padded to a power of two of
     at least `buckets[0]` tokens, the budget to one of at least `buckets[1]`: one generation program per width and
-    budget met), each iteration seeded by the rollout's `key` and its index."""
+    budget met), each iteration seeded by the rollout's `key` and its index; `tools` parses and runs the calls
+    (`row_tools`: per row, an environment instance's own tools)."""
     import jax
     import numpy as np
 
     rl, tok = rollouts.rl, rollouts.tokenizer()
-    tools = rollouts.policy.tools()
     first = [(list(c[m > 0]), list(lp[m > 0])) for c, m, lp in zip(completion, mask, sampled, strict=True)]
     pad, rows = tok.pad_token_id or 0, len(prompts)
 
@@ -274,4 +304,5 @@ def tool_turns(
         max_completion_length=rl.max_completion_length,
         positions=rollouts.policy.state().model.config.max_position_embeddings,
         max_iterations=getattr(rl, "max_tool_calling_iterations", None),
+        row_tools=row_tools,
     )

@@ -42,6 +42,8 @@ def rollouts(trainer: Any) -> Rollouts:
             logps=trainer.logps_of,
             rewards=lambda: (trainer.reward_functions, trainer.reward_weights),
             tools=lambda: trainer.tool_set,
+            environments=lambda: trainer.environments,
+            rollout=lambda: trainer.custom_rollout,
         ),
     )
 
@@ -53,7 +55,10 @@ class GRPOTrainer(BaseTrainer):
     columns reach the rewards). Arguments otherwise as `BaseTrainer`'s; `arguments` is a `GRPOConfig`;
     `rollout_engine(prompt_ids, prompt_mask, key) -> (completion_ids, completion_mask)` replaces the
     in-process generation (the seam for an external engine); `tools` (also `arguments.tools`): functions the model
-    may call during its completions of chat prompts (TRL's; `grpo.tools`, docs/rl.md)."""
+    may call during its completions of chat prompts (TRL's; `grpo.tools`, docs/rl.md); `environment_factory` (also
+    `arguments.environment_factory`): environments whose methods are the tools of each rollout row, with their own
+    reward (TRL's; `grpo.environments`); `rollout_func(prompts, trainer)` (also `arguments.rollout_func`): a custom
+    rollout returning TRL's fields."""
 
     no_evaluation = "expected held-out prompt records: dataset_eval= (data.eval=FILE on the command line)"
 
@@ -62,12 +67,19 @@ class GRPOTrainer(BaseTrainer):
     arguments_class = GRPOConfig
 
     def take_inputs(
-        self, *, reward_funcs: Any = None, rollout_engine: Callable | None = None, tools: Any = None
+        self,
+        *,
+        reward_funcs: Any = None,
+        rollout_engine: Callable | None = None,
+        tools: Any = None,
+        environment_factory: Any = None,
+        rollout_func: Any = None,
     ) -> None:
         """`reward_funcs` (default: `arguments.reward_funcs`): callables, checked now, or dotted paths, imported
         when the run trains; `tools` (default: `arguments.tools`): functions the model may call (TRL's), callables
-        or dotted paths; `rollout_engine`: see the class. GRPO builds its rows from rollouts: a `data_collator` is
-        refused."""
+        or dotted paths; `environment_factory` and `rollout_func` (defaults: the arguments'), TRL's, likewise
+        callables or dotted paths (imported, and the environments made, when the run trains); `rollout_engine`:
+        see the class. GRPO builds its rows from rollouts: a `data_collator` is refused."""
         if self.data_collator is not None:
             raise ValueError("GRPOTrainer builds its rows from rollouts: data_collator is not used; drop it")
         rl = self.arguments.rl
@@ -77,26 +89,36 @@ class GRPOTrainer(BaseTrainer):
                 "sequence by its length rather than GSPO's per-sequence objective; loss_type='grpo' is GSPO's setup",
                 rl.loss_type,
             )
-        given = reward_funcs if reward_funcs is not None else self.arguments.rl.reward_funcs
+        self._environment_spec = environment_factory if environment_factory is not None else rl.environment_factory
+        self._rollout_spec = rollout_func if rollout_func is not None else rl.rollout_func
+        given = reward_funcs if reward_funcs is not None else rl.reward_funcs
         given = [given] if callable(given) or isinstance(given, str) else list(given or [])
-        if not given:
-            raise ValueError("GRPO needs reward_funcs: callables or dotted paths (reward_funcs=my_rewards.accuracy)")
+        if not given and self._environment_spec is None:
+            raise ValueError(
+                "GRPO needs reward_funcs: callables or dotted paths (reward_funcs=my_rewards.accuracy), or an "
+                "environment_factory whose environment defines get_reward"
+            )
         for f in given:  # callables are checked now; paths are imported when the run trains (see reward_functions)
             if not isinstance(f, str):
                 load_reward_function(f)
         self._reward_specs = given
-        weights = self.arguments.rl.reward_weights
+        weights = rl.reward_weights
         if weights is not None and len(weights) != len(given):
             raise ValueError(f"reward_weights has {len(weights)} weights for {len(given)} reward functions")
         self.reward_weights = list(weights) if weights is not None else [1.0] * len(given)
         self.rollout_engine = rollout_engine
         self._reference: js.TrainState | None = None
-        given_tools = tools if tools is not None else self.arguments.rl.tools
+        given_tools = tools if tools is not None else rl.tools
         self._tool_specs = (
             [given_tools] if callable(given_tools) or isinstance(given_tools, str) else list(given_tools or [])
         )
-        if self._tool_specs and rollout_engine is not None:
-            raise ValueError("tools run in jaxloom's own rollouts: a rollout_engine with tools is not supported")
+        custom = [n for n, v in (("tools", self._tool_specs), ("environment_factory", self._environment_spec)) if v]
+        if custom and rollout_engine is not None:
+            raise ValueError(
+                f"{' and '.join(custom)} run in jaxloom's own rollouts: a rollout_engine with them is not supported"
+            )
+        if self._rollout_spec is not None and rollout_engine is not None:
+            raise ValueError("rollout_func and rollout_engine both replace the generation: give one")
 
     batches = part(rollouts)  # type: ignore[assignment]
 
@@ -105,19 +127,61 @@ class GRPOTrainer(BaseTrainer):
         """The reward functions, dotted paths imported (user code runs): only when the run trains (at setup,
         before step 1) or is evaluated — never by a command that only reads a run (`convert`, `generate`, `plan`),
         so a run directory from elsewhere cannot make those import anything. A reward model's directory is read
-        sharded over the training mesh (`RewardModel`)."""
-        return [load_reward_function(f, mesh=self.mesh, data_axes=self.data_axes) for f in self._reward_specs]
+        sharded over the training mesh (`RewardModel`). An environment that owns its reward (`get_reward`) adds
+        one, of weight 1, named after its class (TRL's)."""
+        funcs = [load_reward_function(f, mesh=self.mesh, data_axes=self.data_axes) for f in self._reward_specs]
+        owned = self.environments.reward_functions() if self.environments is not None else []
+        if not funcs and not owned:
+            raise ValueError(
+                "GRPO needs a reward: reward_funcs, or an environment_factory whose environment defines get_reward "
+                "(its environments define none)"
+            )
+        self.reward_weights = [*self.reward_weights[: len(funcs)], *[1.0] * len(owned)]
+        return [*funcs, *owned]
 
     @functools.cached_property
     def tool_set(self) -> Any:
         """The tools the model may call (`grpo.tools.ToolSet`: their schemas for the chat template, its tool-call
-        format, calls with `tool_timeout`), dotted paths imported when the run trains; None without tools."""
-        if not self._tool_specs:
+        format, calls with `tool_timeout`), dotted paths imported when the run trains; None without tools (or
+        with environments: their `Environments` holds the tools of each row)."""
+        if not self._tool_specs or self._environment_spec is not None:
             return None
         from .tools import ToolSet
 
-        functions = [load_tool(t) for t in self._tool_specs]
-        return ToolSet(functions, self.tokenizer, timeout=self.arguments.rl.tool_timeout)
+        return ToolSet(self._standalone_tools, self.tokenizer, timeout=self.arguments.rl.tool_timeout)
+
+    @functools.cached_property
+    def _standalone_tools(self) -> list[Callable]:
+        return [load_tool(t) for t in self._tool_specs]
+
+    @functools.cached_property
+    def environments(self) -> Any:
+        """The environments of the rollouts (`grpo.environments.Environments`, TRL's `environment_factory`), dotted
+        paths imported and one instance of each made and checked when the run trains; None without them."""
+        spec = self._environment_spec
+        if spec is None:
+            return None
+        from .environments import Environments
+
+        what = "environment_factory"
+        factories = (
+            {str(k): load_tool(v, f"{what}[{k!r}]") for k, v in spec.items()}
+            if isinstance(spec, dict)
+            else load_tool(spec, what)
+        )
+        envs = Environments(
+            factories, tools=self._standalone_tools, tokenizer=self.tokenizer, timeout=self.arguments.rl.tool_timeout
+        )
+        envs.probe()
+        return envs
+
+    @functools.cached_property
+    def custom_rollout(self) -> Callable | None:
+        """TRL's `rollout_func` bound to this trainer (`prompts -> dict`), imported when the run trains; or None."""
+        if self._rollout_spec is None:
+            return None
+        fn = load_tool(self._rollout_spec, "rollout_func")
+        return lambda prompts: fn(prompts, self)
 
     def objective(self) -> Objective:
         """The GRPO loss of `loss_type`; TRL's metrics (`kl`, `clip_ratio`, `entropy`)."""
@@ -194,6 +258,8 @@ class GRPOTrainer(BaseTrainer):
         `ref_model`, or the initial policy (rebuilt from its source on every start, never checkpointed)."""
         out = super().configure_model()
         a = self.arguments
+        self.environments  # noqa: B018 - made and checked before step 1, as the tools and rewards below
+        self.custom_rollout  # noqa: B018
         self.check_rows(a.rl)
         self.reward_functions  # noqa: B018 - imported and checked before step 1
         if a.rl.beta and self._reference is None and self.plan.lora is None:
