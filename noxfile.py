@@ -28,10 +28,14 @@ nox.options.error_on_missing_interpreters = True
 # XLA_FLAGS (one or two devices) append these.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 # XLA's older CPU fusion emitters, where the session's jaxlib still has them (0.10; 0.12 removed the flag, and an
-# unknown flag aborts every process, so each session asks its own jaxlib first: `test_env`). The tests' programs
-# compile faster with them: the models target took 238 s against 379-407 s with the MLIR emitters (2 workers on 2
-# cores), every case passing; two of its sharded training cases 20-22 s against 25-29 s.
+# unknown flag aborts every process, so each session asks its own jaxlib first: `test_env`). Programs compile faster
+# with them and run slower: the models target took 238-300 s against 379-407 s with the MLIR emitters and the
+# generation target 95 s against 104 s (their cases compile many programs and run each a few times), but the
+# trainer, ray and meta targets, whose cases run hundreds of steps, took 874 s against 792, 494 against 391 and
+# 688 against 447 (a scatter, the embedding's gradient, became a loop). So: only the targets where compiling is most
+# of the time.
 FAST_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+FAST_EMITTER_TARGETS = {"models", "generation"}
 # Many simulated devices on one CPU; never a GPU in tests.
 TEST_ENV = {
     "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}",
@@ -83,10 +87,13 @@ TYPE_DEPS = ("mypy>=1.10",)
 DOCS_DEPS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
 
 
-def test_env(session: nox.Session) -> dict[str, str]:
-    """`TEST_ENV`, with `FAST_EMITTERS` added to the XLA flags when the session's jaxlib takes the flag."""
+def test_env(session: nox.Session, target: str) -> dict[str, str]:
+    """`TEST_ENV`, with `FAST_EMITTERS` added to the XLA flags for `FAST_EMITTER_TARGETS` when the session's jaxlib
+    takes the flag."""
     import subprocess
 
+    if target not in FAST_EMITTER_TARGETS:
+        return dict(TEST_ENV)
     probe = subprocess.run(
         [str(Path(session.bin) / "python"), "-c", "import jax; jax.devices()"],
         env={**os.environ, "XLA_FLAGS": FAST_EMITTERS, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"},
@@ -154,7 +161,7 @@ def tests(session: nox.Session, target: str) -> None:
     if target == SMOKE:
         install_parts(session, parts.closure("trainer"))
         session.run("python", "-c", "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__)")
-        session.run("pytest", "tests/smoke", *session.posargs, env=test_env(session))
+        session.run("pytest", "tests/smoke", *session.posargs, env=test_env(session, target))
         session.log(f"tests({target}) took {time.perf_counter() - start:.1f} s")
         return
     install_parts(session, parts.closure(target) if target != parts.META else [*parts.PARTS, parts.META])
@@ -188,7 +195,7 @@ def tests(session: nox.Session, target: str) -> None:
             count = min(4, os.cpu_count() or 1) + (1 if target in WAITING else 0)
             # worksteal: a worker that runs out takes queued cases from a busy one (no idle tail behind a long case)
             workers = ["-n", str(count), "--dist", "worksteal"]
-        env = test_env(session)
+        env = test_env(session, target)
         if workers and target in ALONE:  # the cases marked `alone` after the others, with no worker beside them
             session.run("pytest", *paths, *skip, *workers, "-m", "not alone", *session.posargs, env=env)
             session.run("pytest", *paths, *skip, "-m", "alone", *session.posargs, env=env)

@@ -82,6 +82,13 @@ def test_tool_calling_is_learned_from_the_environments_reward_alone(tmp_path):
     assert (tmp_path / "grpo" / "checkpoints").is_dir()
 
 
+def test_gspo_learns_the_toy_reward(tmp_path):
+    """GSPO (`importance_sampling_level="sequence"`, two steps a rollout): the reward at least doubles."""
+    out = run("gspo.py", "--out", str(tmp_path), "--tiny")
+    first, last = map(float, re.search(r"share of e\): (\S+) over the first 5 steps, (\S+) over", out).groups())
+    assert last > 2 * first and last > 0.2, out[-2000:]
+
+
 def test_finetune_hf_llama_round_trips_through_hf_format(tmp_path):
     out = run("finetune_hf_llama.py", "--make-tiny-model", "--out", str(tmp_path), "--steps", "3")
     for name in ("config.json", "model.safetensors", "tokenizer.json"):

@@ -205,6 +205,7 @@ def _tiny(tmp: Path, *extra: str) -> list[str]:
         "max_sequence_length=32",
         "progress_bar=false",
         "use_tensorboard=false",
+        "plot_loss=false",
         *extra,
     ]
 

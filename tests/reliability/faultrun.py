@@ -20,6 +20,7 @@ TINY = [
     "model.num_hidden_layers=2",
     "progress_bar=false",
     "use_tensorboard=false",
+    "plot_loss=false",  # matplotlib's 1-2 s at the end of each run (the tests that read loss.png turn it on)
     "generation_interval=null",
     "generation_prompts=[]",
 ]

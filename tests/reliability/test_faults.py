@@ -138,7 +138,14 @@ def test_two_processes_finish_with_previews_evaluation_report_and_plot(tmp_path)
         "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
         "JAXLOOM_RUN_OWNER": "mp-test",
     }
-    args = [sys.executable, str(WORKER), str(tmp_path), "max_training_steps=4", "generation_interval=2"]
+    args = [
+        sys.executable,
+        str(WORKER),
+        str(tmp_path),
+        "max_training_steps=4",
+        "generation_interval=2",
+        "plot_loss=true",
+    ]
     args += ["generation_prompts=[The interpreter, A list is]", "generation_max_new_tokens=24", "evaluation_steps=2"]
     logs = [tmp_path / f"p{r}.out" for r in range(2)]
     procs = [

@@ -67,6 +67,7 @@ TINY_OVERRIDES = [
     "generation_prompts=[]",
     "progress_bar=false",
     "use_tensorboard=false",
+    "plot_loss=false",
     "warmup_steps=1",
     "eval_batches=2",
 ]

@@ -31,6 +31,7 @@ trainer, resolved = build_run(
         "model.num_hidden_layers=2",
         "progress_bar=false",
         "use_tensorboard=false",
+        "plot_loss=false",
         f"async_checkpointing={mode == 'async'}",
         *sys.argv[3:],
     ],

@@ -178,8 +178,10 @@ def test_run_level_fields_against_a_baseline_run(tmp_path):
         generation_num_samples=2,
         generation_temperature=1.0,
         progress_bar=True,
+        plot_loss=True,
     )
     assert type(a.pbar).__name__ == "_NoBar" and type(b.pbar).__name__ != "_NoBar"  # progress_bar
+    assert (tmp_path / "b" / "loss.png").is_file() and not (tmp_path / "a" / "loss.png").exists()  # plot_loss
     assert _saved(tmp_path / "a") == [2, 4] and _saved(tmp_path / "b") == [4]  # save_total_limit
     loss = lambda rows: next(r["train/loss"] for r in rows if r["step"] == 1)  # noqa: E731
     assert loss(rows_b) > loss(rows_a)  # z_loss: the same first batch and parameters, plus the penalty
@@ -292,7 +294,7 @@ RUN_LEVEL = {
 RUNS = {
     "save_total_limit", "z_loss", "peak_flops_per_device", "log_weight_distribution", "generation_max_new_tokens",
     "generation_num_samples", "generation_temperature", "save_minutes", "use_wandb", "wandb_project", "nan_policy",
-    "use_tensorboard", "save_steps", "progress_bar", "resume_if_possible",
+    "use_tensorboard", "save_steps", "progress_bar", "resume_if_possible", "plot_loss",
 }  # fmt: skip
 
 

@@ -124,7 +124,7 @@ def test_a_tiny_model_learns_a_letter_from_the_reward_alone(tmp_path):
     16 likeliest tokens (top_k=16; over all 4,096 the 128 tokens a step see too little to move in 30 steps).
     Measured (seed 0, 30 steps of 16 completions of 8 tokens, lr 1e-2): reward per step 0.11, 0.09, 0.12, 0.15,
     0.18, ... 0.30, 0.25, 0.29, ... 0.32, 0.31 — the mean of steps 1-5 is 0.13, of steps 26-30 0.31."""
-    grpo_trainer(tmp_path, max_training_steps=30, learning_rate=1e-2, top_k=16).train()
+    grpo_trainer(tmp_path, max_training_steps=30, learning_rate=1e-2, top_k=16, plot_loss=True).train()
     rewards = [r["train/reward"] for r in rows(tmp_path) if "train/reward" in r]
     assert len(rewards) == 30
     assert np.mean(rewards[-5:]) > 2 * np.mean(rewards[:5]) and np.mean(rewards[-5:]) > 0.2, rewards

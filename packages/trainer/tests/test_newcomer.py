@@ -107,7 +107,7 @@ def test_resume_keeps_history_drops_rows_past_the_checkpoint_and_plots_it_all(tm
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     shutil.rmtree(tmp_path / "checkpoints" / "4")
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "train/lo')  # and a cut line
-    t = trainer(tmp_path, max_training_steps=5, save_steps=2, logging_steps=1)
+    t = trainer(tmp_path, max_training_steps=5, save_steps=2, logging_steps=1, plot_loss=True)
     out = t.train()
     t.finish()
     steps = [r["step"] for r in t.writer.history if "train/loss" in r]

@@ -166,7 +166,7 @@ def test_run_directory_on_a_store_sigkill_then_resume_ends_bitwise_equal(tmp_pat
 
     with (s3_server if scheme == "s3" else gcs_emulator)() as bucket:
         uri = f"{bucket}/runs/a"
-        extra = ["use_tensorboard=true"]
+        extra = ["use_tensorboard=true", "plot_loss=true"]
         drop = ()
         if scheme == "s3":  # the endpoint given as a setting, not by the environment: storage_endpoint_url acts
             extra.append(f"storage_endpoint_url={os.environ['AWS_ENDPOINT_URL']}")

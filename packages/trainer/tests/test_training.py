@@ -25,6 +25,7 @@ def test_eval_loss_falls_on_the_corpus(tmp_path):
         generation_interval=30,
         generation_prompts=("The interpreter",),
         generation_max_new_tokens=6,
+        plot_loss=True,
     )
     assert isinstance(t, BaseTrainerProtocol)
     before = t.evaluate()["loss"]
@@ -364,6 +365,7 @@ MIXTRAL_CLI = [
     "model.num_local_experts=4",
     "progress_bar=false",
     "use_tensorboard=false",
+    "plot_loss=false",
     "evaluation_steps=null",
     "generation_prompts=[]",
 ]

@@ -42,6 +42,7 @@ def quiet(tmp) -> dict:
         save_directory=None if tmp is None else str(tmp),
         progress_bar=False,
         use_tensorboard=False,
+        plot_loss=False,  # loss.png: matplotlib's 1-2 s at each run's end (the tests that read it turn it on)
         seed=0,
     )
 

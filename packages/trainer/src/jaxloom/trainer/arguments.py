@@ -370,6 +370,9 @@ class LoggingArgs(_Group):
     use_wandb: bool = Field(False, description="log to Weights & Biases (resumed runs continue their W&B run)")
     wandb_project: str | None = Field(None, description="the W&B project (None: jaxloom)")
     progress_bar: bool = Field(True, description="a progress bar on a terminal; step lines with ETA otherwise")
+    plot_loss: bool = Field(
+        True, description="draw save_directory/loss.png (reward, loss, learning rate against the step) at the end"
+    )
     log_weight_distribution: bool = Field(False, description="parameter histograms to TensorBoard at each log row")
     # override the table used for MFU
     peak_flops_per_device: float | None = Field(

@@ -127,7 +127,7 @@ def finish(trainer: Any, step: int, stop_reason: str) -> TrainerOutput:
         samples = last if last_step == step or hurry else trainer.preview(step)
     plot = report = None
     if trainer.is_process_zero:
-        plot = plot_history(history, trainer.run_directory.local / "loss.png")
+        plot = plot_history(history, trainer.run_directory.local / "loss.png") if a.plot_loss else None
         report = trainer.save_information(final=final, stop_reason=stop_reason, samples=samples)
     trainer.step_log.close()
     log.info("training stopped at step %d: %s", step, stop_reason)
