@@ -60,6 +60,7 @@ CHANGEABLE = frozenset(
         "use_wandb",
         "wandb_project",
         "progress_bar",
+        "plot_loss",
         "log_weight_distribution",
         "peak_flops_per_device",
         "profile_steps",
