@@ -4,8 +4,11 @@ A `Server` environment exposes one tool, `ping()`, and owns the reward (`get_rew
 and the call came back). A tiny chat model first learns the chat format, tool calls included, from made-up chats in
 which the assistant calls `ping` only now and then (one answer in five); GRPO then trains it on the reward alone —
 no reward function, no labels — and the share of completions that make a well-formed call rises step by step (the
-curve is printed: TRL's `tools/call_frequency` and `tools/failure_frequency`, and the reward). The tool turn
-(`<tool_response>pong</tool_response>`) is in the rows the model reads but never trained on.
+curve is printed: TRL's `tools/call_frequency` and `tools/failure_frequency`, and the reward). At the default 32
+completion tokens the 23-token call nearly fills a completion, so the tool runs (the reward reads the environment's
+state) but its turn is not appended (TRL's rule: no room for it and a reply); with `--max-completion-length 64` the
+tool turn (`<tool_response>pong</tool_response>`) and the model's reply follow, the tool turn read but never trained
+on.
 
 The chat template is a Qwen2.5-style one (`<tool_call>` JSON calls, `<tool_response>` turns) written here so the
 example needs nothing but jaxloom; with a Qwen2.5/Qwen3 or Llama 3.1 tokenizer its own template is used as it is.
@@ -100,12 +103,18 @@ def main(argv: list[str] | None = None, sizes: dict | None = None) -> dict:
     p = argparse.ArgumentParser(description="Learn to call a tool from an environment's reward alone.")
     p.add_argument("--out", default="runs/tools")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps (default 12 with --tiny, else 40)")
+    p.add_argument(
+        "--prior-steps", type=int, default=None, help="steps of the prior (default 150 with --tiny, else 300)"
+    )
+    p.add_argument(
+        "--max-completion-length", type=int, default=32, help="tokens a completion may hold, tool turns included"
+    )
     p.add_argument("--tiny", action="store_true")
     a = p.parse_args(argv)
     steps = a.steps or (12 if a.tiny else 40)
 
     tok = chat_tokenizer()
-    prior_steps = 150 if a.tiny else 300
+    prior_steps = a.prior_steps or (150 if a.tiny else 300)
     prior = Trainer(
         TrainingArguments(
             max_sequence_length=128,
@@ -129,7 +138,7 @@ def main(argv: list[str] | None = None, sizes: dict | None = None) -> dict:
         GRPOConfig(
             num_generations=8,
             total_batch_size=16,
-            max_completion_length=32,
+            max_completion_length=a.max_completion_length,
             max_tool_calling_iterations=1,
             temperature=0.5,  # sharper samples: a 23-token JSON call from a tiny model is rarely intact at 1.0
             learning_rate=5e-4,

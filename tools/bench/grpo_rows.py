@@ -5,9 +5,9 @@
    after the first (compile / warm-up) step, each in its own process.
 2. The same on the 8.4M Llama (bench CPU_MODEL), 16 completions of 64 tokens a step; for jaxloom also the
    rollout tokens/s and the step's time split into rollout, reward and train (the rest of the step).
-3. A multi-turn rollout on the 8.4M Llama (`examples/tool_calling.py`: a prior on chats that sometimes call a
-   tool, then GRPO with its `Server` environment): the step split into generation (both turns), the tool calls,
-   the reward and the train step, with the tool calls and turns per completion.
+3. A multi-turn rollout on the 8.4M Llama (`examples/tool_calling.py`: a prior of 150 steps on chats that sometimes
+   call a tool, then GRPO with its `Server` environment): the step split into generation (both turns), the tool calls,
+   the reward (medians; a step's wall time beside them), with the tool calls and turns per completion.
 """
 
 from __future__ import annotations
@@ -165,19 +165,30 @@ def run_multiturn(steps: int = 8) -> dict:
 
     sizes = {k: v for k, v in CPU_MODEL.items() if k not in ("vocab_size", "max_position_embeddings")}
     with tempfile.TemporaryDirectory() as d:
-        out = tool_calling.main(["--out", d, "--steps", str(steps)], sizes=sizes)
-    rows = out["history"][1:]
+        out = tool_calling.main(
+            ["--out", d, "--steps", str(steps), "--prior-steps", "150", "--max-completion-length", "64"],
+            sizes=sizes,
+        )
+    history = out["history"]
+    rows = history[1:]
 
     def med(key: str) -> float:
         return statistics.median(r[f"train/{key}"] for r in rows)
 
-    step, rollout, tools, reward = med("step_time"), med("time/rollout_s"), med("time/tools_s"), med("time/reward_s")
-    return {
+    # a step's wall time: between consecutive rows (a row each step), rollout and training included
+    walls = [b["train/elapsed_time"] - a["train/elapsed_time"] for a, b in zip(history, history[1:], strict=False)]
+    step, rollout, tools, reward = (
+        statistics.median(walls),
+        med("time/rollout_s"),
+        med("time/tools_s"),
+        med("time/reward_s"),
+    )
+    return {  # medians over the steps after the first; the rollout's time is the generations' and the tools'
         "seconds_per_step": step,
+        "rollout_s": rollout,
         "generate_s": rollout - tools,
         "tools_s": tools,
         "reward_s": reward,
-        "train_s": step - rollout - reward,
         "calls_per_completion": med("tools/call_frequency"),
         "turns_per_completion": med("tools/turns"),
         "completion_tokens": med("completions/mean_length"),

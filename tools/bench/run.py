@@ -302,10 +302,10 @@ def grpo_rows(g: dict) -> list[tuple[str, str, str, str]]:
     if t:
         out.append(
             (
-                "GRPO 8.4M multi-turn (a tool, 16 completions): step s = generate + tools + reward + train",
-                f"{t['seconds_per_step']:.2f} = {t['generate_s']:.2f} + {t['tools_s']:.4f} + {t['reward_s']:.4f} + "
-                f"{t['train_s']:.2f} ({t['calls_per_completion']:.2f} calls, {t['completion_tokens']:.0f} tokens a "
-                "completion)",
+                "GRPO 8.4M multi-turn (a tool, 16 completions): step s; rollout s = generate + tools; reward s",
+                f"{t['seconds_per_step']:.2f}; {t['rollout_s']:.2f} = {t['generate_s']:.2f} + {t['tools_s']:.4f}; "
+                f"{t['reward_s']:.4f} ({t['calls_per_completion']:.2f} calls, {t['turns_per_completion']:.2f} tool "
+                f"turns, {t['completion_tokens']:.0f} model tokens a completion)",
                 "",
                 "",
             )
