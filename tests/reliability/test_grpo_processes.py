@@ -84,6 +84,7 @@ def test_sigkill_during_a_multi_turn_grpo_run_then_resume_ends_bitwise_equal(tmp
     assert tools and all(
         r["train/tools/call_frequency"] == 1.0 and r["train/tools/failure_frequency"] == 0.0 for r in tools
     )
+    assert all(r["train/tools/turns"] == 1.0 for r in tools)  # the tool's turn is in every row, a reply after it
     assert all(0 <= r["train/rewards/Counter/mean"] <= 1 for r in tools)
 
 
