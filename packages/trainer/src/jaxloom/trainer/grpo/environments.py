@@ -32,10 +32,16 @@ class EnvironmentCallError(RuntimeError):
     stops, naming the class, the method and the record."""
 
 
-def tool_methods(cls: type) -> list[str]:
+_METHODS: dict[type, tuple[str, ...]] = {}
+
+
+def tool_methods(cls: type) -> tuple[str, ...]:
     """The tool methods of an environment class: its public functions other than `reset` and `get_reward` (read on
-    the class, as TRL does: properties are not evaluated)."""
-    return [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction) if n not in SPECIAL and n[0] != "_"]
+    the class, as TRL does: properties are not evaluated). Read once per class, not per rollout row."""
+    if cls not in _METHODS:
+        members = inspect.getmembers(cls, predicate=inspect.isfunction)
+        _METHODS[cls] = tuple(n for n, _ in members if n not in SPECIAL and n[0] != "_")
+    return _METHODS[cls]
 
 
 class Environments:
