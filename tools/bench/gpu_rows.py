@@ -15,9 +15,11 @@ One call of a lent device measures it all (≈ 7 minutes on an H200, compiles an
    MFU: model FLOPs per token 6·N + 6·L·T·d (N the matmul parameters, the head included, the embedding
    lookup not; causal attention counted as half of the square, as MaxText does), over the dense bf16 peak of
    the chip (H100/H200 SXM: 989 TFLOP/s). Rows with `attn_mechanism=flash` show what cuDNN moved.
-   Variants beside the defaults (loss blocks, Triton's GEMMs off, unstacked layers, 16,384 tokens a step) and
+   `train_gpu_2048_trainer_default_batch`: the Trainer's default 8 rows a step (16,384 tokens). Variants
+   beside the defaults (loss blocks, Triton's GEMMs off, unstacked layers) and
    `train_gpu_2048_trainer_profile`, whose `profile` entry says where three steps' device time went
-   (profile_summary.py).
+   (profile_summary.py); with `BENCH_GPU_DUMP=DIR` that row also writes its train step's optimised HLO there
+   (to read what a kernel of the profile computes).
 
 Each measurement is caught on its own: an out-of-memory or refused backend is a row saying so. Written
 incrementally to OUT_JSON (default gpu-results.json) so a run cut short keeps what it measured.
@@ -221,15 +223,15 @@ def optimizer_rows(results, out):
 # (row, sequence, kind, arguments, tokens a step, extra): the defaults first, then what each measures against;
 # extra: "env" for the process (XLA flags), "profile" [first, last] steps traced and summarised (profile_summary.py)
 NO_TRITON_GEMM = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}
+DEFAULT_BATCH = 8 * 2048  # the Trainer's default total_batch_size, 8 rows, at sequence 2048
 TRAINING = (
+    ("train_gpu_2048_trainer_default_batch", 2048, "trainer", {}, DEFAULT_BATCH, {}),
     ("train_gpu_2048_trainer", 2048, "trainer", {}, TOKENS, {}),
-    ("train_gpu_2048_trainer_profile", 2048, "trainer", {}, TOKENS, {"profile": [10, 12]}),
     ("train_gpu_8192_trainer", 8192, "trainer", {}, TOKENS, {}),
-    ("train_gpu_2048_trainer_loss_block_2048", 2048, "trainer", {"loss_block_size": 2048}, TOKENS, {}),
+    ("train_gpu_2048_trainer_profile", 2048, "trainer", {}, TOKENS, {"profile": [10, 12]}),
     ("train_gpu_2048_trainer_loss_block_8192", 2048, "trainer", {"loss_block_size": 8192}, TOKENS, {}),
     ("train_gpu_2048_trainer_no_triton_gemm", 2048, "trainer", {}, TOKENS, {"env": NO_TRITON_GEMM}),
     ("train_gpu_2048_trainer_unstacked", 2048, "trainer", {"scan_layers": False}, TOKENS, {}),
-    ("train_gpu_2048_trainer_16k", 2048, "trainer", {}, 2 * TOKENS, {}),
     ("train_gpu_2048_bare", 2048, "bare", {}, TOKENS, {}),
     ("train_gpu_2048_trainer_flash", 2048, "trainer", {"attn_mechanism": "flash"}, TOKENS, {}),
     ("train_gpu_8192_bare", 8192, "bare", {}, TOKENS, {}),
@@ -254,14 +256,18 @@ def training_rows(results, out):
             continue
         cfg = {"model": m, "batch": tokens // seq, "seq": seq, "lr": 1e-4, "dtype": "bfloat16", "warmup": 4}
         cfg["arguments"] = arguments
+        env = dict(extra.get("env", {}))
         if "profile" in extra:
             cfg["profile"] = extra["profile"]
+            if os.environ.get("BENCH_GPU_DUMP"):  # the train step's optimised HLO, for reading what a kernel is
+                flags = f"--xla_dump_to={os.environ['BENCH_GPU_DUMP']} --xla_dump_hlo_module_re=.*step.*"
+                env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
         flops_per_token = 6 * n_params + 6 * layers * seq * d
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 r = run_process(
                     [str(HERE / "train_run.py"), kind, "14", json.dumps({**cfg, "out": tmp})],
-                    {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", **extra.get("env", {})},
+                    {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", **env},
                 )
             r["mfu"] = r["tokens_per_second"] * flops_per_token / PEAK_BF16
             r["tokens_a_step"] = tokens

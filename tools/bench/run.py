@@ -429,6 +429,16 @@ def gpu_rows(g: dict) -> list[tuple[str, str, str, str]]:
                     ">= 1",
                 )
             )
+    d = g.get("train_gpu_2048_trainer_default_batch", {})
+    if "tokens_per_second" in d:  # the Trainer's default 8 rows a step (no bare loop fits 16,384 tokens there)
+        out.append(
+            (
+                "~1B Llama T=2048, 8 rows a step: trainer tokens/s (MFU)",
+                f"{d['tokens_per_second']:.0f} ({d['mfu']:.1%})",
+                "",
+                "",
+            )
+        )
     return out
 
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jaxloom.models as jm
@@ -63,6 +64,28 @@ def test_bfloat16_logits_as_the_model_computes_them():
     np.testing.assert_allclose(loss, ref, rtol=1e-5)
     assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.float32  # each input's own dtype
     np.testing.assert_allclose(grads[1], ref_grads[1], rtol=2e-2, atol=2e-2)
+
+
+def test_the_kernel_is_cast_once_not_in_every_block():
+    """bf16 logits over a float32 kernel: the train step converts the `[D, V]` kernel once for all 4 blocks (an
+    H100 profile showed it converted in every block, 0.13 ms each at 2048 × 32000), outside the blocks' loop."""
+    hidden, kernel, targets, weight = inputs(1)
+
+    def kernel_casts(jaxpr, inside=False):  # (converts of the kernel outside a loop, inside one)
+        out, ins = 0, 0
+        for e in jaxpr.eqns:
+            if e.primitive.name == "convert_element_type" and e.outvars[0].aval.shape == (D, V):
+                out, ins = (out, ins + 1) if inside else (out + 1, ins)
+            for sub in jaxprs_in_params(e.params):
+                o, i = kernel_casts(getattr(sub, "jaxpr", sub), inside or e.primitive.name in ("scan", "while"))
+                out, ins = out + o, ins + i
+        return out, ins
+
+    loss = jax.value_and_grad(
+        lambda h, k: linear_cross_entropy(h, k, targets, weight, blocks=4, dtype=jnp.bfloat16)[0], argnums=(0, 1)
+    )
+    outside, inside = kernel_casts(jax.make_jaxpr(loss)(hidden.astype(jnp.bfloat16), kernel).jaxpr)
+    assert outside >= 1 and inside == 0, (outside, inside)
 
 
 def test_sharded_batch_and_vocabulary_give_the_same_numbers():

@@ -216,9 +216,11 @@ def _backward_products(d_logits, h, k, precision):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _fused(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision, softcap):
+    k = kernel.astype(dtype)  # once, not in every block (no gradient flows through here: `_fused_fwd` makes it)
+
     def body(_, xs):
         h, tg, w = xs
-        loss, correct, _ = _block_stats(h, kernel, tg, w, z_loss, dtype, precision, softcap)
+        loss, correct, _ = _block_stats(h, k, tg, w, z_loss, dtype, precision, softcap)
         return None, (loss, correct)
 
     _, (loss, correct) = jax.lax.scan(
@@ -228,12 +230,12 @@ def _fused(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision, so
 
 
 def _fused_fwd(hidden, kernel, targets, weight, blocks, z_loss, dtype, precision, softcap):
-    k = kernel.astype(dtype)
+    k = kernel.astype(dtype)  # once for every block (the gradient to `kernel` is accumulated below, in float32)
 
     def body(d_kernel, xs):
         h, tg, w = xs
         loss, correct, (shifted, total, lse, onehot, slope) = _block_stats(
-            h, kernel, tg, w, z_loss, dtype, precision, softcap
+            h, k, tg, w, z_loss, dtype, precision, softcap
         )
         # d loss / d logits = weight · (softmax · (1 + 2 z_loss · lse) − onehot)  (· 1 − tanh² when capped)
         scale = (1.0 + 2.0 * z_loss * lse) / total
