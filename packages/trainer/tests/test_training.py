@@ -287,11 +287,11 @@ def test_sft_trains_only_on_completions(tmp_path):
         evaluation=records[:64],
         packing=False,
         max_sequence_length=16,
-        total_batch_size=32,
-        max_training_steps=400,
+        total_batch_size=64,
+        max_training_steps=200,
         learning_rate=1e-2,
         logging_steps=100,
-        evaluation_steps=400,
+        evaluation_steps=200,
         config=tiny(hidden=64),
     )
     before = t.evaluate()["accuracy"]
