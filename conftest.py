@@ -93,12 +93,19 @@ def _pin_worker(config) -> None:
     info = getattr(config, "workerinput", None)
     if info is None or os.environ.get("JAXLOOM_TEST_PIN") == "0" or not hasattr(os, "sched_setaffinity"):
         return
-    cores = sorted(os.sched_getaffinity(0))
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers < 2 or workers > len(cores):
-        return
     index = int(str(info.get("workerid", "gw0")).removeprefix("gw"))
-    os.sched_setaffinity(0, set(cores[index % workers :: workers]))
+    share = worker_cores(index, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")), os.sched_getaffinity(0))
+    if share:
+        os.sched_setaffinity(0, share)
+
+
+def worker_cores(index: int, workers: int, cores) -> set[int] | None:
+    """The cores of worker `index` of `workers` among `cores` (i, i + n, ...), or None (leave it unpinned) for
+    fewer than 2 workers or more workers than cores."""
+    cores = sorted(cores)
+    if workers < 2 or workers > len(cores):
+        return None
+    return set(cores[index % workers :: workers])
 
 
 _RECORDED: dict[str, float] = {}

@@ -39,6 +39,51 @@ def test_the_durations_file_keeps_the_cases_worth_moving(tmp_path):
     assert json.loads((tmp_path / "d.json").read_text()) == kept
 
 
+def test_each_worker_gets_its_own_cores_unless_workers_outnumber_them():
+    cores = _root_conftest().worker_cores
+    assert cores(0, 2, {0, 1}) == {0} and cores(1, 2, {0, 1}) == {1}
+    assert cores(1, 4, range(8)) == {1, 5} and cores(3, 2, {4, 6}) == {6}  # the cores a process may use, in order
+    assert cores(0, 3, {0, 1}) is None and cores(0, 1, {0, 1}) is None  # more workers than cores; no xdist
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="one core")
+def test_xdist_workers_are_pinned_and_each_case_s_cpu_seconds_are_recorded(tmp_path):
+    """A real pytest run of two workers with the root conftest: each worker on one core of its own (and the
+    processes its cases start), and `JAXLOOM_RECORD_CPU` writing each case's CPU seconds."""
+    import shutil
+    import subprocess
+
+    pytest.importorskip("xdist")
+    shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_cases.py").write_text(
+        "import os, subprocess, sys\n"
+        "def _record(name):\n"
+        "    child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'],\n"
+        "                           capture_output=True, text=True).stdout.strip()\n"
+        "    with open(os.path.join(os.environ['OUT'], name), 'w') as f:\n"
+        '        f.write(f"{sorted(os.sched_getaffinity(0))} {child}")\n'
+        "    sum(i * i for i in range(300000))\n"
+        "def test_a(): _record('a')\n"
+        "def test_b(): _record('b')\n"
+    )
+    env = {**os.environ, "OUT": str(tmp_path), "JAXLOOM_RECORD_CPU": str(tmp_path / "cpu.json")}
+    env.pop("JAXLOOM_TEST_PIN", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "test_cases.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for name in ("a", "b"):
+        own, child = (tmp_path / name).read_text().split(" ", 1)
+        assert len(json.loads(own)) < len(os.sched_getaffinity(0)) and child == own, (own, child)
+    cpu = json.loads((tmp_path / "cpu.json").read_text())
+    assert set(cpu) == {"test_cases.py::test_a", "test_cases.py::test_b"} and all(v >= 0 for v in cpu.values())
+
+
 @pytest.mark.skipif(not os.environ.get("NOX_CURRENT_SESSION"), reason="the setting is nox's test environment's")
 def test_processes_under_nox_write_and_reuse_compiled_bytecode():
     """An image that sets PYTHONDONTWRITEBYTECODE made every test process compile its imports from source

@@ -223,7 +223,7 @@ def optimizer_rows(results, out):
 # (row, sequence, kind, arguments, tokens a step, extra): the defaults first, then what each measures against;
 # extra: "env" for the process (XLA flags), "profile" [first, last] steps traced and summarised (profile_summary.py)
 NO_TRITON_GEMM = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}
-DEFAULT_BATCH = 8 * 2048  # the Trainer's default total_batch_size, 8 rows, at sequence 2048
+DEFAULT_BATCH = None  # the Trainer's default total_batch_size (8 rows) at the row's sequence length
 TRAINING = (
     ("train_gpu_2048_trainer_default_batch", 2048, "trainer", {}, DEFAULT_BATCH, {}),
     ("train_gpu_2048_trainer", 2048, "trainer", {}, TOKENS, {}),
@@ -254,6 +254,10 @@ def training_rows(results, out):
     for name, seq, kind, arguments, tokens, extra in TRAINING:
         if only and name not in only.split(","):
             continue
+        if tokens is DEFAULT_BATCH:
+            from jaxloom.trainer import TrainingArguments
+
+            tokens = TrainingArguments().total_batch_size * seq
         cfg = {"model": m, "batch": tokens // seq, "seq": seq, "lr": 1e-4, "dtype": "bfloat16", "warmup": 4}
         cfg["arguments"] = arguments
         env = dict(extra.get("env", {}))
