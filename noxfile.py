@@ -36,6 +36,7 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensiv
 # longer than they compile). So: the targets where compiling is most of the time.
 FAST_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 FAST_EMITTER_TARGETS = {"models", "generation", "trainer"}
+HUGEPAGES = "glibc.malloc.hugetlb=1"
 # Many simulated devices on one CPU; never a GPU in tests.
 TEST_ENV = {
     "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}",
@@ -43,6 +44,10 @@ TEST_ENV = {
     "JAX_PLATFORMS": "cpu",
     "TF_CPP_MIN_LOG_LEVEL": "3",
     "PYTHONHASHSEED": "0",
+    # glibc's malloc asks for transparent huge pages (what the `jaxloom` program does for itself: jaxloom.core.host):
+    # XLA's CPU runtime maps a step's temporaries afresh every step, and faulting them in 4 KiB at a time cost the
+    # bench's 18-layer CPU step 13-18 % (docs/performance.md). Read once at process start, so it is set here.
+    "GLIBC_TUNABLES": HUGEPAGES,
     # JAX's persistent compilation cache, shared by every target, test, worker and subprocess of one `nox -s tests`
     # (a CI run starts it empty): the same tiny model's steps compile once, not once per test and per `jaxloom
     # train` subprocess. Every program gets a file: the many small ones (a digest, a cast, a sampler step) took 50 ms

@@ -47,10 +47,14 @@ GPU_MODEL = dict(
 )  # ~1B
 
 
+# Every measured process, the Trainer's and the bare loop's alike, runs as the `jaxloom` program runs itself: glibc's
+# malloc asking for huge pages (jaxloom.core.host; XLA's CPU runtime maps a step's temporaries afresh each step).
+HOST_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
 def run_process(args: list[str], env: dict | None = None) -> dict:
-    out = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900
-    )
+    environ = {**HOST_ENV, **os.environ, **(env or {})}
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=environ, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{args[:2]} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -231,6 +235,8 @@ def checkpoints(step_seconds: float, reps: int = 5) -> dict:
 
 
 def main() -> None:
+    for key, value in HOST_ENV.items():  # the rows that start their own processes inherit it too
+        os.environ.setdefault(key, value)
     import jax
 
     gpu = jax.devices()[0].platform == "gpu"

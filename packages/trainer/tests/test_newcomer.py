@@ -410,6 +410,26 @@ def test_key_value_forms_of_hf_and_argparse(capsys):
     assert "--learning_rate needs a value: --learning_rate=VALUE" in capsys.readouterr().err
 
 
+def test_the_program_re_runs_itself_for_huge_pages_before_it_computes(monkeypatch, capsys):
+    """`jaxloom train|eval|plan|generate|convert` (the program, sys.argv) re-runs itself with glibc asking for huge
+    pages (jaxloom.core.host, which has the re-run's own test); `config`, a Ray driver and a call from Python
+    (`main([...])`) do not."""
+    from jaxloom.trainer import cli
+
+    calls = []
+    monkeypatch.setattr(cli.host, "reexec_with_hugepages", lambda: calls.append(list(sys.argv)))
+    for argv in (["jaxloom", "train", "--learning_rate"], ["jaxloom", "plan", "--learning_rate"]):
+        monkeypatch.setattr(sys, "argv", argv)
+        assert cli.main() == 2  # then parsed as always (a bad setting here)
+    assert calls == [["jaxloom", "train", "--learning_rate"], ["jaxloom", "plan", "--learning_rate"]]
+    for argv in (["jaxloom", "config", "keys"], ["jaxloom", "train", "--learning_rate", "--ray", "num_workers=2"]):
+        monkeypatch.setattr(sys, "argv", argv)
+        cli.main()
+    assert cli.main(["train", "--learning_rate"]) == 2
+    assert len(calls) == 2
+    capsys.readouterr()
+
+
 def test_a_pretrained_model_without_a_config_file_gets_fine_tuning_defaults(tmp_path, caplog):
     """The demo's pretraining settings (lr 3e-3, warmup 30, previews) are not a fine-tune's: a run from
     model.from_pretrained with no config file takes TRL's defaults for its job (SFT 2e-5, DPO 1e-6, linear, no

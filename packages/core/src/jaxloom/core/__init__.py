@@ -1,7 +1,8 @@
 """jaxloom.core: what every part shares and nothing else — the config schema (`jaxloom.core.schema`: how
-configs are checked) and the path layer (`jaxloom.core.paths`: local paths and object-store URIs)."""
+configs are checked), the path layer (`jaxloom.core.paths`: local paths and object-store URIs) and the host
+process's memory (`jaxloom.core.host`: huge pages for XLA's per-step CPU buffers)."""
 
-from . import paths, schema
+from . import host, paths, schema
 from .__about__ import __version__
 from .schema import NonNegativeInt, PositiveFloat, PositiveInt, explain_validation_error, is_config
 from .schema import config as config
@@ -15,6 +16,7 @@ __all__ = [
     "PositiveInt",
     "__version__",
     "explain_validation_error",
+    "host",
     "is_config",
     "paths",
     "schema",

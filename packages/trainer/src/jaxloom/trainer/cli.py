@@ -16,6 +16,10 @@ jaxloom config show [CONFIG.yaml | RUN_DIR] [key=value ...]  # the resolved conf
 A RUN_DIR is a run's save_directory: it holds the resolved config (run_config.json) and a copy of the
 tokenizer, so these commands work on it from any working directory, also after it is copied elsewhere.
 
+Before train, eval, plan, generate and convert the program re-runs itself once with `GLIBC_TUNABLES` asking glibc for
+transparent huge pages, where the kernel gives them only when asked (jaxloom.core.host: XLA's CPU runtime maps a
+step's temporaries afresh every step); `JAXLOOM_HUGEPAGES=0` turns that off.
+
 Exit status: 0 done; 2 bad input (a setting, a file, a run directory); 3 a checkpoint could not be
 saved; 4 nothing to train (the run in save_directory already reached max_training_steps); 128+N
 stopped by signal N after saving (130: Ctrl-C, 143: SIGTERM, 129: SIGHUP); 1 anything else.
@@ -31,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jaxloom.core import paths
+from jaxloom.core import host, paths
 
 from .report import versions
 from .compose import DATA_KEYS, DEMO_CONFIG, READ_ONLY, build_run, kind_settings, restored, split_target  # noqa: F401
@@ -553,7 +557,14 @@ def key_value_forms(argv: list[str]) -> list[str]:
     return [argv[0], *kept[:first], *moved, *kept[first:]]
 
 
+# The commands that run XLA programs: the `jaxloom` program re-runs itself for them with glibc asking for huge pages
+# (jaxloom.core.host: on CPU a step's temporaries are mapped afresh every step; 4-KiB pages cost 13-18 % of it).
+COMPUTING = frozenset({"train", "eval", "plan", "generate", "convert"})
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] in COMPUTING and "--ray" not in sys.argv:
+        host.reexec_with_hugepages()  # the program itself, not a call from Python; a Ray driver computes nothing
     try:
         argv = key_value_forms(list(sys.argv[1:] if argv is None else argv))
     except ValueError as e:
