@@ -45,8 +45,8 @@ TEST_ENV = {
     "TF_CPP_MIN_LOG_LEVEL": "3",
     "PYTHONHASHSEED": "0",
     # glibc's malloc asks for transparent huge pages (what the `jaxloom` program does for itself: jaxloom.core.host):
-    # XLA's CPU runtime maps a step's temporaries afresh every step, and faulting them in 4 KiB at a time cost the
-    # bench's 18-layer CPU step 13-18 % (docs/performance.md). Read once at process start, so it is set here.
+    # XLA's CPU runtime maps a step's temporaries afresh every step; faulting them in 4 KiB at a time cost the
+    # bench's 18-layer CPU Llama ~14 % of its tokens/s (docs/performance.md). Read at process start: set here.
     "GLIBC_TUNABLES": HUGEPAGES,
     # JAX's persistent compilation cache, shared by every target, test, worker and subprocess of one `nox -s tests`
     # (a CI run starts it empty): the same tiny model's steps compile once, not once per test and per `jaxloom

@@ -37,8 +37,8 @@ def main() -> None:
     for _ in range(reps):
         for name, arguments in VARIANTS.items():
             with tempfile.TemporaryDirectory() as d:
-                # the steady state from step 12 to 30: the first steps after the compile run slower, the stacked
-                # layout's for longer (measured against the unstacked layers: 1.10 over steps 4-12, 1.065 over 12-30)
+                # the steady state from step 12 to 30. Single runs move 10-15 % on a 2-core machine (either form);
+                # with huge pages (run.py's HOST_ENV) six pairs gave a median ratio of 1.013 (docs/performance.md)
                 cfg = {"model": MODEL, "batch": 8, "seq": 256, "lr": 1e-3, "dtype": "float32", "warmup": WARMUP}
                 cfg |= {"out": d, "arguments": arguments}
                 runs[name].append(
