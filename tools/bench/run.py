@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from jaxloom.core.host import HUGEPAGE_TUNABLE
+
 HERE = Path(__file__).parent
 # ~0.29M parameters (mostly the 4096-token embedding and head): the per-step host overhead shows here
 SMALL_MODEL = dict(
@@ -49,7 +51,7 @@ GPU_MODEL = dict(
 
 # Every measured process, the Trainer's and the bare loop's alike, runs as the `jaxloom` program runs itself: glibc's
 # malloc asking for huge pages (jaxloom.core.host; XLA's CPU runtime maps a step's temporaries afresh each step).
-HOST_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+HOST_ENV = {"GLIBC_TUNABLES": HUGEPAGE_TUNABLE}
 
 
 def run_process(args: list[str], env: dict | None = None) -> dict:

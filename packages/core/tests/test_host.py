@@ -41,10 +41,18 @@ def test_the_tunable_is_added_where_the_kernel_waits_to_be_asked():
         ({}, "madvise", (2, 34)),  # glibc before the tunable
         ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "madvise", GLIBC),  # the user's own choice
         ({"JAXLOOM_HUGEPAGES": "0"}, "madvise", GLIBC),  # turned off
+        ({"JAXLOOM_HUGEPAGES": "off"}, "madvise", GLIBC),
     ],
 )
 def test_nothing_is_re_run_where_it_would_change_nothing(environ, mode, glibc):
     assert host.hugepage_environment(environ, mode, glibc) is None
+
+
+def test_an_unreadable_opt_out_is_one_clear_error():
+    with pytest.raises(ValueError, match="JAXLOOM_HUGEPAGES='nope'; expected 0, false, no or off"):
+        host.hugepage_environment({"JAXLOOM_HUGEPAGES": "nope"}, "madvise", GLIBC)
+    # an explicit yes is the default
+    assert host.hugepage_environment({"JAXLOOM_HUGEPAGES": "1"}, "madvise", GLIBC) is not None
 
 
 # A child that re-runs itself, then maps and touches 256 MiB through malloc and counts its page faults: 65,536

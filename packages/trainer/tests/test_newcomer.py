@@ -428,6 +428,11 @@ def test_the_program_re_runs_itself_for_huge_pages_before_it_computes(monkeypatc
     assert cli.main(["train", "--learning_rate"]) == 2
     assert len(calls) == 2
     capsys.readouterr()
+    monkeypatch.undo()  # the real re-run: an unreadable opt-out is one clear error before anything runs
+    monkeypatch.setattr(sys, "argv", ["jaxloom", "train"])
+    monkeypatch.setenv("JAXLOOM_HUGEPAGES", "nope")
+    assert cli.main() == 2
+    assert "JAXLOOM_HUGEPAGES='nope'; expected 0, false, no or off" in capsys.readouterr().err
 
 
 def test_a_pretrained_model_without_a_config_file_gets_fine_tuning_defaults(tmp_path, caplog):

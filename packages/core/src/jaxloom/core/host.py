@@ -20,7 +20,19 @@ HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 """The glibc tunable that makes `malloc` ask for transparent huge pages on the memory it maps (glibc ≥ 2.35)."""
 
 OPT_OUT = "JAXLOOM_HUGEPAGES"
-"""`JAXLOOM_HUGEPAGES=0` in the environment: `reexec_with_hugepages` leaves the process as it is."""
+"""`JAXLOOM_HUGEPAGES=0` (or false/no/off) in the environment: `reexec_with_hugepages` leaves the process as it is."""
+
+_OFF, _ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on", "")
+
+
+def _wanted(environ: Mapping[str, str]) -> bool:
+    value = environ.get(OPT_OUT, "").strip().lower()
+    if value not in _OFF + _ON:
+        raise ValueError(
+            f"{OPT_OUT}={environ[OPT_OUT]!r}; expected 0, false, no or off (leave it unset for huge pages)"
+        )
+    return value not in _OFF
+
 
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -55,8 +67,9 @@ def hugepage_environment(
     """The environment to re-run a process with so that glibc's `malloc` asks for huge pages, or None where that
     would change nothing: the kernel's THP `mode` is not `'madvise'` (`'always'` gives them unasked, `'never'`
     not at all), the C library is not glibc ≥ 2.35, `environ` already sets `glibc.malloc.hugetlb`, or it says
-    `JAXLOOM_HUGEPAGES=0`. Other tunables in `GLIBC_TUNABLES` are kept."""
-    if environ.get(OPT_OUT, "1") == "0" or mode != "madvise" or glibc is None or glibc < (2, 35):
+    `JAXLOOM_HUGEPAGES=0`. Other tunables in `GLIBC_TUNABLES` are kept. Raises ValueError for a
+    `JAXLOOM_HUGEPAGES` that is neither on nor off."""
+    if not _wanted(environ) or mode != "madvise" or glibc is None or glibc < (2, 35):
         return None
     tunables = environ.get("GLIBC_TUNABLES", "")
     if any(t.partition("=")[0] == "glibc.malloc.hugetlb" for t in tunables.split(":")):
@@ -69,7 +82,7 @@ def reexec_with_hugepages() -> None:
     `GLIBC_TUNABLES`, where `hugepage_environment` says it would take effect; otherwise return at once. Call it
     first in a program's entry point, before it starts threads or writes anything: the process image is
     replaced (same PID, same open files), and the re-run does not re-exec again, since its environment already
-    asks."""
+    asks. Raises ValueError for a `JAXLOOM_HUGEPAGES` that is neither on nor off."""
     env = hugepage_environment(os.environ, thp_mode(), glibc_version())
     if env is None or not sys.orig_argv:
         return

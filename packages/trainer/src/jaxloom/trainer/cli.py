@@ -564,7 +564,11 @@ COMPUTING = frozenset({"train", "eval", "plan", "generate", "convert"})
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] in COMPUTING and "--ray" not in sys.argv:
-        host.reexec_with_hugepages()  # the program itself, not a call from Python; a Ray driver computes nothing
+        try:  # the program itself, not a call from Python; a Ray driver computes nothing
+            host.reexec_with_hugepages()
+        except ValueError as e:  # JAXLOOM_HUGEPAGES neither on nor off
+            print(f"jaxloom: error: {e}", file=sys.stderr)
+            return 2
     try:
         argv = key_value_forms(list(sys.argv[1:] if argv is None else argv))
     except ValueError as e:
