@@ -19,7 +19,7 @@ from jaxloom.core import paths
 from .arguments import apply_overrides, expand_path, load_config_file
 from .kinds import KINDS, TRAINERS, arguments_of
 from .run_directory import RUN_CONFIG, staging_folder, use_endpoint
-from .runs import model_of, tokenizer_of
+from .runs import model_of, own_tokenizer, tokenizer_of
 
 __all__ = ["DATA_KEYS", "DEMO_CONFIG", "KINDS", "READ_ONLY", "TRAINERS", "build_run", "restored", "split_target"]
 
@@ -347,8 +347,8 @@ def _model_tokenizer(model_cfg: dict, data_cfg: dict, overrides: list[str], conf
     """The tokenizer directory a run from `model.from_pretrained=DIR` uses when its tokenizer was not chosen:
     DIR itself, when it holds a tokenizer, unless `data.tokenizer` is given now, or by the user's own config
     file (the bundled demo's `tokenizer: bundled` is the demo's choice, not the user's)."""
-    pretrained = model_cfg.get("from_pretrained")
-    if not pretrained or not any((Path(pretrained) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    own = own_tokenizer(model_cfg.get("from_pretrained"))
+    if own is None:
         return None
     if any(o.startswith("data.tokenizer=") for o in overrides):
         return None
@@ -356,7 +356,7 @@ def _model_tokenizer(model_cfg: dict, data_cfg: dict, overrides: list[str], conf
         return None  # the user's config file chose it
     if config_path is not None and Path(config_path).name == "run_config.json":
         return None  # a run directory: its own copy of the tokenizer is pinned by split_target
-    return str(Path(pretrained).absolute())
+    return own
 
 
 def _expanded(value: Any, key: str) -> Any:

@@ -7,7 +7,6 @@ policy, never checkpointed, and the one way to read a LoRA policy's base ("adapt
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -19,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jaxloom.models as jmod
 import jaxloom.state as js
 
-from .runs import run_model
+from .runs import load_model
 
 
 def adapters_off(state: js.TrainState) -> js.TrainState:
@@ -43,7 +42,7 @@ def build_reference(
         abstract = jax.eval_shape(lambda *i: _frozen(fn(*i), frozen), *inputs)
         shardings = js.state_shardings(abstract, plan.shardings.params, mesh)
         return jax.jit(lambda *i: _frozen(fn(*i), frozen), out_shardings=shardings)(*inputs)
-    model = source if isinstance(source, nnx.Module) else _load_reference(str(source), name)
+    model = source if isinstance(source, nnx.Module) else load_model(str(source), name=name)
     if model.config.vocab_size != plan.config.vocab_size:
         raise ValueError(
             f"{name} has vocab_size {model.config.vocab_size}, the policy {plan.config.vocab_size}; expected "
@@ -88,17 +87,4 @@ def _frozen(state: js.TrainState, tx) -> js.TrainState:
         model_state=state.model_state,
         graphdef=state.graphdef,
         tx=tx,
-    )
-
-
-def _load_reference(path: str, name: str) -> nnx.Module:
-    """An HF directory, or a jaxloom run directory (its newest checkpoint's parameters)."""
-    where = Path(path)
-    if (where / "run_config.json").is_file():
-        return run_model(where)
-    if (where / "config.json").is_file():
-        return jmod.from_pretrained(str(where))
-    raise FileNotFoundError(
-        f"{name} = {path!r}: expected a Hugging Face model directory (with config.json) or a jaxloom run "
-        "directory (with run_config.json)"
     )

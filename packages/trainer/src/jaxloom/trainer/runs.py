@@ -32,6 +32,41 @@ def tokenizer_of(data_section: dict[str, Any], run_dir: str | Path | None = None
     return jd.load_processor(None if name == "bundled" else name)
 
 
+def own_tokenizer(model_dir: str | Path | None) -> str | None:
+    """The tokenizer directory a model directory brings (absolute): an HF model directory holding a tokenizer,
+    or a jaxloom run directory's copy (`RUN_DIR/tokenizer`); None when it has none."""
+    if model_dir is None:
+        return None
+    where = Path(model_dir)
+    if (where / RUN_CONFIG).is_file():
+        where = where / "tokenizer"
+    if not any((where / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return str(where.absolute())
+
+
+def load_model(
+    path: str | Path, runtime: jm.RuntimeConfig | None = None, *, name: str = "model", overrides: dict | None = None
+) -> nnx.Module:
+    """The model a directory holds: an HF model directory (config.json + safetensors, read with `runtime`'s layout
+    and `overrides` of its config) or a jaxloom run directory (its newest checkpoint's parameters). `name` is the
+    setting that gave `path`, for the error when it is neither."""
+    where = Path(path)
+    if (where / RUN_CONFIG).is_file():
+        if overrides:
+            raise ValueError(
+                f"{name} = {str(path)!r} is a jaxloom run directory: its model is its own; model settings "
+                f"{sorted(overrides)} apply only to a Hugging Face model directory"
+            )
+        return run_model(where)
+    if (where / "config.json").is_file():
+        return jm.from_pretrained(where, runtime, config_overrides=overrides or None)
+    raise FileNotFoundError(
+        f"{name} = {str(path)!r}: expected a Hugging Face model directory (with config.json) or a jaxloom run "
+        f"directory (with {RUN_CONFIG}){'' if where.exists() else '; it does not exist'}"
+    )
+
+
 def model_of(model_section: dict[str, Any], runtime: jm.RuntimeConfig, *, vocab_size: int) -> nnx.Module:
     """The model a config's `model` section describes: `from_pretrained: DIR` (other keys override its
     config), else a new abstract model of `model_type` (default llama) whose `vocab_size` defaults to the
@@ -39,7 +74,7 @@ def model_of(model_section: dict[str, Any], runtime: jm.RuntimeConfig, *, vocab_
     section = dict(model_section)
     pretrained = section.pop("from_pretrained", None)
     if pretrained:
-        return jm.from_pretrained(pretrained, runtime, config_overrides=section or None)
+        return load_model(pretrained, runtime, name="model.from_pretrained", overrides=section)
     model_type = section.pop("model_type", "llama")
     if model_type not in jm.CONFIG_CLASSES:
         raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
@@ -54,6 +55,7 @@ from .outputs import (
 )
 from .surface import ReferenceSurface
 from .run_directory import RUN_CONFIG, RunDirectory
+from .runs import load_model, own_tokenizer
 from .session import train
 from .step import Objective
 from .stopping import NonFiniteLossError
@@ -84,7 +86,8 @@ class BaseTrainer(ReferenceSurface):
     - `arguments`: `TrainingArguments` (default: all defaults).
     - `model_state`: a `TrainState` to train (its parameters, and its optimizer state when it matches
       this run's optimizer). A module given here is taken as `model`.
-    - `model`: the model to train; its runtime settings are replaced by the arguments that set them
+    - `model`: the model to train, or (TRL's string form) a Hugging Face model directory or a jaxloom run directory
+      (its newest checkpoint), read when the run needs it (also taken in `model_state`'s place); its runtime settings are replaced by the arguments that set them
       (`dtype`, `param_dtype`, `attn_mechanism`, `remat`, ...).
     - `dataset_train`, `dataset_eval`: training data and, optionally, evaluation data.
     - `data_collator`: `fn(batch) -> batch` applied to this process's rows of every training batch
@@ -92,7 +95,8 @@ class BaseTrainer(ReferenceSurface):
       it must keep their keys, shapes and dtypes.
     - `finetune`: True (default) trains the given parameters; False trains the given architecture from
       new parameters drawn from `arguments.seed`.
-    - `processing_class`: the tokenizer (default: the bundled one).
+    - `processing_class`: the tokenizer (default: the model's own when it was read from a directory holding one,
+      as TRL takes it; else the bundled one).
     - `mesh`: a `jax.sharding.Mesh` to use instead of the one the arguments describe.
     - `hooks`: objects with optional `on_step_start(run, step)` / `on_step_end(run, step, metrics)` /
       `on_save(run, step)` (after checkpoint `step` is saved or handed to the async writer), each a `Callback`
@@ -116,7 +120,7 @@ class BaseTrainer(ReferenceSurface):
         self,
         arguments: TrainingArguments | None = None,
         model_state: js.TrainState | None = None,
-        model: nnx.Module | None = None,
+        model: nnx.Module | str | os.PathLike | None = None,
         dataset_train: Any = None,
         dataset_eval: Any = None,
         data_collator: Any = None,
@@ -136,8 +140,11 @@ class BaseTrainer(ReferenceSurface):
             raise TypeError(
                 f"{type(self).__name__} takes a {self.arguments_class.__name__}, got {type(arguments).__name__}"
             )
-        if isinstance(model_state, nnx.Module) and model is None:
+        if isinstance(model_state, (nnx.Module, str, os.PathLike)) and model is None:
             model, model_state = model_state, None
+        if isinstance(model, (str, os.PathLike)):  # TRL's string form: a directory, read when the run needs it
+            model = str(model)
+        self._model_source = model if isinstance(model, str) else None
         if dataset_train is None:
             raise ValueError("dataset_train is required")
         if model is None and model_state is None:
@@ -150,7 +157,7 @@ class BaseTrainer(ReferenceSurface):
         self.hooks = list(hooks or [])
         self.callbacks: list[Callback] = []
         self.parts = components.Parts.of(type(self))  # the components, built on first use
-        self._model_in: nnx.Module = model if model is not None else model_state.model  # type: ignore[union-attr]
+        self._model_given: nnx.Module | str = model if model is not None else model_state.model  # type: ignore[union-attr]
         self._state_in = model_state
         self._tokenizer = processing_class
         self._tokenizer_matched = False  # set to add BOS as training does: checked once, not on every access
@@ -191,13 +198,37 @@ class BaseTrainer(ReferenceSurface):
         exactly when training does (`jaxloom.data.match_bos`): prompts, the run's copy of it and an HF
         export encode text as the model saw it in training."""
         if self._tokenizer is None:
-            self._tokenizer = jd.load_processor()
+            self._tokenizer = self._default_tokenizer()
         if isinstance(self._tokenizer, Future):  # loaded in the background during setup
             self._tokenizer = self._tokenizer.result()
         if self.MATCH_BOS and not self._tokenizer_matched:
             self._tokenizer = jd.match_bos(self._tokenizer, jd.DataConfig.add_bos)
             self._tokenizer_matched = True
         return self._tokenizer
+
+    @property
+    def _model_in(self) -> nnx.Module:
+        """The model given (one given as a directory, read on first use: an HF model directory with the arguments'
+        layout, or a run directory's newest checkpoint)."""
+        if isinstance(self._model_given, str):
+            runtime = self.arguments.runtime.apply(jmod.RuntimeConfig())
+            self._model_given = load_model(self._model_given, runtime)
+        return self._model_given
+
+    @_model_in.setter
+    def _model_in(self, model: nnx.Module) -> None:
+        self._model_given = model
+
+    def _default_tokenizer(self):
+        """The tokenizer when none was given: the model's own when it was read from a directory that holds one
+        (as TRL and the command line take it), else the bundled one; the log says which."""
+        source = own_tokenizer(self._model_source or jmod.pretrained_source(self._model_given))
+        tokenizer = jd.load_processor(source)
+        if source is not None:
+            log.info("tokenizer: the model's own, from %s (processing_class=... to use another)", source)
+        else:
+            log.info("tokenizer: the bundled one, %s tokens (processing_class=... to use another)", f"{len(tokenizer):,}")
+        return tokenizer
 
     @property
     def mesh(self):
@@ -298,7 +329,7 @@ class BaseTrainer(ReferenceSurface):
             use_compilation_cache(self.arguments.compilation_cache_dir)
         pool = self._setup_pool()
         if self._tokenizer is None:
-            self._tokenizer = pool.submit(jd.load_processor)
+            self._tokenizer = pool.submit(self._default_tokenizer)
         pool.submit(js.CheckpointManager.prepare)
         if self._train_fn is None:
             self.configure_functions()

@@ -1,0 +1,96 @@
+"""A user's fourth hour (issue 70): what a TRL/PEFT user carries over works or is refused by name, and nothing
+trains on the wrong thing without a word. Each case fails on the code before the issue."""
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from test_newcomer import _model_with_its_own_tokenizer
+from util import CLI_TINY, mesh, quiet
+
+import jaxloom.models as jm
+from jaxloom.trainer import GRPOConfig, GRPOTrainer, Trainer, TrainingArguments
+from jaxloom.trainer.cli import main
+
+TINY_RUN = [*CLI_TINY, "eval_batches=1", "evaluation_steps=null", "generation_interval=null", "generation_prompts=[]"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny HF Llama directory with a 300-token tokenizer of its own (not the bundled 4,096)."""
+    where = tmp_path_factory.mktemp("hf") / "model"
+    _model_with_its_own_tokenizer(where)
+    return where
+
+
+def _records(n=16) -> list[dict]:
+    return [{"text": f"record {i} says hello " * 3} for i in range(n)]
+
+
+def test_a_model_read_from_a_directory_trains_with_its_own_tokenizer_from_python(model_dir, tmp_path, caplog):
+    """Item 1: `Trainer(args, jm.from_pretrained(DIR), dataset_train=...)` with no processing_class used the bundled
+    4,096-token tokenizer, silently. The model's own is used, and the log says which."""
+    args = TrainingArguments(total_batch_size=2, max_sequence_length=32, max_training_steps=1, **quiet(tmp_path))
+    with caplog.at_level(logging.INFO, logger="jaxloom"):
+        t = Trainer(args, jm.from_pretrained(model_dir), dataset_train=_records(), mesh=mesh(1))
+        assert len(t.tokenizer) == 300
+    assert f"tokenizer: the model's own, from {model_dir.absolute()}" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jaxloom"):  # a model built here: the bundled one, said
+        bundled = Trainer(args, jm.create_model(jm.from_pretrained(model_dir).config, lazy=True), dataset_train=[{}])
+        assert len(bundled.tokenizer) == 4096
+    assert "tokenizer: the bundled one, 4,096 tokens" in caplog.text
+    assert t.train().state.step == 1
+
+
+def test_every_trainer_takes_a_model_directory_or_a_run_directory_as_a_string(model_dir, tmp_path):
+    """Item 6: `GRPOTrainer(model="DIR")` (TRL's form) raised `AttributeError: 'str' object has no attribute
+    'runtime'`. A string is a model directory or a run directory, read when the run needs it (no I/O in the
+    constructor), with its own tokenizer."""
+
+    def reward(prompts, completions, **kw):
+        return [float(len(c)) for c in completions]
+
+    records = [{"prompt": f"say {w}:"} for w in ["a", "b", "c", "d"]]
+    settings = dict(num_generations=2, max_completion_length=4, total_batch_size=4, max_training_steps=1)
+    args = GRPOConfig(**settings, **quiet(tmp_path))
+    t = GRPOTrainer(args, model=str(model_dir), dataset_train=records, reward_funcs=[reward], mesh=mesh(1))
+    assert isinstance(t._model_given, str)  # nothing read yet
+    out = t.train()
+    assert out.state.step == 1 and len(t.tokenizer) == 300
+    assert t.model.config.vocab_size == 300
+    # a jaxloom run directory as the starting model: its newest checkpoint's weights and its tokenizer copy
+    run = tmp_path / "sft"
+    assert (
+        main(
+            ["train", *TINY_RUN, f"model.from_pretrained={model_dir}", "max_training_steps=1", f"save_directory={run}"]
+        )
+        == 0
+    )
+    again = GRPOTrainer(
+        GRPOConfig(**settings, **quiet(tmp_path / "b")),
+        model=run,
+        dataset_train=records,
+        reward_funcs=[reward],
+        mesh=mesh(1),
+    )
+    from jaxloom.trainer.runs import run_model
+
+    got = nnx.to_pure_dict(nnx.state(again.model, nnx.Param))
+    want = nnx.to_pure_dict(nnx.state(run_model(run), nnx.Param))
+    start = nnx.to_pure_dict(nnx.state(jm.from_pretrained(model_dir), nnx.Param))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+    assert not all(
+        np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(start))
+    )
+    assert len(again.tokenizer) == 300
+    with pytest.raises(FileNotFoundError, match="expected a Hugging Face model directory .* or a jaxloom run"):
+        Trainer(TrainingArguments(**quiet(None)), model=str(tmp_path / "nowhere"), dataset_train=[{}]).model_state
