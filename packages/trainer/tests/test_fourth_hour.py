@@ -94,3 +94,32 @@ def test_every_trainer_takes_a_model_directory_or_a_run_directory_as_a_string(mo
     assert len(again.tokenizer) == 300
     with pytest.raises(FileNotFoundError, match="expected a Hugging Face model directory .* or a jaxloom run"):
         Trainer(TrainingArguments(**quiet(None)), model=str(tmp_path / "nowhere"), dataset_train=[{}]).model_state
+
+
+def test_an_alias_given_alone_on_the_command_line_wins_over_the_default(tmp_path, capsys):
+    """Item 2: `max_steps=...` (and every documented alias) alone was refused: "max_steps and max_training_steps are
+    one setting; give one", because the demo's default had set max_training_steps. A name the user gives replaces the
+    default; only two spellings the user gave conflict."""
+    run = tmp_path / "run"
+    base = [o for o in TINY_RUN if not o.startswith(("total_batch_size=", "evaluation_steps="))]
+    given = ["max_steps=2", f"output_dir={run}", "lr_scheduler_type=cosine", "batch_size=16", "eval_steps=2"]
+    assert main(["train", *base, *given]) == 0
+    recorded = json.loads((run / "run_config.json").read_text())
+    assert (recorded["max_training_steps"], recorded["save_directory"], recorded["scheduler"]) == (2, str(run), "cosine")
+    assert (recorded["total_batch_size"], recorded["evaluation_steps"]) == (16, 2)
+    assert not {"max_steps", "output_dir", "lr_scheduler_type", "batch_size", "eval_steps"} & set(recorded)
+    capsys.readouterr()
+    assert main(["train", *base, "total_steps=1", f"save_directory={tmp_path / 'x'}"]) == 0  # EasyDeL's name
+    capsys.readouterr()
+    for both in (["max_steps=2", "max_training_steps=3"], ["max_steps=2", "total_steps=3"]):
+        assert main(["train", *base, *both, f"save_directory={tmp_path / 'y'}"]) == 2
+        assert "are one setting" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
+    config = tmp_path / "mine.yaml"  # in one's own file: the file's alias is the setting; both in one file conflict
+    config.write_text("max_steps: 1\nmodel:\n  hidden_size: 32\n  intermediate_size: 64\n  num_hidden_layers: 1\n")
+    from jaxloom.trainer.compose import resolve_settings
+
+    assert resolve_settings(str(config), ["max_steps=3"])[0]["max_training_steps"] == 3  # the command line wins
+    config.write_text("max_steps: 1\nmax_training_steps: 2\n")
+    with pytest.raises(ValueError, match="mine.yaml: max_steps and max_training_steps are one setting"):
+        resolve_settings(str(config), [])

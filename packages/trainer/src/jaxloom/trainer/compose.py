@@ -16,7 +16,7 @@ from typing import Any
 
 from jaxloom.core import paths
 
-from .arguments import apply_overrides, expand_path, load_config_file
+from .arguments import ALIASES, apply_overrides, expand_path, load_config_file
 from .kinds import KINDS, TRAINERS, arguments_of
 from .run_directory import RUN_CONFIG, staging_folder, use_endpoint
 from .runs import model_of, own_tokenizer, tokenizer_of
@@ -172,6 +172,38 @@ def _finetune_defaults(data: dict, config_path: str | None, overrides: list[str]
     return out
 
 
+def canonical_overrides(overrides: list[str]) -> list[str]:
+    """`overrides` with other frameworks' names (`ALIASES`: `max_steps`, `output_dir`, ...) written as jaxloom's, so
+    that a name the user gives replaces the default of the setting, whatever it is spelled; the same setting given
+    twice on the command line under two names is an error."""
+    keys = [o.split("=", 1)[0] for o in overrides]
+    out = []
+    for item, key in zip(overrides, keys):
+        name = ALIASES.get(key)
+        if name is not None:
+            if name in keys:
+                raise ValueError(f"{key} and {name} are one setting ({key} is another name of {name}); give one")
+            twins = [k for k in keys if ALIASES.get(k) == name and k != key]
+            if twins:
+                raise ValueError(f"{key} and {twins[0]} are one setting (both name {name}); give one")
+            item = f"{name}={item.split('=', 1)[1]}"
+        out.append(item)
+    return out
+
+
+def _canonical_file(data: dict, where: str | Path) -> dict:
+    """A config file's settings with `ALIASES` written as jaxloom's names; both spellings in one file: an error."""
+    out = dict(data)
+    for alias, name in ALIASES.items():
+        if alias in out:
+            if name in out:
+                raise ValueError(
+                    f"{where}: {alias} and {name} are one setting ({alias} is another name of {name}); give one"
+                )
+            out[name] = out.pop(alias)
+    return out
+
+
 def _fine_tunes(config_path: str | None, overrides: list[str]) -> bool:
     """Whether a run fine-tunes with no config file: `model.from_pretrained` on the command line alone."""
     return config_path is None and any(o.split("=", 1)[0] == "model.from_pretrained" for o in overrides)
@@ -196,7 +228,8 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
     defaults (`FINETUNE_DEFAULTS`), then the model's own facts (its tokenizer, its positions), then the command
     line. Returns `(resolved, sources)`: the settings as recorded, and where each one the user did not give came
     from (`{key: source}`; nested keys as `model.x`, `data.x`)."""
-    base = load_config_file(config_path or DEMO_CONFIG)
+    base = _canonical_file(load_config_file(config_path or DEMO_CONFIG), config_path or DEMO_CONFIG)
+    overrides = canonical_overrides(overrides)
     data = apply_overrides(base, overrides)
     data = _finetune_defaults(data, config_path, overrides)
     data = kind_settings(data, config_path, overrides)
