@@ -25,6 +25,13 @@ TEMPLATES = {
         "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
         "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
     ),
+    "chatml_tools": (  # Qwen2.5's: the tool schemas in the system turn, as JSON lines inside <tools></tools>
+        "{%- if tools %}{{ '<|im_start|>system\\nYou are a helpful assistant.\\n\\n# Tools\\n\\n<tools>' }}"
+        "{%- for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{%- endfor %}{{ '\\n</tools><|im_end|>\\n' }}"
+        "{%- else %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+        "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    ),
     "qwen3": (
         "{%- set ns = namespace(last=-1) %}"
         "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}"
@@ -39,8 +46,9 @@ TURN_TOKENS = {
     "gemma": ["<start_of_turn>", "<end_of_turn>"],
     "chatml": ["<|im_start|>", "<|im_end|>"],
     "qwen3": ["<|im_start|>", "<|im_end|>"],
+    "chatml_tools": ["<|im_start|>", "<|im_end|>"],
 }
-END_OF_TURN = {"gemma": "<end_of_turn>", "chatml": "<|im_end|>", "qwen3": "<|im_end|>"}
+END_OF_TURN = {"gemma": "<end_of_turn>", "chatml": "<|im_end|>", "qwen3": "<|im_end|>", "chatml_tools": "<|im_end|>"}
 
 
 def chat_tokenizer(style: str, directory: Path | None = None):

@@ -89,3 +89,41 @@ def test_a_pairs_margin_column_is_read_per_row_and_checked(tmp_path):
         next(iter(jd.DataLoader(str(bad), tok, dataclasses.replace(config, batch_size=2))))
     skipping = jd.DataLoader(str(bad), tok, dataclasses.replace(config, batch_size=1, bad_records="skip"))
     assert next(iter(skipping))["margin"][0, 0] == 1.0
+
+
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two numbers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+    },
+}
+
+
+def test_a_records_tools_are_rendered_by_the_template_as_trl_renders_them(caplog):
+    """TRL's `tools` column (issue 70): SFT rendered `{"messages", "tools"}` without the tools, so a tool-calling
+    prior never saw its tool prompt. The tools (a list of schemas, or its JSON text as `datasets` may store it) and
+    `chat_template_kwargs` go to the chat template as TRL's SFTTrainer passes them; the targets stay the replies;
+    a column nothing reads is named once; a bad `tools` value is one error before anything is tokenized."""
+    import json
+    import logging
+
+    tok = chat_tokenizer("chatml_tools")
+    record = {"messages": CONVERSATION, "tools": [ADD_TOOL]}
+    ids, mask = tokenize_record(record, tok, jd.DataConfig())
+    expected = tok.apply_chat_template(CONVERSATION, tools=[ADD_TOOL], tokenize=False)  # TRL's tokenize_fn
+    assert ids.tolist() == tok(expected, add_special_tokens=False)["input_ids"]
+    assert '"name": "add"' in tok.decode(ids) and "<tools>" in tok.decode(ids)
+    plain, plain_mask = tokenize_record({"messages": CONVERSATION}, tok, jd.DataConfig())
+    assert "<tools>" not in tok.decode(plain) and len(plain) < len(ids)
+    assert [tok.decode(r) for r in runs(ids, mask)] == [tok.decode(r) for r in runs(plain, plain_mask)]  # the replies
+    as_text = tokenize_record({"messages": CONVERSATION, "tools": json.dumps([ADD_TOOL])}, tok, jd.DataConfig())[0]
+    assert as_text.tolist() == ids.tolist()
+    with caplog.at_level(logging.WARNING):
+        tokenize_record({"messages": CONVERSATION, "source": "x", "id": 1}, tok, jd.DataConfig())
+        tokenize_record({"messages": CONVERSATION, "source": "y", "id": 2}, tok, jd.DataConfig())
+    named = [r.getMessage() for r in caplog.records if "are not read" in r.getMessage()]
+    assert len(named) == 1 and "['id', 'source']" in named[0]
+    with pytest.raises(ValueError, match="column 'tools' holds dict; expected a list of tool schemas"):
+        jd.tokenize.check_record({"messages": CONVERSATION, "tools": ADD_TOOL}, jd.DataConfig())

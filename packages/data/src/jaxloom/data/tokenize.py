@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 SKIP_HINT = (
@@ -32,8 +36,9 @@ def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarr
     check_record(record, config)
     bos = [tokenizer.bos_token_id] if config.add_bos and tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if config.add_eos and tokenizer.eos_token_id is not None else []
+    _name_unread_columns(record, config)
     if config.messages_column in record:
-        return _chat(record[config.messages_column], tokenizer)
+        return _chat(record[config.messages_column], tokenizer, **_template_inputs(record))
     if config.prompt_column in record and config.completion_column in record:
         p = tokenizer.encode(record[config.prompt_column], add_special_tokens=False)
         c = tokenizer.encode(record[config.completion_column], add_special_tokens=False)
@@ -43,6 +48,51 @@ def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarr
     text = record[config.text_column]
     ids = bos + tokenizer.encode(text, add_special_tokens=False) + eos
     return np.asarray(ids, np.int32), np.ones(len(ids), np.int32)
+
+
+CHAT_EXTRAS = ("tools", "chat_template_kwargs")
+"""TRL's columns beside `messages`: the tool schemas and the keywords the chat template is rendered with."""
+_NAMED: set[tuple[str, ...]] = set()
+
+
+def _template_inputs(record: dict[str, Any]) -> dict[str, Any]:
+    """What the chat template renders beside the messages, as TRL's SFTTrainer passes it: `tools` (a list of
+    schemas or functions, or their JSON text) and the record's `chat_template_kwargs`."""
+    out: dict[str, Any] = {}
+    tools = record.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as e:
+            raise ValueError(f"column 'tools' holds text that is not JSON ({e}); expected a list of tool schemas") from None
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise ValueError(f"column 'tools' holds {type(tools).__name__}; expected a list of tool schemas (TRL's)")
+        out["tools"] = tools
+    kwargs = record.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"column 'chat_template_kwargs' holds {type(kwargs).__name__}; expected an object")
+        out.update(kwargs)
+    return out
+
+
+def _name_unread_columns(record: dict[str, Any], config) -> None:
+    """Columns of `record` that no part of its tokenization reads, named once per set in this process (a log
+    warning): a column the user meant to train on is not dropped without a word."""
+    read = {config.text_column, config.messages_column, config.prompt_column, config.completion_column, *CHAT_EXTRAS}
+    unread = tuple(sorted(k for k in record if k not in read))
+    if unread and unread not in _NAMED:
+        _NAMED.add(unread)
+        log.warning(
+            "record columns %s are not read (jaxloom reads %r, or %r with 'tools' and 'chat_template_kwargs', or %r + "
+            "%r); rename a column to one of those to train on it",
+            list(unread),
+            config.text_column,
+            config.messages_column,
+            config.prompt_column,
+            config.completion_column,
+        )
 
 
 def check_record(record: Any, config) -> None:
@@ -57,6 +107,7 @@ def check_record(record: Any, config) -> None:
         messages = record[config.messages_column]
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
+        _template_inputs(record)
         return
     if config.prompt_column in record and config.completion_column in record:
         for column in (config.prompt_column, config.completion_column):
@@ -107,7 +158,7 @@ def _pretokenized(record: dict[str, Any], vocab: int) -> tuple[np.ndarray, np.nd
     return ids, mask
 
 
-def _chat(messages: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
+def _chat(messages: list[dict], tokenizer, **template: Any) -> tuple[np.ndarray, np.ndarray]:
     """The conversation rendered once by the chat template (the tokens the model reads at inference, as TRL
     tokenizes it); the targets are each assistant turn's characters after its role header (what
     `add_generation_prompt` adds), through the end of the turn (the end-of-turn token: where generation stops).
@@ -116,7 +167,8 @@ def _chat(messages: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
     of the conversation as a prefix of the whole (Llama 3, ChatML, Gemma, Phi-3). Templates that render earlier
     turns differently once a later one follows (Qwen3 drops the empty `<think>` block of every assistant turn
     but the last) are located by the turn's content in the whole render instead, with the template's
-    end-of-turn token after it. Tokens are mapped to characters by the tokenizer's offsets."""
+    end-of-turn token after it. Tokens are mapped to characters by the tokenizer's offsets. `template`: what the
+    chat template renders beside the messages (`tools`, a record's `chat_template_kwargs`)."""
     if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
     if not any(m["role"] == "assistant" for m in messages):  # it would train on nothing: loss 0, silently
@@ -124,13 +176,17 @@ def _chat(messages: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(
             f"messages with roles {roles} have no 'assistant' turn; expected at least one (its tokens are the targets)"
         )
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **template)
     spans, cursor = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        head = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        turn = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        head = (
+            tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True, **template)
+            if i
+            else ""
+        )
+        turn = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **template)
         if text.startswith(turn) and turn.startswith(head) and len(head) >= cursor:
             spans.append((len(head), len(turn)))
             cursor = len(turn)
