@@ -123,3 +123,28 @@ def test_an_alias_given_alone_on_the_command_line_wins_over_the_default(tmp_path
     config.write_text("max_steps: 1\nmax_training_steps: 2\n")
     with pytest.raises(ValueError, match="mine.yaml: max_steps and max_training_steps are one setting"):
         resolve_settings(str(config), [])
+
+
+def test_step_exports_evaluates_and_generates_that_step_or_refuses(tmp_path, capsys):
+    """Item 4: `jaxloom convert --to-hf RUN OUT --step N` exported the newest checkpoint and exited 0. Every command
+    that takes `--step` reads that step, or refuses naming the steps the run has."""
+    from safetensors.numpy import load_file
+
+    run = tmp_path / "run"
+    assert main(["train", *TINY_RUN, "max_training_steps=4", "save_steps=2", f"save_directory={run}"]) == 0
+    capsys.readouterr()
+    for step in (2, 4):
+        assert main(["convert", "--to-hf", str(run), str(tmp_path / f"hf{step}"), "--step", str(step)]) == 0
+    first, last = (load_file(str(tmp_path / f"hf{s}" / "model.safetensors")) for s in (2, 4))
+    assert any(not np.array_equal(first[k], last[k]) for k in first)  # two steps, two models
+    assert main(["convert", "--to-hf", str(run), str(tmp_path / "hf3"), "--step", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint for step 3" in err and "available: [2, 4]" in err and not (tmp_path / "hf3").exists()
+    assert main(["eval", str(run), "--step", "2"]) == 0
+    at_2 = json.loads(capsys.readouterr().out)["loss"]
+    assert main(["eval", "--step=4", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] != at_2
+    assert main(["eval", str(run), "--step", "3"]) == 2 and "no checkpoint for step 3" in capsys.readouterr().err
+    assert main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "2", "--step", "3"]) == 2
+    assert "no checkpoint for step 3" in capsys.readouterr().err
+    assert main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "2", "--step", "2"]) == 0

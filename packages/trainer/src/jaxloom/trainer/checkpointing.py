@@ -99,12 +99,13 @@ class Checkpointing:
         if changed:
             log.warning("resuming the run in %s with changed settings:\n  %s", save_directory, "\n  ".join(changed))
 
-    def restore(self, target: js.TrainState, *, params_only: bool = False) -> js.Restored:
-        """The newest complete checkpoint into `target`'s shapes and shardings (FileNotFoundError without one);
-        a full restore hands its data position to `data` (the run continues where it stopped)."""
+    def restore(self, target: js.TrainState, *, params_only: bool = False, step: int | None = None) -> js.Restored:
+        """The newest complete checkpoint (or checkpoint `step`, FileNotFoundError naming the steps there are when
+        it is not one) into `target`'s shapes and shardings (FileNotFoundError without one); a full restore hands
+        its data position to `data` (the run continues where it stopped)."""
         if self.manager.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint under {self.manager.directory} (none complete)")
-        restored = self.manager.restore(target, params_only=params_only)
+        restored = self.manager.restore(target, step, params_only=params_only)
         if self.data is not None and not params_only:
             self.data.load_checkpoint_state(restored.data_state)
         return restored

@@ -95,9 +95,11 @@ def _generate(ns) -> int:
     path = Path(ns.path)
     eos: Any = None
     if (path / RUN_CONFIG).is_file():
-        trainer = restored(path, None, params_only=True)
+        trainer = restored(path, None, params_only=True, step=ns.step)
         model, tokenizer = trainer.state.model, trainer.tokenizer
     elif (path / "config.json").is_file():
+        if ns.step is not None:
+            raise ValueError(f"--step {ns.step}: {path} is a Hugging Face model directory, which has no steps")
         model = jm.from_pretrained(path)
         has_tok = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
         tokenizer = jd.load_processor(path if has_tok else None)
@@ -357,6 +359,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in helps.items():
         p = sub.add_parser(name, help=text, description=text + ". " + _KEYS_HINT)
         p.add_argument("items", nargs="*", metavar="ITEM", help=target)
+        if name == "eval":
+            p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
         if name == "train":
             p.add_argument(
                 "--ray",
@@ -377,6 +381,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="the whole output's seed (each prompt and sample its own key)")
     gen.add_argument("--num-return-sequences", type=int, default=1, help="samples per prompt (TRL/HF's name)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each prompt")
+    gen.add_argument("--step", type=int, default=None, help="a run directory's checkpoint of this step (default: newest)")
     text = (
         "export the newest checkpoint of a run as a Hugging Face model directory (with its tokenizer), or rewrite "
         "a run's checkpoints with arrays in another format"
@@ -393,7 +398,12 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "--format", choices=("orbax", "raw"), default="orbax", help="with --checkpoint: orbax's standard or raw"
     )
-    conv.add_argument("--step", type=int, default=None, help="with --checkpoint: this step only (default: every one)")
+    conv.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="this checkpoint (default: --to-hf the newest; --checkpoint every one); a step the run has not is an error",
+    )
     conv.add_argument("--config", default=None, help="the run's config (default: RUN_DIR/run_config.json)")
     conv.add_argument(
         "--merge", action="store_true", help="a LoRA run: the merged full model (default: a PEFT adapter directory)"
@@ -533,16 +543,25 @@ def _disk_error(error: OSError) -> str | None:
     return None
 
 
+_OWN_OPTIONS = {"eval": ("--step",)}  # options of a command itself, not settings
+
+
 def key_value_forms(argv: list[str]) -> list[str]:
     """`train`/`eval`/`plan` arguments with HF's and argparse's forms of a setting, `--key=value` and `--key value`
     (dashes in the key read as underscores), turned into jaxloom's `key=value`, placed after the config or run
     directory and before `--ray`. A `--key` without a value is an error naming the three forms."""
     if not argv or argv[0] not in ("train", "eval", "plan"):
         return argv
-    rest, kept, moved, i = argv[1:], [], [], 0
+    rest, kept, moved, options, i = argv[1:], [], [], [], 0
+    own = _OWN_OPTIONS.get(argv[0], ())
     while i < len(rest):
         item = rest[i]
-        if item.startswith("--") and item not in ("--ray", "--help", "--"):
+        if item.split("=", 1)[0] in own:  # the command's own option, and its value: kept as they are, at the end
+            options.append(item)
+            if "=" not in item and i + 1 < len(rest):
+                options.append(rest[i + 1])
+                i += 1
+        elif item.startswith("--") and item not in ("--ray", "--help", "--"):
             key, eq, value = item[2:].partition("=")
             key = key.replace("-", "_")
             if not eq:
@@ -554,7 +573,7 @@ def key_value_forms(argv: list[str]) -> list[str]:
             kept.append(item)
         i += 1
     first = 1 if kept and not kept[0].startswith("-") and "=" not in kept[0] else 0
-    return [argv[0], *kept[:first], *moved, *kept[first:]]
+    return [argv[0], *kept[:first], *moved, *kept[first:], *options]
 
 
 # The commands that run XLA programs: the `jaxloom` program re-runs itself for them with glibc asking for huge pages
@@ -594,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "convert" and ns.checkpoint:
             return _convert_checkpoints(ns)
         if ns.command == "convert":
-            trainer = restored(ns.to_hf[0], ns.config, params_only=True)
+            trainer = restored(ns.to_hf[0], ns.config, params_only=True, step=ns.step)
             print(trainer.save_pretrained(ns.to_hf[1], to_torch=True, merge_adapters=ns.merge))
             return 0
         config, items = split_target(ns.items)
@@ -611,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
             return _launcher("ray")(config, items, ns.ray)
         if ns.command == "eval":
             trainer, _ = build_run(config, items + ["resume_if_possible=true"])
-            trainer.restore_checkpoint()  # a run without a checkpoint is an error, never a random model's score
+            trainer.restore_checkpoint(step=ns.step)  # no checkpoint is an error, never a random model's score
             print(json.dumps(trainer.evaluate(), indent=2))
             return 0
         trainer, resolved = build_run(config, items)

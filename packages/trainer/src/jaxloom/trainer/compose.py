@@ -401,12 +401,13 @@ def _expanded(value: Any, key: str) -> Any:
     return expand_path(value, key)
 
 
-def restored(run_dir: str | Path, config: str | None = None, *, params_only: bool):
-    """The trainer of a finished or running run with its newest checkpoint restored, and nothing else
-    set up (no data loading, no compile); FileNotFoundError when the run has no checkpoint."""
+def restored(run_dir: str | Path, config: str | None = None, *, params_only: bool, step: int | None = None):
+    """The trainer of a finished or running run with its newest checkpoint (or checkpoint `step`) restored, and
+    nothing else set up (no data loading, no compile); FileNotFoundError when the run has no checkpoint (or none
+    of `step`, naming the steps it has)."""
     # max_training_steps: the run's length is not needed to read its weights, and counting an epoch-based
     # run's steps would read its training data, which may be long gone
     config_path, items = split_target([str(run_dir)]) if config is None else (config, [f"save_directory={run_dir}"])
     trainer, _ = build_run(config_path, [*items, *READ_ONLY, "max_training_steps=1"])
-    trainer.restore_checkpoint(params_only=params_only)
+    trainer.restore_checkpoint(params_only=params_only, step=step)
     return trainer

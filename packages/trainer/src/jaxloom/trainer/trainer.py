@@ -344,16 +344,17 @@ class BaseTrainer(ReferenceSurface):
             self.run_directory.write_run_files(self.run_config, self.tokenizer)
         self._initialized = True
 
-    def restore_checkpoint(self, *, params_only: bool = False) -> js.TrainState:
-        """The newest checkpoint of `save_directory` as this trainer's state, with nothing else set up
-        (no loader, no compile): for commands that only read a run (`eval`, `generate`, `convert`).
-        `params_only` leaves the optimizer state abstract. FileNotFoundError when there is none."""
+    def restore_checkpoint(self, *, params_only: bool = False, step: int | None = None) -> js.TrainState:
+        """The newest checkpoint of `save_directory` (or checkpoint `step`) as this trainer's state, with nothing
+        else set up (no loader, no compile): for commands that only read a run (`eval`, `generate`, `convert`).
+        `params_only` leaves the optimizer state abstract. FileNotFoundError when there is none (or no `step`:
+        the error lists the steps there are)."""
         if RunDirectory(self.arguments.checkpoint).location is None:
             raise FileNotFoundError("save_directory is not set: there is no run to restore a checkpoint from")
         # a reader never changes the run (it may be training): not the run's own manager, which cleans up
         reader = Checkpointing(self.arguments.checkpoint, self.run_directory.checkpoints, read_only=True)
         try:
-            restored = reader.restore(self.plan.target(), params_only=params_only)
+            restored = reader.restore(self.plan.target(), params_only=params_only, step=step)
         finally:
             reader.close()
         self.resumed_from = f"{reader.manager.directory}/{restored.step}"
