@@ -105,7 +105,11 @@ def test_an_alias_given_alone_on_the_command_line_wins_over_the_default(tmp_path
     given = ["max_steps=2", f"output_dir={run}", "lr_scheduler_type=cosine", "batch_size=16", "eval_steps=2"]
     assert main(["train", *base, *given]) == 0
     recorded = json.loads((run / "run_config.json").read_text())
-    assert (recorded["max_training_steps"], recorded["save_directory"], recorded["scheduler"]) == (2, str(run), "cosine")
+    assert (recorded["max_training_steps"], recorded["save_directory"], recorded["scheduler"]) == (
+        2,
+        str(run),
+        "cosine",
+    )
     assert (recorded["total_batch_size"], recorded["evaluation_steps"]) == (16, 2)
     assert not {"max_steps", "output_dir", "lr_scheduler_type", "batch_size", "eval_steps"} & set(recorded)
     capsys.readouterr()
@@ -148,3 +152,49 @@ def test_step_exports_evaluates_and_generates_that_step_or_refuses(tmp_path, cap
     assert main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "2", "--step", "3"]) == 2
     assert "no checkpoint for step 3" in capsys.readouterr().err
     assert main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "2", "--step", "2"]) == 0
+
+
+def test_a_run_directory_resumes_converts_evaluates_and_generates_from_anywhere(model_dir, tmp_path):
+    """Item 7: `run_config.json` recorded `from_pretrained` (and the data) as given, relative to where the run started,
+    so `jaxloom train RUN_DIR` worked only from that folder. Paths are made absolute when recorded; the run then
+    resumes, converts, evaluates and generates when called from another folder (real `jaxloom` processes)."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    (work / "model").symlink_to(model_dir, target_is_directory=True)
+    (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(32)))
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {os.environ.get('JAXLOOM_TEST_XLA_FLAGS', '')}",
+    }
+    cli = [sys.executable, "-m", "jaxloom.trainer.cli"]
+    settings = [
+        "model.from_pretrained=model",
+        "data.train=data.jsonl",
+        "data.eval=data.jsonl",
+        "max_sequence_length=32",
+        "progress_bar=false",
+    ]
+    first = subprocess.run(
+        [*cli, "train", *settings, "max_training_steps=1", "save_directory=run", "use_tensorboard=false"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    recorded = json.loads((work / "run" / "run_config.json").read_text())
+    assert recorded["model"]["from_pretrained"] == str(work / "model") and recorded["data"]["train"] == str(
+        work / "data.jsonl"
+    )
+    run = str(work / "run")
+    for argv in (
+        ["train", run, "max_training_steps=2"],
+        ["eval", run],
+        ["convert", "--to-hf", run, str(elsewhere / "hf")],
+        ["generate", run, "--prompt", "record", "--max-new-tokens", "2"],
+    ):
+        done = subprocess.run([*cli, *argv], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (argv, done.stderr[-2000:])
+    assert (elsewhere / "hf" / "config.json").is_file()
+    assert json.loads((work / "run" / "run_config.json").read_text())["max_training_steps"] == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,7 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
             file = Path(model_cfg["from_pretrained"]) / "config.json"
             positions = json.loads(file.read_text()).get("max_position_embeddings", FINETUNE_MAX_LENGTH)
         resolved["max_sequence_length"] = min(FINETUNE_MAX_LENGTH, int(positions))
+    _recorded_paths(resolved)
     # where each setting the user did not give came from
     user_file = config_path is not None and Path(config_path).name != RUN_CONFIG
     if user_file:
@@ -299,6 +301,41 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
         else:
             sources[key] = origin
     return resolved, sources
+
+
+# Settings that name local files or directories, made absolute when a run's settings are resolved: run_config.json
+# then rebuilds the run from any working directory (`jaxloom train|eval|convert|generate RUN_DIR` from elsewhere).
+# The run's own save_directory is not among them: a run directory is found where it is (split_target pins it).
+RECORDED_PATHS = ("checkpoint_directory", "compilation_cache_dir", "ref_model", "lora_from", "teacher_model_name_or_path")
+
+
+def _recorded_paths(resolved: dict) -> None:
+    """`resolved`'s local paths made absolute in place (URIs, Hub ids, `bundled` and globs' patterns kept as text:
+    a relative glob becomes an absolute one)."""
+
+    def absolute(value: Any, must_exist: bool = False) -> Any:
+        if isinstance(value, list):
+            return [absolute(v, must_exist) for v in value]
+        if isinstance(value, dict) and "path" in value:
+            return {**value, "path": absolute(value["path"], must_exist)}
+        if not isinstance(value, str) or not value or value == "bundled" or paths.is_uri(value):
+            return value
+        glob = any(c in value for c in "*?[")
+        if Path(value).is_absolute() or (must_exist and not glob and not Path(value).exists()):
+            return value  # a Hub id (`org/name`) is not a path here
+        return os.path.abspath(value)
+
+    model, data = resolved.get("model") or {}, resolved.get("data") or {}
+    if "from_pretrained" in model:
+        model["from_pretrained"] = absolute(model["from_pretrained"])
+    for key in ("train", "eval"):
+        if key in data:
+            data[key] = absolute(data[key], must_exist=True)
+    if "tokenizer" in data:
+        data["tokenizer"] = absolute(data["tokenizer"], must_exist=True)
+    for key in RECORDED_PATHS:
+        if resolved.get(key) is not None:
+            resolved[key] = absolute(resolved[key], must_exist=key in ("ref_model", "teacher_model_name_or_path"))
 
 
 def _flat_settings(data: dict) -> dict[str, Any]:
