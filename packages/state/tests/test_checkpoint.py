@@ -300,3 +300,27 @@ def test_a_step_removed_while_it_is_read_is_not_corruption(tmp_path, monkeypatch
     restored = reader.restore(target(mesh))
     assert restored.step == 4 and calls == [3, 4]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name[0].isdigit()) == ["1", "2", "4"]  # nothing set aside
+
+
+@pytest.mark.parametrize("array_format", ["orbax", "raw"])
+def test_a_checkpoint_commits_with_its_integrity_record(tmp_path, array_format):
+    """Issue 70: with asynchronous saves a checkpoint's checksums were written only when the next one was saved, so
+    after a kill -9 twenty steps later the checkpoint resumed from was "not verified". The record (the manifest, and
+    the arrays' digests in orbax's format) is written into the folder before orbax commits it: the folder is never
+    visible without it, and it is verified with no later save or wait."""
+    state = train_steps(make_state(mesh_of(fsdp=4)), 2)
+    manager = js.CheckpointManager(str(tmp_path), save_steps=1, array_format=array_format)
+    assert manager.config.async_save
+    manager.save(2, state)
+    folder, deadline = tmp_path / "2", time.monotonic() + 60
+    while not folder.is_dir() and time.monotonic() < deadline:  # the moment it becomes visible
+        time.sleep(0.001)
+    seen = sorted(p.name for p in folder.iterdir())
+    assert js.checkpoint.CHECKSUMS in seen, seen
+    if array_format == "orbax":
+        assert f"{js.checkpoint.DIGESTS}0.json" in seen
+    assert manager.verify(2) or array_format == "raw"  # the digests, read back before anything else happens
+    manager.wait_until_finished()
+    assert sorted(p.name for p in folder.iterdir()) == seen  # nothing added after the commit
+    restored = js.CheckpointManager(str(tmp_path)).restore(target(mesh_of(fsdp=4)))
+    assert leaves_equal(restored.state, state)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import threading
@@ -53,7 +54,9 @@ from .checkpoint_files import (
     fenced_steps,
     stored_shapes,
     verify_folder,
+    in_progress,
     write_checksums,
+    write_integrity,
 )
 
 log = logging.getLogger(__name__)
@@ -135,7 +138,9 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._stray_seen: set[int] = set()  # step directories without a checkpoint, said once
         self._fenced_said: set[int] = set()  # steps written after the lease changed hands, said once
-        self._digests: dict[int, integrity.Pending] = {}  # step -> array digests dispatched, not yet written
+        # step -> its array digests (a function: they may still be computing; None: none to record), for the steps
+        # saved whose integrity record is not written yet
+        self._digests: dict[int, Any] = {}
         self._lock = threading.Lock()
         if self.directory.is_dir():
             self._open()
@@ -160,7 +165,7 @@ class CheckpointManager:
                 cleanup_tmp_directories=not c.read_only,  # a reader never deletes the step a writer is saving
                 lightweight_initialize=True,  # no per-step metadata read on open: retention here is by step
                 create=not c.read_only,
-                async_options=ocp.AsyncOptions(post_finalization_callback=self._write_checksums)
+                async_options=ocp.AsyncOptions(post_finalization_callback=self._commit_integrity)
                 if c.async_save
                 else None,
             )
@@ -293,14 +298,22 @@ class CheckpointManager:
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             **({"lease_generation": int(generation)} if generation is not None else {}),
         }
+        found = None
         if self.config.array_format == "raw":
             _, save_args, _ = arrays.orbax_types()
             items = {k: save_args(v, copy=self.config.async_save) for k, v in trees.items()}  # sync: no staging copy
         else:
             items = {k: ocp.args.StandardSave(v) for k, v in trees.items()}
-            if self.config.verify:  # computed on the devices beside the write; recorded once it is finalised
-                with self._lock:
-                    self._digests[int(step)] = integrity.dispatch(_named(trees))
+            if self.config.verify:  # computed on the devices beside the write; recorded before it commits
+                named = _named(trees)
+                if jax.process_count() == 1:
+                    pending = integrity.dispatch(named)
+                    found = functools.partial(integrity.fetch, pending)
+                else:  # every process's part added up now (a collective: every process saves), kept by process 0
+                    total = integrity.digests(named)
+                    found = functools.partial(dict, total)
+        with self._lock:
+            self._digests[int(step)] = found
         items["meta"] = ocp.args.JsonSave(meta)
         try:
             manager.save(int(step), args=ocp.args.Composite(**items), force=True)
@@ -330,8 +343,19 @@ class CheckpointManager:
             self._manager.close()
             self._manager = None
 
+    def _commit_integrity(self) -> None:
+        """orbax's post-finalisation callback (process 0, after every process's write and before the commit): the
+        integrity record of each step being committed, written into its in-progress folder, so that a committed
+        checkpoint carries it from the moment it is visible (a kill -9 right after still resumes verified)."""
+        with self._lock:
+            for step in sorted(self._digests):
+                folder = in_progress(self.directory, step)
+                if folder is not None and write_integrity(folder, self._digests[step]):
+                    del self._digests[step]
+
     def _write_checksums(self) -> None:
-        """After a write is finalised: each process's array digests and process 0's manifest (`write_checksums`)."""
+        """Process 0's integrity record of the finalised steps that lack one (`write_checksums`): a synchronous
+        save's, and any an asynchronous commit could not write."""
         if self._manager is not None:
             with self._lock:
                 write_checksums(self.directory, self._manager.all_steps(), self._digests)

@@ -68,25 +68,47 @@ def _saved_digests(folder: Any, listed: dict[str, int]) -> dict[str, list]:
 
 
 def write_checksums(directory: Path, steps: list[int], digests: dict[int, Any]) -> None:
-    """After a write is finalised, every process records the digests of the arrays it saved (orbax's format:
-    `jaxloom_digests.process_<i>.json`, computed on the devices at save time; `digests` maps a step to them and
-    loses the steps written), and process 0 the manifest: `{"files": {path: [size, sha256 or None]}}` (its
-    presence marks a verified checkpoint). Array data files get only their size: their digests are in the digest
-    parts (orbax's format) or the item's index files (raw), which the manifest hashes."""
-    me = jax.process_index()
+    """Process 0's integrity record of each of `steps` still without one, in its folder: the arrays' digests (orbax's
+    format: `jaxloom_digests.process_0.json`, every process's part added up at save time; `digests` maps a step to a
+    function returning them, and loses the steps written) and the manifest `{"files": {path: [size, sha256 or None]}}`
+    (its presence marks a verified checkpoint). Array data files get only their size: their digests are in the digest
+    file (orbax's format) or the item's index files (raw), which the manifest hashes. A step is written in its
+    in-progress folder when it has not been committed yet (`in_progress`), so that it commits with its record."""
+    if jax.process_index() != 0:
+        digests.clear()  # every process's part is process 0's to write
+        return
     for step in steps:
-        folder = directory / str(step)
-        try:
-            if step in digests:
-                part = {"process_count": jax.process_count(), "arrays": integrity.fetch(digests[step])}
-                paths.write_atomic(folder / f"{DIGESTS}{me}.json", json.dumps(part, sort_keys=True))
-                del digests[step]
-            if me == 0 and not (folder / CHECKSUMS).exists():
-                paths.write_atomic(folder / CHECKSUMS, json.dumps({"files": _checksums(folder)}, sort_keys=True))
-        except FileNotFoundError:  # not renamed into place yet, or deleted by keep-N meanwhile
-            continue
+        write_integrity(directory / str(step), digests.pop(step, None))
     for step in [s for s in digests if steps and s < min(steps)]:  # removed by keep-N
         del digests[step]
+
+
+def in_progress(directory: Any, step: int) -> Any:
+    """The folder checkpoint `step` is being written in before orbax commits it: `<step>.orbax-checkpoint-tmp*`
+    beside the final folder (atomic rename, a local disk), or the final folder itself (commit by marker file, on
+    an object store); None when neither exists."""
+    from orbax.checkpoint._src.path import atomicity
+
+    found = sorted(directory.glob(f"{step}{atomicity.TMP_DIR_SUFFIX}*"), key=str)
+    if found:
+        return found[-1]
+    final = directory / str(step)
+    return final if final.exists() else None
+
+
+def write_integrity(folder: Any, digests: Any = None) -> bool:
+    """Write `folder`'s integrity record unless it has one: the arrays' digests (`digests()`, when given) and the
+    manifest, each atomically, the manifest last. False when the folder is gone (deleted by keep-N meanwhile)."""
+    try:
+        if (folder / CHECKSUMS).exists():
+            return True
+        if digests is not None:
+            part = {"process_count": 1, "arrays": digests()}
+            paths.write_atomic(folder / f"{DIGESTS}0.json", json.dumps(part, sort_keys=True))
+        paths.write_atomic(folder / CHECKSUMS, json.dumps({"files": _checksums(folder)}, sort_keys=True))
+        return True
+    except FileNotFoundError:  # not there yet, or deleted by keep-N meanwhile
+        return False
 
 
 def check_target(manager: Any, target: TrainState, step: int, params_only: bool) -> None:
