@@ -68,7 +68,7 @@ def expand_path(value: Any, key: str) -> Any:
 
 
 class OptimizerArgs(_Group):
-    learning_rate: float = Field(3e-4, description="peak learning rate of the schedule")
+    learning_rate: float = Field(3e-4, description="peak learning rate of the schedule (0, as TRL takes it: no update)")
     optimizer: Literal["adamw", "adafactor", "lion", "sgd"] = Field("adamw", description="the optax optimizer")
     scheduler: Literal["linear", "cosine", "constant"] = Field(
         "cosine", description="learning-rate decay after the warmup, over the run's steps"
@@ -94,8 +94,7 @@ class OptimizerArgs(_Group):
 
     @model_validator(mode="after")
     def _check(self):
-        _positive(self, "learning_rate")
-        _positive(self, "weight_decay", "warmup_ratio", "init_learning_rate", "end_learning_rate", allow_zero=True)
+        _positive(self, "weight_decay", "learning_rate", "warmup_ratio", "init_learning_rate", "end_learning_rate", allow_zero=True)
         _positive(self, "max_grad_norm", allow_none=True)
         _positive(self, "warmup_steps", allow_none=True, allow_zero=True)
         if not 0 <= self.warmup_ratio < 1:

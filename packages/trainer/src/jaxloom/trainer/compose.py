@@ -101,9 +101,25 @@ _FINETUNE_RUN = {
     "total_batch_size": 8,
     "logging_steps": 10,
     "save_steps": 500,
+    "save_total_limit": None,  # HF keeps every checkpoint
+    "seed": 42,  # HF's
+    "adam_beta2": 0.999,  # HF's AdamW (jaxloom's pretraining default is 0.95)
     "evaluation_steps": None,
     "generation_interval": None,
     "generation_prompts": [],
+}
+# The demo's settings a fine-tune does not inherit (the argument's own default applies, or nothing: a preview's
+# length with no previews, the bundled corpus's held-out share with data of one's own).
+_FINETUNE_DROPS = ("generation_max_new_tokens", "eval_batches")
+_FINETUNE_DATA_DROPS = ("eval_fraction",)
+# What a fine-tune still does differently from TRL at TRL's defaults, said in the banner of such a run and listed
+# in docs/migration.md (a test keeps the two in step).
+_FINETUNE_SOURCE = "fine-tuning defaults (TRL's)"
+FINETUNE_DIFFERENCES = {
+    "total_batch_size": "rows over all devices (TRL's per_device_train_batch_size=8 is 8 rows per device)",
+    "eval_batches": "8 batches an evaluation (TRL evaluates the whole eval set)",
+    "dtype": "the model's dtype, float32 for a float32 checkpoint (TRL computes in bf16 where the device has it)",
+    "remat": "the model's (none: TRL's gradient_checkpointing is on by default)",
 }
 FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
     "sft": {
@@ -112,6 +128,7 @@ FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
         "warmup_steps": 0,
         "weight_decay": 0.0,
         **_FINETUNE_RUN,
+        "packing": False,  # TRL's SFTConfig
         "save_directory": "jaxloom-runs/finetune",
     },
     "grpo": {
@@ -170,21 +187,42 @@ def _finetune_defaults(data: dict, config_path: str | None, overrides: list[str]
     out = {**data, **chosen}
     if "max_sequence_length" not in given and "max_length" not in given:
         out.pop("max_sequence_length", None)
+    for key in _FINETUNE_DROPS:
+        if key not in given:
+            out.pop(key, None)
+    if isinstance(out.get("data"), dict):
+        out["data"] = {k: v for k, v in out["data"].items() if k not in _FINETUNE_DATA_DROPS or f"data.{k}" in given}
     return out
 
 
+# TRL's scripts' first words (`ModelConfig.model_name_or_path`, `ScriptArguments.dataset_name`): the same settings
+# on jaxloom's command line. A Hub id is not downloaded (the error names the local path it expected).
+COMMAND_LINE_ALIASES = {"model_name_or_path": "model.from_pretrained", "dataset_name": "data.train"}
+
+
+def _positions(model_dir: Path) -> int:
+    """The `max_position_embeddings` of an HF model directory or of a jaxloom run directory's model."""
+    if (model_dir / RUN_CONFIG).is_file():
+        model = json.loads((model_dir / RUN_CONFIG).read_text()).get("model") or {}
+        if "max_position_embeddings" in model or "from_pretrained" not in model:
+            return int(model.get("max_position_embeddings", FINETUNE_MAX_LENGTH))
+        return _positions(Path(model["from_pretrained"]))
+    return json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", FINETUNE_MAX_LENGTH)
+
+
 def canonical_overrides(overrides: list[str]) -> list[str]:
-    """`overrides` with other frameworks' names (`ALIASES`: `max_steps`, `output_dir`, ...) written as jaxloom's, so
-    that a name the user gives replaces the default of the setting, whatever it is spelled; the same setting given
-    twice on the command line under two names is an error."""
+    """`overrides` with other frameworks' names (`ALIASES`: `max_steps`, `output_dir`, ...; TRL's scripts'
+    `model_name_or_path` and `dataset_name`) written as jaxloom's, so that a name the user gives replaces the default
+    of the setting, whatever it is spelled; the same setting given twice on the command line under two names is an
+    error."""
     keys = [o.split("=", 1)[0] for o in overrides]
     out = []
     for item, key in zip(overrides, keys):
-        name = ALIASES.get(key)
+        name = ALIASES.get(key) or COMMAND_LINE_ALIASES.get(key)
         if name is not None:
             if name in keys:
                 raise ValueError(f"{key} and {name} are one setting ({key} is another name of {name}); give one")
-            twins = [k for k in keys if ALIASES.get(k) == name and k != key]
+            twins = [k for k in keys if (ALIASES.get(k) or COMMAND_LINE_ALIASES.get(k)) == name and k != key]
             if twins:
                 raise ValueError(f"{key} and {twins[0]} are one setting (both name {name}); give one")
             item = f"{name}={item.split('=', 1)[1]}"
@@ -207,7 +245,7 @@ def _canonical_file(data: dict, where: str | Path) -> dict:
 
 def _fine_tunes(config_path: str | None, overrides: list[str]) -> bool:
     """Whether a run fine-tunes with no config file: `model.from_pretrained` on the command line alone."""
-    return config_path is None and any(o.split("=", 1)[0] == "model.from_pretrained" for o in overrides)
+    return config_path is None and any(o.split("=", 1)[0] in ("model.from_pretrained", "model_name_or_path") for o in overrides)
 
 
 def kind_settings(data: dict, config_path: str | None, overrides: list[str]) -> dict:
@@ -260,10 +298,10 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
                 "directory (config.json + safetensors; a Hub id is not downloaded: fetch it first, e.g. "
                 "`hf download ID --local-dir DIR`)"
             )
-        if not (where / "config.json").is_file():
+        if not (where / "config.json").is_file() and not (where / RUN_CONFIG).is_file():
             raise FileNotFoundError(
                 f"model.from_pretrained = {str(where)!r} has no config.json; expected a Hugging Face model directory "
-                "(config.json + safetensors)"
+                f"(config.json + safetensors) or a jaxloom run directory ({RUN_CONFIG}: its newest checkpoint)"
             )
     if "from_pretrained" in explicit:  # the pretrained model brings its architecture: the file's is not applied
         model_cfg = {k: v for k, v in model_cfg.items() if k in explicit}
@@ -276,8 +314,7 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
     if length_from_model:  # rows as long as TRL's max_length, within the model's positions
         positions = model_cfg.get("max_position_embeddings")
         if positions is None:
-            file = Path(model_cfg["from_pretrained"]) / "config.json"
-            positions = json.loads(file.read_text()).get("max_position_embeddings", FINETUNE_MAX_LENGTH)
+            positions = _positions(Path(model_cfg["from_pretrained"]))
         resolved["max_sequence_length"] = min(FINETUNE_MAX_LENGTH, int(positions))
     _recorded_paths(resolved)
     # where each setting the user did not give came from
@@ -297,7 +334,7 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
         elif key == "max_sequence_length" and length_from_model:
             sources[key] = f"TRL's max_length {FINETUNE_MAX_LENGTH}, within the model's max_position_embeddings"
         elif fine_tune and key in FINETUNE_DEFAULTS.get(kind, {}):
-            sources[key] = "fine-tuning defaults (TRL's)"
+            sources[key] = _FINETUNE_SOURCE
         else:
             sources[key] = origin
     return resolved, sources
@@ -354,6 +391,10 @@ def announce_settings(sources: dict[str, str], resolved: dict) -> None:
     width = max(len(k) for k in sources)
     lines = [f"{k:<{width}} = {flat[k]!r}  ({where})" for k, where in sources.items()]
     log.info("settings you did not give (key=value or your config file overrides any):\n  %s", "\n  ".join(lines))
+    if any(where == _FINETUNE_SOURCE for where in sources.values()):
+        differ = [f"{k}: {why}" for k, why in FINETUNE_DIFFERENCES.items() if k in sources or k not in flat]
+        if differ:
+            log.info("where this fine-tune differs from TRL's defaults (docs/migration.md):\n  %s", "\n  ".join(differ))
 
 
 def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]:

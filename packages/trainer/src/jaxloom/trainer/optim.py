@@ -42,7 +42,8 @@ def get_lr_schedule_fn(
     if schedule_type == "linear":
         after = optax.linear_schedule(learning_rate, end_learning_rate, decay)
     elif schedule_type == "cosine":
-        after = optax.cosine_decay_schedule(learning_rate, decay, alpha=end_learning_rate / learning_rate)
+        alpha = end_learning_rate / learning_rate if learning_rate else 0.0  # learning_rate=0: constant 0 (TRL takes it)
+        after = optax.cosine_decay_schedule(learning_rate, decay, alpha=alpha)
     elif schedule_type == "constant":
         after = optax.constant_schedule(learning_rate)
     else:

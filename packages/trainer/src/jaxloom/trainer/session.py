@@ -63,20 +63,42 @@ def announce(trainer: Any, step: int) -> None:
     if not trainer.is_process_zero:
         return
     a, devices = trainer.arguments, trainer.mesh.devices
-    tokens = a.training_batch_size * trainer.row_width
     start = f"resumed from {trainer.resumed_from}" if trainer.resumed_from else "a new run"
     lines = [
         f"model: {trainer.model_class.__name__} ({trainer.config.model_type}), {trainer.n_params:,} parameters",
         f"mesh: {dict(trainer.mesh.shape)} over {devices.size} × {devices.flat[0].device_kind}"
         f" in {jax.process_count()} process(es)",
-        f"data: {export.describe_data(trainer.run_identity['train_data'], trainer.dataset_train)}; "
-        f"{a.training_batch_size} rows × {trainer.row_width} tokens = {tokens:,} tokens per step",
+        f"data: {export.describe_data(trainer.run_identity['train_data'], trainer.dataset_train)}",
+        f"a step: {step_rows(a, trainer.row_width, trainer.data_shards())}",
         f"attention: {trainer.plan.attention}"
         + (f" (auto, on {devices.flat[0].platform})" if trainer.runtime.attn_mechanism == "auto" else ""),
         f"steps: {step} → {trainer.total_steps} ({start})",
         f"save_directory: {trainer.run_directory.location}",
     ]
     log.info("training\n  %s", "\n  ".join(lines))
+
+
+def step_rows(a: Any, row_width: int, data_shards: int) -> str:
+    """What one optimizer step trains, in one line, with TRL's `per_device_train_batch_size ×
+    gradient_accumulation_steps × devices` beside it; a kind that samples (GRPO, distillation) counts its rows'
+    prompt + completion widths as its steps do (each step's rows as wide as its data, up to the caps)."""
+    accumulation = a.gradient_accumulation_steps
+    rows = a.training_batch_size
+    micro = f" ({accumulation} micro-batches of {a.total_batch_size})" if accumulation > 1 else ""
+    per_device = a.total_batch_size // max(data_shards, 1)
+    trl = (
+        f"TRL's per_device_train_batch_size={per_device} × gradient_accumulation_steps={accumulation} × "
+        f"{data_shards} data-parallel device(s)"
+    )
+    completion = getattr(a, "max_completion_length", None) if hasattr(a, "num_generations") else None
+    if completion is not None:
+        prompt = a.max_prompt_length
+        width = f"prompt ({'≤ ' + str(prompt) if prompt else 'as long as it is'}) + completion (≤ {completion})"
+        return (
+            f"{rows} completions{micro} of {a.num_generations} per prompt, rows of {width} tokens, as wide as each "
+            f"step's data, ≤ {row_width:,} tokens: ≤ {rows * row_width:,} tokens per step ({trl})"
+        )
+    return f"{rows} rows{micro} × {row_width} tokens = {rows * row_width:,} tokens per step ({trl})"
 
 
 def already_complete(trainer: Any, step: int) -> TrainerOutput:
