@@ -291,3 +291,39 @@ def test_the_banner_says_what_a_step_trains_in_trls_terms(tmp_path, caplog):
             == 0
         )
     assert "a step: 16 rows (2 micro-batches of 8) × 32 tokens = 512 tokens per step" in caplog.text
+
+
+def test_a_reward_model_directory_continues_training_as_a_reward_model(model_dir, tmp_path, capsys):
+    """Item 11: `trainer=reward model.from_pretrained=<a *ForSequenceClassification directory>` failed with
+    "checkpoint does not match LlamaForCausalLM: missing weights ['lm_head.weight']". A classifier's directory is
+    read as the classifier it is, and training continues from its score (not one drawn anew), as TRL does."""
+    from safetensors.numpy import load_file
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"prompt": f"q{i}", "chosen": f" yes {i}", "rejected": f" no {i}"}) + "\n" for i in range(8))
+    )
+    common = ["trainer=reward", f"data.train={pairs}", "max_length=16", "total_batch_size=8", "progress_bar=false"]
+    first, second = tmp_path / "rm1", tmp_path / "rm2"
+    assert main(["train", f"model.from_pretrained={model_dir}", *common, "max_steps=1", f"output_dir={first}"]) == 0
+    assert main(["convert", "--to-hf", str(first), str(tmp_path / "rm_hf")]) == 0
+    config = json.loads((tmp_path / "rm_hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"]
+    assert (
+        main(
+            [
+                "train",
+                f"model.from_pretrained={tmp_path / 'rm_hf'}",
+                *common,
+                "max_steps=1",
+                "learning_rate=0",
+                f"output_dir={second}",
+            ]
+        )
+        == 0
+    )
+    assert main(["convert", "--to-hf", str(second), str(tmp_path / "rm_hf2")]) == 0
+    capsys.readouterr()
+    before, after = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("rm_hf", "rm_hf2"))
+    assert sorted(before) == sorted(after) and "score.weight" in after
+    assert all(np.array_equal(before[k], after[k]) for k in before)  # the same classifier, score included

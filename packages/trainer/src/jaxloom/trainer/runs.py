@@ -60,7 +60,7 @@ def load_model(
             )
         return run_model(where)
     if (where / "config.json").is_file():
-        return jm.from_pretrained(where, runtime, config_overrides=overrides or None)
+        return jm.from_pretrained(where, runtime, config_overrides=overrides or None, task=_task_of(where))
     raise FileNotFoundError(
         f"{name} = {str(path)!r}: expected a Hugging Face model directory (with config.json) or a jaxloom run "
         f"directory (with {RUN_CONFIG}){'' if where.exists() else '; it does not exist'}"
@@ -80,6 +80,18 @@ def model_of(model_section: dict[str, Any], runtime: jm.RuntimeConfig, *, vocab_
         raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(jm.CONFIG_CLASSES)}")
     section.setdefault("vocab_size", vocab_size)
     return jm.create_model(jm.CONFIG_CLASSES[model_type].from_hf_dict(section), runtime, lazy=True)
+
+
+def _task_of(model_dir: Path) -> jm.TaskType:
+    """The task an HF model directory's `architectures` name: a `*ForSequenceClassification` (a reward model) is
+    read as the classifier it is, anything else as a causal LM."""
+    try:
+        names = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    except (ValueError, AttributeError):
+        names = []  # from_pretrained reports a malformed config.json itself
+    if any(str(n).endswith("ForSequenceClassification") for n in names):
+        return jm.TaskType.SEQUENCE_CLASSIFICATION
+    return jm.TaskType.CAUSAL_LM
 
 
 def run_model(run_dir: str | Path, *, mesh=None) -> nnx.Module:
