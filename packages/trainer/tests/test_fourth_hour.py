@@ -145,9 +145,9 @@ def test_step_exports_evaluates_and_generates_that_step_or_refuses(tmp_path, cap
     err = capsys.readouterr().err
     assert "no checkpoint for step 3" in err and "available: [2, 4]" in err and not (tmp_path / "hf3").exists()
     assert main(["eval", str(run), "--step", "2"]) == 0
-    at_2 = json.loads(capsys.readouterr().out)["loss"]
+    at_2 = json.loads(capsys.readouterr().out)["eval/loss"]
     assert main(["eval", "--step=4", str(run)]) == 0
-    assert json.loads(capsys.readouterr().out)["loss"] != at_2
+    assert json.loads(capsys.readouterr().out)["eval/loss"] != at_2
     assert main(["eval", str(run), "--step", "3"]) == 2 and "no checkpoint for step 3" in capsys.readouterr().err
     assert main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "2", "--step", "3"]) == 2
     assert "no checkpoint for step 3" in capsys.readouterr().err
@@ -327,3 +327,35 @@ def test_a_reward_model_directory_continues_training_as_a_reward_model(model_dir
     before, after = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("rm_hf", "rm_hf2"))
     assert sorted(before) == sorted(after) and "score.weight" in after
     assert all(np.array_equal(before[k], after[k]) for k in before)  # the same classifier, score included
+
+
+def test_a_lora_run_counts_its_trainable_parameters_as_peft_does(model_dir, tmp_path, caplog):
+    """Item 15: a LoRA run prints PEFT's `print_trainable_parameters` line, with PEFT's numbers for the same model and
+    adapters."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+
+    records = tmp_path / "d.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in _records(8)))
+    settings = ["use_peft=true", "lora_r=4", "lora_alpha=8", "lora_target_modules=all-linear"]
+    with caplog.at_level(logging.INFO, logger="jaxloom"):
+        assert (
+            main(
+                [
+                    "train",
+                    f"model.from_pretrained={model_dir}",
+                    f"data.train={records}",
+                    *settings,
+                    "max_steps=1",
+                    "max_sequence_length=32",
+                    "progress_bar=false",
+                    f"output_dir={tmp_path / 'r'}",
+                ]
+            )
+            == 0
+        )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    trainable, total = peft.get_peft_model(hf, config).get_nb_trainable_parameters()
+    line = f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
+    assert line in caplog.text, (line, [x for x in caplog.text.splitlines() if "trainable" in x])

@@ -78,7 +78,7 @@ def test_resume_is_explicit_and_summaries_cover_the_whole_run(tmp_path, capsys, 
     assert "max_training_steps: 4 → 7" in caplog.text and "logging_steps: 2 → 1" in caplog.text
     assert main(["config", "show", str(run)]) == 0  # a run directory stands for its resolved config
     assert yaml.safe_load(capsys.readouterr().out)["save_directory"] == str(run)
-    assert main(["eval", str(run)]) == 0 and _summary(capsys.readouterr().out)["loss"] > 0
+    assert main(["eval", str(run)]) == 0 and _summary(capsys.readouterr().out)["eval/loss"] > 0
     train_steps = [s for s, kind in _rows(run) if kind == "train"]
     assert train_steps == [2, 4, 5, 6, 7]  # the first session's rows kept once, the second's added
 

@@ -236,7 +236,7 @@ def test_cli_train_plan_convert_and_errors(tmp_path, capsys):
     assert (tmp_path / "report.md").is_file() and (tmp_path / "checkpoints" / "4").is_dir()
     assert main(["eval", *tiny]) == 0  # the run's newest checkpoint, evaluated
     out = capsys.readouterr().out
-    assert json.loads(out[out.index("{\n") :])["loss"] > 0
+    assert json.loads(out[out.index("{\n") :])["eval/loss"] > 0
     # `config show` with the same arguments is the config that ran, as run_config.json records it (issue 51)
     assert main(["config", "show", *tiny]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)

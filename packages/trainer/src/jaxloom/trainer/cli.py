@@ -631,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "eval":
             trainer, _ = build_run(config, items + ["resume_if_possible=true"])
             trainer.restore_checkpoint(step=ns.step)  # no checkpoint is an error, never a random model's score
-            print(json.dumps(trainer.evaluate(), indent=2))
+            scores = {f"eval/{k}": v for k, v in trainer.evaluate().items()}  # as metrics.jsonl names them
+            print(json.dumps({"step": int(trainer.state.step), **scores}, indent=2))
             return 0
         trainer, resolved = build_run(config, items)
         if ns.command == "plan":

@@ -25,11 +25,16 @@ def run_loop(trainer: Any, step: int, callbacks: Callbacks, train_fn: Any) -> tu
     loader = data.train_loader()
     profiler = Profiler(trainer.arguments.profile_steps, trainer.run_directory.local / "profile")
     pending, reason = None, "max_training_steps reached"
+    # the newest step known to have run: steps are dispatched ahead, so an error of step k (an out-of-memory on the
+    # device) surfaces while step k + 1 is dispatched; the run's error names the step that failed, not the next
+    trainer.completed_step = step
 
     def settle(step: int, metrics: dict) -> None:
         """The host's share of `step`, once the next step is dispatched: checks, log row, progress."""
         keys = ("finite", "loss", "grad_norm", STOP_KEY)
-        trainer.apply_training_hooks({**jax.device_get({k: metrics[k] for k in keys if k in metrics}), "step": step})
+        done = jax.device_get({k: metrics[k] for k in keys if k in metrics})  # the step has run on the device
+        trainer.completed_step = step
+        trainer.apply_training_hooks({**done, "step": step})
         trainer.step_log.step(step, metrics, extra=lambda: trainer.data_metrics(step=step), state=trainer.state)
 
     try:
@@ -56,6 +61,14 @@ def run_loop(trainer: Any, step: int, callbacks: Callbacks, train_fn: Any) -> tu
                     cb.fn(run, step)  # type: ignore[misc]
         if pending:
             settle(*pending)
+    except jax.errors.JaxRuntimeError:
+        if pending:  # did the step in flight run? its error, if it failed, is the one being raised
+            try:
+                jax.block_until_ready(pending[1])
+                trainer.completed_step = pending[0]
+            except Exception:  # noqa: BLE001, S110 - it failed: completed_step stays before it
+                pass
+        raise
     finally:
         profiler.close()
     return step, stop.reason or reason

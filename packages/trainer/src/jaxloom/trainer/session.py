@@ -50,7 +50,11 @@ def train(trainer: Any) -> TrainerOutput:
             safe = f"nothing more was written to {trainer.run_directory.checkpoints}"
         else:
             safe = trainer.checkpointing.safe_on_disk(trainer.run_directory.location)
-        e.add_note(f"jaxloom: training stopped during step {trainer.current_step + 1}; {safe}")
+        # a device's error (out of memory) surfaces a step or two after the step it ended, which steps dispatched
+        # ahead hide: the first step not known to have run; a host's (a hook, a reward) is the step being set up
+        device = isinstance(e, jax.errors.JaxRuntimeError)
+        failed = (trainer.completed_step if device else trainer.current_step) + 1
+        e.add_note(f"jaxloom: training stopped during step {min(failed, trainer.total_steps)}; {safe}")
         note_out_of_memory(e)
         raise
     finally:  # after the final save: a second Ctrl-C while it is written is absorbed, not fatal
@@ -75,6 +79,14 @@ def announce(trainer: Any, step: int) -> None:
         f"steps: {step} → {trainer.total_steps} ({start})",
         f"save_directory: {trainer.run_directory.location}",
     ]
+    plan = trainer.plan
+    if plan.lora is not None:  # PEFT's print_trainable_parameters, in its words
+        total = plan.n_params + plan.n_trainable
+        lines.insert(
+            1,
+            f"trainable params: {plan.n_trainable:,} || all params: {total:,} || trainable%: "
+            f"{100 * plan.n_trainable / max(total, 1):.4f}",
+        )
     log.info("training\n  %s", "\n  ".join(lines))
 
 

@@ -165,6 +165,7 @@ class BaseTrainer(ReferenceSurface):
         self.state: js.TrainState | None = None  # the state being trained, once configure_model() has run
         self.resumed_from: str | None = None
         self.current_step = 0
+        self.completed_step = 0  # the newest step known to have run on the device (the loop sets it)
         self._pool: ThreadPoolExecutor | None = None
         self._train_fn: Any = None  # the compiled train step (a Compilation while it compiles)
         self._initialized = False
