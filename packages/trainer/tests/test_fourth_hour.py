@@ -359,3 +359,65 @@ def test_a_lora_run_counts_its_trainable_parameters_as_peft_does(model_dir, tmp_
     trainable, total = peft.get_peft_model(hf, config).get_nb_trainable_parameters()
     line = f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
     assert line in caplog.text, (line, [x for x in caplog.text.splitlines() if "trainable" in x])
+
+
+def test_a_step_that_cannot_fit_is_refused_before_step_one_counting_the_runs_later_work():
+    """Item 13: the check before step 1 counted the train step alone; an evaluation batch larger than a micro-batch
+    and the asynchronous checkpoint's copy of the state (host memory on CPU) came after it, and ran out of memory
+    mid-run. Both are counted; the refusal names them."""
+    from types import SimpleNamespace
+
+    from jaxloom.trainer import functions
+
+    gib = 2**30
+    analysis = SimpleNamespace(
+        argument_size_in_bytes=gib, output_size_in_bytes=gib, temp_size_in_bytes=4 * gib, alias_size_in_bytes=gib
+    )
+    executable = SimpleNamespace(memory_analysis=lambda: analysis)
+    device = SimpleNamespace(memory_stats=lambda: {"bytes_limit": 8 * gib}, platform="gpu")
+    functions.check_fits(executable, [device])  # 5 GiB of 8: fits
+    with pytest.raises(functions.StepTooLargeError, match=r"needs 9\.00 GiB .*an evaluation batch 2× a micro-batch"):
+        functions.check_fits(executable, [device], eval_ratio=2.0)  # 1 + 1 + 8 - 1
+    cpu = SimpleNamespace(memory_stats=lambda: {}, platform="cpu")
+    free = functions.host_memory_available()
+    assert free is not None
+    functions.check_fits(executable, [cpu])
+    with pytest.raises(functions.StepTooLargeError, match="and a checkpoint's copy"):
+        functions.check_fits(executable, [cpu], staged_bytes=free)
+
+
+def test_a_device_error_names_the_step_that_failed_not_the_one_dispatched_after_it(tmp_path, monkeypatch):
+    """Item 13: steps are dispatched ahead, so a device's error (out of memory) of step 1 surfaced while step 2 was
+    dispatched and the run said "training stopped during step 3". It names the first step not known to have run."""
+    import jax
+    import jax.numpy as jnp
+    from util import trainer
+
+    from jaxloom.trainer import session
+
+    def fails(x):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 23.00GiB.")
+
+    real = session.run_loop
+
+    def run_loop(t, step, callbacks, train_fn):
+        def first_fails(state, batch):
+            state, metrics = train_fn(state, batch)
+            if t.current_step == 0:  # step 1's result: an error the device reports when it is read
+                bad = jax.pure_callback(fails, jax.ShapeDtypeStruct((), jnp.float32), metrics["loss"])
+                metrics = {**metrics, "loss": bad}
+            return state, metrics
+
+        return real(t, step, callbacks, first_fails)
+
+    monkeypatch.setattr(session, "run_loop", run_loop)
+    t = trainer(tmp_path, max_training_steps=2, evaluation=None)
+    try:
+        with pytest.raises(Exception) as e:
+            t.train()
+    finally:  # the failed callback's runtime token would fail the next test of this process that waits on effects
+        from jax._src import dispatch
+
+        dispatch.runtime_tokens.clear()
+    notes = "\n".join(getattr(e.value, "__notes__", []))
+    assert "training stopped during step 1;" in notes, notes

@@ -29,8 +29,9 @@ class Compilation:
     saying so when the run has to wait for it, and logs how long the compile took (a long compile of a large
     model is never a silent pause)."""
 
-    def __init__(self, pool, lower):
+    def __init__(self, pool, lower, *, eval_ratio: float = 0.0, staged_bytes: int = 0):
         self.started, self.seconds = time.monotonic(), 0.0
+        self.eval_ratio, self.staged_bytes = eval_ratio, staged_bytes
 
         def run():
             start = time.monotonic()
@@ -46,7 +47,7 @@ class Compilation:
             log.info("compiling the train step… (%.0f s so far)", time.monotonic() - self.started)
         executable = self.future.result()
         log.info("train step compiled in %.1f s", self.seconds)
-        check_fits(executable, jax.local_devices())
+        check_fits(executable, jax.local_devices(), eval_ratio=self.eval_ratio, staged_bytes=self.staged_bytes)
         return executable
 
 
@@ -54,20 +55,21 @@ class StepTooLargeError(ValueError):
     """The compiled train step needs more memory than the devices (or, on CPU, the host) have."""
 
 
-def check_fits(executable, devices) -> None:
+def check_fits(executable, devices, *, eval_ratio: float = 0.0, staged_bytes: int = 0) -> None:
     """Refuse, before step 1, a train step whose compiled program needs more memory per device (arguments,
-    outputs and temporaries, XLA's own count) than `devices` have: one error with both numbers and what to lower,
-    instead of an out-of-memory traceback at the first step. CPU devices report no limit: they share the host's
-    memory, so the program's need times the local CPU devices is checked against the memory the host has free
-    (`host_memory_available`)."""
+    outputs and temporaries, XLA's own count; the donated buffers XLA does not reuse counted twice) than `devices`
+    have: one error with both numbers and what to lower, instead of an out-of-memory traceback at the first step.
+    The run's later work is counted with it: an evaluation batch of `eval_ratio` times a micro-batch's rows needs
+    the step's temporaries scaled so (its forward pass is a part of the step's), and an asynchronous checkpoint's
+    copy of the state (`staged_bytes`, in host memory) is held while the next steps run. CPU devices report no
+    limit: they share the host's memory, so the program's need times the local CPU devices, plus the checkpoint's
+    copy, is checked against the memory the host has free (`host_memory_available`)."""
     memory = executable.memory_analysis()
     if memory is None:
         return
-    need = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        + memory.temp_size_in_bytes
-        - memory.alias_size_in_bytes
+    temporaries = memory.temp_size_in_bytes * max(1.0, eval_ratio)
+    need = int(
+        memory.argument_size_in_bytes + memory.output_size_in_bytes + temporaries - memory.alias_size_in_bytes
     )
     stats = [d.memory_stats() or {} for d in devices]
     limits = [s["bytes_limit"] for s in stats if s.get("bytes_limit")]
@@ -78,15 +80,17 @@ def check_fits(executable, devices) -> None:
         free = host_memory_available()
         if free is None:
             return
-        need *= len(devices)
+        need = need * len(devices) + staged_bytes
         have, where = free, "this host has"
-        what = f"on this host ({len(devices)} CPU devices × what XLA compiled for each)"
+        what = f"on this host ({len(devices)} CPU devices × what XLA compiled for each, and a checkpoint's copy)"
     else:
         return
     if need > have:
         raise StepTooLargeError(
-            f"the train step needs {need / 2**30:.2f} GiB {what} and {where} {have / 2**30:.2f} GiB free: expected "
-            "a smaller total_batch_size (with gradient_accumulation_steps for the same batch), a shorter "
+            f"the train step needs {need / 2**30:.2f} GiB {what}"
+            + (f", an evaluation batch {eval_ratio:g}× a micro-batch counted" if eval_ratio > 1 else "")
+            + f", and {where} {have / 2**30:.2f} GiB free: expected a smaller total_batch_size (with "
+            "gradient_accumulation_steps for the same batch) or evaluation_batch_size, a shorter "
             "max_sequence_length, remat (gradient checkpointing) or more fsdp shards (`jaxloom plan` prints the "
             "memory per device). Nothing was trained."
         )

@@ -314,7 +314,15 @@ class BaseTrainer(ReferenceSurface):
         """The train and eval steps jitted with explicit shardings and donation; the train step starts
         compiling for the exact shapes in the background."""
         fns = self.functions
-        self._train_fn = Compilation(self._setup_pool(), self.lower_train_step)
+        a = self.arguments
+        eval_ratio = a.eval_batch_size / a.total_batch_size if self.dataset_eval is not None else 0.0
+        staged = 0
+        if a.async_checkpointing and all(d.platform == "cpu" for d in jax.local_devices()):
+            leaves = jax.tree_util.tree_leaves((self.plan.abstract.params, self.plan.abstract.opt_state))
+            staged = sum(int(x.size) * x.dtype.itemsize for x in leaves)  # the checkpoint's copy, in host memory
+        self._train_fn = Compilation(
+            self._setup_pool(), self.lower_train_step, eval_ratio=eval_ratio, staged_bytes=staged
+        )
         return TrainerConfigureFunctionOutput(fns.train, fns.evaluate, self.mesh, self.checkpoints)
 
     def initialize_trainer_utils(self) -> None:
