@@ -152,16 +152,16 @@ class Plan:
         )
 
     def initial_state(self) -> js.TrainState:
-        """The state created on its shards by one jitted program. From a seed on a one-device mesh, op by
-        op instead: a few small kernels shared by same-shaped layers compile faster than one program with
-        a random-number pipeline per parameter (seconds of start-up on CPU; same values to rounding)."""
+        """The state created on its shards by one jitted program (parameters and optimizer state together; from
+        given parameters: copies, never aliases of them). It runs once: on CPU it is compiled without LLVM's
+        optimisations (`ONE_SHOT`), which halves the compile of a random-number pipeline per parameter and
+        changes no value — the start-up before step 1 is mostly compiling."""
         if self.given is not None and _matches(self.given, self.abstract):
             return jax.jit(lambda s: s, out_shardings=self.shardings)(self.given)  # its optimizer state too
         fn, inputs = self.build_fn, self.build_inputs
-        if self.mesh.devices.size > 1 or inputs:  # from given parameters: copies, never aliases of them
-            state = jax.jit(fn, out_shardings=self.shardings)(*inputs)
-        else:
-            state = jax.device_put(fn(*inputs), self.shardings)
+        options = ONE_SHOT if self.mesh.devices.flat[0].platform == "cpu" else None
+        compiled = jax.jit(fn, out_shardings=self.shardings).lower(*inputs).compile(compiler_options=options)
+        state = compiled(*inputs)
         source = getattr(getattr(self.arguments, "adapter", None), "lora_from", None)
         if source is not None:  # adapters made elsewhere (PEFT): their values, on this run's shards
             model = jmod.load_peft_weights(state.model, source)
@@ -224,6 +224,10 @@ def _adapter(lora, seed) -> Callable[[nnx.Module], nnx.Module]:
         return jmod.apply_lora(model, lora, seed=seed)
 
     return adapt
+
+
+ONE_SHOT = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+"""XLA's CPU compiler options for a program that runs once (the initial state): compiling is all of its cost."""
 
 
 def _state_builder(seed, tx, template, abstract_model, runtime, state_in, finetune, adapt=lambda m: m):
