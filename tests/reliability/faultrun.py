@@ -26,10 +26,13 @@ TINY = [
 ]
 
 
-def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, repeat=0, env=None, timeout=300, on_stop=None):
+def run_worker(
+    out, *overrides, stop_after=None, sig=signal.SIGKILL, repeat=0, env=None, timeout=300, on_stop=None, stop_line=None
+):
     """Run worker.py; with `stop_after=n`, send `sig` when it prints `STEP n` (and `repeat` more times, 50 ms
-    apart, as an impatient user does), or call `on_stop(line, proc)` there instead (`sig=None`). Returns (proc,
-    stdout, stderr)."""
+    apart, as an impatient user does), or call `on_stop(line, proc)` there instead (`sig=None`); `stop_line`: the
+    line to act on instead of `STEP n` (`SAVING n`: a checkpoint just handed to the writer). Returns (proc, stdout,
+    stderr)."""
     # the runs share one compilation cache (as restarts with `compilation_cache_dir` do): a resumed or
     # repeated run loads its compiled programs instead of compiling them again
     cache = str(Path(tempfile.gettempdir()) / f"jaxloom-reliability-xla-cache-{os.getuid()}")
@@ -48,7 +51,7 @@ def run_worker(out, *overrides, stop_after=None, sig=signal.SIGKILL, repeat=0, e
     lines = []
     for line in proc.stdout:
         lines.append(line.strip())
-        if stop_after is not None and line.strip() == f"STEP {stop_after}":
+        if stop_after is not None and line.strip() == (stop_line or f"STEP {stop_after}"):
             if sig is None:
                 on_stop(line, proc)
                 continue

@@ -129,3 +129,49 @@ def test_a_run_paused_past_its_lease_stops_before_writing_and_the_run_that_took_
     assert c.returncode == 0, c_err[-3000:]
     _same(reference, tmp_path / "b")
     _same(reference, tmp_path / "c")  # B's final checkpoint, restored with its digests checked
+
+
+def test_a_save_in_flight_when_the_run_is_paused_past_its_lease_never_commits(reference, tmp_path):
+    """The same takeover with the defaults (asynchronous checkpoints), the pause landing as checkpoint 4 is handed
+    to the background writer (issue 70): when A continues, its write in flight is not committed as A's (orbax's
+    commit asks the lease first), A writes nothing more (exit 5, one error naming the new owner), B's run ends as an
+    uninterrupted one does and a rerun resumes B's last checkpoint bitwise."""
+    from jaxloom.state import CheckpointManager
+
+    common = ("storage_lease_seconds=3",)
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    with s3_server() as bucket:
+        uri = f"{bucket}/runs/lease-async"
+        taken = {}
+
+        def pause_and_take_over(line, proc):
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(4)  # past A's lease
+                taken["b"] = run_worker(uri, *common, env={"FINAL_TO": str(tmp_path / "b")})
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+
+        a, lines, err = run_worker(
+            uri, *common, stop_after=4, stop_line="SAVING 4", sig=None, on_stop=pause_and_take_over,
+            env={"FINAL_TO": str(tmp_path / "a")},
+        )  # fmt: skip
+        assert "b" in taken, (lines, err[-3000:])
+        b, b_lines, b_err = taken["b"]
+        assert b.returncode == 0, b_err[-3000:]
+        assert a.returncode == 5, err[-3000:]
+        errors = [x for x in err.splitlines() if x.startswith("jaxloom: error")]
+        assert len(errors) == 1 and "LeaseLostError" in errors[0], err[-3000:]
+        assert not (tmp_path / "a" / "final.npz").exists()
+        manager = CheckpointManager(f"{uri}/checkpoints", read_only=True)
+        steps = manager.all_steps()
+        assert steps[-1] == 16, steps
+        generations = {s: manager.read_meta(s).get("lease_generation") for s in steps}
+        resumed_from_4 = any(x.startswith("RESUMED_FROM") and x.endswith("checkpoints/4") for x in b_lines)
+        # every committed checkpoint is B's, but a checkpoint 4 A committed before its pause (B resumed from it)
+        assert all(g == 2 for s, g in generations.items() if s > 4 or not resumed_from_4), (generations, b_lines)
+        c, c_lines, c_err = run_worker(uri, *common, env={"FINAL_TO": str(tmp_path / "c")})
+    assert c.returncode == 0, c_err[-3000:]
+    _same(reference, tmp_path / "b")
+    _same(reference, tmp_path / "c")

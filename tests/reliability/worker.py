@@ -32,6 +32,9 @@ class Announce:
     def on_step_end(self, run, step, metrics):
         print(f"STEP {step}", flush=True)
 
+    def on_save(self, run, step):  # the checkpoint handed to the writer (in flight, with async checkpointing)
+        print(f"SAVING {step}", flush=True)
+
 
 out = sys.argv[1]
 if os.environ.get("TEST_PROCESS"):

@@ -421,3 +421,17 @@ def test_a_device_error_names_the_step_that_failed_not_the_one_dispatched_after_
         dispatch.runtime_tokens.clear()
     notes = "\n".join(getattr(e.value, "__notes__", []))
     assert "training stopped during step 1;" in notes, notes
+
+
+def test_the_eta_does_not_jump_at_a_recompile(tmp_path, monkeypatch):
+    """Item 15: the time left was the rate since the session's first row, so a step that compiled (GRPO's rows of a
+    new width) made it jump and decay for the rest of the run. It is the median rate of the last rows' intervals."""
+    from jaxloom.trainer import metrics
+
+    clock = iter([0.0, 10.0, 20.0, 30.0, 230.0, 240.0, 250.0])  # rows every 10 steps of 1 s; one took 200 s
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    writer = metrics.MetricsWriter(tmp_path, tensorboard=False, progress_bar=False, start_step=0, total_steps=100)
+    etas = [writer._progress(step) for step in (10, 20, 30, 40, 50, 60, 70)]
+    assert etas[0] == "10/100"  # no rate yet
+    assert etas[1:4] == ["20/100 eta 0:01:20", "30/100 eta 0:01:10", "40/100 eta 0:01:00"]
+    assert etas[4:] == ["50/100 eta 0:00:50", "60/100 eta 0:00:40", "70/100 eta 0:00:30"]  # the 200-s interval ignored

@@ -37,6 +37,7 @@ from jaxloom.core import paths
 
 from . import arrays, integrity, stores
 from .arrays import CheckpointCorruptError
+from .lock import LeaseLostError
 from .train_state import TrainState
 
 from .checkpoint_errors import (
@@ -121,18 +122,33 @@ class Restored:
     metadata: dict
 
 
+def _lease_lost(error: BaseException | None) -> LeaseLostError | None:
+    """The `LeaseLostError` in `error`'s chain (orbax re-raises a background thread's error wrapped), or None."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, LeaseLostError):
+            return error
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
+
 class CheckpointManager:
     """Orbax checkpoints of a `TrainState` plus the data position and run metadata, with
     integrity checked in the same read (file sizes, metadata checksums, array digests), keep-N/keep-every-M
     retention, async writes, and restore onto any mesh.
-    `config`: a `CheckpointConfig` or a directory (with `overrides` as its fields)."""
+    `config`: a `CheckpointConfig` or a directory (with `overrides` as its fields). `commit_check()`: called on
+    process 0 before an asynchronous checkpoint commits; one that raises keeps that checkpoint from committing
+    (a run directory's lease fence: a save in flight when the run lost its lease never becomes visible)."""
 
-    def __init__(self, config: CheckpointConfig | str, **overrides: Any):
+    def __init__(self, config: CheckpointConfig | str, *, commit_check: Any = None, **overrides: Any):
         if isinstance(config, str | Path):
             config = CheckpointConfig(directory=str(config), **overrides)
         elif overrides:
             config = dataclasses.replace(config, **overrides)
         self.config = config
+        # called on process 0 before an asynchronous checkpoint commits (after its files are written): raising
+        # (a run that lost its store lease: `LeaseLostError`) leaves it uncommitted, never resumed from
+        self.commit_check = commit_check
         self.directory = paths.as_path(config.directory)  # a local Path, or an epath.Path for a URI
         self._manager = None  # orbax.checkpoint.CheckpointManager, opened on first use
         self._last_save_time = time.monotonic()
@@ -332,8 +348,11 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001
                 raise self._save_failed(None, e) from e
 
-    def _save_failed(self, step: int | None, e: Exception) -> CheckpointSaveError:
+    def _save_failed(self, step: int | None, e: Exception) -> Exception:
         self._manager = None  # not reused after an I/O error; a new one opens on the next call
+        lost = _lease_lost(e)
+        if lost is not None:  # a commit refused by `commit_check`: the run lost its directory, said as such
+            return lost
         return save_failure(self.directory, step, e)
 
     def close(self) -> None:
@@ -347,6 +366,8 @@ class CheckpointManager:
         """orbax's post-finalisation callback (process 0, after every process's write and before the commit): the
         integrity record of each step being committed, written into its in-progress folder, so that a committed
         checkpoint carries it from the moment it is visible (a kill -9 right after still resumes verified)."""
+        if self.commit_check is not None:
+            self.commit_check()  # raises: orbax does not commit, and the error reaches the next save or wait
         with self._lock:
             for step in sorted(self._digests):
                 folder = in_progress(self.directory, step)

@@ -437,7 +437,9 @@ class AdapterArgs(_Group):
         _positive(self, "lora_alpha")
         if self.lora_dropout != 0:
             raise ValueError(
-                f"lora_dropout = {self.lora_dropout}; jaxloom's adapters have no dropout: expected 0 (PEFT's default)"
+                f"lora_dropout = {self.lora_dropout}; jaxloom's adapters have no dropout yet: expected 0 (PEFT's "
+                "default). TRL's recipes write lora_dropout=0.05: drop it (or give lora_dropout=0) to train the same "
+                "adapters without dropout"
             )
         if self.load_in_8bit and self.load_in_4bit:
             raise ValueError("load_in_8bit and load_in_4bit are both set; expected one quantization of the base")

@@ -73,7 +73,8 @@ class Checkpointing:
                     read_only=self.read_only,
                     array_format=c.checkpoint_format,
                     retry_seconds=c.storage_retry_seconds,
-                )
+                ),
+                commit_check=self.fence,  # a save in flight when the run lost its lease never commits
             )
         return self._manager
 

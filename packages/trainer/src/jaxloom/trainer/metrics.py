@@ -8,6 +8,7 @@ import logging
 import os
 import resource
 import secrets
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -147,7 +148,8 @@ class MetricsWriter:
         self.history: list[dict[str, Any]] = []
         self._tb = self._wandb = self._bar = None
         self.total_steps = total_steps
-        self._first_row: tuple[int, float] | None = None  # (step, time) of this session's first train row
+        self._last_row: tuple[int, float] | None = None  # (step, time) of this session's last train row
+        self._intervals: list[float] = []  # seconds a step between the session's last rows (the ETA's rate)
         if not self.enabled:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -225,16 +227,19 @@ class MetricsWriter:
         console(line, self._bar)
 
     def _progress(self, step: int) -> str:
-        """`step/total` and, from the second row of a session on, the time left at the rate since the first."""
+        """`step/total` and, from the second row of a session on, the time left at the median seconds a step of
+        the last rows' intervals (up to 16): one interval that compiled a step (GRPO's rows of a new width, an
+        evaluation's first batch) does not make the estimate jump."""
         if not self.total_steps:
             return str(step)
         now = time.monotonic()
-        if self._first_row is None:
-            self._first_row = (step, now)
-        first_step, first_time = self._first_row
+        if self._last_row is not None and step > self._last_row[0]:
+            last_step, last_time = self._last_row
+            self._intervals = [*self._intervals[-15:], (now - last_time) / (step - last_step)]
+        self._last_row = (step, now)
         out = f"{step}/{self.total_steps}"
-        if first_step < step < self.total_steps:
-            left = (self.total_steps - step) * (now - first_time) / (step - first_step)
+        if self._intervals and step < self.total_steps:
+            left = (self.total_steps - step) * statistics.median(self._intervals)
             out += f" eta {datetime.timedelta(seconds=round(left))}"
         return out
 
