@@ -4,7 +4,6 @@ trains on the wrong thing without a word. Each case fails on the code before the
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,13 +86,17 @@ def test_every_trainer_takes_a_model_directory_or_a_run_directory_as_a_string(mo
     got = nnx.to_pure_dict(nnx.state(again.model, nnx.Param))
     want = nnx.to_pure_dict(nnx.state(run_model(run), nnx.Param))
     start = nnx.to_pure_dict(nnx.state(jm.from_pretrained(model_dir), nnx.Param))
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=False)
+    )
     assert not all(
-        np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(start))
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(start), strict=False)
     )
     assert len(again.tokenizer) == 300
     with pytest.raises(FileNotFoundError, match="expected a Hugging Face model directory .* or a jaxloom run"):
-        Trainer(TrainingArguments(**quiet(None)), model=str(tmp_path / "nowhere"), dataset_train=[{}]).model_state
+        Trainer(TrainingArguments(**quiet(None)), model=str(tmp_path / "nowhere"), dataset_train=[{}]).model_state  # noqa: B018
 
 
 def test_an_alias_given_alone_on_the_command_line_wins_over_the_default(tmp_path, capsys):
@@ -258,7 +261,8 @@ def test_trls_first_words_work(model_dir, tmp_path, capsys):
 
     after, before = (nnx.to_pure_dict(nnx.state(run_model(r), nnx.Param)) for r in (frozen, run))
     assert all(
-        np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(before))
+        np.array_equal(x, y)
+        for x, y in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(before), strict=False)
     )
     assert (
         len(

@@ -64,7 +64,9 @@ def _template_inputs(record: dict[str, Any]) -> dict[str, Any]:
         try:
             tools = json.loads(tools)
         except ValueError as e:
-            raise ValueError(f"column 'tools' holds text that is not JSON ({e}); expected a list of tool schemas") from None
+            raise ValueError(
+                f"column 'tools' holds text that is not JSON ({e}); expected a list of tool schemas"
+            ) from None
     if tools is not None:
         if not isinstance(tools, list):
             raise ValueError(f"column 'tools' holds {type(tools).__name__}; expected a list of tool schemas (TRL's)")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import json
 import logging
 import threading
@@ -55,9 +54,8 @@ from .checkpoint_files import (
     fenced_steps,
     stored_shapes,
     verify_folder,
-    in_progress,
+    commit_records,
     write_checksums,
-    write_integrity,
 )
 
 log = logging.getLogger(__name__)
@@ -296,24 +294,7 @@ class CheckpointManager:
             self._write_checksums()  # the manifests of earlier saves finalised since
         except Exception as e:  # noqa: BLE001 - one clear error, whatever the store's client raised
             raise self._save_failed(step, e) from e
-        params = state.params
-        if self.config.float_dtype:
-            dtype = np.dtype(jax.numpy.dtype(self.config.float_dtype))
-            params = jax.tree_util.tree_map(
-                lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params
-            )
-        trees = {"params": params}
-        if jax.tree_util.tree_leaves(state.opt_state):  # no item for an empty tree (e.g. optax.identity)
-            trees["opt_state"] = state.opt_state
-        meta = {
-            "step": int(step),
-            "rng": np.asarray(jax.device_get(state.rng)).tolist(),
-            "data": data_state,
-            "metadata": metadata or {},
-            "versions": _versions(),
-            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            **({"lease_generation": int(generation)} if generation is not None else {}),
-        }
+        trees, meta = _trees_and_meta(state, step, data_state, metadata, generation, self.config.float_dtype)
         found = None
         if self.config.array_format == "raw":
             _, save_args, _ = arrays.orbax_types()
@@ -321,13 +302,7 @@ class CheckpointManager:
         else:
             items = {k: ocp.args.StandardSave(v) for k, v in trees.items()}
             if self.config.verify:  # computed on the devices beside the write; recorded before it commits
-                named = _named(trees)
-                if jax.process_count() == 1:
-                    pending = integrity.dispatch(named)
-                    found = functools.partial(integrity.fetch, pending)
-                else:  # every process's part added up now (a collective: every process saves), kept by process 0
-                    total = integrity.digests(named)
-                    found = functools.partial(dict, total)
+                found = integrity.deferred(_named(trees))
         with self._lock:
             self._digests[int(step)] = found
         items["meta"] = ocp.args.JsonSave(meta)
@@ -369,10 +344,7 @@ class CheckpointManager:
         if self.commit_check is not None:
             self.commit_check()  # raises: orbax does not commit, and the error reaches the next save or wait
         with self._lock:
-            for step in sorted(self._digests):
-                folder = in_progress(self.directory, step)
-                if folder is not None and write_integrity(folder, self._digests[step]):
-                    del self._digests[step]
+            commit_records(self.directory, self._digests)
 
     def _write_checksums(self) -> None:
         """Process 0's integrity record of the finalised steps that lack one (`write_checksums`): a synchronous
@@ -556,6 +528,32 @@ class CheckpointManager:
         step = self.latest_step() if step is None else step
         file = self.directory / str(step) / "meta" / "metadata"
         return json.loads(file.read_text())
+
+
+def _trees_and_meta(
+    state: TrainState, step: int, data_state: Any, metadata: dict | None, generation: int | None, float_dtype: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a save writes: the array items (`params`, cast to `float_dtype` when set, and `opt_state` unless empty)
+    and the `meta` JSON (step, rng, the data position, metadata, versions, time, the lease generation)."""
+    params = state.params
+    if float_dtype:
+        dtype = np.dtype(jax.numpy.dtype(float_dtype))
+        params = jax.tree_util.tree_map(
+            lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params
+        )
+    trees = {"params": params}
+    if jax.tree_util.tree_leaves(state.opt_state):  # no item for an empty tree (e.g. optax.identity)
+        trees["opt_state"] = state.opt_state
+    meta = {
+        "step": int(step),
+        "rng": np.asarray(jax.device_get(state.rng)).tolist(),
+        "data": data_state,
+        "metadata": metadata or {},
+        "versions": _versions(),
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        **({"lease_generation": int(generation)} if generation is not None else {}),
+    }
+    return trees, meta
 
 
 def _ocp():

@@ -83,6 +83,15 @@ def write_checksums(directory: Path, steps: list[int], digests: dict[int, Any]) 
         del digests[step]
 
 
+def commit_records(directory: Any, digests: dict[int, Any]) -> None:
+    """Before orbax commits (process 0): the integrity record of each step of `digests` into its in-progress folder
+    (`write_integrity`); the steps written are removed from `digests`."""
+    for step in sorted(digests):
+        folder = in_progress(directory, step)
+        if folder is not None and write_integrity(folder, digests[step]):
+            del digests[step]
+
+
 def in_progress(directory: Any, step: int) -> Any:
     """The folder checkpoint `step` is being written in before orbax commits it: `<step>.orbax-checkpoint-tmp*`
     beside the final folder (atomic rename, a local disk), or the final folder itself (commit by marker file, on

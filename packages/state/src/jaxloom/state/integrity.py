@@ -159,6 +159,17 @@ def fetch(pending: Pending) -> dict[str, list]:
     return out
 
 
+def deferred(named: dict[str, Any]):
+    """The digests of `{name: array}` as a function to call later (when a save is recorded): on one process the
+    sums are dispatched now and fetched then; on several, every process's part is added up now (a collective: call
+    it where every process is, as in a save) and the function returns the total."""
+    if jax.process_count() == 1:
+        pending = dispatch(named)
+        return lambda: fetch(pending)
+    total = digests(named)
+    return lambda: dict(total)
+
+
 def combine(parts: list[dict[str, list]]) -> dict[str, list]:
     """Every process's `fetch` added up: the arrays' digests."""
     out: dict[str, list] = {}

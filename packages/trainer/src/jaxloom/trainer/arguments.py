@@ -94,7 +94,15 @@ class OptimizerArgs(_Group):
 
     @model_validator(mode="after")
     def _check(self):
-        _positive(self, "weight_decay", "learning_rate", "warmup_ratio", "init_learning_rate", "end_learning_rate", allow_zero=True)
+        _positive(
+            self,
+            "weight_decay",
+            "learning_rate",
+            "warmup_ratio",
+            "init_learning_rate",
+            "end_learning_rate",
+            allow_zero=True,
+        )
         _positive(self, "max_grad_norm", allow_none=True)
         _positive(self, "warmup_steps", allow_none=True, allow_zero=True)
         if not 0 <= self.warmup_ratio < 1:

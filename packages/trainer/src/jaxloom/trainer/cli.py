@@ -381,7 +381,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="the whole output's seed (each prompt and sample its own key)")
     gen.add_argument("--num-return-sequences", type=int, default=1, help="samples per prompt (TRL/HF's name)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each prompt")
-    gen.add_argument("--step", type=int, default=None, help="a run directory's checkpoint of this step (default: newest)")
+    gen.add_argument(
+        "--step", type=int, default=None, help="a run directory's checkpoint of this step (default: newest)"
+    )
     text = (
         "export the newest checkpoint of a run as a Hugging Face model directory (with its tokenizer), or rewrite "
         "a run's checkpoints with arrays in another format"
@@ -402,7 +404,7 @@ def _parser() -> argparse.ArgumentParser:
         "--step",
         type=int,
         default=None,
-        help="this checkpoint (default: --to-hf the newest; --checkpoint every one); a step the run has not is an error",
+        help="this checkpoint (default: --to-hf the newest; --checkpoint every one); a step not there is an error",
     )
     conv.add_argument("--config", default=None, help="the run's config (default: RUN_DIR/run_config.json)")
     conv.add_argument(

@@ -217,7 +217,7 @@ def canonical_overrides(overrides: list[str]) -> list[str]:
     error."""
     keys = [o.split("=", 1)[0] for o in overrides]
     out = []
-    for item, key in zip(overrides, keys):
+    for item, key in zip(overrides, keys, strict=True):
         name = ALIASES.get(key) or COMMAND_LINE_ALIASES.get(key)
         if name is not None:
             if name in keys:
@@ -245,7 +245,9 @@ def _canonical_file(data: dict, where: str | Path) -> dict:
 
 def _fine_tunes(config_path: str | None, overrides: list[str]) -> bool:
     """Whether a run fine-tunes with no config file: `model.from_pretrained` on the command line alone."""
-    return config_path is None and any(o.split("=", 1)[0] in ("model.from_pretrained", "model_name_or_path") for o in overrides)
+    return config_path is None and any(
+        o.split("=", 1)[0] in ("model.from_pretrained", "model_name_or_path") for o in overrides
+    )
 
 
 def kind_settings(data: dict, config_path: str | None, overrides: list[str]) -> dict:
@@ -343,7 +345,13 @@ def resolve_settings(config_path: str | None, overrides: list[str]) -> tuple[dic
 # Settings that name local files or directories, made absolute when a run's settings are resolved: run_config.json
 # then rebuilds the run from any working directory (`jaxloom train|eval|convert|generate RUN_DIR` from elsewhere).
 # The run's own save_directory is not among them: a run directory is found where it is (split_target pins it).
-RECORDED_PATHS = ("checkpoint_directory", "compilation_cache_dir", "ref_model", "lora_from", "teacher_model_name_or_path")
+RECORDED_PATHS = (
+    "checkpoint_directory",
+    "compilation_cache_dir",
+    "ref_model",
+    "lora_from",
+    "teacher_model_name_or_path",
+)
 
 
 def _recorded_paths(resolved: dict) -> None:

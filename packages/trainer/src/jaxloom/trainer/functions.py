@@ -51,6 +51,18 @@ class Compilation:
         return executable
 
 
+def later_memory(arguments: Any, plan: Plan, *, has_eval: bool) -> dict[str, Any]:
+    """What a run allocates after its first step, for `check_fits`: `eval_ratio`, an evaluation batch's rows over a
+    micro-batch's (0 without evaluation data), and `staged_bytes`, the state's bytes an asynchronous checkpoint copies
+    into host memory (on CPU, the devices' own memory)."""
+    eval_ratio = arguments.eval_batch_size / arguments.total_batch_size if has_eval else 0.0
+    staged = 0
+    if arguments.async_checkpointing and all(d.platform == "cpu" for d in jax.local_devices()):
+        leaves = jax.tree_util.tree_leaves((plan.abstract.params, plan.abstract.opt_state))
+        staged = sum(int(x.size) * x.dtype.itemsize for x in leaves)
+    return {"eval_ratio": eval_ratio, "staged_bytes": staged}
+
+
 class StepTooLargeError(ValueError):
     """The compiled train step needs more memory than the devices (or, on CPU, the host) have."""
 
@@ -68,9 +80,7 @@ def check_fits(executable, devices, *, eval_ratio: float = 0.0, staged_bytes: in
     if memory is None:
         return
     temporaries = memory.temp_size_in_bytes * max(1.0, eval_ratio)
-    need = int(
-        memory.argument_size_in_bytes + memory.output_size_in_bytes + temporaries - memory.alias_size_in_bytes
-    )
+    need = int(memory.argument_size_in_bytes + memory.output_size_in_bytes + temporaries - memory.alias_size_in_bytes)
     stats = [d.memory_stats() or {} for d in devices]
     limits = [s["bytes_limit"] for s in stats if s.get("bytes_limit")]
     what = "per device (parameters, optimizer state, batch and temporaries, as XLA compiled it)"

@@ -42,7 +42,9 @@ def get_lr_schedule_fn(
     if schedule_type == "linear":
         after = optax.linear_schedule(learning_rate, end_learning_rate, decay)
     elif schedule_type == "cosine":
-        alpha = end_learning_rate / learning_rate if learning_rate else 0.0  # learning_rate=0: constant 0 (TRL takes it)
+        alpha = (
+            end_learning_rate / learning_rate if learning_rate else 0.0
+        )  # learning_rate=0: constant 0 (TRL takes it)
         after = optax.cosine_decay_schedule(learning_rate, decay, alpha=alpha)
     elif schedule_type == "constant":
         after = optax.constant_schedule(learning_rate)

@@ -226,7 +226,7 @@ def _adapter(lora, seed) -> Callable[[nnx.Module], nnx.Module]:
     return adapt
 
 
-ONE_SHOT = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+ONE_SHOT: dict[str, str | bool] = {"xla_backend_optimization_level": "0", "xla_llvm_disable_expensive_passes": True}
 """XLA's CPU compiler options for a program that runs once (the initial state): compiling is all of its cost."""
 
 

@@ -8,6 +8,7 @@ run directory's newest checkpoint, with no trainer built.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from .arguments import ALIASES, TrainingArguments
 from .checkpointing import Checkpointing
 from .plan import Plan
 from .run_directory import RUN_CONFIG, RunDirectory
+
+log = logging.getLogger("jaxloom.trainer")
 
 
 def tokenizer_of(data_section: dict[str, Any], run_dir: str | Path | None = None):
@@ -43,6 +46,19 @@ def own_tokenizer(model_dir: str | Path | None) -> str | None:
     if not any((where / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     return str(where.absolute())
+
+
+def default_tokenizer(model_source: str | None, model: Any):
+    """The tokenizer of a run given none: the model's own when it was given as a directory (`model_source`) or read
+    from one (`jaxloom.models.pretrained_source`) that holds a tokenizer, as TRL and the command line take it; else the
+    bundled one. The log says which."""
+    source = own_tokenizer(model_source or jm.pretrained_source(model))
+    tokenizer = jd.load_processor(source)
+    if source is not None:
+        log.info("tokenizer: the model's own, from %s (processing_class=... to use another)", source)
+    else:
+        log.info("tokenizer: the bundled one, %s tokens (processing_class=... to use another)", f"{len(tokenizer):,}")
+    return tokenizer
 
 
 def load_model(

@@ -45,7 +45,7 @@ from . import components
 from .arguments import TrainingArguments
 from .batches import DataSpec
 from .checkpointing import Checkpointing
-from .functions import Compilation
+from .functions import Compilation, later_memory
 from .callbacks import Callback, Callbacks
 from .outputs import (
     TrainerConfigureDataloaderOutput,
@@ -55,7 +55,7 @@ from .outputs import (
 )
 from .surface import ReferenceSurface
 from .run_directory import RUN_CONFIG, RunDirectory
-from .runs import load_model, own_tokenizer
+from .runs import default_tokenizer, load_model
 from .session import train
 from .step import Objective
 from .stopping import NonFiniteLossError
@@ -85,10 +85,10 @@ class BaseTrainer(ReferenceSurface):
 
     - `arguments`: `TrainingArguments` (default: all defaults).
     - `model_state`: a `TrainState` to train (its parameters, and its optimizer state when it matches
-      this run's optimizer). A module given here is taken as `model`.
-    - `model`: the model to train, or (TRL's string form) a Hugging Face model directory or a jaxloom run directory
-      (its newest checkpoint), read when the run needs it (also taken in `model_state`'s place); its runtime settings are replaced by the arguments that set them
-      (`dtype`, `param_dtype`, `attn_mechanism`, `remat`, ...).
+      this run's optimizer). A module or a directory given here is taken as `model`.
+    - `model`: the model to train, or (TRL's string form) an HF model directory or a jaxloom run directory (its
+      newest checkpoint), read when the run needs it; its runtime settings are replaced by the arguments that
+      set them (`dtype`, `param_dtype`, `attn_mechanism`, `remat`, ...).
     - `dataset_train`, `dataset_eval`: training data and, optionally, evaluation data.
     - `data_collator`: `fn(batch) -> batch` applied to this process's rows of every training batch
       (numpy arrays `input_ids`, `segment_ids`, `positions`, `loss_mask`) before they go to the device;
@@ -142,8 +142,7 @@ class BaseTrainer(ReferenceSurface):
             )
         if isinstance(model_state, (nnx.Module, str, os.PathLike)) and model is None:
             model, model_state = model_state, None
-        if isinstance(model, (str, os.PathLike)):  # TRL's string form: a directory, read when the run needs it
-            model = str(model)
+        model = str(model) if isinstance(model, (str, os.PathLike)) else model  # TRL's form: read when needed
         self._model_source = model if isinstance(model, str) else None
         if dataset_train is None:
             raise ValueError("dataset_train is required")
@@ -199,7 +198,7 @@ class BaseTrainer(ReferenceSurface):
         exactly when training does (`jaxloom.data.match_bos`): prompts, the run's copy of it and an HF
         export encode text as the model saw it in training."""
         if self._tokenizer is None:
-            self._tokenizer = self._default_tokenizer()
+            self._tokenizer = default_tokenizer(self._model_source, self._model_given)
         if isinstance(self._tokenizer, Future):  # loaded in the background during setup
             self._tokenizer = self._tokenizer.result()
         if self.MATCH_BOS and not self._tokenizer_matched:
@@ -219,17 +218,6 @@ class BaseTrainer(ReferenceSurface):
     @_model_in.setter
     def _model_in(self, model: nnx.Module) -> None:
         self._model_given = model
-
-    def _default_tokenizer(self):
-        """The tokenizer when none was given: the model's own when it was read from a directory that holds one
-        (as TRL and the command line take it), else the bundled one; the log says which."""
-        source = own_tokenizer(self._model_source or jmod.pretrained_source(self._model_given))
-        tokenizer = jd.load_processor(source)
-        if source is not None:
-            log.info("tokenizer: the model's own, from %s (processing_class=... to use another)", source)
-        else:
-            log.info("tokenizer: the bundled one, %s tokens (processing_class=... to use another)", f"{len(tokenizer):,}")
-        return tokenizer
 
     @property
     def mesh(self):
@@ -314,15 +302,8 @@ class BaseTrainer(ReferenceSurface):
         """The train and eval steps jitted with explicit shardings and donation; the train step starts
         compiling for the exact shapes in the background."""
         fns = self.functions
-        a = self.arguments
-        eval_ratio = a.eval_batch_size / a.total_batch_size if self.dataset_eval is not None else 0.0
-        staged = 0
-        if a.async_checkpointing and all(d.platform == "cpu" for d in jax.local_devices()):
-            leaves = jax.tree_util.tree_leaves((self.plan.abstract.params, self.plan.abstract.opt_state))
-            staged = sum(int(x.size) * x.dtype.itemsize for x in leaves)  # the checkpoint's copy, in host memory
-        self._train_fn = Compilation(
-            self._setup_pool(), self.lower_train_step, eval_ratio=eval_ratio, staged_bytes=staged
-        )
+        later = later_memory(self.arguments, self.plan, has_eval=self.dataset_eval is not None)
+        self._train_fn = Compilation(self._setup_pool(), self.lower_train_step, **later)
         return TrainerConfigureFunctionOutput(fns.train, fns.evaluate, self.mesh, self.checkpoints)
 
     def initialize_trainer_utils(self) -> None:
@@ -338,7 +319,7 @@ class BaseTrainer(ReferenceSurface):
             use_compilation_cache(self.arguments.compilation_cache_dir)
         pool = self._setup_pool()
         if self._tokenizer is None:
-            self._tokenizer = pool.submit(self._default_tokenizer)
+            self._tokenizer = pool.submit(default_tokenizer, self._model_source, self._model_given)
         pool.submit(js.CheckpointManager.prepare)
         if self._train_fn is None:
             self.configure_functions()
