@@ -27,7 +27,7 @@ def test_flat_names_live_in_groups():
     [
         (dict(learnig_rate=1e-3), r"unknown training argument\(s\): 'learnig_rate' \(did you mean 'learning_rate'\?\)"),
         (dict(learning_rate=-1e-3), r"learning_rate = -0.001; expected a non-negative finite number"),
-        (dict(learning_rate=float("inf")), r"learning_rate = inf; expected a positive finite number"),
+        (dict(learning_rate=float("inf")), r"learning_rate = inf; expected a non-negative finite number"),
         (dict(total_batch_size=0), r"total_batch_size = 0; expected a positive finite number"),
         (dict(total_batch_size=1.5), r"total_batch_size = 1.5; expected a valid integer"),
         (dict(max_training_steps="3.5"), r"max_training_steps = '3.5'; expected a valid integer"),
