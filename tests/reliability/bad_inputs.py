@@ -19,7 +19,7 @@ CASES: list[tuple[str, str, str]] = [  # (name, function below, regex the error 
     ),
     ("unknown key in a config's data section", "unknown_data_key", r"unknown key\(s\) in section data: \['trian'\]"),
     ("wrong type", "wrong_type", r"max_training_steps = 'many'; expected a valid integer"),
-    ("negative learning rate", "negative_lr", r"learning_rate = -0.001; expected a positive finite number"),
+    ("negative learning rate", "negative_lr", r"learning_rate = -0.001; expected a non-negative finite number"),
     ("impossible mesh", "impossible_mesh", r"axis_dims \(3, -1\).*8 devices"),
     (
         "batch not divisible by the data axes",
@@ -46,8 +46,8 @@ CASES: list[tuple[str, str, str]] = [  # (name, function below, regex the error 
 # One `key=value` on the command line (parsed and checked as the `jaxloom` command does, before anything runs):
 # (name, the override, regex the error must match).
 OVERRIDES: list[tuple[str, str, str]] = [
-    ("infinite learning rate", "learning_rate=inf", r"learning_rate = inf; expected a positive finite number"),
-    ("NaN learning rate", "learning_rate=.nan", r"learning_rate = nan; expected a positive finite number"),
+    ("infinite learning rate", "learning_rate=inf", r"learning_rate = inf; expected a non-negative finite number"),
+    ("NaN learning rate", "learning_rate=.nan", r"learning_rate = nan; expected a non-negative finite number"),
     ("fractional batch size", "total_batch_size=1.5", r"total_batch_size = 1.5; expected a valid integer"),
     ("zero batch size", "total_batch_size=0", r"total_batch_size = 0; expected a positive"),
     ("seed past 2**32", "seed=1099511627776", r"seed = 1099511627776; expected an integer in \[0, 2\*\*32\)"),
