@@ -136,9 +136,8 @@ CASES += [
     (
         "a step too large for the host's memory (CPU)",
         "step_too_large",
-        r"the train step needs [\d.]+ GiB on this host \(8 CPU devices × what XLA compiled for each, and a checkpoint's "
-        r"copy\), and this host "
-        r"has [\d.]+ GiB free: expected a smaller total_batch_size",
+        r"the train step needs [\d.]+ GiB on this host \(8 CPU devices × what XLA compiled for each, and a "
+        r"checkpoint's copy\), and this host has [\d.]+ GiB free: expected a smaller total_batch_size",
     ),
     (
         "evaluation file with no records",
