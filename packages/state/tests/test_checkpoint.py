@@ -324,3 +324,26 @@ def test_a_checkpoint_commits_with_its_integrity_record(tmp_path, array_format):
     assert sorted(p.name for p in folder.iterdir()) == seen  # nothing added after the commit
     restored = js.CheckpointManager(str(tmp_path)).restore(target(mesh_of(fsdp=4)))
     assert leaves_equal(restored.state, state)
+
+
+def test_a_commit_check_that_raises_keeps_the_checkpoint_from_committing(tmp_path):
+    """`commit_check` (the trainer's lease fence) runs before orbax commits an asynchronous save: one that raises
+    `LeaseLostError` leaves the step uncommitted (no folder, no step listed), and the error surfaces as itself at
+    the next wait, not as a failed save. A passing check commits as before."""
+    state = train_steps(make_state(mesh_of(fsdp=4)), 1)
+    calls = []
+
+    def lost():
+        calls.append(1)
+        raise js.LeaseLostError("the run directory's lease was taken by another run (generation 2)")
+
+    manager = js.CheckpointManager(str(tmp_path), save_steps=1, commit_check=lost)
+    manager.save(1, state)
+    with pytest.raises(js.LeaseLostError, match="taken by another run"):
+        manager.wait_until_finished()
+    assert calls and not (tmp_path / "1").exists()
+    assert js.CheckpointManager(str(tmp_path), read_only=True).all_steps() == []
+    fine = js.CheckpointManager(str(tmp_path), save_steps=1, commit_check=lambda: None)
+    fine.save(2, state)
+    fine.wait_until_finished()
+    assert fine.all_steps() == [2] and (tmp_path / "2" / js.checkpoint.CHECKSUMS).is_file()

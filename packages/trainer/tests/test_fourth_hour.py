@@ -390,6 +390,24 @@ def test_a_step_that_cannot_fit_is_refused_before_step_one_counting_the_runs_lat
         functions.check_fits(executable, [cpu], staged_bytes=free)
 
 
+def test_the_later_memory_is_counted_from_the_runs_own_settings(tmp_path):
+    """Item 13: what the check before step 1 adds to the train step comes from the run: an evaluation batch's rows
+    over a micro-batch's (none without evaluation data) and, with asynchronous checkpoints on CPU, the bytes of the
+    parameters and optimizer state a checkpoint copies."""
+    from util import trainer
+
+    from jaxloom.trainer.functions import later_memory
+
+    t = trainer(tmp_path, evaluation_batch_size=16)
+    later = later_memory(t.arguments, t.plan, has_eval=True)
+    leaves = jax.tree_util.tree_leaves((t.plan.abstract.params, t.plan.abstract.opt_state))
+    assert later == {"eval_ratio": 2.0, "staged_bytes": sum(x.size * x.dtype.itemsize for x in leaves)}
+    assert later["staged_bytes"] > 0
+    assert later_memory(t.arguments, t.plan, has_eval=False)["eval_ratio"] == 0.0
+    sync = trainer(tmp_path / "s", async_checkpointing=False)
+    assert later_memory(sync.arguments, sync.plan, has_eval=False)["staged_bytes"] == 0
+
+
 def test_a_device_error_names_the_step_that_failed_not_the_one_dispatched_after_it(tmp_path, monkeypatch):
     """Item 13: steps are dispatched ahead, so a device's error (out of memory) of step 1 surfaced while step 2 was
     dispatched and the run said "training stopped during step 3". It names the first step not known to have run."""
