@@ -74,12 +74,15 @@ def test_a_stop_signal_to_one_process_stops_every_process_after_the_same_step(tm
         "JAXLOOM_RUN_OWNER": "mp-test",
     }
     args = [sys.executable, str(WORKER), str(tmp_path), "max_training_steps=5000", "save_steps=5000"]
+    # The worker's markers on stdout, gloo's and the logs' lines on stderr: one stream each, never interleaved
+    # mid-line (a shared file once read "STEP 1[Gloo] ...").
     logs = [tmp_path / f"p{r}.out" for r in range(2)]
+    errs = [tmp_path / f"p{r}.err" for r in range(2)]
     procs = [
         subprocess.Popen(
             args,
             stdout=open(logs[r], "w"),
-            stderr=subprocess.STDOUT,
+            stderr=open(errs[r], "w"),
             text=True,
             env={**env, "TEST_PROCESS": f"{r}/2/{port}"},
         )
@@ -88,7 +91,7 @@ def test_a_stop_signal_to_one_process_stops_every_process_after_the_same_step(tm
     try:
         deadline = time.time() + 240
         while "STEP 4\n" not in logs[1].read_text():
-            assert time.time() < deadline and all(p.poll() is None for p in procs), logs[1].read_text()[-3000:]
+            assert time.time() < deadline and all(p.poll() is None for p in procs), errs[1].read_text()[-3000:]
             time.sleep(0.05)
         procs[1].send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=180) for p in procs]
@@ -96,7 +99,7 @@ def test_a_stop_signal_to_one_process_stops_every_process_after_the_same_step(tm
         for p in procs:
             p.kill()
     outs = [log.read_text() for log in logs]
-    assert codes == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert codes == [0, 0], "".join(e.read_text()[-2000:] for e in errs)
     last = [max(int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("STEP ")) for out in outs]
     assert last[0] == last[1] and 4 <= last[0] < 100, last
     assert all("STOP_REASON stop signal received" in out for out in outs)
@@ -148,9 +151,13 @@ def test_two_processes_finish_with_previews_evaluation_report_and_plot(tmp_path)
     ]
     args += ["generation_prompts=[The interpreter, A list is]", "generation_max_new_tokens=24", "evaluation_steps=2"]
     logs = [tmp_path / f"p{r}.out" for r in range(2)]
+    errs = [tmp_path / f"p{r}.err" for r in range(2)]
     procs = [
         subprocess.Popen(
-            args, stdout=open(logs[r], "w"), stderr=subprocess.STDOUT, env={**env, "TEST_PROCESS": f"{r}/2/{port}"}
+            args,
+            stdout=open(logs[r], "w"),
+            stderr=open(errs[r], "w"),
+            env={**env, "TEST_PROCESS": f"{r}/2/{port}"},
         )
         for r in range(2)
     ]
@@ -160,7 +167,7 @@ def test_two_processes_finish_with_previews_evaluation_report_and_plot(tmp_path)
         for p in procs:
             p.kill()
     outs = [log.read_text() for log in logs]
-    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert codes == [0, 0], "".join(e.read_text()[-3000:] for e in errs)
     assert all("STOP_REASON max_training_steps reached" in out for out in outs)
     assert (tmp_path / "report.md").is_file() and (tmp_path / "loss.png").is_file()
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
