@@ -3,7 +3,8 @@
 from .__about__ import __version__
 from .config import GenerationConfig
 from .decode import Generated, create_generate_function, generate
-from .sampling import filter_logits, next_token
+from .engine import CompletionOutput, LLMEngine, RequestOutput
+from .sampling import filter_logits, next_token, sample_with_keys
 from .streaming import stream
 from .unified import (
     GenerationResults,
@@ -15,9 +16,12 @@ from .unified import (
 )
 
 __all__ = [
+    "CompletionOutput",
     "GenerationConfig",
     "GenerationResults",
     "Generated",
+    "LLMEngine",
+    "RequestOutput",
     "__version__",
     "create_generate_function",
     "encode_prompts",
@@ -27,6 +31,7 @@ __all__ = [
     "generate_aio",
     "generate_unified",
     "next_token",
+    "sample_with_keys",
     "stream",
     "with_stop_ids",
 ]

@@ -30,10 +30,15 @@ def next_token(logits: jax.Array, rng: jax.Array, config: GenerationConfig, rows
     """`logits [B, V]` → token ids `[B]`: greedy, or sampled as `config` says, each row with its own key
     `fold_in(rng, row)` (`rows [B]`: the rows' ids, default 0..B-1), so that a row's sample does not depend on
     which other rows share its batch (a decoder may drop finished rows, or stream one row alone)."""
+    rows = jnp.arange(logits.shape[0], dtype=jnp.int32) if rows is None else rows
+    return sample_with_keys(logits, jax.vmap(jax.random.fold_in, (None, 0))(rng, rows), config)
+
+
+def sample_with_keys(logits: jax.Array, keys: jax.Array, config: GenerationConfig) -> jax.Array:
+    """`logits [B, V]` → token ids `[B]`: the argmax when `config` is greedy, else each row sampled with its own
+    key (`keys [B, 2]`) after temperature and top-k/top-p."""
     logits = logits.astype(jnp.float32)
     if config.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = filter_logits(logits / config.temperature, config.top_k, config.top_p)
-    rows = jnp.arange(logits.shape[0], dtype=jnp.int32) if rows is None else rows
-    keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, rows)
     return jax.vmap(lambda z, k: jax.random.categorical(k, z))(logits, keys).astype(jnp.int32)

@@ -1,0 +1,466 @@
+"""`LLMEngine`: continuous batching over a paged KV cache, for rollouts, evaluation and `jaxloom generate`.
+
+```python
+engine = jg.LLMEngine(model, jg.GenerationConfig(do_sample=True, temperature=0.8), max_num_seqs=64)
+outs = engine.generate([[1, 5, 9], [1, 7]], max_new_tokens=128, eos_token_id=2, n=4)
+outs[0].outputs[3].token_ids, outs[0].outputs[3].logprobs, outs[0].outputs[3].finish_reason
+```
+
+The engine keeps `max_num_seqs` decode slots. Each `step()` admits waiting sequences into free slots (their
+new tokens run over their cached pages in one batched `extend`; a group's `n` completions share their prompt's
+pages and its one prefill), then runs `decode_chunk` decode steps for every slot in one compiled loop, and
+hands back the requests that finished. A sequence that ends frees its slot and pages at the next step, so more
+requests than slots run with the slots full. When a growing sequence finds no free page, the youngest running
+sequence is preempted (its pages freed; it is admitted again later and recomputes its cache): a sample depends
+only on (seed, request, position), so a preempted sequence, like one run alone or in another slot, samples
+exactly what it would have.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from . import paged
+from .config import GenerationConfig
+from .decode import bucket
+from .pages import PagePool
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion (vLLM's names): its `token_ids` (after the prompt, or after the last `extend`), the
+    sampler's log-prob of each (`logprobs`, float32 logits over the temperature, before top-k/top-p), its `text`
+    when the engine has a tokenizer, and why it ended: `finish_reason` "stop" (an end id or stop string, named in
+    `stop_reason`) or "length" (`max_new_tokens`)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    text: str | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A finished request: its id, prompt and `n` completions."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    request_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    eos: frozenset[int]
+    stop: tuple[str, ...]
+    keep: bool
+    sequences: list[_Sequence] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    request: _Request
+    index: int
+    key: np.ndarray  # uint32[2]: fold_in(fold_in(PRNGKey(seed), request seed), index)
+    tokens: list[int]
+    start: int  # where this turn's completion begins in `tokens`
+    limit: int  # the most tokens the sequence may hold this turn
+    pages: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0  # positions written in `pages`
+    slot: int = -1
+    admitted: int = 0
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None
+
+    @property
+    def fresh_member(self) -> bool:
+        """Not started and one of several completions of its prompt: admitted with its group."""
+        return self.cached == 0 and len(self.tokens) == len(self.request.prompt) and len(self.request.sequences) > 1
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache (vLLM's `LLMEngine`, in process and compiled).
+
+    Arguments:
+
+    - `model`: a jaxloom causal LM; `config`: its sampling (`do_sample`, `temperature`, `top_k`, `top_p`, `seed`)
+      and the defaults of each request's `max_new_tokens`, `eos_token_id`.
+    - `max_num_seqs`: decode slots; `decode_chunk`: decode steps per `step()` (ends are noticed between chunks).
+    - `page_size`: positions a page holds; `num_pages`: the pool's pages (one is the trash page), else
+      `kv_cache_memory` bytes, else a `gpu_memory_utilization` fraction of the device's free memory (on CPU, where
+      no free memory is reported: room for every slot at the model's full context, at most 1 GiB).
+    - `tokenizer`: decodes `text` and finds `stop` strings.
+
+    The constructor reads nothing and allocates nothing: the pool is made at the first `step()`."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        config: GenerationConfig | None = None,
+        *,
+        max_num_seqs: int = 64,
+        decode_chunk: int = 16,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        tokenizer: Any = None,
+    ):
+        for name, value in (("max_num_seqs", max_num_seqs), ("decode_chunk", decode_chunk), ("page_size", page_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} = {value!r}; expected a positive integer")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization = {gpu_memory_utilization}; expected a fraction in (0, 1]")
+        refresh = getattr(model, "cache_refresh_position", None)
+        scaling = (getattr(model.config, "rope_scaling", None) or {}).get("rope_type")
+        if refresh is not None or scaling == "dynamic":
+            raise ValueError(
+                f"rope_scaling {scaling!r}: the rotation depends on the whole batch's length, which a continuously "
+                "batched engine does not fix; decode this model with jaxloom.generation.generate"
+            )
+        self.model, self.config, self.tokenizer = model, config or GenerationConfig(), tokenizer
+        self.sampling = self.config.replace(max_new_tokens=1, eos_token_id=None, seed=0)  # what compiles
+        self.max_num_seqs, self.decode_chunk, self.page_size = max_num_seqs, decode_chunk, page_size
+        self.max_model_len = int(model.config.max_position_embeddings)
+        self._num_pages, self._memory, self._utilization = num_pages, kv_cache_memory, gpu_memory_utilization
+        self.pool: PagePool | None = None
+        self.stats = collections.Counter()
+        self._pools: list[jax.Array] | None = None
+        self._layout: paged.CacheLayout | None = None
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._slots: list[_Sequence | None] = [None] * max_num_seqs
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count()
+        self._admissions = itertools.count()
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        max_new_tokens: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        stop: str | list[str] | None = None,
+        n: int = 1,
+        seed: int | None = None,
+        request_id: int | None = None,
+        keep: bool = False,
+    ) -> int:
+        """Queue `n` completions of `prompt_token_ids`; returns the request id. `eos_token_id` (default the
+        config's) and `stop` strings end a completion (the end id kept, the stop string cut from `text`);
+        `seed` (default the request id) with the config's seed picks the sampling keys. With `keep`, a finished
+        completion keeps its pages for `extend` (call `release` when done with it). A request that can never fit
+        (its context or the pool) is refused here, before any work."""
+        prompt = [int(t) for t in prompt_token_ids]
+        request_id = next(self._ids) if request_id is None else int(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id} is already in the engine")
+        max_new = self.config.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if not prompt or max_new < 1 or n < 1:
+            raise ValueError(
+                f"request {request_id}: prompt of {len(prompt)} tokens, max_new_tokens {max_new}, n {n}; "
+                "expected a non-empty prompt and positive max_new_tokens and n"
+            )
+        eos = self.config.eos_ids if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).tolist())
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if stops and self.tokenizer is None:
+            raise ValueError(f"request {request_id}: stop strings {stops} need the engine's tokenizer")
+        req = _Request(request_id, prompt, max_new, frozenset(int(e) for e in eos), stops, keep)
+        self._check_fits(req, len(prompt) + max_new, n)
+        base = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), request_id if seed is None else seed)
+        for i in range(n):
+            key = np.asarray(jax.random.fold_in(base, i), np.uint32)
+            req.sequences.append(_Sequence(req, i, key, list(prompt), len(prompt), len(prompt) + max_new))
+        self._requests[request_id] = req
+        self._waiting.extend(req.sequences)
+        return request_id
+
+    def extend(self, request_id: int, token_ids: list[int], *, max_new_tokens: int | None = None, index: int = 0):
+        """Continue completion `index` of a finished, kept request after `token_ids` (a tool's answer): only
+        the last sampled token and `token_ids` run (the history is in its pages), then it decodes up to
+        `max_new_tokens` more. Its next `RequestOutput` holds this turn's tokens."""
+        req = self._requests.get(request_id)
+        if req is None or not req.keep or any(s.finish_reason is None for s in req.sequences):
+            raise ValueError(f"request {request_id} is not a finished request kept with keep=True")
+        seq = req.sequences[index]
+        max_new = req.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        seq.tokens += [int(t) for t in token_ids]
+        seq.start, seq.limit = len(seq.tokens), len(seq.tokens) + max_new
+        self._check_fits(req, seq.limit, 1)
+        seq.finish_reason = seq.stop_reason = seq.text = None
+        seq.logprobs = []
+        for s in req.sequences:
+            if s is not seq:  # the other completions are done with
+                self.pool.release(s.pages)
+                s.pages = []
+        req.sequences = [seq]
+        self._waiting.append(seq)
+
+    def release(self, request_id: int) -> None:
+        """Free a finished kept request's pages."""
+        req = self._requests.pop(request_id)
+        for s in req.sequences:
+            self.pool.release(s.pages)
+            s.pages = []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self._slots)
+
+    def generate(self, prompts: list[list[int]], **request) -> list[RequestOutput]:
+        """Every prompt completed (`request`: `add_request`'s keywords), in the prompts' order."""
+        ids = [self.add_request(p, **request) for p in prompts]
+        done: dict[int, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            done.update((o.request_id, o) for o in self.step())
+        return [done[i] for i in ids]
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, run one decode chunk, return the requests that finished."""
+        self._start()
+        self._grow([s for s in self._slots if s is not None])  # the running first: admission takes what is left
+        finished = self._admit()
+        running = [s for s in self._slots if s is not None]
+        if running:
+            finished += self._decode(running)
+        return self._outputs(finished)
+
+    def _start(self) -> None:
+        if self._pools is not None:
+            return
+        self._layout = paged.CacheLayout.of(self.model)
+        per_page = self._layout.page_bytes(self.page_size)
+        pages = self._num_pages
+        if pages is None:
+            budget = self._memory
+            if budget is None:
+                stats = jax.local_devices()[0].memory_stats() or {}
+                if "bytes_limit" in stats:
+                    budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * self._utilization)
+                else:
+                    need = self.max_num_seqs * -(-self.max_model_len // self.page_size) * per_page
+                    budget = min(need, 1 << 30)
+            pages = max(2, budget // per_page + 1)
+        self.pool = PagePool(int(pages), self.page_size)
+        self._pools = self._layout.pools(self.pool.num_pages, self.page_size)
+        self._graphdef, self._state = nnx.split(self.model)
+        self._max_pages = -(-self.max_model_len // self.page_size)
+        for req in self._requests.values():
+            for s in req.sequences:
+                self._check_fits(req, s.limit, len(req.sequences))
+
+    def _check_fits(self, req: _Request, total: int, n: int) -> None:
+        """Refuse a sequence of `total` tokens (`n` of them admitted together) that could never run."""
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {req.request_id}: {total} tokens (prompt {len(req.prompt)} + max_new_tokens "
+                f"{req.max_new_tokens}) exceed the model's context of {self.max_model_len}"
+            )
+        if n > self.max_num_seqs:
+            raise ValueError(f"request {req.request_id}: n = {n} completions exceed max_num_seqs {self.max_num_seqs}")
+        if self.pool is not None:  # one sequence at its longest alone; a group's admission together
+            shared = len(req.prompt) // self.page_size if n > 1 else 0
+            start = self.pool.pages_for(min(len(req.prompt) + self.decode_chunk, total))
+            need = max(self.pool.pages_for(total), shared + n * (start - shared))
+            if need > self.pool.usable:
+                raise ValueError(
+                    f"request {req.request_id}: {total} tokens (n = {n}) need {need} pages of {self.page_size}; "
+                    f"the KV cache pool has {self.pool.usable} ({self.pool.usable * self.page_size} tokens). "
+                    "Raise num_pages or kv_cache_memory, or shorten the request"
+                )
+
+    def _admit(self) -> list[_Sequence]:
+        """Move waiting sequences into free slots, first come first served, while their pages fit; run their new
+        tokens (one prefill per group) and sample each one's next token."""
+        units: list[list[_Sequence]] = []
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        while self._waiting and free:
+            head = self._waiting[0]
+            unit = [head]
+            if head.fresh_member:
+                unit = [s for s in self._waiting if s.request is head.request and s.fresh_member]
+            if len(unit) > len(free) or not self._allocate(unit):
+                break
+            for s in unit:
+                self._waiting.remove(s)
+                s.slot, s.admitted = free.pop(0), next(self._admissions)
+                self._slots[s.slot] = s
+            units.append(unit)
+        if not units:
+            return []
+        return self._run_new_tokens(units)
+
+    def _allocate(self, unit: list[_Sequence]) -> bool:
+        """Pages for `unit`'s tokens and one decode chunk: a group shares its prompt's full pages. False (nothing
+        taken) when they do not fit now."""
+        first = unit[0]
+        target = min(len(first.tokens) + self.decode_chunk, first.limit)
+        have = len(first.pages)
+        if len(unit) == 1:
+            need = self.pool.pages_for(target) - have
+            if need > self.pool.free:
+                return False
+            first.pages += self.pool.take(need)
+            return True
+        shared = len(first.tokens) // self.page_size
+        own = self.pool.pages_for(target) - shared
+        if shared + own * len(unit) > self.pool.free:
+            return False
+        common = self.pool.take(shared)
+        for i, s in enumerate(unit):
+            s.pages = (common if i == 0 else self.pool.share(common)) + self.pool.take(own)
+        return True
+
+    def _run_new_tokens(self, units: list[list[_Sequence]]) -> list[_Sequence]:
+        """One batched `extend` over each unit's first sequence; a group's others copy its partial prompt page
+        and sample from its logits."""
+        sources = [u[0] for u in units]
+        rows = bucket(len(sources), 1)
+        width = bucket(max(len(s.tokens) - s.cached for s in sources), 8)
+        read = self._read_pages([s.cached for s in sources]) if any(s.cached for s in sources) else 0
+        table, lens, tokens, count, keys = self._rows(sources, rows, width)
+        fn = paged.compiled("extend", self._graphdef, self._layout, self.page_size, read, 0, self.sampling)
+        token, logp, logits, self._pools = fn(self._state, self._pools, table, lens, tokens, count, keys)
+        self.stats["prefill_tokens"] += int(count.sum())
+        self.stats["extend_calls"] += 1
+        token, logp = np.asarray(token), np.asarray(logp)
+        members, src_rows = [], []
+        for r, unit in enumerate(units):
+            for s in unit[1:]:
+                members.append(s)
+                src_rows.append(r)
+        copies = [(u[0].pages[len(u[0].tokens) // self.page_size], s.pages[len(s.tokens) // self.page_size])
+                  for u in units for s in u[1:] if len(s.tokens) % self.page_size]
+        if copies:
+            src, dst = (np.asarray(x, np.int32) for x in zip(*copies))
+            self._pools = paged.copy_pages(self._pools, src, dst)
+        finished = [s for r, s in enumerate(sources) if self._append(s, [int(token[r])], [float(logp[r])])]
+        if members:
+            keys = np.stack([s.key for s in members])
+            where = np.asarray([len(s.tokens) for s in members], np.int32)
+            mt, ml = paged.sampler(self.sampling)(logits, np.asarray(src_rows, np.int32), keys, where)
+            mt, ml = np.asarray(mt), np.asarray(ml)
+            finished += [s for i, s in enumerate(members) if self._append(s, [int(mt[i])], [float(ml[i])])]
+        return finished
+
+    def _rows(self, seqs: list[_Sequence], rows: int, width: int):
+        """The `extend` inputs of `seqs`, padded to `rows` rows and `width` tokens (left-padded)."""
+        table = np.zeros((rows, self._max_pages), np.int32)
+        lens, count = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        tokens, keys = np.zeros((rows, width), np.int32), np.zeros((rows, 2), np.uint32)
+        for r, s in enumerate(seqs):
+            new = s.tokens[s.cached :]
+            table[r, : len(s.pages)] = s.pages
+            lens[r], count[r], keys[r] = s.cached, len(new), s.key
+            tokens[r, width - len(new) :] = new
+        return table, lens, tokens, count, keys
+
+    def _grow(self, running: list[_Sequence]) -> None:
+        """Pages for each running sequence's next chunk; the youngest are preempted when the pool runs out."""
+        for s in sorted(running, key=lambda s: s.admitted):
+            if s.slot < 0:  # preempted below for an older sequence
+                continue
+            need = self.pool.pages_for(min(s.cached + self.decode_chunk, s.limit)) - len(s.pages)
+            while need > self.pool.free:
+                victim = max((v for v in self._slots if v is not None), key=lambda v: v.admitted)
+                self._preempt(victim)
+                if victim is s:
+                    break
+            if s.slot >= 0 and need > 0:
+                s.pages += self.pool.take(need)
+
+    def _preempt(self, s: _Sequence) -> None:
+        self.pool.release(s.pages)
+        s.pages, s.cached = [], 0
+        self._slots[s.slot], s.slot = None, -1
+        self._waiting.appendleft(s)
+        self.stats["preemptions"] += 1
+
+    def _decode(self, running: list[_Sequence]) -> list[_Sequence]:
+        """One decode chunk for every slot; returns the sequences that ended in it."""
+        k, n = self.decode_chunk, self.max_num_seqs
+        table = np.zeros((n, self._max_pages), np.int32)
+        lens, token, limit = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
+        keys = np.zeros((n, 2), np.uint32)
+        for s in running:
+            table[s.slot, : len(s.pages)] = s.pages
+            lens[s.slot], token[s.slot], keys[s.slot] = s.cached, s.tokens[-1], s.key
+            limit[s.slot] = min(s.cached + k, s.limit)
+        read = self._read_pages([s.cached for s in running])
+        fn = paged.compiled("decode", self._graphdef, self._layout, self.page_size, read, k, self.sampling)
+        tokens, logps, self._pools = fn(self._state, self._pools, table, lens, token, keys, limit)
+        tokens, logps = np.asarray(tokens), np.asarray(logps)
+        self.stats["decode_chunks"] += 1
+        self.stats["decode_slot_steps"] += k * len(running)
+        return [s for s in running if self._append(s, tokens[s.slot].tolist(), logps[s.slot].tolist())]
+
+    def _read_pages(self, cached: list[int]) -> int:
+        """The pages a call reads per row: the longest row's, rounded up to a power of two (one compile per
+        size), at most a sequence's whole table."""
+        return min(bucket(max(self.pool.pages_for(c) for c in cached), 1), self._max_pages)
+
+    def _append(self, s: _Sequence, tokens: list[int], logps: list[float]) -> bool:
+        """Add sampled tokens to `s` up to where it ends; True when it ended (its slot is then freed)."""
+        req = s.request
+        for t, lp in zip(tokens, logps):
+            s.tokens.append(t)
+            s.logprobs.append(lp)
+            self.stats["generated_tokens"] += 1
+            if t in req.eos:
+                s.finish_reason, s.stop_reason = "stop", t
+            elif len(s.tokens) >= s.limit:
+                s.finish_reason = "length"
+            elif req.stop and self._stopped(s):
+                s.finish_reason = "stop"
+            if s.finish_reason:
+                break
+        s.cached = len(s.tokens) - 1  # every token but the last sampled one has been run into the pages
+        if not s.finish_reason:
+            return False
+        if self.tokenizer is not None and s.text is None:
+            s.text = self.tokenizer.decode(s.tokens[s.start :], skip_special_tokens=True)
+        self._slots[s.slot], s.slot = None, -1
+        if req.keep:  # keep the pages of what is cached, for `extend`
+            keep = self.pool.pages_for(s.cached)
+            self.pool.release(s.pages[keep:])
+            s.pages = s.pages[:keep]
+        else:
+            self.pool.release(s.pages)
+            s.pages = []
+        return True
+
+    def _stopped(self, s: _Sequence) -> bool:
+        text = self.tokenizer.decode(s.tokens[s.start :], skip_special_tokens=True)
+        for stop in s.request.stop:
+            if stop in text:
+                s.text, s.stop_reason = text[: text.index(stop)], stop
+                return True
+        return False
+
+    def _outputs(self, finished: list[_Sequence]) -> list[RequestOutput]:
+        out = []
+        for req in dict.fromkeys(s.request for s in finished):
+            if all(s.finish_reason for s in req.sequences):
+                if not req.keep:
+                    del self._requests[req.request_id]
+                outputs = [
+                    CompletionOutput(
+                        s.index, s.tokens[s.start :], s.logprobs, s.finish_reason, s.stop_reason, s.text
+                    )
+                    for s in req.sequences
+                ]
+                out.append(RequestOutput(req.request_id, req.prompt, outputs))
+        return out
