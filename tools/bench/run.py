@@ -275,6 +275,8 @@ def main() -> None:
     results["distillation"] = run_process([str(HERE / "distill_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # GRPO rollouts: a step's cost at prompt caps 32, 512 and unset; the generator's tokens/s, half the rows ending
     results["rollouts"] = run_process([str(HERE / "rollout_rows.py")], {"JAX_PLATFORMS": "cpu"})
+    # The paged engine (issue 71): a long-tail mix vs a uniform one, 256 requests through 64 slots, a tool turn
+    results["engine"] = run_process([str(HERE / "engine_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Scanned layers at the speed of unrolled ones: an 18-layer Llama, defaults vs scan_layers=false vs scan_unroll=1
     results["scan"] = run_process([str(HERE / "scan_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Each model family's training step at about Llama's parameter count, in tokens/s relative to Llama's
@@ -290,6 +292,42 @@ def main() -> None:
     results["checkpoint"] = checkpoints(8 * 256 / t)
     Path("bench-results.json").write_text(json.dumps(results, indent=2))
     print(table(results))
+
+
+def engine_rows(e: dict) -> list[tuple[str, str, str, str]]:
+    """The paged engine: tokens/s of a long-tail mix against a uniform one (static decoder and engine), more
+    requests than slots, and a tool turn's prefill."""
+    if not e:
+        return []
+    m, s, t = e["mix"], e["slots"], e["tool"]
+    return [
+        (
+            f"decode tokens/s, 64 prompts, long tail (mean {m['engine']['long_tail_mean_length']:.0f}, cap 512) / "
+            f"uniform: LLMEngine",
+            f"{m['engine']['long_tail_tokens_per_s']:.0f} / {m['engine']['uniform_tokens_per_s']:.0f}",
+            f"{m['engine']['ratio']:.2f}",
+            ">= 0.8",
+        ),
+        (
+            "the same, static generate (before the engine)",
+            f"{m['static']['long_tail_tokens_per_s']:.0f} / {m['static']['uniform_tokens_per_s']:.0f}",
+            f"{m['static']['ratio']:.2f}",
+            "",
+        ),
+        ("long-tail tokens/s: LLMEngine / static generate", "", f"{m['engine_over_static_long_tail']:.2f}", ""),
+        (
+            "LLMEngine tokens/s: 256 requests through 64 slots / 64 requests",
+            f"{s['requests_256_tokens_per_s']:.0f} / {s['requests_64_tokens_per_s']:.0f}",
+            f"{s['ratio']:.2f}",
+            ">= 0.9",
+        ),
+        (
+            f"tool turn after {t['history_tokens']} tokens of history: tokens prefilled",
+            f"{t['prefill_tokens']}",
+            "",
+            f"= {t['tool_tokens'] + 1}",
+        ),
+    ]
 
 
 def grpo_rows(g: dict) -> list[tuple[str, str, str, str]]:
@@ -782,6 +820,7 @@ def table(r: dict) -> str:
                 ">= 1.5",
             ),
         ]
+    rows += engine_rows(r.get("engine") or {})
     p = r.get("peft")
     if p:
         rows.append(

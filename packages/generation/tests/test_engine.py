@@ -51,7 +51,7 @@ def test_greedy_equals_generate_with_more_requests_than_slots(config, scan):
     prompts = prompt_list((5, 9, 1, 12, 20, 3, 7))
     engine = jg.LLMEngine(model, max_num_seqs=3, decode_chunk=3, page_size=4)
     outs = engine.generate(prompts, max_new_tokens=10)
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         ref = jg.generate(model, np.asarray([p]), None, jg.GenerationConfig(max_new_tokens=10))
         assert o.outputs[0].token_ids == np.asarray(ref.completion_ids)[0].tolist()
         assert o.outputs[0].finish_reason == "length" and o.prompt_token_ids == p
@@ -74,8 +74,8 @@ def test_a_sample_depends_on_seed_request_and_position_only(llama):
     assert runs["preempting"].stats["preemptions"] > 0
     for name in ("narrow", "preempting"):
         assert completions(got[name]) == completions(got["wide"]), name
-        for a, b in zip(got[name], got["wide"]):
-            for x, y in zip(a.outputs, b.outputs):
+        for a, b in zip(got[name], got["wide"], strict=True):
+            for x, y in zip(a.outputs, b.outputs, strict=True):
                 np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
     alone = jg.LLMEngine(llama, config, max_num_seqs=2).generate([prompts[3]], request_id=3, **kw)
     assert completions(alone) == completions(got["wide"])[3:4]
@@ -132,7 +132,7 @@ def test_every_page_returns_after_a_thousand_requests(llama):
     while engine.has_unfinished_requests():
         done.update((o.request_id, o) for o in engine.step())
     assert sorted(done) == ids
-    for i, m in zip(ids, budgets):
+    for i, m in zip(ids, budgets, strict=True):
         c = done[i].outputs[0]
         assert 1 <= len(c.token_ids) <= m and (c.finish_reason == "length") == (c.token_ids[-1] != 5)
     assert engine.pool.free == engine.pool.usable and not any(engine.pool.refs)
@@ -185,7 +185,8 @@ def test_requests_that_can_never_run_are_refused_before_any_work(llama):
     with pytest.raises(ValueError, match=r"130 tokens \(prompt 10 \+ max_new_tokens 120\) exceed the model's context"):
         engine.add_request(list(range(1, 11)), max_new_tokens=120)
     engine.add_request(list(range(1, 11)), max_new_tokens=30)
-    with pytest.raises(ValueError, match=r"40 tokens \(n = 1\) need 10 pages of 4; the KV cache pool has 8 \(32 tokens\)"):
+    full = r"40 tokens \(n = 1\) need 10 pages of 4; the KV cache pool has 8 \(32 tokens\)"
+    with pytest.raises(ValueError, match=full):
         engine.step()
     with pytest.raises(ValueError, match="n = 65 completions exceed max_num_seqs 64"):
         jg.LLMEngine(llama).add_request([1, 2], n=65)

@@ -91,6 +91,14 @@ class _Sequence:
         return self.cached == 0 and len(self.tokens) == len(self.request.prompt) and len(self.request.sequences) > 1
 
 
+def size_class(n: int) -> int:
+    """`n` rounded up to the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and their halfway points):
+    a decode chunk's width and read length, each compiled once, never more than a third above what is used."""
+    n = max(int(n), 1)
+    power = 1 << (n - 1).bit_length()
+    return power * 3 // 4 if power >= 4 and n <= power * 3 // 4 else power
+
+
 class LLMEngine:
     """Continuous batching over a paged KV cache (vLLM's `LLMEngine`, in process and compiled).
 
@@ -342,10 +350,14 @@ class LLMEngine:
             for s in unit[1:]:
                 members.append(s)
                 src_rows.append(r)
-        copies = [(u[0].pages[len(u[0].tokens) // self.page_size], s.pages[len(s.tokens) // self.page_size])
-                  for u in units for s in u[1:] if len(s.tokens) % self.page_size]
+        copies = [
+            (u[0].pages[len(u[0].tokens) // self.page_size], s.pages[len(s.tokens) // self.page_size])
+            for u in units
+            for s in u[1:]
+            if len(s.tokens) % self.page_size
+        ]
         if copies:
-            src, dst = (np.asarray(x, np.int32) for x in zip(*copies))
+            src, dst = (np.asarray(x, np.int32) for x in zip(*copies, strict=True))
             self._pools = paged.copy_pages(self._pools, src, dst)
         finished = [s for r, s in enumerate(sources) if self._append(s, [int(token[r])], [float(logp[r])])]
         if members:
@@ -390,32 +402,34 @@ class LLMEngine:
         self.stats["preemptions"] += 1
 
     def _decode(self, running: list[_Sequence]) -> list[_Sequence]:
-        """One decode chunk for every slot; returns the sequences that ended in it."""
-        k, n = self.decode_chunk, self.max_num_seqs
+        """One decode chunk for the running sequences, packed into the first rows of a batch as wide as their
+        count rounded up to a power of two (a slot is only a place to wait for; its cache lives in pages), so a
+        chunk's cost follows the sequences still going; returns the sequences that ended in it."""
+        k, n = self.decode_chunk, size_class(len(running))
         table = np.zeros((n, self._max_pages), np.int32)
         lens, token, limit = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
         keys = np.zeros((n, 2), np.uint32)
-        for s in running:
-            table[s.slot, : len(s.pages)] = s.pages
-            lens[s.slot], token[s.slot], keys[s.slot] = s.cached, s.tokens[-1], s.key
-            limit[s.slot] = min(s.cached + k, s.limit)
+        for r, s in enumerate(running):
+            table[r, : len(s.pages)] = s.pages
+            lens[r], token[r], keys[r] = s.cached, s.tokens[-1], s.key
+            limit[r] = min(s.cached + k, s.limit)
         read = self._read_pages([s.cached for s in running])
         fn = paged.compiled("decode", self._graphdef, self._layout, self.page_size, read, k, self.sampling)
         tokens, logps, self._pools = fn(self._state, self._pools, table, lens, token, keys, limit)
         tokens, logps = np.asarray(tokens), np.asarray(logps)
         self.stats["decode_chunks"] += 1
-        self.stats["decode_slot_steps"] += k * len(running)
-        return [s for s in running if self._append(s, tokens[s.slot].tolist(), logps[s.slot].tolist())]
+        self.stats["decode_row_steps"] += k * n
+        return [s for r, s in enumerate(running) if self._append(s, tokens[r].tolist(), logps[r].tolist())]
 
     def _read_pages(self, cached: list[int]) -> int:
-        """The pages a call reads per row: the longest row's, rounded up to a power of two (one compile per
+        """The pages a call reads per row: the longest row's, rounded up to a `size_class` (one compile per
         size), at most a sequence's whole table."""
-        return min(bucket(max(self.pool.pages_for(c) for c in cached), 1), self._max_pages)
+        return min(size_class(max(self.pool.pages_for(c) for c in cached)), self._max_pages)
 
     def _append(self, s: _Sequence, tokens: list[int], logps: list[float]) -> bool:
         """Add sampled tokens to `s` up to where it ends; True when it ended (its slot is then freed)."""
         req = s.request
-        for t, lp in zip(tokens, logps):
+        for t, lp in zip(tokens, logps, strict=True):
             s.tokens.append(t)
             s.logprobs.append(lp)
             self.stats["generated_tokens"] += 1
@@ -457,9 +471,7 @@ class LLMEngine:
                 if not req.keep:
                     del self._requests[req.request_id]
                 outputs = [
-                    CompletionOutput(
-                        s.index, s.tokens[s.start :], s.logprobs, s.finish_reason, s.stop_reason, s.text
-                    )
+                    CompletionOutput(s.index, s.tokens[s.start :], s.logprobs, s.finish_reason, s.stop_reason, s.text)
                     for s in req.sequences
                 ]
                 out.append(RequestOutput(req.request_id, req.prompt, outputs))

@@ -59,17 +59,18 @@ class CacheLayout:
 
     def page_bytes(self, page_size: int) -> int:
         """The bytes one page of `page_size` positions takes, over every leaf."""
-        return sum(page_size * int(np.prod(r)) * np.dtype(d).itemsize for r, d in zip(self.rest, self.dtypes))
+        sizes = zip(self.rest, self.dtypes, strict=True)
+        return sum(page_size * int(np.prod(r)) * np.dtype(d).itemsize for r, d in sizes)
 
     def pools(self, num_pages: int, page_size: int) -> list[jax.Array]:
         """Zeroed pools, one per leaf: `[num_pages, page_size, *rest]`."""
-        return [jnp.zeros((num_pages, page_size, *r), d) for r, d in zip(self.rest, self.dtypes)]
+        return [jnp.zeros((num_pages, page_size, *r), d) for r, d in zip(self.rest, self.dtypes, strict=True)]
 
     def dense(self, pools: list[jax.Array], table: jax.Array, extra: int) -> Any:
         """The model's cache for rows whose pages are `table [B, P]`: each leaf `[B, P * page + extra, ...]` in the
         model's layout (the last `extra` columns zero, for this call's tokens)."""
         out = []
-        for pool, (a, s) in zip(pools, self.axes):
+        for pool, (a, s) in zip(pools, self.axes, strict=True):
             b, p = table.shape
             x = pool[table].reshape(b, p * pool.shape[1], *pool.shape[2:])
             x = jnp.concatenate([x, jnp.zeros((b, extra, *pool.shape[2:]), pool.dtype)], axis=1)
@@ -80,7 +81,7 @@ class CacheLayout:
         """`pools` with the columns `start:` of the model's `cache` (`[B, T, ...]` after moving axes) written at
         `pages, offsets [B, T]`."""
         out = []
-        for pool, leaf, (a, s) in zip(pools, jax.tree_util.tree_leaves(cache), self.axes):
+        for pool, leaf, (a, s) in zip(pools, jax.tree_util.tree_leaves(cache), self.axes, strict=True):
             new = jnp.moveaxis(leaf, (a, s), (0, 1))[:, start:]
             out.append(pool.at[pages, offsets].set(new.astype(pool.dtype)))
         return out

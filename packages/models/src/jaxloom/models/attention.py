@@ -263,6 +263,8 @@ def _xla_attention(q, k, v, mask, scale, softcap=None, sinks=None):
     query's softmax (their share of it is dropped)."""
     b, t, n, h = q.shape
     kh = k.shape[2]
+    if t == 1:
+        return _one_query_attention(q, k, v, mask, scale, softcap, sinks)
     qg = q.reshape(b, t, kh, n // kh, h)
     logits = _cap(jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale, softcap)
     logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
@@ -274,6 +276,26 @@ def _xla_attention(q, k, v, mask, scale, softcap=None, sinks=None):
         e = jnp.exp(logits - top[..., None])
         probs = (e / (e.sum(-1) + jnp.exp(sink - top))[..., None]).astype(v.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, h).astype(q.dtype)
+
+
+def _one_query_attention(q, k, v, mask, scale, softcap=None, sinks=None):
+    """`_xla_attention` for one query per row (a decode step): products and sums over the keys in the cache's own
+    `[B, S, K, H]` layout, so each step reads the keys and values once (a batched matmul would first transpose
+    the whole cache to `[B, K, S, H]`: on CPU that copy was most of a long cache's decode step)."""
+    b, _, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, 1, kh, n // kh, h).astype(jnp.float32)  # [B, 1, K, G, H] beside keys [B, S, K, 1, H]
+    logits = _cap(jnp.sum(qg * k[:, :, :, None, :].astype(jnp.float32), -1) * scale, softcap)  # [B, S, K, G]
+    logits = jnp.where(mask[:, 0, :, None, None], logits, jnp.finfo(jnp.float32).min)
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=1)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(1, kh, -1)  # [1, K, G]
+        top = jax.lax.stop_gradient(jnp.maximum(logits.max(1), sink))  # [B, K, G]
+        e = jnp.exp(logits - top[:, None])
+        probs = e / (e.sum(1) + jnp.exp(sink - top))[:, None]
+    out = jnp.sum(probs.astype(v.dtype)[..., None] * v[:, :, :, None, :], 1, dtype=jnp.float32)  # [B, K, G, Hv]
+    return out.reshape(b, 1, n, v.shape[-1]).astype(q.dtype)
 
 
 # ---- chunked: blockwise online softmax, linear memory ----------------------------------------------------
