@@ -44,7 +44,7 @@ def token_logp(logits: jax.Array, token: jax.Array, config: GenerationConfig) ->
     return jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
-def _last_logits(model, input_ids, **kwargs):
+def last_logits(model, input_ids, **kwargs):
     """`(logits of the last position [B, V], output)`: a jaxloom causal LM stops before its output layer and
     projects the last position only (a prompt's `[B, P, V]` logits are never made); other models compute all."""
     if hasattr(model, "output_projection") and "return_hidden" in inspect.signature(model.__call__).parameters:
@@ -74,7 +74,7 @@ def prefill_logits(model, input_ids, attention_mask, total: int):
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
     kv_seg = jnp.zeros((b, total), jnp.int32).at[:, :p].set(mask)
     kv_pos = jnp.zeros((b, total), jnp.int32).at[:, :p].set(positions)
-    logits, out = _last_logits(
+    logits, out = last_logits(
         model,
         input_ids,
         positions=positions,

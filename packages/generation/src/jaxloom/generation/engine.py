@@ -35,10 +35,10 @@ from .pages import PagePool
 
 @dataclasses.dataclass
 class CompletionOutput:
-    """One completion (vLLM's names): its `token_ids` (after the prompt, or after the last `extend`), the
-    sampler's log-prob of each (`logprobs`, float32 logits over the temperature, before top-k/top-p), its `text`
-    when the engine has a tokenizer, and why it ended: `finish_reason` "stop" (an end id or stop string, named in
-    `stop_reason`) or "length" (`max_new_tokens`)."""
+    """One completion (vLLM's names): its `index` among the request's `n`, its `token_ids` (after the prompt, or
+    after the last `extend`), the sampler's log-prob of each (`logprobs`, float32 logits over the temperature,
+    before top-k/top-p), its `text` when the engine has a tokenizer, and why it ended: `finish_reason` "stop" (an
+    end id or stop string, named in `stop_reason`) or "length" (`max_new_tokens`)."""
 
     index: int
     token_ids: list[int]
@@ -50,7 +50,7 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A finished request: its id, prompt and `n` completions."""
+    """A finished request: its `request_id`, `prompt_token_ids` and `outputs` (its `n` completions)."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -167,7 +167,8 @@ class LLMEngine:
         request_id: int | None = None,
         keep: bool = False,
     ) -> int:
-        """Queue `n` completions of `prompt_token_ids`; returns the request id. `eos_token_id` (default the
+        """Queue `n` completions of `prompt_token_ids` of at most `max_new_tokens` each (default the config's);
+        returns the request id (`request_id`, default the next free number). `eos_token_id` (default the
         config's) and `stop` strings end a completion (the end id kept, the stop string cut from `text`);
         `seed` (default the request id) with the config's seed picks the sampling keys. With `keep`, a finished
         completion keeps its pages for `extend` (call `release` when done with it). A request that can never fit
@@ -197,9 +198,9 @@ class LLMEngine:
         return request_id
 
     def extend(self, request_id: int, token_ids: list[int], *, max_new_tokens: int | None = None, index: int = 0):
-        """Continue completion `index` of a finished, kept request after `token_ids` (a tool's answer): only
-        the last sampled token and `token_ids` run (the history is in its pages), then it decodes up to
-        `max_new_tokens` more. Its next `RequestOutput` holds this turn's tokens."""
+        """Continue completion `index` of the finished, kept request `request_id` after `token_ids` (a tool's
+        answer): only the last sampled token and `token_ids` run (the history is in its pages), then it decodes up
+        to `max_new_tokens` more. Its next `RequestOutput` holds this turn's tokens."""
         req = self._requests.get(request_id)
         if req is None or not req.keep or any(s.finish_reason is None for s in req.sequences):
             raise ValueError(f"request {request_id} is not a finished request kept with keep=True")
@@ -218,13 +219,14 @@ class LLMEngine:
         self._waiting.append(seq)
 
     def release(self, request_id: int) -> None:
-        """Free a finished kept request's pages."""
+        """Free the pages of `request_id`, a finished request kept with `keep=True`."""
         req = self._requests.pop(request_id)
         for s in req.sequences:
             self.pool.release(s.pages)
             s.pages = []
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any sequence is waiting or running."""
         return bool(self._waiting) or any(s is not None for s in self._slots)
 
     def generate(self, prompts: list[list[int]], **request) -> list[RequestOutput]:

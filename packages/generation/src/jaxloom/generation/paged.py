@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from .config import GenerationConfig
-from .decode import _last_logits, token_logp
+from .decode import last_logits, token_logp
 from .sampling import sample_with_keys
 
 TRASH_PAGE = 0
@@ -116,7 +116,7 @@ def _extend(graphdef, layout, page_size, read_pages, config, state, pools, table
     positions = jnp.maximum(lens[:, None] + jnp.arange(t)[None, :] - (t - count)[:, None], 0)
     kv_seg = jnp.concatenate([(col < lens[:, None]), fed], axis=1).astype(jnp.int32)
     kv_pos = jnp.concatenate([jnp.broadcast_to(col, (b, g)), positions], axis=1)
-    logits, out = _last_logits(
+    logits, out = last_logits(
         model,
         tokens,
         positions=positions,
