@@ -76,6 +76,11 @@ def test_on_a_mesh_equals_one_device(config, axes):
     sharded = jm.create_model(config, seed=2, mesh=mesh)
     out = jg.generate(sharded, ids, mask, jg.GenerationConfig(max_new_tokens=8), mesh=mesh)
     np.testing.assert_array_equal(np.asarray(out.completion_ids), np.asarray(ref.completion_ids))
+    # the paged engine on the sharded parameters (its pool whole on every device of the mesh)
+    engine = jg.LLMEngine(sharded, max_num_seqs=2, decode_chunk=3, page_size=4, mesh=mesh)
+    real = [row[m > 0].tolist() for row, m in zip(ids, mask, strict=True)]
+    outs = engine.generate(real, max_new_tokens=8)
+    np.testing.assert_array_equal([o.outputs[0].token_ids for o in outs], np.asarray(ref.completion_ids))
 
 
 def test_eos_stops_each_sequence():

@@ -19,6 +19,7 @@ exactly what it would have.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 from typing import Any
@@ -111,6 +112,7 @@ class LLMEngine:
       `kv_cache_memory` bytes, else a `gpu_memory_utilization` fraction of the device's free memory (on CPU, where
       no free memory is reported: room for every slot at the model's full context, at most 1 GiB).
     - `tokenizer`: decodes `text` and finds `stop` strings.
+    - `mesh`: the mesh `model`'s parameters are sharded on (the pool is replicated over it; calls run under it).
 
     The constructor reads nothing and allocates nothing: the pool is made at the first `step()`."""
 
@@ -126,6 +128,7 @@ class LLMEngine:
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,
         tokenizer: Any = None,
+        mesh: Any = None,
     ):
         for name, value in (("max_num_seqs", max_num_seqs), ("decode_chunk", decode_chunk), ("page_size", page_size)):
             if not isinstance(value, int) or value < 1:
@@ -139,7 +142,7 @@ class LLMEngine:
                 f"rope_scaling {scaling!r}: the rotation depends on the whole batch's length, which a continuously "
                 "batched engine does not fix; decode this model with jaxloom.generation.generate"
             )
-        self.model, self.config, self.tokenizer = model, config or GenerationConfig(), tokenizer
+        self.model, self.config, self.tokenizer, self.mesh = model, config or GenerationConfig(), tokenizer, mesh
         self.sampling = self.config.replace(max_new_tokens=1, eos_token_id=None, seed=0)  # what compiles
         self.max_num_seqs, self.decode_chunk, self.page_size = max_num_seqs, decode_chunk, page_size
         self.max_model_len = int(model.config.max_position_embeddings)
@@ -164,15 +167,17 @@ class LLMEngine:
         stop: str | list[str] | None = None,
         n: int = 1,
         seed: int | None = None,
+        key: jax.Array | None = None,
         request_id: int | None = None,
         keep: bool = False,
     ) -> int:
         """Queue `n` completions of `prompt_token_ids` of at most `max_new_tokens` each (default the config's);
         returns the request id (`request_id`, default the next free number). `eos_token_id` (default the
-        config's) and `stop` strings end a completion (the end id kept, the stop string cut from `text`);
-        `seed` (default the request id) with the config's seed picks the sampling keys. With `keep`, a finished
-        completion keeps its pages for `extend` (call `release` when done with it). A request that can never fit
-        (its context or the pool) is refused here, before any work."""
+        config's) and `stop` strings end a completion (the end id kept, the stop string cut from `text`).
+        `seed` (default the request id) with the config's seed picks the sampling keys, or `key` (a PRNG key,
+        e.g. folded from a training state: a resumed run samples what the uninterrupted one did) gives them.
+        With `keep`, a finished completion keeps its pages for `extend` (call `release` when done with it). A
+        request that can never fit (its context or the pool) is refused here, before any work."""
         prompt = [int(t) for t in prompt_token_ids]
         request_id = next(self._ids) if request_id is None else int(request_id)
         if request_id in self._requests:
@@ -189,7 +194,9 @@ class LLMEngine:
             raise ValueError(f"request {request_id}: stop strings {stops} need the engine's tokenizer")
         req = _Request(request_id, prompt, max_new, frozenset(int(e) for e in eos), stops, keep)
         self._check_fits(req, len(prompt) + max_new, n)
-        base = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), request_id if seed is None else seed)
+        if key is None:
+            key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), request_id if seed is None else seed)
+        base = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
         for i in range(n):
             key = np.asarray(jax.random.fold_in(base, i), np.uint32)
             req.sequences.append(_Sequence(req, i, key, list(prompt), len(prompt), len(prompt) + max_new))
@@ -266,6 +273,10 @@ class LLMEngine:
             pages = max(2, budget // per_page + 1)
         self.pool = PagePool(int(pages), self.page_size)
         self._pools = self._layout.pools(self.pool.num_pages, self.page_size)
+        if self.mesh is not None:  # beside the sharded parameters, whole on every device
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            self._pools = jax.device_put(self._pools, NamedSharding(self.mesh, PartitionSpec()))
         self._graphdef, self._state = nnx.split(self.model)
         self._max_pages = -(-self.max_model_len // self.page_size)
         for req in self._requests.values():
@@ -343,7 +354,8 @@ class LLMEngine:
         read = self._read_pages([s.cached for s in sources]) if any(s.cached for s in sources) else 0
         table, lens, tokens, count, keys = self._rows(sources, rows, width)
         fn = paged.compiled("extend", self._graphdef, self._layout, self.page_size, read, 0, self.sampling)
-        token, logp, logits, self._pools = fn(self._state, self._pools, table, lens, tokens, count, keys)
+        with self._on_mesh():
+            token, logp, logits, self._pools = fn(self._state, self._pools, table, lens, tokens, count, keys)
         self.stats["prefill_tokens"] += int(count.sum())
         self.stats["extend_calls"] += 1
         token, logp = np.asarray(token), np.asarray(logp)
@@ -360,12 +372,14 @@ class LLMEngine:
         ]
         if copies:
             src, dst = (np.asarray(x, np.int32) for x in zip(*copies, strict=True))
-            self._pools = paged.copy_pages(self._pools, src, dst)
+            with self._on_mesh():
+                self._pools = paged.copy_pages(self._pools, src, dst)
         finished = [s for r, s in enumerate(sources) if self._append(s, [int(token[r])], [float(logp[r])])]
         if members:
             keys = np.stack([s.key for s in members])
             where = np.asarray([len(s.tokens) for s in members], np.int32)
-            mt, ml = paged.sampler(self.sampling)(logits, np.asarray(src_rows, np.int32), keys, where)
+            with self._on_mesh():
+                mt, ml = paged.sampler(self.sampling)(logits, np.asarray(src_rows, np.int32), keys, where)
             mt, ml = np.asarray(mt), np.asarray(ml)
             finished += [s for i, s in enumerate(members) if self._append(s, [int(mt[i])], [float(ml[i])])]
         return finished
@@ -417,11 +431,15 @@ class LLMEngine:
             limit[r] = min(s.cached + k, s.limit)
         read = self._read_pages([s.cached for s in running])
         fn = paged.compiled("decode", self._graphdef, self._layout, self.page_size, read, k, self.sampling)
-        tokens, logps, self._pools = fn(self._state, self._pools, table, lens, token, keys, limit)
+        with self._on_mesh():
+            tokens, logps, self._pools = fn(self._state, self._pools, table, lens, token, keys, limit)
         tokens, logps = np.asarray(tokens), np.asarray(logps)
         self.stats["decode_chunks"] += 1
         self.stats["decode_row_steps"] += k * n
         return [s for r, s in enumerate(running) if self._append(s, tokens[r].tolist(), logps[r].tolist())]
+
+    def _on_mesh(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def _read_pages(self, cached: list[int]) -> int:
         """The pages a call reads per row: the longest row's, rounded up to a `size_class` (one compile per
