@@ -54,11 +54,11 @@ def killed_then_resumed(tmp_path, args, kill_after=5) -> list[dict]:
 
 @pytest.mark.parametrize("engine", ["static", "paged"])
 def test_sigkill_during_grpo_then_resume_ends_bitwise_equal(tmp_path, engine):
-    """With either sampler (`rollout_engine`): the paged engine's samples depend on the step's key, the request
+    """With either sampler (`generation_backend`): the paged engine's samples depend on the step's key, the request
     and the position only, so the resumed run samples what the uninterrupted one did."""
     # synchronous saves: checkpoint 4 is complete when step 5 runs, whatever the machine's load
     args = [*TINY, *grpo(prompts(tmp_path / "p.jsonl")), "max_training_steps=8", "async_checkpointing=false"]
-    args.append(f"rollout_engine={engine}")
+    args.append(f"generation_backend={engine}")
     rows = killed_then_resumed(tmp_path, args)
     assert any("train/rewards/letter_e/mean" in r and "train/reward" in r for r in rows), rows[-1]
 

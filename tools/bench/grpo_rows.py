@@ -101,7 +101,7 @@ def run_trl(model_dir: str, completion: int = 16, rows: int = 8) -> dict:
     return {"seconds_per_step": per_step(steps), "first_step_s": steps[0]}
 
 
-def run_jaxloom(model_dir: str, completion: int = 16, rows: int = 8) -> dict:
+def run_jaxloom(model_dir: str, completion: int = 16, rows: int = 8, engine: str = "static") -> dict:
     import jaxloom.data as jd
     import jaxloom.models as jm
     from jaxloom.trainer import GRPOConfig, GRPOTrainer
@@ -128,6 +128,7 @@ def run_jaxloom(model_dir: str, completion: int = 16, rows: int = 8) -> dict:
             save_directory=out,
             seed=0,
             save_total_limit=1,  # defaults otherwise: progress bar, TensorBoard, a checkpoint at the end
+            generation_backend=engine,
         )
         model, tok = jm.from_pretrained(model_dir), jd.load_processor(model_dir)
         trainer = GRPOTrainer(
@@ -210,6 +211,10 @@ def main() -> None:
                 "trl": ["trl", f"{d}/tiny"],
                 "model_8m": ["jaxloom", f"{d}/8m", "64", "16"],
                 "trl_8m": ["trl", f"{d}/8m", "64", "16"],
+                "paged_8m": ["jaxloom", f"{d}/8m", "64", "16", "paged"],  # rollouts through LLMEngine
+                "model_8m_128": ["jaxloom", f"{d}/8m", "128", "16"],
+                "paged_8m_128": ["jaxloom", f"{d}/8m", "128", "16", "paged"],
+                "trl_8m_128": ["trl", f"{d}/8m", "128", "16"],
             }
             for name, job in jobs.items():
                 r = subprocess.run([sys.executable, __file__, *job], capture_output=True, text=True)
@@ -218,6 +223,9 @@ def main() -> None:
                 out[name] = json.loads(r.stdout.strip().splitlines()[-1])
         out["trl_vs_jaxloom_seconds_per_step"] = out["trl"]["seconds_per_step"] / out["jaxloom"]["seconds_per_step"]
         out["trl_vs_jaxloom_8m"] = out["trl_8m"]["seconds_per_step"] / out["model_8m"]["seconds_per_step"]
+        for n in ("8m", "8m_128"):  # TRL's step over jaxloom's, static and paged sampler
+            for kind in ("model", "paged"):
+                out[f"trl_vs_{kind}_{n}"] = out[f"trl_{n}"]["seconds_per_step"] / out[f"{kind}_{n}"]["seconds_per_step"]
         r = subprocess.run([sys.executable, __file__, "multiturn"], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(r.stderr[-3000:])
@@ -225,9 +233,12 @@ def main() -> None:
         print(json.dumps(out))
     elif what == "multiturn":
         print(json.dumps(run_multiturn()))
-    else:  # one job: KIND MODEL_DIR [COMPLETION_TOKENS ROWS]
-        sizes = [int(x) for x in sys.argv[3:5]]
-        print(json.dumps((run_trl if what == "trl" else run_jaxloom)(sys.argv[2], *sizes)))
+    else:  # one job: KIND MODEL_DIR [COMPLETION_TOKENS ROWS [ENGINE]]
+        sizes: list = [int(x) for x in sys.argv[3:5]]
+        if what == "trl":
+            print(json.dumps(run_trl(sys.argv[2], *sizes)))
+        else:
+            print(json.dumps(run_jaxloom(sys.argv[2], *sizes, *sys.argv[5:6])))
 
 
 if __name__ == "__main__":

@@ -374,6 +374,17 @@ def grpo_rows(g: dict) -> list[tuple[str, str, str, str]]:
                 "> 1",
             )
         )
+    for n, tokens in (("8m", 64), ("8m_128", 128)):
+        if f"paged_{n}" in g:
+            out.append(
+                (
+                    f"GRPO 8.4M s/step, 16 × {tokens} tokens: TRL 1.16 vs jaxloom static vs paged (LLMEngine)",
+                    f"{g[f'trl_{n}']['seconds_per_step']:.2f} vs {g[f'model_{n}']['seconds_per_step']:.2f} vs "
+                    f"{g[f'paged_{n}']['seconds_per_step']:.2f}",
+                    f"{g[f'trl_vs_paged_{n}']:.1f}",
+                    ">= 3",
+                )
+            )
     return out
 
 

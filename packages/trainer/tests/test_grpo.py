@@ -499,16 +499,16 @@ def test_the_prompt_cursor_is_saved_with_the_state_and_checked_on_resume(tmp_pat
 
 
 def test_rollouts_through_the_paged_engine(tmp_path):
-    """`rollout_engine="paged"` (TRL's `use_transformers_paged=true` too) samples through `LLMEngine`: the sampler's
+    """`generation_backend="paged"` (TRL's `use_transformers_paged=true` too) samples through `LLMEngine`: the sampler's
     log-probs equal the training forward's (float32, the step's `sampling/logprob_diff/max`), completions end at
     EOS, and the same seed samples the same rollouts again."""
-    assert GRPOConfig(use_transformers_paged=True).rl.rollout_engine == "paged"
-    assert GRPOConfig().rl.rollout_engine == "static"
-    with pytest.raises(ValueError, match="rollout_engine"):
-        GRPOConfig(rollout_engine="vllm")
+    assert GRPOConfig(use_transformers_paged=True).rl.generation_backend == "paged"
+    assert GRPOConfig().rl.generation_backend == "static"
+    with pytest.raises(ValueError, match="generation_backend"):
+        GRPOConfig(generation_backend="vllm")
     runs = []
     for name in ("a", "b"):
-        grpo_trainer(tmp_path / name, max_training_steps=2, rollout_engine="paged").train()
+        grpo_trainer(tmp_path / name, max_training_steps=2, generation_backend="paged").train()
         runs.append(rows(tmp_path / name))
     logged = [r for r in runs[0] if "train/sampling/logprob_diff/max" in r]
     assert len(logged) == 2 and all(r["train/sampling/logprob_diff/max"] <= 1e-6 for r in logged), logged

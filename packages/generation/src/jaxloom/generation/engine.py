@@ -198,8 +198,8 @@ class LLMEngine:
             key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), request_id if seed is None else seed)
         base = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
         for i in range(n):
-            key = np.asarray(jax.random.fold_in(base, i), np.uint32)
-            req.sequences.append(_Sequence(req, i, key, list(prompt), len(prompt), len(prompt) + max_new))
+            member = np.asarray(jax.random.fold_in(base, i), np.uint32)
+            req.sequences.append(_Sequence(req, i, member, list(prompt), len(prompt), len(prompt) + max_new))
         self._requests[request_id] = req
         self._waiting.extend(req.sequences)
         return request_id

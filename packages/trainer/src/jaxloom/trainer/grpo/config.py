@@ -67,13 +67,13 @@ class RLArgs(_Group):
     mask_truncated_completions: bool = Field(
         False, description="GRPO: completions cut at max_completion_length (no EOS) take no part in the loss"
     )
-    rollout_engine: Literal["static", "paged"] = Field(
+    generation_backend: Literal["static", "paged"] = Field(
         "static",
         description="GRPO: the in-process sampler: static (one batch, rows compacted as they end) or paged "
         "(jaxloom.generation.LLMEngine: a paged KV cache, each completion's cost its own; one process)",
     )
     use_transformers_paged: bool = Field(
-        False, description="GRPO: TRL's name for sampling with paged attention: true means rollout_engine=paged"
+        False, description="GRPO: TRL's name for sampling with paged attention: true means generation_backend=paged"
     )
     ref_model: str | None = Field(
         None, description="GRPO: the KL reference, an HF directory (None: the initial policy; with LoRA, the base)"
@@ -93,11 +93,10 @@ class RLArgs(_Group):
     @classmethod
     def _trl_paged(cls, values):  # TRL's switch for paged sampling names jaxloom's paged engine
         if isinstance(values, dict) and values.get("use_transformers_paged"):
-            if values.get("rollout_engine", "paged") != "paged":
-                raise ValueError(
-                    f"use_transformers_paged = true with rollout_engine = {values['rollout_engine']!r}; give one"
-                )
-            values = {**values, "rollout_engine": "paged"}
+            if values.get("generation_backend", "paged") != "paged":
+                given = values["generation_backend"]
+                raise ValueError(f"use_transformers_paged = true with generation_backend = {given!r}; give one")
+            values = {**values, "generation_backend": "paged"}
         return values
 
     @model_validator(mode="after")
@@ -153,7 +152,7 @@ class GRPOConfig(TrainingArguments):
     `reward_funcs`, `reward_weights`, `num_generations`, `max_prompt_length`, `max_completion_length`,
     `temperature`, `top_p`, `top_k`, `beta`, `epsilon`, `epsilon_high`, `num_iterations`, `loss_type`, `scale_rewards`,
     `mask_truncated_completions`, `ref_model`, `importance_sampling_level` (GSPO), `use_transformers_paged` (or
-    jaxloom's `rollout_engine="paged"`: rollouts through the paged `LLMEngine`), `tools` and
+    jaxloom's `generation_backend="paged"`: rollouts through the paged `LLMEngine`), `tools` and
     `max_tool_calling_iterations` (tool calls in the rollouts), `environment_factory` and `rollout_func` (dotted paths
     here; `GRPOTrainer` also takes the objects), and jaxloom's `reward_timeout` (seconds a reward
     function may take on a step's completions before the run stops naming it) and `tool_timeout`. A step trains on

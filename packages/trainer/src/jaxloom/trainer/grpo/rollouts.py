@@ -510,21 +510,21 @@ class Rollouts(Batches):
         )
         model = self.policy.state().model
         group = rl.num_generations if group is None else group
-        if getattr(rl, "rollout_engine", "static") == "paged":
+        if getattr(rl, "generation_backend", "static") == "paged":
             return self._paged(model, prompt, mask, key, group, config)
         out = jg.generate(model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group)
         return np.asarray(out.completion_ids), np.asarray(out.completion_mask), np.asarray(out.completion_logps)
 
     def _paged(self, model, prompt, mask, key, group: int, config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`generate` through `LLMEngine` (`rollout_engine="paged"`): every completion in a slot of its own, the
+        """`generate` through `LLMEngine` (`generation_backend="paged"`): every completion in a slot of its own, the
         pool sized for this rollout, prompt `i`'s completions sampled with `fold_in(key, i)` (a resumed run
         samples what the uninterrupted one did)."""
         import jaxloom.generation as jg
 
         if jax.process_count() > 1:
             raise ValueError(
-                "rollout_engine = 'paged' samples on one process; this run has "
-                f"{jax.process_count()} processes: set rollout_engine='static'"
+                "generation_backend = 'paged' samples on one process; this run has "
+                f"{jax.process_count()} processes: set generation_backend='static'"
             )
         prompts = [row[m > 0].tolist() for row, m in zip(prompt, mask, strict=True)]
         n, page = config.max_new_tokens, 16
