@@ -219,3 +219,27 @@ def test_the_pool_follows_the_memory_it_is_given(llama):
     default = jg.LLMEngine(llama, max_num_seqs=4)
     default.step()
     assert default.pool.usable == 4 * 128 // 16
+
+
+def test_each_request_samples_with_its_own_settings(llama):
+    """Temperature, top-k and top-p are per request (a server's requests differ): a greedy request beside
+    sampled ones decodes what it does alone; a top-k 1 request is greedy; rows never leave their top-k set; and
+    the per-row filter equals `filter_logits` for one setting."""
+    prompts = prompt_list((5, 8, 3))
+    engine = jg.LLMEngine(llama, jg.GenerationConfig(do_sample=True, seed=4), max_num_seqs=4, decode_chunk=3)
+    hot = engine.add_request(prompts[0], max_new_tokens=8, temperature=1.5)
+    cold = engine.add_request(prompts[1], max_new_tokens=8, temperature=0.0)
+    k1 = engine.add_request(prompts[2], max_new_tokens=8, top_k=1)
+    done = {o.request_id: o.outputs[0].token_ids for o in _drain(engine)}
+    greedy = jg.LLMEngine(llama).generate(prompts, max_new_tokens=8)
+    assert done[cold] == greedy[1].outputs[0].token_ids and done[k1] == greedy[2].outputs[0].token_ids
+    assert done[hot] != greedy[0].outputs[0].token_ids
+    logits = jax.random.normal(jax.random.PRNGKey(0), (6, 50)) * 3
+    keys = jax.random.split(jax.random.PRNGKey(1), 6)
+    for top_k, top_p in ((5, 1.0), (0, 0.6), (8, 0.7), (0, 1.0)):
+        want = jg.filter_logits(logits / 0.9, top_k or None, top_p if top_p < 1 else None)
+        allowed = np.asarray(want > jnp.finfo(want.dtype).min)
+        for draw in range(20):
+            ks = jax.vmap(jax.random.fold_in, (0, None))(keys, draw)
+            token, _ = jg.sample_rows(logits, ks, jnp.full(6, 0.9), jnp.full(6, top_k, jnp.int32), jnp.full(6, top_p))
+            assert allowed[np.arange(6), np.asarray(token)].all(), (top_k, top_p)

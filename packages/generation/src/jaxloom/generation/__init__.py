@@ -4,7 +4,7 @@ from .__about__ import __version__
 from .config import GenerationConfig
 from .decode import Generated, create_generate_function, generate
 from .engine import CompletionOutput, LLMEngine, RequestOutput
-from .sampling import filter_logits, next_token, sample_with_keys
+from .sampling import filter_logits, next_token, sample_rows, sample_with_keys
 from .streaming import stream
 from .unified import (
     GenerationResults,
@@ -31,6 +31,7 @@ __all__ = [
     "generate_aio",
     "generate_unified",
     "next_token",
+    "sample_rows",
     "sample_with_keys",
     "stream",
     "with_stop_ids",

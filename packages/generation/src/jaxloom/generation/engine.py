@@ -66,6 +66,7 @@ class _Request:
     eos: frozenset[int]
     stop: tuple[str, ...]
     keep: bool
+    sampling: tuple[float, int, float]  # temperature (0: greedy), top_k (0: off), top_p (1: off)
     sequences: list[_Sequence] = dataclasses.field(default_factory=list)
 
 
@@ -143,7 +144,6 @@ class LLMEngine:
                 "batched engine does not fix; decode this model with jaxloom.generation.generate"
             )
         self.model, self.config, self.tokenizer, self.mesh = model, config or GenerationConfig(), tokenizer, mesh
-        self.sampling = self.config.replace(max_new_tokens=1, eos_token_id=None, seed=0)  # what compiles
         self.max_num_seqs, self.decode_chunk, self.page_size = max_num_seqs, decode_chunk, page_size
         self.max_model_len = int(model.config.max_position_embeddings)
         self._num_pages, self._memory, self._utilization = num_pages, kv_cache_memory, gpu_memory_utilization
@@ -166,6 +166,9 @@ class LLMEngine:
         eos_token_id: int | list[int] | None = None,
         stop: str | list[str] | None = None,
         n: int = 1,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         seed: int | None = None,
         key: jax.Array | None = None,
         request_id: int | None = None,
@@ -174,6 +177,7 @@ class LLMEngine:
         """Queue `n` completions of `prompt_token_ids` of at most `max_new_tokens` each (default the config's);
         returns the request id (`request_id`, default the next free number). `eos_token_id` (default the
         config's) and `stop` strings end a completion (the end id kept, the stop string cut from `text`).
+        `temperature` (0: greedy), `top_k` (0: off) and `top_p` (1: off) are this request's (default the config's).
         `seed` (default the request id) with the config's seed picks the sampling keys, or `key` (a PRNG key,
         e.g. folded from a training state: a resumed run samples what the uninterrupted one did) gives them.
         With `keep`, a finished completion keeps its pages for `extend` (call `release` when done with it). A
@@ -192,7 +196,18 @@ class LLMEngine:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if stops and self.tokenizer is None:
             raise ValueError(f"request {request_id}: stop strings {stops} need the engine's tokenizer")
-        req = _Request(request_id, prompt, max_new, frozenset(int(e) for e in eos), stops, keep)
+        c = self.config
+        sampling = (
+            (0.0 if c.greedy else c.temperature) if temperature is None else float(temperature),
+            (c.top_k or 0) if top_k is None else int(top_k),
+            (c.top_p or 1.0) if top_p is None else float(top_p),
+        )
+        if not (sampling[0] >= 0 and sampling[1] >= 0 and 0 < sampling[2] <= 1):
+            raise ValueError(
+                f"request {request_id}: temperature {sampling[0]}, top_k {sampling[1]}, top_p {sampling[2]}; "
+                "expected temperature >= 0, top_k >= 0 and top_p in (0, 1]"
+            )
+        req = _Request(request_id, prompt, max_new, frozenset(int(e) for e in eos), stops, keep, sampling)
         self._check_fits(req, len(prompt) + max_new, n)
         if key is None:
             key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), request_id if seed is None else seed)
@@ -353,9 +368,11 @@ class LLMEngine:
         width = bucket(max(len(s.tokens) - s.cached for s in sources), 8)
         read = self._read_pages([s.cached for s in sources]) if any(s.cached for s in sources) else 0
         table, lens, tokens, count, keys = self._rows(sources, rows, width)
-        fn = paged.compiled("extend", self._graphdef, self._layout, self.page_size, read, 0, self.sampling)
+        fn = paged.compiled("extend", self._graphdef, self._layout, self.page_size, read, 0)
         with self._on_mesh():
-            token, logp, logits, self._pools = fn(self._state, self._pools, table, lens, tokens, count, keys)
+            token, logp, logits, self._pools = fn(
+                self._state, self._pools, table, lens, tokens, count, keys, self._params(sources, rows)
+            )
         self.stats["prefill_tokens"] += int(count.sum())
         self.stats["extend_calls"] += 1
         token, logp = np.asarray(token), np.asarray(logp)
@@ -378,8 +395,9 @@ class LLMEngine:
         if members:
             keys = np.stack([s.key for s in members])
             where = np.asarray([len(s.tokens) for s in members], np.int32)
+            params = self._params(members, len(members))
             with self._on_mesh():
-                mt, ml = paged.sampler(self.sampling)(logits, np.asarray(src_rows, np.int32), keys, where)
+                mt, ml = paged.sample_members(logits, np.asarray(src_rows, np.int32), keys, where, params)
             mt, ml = np.asarray(mt), np.asarray(ml)
             finished += [s for i, s in enumerate(members) if self._append(s, [int(mt[i])], [float(ml[i])])]
         return finished
@@ -430,13 +448,23 @@ class LLMEngine:
             lens[r], token[r], keys[r] = s.cached, s.tokens[-1], s.key
             limit[r] = min(s.cached + k, s.limit)
         read = self._read_pages([s.cached for s in running])
-        fn = paged.compiled("decode", self._graphdef, self._layout, self.page_size, read, k, self.sampling)
+        fn = paged.compiled("decode", self._graphdef, self._layout, self.page_size, read, k)
         with self._on_mesh():
-            tokens, logps, self._pools = fn(self._state, self._pools, table, lens, token, keys, limit)
+            tokens, logps, self._pools = fn(
+                self._state, self._pools, table, lens, token, keys, limit, self._params(running, n)
+            )
         tokens, logps = np.asarray(tokens), np.asarray(logps)
         self.stats["decode_chunks"] += 1
         self.stats["decode_row_steps"] += k * n
         return [s for r, s in enumerate(running) if self._append(s, tokens[r].tolist(), logps[r].tolist())]
+
+    @staticmethod
+    def _params(seqs: list[_Sequence], rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's sampling settings `(temperature, top_k, top_p)`, padded to `rows` (greedy)."""
+        temperature, top_k, top_p = np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
+        for r, s in enumerate(seqs):
+            temperature[r], top_k[r], top_p[r] = s.request.sampling
+        return temperature, top_k, top_p
 
     def _on_mesh(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)

@@ -26,9 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import GenerationConfig
-from .decode import last_logits, token_logp
-from .sampling import sample_with_keys
+from .decode import last_logits
+from .sampling import sample_rows
 
 TRASH_PAGE = 0
 """The page that absorbs writes belonging to no sequence."""
@@ -101,12 +100,12 @@ def _step_keys(keys: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, positions)
 
 
-def _extend(graphdef, layout, page_size, read_pages, config, state, pools, table, lens, tokens, count, keys):
+def _extend(graphdef, layout, page_size, read_pages, state, pools, table, lens, tokens, count, keys, params):
     """Run `tokens [B, T]` (left-padded, `count [B]` real ones) after each row's `lens [B]` cached positions
     (pages `table [B, Pmax]`, of which the first `read_pages` are read); write their keys and values into the
     pages and sample each row's next token (key: its sequence's `keys [B, 2]`, folded with the token's
-    position). Returns `(next [B], logp [B], logits [B, V], pools)`: a group's members sample their own tokens
-    from the one prompt row's logits."""
+    position) and settings `params`. Returns `(next [B], logp [B], logits [B, V], pools)`: a group's members
+    sample their own tokens from the one prompt row's logits."""
     model = nnx.merge(graphdef, state)
     b, t = tokens.shape
     g = read_pages * page_size
@@ -129,14 +128,15 @@ def _extend(graphdef, layout, page_size, read_pages, config, state, pools, table
     pages, offsets = _targets(table, positions, fed, page_size)
     pools = layout.write(pools, out.cache, g, pages, offsets)
     where = lens + count
-    token = sample_with_keys(logits, _step_keys(keys, where), config)
-    return token, token_logp(logits, token, config), logits, pools
+    token, logp = sample_rows(logits, _step_keys(keys, where), *params)
+    return token, logp, logits, pools
 
 
-def _decode(graphdef, layout, page_size, read_pages, steps, config, state, pools, table, lens, token, keys, limit):
+def _decode(graphdef, layout, page_size, read_pages, steps, state, pools, table, lens, token, keys, limit, params):
     """`steps` decode steps for every slot: feed `token [B]` at position `lens [B]` (its pages `table [B, Pmax]`,
     the first `read_pages` read), sample the next, feed it, ... Writes positions `lens ... lens + steps - 1`
-    below `limit [B]` into the pages. Returns `(tokens [B, steps], logps [B, steps], pools)`."""
+    below `limit [B]` into the pages; each row samples with its `params`. Returns `(tokens [B, steps],
+    logps [B, steps], pools)`."""
     model = nnx.merge(graphdef, state)
     b = token.shape[0]
     g = read_pages * page_size
@@ -161,8 +161,8 @@ def _decode(graphdef, layout, page_size, read_pages, steps, config, state, pools
             kv_segment_ids=kv_seg,
         )
         logits = out.logits[:, -1].astype(jnp.float32)
-        new = sample_with_keys(logits, _step_keys(keys, pos + 1), config)
-        return (out.cache, kv_seg, kv_pos, new), (new, token_logp(logits, new, config))
+        new, logp = sample_rows(logits, _step_keys(keys, pos + 1), *params)
+        return (out.cache, kv_seg, kv_pos, new), (new, logp)
 
     (cache, *_), (tokens, logps) = jax.lax.scan(body, (cache, kv_seg, kv_pos, token), jnp.arange(steps))
     positions = lens[:, None] + jnp.arange(steps)[None, :]
@@ -176,29 +176,26 @@ def _copy_pages(pools, src, dst):
     return [pool.at[dst].set(pool[src]) for pool in pools]
 
 
-def _sample_rows(config, logits, rows, keys, positions):
+def _sample_members(logits, rows, keys, positions, params):
     """A token for each of `rows [N]` of `logits [U, V]` (a group's members share their prompt's logits), each
     with its own sequence key at `positions [N]`."""
     chosen = logits[rows]
-    token = sample_with_keys(chosen, _step_keys(keys, positions), config)
-    return token, token_logp(chosen, token, config)
+    return sample_rows(chosen, _step_keys(keys, positions), *params)
 
 
 @functools.lru_cache(maxsize=256)
-def compiled(kind: str, graphdef, layout: CacheLayout, page_size: int, read_pages: int, steps: int, config):
-    """The jitted call of `kind` (`extend`, `decode`) for one model structure, page geometry and sampling config;
+def compiled(kind: str, graphdef, layout: CacheLayout, page_size: int, read_pages: int, steps: int):
+    """The jitted call of `kind` (`extend`, `decode`) for one model structure and page geometry (each row's
+    sampling settings are data: `params = (temperature, top_k, top_p)`, `[B]` each);
     the pools are donated (updated in place)."""
     if kind == "extend":
-        fn = functools.partial(_extend, graphdef, layout, page_size, read_pages, config)
+        fn = functools.partial(_extend, graphdef, layout, page_size, read_pages)
     else:
-        fn = functools.partial(_decode, graphdef, layout, page_size, read_pages, steps, config)
+        fn = functools.partial(_decode, graphdef, layout, page_size, read_pages, steps)
     return jax.jit(fn, donate_argnums=(1,))
 
 
 copy_pages = jax.jit(_copy_pages, donate_argnums=(0,))
 
 
-@functools.lru_cache(maxsize=16)
-def sampler(config: GenerationConfig):
-    """The jitted `_sample_rows` for `config`."""
-    return jax.jit(functools.partial(_sample_rows, config))
+sample_members = jax.jit(_sample_members)

@@ -42,3 +42,30 @@ def sample_with_keys(logits: jax.Array, keys: jax.Array, config: GenerationConfi
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = filter_logits(logits / config.temperature, config.top_k, config.top_p)
     return jax.vmap(lambda z, k: jax.random.categorical(k, z))(logits, keys).astype(jnp.int32)
+
+
+def sample_rows(
+    logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Each row of `logits [B, V]` with its own settings `[B]` (a server's requests differ): temperature (0:
+    greedy), top-k (0: off), then top-p over what top-k kept (1: off), as `filter_logits` does for one
+    setting. Returns `(token [B], logp [B])`, `logp` the token's log-probability under the float32 logits over
+    the temperature (1 when greedy) before top-k/top-p — what a trainer's forward pass gives."""
+    logits = logits.astype(jnp.float32)
+    v = logits.shape[-1]
+    greedy = temperature <= 0
+    t = jnp.where(greedy, 1.0, temperature)[:, None]
+    z = logits / t
+    ordered = -jnp.sort(-z, axis=-1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    kept = jnp.where(jnp.arange(v)[None, :] < k[:, None], ordered, -jnp.inf)
+    probs = jax.nn.softmax(kept, axis=-1)
+    inside = ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1)  # the top one always
+    last = jnp.maximum(jnp.sum(inside & (jnp.arange(v)[None, :] < k[:, None]), axis=-1), 1) - 1
+    pth = jnp.take_along_axis(ordered, last[:, None], axis=-1)
+    filtered = jnp.where(z < jnp.maximum(kth, pth), -jnp.inf, z)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    token = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), token[:, None], axis=-1)[:, 0]
+    return token, logp
