@@ -127,3 +127,41 @@ def test_an_export_stops_and_encodes_as_training_did(tmp_path):
     assert generation["bos_token_id"] == TOK.bos_token_id and generation["pad_token_id"] == TOK.pad_token_id
     loaded = transformers.GenerationConfig.from_pretrained(str(hf_dir))
     assert loaded.eos_token_id == generation["eos_token_id"]
+
+
+def test_serve_answers_openai_requests_with_what_transformers_generates(tmp_path):
+    """`jaxloom serve HF_DIR` (port 0: a free one): `/v1/models` names the directory, a greedy completion is
+    transformers' text, a bad request gets a 400 with its reason, and Ctrl-C stops it with status 0."""
+    import signal
+    import urllib.error
+    import urllib.request
+
+    hf = _hf_model(tmp_path)
+    hf.save_pretrained(tmp_path)
+    TOK.save_pretrained(str(tmp_path))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    prompt = "The interpreter reads"
+    ref = tok.decode(_reference(hf, tok, tok(prompt).input_ids), skip_special_tokens=True)
+    cmd = [sys.executable, "-m", "jaxloom.trainer.cli", "serve", str(tmp_path), "--port", "0", "--max-num-seqs", "2"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"serving {tmp_path.name} at http://127.0.0.1:"), line + proc.stderr.read()[-3000:]
+        base = line.split()[3]
+
+        def post(body):
+            req = urllib.request.Request(f"{base}/completions", json.dumps(body).encode(), method="POST")
+            with urllib.request.urlopen(req, timeout=240) as r:
+                return json.loads(r.read())
+
+        with urllib.request.urlopen(f"{base}/models", timeout=60) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == [tmp_path.name]
+        out = post({"model": tmp_path.name, "prompt": prompt, "max_tokens": NEW, "temperature": 0})
+        assert out["choices"][0]["text"] == ref and out["object"] == "text_completion"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post({"prompt": prompt, "n": 0})
+        assert e.value.code == 400 and "n = 0" in json.loads(e.value.read())["error"]["message"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()

@@ -5,6 +5,7 @@ from .config import GenerationConfig
 from .decode import Generated, create_generate_function, generate
 from .engine import CompletionOutput, LLMEngine, RequestOutput
 from .sampling import filter_logits, next_token, sample_rows, sample_with_keys
+from .server import OpenAIServer
 from .streaming import stream
 from .unified import (
     GenerationResults,
@@ -21,6 +22,7 @@ __all__ = [
     "GenerationResults",
     "Generated",
     "LLMEngine",
+    "OpenAIServer",
     "RequestOutput",
     "__version__",
     "create_generate_function",

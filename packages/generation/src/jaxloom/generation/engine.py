@@ -32,6 +32,7 @@ from . import paged
 from .config import GenerationConfig
 from .decode import bucket
 from .pages import PagePool
+from .scheduler import Request, Scheduler, Sequence, size_class
 
 
 @dataclasses.dataclass
@@ -56,49 +57,6 @@ class RequestOutput:
     request_id: int
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    request_id: int
-    prompt: list[int]
-    max_new_tokens: int
-    eos: frozenset[int]
-    stop: tuple[str, ...]
-    keep: bool
-    sampling: tuple[float, int, float]  # temperature (0: greedy), top_k (0: off), top_p (1: off)
-    sequences: list[_Sequence] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(eq=False)
-class _Sequence:
-    request: _Request
-    index: int
-    key: np.ndarray  # uint32[2]: fold_in(fold_in(PRNGKey(seed), request seed), index)
-    tokens: list[int]
-    start: int  # where this turn's completion begins in `tokens`
-    limit: int  # the most tokens the sequence may hold this turn
-    pages: list[int] = dataclasses.field(default_factory=list)
-    cached: int = 0  # positions written in `pages`
-    slot: int = -1
-    admitted: int = 0
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str | None = None
-
-    @property
-    def fresh_member(self) -> bool:
-        """Not started and one of several completions of its prompt: admitted with its group."""
-        return self.cached == 0 and len(self.tokens) == len(self.request.prompt) and len(self.request.sequences) > 1
-
-
-def size_class(n: int) -> int:
-    """`n` rounded up to the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and their halfway points):
-    a decode chunk's width and read length, each compiled once, never more than a third above what is used."""
-    n = max(int(n), 1)
-    power = 1 << (n - 1).bit_length()
-    return power * 3 // 4 if power >= 4 and n <= power * 3 // 4 else power
 
 
 class LLMEngine:
@@ -147,15 +105,17 @@ class LLMEngine:
         self.max_num_seqs, self.decode_chunk, self.page_size = max_num_seqs, decode_chunk, page_size
         self.max_model_len = int(model.config.max_position_embeddings)
         self._num_pages, self._memory, self._utilization = num_pages, kv_cache_memory, gpu_memory_utilization
-        self.pool: PagePool | None = None
-        self.stats = collections.Counter()
+        self.stats: collections.Counter = collections.Counter()
+        self.scheduler = Scheduler(max_num_seqs, decode_chunk, page_size, self.max_model_len, self.stats)
         self._pools: list[jax.Array] | None = None
         self._layout: paged.CacheLayout | None = None
-        self._waiting: collections.deque[_Sequence] = collections.deque()
-        self._slots: list[_Sequence | None] = [None] * max_num_seqs
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
-        self._admissions = itertools.count()
+
+    @property
+    def pool(self) -> PagePool | None:
+        """The page pool (None until the first `step`)."""
+        return self.scheduler.pool
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(
@@ -207,16 +167,16 @@ class LLMEngine:
                 f"request {request_id}: temperature {sampling[0]}, top_k {sampling[1]}, top_p {sampling[2]}; "
                 "expected temperature >= 0, top_k >= 0 and top_p in (0, 1]"
             )
-        req = _Request(request_id, prompt, max_new, frozenset(int(e) for e in eos), stops, keep, sampling)
-        self._check_fits(req, len(prompt) + max_new, n)
+        req = Request(request_id, prompt, max_new, frozenset(int(e) for e in eos), stops, keep, sampling)
+        self.scheduler.check_fits(req, len(prompt) + max_new, n)
         if key is None:
             key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), request_id if seed is None else seed)
         base = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
         for i in range(n):
             member = np.asarray(jax.random.fold_in(base, i), np.uint32)
-            req.sequences.append(_Sequence(req, i, member, list(prompt), len(prompt), len(prompt) + max_new))
+            req.sequences.append(Sequence(req, i, member, list(prompt), len(prompt), len(prompt) + max_new))
         self._requests[request_id] = req
-        self._waiting.extend(req.sequences)
+        self.scheduler.waiting.extend(req.sequences)
         return request_id
 
     def extend(self, request_id: int, token_ids: list[int], *, max_new_tokens: int | None = None, index: int = 0):
@@ -230,7 +190,7 @@ class LLMEngine:
         max_new = req.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         seq.tokens += [int(t) for t in token_ids]
         seq.start, seq.limit = len(seq.tokens), len(seq.tokens) + max_new
-        self._check_fits(req, seq.limit, 1)
+        self.scheduler.check_fits(req, seq.limit, 1)
         seq.finish_reason = seq.stop_reason = seq.text = None
         seq.logprobs = []
         for s in req.sequences:
@@ -238,7 +198,7 @@ class LLMEngine:
                 self.pool.release(s.pages)
                 s.pages = []
         req.sequences = [seq]
-        self._waiting.append(seq)
+        self.scheduler.waiting.append(seq)
 
     def release(self, request_id: int) -> None:
         """Free the pages of `request_id`, a finished request kept with `keep=True`."""
@@ -247,9 +207,13 @@ class LLMEngine:
             self.pool.release(s.pages)
             s.pages = []
 
+    def progress(self, request_id: int) -> list[list[int]]:
+        """The tokens each completion of `request_id` has so far (a server streams them)."""
+        return [s.tokens[s.start :] for s in self._requests[request_id].sequences]
+
     def has_unfinished_requests(self) -> bool:
         """Whether any sequence is waiting or running."""
-        return bool(self._waiting) or any(s is not None for s in self._slots)
+        return self.scheduler.has_unfinished()
 
     def generate(self, prompts: list[list[int]], **request) -> list[RequestOutput]:
         """Every prompt completed (`request`: `add_request`'s keywords), in the prompts' order."""
@@ -263,9 +227,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Admit what fits, run one decode chunk, return the requests that finished."""
         self._start()
-        self._grow([s for s in self._slots if s is not None])  # the running first: admission takes what is left
-        finished = self._admit()
-        running = [s for s in self._slots if s is not None]
+        self.scheduler.grow()  # the running first: admission takes what is left
+        units = self.scheduler.admit()
+        finished = self._run_new_tokens(units) if units else []
+        running = self.scheduler.running()
         if running:
             finished += self._decode(running)
         return self._outputs(finished)
@@ -286,87 +251,24 @@ class LLMEngine:
                     need = self.max_num_seqs * -(-self.max_model_len // self.page_size) * per_page
                     budget = min(need, 1 << 30)
             pages = max(2, budget // per_page + 1)
-        self.pool = PagePool(int(pages), self.page_size)
-        self._pools = self._layout.pools(self.pool.num_pages, self.page_size)
+        self.scheduler.pool = PagePool(int(pages), self.page_size)
+        self._pools = self._layout.pools(int(pages), self.page_size)
         if self.mesh is not None:  # beside the sharded parameters, whole on every device
             from jax.sharding import NamedSharding, PartitionSpec
 
             self._pools = jax.device_put(self._pools, NamedSharding(self.mesh, PartitionSpec()))
         self._graphdef, self._state = nnx.split(self.model)
-        self._max_pages = -(-self.max_model_len // self.page_size)
         for req in self._requests.values():
             for s in req.sequences:
-                self._check_fits(req, s.limit, len(req.sequences))
+                self.scheduler.check_fits(req, s.limit, len(req.sequences))
 
-    def _check_fits(self, req: _Request, total: int, n: int) -> None:
-        """Refuse a sequence of `total` tokens (`n` of them admitted together) that could never run."""
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {req.request_id}: {total} tokens (prompt {len(req.prompt)} + max_new_tokens "
-                f"{req.max_new_tokens}) exceed the model's context of {self.max_model_len}"
-            )
-        if n > self.max_num_seqs:
-            raise ValueError(f"request {req.request_id}: n = {n} completions exceed max_num_seqs {self.max_num_seqs}")
-        if self.pool is not None:  # one sequence at its longest alone; a group's admission together
-            shared = len(req.prompt) // self.page_size if n > 1 else 0
-            start = self.pool.pages_for(min(len(req.prompt) + self.decode_chunk, total))
-            need = max(self.pool.pages_for(total), shared + n * (start - shared))
-            if need > self.pool.usable:
-                raise ValueError(
-                    f"request {req.request_id}: {total} tokens (n = {n}) need {need} pages of {self.page_size}; "
-                    f"the KV cache pool has {self.pool.usable} ({self.pool.usable * self.page_size} tokens). "
-                    "Raise num_pages or kv_cache_memory, or shorten the request"
-                )
-
-    def _admit(self) -> list[_Sequence]:
-        """Move waiting sequences into free slots, first come first served, while their pages fit; run their new
-        tokens (one prefill per group) and sample each one's next token."""
-        units: list[list[_Sequence]] = []
-        free = [i for i, s in enumerate(self._slots) if s is None]
-        while self._waiting and free:
-            head = self._waiting[0]
-            unit = [head]
-            if head.fresh_member:
-                unit = [s for s in self._waiting if s.request is head.request and s.fresh_member]
-            if len(unit) > len(free) or not self._allocate(unit):
-                break
-            for s in unit:
-                self._waiting.remove(s)
-                s.slot, s.admitted = free.pop(0), next(self._admissions)
-                self._slots[s.slot] = s
-            units.append(unit)
-        if not units:
-            return []
-        return self._run_new_tokens(units)
-
-    def _allocate(self, unit: list[_Sequence]) -> bool:
-        """Pages for `unit`'s tokens and one decode chunk: a group shares its prompt's full pages. False (nothing
-        taken) when they do not fit now."""
-        first = unit[0]
-        target = min(len(first.tokens) + self.decode_chunk, first.limit)
-        have = len(first.pages)
-        if len(unit) == 1:
-            need = self.pool.pages_for(target) - have
-            if need > self.pool.free:
-                return False
-            first.pages += self.pool.take(need)
-            return True
-        shared = len(first.tokens) // self.page_size
-        own = self.pool.pages_for(target) - shared
-        if shared + own * len(unit) > self.pool.free:
-            return False
-        common = self.pool.take(shared)
-        for i, s in enumerate(unit):
-            s.pages = (common if i == 0 else self.pool.share(common)) + self.pool.take(own)
-        return True
-
-    def _run_new_tokens(self, units: list[list[_Sequence]]) -> list[_Sequence]:
+    def _run_new_tokens(self, units: list[list[Sequence]]) -> list[Sequence]:
         """One batched `extend` over each unit's first sequence; a group's others copy its partial prompt page
         and sample from its logits."""
         sources = [u[0] for u in units]
         rows = bucket(len(sources), 1)
         width = bucket(max(len(s.tokens) - s.cached for s in sources), 8)
-        read = self._read_pages([s.cached for s in sources]) if any(s.cached for s in sources) else 0
+        read = self.scheduler.read_pages([s.cached for s in sources]) if any(s.cached for s in sources) else 0
         table, lens, tokens, count, keys = self._rows(sources, rows, width)
         fn = paged.compiled("extend", self._graphdef, self._layout, self.page_size, read, 0)
         with self._on_mesh():
@@ -402,9 +304,9 @@ class LLMEngine:
             finished += [s for i, s in enumerate(members) if self._append(s, [int(mt[i])], [float(ml[i])])]
         return finished
 
-    def _rows(self, seqs: list[_Sequence], rows: int, width: int):
+    def _rows(self, seqs: list[Sequence], rows: int, width: int):
         """The `extend` inputs of `seqs`, padded to `rows` rows and `width` tokens (left-padded)."""
-        table = np.zeros((rows, self._max_pages), np.int32)
+        table = np.zeros((rows, self.scheduler.max_pages), np.int32)
         lens, count = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         tokens, keys = np.zeros((rows, width), np.int32), np.zeros((rows, 2), np.uint32)
         for r, s in enumerate(seqs):
@@ -414,40 +316,19 @@ class LLMEngine:
             tokens[r, width - len(new) :] = new
         return table, lens, tokens, count, keys
 
-    def _grow(self, running: list[_Sequence]) -> None:
-        """Pages for each running sequence's next chunk; the youngest are preempted when the pool runs out."""
-        for s in sorted(running, key=lambda s: s.admitted):
-            if s.slot < 0:  # preempted below for an older sequence
-                continue
-            need = self.pool.pages_for(min(s.cached + self.decode_chunk, s.limit)) - len(s.pages)
-            while need > self.pool.free:
-                victim = max((v for v in self._slots if v is not None), key=lambda v: v.admitted)
-                self._preempt(victim)
-                if victim is s:
-                    break
-            if s.slot >= 0 and need > 0:
-                s.pages += self.pool.take(need)
-
-    def _preempt(self, s: _Sequence) -> None:
-        self.pool.release(s.pages)
-        s.pages, s.cached = [], 0
-        self._slots[s.slot], s.slot = None, -1
-        self._waiting.appendleft(s)
-        self.stats["preemptions"] += 1
-
-    def _decode(self, running: list[_Sequence]) -> list[_Sequence]:
+    def _decode(self, running: list[Sequence]) -> list[Sequence]:
         """One decode chunk for the running sequences, packed into the first rows of a batch as wide as their
         count rounded up to a power of two (a slot is only a place to wait for; its cache lives in pages), so a
         chunk's cost follows the sequences still going; returns the sequences that ended in it."""
         k, n = self.decode_chunk, size_class(len(running))
-        table = np.zeros((n, self._max_pages), np.int32)
+        table = np.zeros((n, self.scheduler.max_pages), np.int32)
         lens, token, limit = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
         keys = np.zeros((n, 2), np.uint32)
         for r, s in enumerate(running):
             table[r, : len(s.pages)] = s.pages
             lens[r], token[r], keys[r] = s.cached, s.tokens[-1], s.key
             limit[r] = min(s.cached + k, s.limit)
-        read = self._read_pages([s.cached for s in running])
+        read = self.scheduler.read_pages([s.cached for s in running])
         fn = paged.compiled("decode", self._graphdef, self._layout, self.page_size, read, k)
         with self._on_mesh():
             tokens, logps, self._pools = fn(
@@ -459,7 +340,7 @@ class LLMEngine:
         return [s for r, s in enumerate(running) if self._append(s, tokens[r].tolist(), logps[r].tolist())]
 
     @staticmethod
-    def _params(seqs: list[_Sequence], rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _params(seqs: list[Sequence], rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each row's sampling settings `(temperature, top_k, top_p)`, padded to `rows` (greedy)."""
         temperature, top_k, top_p = np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
         for r, s in enumerate(seqs):
@@ -469,12 +350,7 @@ class LLMEngine:
     def _on_mesh(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
-    def _read_pages(self, cached: list[int]) -> int:
-        """The pages a call reads per row: the longest row's, rounded up to a `size_class` (one compile per
-        size), at most a sequence's whole table."""
-        return min(size_class(max(self.pool.pages_for(c) for c in cached)), self._max_pages)
-
-    def _append(self, s: _Sequence, tokens: list[int], logps: list[float]) -> bool:
+    def _append(self, s: Sequence, tokens: list[int], logps: list[float]) -> bool:
         """Add sampled tokens to `s` up to where it ends; True when it ended (its slot is then freed)."""
         req = s.request
         for t, lp in zip(tokens, logps, strict=True):
@@ -494,17 +370,10 @@ class LLMEngine:
             return False
         if self.tokenizer is not None and s.text is None:
             s.text = self.tokenizer.decode(s.tokens[s.start :], skip_special_tokens=True)
-        self._slots[s.slot], s.slot = None, -1
-        if req.keep:  # keep the pages of what is cached, for `extend`
-            keep = self.pool.pages_for(s.cached)
-            self.pool.release(s.pages[keep:])
-            s.pages = s.pages[:keep]
-        else:
-            self.pool.release(s.pages)
-            s.pages = []
+        self.scheduler.finish(s, req.keep)
         return True
 
-    def _stopped(self, s: _Sequence) -> bool:
+    def _stopped(self, s: Sequence) -> bool:
         text = self.tokenizer.decode(s.tokens[s.start :], skip_special_tokens=True)
         for stop in s.request.stop:
             if stop in text:
@@ -512,7 +381,7 @@ class LLMEngine:
                 return True
         return False
 
-    def _outputs(self, finished: list[_Sequence]) -> list[RequestOutput]:
+    def _outputs(self, finished: list[Sequence]) -> list[RequestOutput]:
         out = []
         for req in dict.fromkeys(s.request for s in finished):
             if all(s.finish_reason for s in req.sequences):

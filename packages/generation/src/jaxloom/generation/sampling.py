@@ -47,10 +47,11 @@ def sample_with_keys(logits: jax.Array, keys: jax.Array, config: GenerationConfi
 def sample_rows(
     logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Each row of `logits [B, V]` with its own settings `[B]` (a server's requests differ): temperature (0:
-    greedy), top-k (0: off), then top-p over what top-k kept (1: off), as `filter_logits` does for one
-    setting. Returns `(token [B], logp [B])`, `logp` the token's log-probability under the float32 logits over
-    the temperature (1 when greedy) before top-k/top-p — what a trainer's forward pass gives."""
+    """Each row of `logits [B, V]` with its own key (`keys [B, 2]`) and settings `[B]` (a server's requests
+    differ): `temperature` (0: greedy), `top_k` (0: off), then `top_p` over what top-k kept (1: off), as
+    `filter_logits` does for one setting. Returns `(token [B], logp [B])`, `logp` the token's log-probability
+    under the float32 logits over the temperature (1 when greedy) before top-k/top-p: what a trainer's forward
+    pass gives."""
     logits = logits.astype(jnp.float32)
     v = logits.shape[-1]
     greedy = temperature <= 0

@@ -7,6 +7,7 @@ jaxloom eval RUN_DIR | CONFIG.yaml [key=value ...]  # evaluate the newest checkp
 jaxloom plan [CONFIG.yaml | RUN_DIR] [key=value ...]  # params, FLOPs/token, memory per device (AOT compile)
 jaxloom generate PATH --prompt TEXT [--max-new-tokens N] [--temperature T --top-k K --top-p P] [--chat]
                                                  # PATH: an HF model directory or a run directory
+jaxloom serve PATH [--host 127.0.0.1] [--port 8000]  # OpenAI's API on the paged engine, until Ctrl-C
 jaxloom convert --to-hf RUN_DIR OUT [--merge]    # newest checkpoint → Hugging Face (LoRA: PEFT) directory
 jaxloom data prepare SOURCE OUT [--tokenizer DIR] [--num-proc N] [--max-sequence-length L]
                                                  # tokenize once into a store; then data.train=OUT
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +86,10 @@ def _plan(trainer) -> dict[str, Any]:
     return out
 
 
-def _generate(ns) -> int:
-    """`jaxloom generate`: from an HF directory (with its tokenizer if it has one) or a run directory."""
-    import numpy as np
-
+def _model_to_generate(ns) -> tuple[Any, Any, Any]:
+    """`(model, tokenizer, eos)` of `ns.path`: an HF directory (with its tokenizer if it has one; `eos` where
+    transformers' generate stops) or a run directory (its checkpoint `ns.step`, default the newest)."""
     import jaxloom.data as jd
-    import jaxloom.generation as jg
     import jaxloom.models as jm
 
     path = Path(ns.path)
@@ -111,6 +111,37 @@ def _generate(ns) -> int:
         raise FileNotFoundError(
             f"{path} is neither a Hugging Face model directory (config.json) nor a jaxloom run directory ({RUN_CONFIG})"
         )
+    return model, tokenizer, eos
+
+
+def _serve(ns) -> int:
+    """`jaxloom serve`: OpenAI's API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`) on the paged
+    engine, for an HF directory or a run directory; until Ctrl-C."""
+    import jaxloom.generation as jg
+
+    model, tokenizer, eos = _model_to_generate(ns)
+    eos = tuple(eos) if isinstance(eos, list) else eos if eos is not None else tokenizer.eos_token_id
+    config = jg.GenerationConfig(do_sample=True, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id or 0)
+    engine = jg.LLMEngine(model, config, max_num_seqs=ns.max_num_seqs, tokenizer=tokenizer)
+    name = ns.model_name or Path(ns.path).resolve().name
+    server = jg.OpenAIServer(engine, tokenizer, model_name=name, host=ns.host, port=ns.port)
+    host_, port = server.start()
+    print(f"serving {name} at http://{host_}:{port}/v1 (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.shutdown()
+    return 0
+
+
+def _generate(ns) -> int:
+    """`jaxloom generate`: from an HF directory (with its tokenizer if it has one) or a run directory."""
+    import numpy as np
+
+    import jaxloom.generation as jg
+
+    model, tokenizer, eos = _model_to_generate(ns)
     sample = not ns.greedy and ns.temperature > 0
     config = jg.GenerationConfig(
         max_new_tokens=ns.max_new_tokens,
@@ -384,6 +415,14 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--step", type=int, default=None, help="a run directory's checkpoint of this step (default: newest)"
     )
+    text = "serve an HF model directory or a run directory with OpenAI's API (the paged engine)"
+    srv = sub.add_parser("serve", help=text, description=text)
+    srv.add_argument("path", help="an HF model directory (config.json) or a run directory (run_config.json)")
+    srv.add_argument("--host", default="127.0.0.1", help="the address to bind (default: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded at once (the engine's slots)")
+    srv.add_argument("--model-name", default=None, help="the name /v1/models lists (default: the directory's)")
+    srv.add_argument("--step", type=int, default=None, help="a run directory's checkpoint (default: newest)")
     text = (
         "export the newest checkpoint of a run as a Hugging Face model directory (with its tokenizer), or rewrite "
         "a run's checkpoints with arrays in another format"
@@ -580,7 +619,7 @@ def key_value_forms(argv: list[str]) -> list[str]:
 
 # The commands that run XLA programs: the `jaxloom` program re-runs itself for them with glibc asking for huge pages
 # (jaxloom.core.host: on CPU a step's temporaries are mapped afresh every step; huge pages: ~14 % more tokens/s).
-COMPUTING = frozenset({"train", "eval", "plan", "generate", "convert"})
+COMPUTING = frozenset({"train", "eval", "plan", "generate", "serve", "convert"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -608,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if ns.command == "generate":
             return _generate(ns)
+        if ns.command == "serve":
+            return _serve(ns)
         if ns.command == "data":
             return _prepare(ns)
         if ns.command == "convert":  # the target named before any checkpoint is read

@@ -511,41 +511,9 @@ class Rollouts(Batches):
         model = self.policy.state().model
         group = rl.num_generations if group is None else group
         if getattr(rl, "generation_backend", "static") == "paged":
-            return self._paged(model, prompt, mask, key, group, config)
+            return paged_completions(model, prompt, mask, key, group, config, self.mesh)
         out = jg.generate(model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group)
         return np.asarray(out.completion_ids), np.asarray(out.completion_mask), np.asarray(out.completion_logps)
-
-    def _paged(self, model, prompt, mask, key, group: int, config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`generate` through `LLMEngine` (`generation_backend="paged"`): every completion in a slot of its own, the
-        pool sized for this rollout, prompt `i`'s completions sampled with `fold_in(key, i)` (a resumed run
-        samples what the uninterrupted one did)."""
-        import jaxloom.generation as jg
-
-        if jax.process_count() > 1:
-            raise ValueError(
-                "generation_backend = 'paged' samples on one process; this run has "
-                f"{jax.process_count()} processes: set generation_backend='static'"
-            )
-        prompts = [row[m > 0].tolist() for row, m in zip(prompt, mask, strict=True)]
-        n, page = config.max_new_tokens, 16
-        pages = 1 + group * sum(-(-(len(p) + n) // page) for p in prompts)
-        slots = len(prompts) * group
-        engine = jg.LLMEngine(model, config, max_num_seqs=slots, page_size=page, num_pages=pages, mesh=self.mesh)
-        ids = [
-            engine.add_request(p, n=group, key=jax.random.fold_in(key, i), max_new_tokens=n)
-            for i, p in enumerate(prompts)
-        ]
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update((o.request_id, o) for o in engine.step())
-        outs = [c for i in ids for c in done[i].outputs]
-        completion = np.full((len(outs), n), config.pad_token_id, np.int32)
-        completion_mask = np.zeros((len(outs), n), np.int32)
-        logps = np.zeros((len(outs), n), np.float32)
-        for r, c in enumerate(outs):
-            k = len(c.token_ids)
-            completion[r, :k], completion_mask[r, :k], logps[r, :k] = c.token_ids, 1, c.logprobs
-        return completion, completion_mask, logps
 
     def _put(self, x: np.ndarray) -> jax.Array:
         """A global `[1, B, ...]` host array (the same on every process) on the batch's sharding."""
@@ -561,6 +529,39 @@ class Rollouts(Batches):
         if not due:
             return {}
         return {k: float(np.mean([m[k] for m in due if k in m])) for k in due[-1]}
+
+
+def paged_completions(model, prompt, mask, key, group: int, config, mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`Rollouts.generate` through `LLMEngine` (`generation_backend="paged"`): `group` completions of each row of
+    `prompt [U, P]` (`mask`: 1 on its tokens) by `model` (its parameters on `mesh`), decoded as `config` says;
+    every completion in a slot of its own, the pool sized for this rollout, prompt `i`'s completions sampled with
+    `fold_in(key, i)` (a resumed run samples what the uninterrupted one did)."""
+    import jaxloom.generation as jg
+
+    if jax.process_count() > 1:
+        raise ValueError(
+            "generation_backend = 'paged' samples on one process; this run has "
+            f"{jax.process_count()} processes: set generation_backend='static'"
+        )
+    prompts = [row[m > 0].tolist() for row, m in zip(prompt, mask, strict=True)]
+    n, page = config.max_new_tokens, 16
+    pages = 1 + group * sum(-(-(len(p) + n) // page) for p in prompts)
+    slots = len(prompts) * group
+    engine = jg.LLMEngine(model, config, max_num_seqs=slots, page_size=page, num_pages=pages, mesh=mesh)
+    ids = [
+        engine.add_request(p, n=group, key=jax.random.fold_in(key, i), max_new_tokens=n) for i, p in enumerate(prompts)
+    ]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step())
+    outs = [c for i in ids for c in done[i].outputs]
+    completion = np.full((len(outs), n), config.pad_token_id, np.int32)
+    completion_mask = np.zeros((len(outs), n), np.int32)
+    logps = np.zeros((len(outs), n), np.float32)
+    for r, c in enumerate(outs):
+        k = len(c.token_ids)
+        completion[r, :k], completion_mask[r, :k], logps[r, :k] = c.token_ids, 1, c.logprobs
+    return completion, completion_mask, logps
 
 
 def _prompt_records(data: Any, name: str, environments: bool = False) -> list[dict]:
