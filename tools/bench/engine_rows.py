@@ -9,6 +9,7 @@ A random Llama (vocabulary 128, 4 layers, hidden 256), prompts of 16 tokens, sam
    whether the cost follows each sequence (1.0) or the cap and the tail.
 2. `slots`: 256 requests through 64 slots against 64 requests at once (the engine), useful tokens/s: with the
    slots kept full, more requests than slots run at the speed of a full batch.
+4. `peer`: the long-tail mix through transformers' continuous batching (`generate_batch`) on the same shape.
 3. `tool`: a tool turn — a kept completion continued after a 24-token answer — counts its own tokens' prefill
    (1 + 24), not its history's.
 
@@ -123,7 +124,31 @@ def row_tool() -> dict:
     return {"history_tokens": history, "tool_tokens": 24, "prefill_tokens": engine.stats["prefill_tokens"] - before}
 
 
-ROWS = {"mix": row_mix, "slots": row_slots, "tool": row_tool}
+def row_peer() -> dict:
+    """The same long-tail mix through transformers' own continuous batching (`generate_batch`, pages of 16, 64
+    requests a batch) on the same model shape (random weights, sdpa attention), best of 3 after a warm-up."""
+    import numpy as np
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL, attn_implementation="sdpa")).eval()
+    prompts = np.random.default_rng(0).integers(8, 128, (64, PROMPT)).tolist()
+    config = transformers.GenerationConfig(
+        max_new_tokens=CAP, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=END, pad_token_id=0
+    )
+    batching = transformers.ContinuousBatchingConfig(page_size=16, max_requests_per_batch=64)
+
+    def run():
+        with torch.no_grad():
+            out = model.generate_batch(prompts, generation_config=config, continuous_batching_config=batching)
+        return sum(len(o.generated_tokens) for o in out.values())
+
+    t, tokens = _best(run)
+    return {"long_tail_tokens_per_s": tokens / t, "long_tail_mean_length": tokens / len(prompts)}
+
+
+ROWS = {"mix": row_mix, "slots": row_slots, "tool": row_tool, "peer": row_peer}
 
 
 def main() -> None:
