@@ -154,7 +154,7 @@ def test_a_tool_turn_runs_only_its_own_tokens(llama):
     assert second.outputs[0].token_ids == fresh.outputs[0].token_ids
     engine.release(0)
     assert engine.pool.free == engine.pool.usable
-    with pytest.raises(ValueError, match="not a finished request kept"):
+    with pytest.raises(ValueError, match="not a finished completion of a request kept"):
         engine.extend(0, tool)
 
 

@@ -514,3 +514,30 @@ def test_rollouts_through_the_paged_engine(tmp_path):
     assert len(logged) == 2 and all(r["train/sampling/logprob_diff/max"] <= 1e-6 for r in logged), logged
     assert [r.get("train/loss") for r in runs[0]] == [r.get("train/loss") for r in runs[1]]
     assert any(r.get("train/completions/mean_length", 0) > 0 for r in runs[0])
+
+
+def test_paged_tool_turns_run_only_the_turns_tokens():
+    """With tool turns to follow, the paged rollout keeps each completion's pages: a row continued after its tool
+    turn runs only that turn's tokens (and its last sampled one), and decodes what the whole history decoded afresh
+    does (greedy); every page returns at `close`."""
+    import jaxloom.generation as jg
+    from jaxloom.trainer.grpo.rollouts import PagedRollout
+
+    model = jm.create_model(tiny(), seed=4)
+    prompt = np.array([[0, 5, 6, 7], [8, 9, 10, 11]], np.int32)
+    mask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]], np.int32)
+    config = jg.GenerationConfig(max_new_tokens=24, pad_token_id=0, eos_token_id=tuple(range(30, 2048)))
+    paged = PagedRollout(model, prompt, mask, jax.random.PRNGKey(0), 2, config, None, keep=True)
+    ids, m, _ = paged.completions()
+    rows, turn = [0, 3], [[20, 21, 22], [23, 24]]
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    histories = [prompts[r // 2] + ids[r][m[r] > 0].tolist() + t for r, t in zip(rows, turn, strict=True)]
+    before = paged.engine.stats["prefill_tokens"]
+    new = paged.continue_rows(rows, histories, max_completion_length=24)
+    assert paged.engine.stats["prefill_tokens"] - before == sum(1 + len(t) for t in turn)
+    for r, (got, logps), h in zip(rows, new, histories, strict=True):
+        room = 24 - (len(h) - len(prompts[r // 2]))
+        (fresh,) = jg.LLMEngine(model, config).generate([h], max_new_tokens=room)
+        assert got == fresh.outputs[0].token_ids and len(logps) == len(got) > 0 and room > 0
+    paged.close()
+    assert paged.engine.pool.free == paged.engine.pool.usable

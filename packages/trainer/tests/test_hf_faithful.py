@@ -143,7 +143,11 @@ def test_serve_answers_openai_requests_with_what_transformers_generates(tmp_path
     prompt = "The interpreter reads"
     ref = tok.decode(_reference(hf, tok, tok(prompt).input_ids), skip_special_tokens=True)
     cmd = [sys.executable, "-m", "jaxloom.trainer.cli", "serve", str(tmp_path), "--port", "0", "--max-num-seqs", "2"]
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # started ignoring SIGINT, as under a test runner's workers: the command's own handler still stops it
+    ignoring = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731
+    proc = subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignoring
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith(f"serving {tmp_path.name} at http://127.0.0.1:"), line + proc.stderr.read()[-3000:]

@@ -97,7 +97,7 @@ def test_a_tool_exchange_is_token_for_token_trls(style):
     reply = tok.encode("It is sunny." + FORMATS[style][2], add_special_tokens=False)
     seen = []
 
-    def generate(histories, budget, iteration):
+    def generate(histories, budget, iteration, rows):
         seen.append(histories)
         return [(reply, [-0.5] * len(reply))]
 
@@ -121,7 +121,7 @@ def test_the_turns_are_bounded_and_the_completion_budget_holds():
     tools = ToolSet([get_weather], tok)
     call = tok.encode(FORMATS["qwen3"][3], add_special_tokens=False)
 
-    def always_calls(histories, budget, iteration):
+    def always_calls(histories, budget, iteration, rows):
         return [(call[:budget], [0.0] * min(len(call), budget)) for _ in histories]
 
     prompt = tools.encode([{"role": "user", "content": "weather?"}])

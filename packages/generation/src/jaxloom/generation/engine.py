@@ -180,25 +180,31 @@ class LLMEngine:
         return request_id
 
     def extend(self, request_id: int, token_ids: list[int], *, max_new_tokens: int | None = None, index: int = 0):
-        """Continue completion `index` of the finished, kept request `request_id` after `token_ids` (a tool's
-        answer): only the last sampled token and `token_ids` run (the history is in its pages), then it decodes up
-        to `max_new_tokens` more. Its next `RequestOutput` holds this turn's tokens."""
+        """Continue completion `index` of the kept request `request_id`, once it has finished, after `token_ids`
+        (a tool's answer): only the last sampled token and `token_ids` run (the history is in its pages), then
+        it decodes up to `max_new_tokens` more (default the request's). Its other completions stay as they are
+        (each may be continued too); the request's next `RequestOutput` holds each completion's latest turn."""
         req = self._requests.get(request_id)
-        if req is None or not req.keep or any(s.finish_reason is None for s in req.sequences):
-            raise ValueError(f"request {request_id} is not a finished request kept with keep=True")
-        seq = req.sequences[index]
+        seq = req.sequences[index] if req is not None and req.keep and 0 <= index < len(req.sequences) else None
+        if req is None or seq is None or seq.finish_reason is None:
+            raise ValueError(
+                f"request {request_id}, completion {index}: not a finished completion of a request kept with keep=True"
+            )
         max_new = req.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        seq.tokens += [int(t) for t in token_ids]
-        seq.start, seq.limit = len(seq.tokens), len(seq.tokens) + max_new
-        self.scheduler.check_fits(req, seq.limit, 1)
+        tokens = [*seq.tokens, *(int(t) for t in token_ids)]
+        self.scheduler.check_fits(req, len(tokens) + max_new, 1)
+        seq.tokens, seq.start, seq.limit = tokens, len(tokens), len(tokens) + max_new
         seq.finish_reason = seq.stop_reason = seq.text = None
         seq.logprobs = []
-        for s in req.sequences:
-            if s is not seq:  # the other completions are done with
-                self.pool.release(s.pages)
-                s.pages = []
-        req.sequences = [seq]
         self.scheduler.waiting.append(seq)
+
+    def sequence_tokens(self, request_id: int, index: int = 0) -> list[int]:
+        """Every token completion `index` of `request_id` holds: its prompt and all its turns so far."""
+        return list(self._requests[request_id].sequences[index].tokens)
+
+    def completion(self, request_id: int, index: int = 0) -> CompletionOutput:
+        """Completion `index` of `request_id` as it stands (its latest turn)."""
+        return self._completion(self._requests[request_id].sequences[index])
 
     def release(self, request_id: int) -> None:
         """Free the pages of `request_id`, a finished request kept with `keep=True`."""
@@ -231,6 +237,12 @@ class LLMEngine:
         units = self.scheduler.admit()
         finished = self._run_new_tokens(units) if units else []
         running = self.scheduler.running()
+        if not running and not units and self.scheduler.waiting:  # nothing runs, nothing fits: it never will
+            head = self.scheduler.waiting[0]
+            raise RuntimeError(
+                f"request {head.request.request_id} waits for pages that finished requests kept with keep=True "
+                f"hold ({self.pool.usable - self.pool.free} of {self.pool.usable}); release them or raise num_pages"
+            )
         if running:
             finished += self._decode(running)
         return self._outputs(finished)
@@ -387,9 +399,10 @@ class LLMEngine:
             if all(s.finish_reason for s in req.sequences):
                 if not req.keep:
                     del self._requests[req.request_id]
-                outputs = [
-                    CompletionOutput(s.index, s.tokens[s.start :], s.logprobs, s.finish_reason, s.stop_reason, s.text)
-                    for s in req.sequences
-                ]
+                outputs = [self._completion(s) for s in req.sequences]
                 out.append(RequestOutput(req.request_id, req.prompt, outputs))
         return out
+
+    @staticmethod
+    def _completion(s: Sequence) -> CompletionOutput:
+        return CompletionOutput(s.index, s.tokens[s.start :], s.logprobs, s.finish_reason, s.stop_reason, s.text)

@@ -32,8 +32,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -125,13 +126,14 @@ def _serve(ns) -> int:
     engine = jg.LLMEngine(model, config, max_num_seqs=ns.max_num_seqs, tokenizer=tokenizer)
     name = ns.model_name or Path(ns.path).resolve().name
     server = jg.OpenAIServer(engine, tokenizer, model_name=name, host=ns.host, port=ns.port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # set here: a parent that ignores them must not make it unstoppable
+        signal.signal(sig, lambda *_: stop.set())
     host_, port = server.start()
     print(f"serving {name} at http://{host_}:{port}/v1 (Ctrl-C stops)", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.shutdown()
+    while not stop.wait(0.5):
+        pass
+    server.shutdown()
     return 0
 
 

@@ -193,7 +193,7 @@ def exchange(
     tools: ToolSet,
     prompts: Sequence[Sequence[int]],
     first: Sequence[tuple[Sequence[int], Sequence[float]]],
-    generate: Callable[[list[list[int]], int, int], list[tuple[list[int], list[float]]]],
+    generate: Callable[[list[list[int]], int, int, list[int]], list[tuple[list[int], list[float]]]],
     *,
     max_completion_length: int,
     positions: int,
@@ -202,11 +202,12 @@ def exchange(
 ) -> Exchange:
     """TRL 1.16's tool loop over a rollout's rows: each row's first completion (`first`: its tokens and sampled
     log-probs) is parsed for tool calls; the calls run (`tools.run`), their messages are appended as a tool turn
-    (`tools.suffix_ids`), and the model continues from its whole history (`generate(histories, budget, iteration)`
-    gives each history's new tokens and log-probs, at most `budget` of them) — up to `max_iterations` times (None:
-    while the model calls tools). A tool turn that would take a row past `max_completion_length` tokens of
-    completion, or its history to the model's `positions`, is not added: the row ends as it is (TRL's rule).
-    `row_tools` (per row, by name) replaces the set's tools for that row: an environment instance's methods."""
+    (`tools.suffix_ids`), and the model continues from its whole history (`generate(histories, budget, iteration,
+    rows)` gives each history's new tokens and log-probs, at most `budget` of them; `rows`: whose histories) —
+    up to `max_iterations` times (None: while the model calls tools). A tool turn that would take a row past
+    `max_completion_length` tokens of completion, or its history to the model's `positions`, is not added: the
+    row ends as it is (TRL's rule). `row_tools` (per row, by name) replaces the set's tools for that row: an
+    environment instance's methods."""
     import time
 
     out = Exchange(len(prompts))
@@ -243,7 +244,7 @@ def exchange(
         rows = sorted(histories)
         budget = max(max_completion_length - len(out.ids[r]) for r in rows)
         started = time.perf_counter()
-        new = generate([histories[r] for r in rows], budget, iteration)
+        new = generate([histories[r] for r in rows], budget, iteration, rows)
         out.generate_seconds += time.perf_counter() - started
         segments = {}
         for row, (ids, logps) in zip(rows, new, strict=True):
@@ -279,8 +280,11 @@ def tool_turns(
     first = [(list(c[m > 0]), list(lp[m > 0])) for c, m, lp in zip(completion, mask, sampled, strict=True)]
     pad, rows = tok.pad_token_id or 0, len(prompts)
 
-    def generate(histories: list[list[int]], budget: int, iteration: int):
+    def generate(histories: list[list[int]], budget: int, iteration: int, rows_: list[int]):
         from jaxloom.generation.decode import bucket
+
+        if rollouts.paged is not None:  # the engine kept each row's pages: only the tool turns run
+            return rollouts.paged.continue_rows(rows_, histories, rl.max_completion_length)
 
         width = bucket(max(map(len, histories)), buckets[0])
         ids = np.full((rows, width), pad, np.int32)  # every row, so the program's shape holds: extra rows idle
