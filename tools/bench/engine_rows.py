@@ -23,15 +23,9 @@ import subprocess
 import sys
 import time
 
-MODEL = dict(
-    vocab_size=128,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=1024,
-)
+from rollout_rows import LAYERS4
+
+MODEL = {**LAYERS4, "vocab_size": 128}  # rollout_rows' 4-layer Llama, with the issue's 128-token vocabulary
 END, CAP, PROMPT = 7, 512, 16
 
 

@@ -8,16 +8,7 @@ import pytest
 import jaxloom.data as jd
 import jaxloom.generation as jg
 import jaxloom.models as jm
-
-TINY = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+from test_generation import TINY  # the tiny shape the decoder's tests share
 
 
 def prompt_list(lengths, seed=0):
