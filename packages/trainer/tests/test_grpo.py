@@ -241,7 +241,7 @@ def test_a_failing_reward_names_itself_and_the_prompt_and_loses_nothing(tmp_path
         save_steps=1,
         max_training_steps=3,
     )
-    with pytest.raises(RuntimeError, match=r"reward function fails_on_moon raised on prompt index 12 .*boom"):
+    with pytest.raises(RuntimeError, match=r"reward function fails_on_moon raised on dataset_train record 7 .*boom"):
         t.train()
     assert (tmp_path / "a" / "checkpoints" / "1").is_dir()  # the step before stands
     with pytest.raises(RuntimeError, match="reward function returns_nan returned nan for completion 0"):

@@ -172,9 +172,9 @@ def test_faults_of_a_tool_go_back_to_the_model_and_are_counted():
     ]
     _, bad_json = tools.parse("<tool_call>\n{not json}\n</tool_call>")
     start = time.monotonic()
-    messages, failed = tools.run(calls + bad_json)
-    assert time.monotonic() - start < 2.0 and failed == 5
-    texts = [m["content"] for m in messages]
+    out = tools.run_turn([([c], None) for c in calls + bad_json])  # five rows, one call each
+    assert time.monotonic() - start < 2.0 and [failed for _, failed in out] == [1] * 5
+    texts = [m[0]["content"] for m, _ in out]
     assert "slow took longer than 0.3 s and was cut" in texts[0]
     assert texts[1] == str({"error": "no data for Oslo"})
     assert "numeric returned int; expected a string" in texts[2]

@@ -196,6 +196,8 @@ def exit_after_training_error(error: BaseException) -> None:
 
     from jaxloom.state import CheckpointSaveError, DirectoryLockedError, LeaseLostError
 
+    from .usercode import for_terminal, user_error
+
     if isinstance(error, LeaseLostError):
         code = 5
     elif isinstance(error, CheckpointSaveError):
@@ -206,7 +208,9 @@ def exit_after_training_error(error: BaseException) -> None:
         code = 2
     else:
         code = 1
-    if code == 1:
+    if code == 1 and user_error(error) is not None:  # the user's frames and one line, none of jaxloom's
+        print(for_terminal(error), file=sys.stderr)
+    elif code == 1:
         traceback.print_exception(error, file=sys.stderr)
     else:
         notes = "".join(f"\n{n}" for n in getattr(error, "__notes__", ()))
@@ -640,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_console()
     from jaxloom.state import DirectoryLockedError
 
+    from .usercode import UserCodeError, for_terminal
+
     try:
         if ns.command == "config":
             if ns.action == "keys":
@@ -703,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, DirectoryLockedError) as e:
         print(f"jaxloom: error: {e}", file=sys.stderr)
         return 2
+    except UserCodeError as e:  # a reward, environment or tool failed before training began: its frames, one line
+        print(for_terminal(e), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C before training began (setup, the first compile): nothing to save
         print(
             "jaxloom: interrupted before training began: nothing was trained and nothing needs saving; run the same "

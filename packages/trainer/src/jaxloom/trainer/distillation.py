@@ -84,7 +84,7 @@ class StudentRollouts(Rollouts):
     """GRPO's rollout stage as distillation uses it: one completion per prompt, sampled by the student, nothing
     scored; rows of tokens only (the teacher is read inside the step)."""
 
-    def score(self, prompts, completions, columns, completion, completion_mask):
+    def score(self, prompts, completions, columns, completion, completion_mask, where=None):
         return {}, {}
 
     def layout(self, rows: dict[str, np.ndarray], sampled: np.ndarray | None) -> dict[str, jax.Array]:

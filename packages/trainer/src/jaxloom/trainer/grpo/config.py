@@ -46,6 +46,11 @@ class RLArgs(_Group):
         60.0,
         description="GRPO: seconds one tool call may take before it is cut and reported as an error (None: no limit)",
     )
+    tool_workers: int = Field(
+        16,
+        description="GRPO: threads that run a tool turn's calls, rows concurrently (a call that never returns holds "
+        "one; they stay bounded)",
+    )
     environment_factory: str | dict[str, str] | None = Field(
         None,
         description="GRPO: environments of the rollouts (TRL's environment_factory): a dotted path to a class or "
@@ -106,7 +111,7 @@ class RLArgs(_Group):
                 f"num_generations = {self.num_generations}; expected at least 2 (advantages compare completions "
                 "of one prompt)"
             )
-        _positive(self, "max_completion_length", "num_iterations", "epsilon")
+        _positive(self, "max_completion_length", "num_iterations", "epsilon", "tool_workers")
         _positive(
             self, "max_prompt_length", "reward_timeout", "max_tool_calling_iterations", "tool_timeout", allow_none=True
         )
@@ -155,7 +160,8 @@ class GRPOConfig(TrainingArguments):
     jaxloom's `generation_backend="paged"`: rollouts through the paged `LLMEngine`), `tools` and
     `max_tool_calling_iterations` (tool calls in the rollouts), `environment_factory` and `rollout_func` (dotted paths
     here; `GRPOTrainer` also takes the objects), and jaxloom's `reward_timeout` (seconds a reward
-    function may take on a step's completions before the run stops naming it) and `tool_timeout`. A step trains on
+    function may take on a step's completions before the run stops naming it), `tool_timeout` (seconds a tool turn's
+    calls may take) and `tool_workers` (the threads that run them, rows concurrently). A step trains on
     `total_batch_size` completions: `total_batch_size / num_generations` prompts, each completed `num_generations`
     times. A step's rows are as wide as its longest prompt and its longest completion, each rounded up to a bucket
     (`jaxloom.trainer.grpo.rollouts.row_buckets`), not as the caps: `max_sequence_length` is the widest row the caps

@@ -24,10 +24,12 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..usercode import UserCodeError, defined_at
+
 SPECIAL = ("reset", "get_reward")
 
 
-class EnvironmentCallError(RuntimeError):
+class EnvironmentCallError(UserCodeError):
     """An environment's `reset` or `get_reward` raised (or returned what the contract does not allow): the run
     stops, naming the class, the method and the record."""
 
@@ -47,7 +49,8 @@ def tool_methods(cls: type) -> tuple[str, ...]:
 class Environments:
     """The environments of a run: `factories` (one callable, or a dict of them by name) made into instances, each
     exposing its tool methods beside `tools` (standalone callables) to `tokenizer`'s chat format with `timeout`
-    seconds a call (see the module docstring). Nothing is made before `probe`."""
+    seconds a tool turn, run on `workers` (`ToolWorkers`, shared; None: one pool per environment) (see the module
+    docstring). Nothing is made before `probe`."""
 
     def __init__(
         self,
@@ -56,6 +59,7 @@ class Environments:
         tools: Sequence[Callable] = (),
         tokenizer: Any,
         timeout: float | None = 60.0,
+        workers: Any = None,
     ):
         self.multi = isinstance(factories, dict)
         self.factories: dict[str | None, Callable] = (
@@ -66,7 +70,7 @@ class Environments:
         for name, factory in self.factories.items():
             if not callable(factory):
                 raise TypeError(f"environment_factory{_label(name)}: {factory!r} is not callable")
-        self.tools, self.tokenizer, self.timeout = list(tools), tokenizer, timeout
+        self.tools, self.tokenizer, self.timeout, self.workers = list(tools), tokenizer, timeout, workers
         self.pool: dict[str | None, list[Any]] = {}
         self.toolsets: dict[str | None, Any] = {}  # per environment: a ToolSet of the standalone and method tools
         self.scored: list[type] = []  # the classes that own a reward (`get_reward`), in order of first probe
@@ -79,13 +83,8 @@ class Environments:
             return
         from .tools import ToolSet
 
-        for name, factory in self.factories.items():
-            try:
-                instance = factory()
-            except Exception as e:  # noqa: BLE001 - user code: say which factory
-                raise EnvironmentCallError(
-                    f"environment_factory{_label(name)} raised when called ({type(e).__name__}: {e})"
-                ) from e
+        for name in self.factories:
+            instance = self._make(name)
             cls = type(instance)
             if not callable(getattr(cls, "reset", None)):
                 raise ValueError(
@@ -94,9 +93,20 @@ class Environments:
                 )
             methods = [getattr(instance, m) for m in tool_methods(cls)]
             self.pool[name] = [instance]
-            self.toolsets[name] = ToolSet([*self.tools, *methods], self.tokenizer, timeout=self.timeout)
+            self.toolsets[name] = ToolSet(
+                [*self.tools, *methods], self.tokenizer, timeout=self.timeout, workers=self.workers
+            )
             if callable(getattr(cls, "get_reward", None)) and cls not in self.scored:
                 self.scored.append(cls)
+
+    def _make(self, name: str | None) -> Any:
+        """A new instance of environment `name` (its factory called); a raise names the factory."""
+        try:
+            return self.factories[name]()
+        except Exception as e:  # noqa: BLE001 - user code: say which factory
+            raise EnvironmentCallError(
+                f"environment_factory{_label(name)} raised when called ({type(e).__name__}: {e})"
+            ) from e
 
     def reward_functions(self) -> list[Callable]:
         """A reward function per class that owns its reward (`get_reward`), TRL's: named after the class, called
@@ -137,7 +147,7 @@ class Environments:
         for name in names:
             pool, i = self.pool[name], taken.get(name, 0)
             if i == len(pool):
-                pool.append(self.factories[name]())
+                pool.append(self._make(name))
             taken[name] = i + 1
             out.append(pool[i])
         return out
@@ -165,7 +175,8 @@ class Environments:
             if observation is not None and not isinstance(observation, str):
                 raise EnvironmentCallError(
                     f"environment {type(instance).__name__}.reset returned {type(observation).__name__} on {at}; "
-                    "expected a string (appended to the last user message) or None"
+                    "expected a string (appended to the last user message) or None",
+                    frames=defined_at(instance.reset),
                 )
             out.append(observation)
         return out

@@ -5,17 +5,18 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from pathlib import Path
 
+from ..usercode import UserCodeError, awaited, defined_at, describe, stuck_frames
 from .environments import EnvironmentCallError
 
 
-class RewardError(RuntimeError):
-    """A reward function failed (raised, returned NaN or the wrong number of rewards)."""
+class RewardError(UserCodeError):
+    """A reward function failed (raised, returned NaN or the wrong number of rewards, passed `reward_timeout`)."""
 
 
 def load_reward_function(spec: Any, *, mesh: Any = None, data_axes: tuple[str, ...] = ()) -> Callable:
@@ -85,41 +86,87 @@ class RewardTimeoutError(RewardError):
 
 
 def within(fn: Callable, seconds: float | None, name: str, **kwargs: Any) -> Any:
-    """`fn(**kwargs)`, cut after `seconds` (None: no limit) with `RewardTimeoutError` naming `name`. The call
-    runs in a daemon thread, which Python cannot stop: a function cut off keeps running there, but the run no
-    longer waits for it and the process can exit."""
+    """`fn(**kwargs)` (awaited when `fn` is `async def`, as TRL accepts), cut after `seconds` (None: no limit) with
+    `RewardTimeoutError` naming `name` and showing where the function was waiting. The call runs in a daemon thread,
+    which Python cannot stop: a function cut off keeps running there, but the run no longer waits for it and the
+    process can exit."""
     if seconds is None:
-        return fn(**kwargs)
+        return awaited(fn(**kwargs))
     import threading
 
     done, box = threading.Event(), {}
 
     def run() -> None:
         try:
-            box["out"] = fn(**kwargs)
+            box["out"] = awaited(fn(**kwargs))
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             box["error"] = e
         finally:
             done.set()
 
-    threading.Thread(target=run, name=f"jaxloom-reward-{name}", daemon=True).start()
+    thread = threading.Thread(target=run, name=f"jaxloom-reward-{name}", daemon=True)
+    thread.start()
     if not done.wait(seconds):
         raise RewardTimeoutError(
             f"reward function {name} did not return within reward_timeout = {seconds:g} s (it hangs, or is slower "
-            "than expected: raise reward_timeout, or None for no limit)"
+            "than expected: raise reward_timeout, or None for no limit)",
+            frames=stuck_frames(thread.ident),
         )
     if "error" in box:
         raise box["error"]
     return box["out"]
 
 
+def is_async(fn: Callable) -> bool:
+    """Whether `fn` is an `async def` function (or an object whose `__call__` is): TRL's async reward functions."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)  # noqa: B004
+
+
+def concurrently(call: Callable[[Any], Any], items: Sequence[Any], background: Sequence[bool]) -> list[Any]:
+    """`[call(x) for x in items]`, the items marked in `background` each run in a thread of its own while the others
+    run here one after another (I/O-bound user code: async reward functions, judges); the first failure in the
+    items' order is raised, after every call has ended."""
+    import threading
+
+    results: list[Any] = [None] * len(items)
+    errors: dict[int, BaseException] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = call(items[i])
+        except BaseException as e:  # noqa: BLE001 - raised below, in order
+            errors[i] = e
+
+    threads = []
+    for i, later in enumerate(background):
+        if later:
+            threads.append(threading.Thread(target=run, args=(i,), name="jaxloom-reward", daemon=True))
+            threads[-1].start()
+    for i, later in enumerate(background):
+        if not later:
+            run(i)
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[min(errors)]
+    return results
+
+
 def call_reward(
-    fn: Callable, prompts: list, completions: list, columns: dict[str, list], *, timeout: float | None = None, **extra
+    fn: Callable,
+    prompts: list,
+    completions: list,
+    columns: dict[str, list],
+    *,
+    timeout: float | None = None,
+    where: Sequence[str] | None = None,
+    **extra,
 ) -> np.ndarray:
     """`fn`'s rewards of the completions, checked: one finite number (or None, as TRL allows: no reward) per
     completion, within `timeout` seconds (`reward_timeout`). A raise is retried one completion at a time to name
-    the prompt that fails."""
+    the record that fails (`where`: each completion's record; default: its index in the step)."""
     name = reward_name(fn)
+    where = list(where) if where is not None else [f"prompt index {i} of this step" for i in range(len(prompts))]
     try:
         out = within(fn, timeout, name, prompts=prompts, completions=completions, **columns, **extra)
     except (RewardTimeoutError, EnvironmentCallError):  # already names what failed
@@ -128,21 +175,31 @@ def call_reward(
         for i in range(len(prompts)):
             try:
                 one = {k: [v[i]] for k, v in columns.items()}
-                within(fn, timeout, name, prompts=[prompts[i]], completions=[completions[i]], **one)
-            except Exception:  # noqa: BLE001
-                raise RewardError(
-                    f"reward function {name} raised on prompt index {i} of this step ({type(e).__name__}: {e})"
-                ) from e
-        raise RewardError(f"reward function {name} raised ({type(e).__name__}: {e})") from e
+                one_extra = {k: [v[i]] for k, v in extra.items()}
+                within(fn, timeout, name, prompts=[prompts[i]], completions=[completions[i]], **one, **one_extra)
+            except Exception as again:  # noqa: BLE001
+                raise RewardError(f"reward function {name} raised on {where[i]} ({describe(again)})") from again
+        raise RewardError(f"reward function {name} raised ({describe(e)})") from e
     try:
         values = np.asarray([np.nan if v is None else float(v) for v in out], np.float64)
-    except (TypeError, ValueError) as e:
-        raise RewardError(f"reward function {name} returned {type(out).__name__}; expected a list of numbers") from e
+    except (TypeError, ValueError):
+        raise RewardError(
+            f"reward function {name} returned {type(out).__name__}; expected a list of numbers, one per completion",
+            frames=defined_at(fn),
+        ) from None
     if len(values) != len(prompts):
-        raise RewardError(f"reward function {name} returned {len(values)} rewards for {len(prompts)} completions")
+        raise RewardError(
+            f"reward function {name} returned {len(values)} rewards for {len(prompts)} completions; expected one "
+            "per completion (None for no reward)",
+            frames=defined_at(fn),
+        )
     bad = [i for i, (v, raw) in enumerate(zip(values, out, strict=True)) if raw is not None and not math.isfinite(v)]
     if bad:
-        raise RewardError(f"reward function {name} returned {values[bad[0]]} for completion {bad[0]}; expected finite")
+        raise RewardError(
+            f"reward function {name} returned {values[bad[0]]} for completion {bad[0]} ({where[bad[0]]}); expected a "
+            "finite number or None",
+            frames=defined_at(fn),
+        )
     return values
 
 

@@ -19,8 +19,9 @@ import jaxloom.data as jd
 
 from ..batches import Batches, DataSpec
 from ..step import STOP_KEY
+from ..usercode import UserCodeError, describe
 from .loss import ADV, OLD, REF, SAMPLED
-from .rewards import advantages, call_reward, reward_name
+from .rewards import advantages, call_reward, concurrently, is_async, reward_name
 from .environments import EnvironmentCallError, environment_rows, raise_naming_the_record
 from .tools import tool_turns
 
@@ -373,7 +374,7 @@ class Rollouts(Batches):
         custom = self.policy.rollout()
         keep = None
         if custom is not None:  # TRL's rollout_func: the user's own generation, its extra fields to the rewards
-            out = _rollout_rows(custom(copy.deepcopy(prompts)), len(prompts), rl.max_completion_length)
+            out = _rollout_rows(call_rollout(custom, copy.deepcopy(prompts)), len(prompts), rl.max_completion_length)
             row_ids = [np.asarray(ids, np.int32) for ids in out.pop("prompt_ids")]
             kept, truncated = row_ids, 0
         else:
@@ -422,7 +423,9 @@ class Rollouts(Batches):
         if turns is not None:  # the turns as messages: assistant (with its tool calls), tool, assistant, ...
             completions = turns.messages
         try:
-            scored, score_metrics = self.score(prompts, completions, columns, completion, completion_mask)
+            scored, score_metrics = self.score(
+                prompts, completions, columns, completion, completion_mask, where=row_where
+            )
         except EnvironmentCallError as e:
             raise_naming_the_record(e, row_where)
         eos = set(self.stop_ids())
@@ -464,12 +467,15 @@ class Rollouts(Batches):
         columns: dict[str, list],
         completion: np.ndarray,
         completion_mask: np.ndarray,
+        where: Sequence[str] | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """GRPO's scoring of a rollout's completions (rows `i * num_generations + j`): the reward functions called
-        on them, their weighted sum and its advantage per row (`ADV`); TRL's metrics (`reward`, `reward_std`,
-        `rewards/<func>/mean`) and `time/reward_s`. A kind that scores otherwise (distillation: not at all)
-        overrides it: `(rows' extra columns, metrics)`."""
-        return group_rewards(self.policy, self.rl, prompts, completions, columns, completion, completion_mask)
+        """GRPO's scoring of a rollout's completions (rows `i * num_generations + j`; `where`: each row's record,
+        named in an error): the reward functions called on them, their weighted sum and its advantage per row
+        (`ADV`); TRL's metrics (`reward`, `reward_std`, `rewards/<func>/mean`) and `time/reward_s`. A kind that
+        scores otherwise (distillation: not at all) overrides it: `(rows' extra columns, metrics)`."""
+        return group_rewards(
+            self.policy, self.rl, prompts, completions, columns, completion, completion_mask, where=where
+        )
 
     def layout(self, rows: dict[str, np.ndarray], sampled: np.ndarray | None) -> dict[str, jax.Array]:
         """A rollout's host rows (`sample`) as the train step's global batch `[1, B, ...]`: the tokens, the
@@ -667,6 +673,22 @@ def _grouped(prompt: np.ndarray, mask: np.ndarray, group: int) -> bool:
 ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
+class RolloutFuncError(UserCodeError):
+    """A `rollout_func` raised: the run stops, naming it."""
+
+
+def call_rollout(custom: Callable, prompts: list) -> Any:
+    """`custom(prompts)` (TRL's `rollout_func`, bound to its trainer); a raise stops the run naming the function,
+    with the user's frames."""
+    try:
+        return custom(prompts)
+    except Exception as e:  # noqa: BLE001 - user code: name it
+        name = getattr(custom, "__name__", None) or getattr(getattr(custom, "func", None), "__name__", "rollout_func")
+        raise RolloutFuncError(
+            f"rollout_func {name} raised on this step's {len(prompts)} prompts ({describe(e)})"
+        ) from e
+
+
 def _rollout_rows(out: Any, rows: int, max_completion_length: int) -> dict[str, list]:
     """The output of a `rollout_func` checked (TRL's contract: `prompt_ids`, `completion_ids` and `logprobs`, one list
     per row — each prompt `num_generations` times — and optionally `env_mask`; other fields go to the reward
@@ -728,25 +750,20 @@ def group_rewards(
     columns: dict[str, list],
     completion: np.ndarray,
     completion_mask: np.ndarray,
+    where: Sequence[str] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """GRPO's scoring (`Rollouts.score`): `policy`'s reward functions called on the completions, their weighted sum
-    and its group-relative advantage per row (`ADV`, groups of `rl.num_generations`), and TRL's metrics."""
+    """GRPO's scoring (`Rollouts.score`): `policy`'s reward functions called on the completions (`async def` ones
+    concurrently, beside the others, as TRL gathers them), their weighted sum and its group-relative advantage per
+    row (`ADV`, groups of `rl.num_generations`), and TRL's metrics. A failure is raised in the functions' order."""
     group, started = rl.num_generations, time.perf_counter()
     funcs, weights = policy.rewards()
-    rewards = np.stack(
-        [
-            call_reward(
-                f,
-                prompts,
-                completions,
-                columns,
-                timeout=rl.reward_timeout,
-                completion_ids=[list(c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)],
-            )
-            for f in funcs
-        ],
-        axis=1,
-    )
+    ids = [list(c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)]
+
+    def call(f: Callable) -> np.ndarray:
+        return call_reward(f, prompts, completions, columns, timeout=rl.reward_timeout, where=where, completion_ids=ids)
+
+    results = concurrently(call, funcs, [is_async(f) for f in funcs])
+    rewards = np.stack(results, axis=1)
     total = np.nansum(rewards * np.asarray(weights)[None], axis=1)
     adv, std = advantages(total, group, rl.scale_rewards)
     metrics = {

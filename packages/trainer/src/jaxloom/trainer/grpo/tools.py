@@ -16,14 +16,24 @@ read them; a chat template that renders neither is refused by name.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import queue
 import re
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
+
+from ..usercode import UserCodeError, awaited, describe
 
 QWEN_CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.S)
 LLAMA_CALL = re.compile(r'^\s*(\{"name":\s*".+?",\s*"parameters":\s*.+\})\s*$', re.S)
+
+
+class ToolError(UserCodeError):
+    """A tool stopped the run: it raised what is not an `Exception` (`SystemExit`, `KeyboardInterrupt` from its own
+    code); an `Exception` is the model's to read, never the run's end."""
 
 
 def tool_format(tokenizer: Any) -> str:
@@ -46,10 +56,18 @@ def tool_name(fn: Callable) -> str:
 
 
 class ToolSet:
-    """The tools of a run (`tools`: callables), for `tokenizer`'s chat format; `timeout`: seconds one call may
-    take (None: no limit). See the module docstring."""
+    """The tools of a run (`tools`: callables, `async def` ones awaited), for `tokenizer`'s chat format; `timeout`:
+    seconds a tool turn's calls may take (None: no limit); `workers`: the threads that run them (`ToolWorkers`,
+    shared by the sets of one run). See the module docstring."""
 
-    def __init__(self, tools: Sequence[Callable], tokenizer: Any, *, timeout: float | None = 60.0):
+    def __init__(
+        self,
+        tools: Sequence[Callable],
+        tokenizer: Any,
+        *,
+        timeout: float | None = 60.0,
+        workers: ToolWorkers | None = None,
+    ):
         from transformers.utils import get_json_schema
 
         self.tools = {tool_name(f): f for f in tools}
@@ -60,6 +78,7 @@ class ToolSet:
             except Exception as e:  # noqa: BLE001 - transformers' own message names what the docstring lacks
                 raise ValueError(f"tools: {tool_name(f)} has no schema TRL's rule can make ({e})") from None
         self.tokenizer, self.timeout = tokenizer, timeout
+        self.workers = workers if workers is not None else ToolWorkers()
         self.format = tool_format(tokenizer)
         from jaxloom.generation import end_of_turn_ids
 
@@ -123,16 +142,65 @@ class ToolSet:
         """One tool message per call (`{"role": "tool", "name", "content"}`: the result, or `{"error": ...}` as
         text) and how many calls failed (raised, passed the time limit, returned a non-string, named no tool).
         `tools` (by name) replaces the set's own for this call: an environment row's bound methods."""
+        return self.run_turn([(calls, tools)])[0]
+
+    def run_turn(self, rows: Sequence[tuple[list[dict], dict[str, Callable] | None]]) -> list[tuple[list[dict], int]]:
+        """`run` for every row of a tool turn at once: each row's calls run in order (an environment's instance sees
+        them as the model wrote them), the rows concurrently on the set's `workers`, all under one time limit from
+        the turn's start (`timeout`): a call still running then is cut, and the row's later calls are not run —
+        both reported to the model as errors. A step waits the limit at most once a turn, however many calls hang."""
+        import time
+
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        jobs = []
+        for calls, tools in rows:
+            done: list[tuple[Any, str | None]] = []
+            jobs.append((calls, done, self.workers.submit(self._row_job(calls, tools, done))))
+        out = []
+        for calls, done, future in jobs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                future.result(left)
+            except concurrent.futures.TimeoutError:
+                future.cancel()  # not started yet: it never will be
+            except BaseException as e:  # noqa: BLE001 - not an Exception (SystemExit, ...): a tool that stops the run
+                name = calls[len(done)]["function"]["name"] if len(done) < len(calls) else "a tool"
+                raise ToolError(f"tool {name} raised {describe(e)}, which stops the run (a tool's Exception is "
+                                "reported to the model; this is not an Exception)") from e  # fmt: skip
+            out.append(self._messages(calls, list(done)))
+        return out
+
+    def _row_job(self, calls: list[dict], tools: dict[str, Callable] | None, done: list) -> Callable[[], None]:
+        """The calls of one row, made in order, each `(result, error)` appended to `done` as it ends."""
         tools = self.tools if tools is None else tools
+
+        def job() -> None:
+            for call in calls:
+                name, arguments = call["function"]["name"], call["function"]["arguments"]
+                if call.get("error") is not None:
+                    done.append((None, call["error"]))
+                elif name not in tools:
+                    done.append((None, f"Tool {name} not found."))
+                else:
+                    try:
+                        done.append((awaited(tools[name](**arguments)), None))
+                    except Exception as e:  # noqa: BLE001 - a tool's fault goes back to the model (TRL: str(e))
+                        done.append((None, str(e) or type(e).__name__))
+
+        return job
+
+    def _messages(self, calls: list[dict], done: list[tuple[Any, str | None]]) -> tuple[list[dict], int]:
+        """The tool messages of one row's calls (`done`: the results of those that ended, in order) and its failed
+        calls: a call past the turn's limit is cut, the ones after it not run."""
         messages, failed = [], 0
-        for call in calls:
-            name, arguments = call["function"]["name"], call["function"]["arguments"]
-            error = call.get("error")
-            result: Any = None
-            if error is None and name not in tools:
-                error = f"Tool {name} not found."
-            if error is None:
-                result, error = self._invoke(tools[name], arguments)
+        for i, call in enumerate(calls):
+            name = call["function"]["name"]
+            if i < len(done):
+                result, error = done[i]
+            elif i == len(done):
+                result, error = None, f"{name} took longer than {self.timeout} s and was cut"
+            else:
+                result, error = None, f"not run: an earlier tool call of this turn passed the {self.timeout} s limit"
             if error is None and not isinstance(result, str):
                 error = f"{name} returned {type(result).__name__}; expected a string"
             failed += error is not None
@@ -140,23 +208,50 @@ class ToolSet:
             messages.append({"role": "tool", "name": name, "content": content})
         return messages, failed
 
-    def _invoke(self, fn: Callable, arguments: dict) -> tuple[Any, str | None]:
-        """`(result, error)` of one call within the time limit (a call past it is abandoned: its thread is left to
-        end on its own, its result unused)."""
-        box: dict[str, Any] = {}
 
-        def target():
+class ToolWorkers:
+    """At most `size` daemon threads that run tool calls, made as calls wait for one. A call that never returns
+    holds its thread for good (Python cannot stop a thread): the threads stay bounded — later calls wait for a free
+    one, and are cut at their turn's limit if none frees — and never hold the process open at exit."""
+
+    def __init__(self, size: int = 16):
+        if size < 1:
+            raise ValueError(f"tool_workers = {size}; expected a positive integer")
+        self.size = size
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = self._idle = self._waiting = 0
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """`fn()` run on a worker; its future."""
+        future: Future = Future()
+        self._jobs.put((future, fn))
+        with self._lock:
+            self._waiting += 1
+            if self._waiting > self._idle and self._threads < self.size:
+                self._threads += 1
+                threading.Thread(target=self._work, name="jaxloom-tool", daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            future, fn = self._jobs.get()
+            with self._lock:
+                self._idle -= 1
+                self._waiting -= 1
+            if not future.set_running_or_notify_cancel():
+                continue
             try:
-                box["result"] = fn(**arguments)
-            except Exception as e:  # noqa: BLE001 - a tool's fault goes back to the model (TRL's text: str(e))
-                box["error"] = str(e) or type(e).__name__
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller reads it
+                future.set_exception(e)
 
-        thread = threading.Thread(target=target, daemon=True, name=f"jaxloom-tool-{tool_name(fn)}")
-        thread.start()
-        thread.join(self.timeout)
-        if thread.is_alive():
-            return None, f"{tool_name(fn)} took longer than {self.timeout} s and was cut"
-        return box.get("result"), box.get("error")
+    @property
+    def threads(self) -> int:
+        """How many worker threads exist (at most `size`)."""
+        return self._threads
 
 
 class Exchange:
@@ -228,8 +323,8 @@ def exchange(
             break
         histories = {}
         started = time.perf_counter()
-        for row, calls in calls_of.items():
-            results, failed = tools.run(calls, None if row_tools is None else row_tools[row])
+        turn = [(calls, None if row_tools is None else row_tools[row]) for row, calls in calls_of.items()]
+        for (row, calls), (results, failed) in zip(calls_of.items(), tools.run_turn(turn), strict=True):
             out.calls, out.failures = out.calls + len(calls), out.failures + failed
             suffix = tools.suffix_ids(results)
             completion = len(out.ids[row]) + len(suffix)

@@ -148,11 +148,19 @@ class GRPOTrainer(BaseTrainer):
             return None
         from .tools import ToolSet
 
-        return ToolSet(self._standalone_tools, self.tokenizer, timeout=self.arguments.rl.tool_timeout)
+        rl = self.arguments.rl
+        return ToolSet(self._standalone_tools, self.tokenizer, timeout=rl.tool_timeout, workers=self._tool_workers)
 
     @functools.cached_property
     def _standalone_tools(self) -> list[Callable]:
         return [load_tool(t) for t in self._tool_specs]
+
+    @functools.cached_property
+    def _tool_workers(self) -> Any:
+        """The threads of the run's tool calls (`grpo.tools.ToolWorkers`, `tool_workers` of them at most)."""
+        from .tools import ToolWorkers
+
+        return ToolWorkers(self.arguments.rl.tool_workers)
 
     @functools.cached_property
     def environments(self) -> Any:
@@ -170,7 +178,11 @@ class GRPOTrainer(BaseTrainer):
             else load_tool(spec, what)
         )
         envs = Environments(
-            factories, tools=self._standalone_tools, tokenizer=self.tokenizer, timeout=self.arguments.rl.tool_timeout
+            factories,
+            tools=self._standalone_tools,
+            tokenizer=self.tokenizer,
+            timeout=self.arguments.rl.tool_timeout,
+            workers=self._tool_workers,
         )
         envs.probe()
         return envs
@@ -181,7 +193,12 @@ class GRPOTrainer(BaseTrainer):
         if self._rollout_spec is None:
             return None
         fn = load_tool(self._rollout_spec, "rollout_func")
-        return lambda prompts: fn(prompts, self)
+
+        def bound(prompts: list) -> Any:
+            return fn(prompts, self)
+
+        bound.__name__ = getattr(fn, "__name__", type(fn).__name__)  # errors name the user's function
+        return bound
 
     def objective(self) -> Objective:
         """The GRPO loss of `loss_type`; TRL's metrics (`kl`, `clip_ratio`, `entropy`)."""
