@@ -39,7 +39,7 @@ def test_greedy_equals_generate_with_more_requests_than_slots(config, scan):
     """Seven prompts through three slots, pages of 4 positions, chunks of 3 steps: each completion is what the
     static decoder gives the prompt alone (which equals transformers' `generate`, test_hf_generate.py)."""
     model = jm.create_model(config, jm.RuntimeConfig(scan_layers=scan), seed=0)
-    prompts = prompt_list((5, 9, 1, 12, 20, 3, 7))
+    prompts = prompt_list((5, 12, 1, 12, 20, 5, 1))  # four lengths: the reference compiles once per length
     engine = jg.LLMEngine(model, max_num_seqs=3, decode_chunk=3, page_size=4)
     outs = engine.generate(prompts, max_new_tokens=10)
     for p, o in zip(prompts, outs, strict=True):
@@ -56,23 +56,22 @@ def test_a_sample_depends_on_seed_request_and_position_only(llama):
     config = jg.GenerationConfig(do_sample=True, temperature=1.2, top_k=40, seed=7)
     prompts = prompt_list((4, 11, 6, 2, 9))
     kw = dict(max_new_tokens=14, eos_token_id=[3, 4, 5], n=2)
-    runs = {
+    runs = {  # other slots, chunks and pages; and a pool so small that sequences are preempted (one run: compiles)
         "wide": jg.LLMEngine(llama, config, max_num_seqs=16, decode_chunk=8, page_size=16),
-        "narrow": jg.LLMEngine(llama, config, max_num_seqs=3, decode_chunk=3, page_size=4),
-        "preempting": jg.LLMEngine(llama, config, max_num_seqs=6, decode_chunk=2, page_size=2, num_pages=20),
+        "narrow, preempting": jg.LLMEngine(llama, config, max_num_seqs=3, decode_chunk=3, page_size=4, num_pages=12),
     }
     got = {name: engine.generate(prompts, **kw) for name, engine in runs.items()}
-    assert runs["preempting"].stats["preemptions"] > 0
-    for name in ("narrow", "preempting"):
-        assert completions(got[name]) == completions(got["wide"]), name
-        for a, b in zip(got[name], got["wide"], strict=True):
-            for x, y in zip(a.outputs, b.outputs, strict=True):
-                np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
-    alone = jg.LLMEngine(llama, config, max_num_seqs=2).generate([prompts[3]], request_id=3, **kw)
+    assert runs["narrow, preempting"].stats["preemptions"] > 0
+    assert completions(got["narrow, preempting"]) == completions(got["wide"])
+    for a, b in zip(got["narrow, preempting"], got["wide"], strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+    wide = dict(max_num_seqs=16, decode_chunk=8, page_size=16)  # the wide run's programs, compiled once
+    alone = jg.LLMEngine(llama, config, **wide).generate([prompts[3]], request_id=3, **kw)
     assert completions(alone) == completions(got["wide"])[3:4]
     flat = completions(got["wide"])
     assert any(a != b for a, b in flat) and any(len(c) < 14 for pair in flat for c in pair)  # samples differ, some end
-    other_seed = jg.LLMEngine(llama, config.replace(seed=8)).generate(prompts, **kw)
+    other_seed = jg.LLMEngine(llama, config.replace(seed=8), **wide).generate(prompts, **kw)
     assert completions(other_seed) != flat
 
 

@@ -74,8 +74,8 @@ def test_greedy_tokens_equal_transformers_generate_for_each_family(tmp_path, fam
     np.testing.assert_array_equal(np.asarray(out.completion_ids), ref[:, 7:].numpy())
     if model.cache_refresh_position is not None:  # LongRoPE: the engine refuses it by name (test_engine.py)
         return
-    # the paged engine: 2 slots for 3 prompts, pages of 4 positions, chunks of 5 steps — so a sequence waits for
-    # a slot, its cache spans pages and its decoding spans chunks
-    engine = jg.LLMEngine(model, max_num_seqs=2, decode_chunk=5, page_size=4)
+    # the paged engine: 2 slots for 3 prompts, pages of 8 positions, chunks of 5 steps — so a sequence waits for
+    # a slot, its cache spans pages (19 positions: 3) and its decoding spans chunks
+    engine = jg.LLMEngine(model, max_num_seqs=2, decode_chunk=5, page_size=8)
     outs = engine.generate(ids.tolist(), max_new_tokens=12)
     np.testing.assert_array_equal([o.outputs[0].token_ids for o in outs], ref[:, 7:].numpy())
