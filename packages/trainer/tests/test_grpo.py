@@ -15,6 +15,7 @@ from util import TOK, mesh, quiet, tiny
 import jaxloom.models as jm
 from jaxloom.trainer import GRPOConfig, GRPOTrainer
 from jaxloom.trainer.grpo import advantages, aggregate, per_token_loss
+from jaxloom.trainer.grpo.loss import LOSS_TYPES
 
 WORDS = ["red", "blue", "green", "cat", "dog", "tree", "sun", "moon"]
 RECORDS = [{"prompt": f"say {w}:", "answer": w} for w in WORDS * 8]
@@ -52,43 +53,63 @@ def rows(out) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
-def reference_loss(logp, old, ref, adv, mask, beta, lo, hi, loss_type, max_len, level="token"):
-    """TRL's formulas, written out in numpy (`level="sequence"`: GSPO's one ratio per sequence)."""
-    ratio = np.exp(logp - old)
+def reference_loss(logp, old, ref, adv, mask, beta, lo, hi, loss_type, max_len, level="token", delta=None):
+    """TRL 1.16's formulas, written out in numpy (`level="sequence"`: GSPO's one ratio per sequence)."""
+    token_log_ratio = logp - old
+    ratio = np.exp(token_log_ratio)
     if level == "sequence":
-        ratio = np.exp(((logp - old) * mask).sum(1, keepdims=True) / np.maximum(mask.sum(1, keepdims=True), 1))
-    unclipped, clipped = ratio * adv[:, None], np.clip(ratio, 1 - lo, 1 + hi) * adv[:, None]
-    loss = -np.minimum(unclipped, clipped) + beta * (np.exp(ref - logp) - (ref - logp) - 1)
-    if loss_type == "grpo":
+        ratio = np.exp((token_log_ratio * mask).sum(1, keepdims=True) / np.maximum(mask.sum(1, keepdims=True), 1))
+    a = adv[:, None]
+    if loss_type == "cispo":
+        loss = -np.minimum(ratio, hi) * a * logp
+    elif loss_type == "sapo":
+        tau = np.where(a > 0, 1.0, 1.05)
+        loss = -(1 / (1 + np.exp(-tau * (ratio - 1)))) * 4 / tau * a
+    elif loss_type == "vespo":
+        log_w = np.clip((np.clip(token_log_ratio, -20, 20) * mask).sum(1, keepdims=True), np.log(1e-8), 20)
+        k, lam = np.where(a >= 0, 2.0, 3.0), np.where(a >= 0, 3.0, 2.0)
+        loss = -np.exp(lam + k * log_w - lam * np.exp(log_w)) * a * logp
+    else:
+        capped = ratio if delta is None else np.minimum(ratio, delta)
+        loss = -np.minimum(capped * a, np.clip(ratio, 1 - lo, 1 + hi) * a)
+    loss = loss + beta * (np.exp(ref - logp) - (ref - logp) - 1)
+    if loss_type in ("grpo", "sapo"):
         return np.mean((loss * mask).sum(1) / np.maximum(mask.sum(1), 1))
     if loss_type == "dr_grpo":
         return (loss * mask).sum() / (len(loss) * max_len)
-    return (loss * mask).sum() / mask.sum()  # bnpo, dapo (one micro-batch)
+    if loss_type == "luspo":
+        return (loss * mask).sum(1).mean()
+    return (loss * mask).sum() / mask.sum()  # bnpo, dapo, cispo, vespo (one micro-batch)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_each_loss_type_equals_a_numpy_reference(loss_type, level):
-    """Each loss type, with a ratio per token or (GSPO, `importance_sampling_level="sequence"`) per sequence."""
+    """Each of TRL 1.16's loss types, with a ratio per token or (GSPO, `importance_sampling_level="sequence"`) per
+    sequence; the clipped ones also with `delta` (the two-sided clip)."""
     rng = np.random.default_rng(0)
     b, t = 6, 10
     logp, old, ref = (rng.normal(-2, 0.5, (b, t)).astype(np.float32) for _ in range(3))
     adv = rng.normal(0, 1, b).astype(np.float32)
     mask = (rng.random((b, t)) > 0.3).astype(np.float32)
-    loss, _, _ = per_token_loss(
-        jnp.asarray(logp),
-        jnp.asarray(old),
-        jnp.asarray(ref),
-        jnp.asarray(adv),
-        beta=0.04,
-        epsilon_low=0.2,
-        epsilon_high=0.28,
-        mask=jnp.asarray(mask),
-        level=level,
-    )
-    total, units = aggregate(loss, jnp.asarray(mask), loss_type, t)
-    want = reference_loss(logp, old, ref, adv, mask, 0.04, 0.2, 0.28, loss_type, t, level)
-    np.testing.assert_allclose(float(total / units), want, rtol=1e-5)
+    hi = 5.0 if loss_type == "cispo" else 0.28  # cispo's cap: ScaleRL's epsilon_max
+    for delta in (None, 1.5):
+        loss, _, _ = per_token_loss(
+            jnp.asarray(logp),
+            jnp.asarray(old),
+            jnp.asarray(ref),
+            jnp.asarray(adv),
+            beta=0.04,
+            epsilon_low=0.2,
+            epsilon_high=hi,
+            mask=jnp.asarray(mask),
+            level=level,
+            loss_type=loss_type,
+            delta=delta,
+        )
+        total, units = aggregate(loss, jnp.asarray(mask), loss_type, t)
+        want = reference_loss(logp, old, ref, adv, mask, 0.04, 0.2, hi, loss_type, t, level, delta)
+        np.testing.assert_allclose(float(total / units), want, rtol=1e-5)
 
 
 def test_gspo_trains_with_one_ratio_per_sequence(tmp_path):

@@ -17,6 +17,7 @@ from util import TOK, TRAIN, args, losses, mesh, params_of, tiny
 
 import jaxloom.models as jm
 from jaxloom.mesh import gather, named_leaves
+from jaxloom.models.layers import Linear
 from jaxloom.trainer import DPOTrainer, Trainer
 from jaxloom.trainer.cli import main
 
@@ -110,7 +111,7 @@ def test_dpo_with_lora_equals_dpo_with_the_base_as_an_explicit_reference(tmp_pat
 
 
 def test_sigkill_then_resume_is_bitwise_and_the_run_converts_to_peft_or_merged(tmp_path, capsys):
-    extra = ["use_peft=true", "lora_r=4", "lora_target_modules=all-linear", "learning_rate=1e-2"]
+    extra = ["use_peft=true", "lora_r=4", "lora_target_modules=all-linear", "learning_rate=1e-2", "lora_dropout=0.05"]
     short = [*extra, "max_training_steps=8"]  # a checkpoint every 4: killed after 5, resumed from 4
     ref, _, err = run(tmp_path / "ref", extra=short)
     assert ref.returncode == 0, err[-3000:]
@@ -128,6 +129,7 @@ def test_sigkill_then_resume_is_bitwise_and_the_run_converts_to_peft_or_merged(t
     assert main(["convert", "--to-hf", run_dir, str(tmp_path / "peft")]) == 0
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["target_modules"] == sorted(config["target_modules"])
+    assert config["lora_dropout"] == 0.05  # PEFT's field, as the run trained
     assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
     assert main(["convert", "--to-hf", run_dir, str(tmp_path / "merged"), "--merge"]) == 0
     merged = jm.from_pretrained(tmp_path / "merged")
@@ -172,10 +174,55 @@ def test_qlora_trains_on_a_quantized_base_and_each_adapter_setting_acts(tmp_path
         assert not [k for k, _ in named_leaves(out.state.frozen) if k.endswith("proj/kernel")]
         scale = 8 / np.sqrt(4) if kw.get("use_rslora") else 8 / 4
         assert t.plan.lora.scaling == scale
-    with pytest.raises(ValueError, match="lora_dropout = 0.05; jaxloom's adapters have no dropout yet"):
-        args(tmp_path, **LORA, lora_dropout=0.05)
+    with pytest.raises(ValueError, match=r"lora_dropout = 1.0; expected a probability in \[0, 1\)"):
+        args(tmp_path, **LORA, lora_dropout=1.0)
     with pytest.raises(ValueError, match="load_in_4bit = true without use_peft"):
         args(tmp_path, load_in_4bit=True)
+
+
+def test_lora_dropout_drops_the_adapters_input_in_training_only(tmp_path):
+    """PEFT's `lora_dropout`: inside the train step's `dropout_key` an adapted layer computes
+    `x W + (mask · x / (1 - p)) A B · scaling` (the base path never dropped), outside it (evaluation, generation)
+    `x W + x A B · scaling`; averaged over keys the dropped output is the undropped one. In a run (TRL's 0.05 and a
+    larger rate, a scanned stack) the adapters train differently from a run without dropout, the same way twice."""
+    layer = jm.LoRALinear(
+        Linear(16, 8, (None, None), jm.RuntimeConfig(), rngs=nnx.Rngs(0)),
+        jm.LoRAConfig(r=4, alpha=8, dropout=0.5),
+        jax.random.PRNGKey(1),
+        salt=7,
+    )
+    layer.lora_b[...] = jax.random.normal(jax.random.PRNGKey(2), layer.lora_b[...].shape)
+    x = jax.random.normal(jax.random.PRNGKey(3), (4, 16))
+    plain = layer(x)
+    base = x @ layer.weight()
+    np.testing.assert_allclose(plain, base + x @ layer.lora_a[...] @ layer.lora_b[...] * 2.0, rtol=1e-5, atol=1e-5)
+    key = jax.random.PRNGKey(4)
+    with jm.dropout_key(key):
+        dropped = layer(x)
+    keep = jax.random.bernoulli(jax.random.fold_in(key, 7), 0.5, x.shape)
+    manual = base + (jnp.where(keep, x / 0.5, 0) @ layer.lora_a[...] @ layer.lora_b[...]) * 2.0
+    np.testing.assert_allclose(dropped, manual, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(dropped, plain)
+    np.testing.assert_array_equal(layer(x), plain)  # outside the context: no dropout
+
+    def with_key(k):
+        with jm.dropout_key(k):
+            return layer(x)
+
+    mean = jnp.mean(jax.vmap(with_key)(jax.random.split(key, 4000)), axis=0)
+    np.testing.assert_allclose(mean, plain, atol=0.15 * float(jnp.abs(plain - base).max()))
+
+    def adapters(name, **kw):
+        model = jm.create_model(tiny(), jm.RuntimeConfig(scan_layers=True), seed=0)
+        out = lora_trainer(tmp_path / name, model, max_training_steps=3, learning_rate=5e-2, **kw).train()
+        return {k: np.asarray(v) for k, v in named_leaves(out.state.params)}
+
+    none, dropped_a, dropped_b = adapters("none"), adapters("a", lora_dropout=0.3), adapters("b", lora_dropout=0.3)
+    assert sorted(none) == sorted(dropped_a) and any(not np.allclose(none[k], dropped_a[k]) for k in none)
+    for k in dropped_a:  # deterministic: the mask follows the state's key, the step and the micro-batch
+        np.testing.assert_array_equal(dropped_a[k], dropped_b[k], err_msg=k)
+    with pytest.raises(ValueError, match="lora_dropout = 0.05 with lora_target_parameters"):
+        args(tmp_path, **LORA, lora_dropout=0.05, lora_target_parameters="mlp.experts.down_proj")
 
 
 def test_lora_on_the_experts_trains_on_fsdp_x_ep_as_on_fsdp_alone_and_exports_for_peft(tmp_path):

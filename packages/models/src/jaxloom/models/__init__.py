@@ -19,6 +19,7 @@ from .gemma import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3Tex
 from .gpt_oss import GptOssConfig, GptOssForCausalLM, dequantize_mxfp4
 from .hf import from_pretrained, pretrained_source, save_hf_model, to_hf_state_dict
 from .expert_adapters import ExpertLoRA, expert_weights
+from .dropout import dropout_key
 from .lora import (
     Frozen,
     LoRAConfig,
@@ -58,6 +59,7 @@ __all__ = [
     "LoRAConfig",
     "LoRALinear",
     "apply_lora",
+    "dropout_key",
     "quantize_frozen",
     "load_peft_weights",
     "lora_config_of",

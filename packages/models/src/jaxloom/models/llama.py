@@ -13,6 +13,7 @@ from flax import nnx
 from .attention import Attention
 from .configs import LlamaConfig, MistralConfig, Qwen2Config
 from .layers import ACTIVATIONS, Embed, Linear, RMSNorm, constrain, rope_frequencies
+from .dropout import dropout_active, dropout_layer
 from .registry import TaskType, register
 from .runtime import RuntimeConfig
 
@@ -312,11 +313,13 @@ class CausalLM(nnx.Module):
             layer_fn = jax.checkpoint(layer_fn, policy=policy, prevent_cse=unroll > 1)
 
         def body(x, xs):
-            layer_state, layer_cache, layer_data = xs
-            x, aux, layer_cache = layer_fn(layer_state, x, layer_cache, layer_data)
+            layer_state, layer_cache, layer_data, index = xs
+            with dropout_layer(index):  # LoRA dropout (training only): each layer its own mask
+                x, aux, layer_cache = layer_fn(layer_state, x, layer_cache, layer_data)
             return x, (aux, layer_cache)
 
-        x, (aux, new_cache) = jax.lax.scan(body, x, (stacked, cache, per_layer), unroll=unroll)
+        index = jnp.arange(self.config.num_hidden_layers) if dropout_active() else None
+        x, (aux, new_cache) = jax.lax.scan(body, x, (stacked, cache, per_layer, index), unroll=unroll)
         if isinstance(aux, RouterLoad):  # `[L, E]`: each layer's loads
             return x, aux, new_cache
         return x, None if aux is None else jnp.sum(aux), new_cache

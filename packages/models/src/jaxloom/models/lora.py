@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .dropout import dropped
 from .expert_adapters import EXPERT_PARAMETERS, ExpertLoRA, expert_weights
 from .layers import Linear
 
@@ -81,8 +82,9 @@ class LoRAConfig:
     `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, or a suffix of those), and `quantize` the frozen base
     (`None`, `"int8"`, `"nf4"`; the experts' weights stay unquantized) in blocks of `block_size` inputs (NF4),
     and `modules_to_save` (modules trained whole beside the adapters and saved with them: a classifier's `score`,
-    PEFT's `SEQ_CLS` default `("classifier", "score")`; names a model lacks are ignored, as PEFT ignores them).
-    PEFT's names and meanings."""
+    PEFT's `SEQ_CLS` default `("classifier", "score")`; names a model lacks are ignored, as PEFT ignores them),
+    and `dropout` (PEFT's `lora_dropout`: the adapters' input dropped with this probability in the train step's
+    forward — `dropout_key` — never in evaluation or generation). PEFT's names and meanings."""
 
     r: int = 16
     alpha: float = 32.0
@@ -92,12 +94,15 @@ class LoRAConfig:
     block_size: int = 64
     target_parameters: tuple[str, ...] | str = ()
     modules_to_save: tuple[str, ...] = ()
+    dropout: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
             raise ValueError(f"lora_r = {self.r!r}; expected a positive integer (the adapters' rank)")
         if not self.alpha > 0:
             raise ValueError(f"lora_alpha = {self.alpha!r}; expected a positive number")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora_dropout = {self.dropout!r}; expected a probability in [0, 1) (PEFT's default 0)")
         if self.quantize not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantize = {self.quantize!r}; expected None or one of {QUANTIZATIONS}")
         if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
@@ -110,6 +115,11 @@ class LoRAConfig:
         object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save or ()))
         if not self.target_modules and not self.target_parameters:
             raise ValueError("lora_target_modules is empty; expected module names such as q_proj,v_proj or all-linear")
+        if self.dropout and self.target_parameters:  # PEFT's ParamWrapper refuses it too
+            raise ValueError(
+                f"lora_dropout = {self.dropout} with lora_target_parameters: PEFT's adapters on expert weights take "
+                "no dropout (its ParamWrapper refuses lora_dropout != 0); expected lora_dropout=0 with them"
+            )
 
     @property
     def scaling(self) -> float:
@@ -153,8 +163,9 @@ def dequantize(codes: jax.Array, scales: jax.Array, kind: str, dtype: Any) -> ja
 class LoRALinear(nnx.Module):
     """A frozen `Linear` (optionally quantized) plus low-rank adapters: `y = x W + b + (x A) B · scaling`."""
 
-    def __init__(self, base: Linear, config: LoRAConfig, key: jax.Array | None):
-        """`key` draws A; None: no adapters (a layer QLoRA quantizes but does not adapt)."""
+    def __init__(self, base: Linear, config: LoRAConfig, key: jax.Array | None, salt: int = 0):
+        """`key` draws A; None: no adapters (a layer QLoRA quantizes but does not adapt). `salt` (from the layer's
+        path) keys its dropout mask apart from other layers'."""
         kernel = base.kernel[...]
         axes = base.kernel.get_metadata().get("logical_axes") or (None,) * kernel.ndim
         *lead, din, dout = kernel.shape
@@ -187,6 +198,7 @@ class LoRALinear(nnx.Module):
             b = nnx.Param(jnp.zeros((*lead, config.r, dout), jnp.float32), logical_axes=(*axes[:-2], None, axes[-1]))
         self.lora_a, self.lora_b = a, b
         self.scaling = config.scaling
+        self.dropout, self.salt = float(config.dropout), int(salt)
         self.dtype, self.precision = base.dtype, base.precision
 
     def weight(self, dtype: Any = None) -> jax.Array:
@@ -207,7 +219,8 @@ class LoRALinear(nnx.Module):
         x = x.astype(self.dtype)
         y = jnp.dot(x, self.weight(), precision=self.precision)
         if self.lora_a is not None:
-            low = jnp.dot(x, self.lora_a[...].astype(self.dtype), precision=self.precision)
+            inputs = dropped(x, self.dropout, self.salt)  # the adapters' input only (PEFT's lora_dropout)
+            low = jnp.dot(inputs, self.lora_a[...].astype(self.dtype), precision=self.precision)
             up = jnp.dot(low, self.lora_b[...].astype(self.dtype), precision=self.precision)
             y = y + up * jnp.asarray(self.scaling, self.dtype)
         if self.bias is not None:
@@ -334,8 +347,9 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, *, seed: int = 0) -> nnx.M
     chosen = {path for _, _, path in targets(model, config)}
     for parent, name, path in list(_linears(model)):
         if path in chosen:
-            key = jax.random.fold_in(base_key, zlib.crc32(".".join(path).encode()) & 0x7FFFFFFF)
-            setattr(parent, name, LoRALinear(getattr(parent, name), config, key))
+            salt = zlib.crc32(".".join(path).encode()) & 0x7FFFFFFF
+            key = jax.random.fold_in(base_key, salt)
+            setattr(parent, name, LoRALinear(getattr(parent, name), config, key, salt))
         elif config.quantize and name != "lm_head" and not set(config.modules_to_save) & set(path):
             # QLoRA stores every linear layer of the base quantized (not one trained whole)
             setattr(parent, name, LoRALinear(getattr(parent, name), config, None))
@@ -458,7 +472,7 @@ def peft_config(config: LoRAConfig, model: nnx.Module, base: str | None = None) 
         "task_type": "SEQ_CLS" if _saved_modules(model, config) else "CAUSAL_LM",
         "r": config.r,
         "lora_alpha": config.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": config.dropout,
         "target_modules": modules,
         "target_parameters": sorted(config.target_parameters) or None,
         "use_rslora": config.use_rslora,
@@ -578,6 +592,7 @@ def read_peft_config(directory: str | Path) -> LoRAConfig:
         use_rslora=bool(raw.get("use_rslora", False)),
         target_parameters=tuple(sorted(raw.get("target_parameters") or ())),
         modules_to_save=tuple(raw.get("modules_to_save") or ()),
+        dropout=float(raw.get("lora_dropout") or 0.0),
     )
 
 

@@ -421,7 +421,9 @@ class AdapterArgs(_Group):
     use_peft: bool = Field(False, description="train LoRA adapters on the frozen model (TRL's use_peft)")
     lora_r: int = Field(16, description="LoRA: the adapters' rank")
     lora_alpha: float = Field(32.0, description="LoRA: the scale is lora_alpha / lora_r (/ sqrt(lora_r) with rsLoRA)")
-    lora_dropout: float = Field(0.0, description="LoRA: dropout on the adapters' input (only 0 is supported)")
+    lora_dropout: float = Field(
+        0.0, description="LoRA: dropout on the adapters' input in training (PEFT's; TRL's recipes use 0.05)"
+    )
     lora_target_modules: tuple[str, ...] | str | None = Field(
         None, description="LoRA: HF module names (q_proj,v_proj, ...) or all-linear (None: q_proj,v_proj)"
     )
@@ -443,11 +445,12 @@ class AdapterArgs(_Group):
         if isinstance(self.lora_r, bool) or self.lora_r <= 0:
             raise ValueError(f"lora_r = {self.lora_r!r}; expected a positive integer (the adapters' rank)")
         _positive(self, "lora_alpha")
-        if self.lora_dropout != 0:
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout = {self.lora_dropout}; expected a probability in [0, 1) (PEFT's default 0)")
+        if self.lora_dropout and self.lora_target_parameters:
             raise ValueError(
-                f"lora_dropout = {self.lora_dropout}; jaxloom's adapters have no dropout yet: expected 0 (PEFT's "
-                "default). TRL's recipes write lora_dropout=0.05: drop it (or give lora_dropout=0) to train the same "
-                "adapters without dropout"
+                f"lora_dropout = {self.lora_dropout} with lora_target_parameters: PEFT's adapters on expert weights "
+                "take no dropout (its ParamWrapper refuses lora_dropout != 0); expected lora_dropout=0 with them"
             )
         if self.load_in_8bit and self.load_in_4bit:
             raise ValueError("load_in_8bit and load_in_4bit are both set; expected one quantization of the base")
@@ -481,6 +484,7 @@ class AdapterArgs(_Group):
             use_rslora=self.use_rslora,
             quantize=quantize,
             target_parameters=self.lora_target_parameters or (),
+            dropout=self.lora_dropout,
         )
 
 

@@ -16,12 +16,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxloom.models import dropout_key
 from jaxloom.models.losses import block_count, linear_cross_entropy
 from jaxloom.state import TrainState
 
 EXPERT_LOAD = "expert_load"
 """Key of an objective's sums holding, per decoder layer whose router balances through a bias (DeepSeek-V3), the
 tokens each routed expert took: the train step moves those biases by `StepConfig.router_bias_update_rate`."""
+
+DROPOUT_STREAM = 0x4C6F5241
+"""Folded into the state's key for the train step's dropout (LoRA's `lora_dropout`), then the step and the
+micro-batch: a resumed run drops what the uninterrupted one did."""
 
 STOP_KEY = "stop_request"
 """Batch key of the per-row stop requests of a multi-process run; the step returns their maximum under
@@ -186,11 +191,18 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
     batch = dict(batch)
     stop = batch.pop(STOP_KEY, None)
     objective = cfg.objective
-    grad_fn = jax.value_and_grad(lambda p, mb: objective.loss(state, p, mb, cfg), has_aux=True)
+    dropout = jax.random.fold_in(jax.random.fold_in(state.rng, DROPOUT_STREAM), state.step)
 
-    def micro(carry, mb):
+    def loss_fn(p, mb, index=0):  # LoRA's dropout (training only) keyed by the step and the micro-batch
+        with dropout_key(jax.random.fold_in(dropout, index)):
+            return objective.loss(state, p, mb, cfg)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def micro(carry, xs):
         grads, loss, sums = carry
-        (part, s), g = grad_fn(state.params, mb)
+        mb, index = xs
+        (part, s), g = grad_fn(state.params, mb, index)
         merged = {k: jax.tree_util.tree_map(objective.combine(k), sums[k], s[k]) for k in sums}
         return (jax.tree_util.tree_map(jnp.add, grads, g), loss + part, merged), None
 
@@ -202,7 +214,8 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
         shapes = jax.eval_shape(lambda mb: objective.loss(state, state.params, mb, cfg)[1], first)
         sums0 = {k: jax.tree_util.tree_map(lambda x, k=k: objective.start(k, x), v) for k, v in shapes.items()}
         init = (jax.tree_util.tree_map(jnp.zeros_like, state.params), zero, sums0)
-        (grads, loss_sum, sums), _ = jax.lax.scan(micro, init, batch)
+        micro_batches = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        (grads, loss_sum, sums), _ = jax.lax.scan(micro, init, (batch, jnp.arange(micro_batches)))
     denom = jnp.maximum(sums[objective.weight], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
     loss = loss_sum / denom

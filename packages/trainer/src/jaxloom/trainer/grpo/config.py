@@ -33,9 +33,21 @@ class RLArgs(_Group):
     epsilon: float = Field(0.2, description="GRPO: clipping of the probability ratio, 1 - epsilon below")
     epsilon_high: float | None = Field(None, description="GRPO: 1 + epsilon_high above (None: epsilon; DAPO: 0.28)")
     num_iterations: int = Field(1, description="GRPO: optimizer steps on each batch of rollouts (old log-probs kept)")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
-        "dapo", description="GRPO: how token losses are averaged: grpo, bnpo, dr_grpo or dapo (TRL's)"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
+        "dapo",
+        description="GRPO: the loss (TRL 1.16's eight): grpo, bnpo, dr_grpo, dapo, luspo (clipped ratio, averaged "
+        "per completion, per token, per max length, per token, summed per completion), cispo (capped importance "
+        "weights on log-probs), sapo (a soft gate), vespo (a gamma weight per sequence); docs/rl.md",
     )
+    delta: float | None = Field(
+        None, description="GRPO: the ratio capped at delta in the clipped losses (INTELLECT-2's two-sided clip)"
+    )
+    sapo_temperature_pos: float = Field(1.0, description="GRPO sapo: the gate's temperature where the advantage > 0")
+    sapo_temperature_neg: float = Field(1.05, description="GRPO sapo: the gate's temperature where the advantage <= 0")
+    vespo_k_pos: float = Field(2.0, description="GRPO vespo: the gamma weight's power for advantages >= 0")
+    vespo_lambda_pos: float = Field(3.0, description="GRPO vespo: the gamma weight's decay for advantages >= 0")
+    vespo_k_neg: float = Field(3.0, description="GRPO vespo: the gamma weight's power for advantages < 0")
+    vespo_lambda_neg: float = Field(2.0, description="GRPO vespo: the gamma weight's decay for advantages < 0")
     tools: tuple[str, ...] = Field(
         (), description="GRPO: functions the model may call, as dotted import paths (TRL's tools; Python callables too)"
     )
@@ -116,6 +128,8 @@ class RLArgs(_Group):
             self, "max_prompt_length", "reward_timeout", "max_tool_calling_iterations", "tool_timeout", allow_none=True
         )
         _positive(self, "temperature", "beta", allow_zero=True)
+        _positive(self, "sapo_temperature_pos", "sapo_temperature_neg")
+        _positive(self, "delta", allow_none=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p}; expected a value in (0, 1]")
         if self.top_k < 0:
@@ -155,7 +169,9 @@ def completion_rows(kwargs: dict[str, Any], group: type, kind: str) -> dict[str,
 class GRPOConfig(TrainingArguments):
     """The arguments of `GRPOTrainer`: every `TrainingArguments` argument and the `rl` group (TRL's names):
     `reward_funcs`, `reward_weights`, `num_generations`, `max_prompt_length`, `max_completion_length`,
-    `temperature`, `top_p`, `top_k`, `beta`, `epsilon`, `epsilon_high`, `num_iterations`, `loss_type`, `scale_rewards`,
+    `temperature`, `top_p`, `top_k`, `beta`, `epsilon`, `epsilon_high`, `delta`, `num_iterations`, `loss_type` (TRL
+    1.16's eight) with `sapo_temperature_pos`, `sapo_temperature_neg`, `vespo_k_pos`, `vespo_k_neg`,
+    `vespo_lambda_pos` and `vespo_lambda_neg`, `scale_rewards`,
     `mask_truncated_completions`, `ref_model`, `importance_sampling_level` (GSPO), `use_transformers_paged` (or
     jaxloom's `generation_backend="paged"`: rollouts through the paged `LLMEngine`), `tools` and
     `max_tool_calling_iterations` (tool calls in the rollouts), `environment_factory` and `rollout_func` (dotted paths

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..step import StepConfig
 
@@ -44,35 +45,102 @@ def token_logps(model, batch, temperature: float, *, block_size: int = 0, data_s
     return logp, entropy
 
 
-def per_token_loss(logp, old, ref, advantages, *, beta, epsilon_low, epsilon_high, mask=None, level="token"):
-    """TRL's token loss: `-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta k3(ref, logp)`, `r =
-    exp(logp - old)` per token (`level="token"`), or with `level="sequence"` (GSPO, TRL's
-    `importance_sampling_level`) one ratio per row, `exp` of the mean of `logp - old` over its completion tokens
-    (`mask`); also the k3 KL and which tokens the clip bound (low with A < 0, high with A > 0)."""
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+"""TRL 1.16's `loss_type`s: how each token's loss is made from the ratio and the advantage (clipped: grpo, bnpo,
+dr_grpo, dapo, luspo; cispo: clipped importance weights on log-probs; sapo: a soft gate; vespo: a gamma weight per
+sequence) and how the token losses are averaged (`aggregate`)."""
+
+
+def per_token_loss(
+    logp,
+    old,
+    ref,
+    advantages,
+    *,
+    beta,
+    epsilon_low,
+    epsilon_high,
+    mask=None,
+    level="token",
+    loss_type="grpo",
+    delta=None,
+    sapo_temperatures=(1.0, 1.05),
+    vespo=(2.0, 3.0, 3.0, 2.0),
+):
+    """TRL 1.16's token loss of `loss_type`, `+ beta k3(ref, logp)`, with `r = exp(logp - old)` per token
+    (`level="token"`), or with `level="sequence"` (GSPO, TRL's `importance_sampling_level`) one ratio per row, `exp`
+    of the mean of `logp - old` over its completion tokens (`mask`):
+
+    - grpo, bnpo, dr_grpo, dapo, luspo: `-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)` (`r` first capped at
+      `delta` when given: INTELLECT-2's two-sided clip);
+    - cispo: `-min(r, eps_high) A logp`, the capped weight held constant (ScaleRL's CISPO);
+    - sapo: `-sigmoid(tau (r - 1)) 4 / tau A`, `tau` = `sapo_temperatures[0]` where `A > 0`, else `[1]`;
+    - vespo: `-phi A logp`, `phi` the sequence's gamma weight held constant (`vespo_weights`, `vespo` =
+      `(k_pos, lambda_pos, k_neg, lambda_neg)`).
+
+    Also the k3 KL and which tokens the loss's clip acts on (low with A < 0 or high with A > 0; cispo: the cap with
+    A > 0; none for sapo and vespo)."""
     log_ratio = logp - old
+    token_log_ratio = log_ratio
     if level == "sequence":
         tokens = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
         log_ratio = jnp.sum(log_ratio * mask, axis=-1, keepdims=True) / tokens
     ratio = jnp.exp(log_ratio)
     a = advantages[:, None]
-    clipped = jnp.clip(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    loss = jnp.broadcast_to(-jnp.minimum(ratio * a, clipped * a), logp.shape)
+    none = jnp.zeros(logp.shape, bool)
+    if loss_type == "cispo":
+        weight = jax.lax.stop_gradient(jnp.minimum(ratio, epsilon_high))
+        loss = -weight * a * logp
+        bound = (ratio > epsilon_high) & (a > 0)
+    elif loss_type == "sapo":
+        tau = jnp.where(a > 0, sapo_temperatures[0], sapo_temperatures[1])
+        loss = -jax.nn.sigmoid(tau * (ratio - 1)) * 4 / tau * a
+        bound = none
+    elif loss_type == "vespo":
+        phi = vespo_weights(token_log_ratio, mask, advantages, *vespo)
+        loss = -phi * a * logp
+        bound = none
+    else:
+        clipped = jnp.clip(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        capped = ratio if delta is None else jnp.minimum(ratio, delta)
+        loss = -jnp.minimum(capped * a, clipped * a)
+        bound = ((ratio < 1 - epsilon_low) & (a < 0)) | ((ratio > 1 + epsilon_high) & (a > 0))
+    loss = jnp.broadcast_to(loss, logp.shape)
     kl = jnp.exp(ref - logp) - (ref - logp) - 1
     if beta:
         loss = loss + beta * kl
-    bound = ((ratio < 1 - epsilon_low) & (a < 0)) | ((ratio > 1 + epsilon_high) & (a > 0))
     return loss, kl, jnp.broadcast_to(bound, logp.shape)
+
+
+def vespo_weights(log_ratio, mask, advantages, k_pos, lambda_pos, k_neg, lambda_neg):
+    """VESPO's gamma weight per sequence `[B, 1]`, held constant (TRL 1.16's `get_gamma_weights`):
+    `phi(w) = exp(lambda + k log w - lambda w)` (so `phi(1) = 1`) of the sequence's ratio `w = exp(sum of the
+    token log-ratios)` (each clipped to ±20, the sum to [log 1e-8, 20]), `k, lambda` by the advantage's sign
+    (`>= 0`: the `_pos` pair); non-finite weights are 0."""
+    low = float(np.log(1e-8))
+    seq = jnp.sum(jnp.clip(log_ratio, -20.0, 20.0) * mask, axis=-1, keepdims=True)
+    log_w = jnp.clip(seq, low, 20.0)
+    nonneg = advantages[:, None] >= 0
+    k = jnp.where(nonneg, k_pos, k_neg)
+    lam = jnp.maximum(jnp.where(nonneg, lambda_pos, lambda_neg), 1e-4)
+    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+    phi = jnp.where(jnp.isfinite(phi), phi, 0.0)
+    return jax.lax.stop_gradient(phi)
 
 
 def aggregate(loss, mask, loss_type: str, max_completion_length: int):
     """`(summed loss, units)` of token losses `[B, T]` under `mask`: the step divides the sum over its
-    micro-batches by the units once. grpo: each completion's mean, averaged over completions; bnpo and dapo:
-    the mean over every completion token; dr_grpo: the sum over tokens / (completions × max length)."""
+    micro-batches by the units once. grpo and sapo: each completion's mean, averaged over completions; bnpo, dapo,
+    cispo and vespo: the mean over every completion token; dr_grpo: the sum over tokens / (completions × max
+    length); luspo: each completion's sum, averaged over completions (TRL 1.16's)."""
     tokens = jnp.sum(mask, axis=-1)
-    if loss_type == "grpo":
-        return jnp.sum(jnp.sum(loss * mask, -1) / jnp.maximum(tokens, 1.0)), jnp.float32(loss.shape[0])
+    rows = jnp.float32(loss.shape[0])
+    if loss_type in ("grpo", "sapo"):
+        return jnp.sum(jnp.sum(loss * mask, -1) / jnp.maximum(tokens, 1.0)), rows
     if loss_type == "dr_grpo":
-        return jnp.sum(loss * mask) / max_completion_length, jnp.float32(loss.shape[0])
+        return jnp.sum(loss * mask) / max_completion_length, rows
+    if loss_type == "luspo":
+        return jnp.sum(loss * mask), rows
     return jnp.sum(loss * mask), jnp.sum(tokens)
 
 
@@ -88,6 +156,7 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
     old = batch[OLD][:, 1:] if iterations > 1 else jax.lax.stop_gradient(logp)
     ref = batch[REF][:, 1:] if rl.beta else jax.lax.stop_gradient(logp)
     high = rl.epsilon if rl.epsilon_high is None else rl.epsilon_high
+    vespo = (rl.vespo_k_pos, rl.vespo_lambda_pos, rl.vespo_k_neg, rl.vespo_lambda_neg)
     loss, kl, bound = per_token_loss(
         logp,
         old,
@@ -98,6 +167,10 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
         epsilon_high=high,
         mask=mask,
         level=rl.importance_sampling_level,
+        loss_type=rl.loss_type,
+        delta=rl.delta,
+        sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
+        vespo=vespo,
     )
     total, units = aggregate(loss, mask, rl.loss_type, rl.max_completion_length)
     sums = {
@@ -107,6 +180,11 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
         "clipped": jnp.sum(bound * mask),
         "entropy_sum": jnp.sum(jax.lax.stop_gradient(entropy) * mask),
     }
+    if rl.loss_type == "cispo":  # TRL's `cispo_clip_ratio`: tokens whose weight the cap holds
+        sums["cispo_clipped"] = sums["clipped"]
+    if rl.loss_type == "vespo":  # TRL's `vespo/phi_seq_mean`: the weights' mean over completion tokens
+        phi = vespo_weights(logp - old, mask, batch[ADV], *vespo)
+        sums["phi_sum"] = jnp.sum(phi * mask)
     if SAMPLED in batch:
         diff = jnp.abs(jax.lax.stop_gradient(logp) - batch[SAMPLED][:, 1:]) * mask
         sums["logprob_diff_sum"] = jnp.sum(diff)
@@ -121,6 +199,10 @@ def grpo_metrics(sums):
     importance-sampling correction would undo)."""
     n = jnp.maximum(sums["completion_tokens"], 1.0)
     out = {"kl": sums["kl_sum"] / n, "clip_ratio": sums["clipped"] / n, "entropy": sums["entropy_sum"] / n}
+    if "cispo_clipped" in sums:
+        out["cispo_clip_ratio"] = sums["cispo_clipped"] / n
+    if "phi_sum" in sums:
+        out["vespo/phi_seq_mean"] = sums["phi_sum"] / n
     if "logprob_diff_sum" in sums:
         out["sampling/logprob_diff/mean"] = sums["logprob_diff_sum"] / n
         out["sampling/logprob_diff/max"] = sums["logprob_diff_max"]

@@ -83,7 +83,13 @@ class GRPOTrainer(BaseTrainer):
         if self.data_collator is not None:
             raise ValueError("GRPOTrainer builds its rows from rollouts: data_collator is not used; drop it")
         rl = self.arguments.rl
-        if rl.importance_sampling_level == "sequence" and rl.loss_type in ("bnpo", "dr_grpo", "dapo"):
+        if rl.loss_type == "luspo" and rl.importance_sampling_level != "sequence":
+            log.warning("loss_type='luspo' is the paper's with importance_sampling_level='sequence'")  # as TRL warns
+        if rl.loss_type == "vespo" and rl.importance_sampling_level != "token":
+            log.warning(  # as TRL warns
+                "loss_type='vespo' makes its own weight per sequence: importance_sampling_level should be 'token'"
+            )
+        if rl.importance_sampling_level == "sequence" and rl.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
             log.warning(  # as TRL warns
                 "importance_sampling_level='sequence' with loss_type=%r sums per-token terms, weighting each "
                 "sequence by its length rather than GSPO's per-sequence objective; loss_type='grpo' is GSPO's setup",
