@@ -562,3 +562,80 @@ def test_paged_tool_turns_run_only_the_turns_tokens():
         assert got == fresh.outputs[0].token_ids and len(logps) == len(got) > 0 and room > 0
     paged.close()
     assert paged.engine.pool.free == paged.engine.pool.usable
+
+
+def test_rloo_from_the_command_line_learns_the_letter_from_the_reward_alone(tmp_path, monkeypatch, capsys):
+    """`trainer=rloo` (TRL's RLOOTrainer: the leave-one-out baseline, its KL a reward penalty with TRL's default
+    beta 0.05, so the initial policy is held as the reference) on the letter task of the GRPO test above; the run
+    directory then converts and evaluates."""
+    from jaxloom.trainer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "letters.py").write_text(
+        "def letter_e(prompts, completions, **kwargs):\n"
+        "    return [c.count('e') / max(len(c), 1) for c in completions]\n"
+    )
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    model = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2"]
+    argv = ["train", "trainer=rloo", "data.train=p.jsonl", "reward_funcs=letters.letter_e", "num_generations=4"]
+    argv += ["max_prompt_length=8", "max_completion_length=8", "total_batch_size=16", "max_training_steps=30"]
+    argv += ["learning_rate=1e-2", "warmup_steps=0", "top_k=16", "save_directory=run", "progress_bar=false", *model]
+    argv += ["logging_steps=1"]
+    assert main(argv) == 0
+    got = rows(tmp_path / "run")
+    rewards = [r["train/reward"] for r in got if "train/reward" in r]
+    assert len(rewards) == 30
+    assert np.mean(rewards[-5:]) > 1.5 * np.mean(rewards[:5]), rewards
+    last = [r for r in got if "train/reward" in r][-1]
+    assert {"train/kl", "train/clip_ratio/region_mean", "train/rewards/letter_e/std"} <= set(last)
+    assert json.loads((tmp_path / "run" / "run_config.json").read_text())["trainer"] == "rloo"
+    assert main(["convert", "--to-hf", "run", "hf"]) == 0 and (tmp_path / "hf" / "config.json").is_file()
+    with pytest.raises(ValueError, match="loss_type = 'grpo' is GRPO's; RLOO's loss is its own"):
+        from jaxloom.trainer import RLOOConfig
+
+        RLOOConfig(loss_type="grpo", reward_funcs=["letters.letter_e"])
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_the_samplers_corrections_equal_trls(mode):
+    """TRL 1.16's importance-sampling correction of the sampler's log-probs (its lines in
+    `GRPOTrainer._generate_and_score_completions`, written out in torch) and its off-policy sequence mask (TRL's own
+    `get_off_policy_mask`), on the same tensors, to 1e-6."""
+    torch = pytest.importorskip("torch")
+    from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
+
+    from jaxloom.trainer.grpo.loss import off_policy_mask, sampler_correction
+
+    rng = np.random.default_rng(1)
+    b, t = 6, 9
+    old, sampled = rng.normal(-2, 0.4, (b, t)).astype(np.float32), rng.normal(-2, 0.4, (b, t)).astype(np.float32)
+    sampled[0, 2] = np.nan  # a token the sampler could not score
+    mask = (rng.random((b, t)) > 0.2).astype(np.float32)
+    adv = rng.normal(0, 1, b).astype(np.float32)
+    lo, hi = 0.5, 1.8
+    diff = torch.nan_to_num((torch.tensor(old) - torch.tensor(sampled)) * torch.tensor(mask), nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        want = torch.clamp(ratio, min=lo, max=hi)
+    else:
+        want = ratio.masked_fill((ratio < lo) | (ratio > hi), value=0.0)
+    got = sampler_correction(jnp.asarray(old), jnp.asarray(sampled), jnp.asarray(mask), mode, lo, hi)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-6, atol=1e-7)
+    keep = TRLGRPOTrainer.get_off_policy_mask(
+        torch.tensor(adv)[:, None], torch.tensor(old), torch.tensor(sampled), torch.tensor(mask), 0.05
+    )
+    mine = off_policy_mask(jnp.asarray(adv), jnp.asarray(old), jnp.asarray(sampled), jnp.asarray(mask), 0.05)
+    np.testing.assert_array_equal(np.asarray(mine), keep.numpy())
+    assert 0 < float(keep.mean()) < 1  # some sequences dropped, some kept
+
+
+def test_the_samplers_correction_takes_effect_in_a_run(tmp_path):
+    """On: a token-mask correction whose bounds exclude ratio 1 masks every token (the float32 sampler agrees with
+    the trainer), so the loss and its gradient are 0; the same run without it trains."""
+    on = dict(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_mask")
+    grpo_trainer(tmp_path / "on", max_training_steps=1, vllm_importance_sampling_clip_max=0.5, **on).train()
+    grpo_trainer(tmp_path / "off", max_training_steps=1).train()
+    masked, plain = rows(tmp_path / "on")[0], rows(tmp_path / "off")[0]
+    assert masked["train/grad_norm"] == 0 and plain["train/grad_norm"] > 0

@@ -36,6 +36,23 @@ def longer(prompts, completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+def trl_settings(tmp_path) -> dict:
+    """One step of 8 rows (two prompts × four completions), learning rate 0, on CPU in float32: TRL's side."""
+    return dict(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+        max_steps=1, learning_rate=0.0, logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
+        seed=0,
+    )  # fmt: skip
+
+
+def jaxloom_settings(tmp_path) -> dict:
+    """The same step on jaxloom's side."""
+    return dict(
+        num_generations=4, max_completion_length=8, total_batch_size=8, max_training_steps=1, logging_steps=1,
+        learning_rate=0.0, save_directory=str(tmp_path / "jaxloom"), progress_bar=False, use_tensorboard=False,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("hf") / "llama"
@@ -46,22 +63,7 @@ def model_dir(tmp_path_factory):
 def trl_step_one(model_dir, loss_type, tmp_path) -> dict[str, float]:
     from datasets import Dataset
 
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path / "trl"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=1,
-        learning_rate=0.0,
-        logging_steps=1,
-        loss_type=loss_type,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        seed=0,
-        **SETTINGS.get(loss_type, {}),
-    )
+    args = trl.GRPOConfig(**trl_settings(tmp_path), loss_type=loss_type, **SETTINGS.get(loss_type, {}))
     trainer = trl.GRPOTrainer(
         model=str(model_dir),
         reward_funcs=longer,
@@ -76,19 +78,7 @@ def trl_step_one(model_dir, loss_type, tmp_path) -> dict[str, float]:
 
 
 def jaxloom_step_one(model_dir, loss_type, tmp_path) -> dict[str, float]:
-    args = GRPOConfig(
-        num_generations=4,
-        max_completion_length=8,
-        total_batch_size=8,
-        max_training_steps=1,
-        logging_steps=1,
-        learning_rate=0.0,
-        loss_type=loss_type,
-        save_directory=str(tmp_path / "jaxloom"),
-        progress_bar=False,
-        use_tensorboard=False,
-        **SETTINGS.get(loss_type, {}),
-    )
+    args = GRPOConfig(**jaxloom_settings(tmp_path), loss_type=loss_type, **SETTINGS.get(loss_type, {}))
     trainer = GRPOTrainer(
         args,
         model=jm.from_pretrained(str(model_dir)),
@@ -111,3 +101,70 @@ def test_step_one_loss_and_grad_norm_equal_trls(model_dir, loss_type, tmp_path):
     assert theirs["grad_norm"] > 0 and math.isfinite(theirs["loss"])
     for key in ("loss", "grad_norm"):
         assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours, theirs)
+
+
+# ---- RLOO against TRL 1.16's RLOOTrainer --------------------------------------------------------------------
+def sometimes_none(prompts, completions, **kwargs):
+    """A second reward that scores only some completions (None: no reward): the leave-one-out baseline averages the
+    scored siblings only when every function gave None."""
+    return [float(len(c) % 3) if i % 4 else None for i, c in enumerate(completions)]
+
+
+SEEN: dict = {}  # the prompt's token ids as TRL's RLOOTrainer made them
+
+
+def trl_rloo_step_one(model_dir, settings, tmp_path) -> dict[str, float]:
+    from datasets import Dataset
+
+    args = trl.RLOOConfig(**trl_settings(tmp_path), **settings)
+    trainer = trl.RLOOTrainer(
+        model=str(model_dir),
+        reward_funcs=[longer, sometimes_none],
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": PROMPT}] * 16),
+        processing_class=TOK,
+    )
+
+    def fixed(prompt_ids, images, multimodal_fields):  # TRL's RLOO has no rollout_func: its generation replaced
+        SEEN["prompt_ids"] = list(prompt_ids[0])
+        return [COMPLETIONS[i % len(COMPLETIONS)] for i in range(len(prompt_ids))]
+
+    trainer._generate_single_turn = fixed
+    trainer.train()
+    logged = next(row for row in trainer.state.log_history if "grad_norm" in row)
+    return logged
+
+
+def jaxloom_rloo_step_one(model_dir, settings, tmp_path) -> dict[str, float]:
+    from jaxloom.trainer import RLOOConfig, RLOOTrainer
+
+    def same_rows(prompts, trainer):  # the prompt as TRL's RLOO tokenized it, the same completions
+        out = rollout(prompts, trainer)
+        return {**out, "prompt_ids": [SEEN["prompt_ids"]] * len(prompts)}
+
+    args = RLOOConfig(**jaxloom_settings(tmp_path), **settings)
+    trainer = RLOOTrainer(
+        args,
+        model=jm.from_pretrained(str(model_dir)),
+        dataset_train=[{"prompt": PROMPT}] * 16,
+        processing_class=TOK,
+        mesh=mesh(1),
+        reward_funcs=[longer, sometimes_none],
+        rollout_func=same_rows,
+    )
+    trainer.train()
+    row = json.loads((tmp_path / "jaxloom" / "metrics.jsonl").read_text().splitlines()[0])
+    return {k.removeprefix("train/"): v for k, v in row.items()}
+
+
+@pytest.mark.parametrize("settings", [{}, {"normalize_advantages": True, "beta": 0.0}], ids=["defaults", "normalized"])
+def test_rloo_step_one_equals_trls(model_dir, settings, tmp_path):
+    """TRL's RLOO defaults (`beta` 0.05: the reference held, its KL a reward penalty) and normalised advantages
+    without a reference: the step-1 loss, gradient norm and TRL's reward metrics agree."""
+    theirs = trl_rloo_step_one(model_dir, settings, tmp_path)
+    ours = jaxloom_rloo_step_one(model_dir, settings, tmp_path)
+    assert theirs["grad_norm"] > 0
+    for key in ("loss", "grad_norm", "reward", "reward_std", "rewards/longer/mean", "rewards/sometimes_none/mean"):
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours, theirs)
+    if settings.get("beta", 0.05):
+        assert ours["kl"] == pytest.approx(theirs["kl"], abs=1e-6)  # 0 at step 1: the reference is the policy

@@ -11,6 +11,7 @@ from .distillation import DistillationTrainer
 from .distillation_config import DistillationConfig
 from .dpo import DPOTrainer
 from .grpo.trainer import GRPOTrainer
+from .grpo.rloo import RLOOConfig, RLOOTrainer
 from .reward import RewardTrainer
 from .reward_config import RewardConfig
 from .optim import get_lr_schedule_fn, make_optimizer
@@ -41,6 +42,8 @@ __all__ = [
     "NonFiniteLossError",
     "Objective",
     "Plan",
+    "RLOOConfig",
+    "RLOOTrainer",
     "RewardConfig",
     "RewardTrainer",
     "StepConfig",

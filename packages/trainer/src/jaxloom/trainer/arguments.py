@@ -614,8 +614,9 @@ TrainingArguments.__doc__ = (
 )
 
 
-def _signature(groups: dict[str, type[_Group]]) -> inspect.Signature:
-    """help(), IDEs and inspect see every argument with its type and default."""
+def config_signature(groups: dict[str, type[_Group]]) -> inspect.Signature:
+    """The signature of an arguments class made of `groups`: help(), IDEs and inspect see every argument with its
+    type and default (a kind's config sets it: `RLOOConfig.__signature__ = config_signature(RLOOConfig.GROUPS)`)."""
     return inspect.Signature(
         [
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.annotation)
@@ -625,7 +626,7 @@ def _signature(groups: dict[str, type[_Group]]) -> inspect.Signature:
     )
 
 
-TrainingArguments.__signature__ = _signature(GROUPS)  # type: ignore[attr-defined]
+TrainingArguments.__signature__ = config_signature(GROUPS)  # type: ignore[attr-defined]
 
 
 # Other frameworks' names with the same meaning, accepted for jaxloom's (the reference guides write some of them).

@@ -270,6 +270,7 @@ def _config_keys(model_type: str) -> str:
     from .distillation_config import DistillationConfig
     from .dpo_config import DPOConfig
     from .grpo.config import GRPOConfig
+    from .grpo.rloo import RLOOConfig
     from .kinds import TRAINERS
     from .reward_config import RewardConfig
 
@@ -297,15 +298,18 @@ def _config_keys(model_type: str) -> str:
         "",
         "# trainer",
         f"trainer: str = 'sft'  which trainer: {', '.join(TRAINERS)} "
-        "(dpo adds # preference, grpo # rl, reward # reward, distillation # distillation)",
+        "(dpo adds # preference, grpo and rloo # rl, reward # reward, distillation # distillation)",
     ]
     kinds = {
         "preference": "trainer=dpo only",
-        "rl": "trainer=grpo only",
+        "rl": "trainer=grpo and rloo; the keys marked [rloo] rloo only",
         "reward": "trainer=reward only",
         "distillation": "trainer=distillation only",
     }
     own = [f for f in GRPOConfig.fields() if f["group"] == "rl"]
+    grpo_keys = {f["name"] for f in own}
+    rloo_only = [f for f in RLOOConfig.fields() if f["group"] == "rl" and f["name"] not in grpo_keys]
+    own += rloo_only
     own += [f for f in RewardConfig.fields() if f["group"] == "reward"]
     own += [f for f in DistillationConfig.fields() if f["group"] == "distillation"]
     names = [f["name"] for f in [*DPOConfig.fields(), *own]]
@@ -317,7 +321,9 @@ def _config_keys(model_type: str) -> str:
                                           if group in kinds else "")]  # fmt: skip
         both = f["name"] in shared
         kind = {"preference": " [dpo]", "rl": " [grpo]", "distillation": " [distillation]"}.get(str(group), "")
-        kind = kind if both else ""
+        kind = kind if both else " [rloo]" if f in rloo_only else ""
+        if f["name"] == "beta" and group == "rl":
+            kind += " (rloo's default: 0.05)"
         lines.append(f"{f['name']}: {f['type']} = {f['default']!r}  {f['doc']}{kind}")
     lines += ["", "# other names (HF Trainer, TRL, EasyDeL): read as the jaxloom key, or refused naming it"]
     lines += [f"{alias}: the same as {name}" for alias, name in ALIASES.items()]

@@ -139,6 +139,14 @@ FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
         **_FINETUNE_RUN,
         "save_directory": "jaxloom-runs/grpo",
     },
+    "rloo": {
+        "learning_rate": 1e-6,  # TRL's RLOOConfig
+        "scheduler": "linear",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        **_FINETUNE_RUN,
+        "save_directory": "jaxloom-runs/rloo",
+    },
     "dpo": {
         "learning_rate": 1e-6,
         "scheduler": "linear",
@@ -169,6 +177,7 @@ FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
 # classifier generates nothing (no previews).
 _KIND_DROPS = {
     "grpo": ("max_sequence_length",),
+    "rloo": ("max_sequence_length",),
     "distillation": ("max_sequence_length",),
     "reward": ("max_sequence_length", "generation_prompts", "generation_interval"),
 }
@@ -423,9 +432,9 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
         announce_settings(sources, resolved)
     tokenizer = tokenizer_of(data_cfg)
     train, evaluation = data_cfg.get("train", "bundled"), data_cfg.get("eval")
-    if kind == "grpo" and train == "bundled":
+    if kind in ("grpo", "rloo") and train == "bundled":
         raise ValueError(
-            "trainer=grpo needs prompts: data.train=prompts.jsonl (records with a prompt, and any columns the "
+            f"trainer={kind} needs prompts: data.train=prompts.jsonl (records with a prompt, and any columns the "
             "reward functions read) and reward_funcs=my_rewards.fn; the bundled corpus is plain text"
         )
     if kind == "distillation" and train == "bundled":

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from .arguments import GROUPS, TrainingArguments, _Group, _positive, _signature
+from .arguments import GROUPS, TrainingArguments, _Group, _positive, config_signature
 from .grpo.config import completion_rows
 
 __all__ = ["DistillationArgs", "DistillationConfig"]
@@ -107,4 +107,4 @@ class DistillationConfig(TrainingArguments):
             )
 
 
-DistillationConfig.__signature__ = _signature(DistillationConfig.GROUPS)  # type: ignore[attr-defined]
+DistillationConfig.__signature__ = config_signature(DistillationConfig.GROUPS)  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""The trainer kinds of a config (`trainer: sft | dpo | grpo | reward | distillation`): one registry, the kind's
+"""The trainer kinds of a config (`trainer: sft | dpo | grpo | rloo | reward | distillation`): one registry, the kind's
 name to its trainer class; each class names the arguments it takes (`arguments_class`) and its own inputs
 (`take_inputs`)."""
 
@@ -9,6 +9,7 @@ from typing import Any
 from .arguments import TrainingArguments
 from .distillation import DistillationTrainer
 from .dpo import DPOTrainer
+from .grpo.rloo import RLOOTrainer
 from .grpo.trainer import GRPOTrainer
 from .reward import RewardTrainer
 from .trainer import BaseTrainer, Trainer
@@ -17,13 +18,14 @@ KINDS: dict[str, type[BaseTrainer]] = {
     "sft": Trainer,
     "dpo": DPOTrainer,
     "grpo": GRPOTrainer,
+    "rloo": RLOOTrainer,
     "reward": RewardTrainer,
     "distillation": DistillationTrainer,
 }
 """The trainer class of each `trainer=` kind: `sft` (next-token training, the default), `dpo` (preference
-training), `grpo` (online RL with reward functions), `reward` (a reward model of preference pairs) or `distillation`
-(on-policy distillation of a teacher). A new kind
-is one entry here."""
+training), `grpo` (online RL with reward functions), `rloo` (REINFORCE leave-one-out, TRL's RLOO), `reward` (a
+reward model of preference pairs) or `distillation` (on-policy distillation of a teacher). A new kind is one entry
+here."""
 
 TRAINERS = tuple(KINDS)
 """The `trainer=` key's values."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, ClassVar
 
-from .arguments import TrainingArguments, _signature
+from .arguments import TrainingArguments, config_signature
 
 __all__ = ["PairArguments"]
 
@@ -45,7 +45,7 @@ class PairArguments(TrainingArguments):
         """The constructor's signature: every group's argument, with `max_length` for `max_sequence_length`."""
         return inspect.Signature(
             [
-                *(p for p in _signature(cls.GROUPS).parameters.values() if p.name != "max_sequence_length"),
+                *(p for p in config_signature(cls.GROUPS).parameters.values() if p.name != "max_sequence_length"),
                 inspect.Parameter("max_length", inspect.Parameter.KEYWORD_ONLY, default=cls.MAX_LENGTH, annotation=int),
             ]
         )

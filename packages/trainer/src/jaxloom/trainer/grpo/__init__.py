@@ -19,7 +19,8 @@ callable: `Rollouts.engine`.
 
 Modules: `config` (`GRPOConfig`, TRL's names), `loss` (the objective), `rewards` (reward functions and
 advantages), `rollouts` (the rollout stage), `tools` (tool calls in the rollouts, TRL's `tools=`), `environments`
-(TRL's `environment_factory`), `trainer` (`GRPOTrainer`). Names are loaded on first use, so that
+(TRL's `environment_factory`), `trainer` (`GRPOTrainer`), `rloo` (`RLOOTrainer`, `RLOOConfig`: TRL's RLOO on these
+rollouts). Names are loaded on first use, so that
 reading the config (`jaxloom config keys`, a run directory's settings) imports no trainer.
 """
 
@@ -40,6 +41,7 @@ _HOMES = {
         "load_reward_function",
         "reward_name",
     ),
+    "rloo": ("RLOOConfig", "RLOOTrainer", "rloo_advantages", "rloo_loss"),
     "rollouts": ("COMPLETION_BUCKET", "PROMPT_BUCKET", "PromptOrder", "Rollouts", "read_records", "row_buckets"),
     "trainer": ("GRPOTrainer",),
 }

@@ -7,7 +7,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..arguments import GROUPS, TrainingArguments, _Group, _positive, _signature
+from ..arguments import GROUPS, TrainingArguments, _Group, _positive, config_signature
+
+
+ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 class RLArgs(_Group):
@@ -48,6 +51,25 @@ class RLArgs(_Group):
     vespo_lambda_pos: float = Field(3.0, description="GRPO vespo: the gamma weight's decay for advantages >= 0")
     vespo_k_neg: float = Field(3.0, description="GRPO vespo: the gamma weight's power for advantages < 0")
     vespo_lambda_neg: float = Field(2.0, description="GRPO vespo: the gamma weight's decay for advantages < 0")
+    vllm_importance_sampling_correction: bool = Field(
+        False,
+        description="GRPO: weight each token's loss by exp(old - sampler) log-prob, as TRL corrects vLLM's samples "
+        "(here the in-process sampler's: bf16 sampling, staleness); off by default: the sampler is the trainer's model",
+    )
+    vllm_importance_sampling_mode: ISMode = Field(
+        "sequence_mask", description="GRPO: the correction per token or per sequence, truncated or masked (TRL's)"
+    )
+    vllm_importance_sampling_clip_max: float | None = Field(
+        3.0, description="GRPO: the correction's upper bound (truncate: clamp; mask: 0 above)"
+    )
+    vllm_importance_sampling_clip_min: float | None = Field(
+        None, description="GRPO: the correction's lower bound (truncate: clamp; mask: 0 below; None: none)"
+    )
+    off_policy_mask_threshold: float | None = Field(
+        None,
+        description="GRPO: drop a sequence with advantage < 0 whose mean (sampler - current) log-prob passes this "
+        "(DeepSeek-V3.2's off-policy mask, TRL's; None: off)",
+    )
     tools: tuple[str, ...] = Field(
         (), description="GRPO: functions the model may call, as dotted import paths (TRL's tools; Python callables too)"
     )
@@ -171,7 +193,9 @@ class GRPOConfig(TrainingArguments):
     `reward_funcs`, `reward_weights`, `num_generations`, `max_prompt_length`, `max_completion_length`,
     `temperature`, `top_p`, `top_k`, `beta`, `epsilon`, `epsilon_high`, `delta`, `num_iterations`, `loss_type` (TRL
     1.16's eight) with `sapo_temperature_pos`, `sapo_temperature_neg`, `vespo_k_pos`, `vespo_k_neg`,
-    `vespo_lambda_pos` and `vespo_lambda_neg`, `scale_rewards`,
+    `vespo_lambda_pos` and `vespo_lambda_neg`, the sampler's corrections (`vllm_importance_sampling_correction`,
+    `vllm_importance_sampling_mode`, `vllm_importance_sampling_clip_max`, `vllm_importance_sampling_clip_min`,
+    `off_policy_mask_threshold`: TRL's, applied to jaxloom's own sampler), `scale_rewards`,
     `mask_truncated_completions`, `ref_model`, `importance_sampling_level` (GSPO), `use_transformers_paged` (or
     jaxloom's `generation_backend="paged"`: rollouts through the paged `LLMEngine`), `tools` and
     `max_tool_calling_iterations` (tool calls in the rollouts), `environment_factory` and `rollout_func` (dotted paths
@@ -205,4 +229,4 @@ class GRPOConfig(TrainingArguments):
             )
 
 
-GRPOConfig.__signature__ = _signature(GRPOConfig.GROUPS)  # type: ignore[attr-defined]
+GRPOConfig.__signature__ = config_signature(GRPOConfig.GROUPS)  # type: ignore[attr-defined]

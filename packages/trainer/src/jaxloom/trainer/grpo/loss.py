@@ -128,6 +128,36 @@ def vespo_weights(log_ratio, mask, advantages, k_pos, lambda_pos, k_neg, lambda_
     return jax.lax.stop_gradient(phi)
 
 
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+"""TRL 1.16's `vllm_importance_sampling_mode`s: a ratio per token or per sequence, truncated or masked."""
+
+
+def sampler_correction(old, sampled, mask, mode: str, clip_min=None, clip_max=3.0):
+    """TRL 1.16's importance-sampling correction of the sampler (`vllm_importance_sampling_*`; here whatever
+    sampled the rows: the in-process or paged engine, in bf16, a step or more stale): `exp(old - sampled)` of the
+    completion tokens (`mask`), per token or (`sequence_*`) summed per sequence `[B, 1]`; `*_truncate` clamps it to
+    `[clip_min, clip_max]`, `*_mask` sets it to 0 outside. A NaN sampler log-prob gives ratio 1. Held constant."""
+    diff = jnp.nan_to_num((old - sampled) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = jnp.sum(diff, axis=-1, keepdims=True)
+    ratio = jnp.exp(diff)
+    if mode.endswith("truncate"):
+        ratio = jnp.clip(ratio, clip_min, clip_max)
+    else:
+        low = -jnp.inf if clip_min is None else clip_min
+        high = jnp.inf if clip_max is None else clip_max
+        ratio = jnp.where((ratio < low) | (ratio > high), 0.0, ratio)
+    return jax.lax.stop_gradient(ratio)
+
+
+def off_policy_mask(advantages, logp, sampled, mask, threshold: float):
+    """TRL 1.16's off-policy sequence mask (`off_policy_mask_threshold`, DeepSeek-V3.2's): `[B, 1]`, 1 where the
+    advantage is >= 0 or the sequence's mean `sampled - logp` over its tokens is at most `threshold`, else 0."""
+    kl = jnp.nan_to_num(sampled - jax.lax.stop_gradient(logp), nan=0.0)
+    mean = jnp.sum(kl * mask, axis=1, keepdims=True) / jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0)
+    return ((advantages[:, None] >= 0) | (mean <= threshold)).astype(mask.dtype)
+
+
 def aggregate(loss, mask, loss_type: str, max_completion_length: int):
     """`(summed loss, units)` of token losses `[B, T]` under `mask`: the step divides the sum over its
     micro-batches by the units once. grpo and sapo: each completion's mean, averaged over completions; bnpo, dapo,
@@ -172,6 +202,22 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
         sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
         vespo=vespo,
     )
+    corrected = rl.vllm_importance_sampling_correction or rl.off_policy_mask_threshold is not None
+    if corrected and SAMPLED not in batch:
+        raise ValueError("the sampler's corrections need its log-probs: an external rollout_engine gives none")
+    if rl.off_policy_mask_threshold is not None:  # TRL: with the sampler's log-probs, as with vLLM
+        keep = off_policy_mask(batch[ADV], logp, batch[SAMPLED][:, 1:], mask, rl.off_policy_mask_threshold)
+        loss = loss * keep
+    if rl.vllm_importance_sampling_correction and rl.loss_type != "vespo":
+        ratio = sampler_correction(
+            old,
+            batch[SAMPLED][:, 1:],
+            mask,
+            rl.vllm_importance_sampling_mode,
+            rl.vllm_importance_sampling_clip_min,
+            rl.vllm_importance_sampling_clip_max,
+        )
+        loss = loss * ratio
     total, units = aggregate(loss, mask, rl.loss_type, rl.max_completion_length)
     sums = {
         "units": units,

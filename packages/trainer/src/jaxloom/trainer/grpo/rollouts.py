@@ -479,11 +479,13 @@ class Rollouts(Batches):
 
     def layout(self, rows: dict[str, np.ndarray], sampled: np.ndarray | None) -> dict[str, jax.Array]:
         """A rollout's host rows (`sample`) as the train step's global batch `[1, B, ...]`: the tokens, the
-        advantages, the old and reference log-probs (computed now when `num_iterations > 1` / `beta > 0`) and the
-        sampler's log-probs at their tokens' columns."""
+        scores of each row (the advantages; RLOO's rewards), the old and reference log-probs (computed now when
+        `num_iterations > 1` / `beta > 0`) and the sampler's log-probs at their tokens' columns."""
         rl, width = self.rl, int(rows["width"])
         batch = {k: self._put(rows[k][None]) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
-        batch[ADV] = self._put(rows[ADV][None])
+        for key, (shape, _) in self.spec.extra.items():  # one value per row: the advantage (RLOO: the reward)
+            if shape == () and key in rows:
+                batch[key] = self._put(rows[key][None])
         b, length = rows["input_ids"].shape
         zeros = np.zeros((1, b, length), np.float32)
         batch[OLD] = self.policy.logps(batch, reference=False) if rl.num_iterations > 1 else self._put(zeros)

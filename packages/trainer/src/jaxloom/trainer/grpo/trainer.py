@@ -29,9 +29,10 @@ from .rollouts import Policy, Rollouts
 log = logging.getLogger("jaxloom.trainer")
 
 
-def rollouts(trainer: Any) -> Rollouts:
-    """GRPO's batches component: rollouts of the policy from the prompts, scored by the reward functions."""
-    return Rollouts(
+def rollouts(trainer: Any, kind: type[Rollouts] = Rollouts) -> Rollouts:
+    """GRPO's batches component: rollouts of the policy from the prompts, scored by the reward functions (`kind`:
+    the rollout stage's class, a kind that scores otherwise gives its own)."""
+    return kind(
         trainer.arguments,
         trainer.data_spec(),
         **data_inputs(trainer),
