@@ -75,6 +75,8 @@ PARALLEL = {"models", "state", "generation", "trainer", parts.META}
 # in seconds): one worker more than the cores. The meta target kept 2 cores 74 % busy with a worker per core.
 WAITING = {parts.META}
 XDIST = "pytest-xdist>=3.5"
+# Each target's slowest cases, printed at its end: the suite's time (35 minutes at most) is watched case by case.
+DURATIONS = ["--durations=15", "--durations-min=10"]
 # Targets with cases marked `alone` (pyproject's markers): run after the rest, without xdist.
 ALONE = {parts.META}
 # DPOTrainer's numbers are compared with TRL's DPOTrainer (test-only; installed next to the local CPU torch).
@@ -202,10 +204,10 @@ def tests(session: nox.Session, target: str) -> None:
             workers = ["-n", str(count), "--dist", "worksteal"]
         env = test_env(session, target)
         if workers and target in ALONE:  # the cases marked `alone` after the others, with no worker beside them
-            session.run("pytest", *paths, *skip, *workers, "-m", "not alone", *session.posargs, env=env)
+            session.run("pytest", *paths, *skip, *workers, *DURATIONS, "-m", "not alone", *session.posargs, env=env)
             session.run("pytest", *paths, *skip, "-m", "alone", *session.posargs, env=env)
         else:
-            session.run("pytest", *paths, *skip, *workers, *session.posargs, env=env, success_codes=[0, 5])
+            session.run("pytest", *paths, *skip, *workers, *DURATIONS, *session.posargs, env=env, success_codes=[0, 5])
     if target == parts.META:
         typed()
     session.log(f"tests({target}) took {time.perf_counter() - start:.1f} s")

@@ -277,6 +277,8 @@ def main() -> None:
     results["rollouts"] = run_process([str(HERE / "rollout_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # The paged engine (issue 71): a long-tail mix vs a uniform one, 256 requests through 64 slots, a tool turn
     results["engine"] = run_process([str(HERE / "engine_rows.py")], {"JAX_PLATFORMS": "cpu"})
+    # User code in rollouts (issue 78): a tool turn's rows concurrently, async reward functions concurrently
+    results["usercode"] = run_process([str(HERE / "usercode_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Scanned layers at the speed of unrolled ones: an 18-layer Llama, defaults vs scan_layers=false vs scan_unroll=1
     results["scan"] = run_process([str(HERE / "scan_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Each model family's training step at about Llama's parameter count, in tokens/s relative to Llama's
@@ -334,6 +336,32 @@ def engine_rows(e: dict) -> list[tuple[str, str, str, str]]:
             f"= {t['tool_tokens'] + 1}",
         ),
     ]
+
+
+def usercode_rows(u: dict) -> list[tuple[str, str, str, str]]:
+    """User code in rollouts: a tool turn's wall time, rows concurrently vs one at a time; two async judges."""
+    if not u:
+        return []
+    rows = []
+    for n, t in sorted(u["tools"].items(), key=lambda kv: int(kv[0])):
+        rows.append(
+            (
+                f"tool turn of {n} rows, each call waits {u['tool_wait_s']} s: s, concurrently / one row at a time",
+                f"{t['turn_s']:.2f} / {t['one_row_at_a_time_s']:.2f}",
+                f"{t['speedup']:.1f}",
+                "",
+            )
+        )
+    j = u["judges"]
+    rows.append(
+        (
+            "two async reward functions waiting 1 s each: s, concurrently / one after the other",
+            f"{j['concurrent_s']:.2f} / {j['one_after_the_other_s']:.2f}",
+            f"{j['speedup']:.1f}",
+            "",
+        )
+    )
+    return rows
 
 
 def grpo_rows(g: dict) -> list[tuple[str, str, str, str]]:
@@ -838,6 +866,7 @@ def table(r: dict) -> str:
             ),
         ]
     rows += engine_rows(r.get("engine") or {})
+    rows += usercode_rows(r.get("usercode") or {})
     p = r.get("peft")
     if p:
         rows.append(
