@@ -257,7 +257,8 @@ def test_the_cli_lists_and_shows_its_settings(tmp_path, capsys):
     assert "beta: float = 0.1  DPO" in keys and "beta: float = 1.0  distillation" in keys
     assert (keys.count("[dpo]"), keys.count("[grpo]"), keys.count("[distillation]")) == (3, 8, 6)
     assert "# distillation (trainer=distillation only" in keys
-    assert "# rl (trainer=grpo only" in keys and "# preference (trainer=dpo only" in keys
+    assert "# rl (trainer=grpo and rloo" in keys and "# preference (trainer=dpo only" in keys
+    assert "normalize_advantages: bool = False" in keys and "[rloo]" in keys
     # what config keys left out or claimed wrongly (issue 42): the pretrained model, TRL's names, the --ray keys
     assert "model.from_pretrained: str = None  a local Hugging Face model directory" in keys and "HUB_ID" not in keys
     assert "max_length: the same as max_sequence_length" in keys and "max_steps: the same as max_training_steps" in keys

@@ -284,6 +284,32 @@ def calls_block(prompts, trainer):
 
 def length(prompts, completions, **kwargs):
     return [float(len(c)) for c in completions]
+
+
+def told(prompts, completions, **kwargs):
+    """Fails as the file FAIL says, from its second call on: nan, hang."""
+    calls = int(open("calls").read()) if os.path.exists("calls") else 0
+    open("calls", "w").write(str(calls + 1))
+    how = open("FAIL").read().strip() if calls >= 1 and os.path.exists("FAIL") else ""
+    if how == "hang":
+        threading.Event().wait()
+    return [float("nan") if how == "nan" else 0.5 + 0.1 * (i % 2) for i in range(len(completions))]
+
+
+class Lookup:
+    def reset(self, **row):
+        return fetch(row["prompt"])
+
+    def get_reward(self):
+        return 1.0
+
+
+def fetch(prompt):
+    raise ConnectionError("no route to the environment's host")
+
+
+def my_rollout(prompts, trainer):
+    return fetch(prompts[0])
 '''
 TINY = [
     "trainer=grpo", "num_generations=2", "total_batch_size=8", "model.hidden_size=32", "model.intermediate_size=64",
@@ -351,3 +377,47 @@ def test_eight_rows_whose_tool_blocks_for_ever_from_the_command_line(tmp_path):
     assert len(steps) == 2, rows
     assert all(r["train/tools/failure_frequency"] == 1.0 and r["train/tools/call_frequency"] == 1.0 for r in steps)
     assert all(r["train/time/tools_s"] < 1 + 1.0 for r in steps)  # the 1 s limit once, not 8 × 1 s
+
+
+@pytest.mark.parametrize(
+    ("case", "argv", "closing"),
+    [
+        ("nan", ["reward_funcs=user_rewards.told"], "RewardError: reward function told returned nan for completion 0"),
+        (
+            "hang",
+            ["reward_funcs=user_rewards.told", "reward_timeout=2"],
+            "RewardTimeoutError: reward function told did not return within reward_timeout = 2 s",
+        ),
+        (
+            "reset",
+            ["environment_factory=user_rewards.Lookup", "data.tokenizer=tokenizer", "max_sequence_length=null"],
+            "EnvironmentCallError: environment Lookup.reset raised on dataset_train record",
+        ),
+        (
+            "rollout_func",
+            ["rollout_func=user_rewards.my_rollout", "reward_funcs=user_rewards.length"],
+            "RolloutFuncError: rollout_func my_rollout raised on this step's",
+        ),
+    ],
+    ids=["nan", "hang", "reset", "rollout_func"],
+)
+def test_each_kind_of_user_code_fails_in_its_own_frames_from_the_command_line(tmp_path, case, argv, closing):
+    """A reward's NaN and its hang (cut by `reward_timeout`: where it waited is shown), an environment's `reset` and a
+    `rollout_func` that raise: exit 1, the user's frames and the closing line on stderr, none of jaxloom's frames."""
+    (tmp_path / "user_rewards.py").write_text(USER_MODULE)
+    (tmp_path / "FAIL").write_text(case)
+    records = [{"prompt": f"say w{i}:"} for i in range(16)]
+    if case == "reset":  # an environment's rows are chats, rendered by a template that renders tools
+        chat_tokenizer().save_pretrained(tmp_path / "tokenizer")
+        records = [{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in records]
+        argv = [*argv, "model.max_position_embeddings=512"]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    failed = jaxloom(tmp_path, "data.train=p.jsonl", "max_completion_length=8", "max_training_steps=3", *argv)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    err = failed.stderr
+    assert "Traceback (most recent call last)" not in err and "jaxloom/trainer" not in err, err
+    lines = err[err.index("jaxloom: error: ") :].splitlines()
+    assert lines[0].startswith(f"jaxloom: error: {closing}"), lines[0]
+    assert lines[1].startswith("jaxloom: training stopped during step") or case in ("reset", "rollout_func"), lines
+    files = {line.split('"')[1] for line in err.splitlines() if line.strip().startswith('File "')}
+    assert files == {str(tmp_path / "user_rewards.py")}, err
