@@ -24,7 +24,7 @@ def dropout_key(key: jax.Array | None) -> Iterator[None]:
     """Within it (the train step's forward, traced), adapters with `dropout > 0` drop their input with that
     probability (PEFT's `lora_dropout`, inverted scaling), each layer's mask drawn from `key` folded with the
     layer's path (and, in a scanned stack, its index: `dropout_layer`); outside it they never drop (evaluation,
-    generation, the rollouts' log-probs: PEFT's `model.eval()`). None: no dropout."""
+    generation, the rollouts' log-probs: PEFT's evaluation mode). None: no dropout."""
     token = _DROPOUT_KEY.set(key)
     try:
         yield
