@@ -639,3 +639,12 @@ def test_the_samplers_correction_takes_effect_in_a_run(tmp_path):
     grpo_trainer(tmp_path / "off", max_training_steps=1).train()
     masked, plain = rows(tmp_path / "on")[0], rows(tmp_path / "off")[0]
     assert masked["train/grad_norm"] == 0 and plain["train/grad_norm"] > 0
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction correct the sampler by its log-probs"):
+        GRPOTrainer(  # an external engine records no log-probs: refused when the trainer is made
+            grpo_args(tmp_path / "engine", **on),
+            model=jm.create_model(tiny(), lazy=True),
+            dataset_train=RECORDS,
+            processing_class=TOK,
+            reward_funcs=[letter_e],
+            rollout_engine=lambda prompt, mask, key: (prompt, mask),
+        )

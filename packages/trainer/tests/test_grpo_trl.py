@@ -20,7 +20,11 @@ from jaxloom.trainer.grpo.loss import LOSS_TYPES  # noqa: E402
 PROMPT = "Count the letters:"
 # the completion of each row of a step (two prompts × four completions), of 3 to 8 tokens, none an end id
 COMPLETIONS = [[11 + (7 * r + 3 * i) % 60 for i in range(3 + (r * 5) % 6)] for r in range(8)]
-SETTINGS = {"cispo": {"epsilon_high": 5.0}, "luspo": {"importance_sampling_level": "sequence"}}
+SETTINGS = {  # each loss with a setting of its own changed where it acts at step 1
+    "cispo": {"epsilon_high": 5.0},
+    "luspo": {"importance_sampling_level": "sequence"},
+    "sapo": {"sapo_temperature_neg": 2.0},
+}
 
 
 def rollout(prompts, trainer):
@@ -157,10 +161,14 @@ def jaxloom_rloo_step_one(model_dir, settings, tmp_path) -> dict[str, float]:
     return {k.removeprefix("train/"): v for k, v in row.items()}
 
 
-@pytest.mark.parametrize("settings", [{}, {"normalize_advantages": True, "beta": 0.0}], ids=["defaults", "normalized"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"normalize_advantages": True, "beta": 0.0, "reward_clip_range": (0.0, 12.0)}],
+    ids=["defaults", "normalized-clipped"],
+)
 def test_rloo_step_one_equals_trls(model_dir, settings, tmp_path):
-    """TRL's RLOO defaults (`beta` 0.05: the reference held, its KL a reward penalty) and normalised advantages
-    without a reference: the step-1 loss, gradient norm and TRL's reward metrics agree."""
+    """TRL's RLOO defaults (`beta` 0.05: the reference held, its KL a reward penalty), and normalised advantages of
+    clipped rewards without a reference: the step-1 loss, gradient norm and TRL's reward metrics agree."""
     theirs = trl_rloo_step_one(model_dir, settings, tmp_path)
     ours = jaxloom_rloo_step_one(model_dir, settings, tmp_path)
     assert theirs["grad_norm"] > 0

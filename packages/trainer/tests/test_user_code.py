@@ -421,3 +421,19 @@ def test_each_kind_of_user_code_fails_in_its_own_frames_from_the_command_line(tm
     assert lines[1].startswith("jaxloom: training stopped during step") or case in ("reset", "rollout_func"), lines
     files = {line.split('"')[1] for line in err.splitlines() if line.strip().startswith('File "')}
     assert files == {str(tmp_path / "user_rewards.py")}, err
+
+
+def test_tool_workers_sizes_the_runs_threads_and_the_setting_is_checked():
+    import jaxloom.models as jm
+    from jaxloom.trainer import GRPOConfig, GRPOTrainer
+
+    from util import tiny
+
+    args = GRPOConfig(num_generations=2, total_batch_size=4, max_completion_length=8, tool_workers=3)
+    trainer = GRPOTrainer(
+        args, model=jm.create_model(tiny(), lazy=True), processing_class=chat_tokenizer(), tools=[block],
+        reward_funcs=[raises], dataset_train=[{"prompt": [{"role": "user", "content": "hi"}]}] * 4,
+    )  # fmt: skip
+    assert trainer.tool_set.workers.size == 3
+    with pytest.raises(ValueError, match="tool_workers = 0; expected a positive finite number"):
+        GRPOConfig(num_generations=2, total_batch_size=4, tool_workers=0)

@@ -156,6 +156,7 @@ def functions(trainer: Any, frozen: Any = None) -> StepFunctions:
         aux_loss_coef=getattr(plan.config, "router_aux_loss_coef", 0.0),
         router_bias_update_rate=a.router_bias_update_rate,
         skip_nonfinite=a.nan_policy == "skip",
+        dropout=bool(plan.lora is not None and plan.lora.dropout),
         schedule=plan.schedule,
         objective=trainer.objective(),
     )

@@ -165,9 +165,10 @@ class Objective:
 class StepConfig:
     """The train step's static settings: `z_loss` weight, MoE `aux_loss_coef` and `router_bias_update_rate` (how
     far a bias-balanced router's `e_score_correction_bias` moves after each step, toward equal loads),
-    `skip_nonfinite` (keep the old parameters when loss or gradients are not finite), the learning-rate
-    `schedule` (for the logged learning rate), the `objective` (default: next-token cross entropy), and for
-    that objective's fused output projection `loss_block_size` (positions per data shard in a block; 0: whole
+    `skip_nonfinite` (keep the old parameters when loss or gradients are not finite), `dropout` (the model drops in
+    training — LoRA's `lora_dropout`: the step keys it; off, the step's program has no dropout at all), the
+    learning-rate `schedule` (for the logged learning rate), the `objective` (default: next-token cross entropy),
+    and for that objective's fused output projection `loss_block_size` (positions per data shard in a block; 0: whole
     logits) and `data_shards` (how many ways the batch rows are split). `frozen` is None when the steps are built:
     a kind whose objective reads a model it does not train (distillation's teacher) has its steps take it as their
     first argument (`StepFunctions.build(frozen=...)`), and the step sets it here for the objective."""
@@ -178,6 +179,7 @@ class StepConfig:
     aux_loss_coef: float = 0.0  # MoE load balancing (router_aux_loss_coef)
     router_bias_update_rate: float = 0.0  # DeepSeek-V3's aux-loss-free balancing: bias step per train step
     skip_nonfinite: bool = False  # nan_policy="skip": keep the old params when loss/grads are not finite
+    dropout: bool = False  # the model drops in training (lora_dropout > 0): the step sets its key
     schedule: Callable | None = None
     objective: Objective = Objective()
     frozen: Any = None  # what the objective reads and never trains (distillation's teacher), set inside the step
@@ -191,10 +193,10 @@ def train_step(state: TrainState, batch, cfg: StepConfig):
     batch = dict(batch)
     stop = batch.pop(STOP_KEY, None)
     objective = cfg.objective
-    dropout = jax.random.fold_in(jax.random.fold_in(state.rng, DROPOUT_STREAM), state.step)
+    dropout = jax.random.fold_in(jax.random.fold_in(state.rng, DROPOUT_STREAM), state.step) if cfg.dropout else None
 
     def loss_fn(p, mb, index=0):  # LoRA's dropout (training only) keyed by the step and the micro-batch
-        with dropout_key(jax.random.fold_in(dropout, index)):
+        with dropout_key(None if dropout is None else jax.random.fold_in(dropout, index)):
             return objective.loss(state, p, mb, cfg)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)

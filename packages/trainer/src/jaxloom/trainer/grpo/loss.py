@@ -202,9 +202,6 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
         sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
         vespo=vespo,
     )
-    corrected = rl.vllm_importance_sampling_correction or rl.off_policy_mask_threshold is not None
-    if corrected and SAMPLED not in batch:
-        raise ValueError("the sampler's corrections need its log-probs: an external rollout_engine gives none")
     if rl.off_policy_mask_threshold is not None:  # TRL: with the sampler's log-probs, as with vLLM
         keep = off_policy_mask(batch[ADV], logp, batch[SAMPLED][:, 1:], mask, rl.off_policy_mask_threshold)
         loss = loss * keep
@@ -231,11 +228,27 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
     if rl.loss_type == "vespo":  # TRL's `vespo/phi_seq_mean`: the weights' mean over completion tokens
         phi = vespo_weights(logp - old, mask, batch[ADV], *vespo)
         sums["phi_sum"] = jnp.sum(phi * mask)
-    if SAMPLED in batch:
-        diff = jnp.abs(jax.lax.stop_gradient(logp) - batch[SAMPLED][:, 1:]) * mask
-        sums["logprob_diff_sum"] = jnp.sum(diff)
-        sums["logprob_diff_max"] = jnp.max(diff)  # one micro-batch a step (GRPO): the step's maximum
-    return total, sums
+    return total, {**sums, **sampler_sums(logp, batch, mask)}
+
+
+def sampler_sums(logp, batch, mask) -> dict:
+    """With the sampler's log-probs in the batch (`SAMPLED`): the sums of how far the training forward's log-probs
+    of the completion tokens are from them (`sampler_metrics` reads them); else nothing."""
+    if SAMPLED not in batch:
+        return {}
+    diff = jnp.abs(jax.lax.stop_gradient(logp) - batch[SAMPLED][:, 1:]) * mask
+    # one micro-batch a step (GRPO, RLOO): the step's maximum
+    return {"logprob_diff_sum": jnp.sum(diff), "logprob_diff_max": jnp.max(diff)}
+
+
+def sampler_metrics(sums, tokens) -> dict:
+    """`sampling/logprob_diff/mean` (over `tokens`) and `/max` of `sampler_sums`' sums, when there are any."""
+    if "logprob_diff_sum" not in sums:
+        return {}
+    return {
+        "sampling/logprob_diff/mean": sums["logprob_diff_sum"] / tokens,
+        "sampling/logprob_diff/max": sums["logprob_diff_max"],
+    }
 
 
 def grpo_metrics(sums):
@@ -249,7 +262,4 @@ def grpo_metrics(sums):
         out["cispo_clip_ratio"] = sums["cispo_clipped"] / n
     if "phi_sum" in sums:
         out["vespo/phi_seq_mean"] = sums["phi_sum"] / n
-    if "logprob_diff_sum" in sums:
-        out["sampling/logprob_diff/mean"] = sums["logprob_diff_sum"] / n
-        out["sampling/logprob_diff/max"] = sums["logprob_diff_max"]
-    return out
+    return {**out, **sampler_metrics(sums, n)}

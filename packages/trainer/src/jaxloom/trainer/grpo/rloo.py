@@ -31,7 +31,7 @@ from ..batches import DataSpec
 from ..components import part
 from ..step import Objective, StepConfig
 from .config import GRPOConfig, RLArgs
-from .loss import OLD, REF, SAMPLED, token_logps
+from .loss import OLD, REF, sampler_metrics, sampler_sums, token_logps
 from .rewards import call_reward, concurrently, is_async, reward_name
 from .rollouts import Rollouts
 from .trainer import GRPOTrainer, rollouts
@@ -137,11 +137,7 @@ def rloo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
         "clipped": jnp.sum(bound.astype(jnp.float32)),
         "entropy_sum": jnp.sum(jax.lax.stop_gradient(entropy) * mask),
     }
-    if SAMPLED in batch:
-        diff = jnp.abs(jax.lax.stop_gradient(logp) - batch[SAMPLED][:, 1:]) * mask
-        sums["logprob_diff_sum"] = jnp.sum(diff)
-        sums["logprob_diff_max"] = jnp.max(diff)
-    return jnp.sum(loss), sums
+    return jnp.sum(loss), {**sums, **sampler_sums(logp, batch, mask)}
 
 
 def rloo_metrics(sums):
@@ -153,10 +149,7 @@ def rloo_metrics(sums):
         "entropy": sums["entropy_sum"] / n,
         "clip_ratio/region_mean": sums["clipped"] / jnp.maximum(sums["rows"], 1.0),
     }
-    if "logprob_diff_sum" in sums:
-        out["sampling/logprob_diff/mean"] = sums["logprob_diff_sum"] / n
-        out["sampling/logprob_diff/max"] = sums["logprob_diff_max"]
-    return out
+    return {**out, **sampler_metrics(sums, n)}
 
 
 # ---- the components it changes ------------------------------------------------------------------------------
@@ -178,11 +171,9 @@ class RLOORollouts(Rollouts):
         unscorable = np.isnan(per_func).all(axis=1)
         rewards = np.nansum(per_func * np.asarray(weights)[None], axis=1)
         rewards[unscorable] = np.nan
-        if rl.reward_clip_range is not None:
-            rewards = np.clip(rewards, *rl.reward_clip_range)
-        grouped = rewards.reshape(-1, rl.num_generations)
-        std = np.nanstd(grouped, axis=1, ddof=1)
-        metrics = {
+        trained = rewards if rl.reward_clip_range is None else np.clip(rewards, *rl.reward_clip_range)
+        std = np.nanstd(trained.reshape(-1, rl.num_generations), axis=1, ddof=1)
+        metrics = {  # TRL logs the rewards as the functions gave them, before the clip
             "reward": float(np.nanmean(rewards)),
             "reward_std": float(np.nanstd(rewards, ddof=1)),
             "frac_reward_zero_std": float(np.mean(np.isclose(std, 0.0))),
@@ -190,7 +181,7 @@ class RLOORollouts(Rollouts):
             **{f"rewards/{reward_name(f)}/std": float(np.nanstd(per_func[:, j], ddof=1)) for j, f in enumerate(funcs)},
             "time/reward_s": time.perf_counter() - started,
         }
-        return {REWARDS: rewards.astype(np.float32)}, metrics
+        return {REWARDS: trained.astype(np.float32)}, metrics
 
 
 def rloo_rollouts(trainer: Any) -> RLOORollouts:

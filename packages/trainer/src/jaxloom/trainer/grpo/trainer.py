@@ -126,6 +126,13 @@ class GRPOTrainer(BaseTrainer):
             )
         if self._rollout_spec is not None and rollout_engine is not None:
             raise ValueError("rollout_func and rollout_engine both replace the generation: give one")
+        corrections = ["vllm_importance_sampling_correction"] if rl.vllm_importance_sampling_correction else []
+        corrections += ["off_policy_mask_threshold"] if rl.off_policy_mask_threshold is not None else []
+        if corrections and rollout_engine is not None:
+            raise ValueError(
+                f"{' and '.join(corrections)} correct the sampler by its log-probs, which a rollout_engine does not "
+                "give; drop them, or sample in process"
+            )
 
     batches = part(rollouts)  # type: ignore[assignment]
 
