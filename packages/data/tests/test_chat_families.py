@@ -91,6 +91,40 @@ def test_a_pairs_margin_column_is_read_per_row_and_checked(tmp_path):
     assert next(iter(skipping))["margin"][0, 0] == 1.0
 
 
+def test_unpaired_preference_records_carry_their_label_and_tokenize_as_pairs_do(tmp_path):
+    """`label_column` (TRL's KTO data): each row is prompt + completion, masked on the completion as a pair's
+    sequence is (the same tokens as the chosen side of the same pair), with `label [rows, 1]` 1.0/0.0; a label that
+    is not a boolean, or a chosen/rejected pair, is a bad record naming its line; chat records render as pairs do."""
+    tok = jd.load_processor()
+    records = [{"prompt": "say", "completion": c, "label": lab} for c, lab in ((" yes", True), (" no", False))]
+    config = jd.DataConfig(max_sequence_length=16, batch_size=2, packing=False, label_column="label", shuffle=False)
+    batch = next(iter(jd.DataLoader(records, tok, config)))
+    assert batch["label"].tolist() == [[1.0], [0.0]]
+    pair = {"prompt": "say", "chosen": " yes", "rejected": " no"}
+    chosen, chosen_mask, rejected, rejected_mask = jd.tokenize_pair(pair, tok, dataclasses.replace(config, pairs=True))
+    for row, (ids, mask) in enumerate(((chosen, chosen_mask), (rejected, rejected_mask))):
+        n = len(ids)
+        assert batch["input_ids"][row, :n].tolist() == ids.tolist()
+        assert batch["loss_mask"][row, :n].tolist() == mask.tolist() and not batch["segment_ids"][row, n:].any()
+    chat = [
+        {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}
+        | {"label": True}
+    ]
+    ids, mask, label = jd.tokenize_labelled(chat[0], tok, config)
+    assert label == 1.0 and 0 < mask.sum() < len(ids) and mask[-1] == 1
+    bad = tmp_path / "kto.jsonl"
+    lines = ['{"prompt": "a", "completion": " b", "label": true}', '{"prompt": "a", "completion": " b", "label": 1}']
+    lines.append('{"prompt": "a", "chosen": " b", "rejected": " c", "label": true}')
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"kto.jsonl:2.*label = 1; expected true"):
+        next(iter(jd.DataLoader(str(bad), tok, dataclasses.replace(config, batch_size=2))))
+    bad.write_text(lines[0] + "\n" + lines[2] + "\n")
+    with pytest.raises(ValueError, match=r"kto.jsonl:2.*a preference pair"):
+        next(iter(jd.DataLoader(str(bad), tok, dataclasses.replace(config, batch_size=2))))
+    with pytest.raises(ValueError, match="label_column = 'label' needs packing=False"):
+        jd.DataLoader(records, tok, dataclasses.replace(config, packing=True))
+
+
 ADD_TOOL = {
     "type": "function",
     "function": {

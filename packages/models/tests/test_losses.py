@@ -217,6 +217,21 @@ def test_soft_capped_logits_values_gradients_and_log_probs(blocks):
     np.testing.assert_allclose(d, ref_grads[0], rtol=1e-5, atol=1e-5)
 
 
+def test_linear_log_probs_entropy_sums_the_entropies_of_the_weighted_positions():
+    """`linear_log_probs(..., entropy=True)`: a third per-row sum, Σ weight · H(softmax(z)), in blocks as whole."""
+    hidden, kernel, targets, weight = inputs(5)
+    logits = hidden @ kernel
+    logp_all = jax.nn.log_softmax(logits)
+    expected = jnp.sum(weight * -jnp.sum(jnp.exp(logp_all) * logp_all, -1), -1)
+    for blocks in (1, 4):
+        logp, mean_logit, entropy = jm.linear_log_probs(hidden, kernel, targets, weight, blocks=blocks, entropy=True)
+        np.testing.assert_allclose(entropy, expected, rtol=1e-5)
+        plain = jm.linear_log_probs(hidden, kernel, targets, weight, blocks=blocks)
+        assert len(plain) == 2
+        np.testing.assert_allclose(logp, plain[0], rtol=1e-6)
+        np.testing.assert_allclose(mean_logit, plain[1], rtol=1e-6)
+
+
 def jsd_reference(zs, zt, weight, beta, temperature):
     """TRL 1.16's generalized JSD and the student's entropy, in float64 numpy, from the logits."""
     zs, zt = np.asarray(zs, np.float64) / temperature, np.asarray(zt, np.float64) / temperature

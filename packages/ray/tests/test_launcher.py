@@ -208,25 +208,36 @@ def test_placement_needs_and_ray_train_names():
         ScalingConfig(placement_strategy="EVERYWHERE")
 
 
-def test_cli_dpo_with_ray_two_workers(ray_cluster, tmp_path, capsys):
-    """Preference training through the same front door: `trainer=dpo` runs as a 2-worker gang."""
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_cli_preference_kinds_with_ray_two_workers(ray_cluster, tmp_path, capsys, kind):
+    """Preference training through the same front door: `trainer=dpo` (pairs) and `trainer=kto` (unpaired
+    thumbs up/down records; the KL term pairs records within each micro-batch across both workers' rows) run as a
+    2-worker gang."""
     from jaxloom.trainer.cli import main
 
     pairs = tmp_path / "pairs.jsonl"
     words = ["red", "blue", "green", "cat", "dog", "sun"]
-    lines = [
-        json.dumps({"prompt": f"say {w}:", "chosen": f" {w}", "rejected": f" {words[(i + 1) % len(words)]}"})
-        for i, w in enumerate(words * 4)
-    ]
-    pairs.write_text("\n".join(lines) + "\n")
-    argv = ["train", *TINY_OVERRIDES, "trainer=dpo", f"data.train={pairs}", "beta=0.1", "max_length=16"]
-    argv += ["max_training_steps=2", "save_directory=dpo", "--ray", "num_workers=2", f"storage_path={tmp_path}"]
+    if kind == "dpo":
+        records = [
+            {"prompt": f"say {w}:", "chosen": f" {w}", "rejected": f" {words[(i + 1) % len(words)]}"}
+            for i, w in enumerate(words * 4)
+        ]
+    else:
+        records = [
+            {"prompt": f"say {w}:", "completion": f" {words[(i + i % 2) % len(words)]}", "label": i % 2 == 0}
+            for i, w in enumerate(words * 4)
+        ]
+    pairs.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    argv = ["train", *TINY_OVERRIDES, f"trainer={kind}", f"data.train={pairs}", "beta=0.1", "max_length=16"]
+    argv += ["max_training_steps=2", f"save_directory={kind}", "--ray", "num_workers=2", f"storage_path={tmp_path}"]
     rc = main(argv)
     out = capsys.readouterr().out
     summary = json.loads(out[out.index("{\n") :])
     assert rc == 0 and summary["attempts"] == 1 and summary["step"] == 2
     assert "rewards/margins" in summary["final"] and "logps/chosen" in summary["final"]
-    assert json.loads((tmp_path / "dpo" / "run_config.json").read_text())["trainer"] == "dpo"
+    if kind == "kto":
+        assert "kl" in summary["final"]
+    assert json.loads((tmp_path / kind / "run_config.json").read_text())["trainer"] == kind
 
 
 def test_cli_distillation_with_ray_two_workers(ray_cluster, tmp_path, capsys):

@@ -213,17 +213,19 @@ def test_one_constructor_and_one_registry_for_every_trainer_kind():
     config reader use."""
     import inspect
 
-    from jaxloom.trainer import DistillationConfig, DistillationTrainer, DPOConfig, DPOTrainer, RewardConfig
+    from jaxloom.trainer import DistillationConfig, DistillationTrainer, DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+    from jaxloom.trainer import RewardConfig
     from jaxloom.trainer import RewardTrainer, compose, kinds
     from jaxloom.trainer.grpo import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    for cls in (Trainer, DPOTrainer, GRPOTrainer, RLOOTrainer, RewardTrainer, DistillationTrainer):
+    for cls in (Trainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer, RewardTrainer, DistillationTrainer):
         assert "__init__" not in vars(cls)
     assert compose.KINDS is kinds.KINDS
-    assert kinds.TRAINERS == ("sft", "dpo", "grpo", "rloo", "reward", "distillation")
+    assert kinds.TRAINERS == ("sft", "dpo", "kto", "grpo", "rloo", "reward", "distillation")
     assert {k: c.arguments_class for k, c in kinds.KINDS.items()} == {
         "sft": TrainingArguments,
         "dpo": DPOConfig,
+        "kto": KTOConfig,
         "grpo": GRPOConfig,
         "rloo": RLOOConfig,
         "reward": RewardConfig,

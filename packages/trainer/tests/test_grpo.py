@@ -72,7 +72,7 @@ def reference_loss(logp, old, ref, adv, mask, beta, lo, hi, loss_type, max_len, 
     else:
         capped = ratio if delta is None else np.minimum(ratio, delta)
         loss = -np.minimum(capped * a, np.clip(ratio, 1 - lo, 1 + hi) * a)
-    loss = loss + beta * (np.exp(ref - logp) - (ref - logp) - 1)
+    loss = loss + beta * (np.exp(ref - logp) - (ref - logp) - 1) * ratio  # use_bias_correction_kl, TRL's default
     if loss_type in ("grpo", "sapo"):
         return np.mean((loss * mask).sum(1) / np.maximum(mask.sum(1), 1))
     if loss_type == "dr_grpo":
@@ -110,6 +110,34 @@ def test_each_loss_type_equals_a_numpy_reference(loss_type, level):
         total, units = aggregate(loss, jnp.asarray(mask), loss_type, t)
         want = reference_loss(logp, old, ref, adv, mask, 0.04, 0.2, hi, loss_type, t, level, delta)
         np.testing.assert_allclose(float(total / units), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("correction", [True, False])
+def test_the_kl_bias_correction_gives_trls_gradient(correction):
+    """`use_bias_correction_kl` (TRL 1.16's default on): the k3 KL weighted by the importance ratio changes the KL's
+    gradient even on-policy, where the ratio is 1 — the gradient of jaxloom's loss equals TRL's formula's, written
+    in torch as TRL's `_compute_loss` writes it (`per_token_kl * coef_1`, `coef_1 = exp(logp - old)`); off, the
+    plain k3 gradient."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    logp, ref = (rng.normal(-2, 0.5, (3, 7)).astype(np.float32) for _ in range(2))
+    adv = rng.normal(0, 1, 3).astype(np.float32)
+    mask = (rng.random((3, 7)) > 0.2).astype(np.float32)
+
+    def ours(lp):
+        loss, _, _ = per_token_loss(lp, jax.lax.stop_gradient(lp), jnp.asarray(ref), jnp.asarray(adv), beta=0.5,
+                                    epsilon_low=0.2, epsilon_high=0.2, mask=jnp.asarray(mask), loss_type="bnpo",
+                                    bias_correction_kl=correction)  # fmt: skip
+        return jnp.sum(loss * mask) / mask.sum()
+
+    lp = torch.tensor(logp, requires_grad=True)
+    r, a, m = torch.tensor(ref), torch.tensor(adv)[:, None], torch.tensor(mask)
+    coef_1 = torch.exp(lp - lp.detach())
+    per_token = -torch.min(coef_1 * a, torch.clamp(coef_1, 0.8, 1.2) * a)
+    kl = torch.exp(r - lp) - (r - lp) - 1
+    per_token = per_token + 0.5 * (kl * coef_1 if correction else kl)
+    ((per_token * m).sum() / m.sum()).backward()
+    np.testing.assert_allclose(np.asarray(jax.grad(ours)(jnp.asarray(logp))), lp.grad.numpy(), rtol=1e-5, atol=1e-7)
 
 
 def test_gspo_trains_with_one_ratio_per_sequence(tmp_path):
@@ -594,6 +622,24 @@ def test_rloo_from_the_command_line_learns_the_letter_from_the_reward_alone(tmp_
         from jaxloom.trainer import RLOOConfig
 
         RLOOConfig(loss_type="grpo", reward_funcs=["letters.letter_e"])
+
+
+def test_rloo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monkeypatch):
+    """`jaxloom train trainer=rloo`, killed by SIGKILL after step 7 and started again, resumes from step 4's
+    checkpoint (its prompt cursor, sampling keys and reference restored) and ends bit for bit where an
+    uninterrupted run ends."""
+    from test_resume_cli import resumes_bitwise
+
+    monkeypatch.chdir(tmp_path)  # the workers import the reward module from their working directory
+    (tmp_path / "letters.py").write_text(
+        "def letter_e(prompts, completions, **kwargs):\n"
+        "    return [c.count('e') / max(len(c), 1) for c in completions]\n"
+    )
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    extra = ["trainer=rloo", "data.train=p.jsonl", "reward_funcs=letters.letter_e", "num_generations=4"]
+    extra += ["max_prompt_length=16", "max_completion_length=16", "max_training_steps=8", "learning_rate=1e-2"]
+    resumes_bitwise(tmp_path, extra)
+    assert any("train/reward" in r for r in rows(tmp_path / "run"))
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])

@@ -24,7 +24,7 @@ from .sources import (
 from .store_prepare import prepare
 from .store import TokenStore, is_store, tokenizer_hash
 from .synthetic import addition_records, exact_match
-from .tokenize import tokenize_pair, tokenize_record
+from .tokenize import tokenize_labelled, tokenize_pair, tokenize_record
 
 __all__ = [
     "DataConfig",
@@ -56,6 +56,7 @@ __all__ = [
     "prepare",
     "process_sample_data",
     "to_global",
+    "tokenize_labelled",
     "tokenize_pair",
     "tokenize_record",
     "tokenizer_hash",

@@ -28,7 +28,7 @@ import numpy as np
 from jaxloom.core.schema import NonNegativeInt, PositiveInt, config
 
 from .sources import JsonlSource, ShardedDataSource, as_source, describe, iter_shard
-from .tokenize import SKIP_HINT, check_record, tokenize_pair, tokenize_record
+from .tokenize import SKIP_HINT, check_record, tokenize_labelled, tokenize_pair, tokenize_record
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,16 @@ class DataConfig:
     - `margin_column` (with `pairs`): a number per preference record (TRL's `margin`: how far its chosen should
       score above its rejected), read into `margin [rows, 1]` float32 beside the tokens; a record without it has
       0, one whose value is not a finite number is a bad record. None: not read.
+    - `label_column`: each unpacked row holds one unpaired preference record (TRL's `KTOTrainer` data: `prompt`,
+      `completion`, and this boolean column, true for a desirable completion; see `tokenize_labelled`), its label
+      read into `label [rows, 1]` float32 (1.0 or 0.0) beside the tokens. None: ordinary records.
     - `bad_records`: a record that cannot be tokenized is an error naming its file and line ('raise'), or
       is skipped and counted (`DataLoader.skipped`) ('skip').
     - `text_column`, `messages_column`, `prompt_column`, `completion_column`: the record fields read for plain
       text, chat messages, and prompt/completion pairs; `chosen_column`, `rejected_column`: a preference
       record's completions (with `pairs`).
+    - `completion_only_loss`: prompt/completion records train on the completion only (False: every token);
+      `assistant_only_loss`: chat records train on the assistant turns only (False: every token) — TRL's names.
     - `add_bos`, `add_eos`: put the tokenizer's bos/eos tokens around every document.
     - `shuffle`, `seed`: shuffle shards and records each epoch, deterministically from `seed`.
     - `shuffle_buffer_size`: records read ahead from a shard (and shuffled together, when `shuffle`);
@@ -77,7 +82,10 @@ class DataConfig:
     rejected_column: str = "rejected"
     pairs: bool = False
     margin_column: str | None = None
+    label_column: str | None = None
     bad_records: Literal["raise", "skip"] = "raise"
+    completion_only_loss: bool = True
+    assistant_only_loss: bool = True
     add_bos: bool = True
     add_eos: bool = True
     shuffle: bool = True
@@ -116,6 +124,11 @@ class DataLoader:
         parts = self.mixture.parts if self.mixture is not None else [data]
         if config.pairs and config.packing:
             raise ValueError("pairs=True needs packing=False: each row holds one preference pair, padded")
+        if config.label_column and (config.packing or config.pairs):
+            raise ValueError(
+                f"label_column = {config.label_column!r} needs packing=False and pairs=False: each row holds one "
+                "unpaired preference record, padded"
+            )
         sources = [as_source(d) for d in parts]
         for source in sources:  # a malformed line is skipped (with a warning naming it) as a bad record is
             if config.bad_records == "skip" and getattr(source, "on_error", None) == "raise":
@@ -254,6 +267,8 @@ class DataLoader:
         out["input_ids"][:] = self.tokenizer.pad_token_id
         if c.pairs and c.margin_column:
             out["margin"] = np.zeros((b, 1), np.float32)
+        if c.label_column:
+            out["label"] = np.zeros((b, 1), np.float32)
         mixed = self.mixture is not None
         states = state["components"] if mixed else [state]
         cursors = [_Cursor(stream, st) for stream, st in zip(self.streams, states, strict=True)]
@@ -349,6 +364,8 @@ class DataLoader:
         sl = slice(length - n, length) if c.padding_side == "left" else slice(0, n)
         out["input_ids"][r, sl], out["loss_mask"][r, sl] = ids, mask
         out["segment_ids"][r, sl], out["positions"][r, sl] = 1, np.arange(n)
+        if "label" in out:
+            out["label"][r, 0] = cursor.label
         cursor.consume(len(cursor.current()[0]) - cursor.state["token_offset"])
 
 
@@ -358,6 +375,7 @@ def _batch_tokenize(rows: list[dict], tokenizer, config: DataConfig) -> list[np.
     column = config.text_column
     if (
         config.pairs
+        or config.label_column
         or not rows
         or not all(
             set(r) & {column}
@@ -392,7 +410,7 @@ def first_bad_record(data: Any, config: DataConfig, max_bytes: int = PRECHECK_BY
     except (ValueError, TypeError, OSError):
         return None  # refused where the loader opens it, with its own message
     files = [f for s in sources if isinstance(s, JsonlSource) for f in s.shard_names]
-    if config.pairs or not files or any(not isinstance(s, JsonlSource) for s in sources):
+    if config.pairs or config.label_column or not files or any(not isinstance(s, JsonlSource) for s in sources):
         return None
     if any("://" in f for f in files) or sum(os.path.getsize(f) for f in files) > max_bytes:
         return None
@@ -517,6 +535,7 @@ class _Cursor:
         self._tokens_key = None
         self.split = 0  # pairs: where the rejected sequence starts in the current record's ids
         self.margin = 0.0  # pairs with a margin column: the current record's margin
+        self.label = 0.0  # unpaired preference records: the current record's label
 
     def check_position(self) -> None:
         """A restored position must still exist: a dataset that shrank since it was saved would otherwise
@@ -634,6 +653,9 @@ class _Cursor:
 
     def _tokenize(self, record: dict) -> tuple[np.ndarray, np.ndarray]:
         tokenizer, config = self.loader.tokenizer, self.loader.config
+        if config.label_column:
+            ids, mask, self.label = tokenize_labelled(record, tokenizer, config)
+            return ids, mask
         if not config.pairs:
             return tokenize_record(record, tokenizer, config)
         if not isinstance(record, dict):

@@ -28,7 +28,8 @@ def column_error(record: dict, config) -> ValueError:
 def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray, np.ndarray]:
     """`(ids, loss_mask)` for one record, by `tokenizer` under `config` (a `DataConfig`: columns, bos/eos);
     `loss_mask[t] = 1` when token t is a training target.
-    Text: every token. Prompt/completion: the completion (and eos). Messages: assistant turns.
+    Text: every token. Prompt/completion: the completion (and eos), or every token without
+    `config.completion_only_loss`. Messages: assistant turns, or every token without `config.assistant_only_loss`.
     Pre-tokenized (`input_ids`, with `loss_mask` or HF-style `labels` where -100 marks no target, or
     neither: every token): used as they are, no BOS/EOS added."""
     if "input_ids" in record:
@@ -38,12 +39,15 @@ def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarr
     eos = [tokenizer.eos_token_id] if config.add_eos and tokenizer.eos_token_id is not None else []
     _name_unread_columns(record, config)
     if config.messages_column in record:
-        return _chat(record[config.messages_column], tokenizer, **_template_inputs(record))
+        ids_a, mask_a = _chat(record[config.messages_column], tokenizer, **_template_inputs(record))
+        return ids_a, mask_a if getattr(config, "assistant_only_loss", True) else np.ones_like(mask_a)
     if config.prompt_column in record and config.completion_column in record:
         p = tokenizer.encode(record[config.prompt_column], add_special_tokens=False)
         c = tokenizer.encode(record[config.completion_column], add_special_tokens=False)
         ids = bos + p + c + eos
         mask = [0] * (len(bos) + len(p)) + [1] * (len(c) + len(eos))
+        if not getattr(config, "completion_only_loss", True):
+            mask = [1] * len(ids)
         return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
     text = record[config.text_column]
     ids = bos + tokenizer.encode(text, add_special_tokens=False) + eos
@@ -292,17 +296,26 @@ def tokenize_pair(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray
         empty = not value if chat else not value.strip()
         if empty or (chat and not any(str(m["content"]).strip() for m in value)):
             raise ValueError(f"the {name!r} completion is empty; expected a non-empty completion")
+    (chosen_ids, chosen_mask), (rejected_ids, rejected_mask) = _sequences(
+        prompt, ((cc, chosen), (rc, rejected)), chat, tokenizer, config
+    )
+    return chosen_ids, chosen_mask, rejected_ids, rejected_mask
+
+
+def _sequences(prompt, completions, chat: bool, tokenizer, config) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`(ids, mask)` of prompt + each `(name, completion)`, as TRL's `DPOTrainer` and `KTOTrainer` tokenize them
+    (see `tokenize_pair`): text completions end with EOS, the prompt is the common prefix with the prompt alone,
+    each sequence cut to `config.max_sequence_length` by `config.truncation_mode`; masks are 1 on completions."""
     if not chat:
         eos = tokenizer.eos_token or ""
-        chosen = chosen if chosen.endswith(eos) else chosen + eos
-        rejected = rejected if rejected.endswith(eos) else rejected + eos
+        completions = [(name, c if c.endswith(eos) else c + eos) for name, c in completions]
     p = _ids(tokenizer, prompt, generation_prompt=True) if prompt or not chat else []
-    pc_ids, pr_ids = _ids(tokenizer, prompt + chosen), _ids(tokenizer, prompt + rejected)
-    n = min(_common_prefix(p, pc_ids), _common_prefix(p, pr_ids))
+    full = [(name, _ids(tokenizer, prompt + c)) for name, c in completions]
+    n = min(_common_prefix(p, ids) for _, ids in full)
     length = config.max_sequence_length
     cut = slice(None, length) if config.truncation_mode == "keep_start" else slice(-length, None)
     out = []
-    for name, ids in ((cc, pc_ids), (rc, pr_ids)):
+    for name, ids in full:
         if config.long_records == "raise" and len(ids) > length:
             raise ValueError(
                 f"the {name!r} sequence is {len(ids)} tokens, longer than max_length = {length}; expected pairs "
@@ -316,5 +329,42 @@ def tokenize_pair(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray
                 f"the prompt is {n} tokens, which leaves no {name!r} token within max_length = {length} "
                 f"(truncation_mode={config.truncation_mode!r}); expected a shorter prompt or a larger max_length"
             )
-        out += [ids_a, mask]
-    return out[0], out[1], out[2], out[3]
+        out.append((ids_a, mask))
+    return out
+
+
+def tokenize_labelled(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray, np.ndarray, float]:
+    """`(ids, mask, label)` of one unpaired preference record (TRL's `KTOTrainer` data): `config.prompt_column`,
+    `config.completion_column` (text, or chat messages: the prompt rendered with the generation prompt) and
+    `config.label_column`, a boolean (true: a desirable completion) read as 1.0 or 0.0; tokenized by `tokenizer`
+    as TRL does (see `tokenize_pair`), the mask 1 on the completion. A bad record is a ValueError saying what is
+    wrong: a preference pair (chosen/rejected: one record per completion is expected), a column missing, a label that
+    is not a boolean, an empty completion, or a prompt that leaves no completion token within the length."""
+    pc, cc, lc = config.prompt_column, config.completion_column, config.label_column
+    if not isinstance(record, dict):
+        raise ValueError(f"an unpaired preference record must be an object, got {type(record).__name__}")
+    if config.chosen_column in record and config.rejected_column in record:
+        raise ValueError(
+            f"a preference pair ({config.chosen_column!r}/{config.rejected_column!r}); expected unpaired records "
+            f"{pc!r}, {cc!r}, {lc!r} (TRL's unpair_preference_dataset makes them: one record per completion, label "
+            "true for chosen, false for rejected), or trainer=dpo for pairs"
+        )
+    missing = [c for c in (pc, cc, lc) if record.get(c) is None]
+    if missing:
+        raise ValueError(
+            f"unpaired preference record has no {' or '.join(map(repr, missing))} column; expected {pc!r}, {cc!r} and "
+            f"{lc!r} (a boolean: true for a desirable completion); columns present: {sorted(record)}"
+        )
+    prompt, completion, label = record[pc], record[cc], record[lc]
+    if not isinstance(label, bool):
+        raise ValueError(f"{lc} = {label!r}; expected true (a desirable completion) or false (an undesirable one)")
+    chat = isinstance(completion, list)
+    for name, value in ((pc, prompt), (cc, completion)):
+        if chat:
+            _check_messages(value, name)
+        elif not isinstance(value, str):
+            raise ValueError(f"column {name!r} holds {type(value).__name__}; expected text like {cc!r} (or messages)")
+    if (not completion) if chat else not completion.strip():
+        raise ValueError(f"the {cc!r} completion is empty; expected a non-empty completion")
+    ((ids, mask),) = _sequences(prompt, ((cc, completion),), chat, tokenizer, config)
+    return ids, mask, float(label)

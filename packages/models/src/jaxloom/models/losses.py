@@ -85,13 +85,15 @@ def linear_log_probs(
     dtype=None,
     precision=None,
     softcap: float | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    entropy: bool = False,
+) -> tuple[jax.Array, ...]:
     """Per row, `(Σ_t weight · log p(target), Σ_t weight · mean_v z)` for `hidden [B, T, D]`, `targets` and
     `weight [B, T]`, and the logits `z = hidden @ kernel` computed in `dtype` at `precision` (as in
     `linear_cross_entropy`), in `blocks` blocks of positions: a sequence's log-probability and its summed
     vocabulary-mean logit, without holding the logits. Not differentiated (inputs are taken as constants):
     a loss of these sums gets its gradient from `cross_entropy_gradient` with the loss's per-row derivative
-    in the weights (see jaxloom.trainer's DPO). `softcap` as in `linear_cross_entropy`."""
+    in the weights (see jaxloom.trainer's DPO). `softcap` as in `linear_cross_entropy`. `entropy`: a third
+    sum, `Σ_t weight · H(p_t)`, the entropies of the distributions predicting the targets (KTO's metric)."""
     hidden, kernel = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(kernel)
     hidden, targets, weight, dtype = _prepare(hidden, kernel, targets, weight, blocks, dtype)
     softcap = _cap_value(softcap)
@@ -101,12 +103,14 @@ def linear_log_probs(
         logits = _logits(h, kernel, dtype, precision, softcap)[0]
         lse = jax.nn.logsumexp(logits, axis=-1)
         target = jnp.sum(logits * jax.nn.one_hot(tg, logits.shape[-1], dtype=jnp.float32), axis=-1)
-        return None, (jnp.sum(w * (target - lse), -1), jnp.sum(w * jnp.mean(logits, -1), -1))
+        sums = (jnp.sum(w * (target - lse), -1), jnp.sum(w * jnp.mean(logits, -1), -1))
+        if entropy:
+            logp_all = logits - lse[..., None]
+            sums += (jnp.sum(w * -jnp.sum(jnp.exp(logp_all) * logp_all, -1), -1),)
+        return None, sums
 
-    _, (logp, mean_logit) = jax.lax.scan(
-        body, None, (_split(hidden, blocks), _split(targets, blocks), _split(weight, blocks))
-    )
-    return jnp.sum(logp, 0), jnp.sum(mean_logit, 0)
+    _, sums = jax.lax.scan(body, None, (_split(hidden, blocks), _split(targets, blocks), _split(weight, blocks)))
+    return tuple(jnp.sum(x, 0) for x in sums)
 
 
 def linear_token_log_probs(

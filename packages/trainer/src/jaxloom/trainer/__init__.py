@@ -10,6 +10,8 @@ from .deployer import Deployer
 from .distillation import DistillationTrainer
 from .distillation_config import DistillationConfig
 from .dpo import DPOTrainer
+from .kto import KTOTrainer
+from .kto_config import KTOConfig
 from .grpo.trainer import GRPOTrainer
 from .grpo.rloo import RLOOConfig, RLOOTrainer
 from .reward import RewardTrainer
@@ -37,6 +39,8 @@ __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
     "DPOTrainer",
+    "KTOConfig",
+    "KTOTrainer",
     "DataSpec",
     "Deployer",
     "NonFiniteLossError",

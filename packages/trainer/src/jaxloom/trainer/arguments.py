@@ -246,9 +246,22 @@ class DataArgs(_Group):
         "of stopping the run naming its file:line (a rerun can then go past it)",
     )
     shuffle_train_dataset: bool = Field(True, description="shuffle the training data (seeded, exactly resumable)")
+    completion_only_loss: bool = Field(
+        True, description="prompt/completion records train on the completion only (TRL's; false: every token)"
+    )
+    assistant_only_loss: bool = Field(
+        True,
+        description="chat records train on the assistant turns only (TRL's assistant_only_loss=true; false, TRL's "
+        "default: every token of the conversation)",
+    )
     shuffle_buffer_size: int = Field(
         8192, description="records read ahead per data stream and shuffled together (memory flat in dataset size)"
     )
+
+    @field_validator("completion_only_loss", mode="before")
+    @classmethod
+    def _trl_none(cls, value: Any) -> Any:
+        return True if value is None else value  # TRL's None: the completion only, for prompt/completion records
 
     @model_validator(mode="after")
     def _check(self):
@@ -515,8 +528,10 @@ class TrainingArguments:
     GROUPS: dict[str, type[_Group]] = GROUPS
 
     def __init__(self, **kwargs: Any):
+        from .trl_keys import answered
+
         owner = self._owner()
-        kwargs = _aliased(kwargs)
+        kwargs = answered(_aliased(kwargs), owner)
         unknown = [k for k in kwargs if k not in owner]
         if unknown:
             hints = {
@@ -642,20 +657,15 @@ ALIASES = {
 RENAMED = {
     "per_device_train_batch_size": "total_batch_size (rows over all devices, not per device)",
     "per_device_eval_batch_size": "evaluation_batch_size (rows over all devices, not per device)",
-    "bf16": "dtype=bfloat16 (the compute dtype; param_dtype for the stored weights)",
-    "fp16": "dtype=float16 (the compute dtype; param_dtype for the stored weights)",
     "logging_dir": "save_directory (TensorBoard events are written to save_directory/tensorboard)",
-    "gradient_checkpointing": "remat (remat=full, or a policy such as checkpoint_dots: each layer's activations "
-    "recomputed in the backward pass)",
-    "report_to": "use_tensorboard=true|false and use_wandb=true|false (TensorBoard is on by default)",
-    "dataset_text_field": "a 'text' column in the records (jaxloom reads text, messages, or prompt + completion): "
-    "rename the field",
 }
 
 
 def _aliased(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` with `ALIASES` replaced by jaxloom's names; an alias given together with its name is an error."""
     out = dict(kwargs)
+    if out.get("max_steps") == -1:  # HF's and TRL's default: no step limit (num_train_epochs decides)
+        out["max_steps"] = None
     for alias, name in ALIASES.items():
         if alias in out:
             if name in out:

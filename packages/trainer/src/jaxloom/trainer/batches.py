@@ -53,6 +53,8 @@ class DataSpec:
             packing=a.packing,
             truncation_mode=a.truncation_mode,
             shuffle=a.shuffle_train_dataset,
+            completion_only_loss=a.completion_only_loss,
+            assistant_only_loss=a.assistant_only_loss,
             shuffle_buffer_size=a.shuffle_buffer_size,
             seed=a.seed,
             bad_records="skip" if a.skip_bad_records else "raise",

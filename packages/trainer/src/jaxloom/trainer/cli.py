@@ -271,6 +271,7 @@ def _config_keys(model_type: str) -> str:
     from .dpo_config import DPOConfig
     from .grpo.config import GRPOConfig
     from .grpo.rloo import RLOOConfig
+    from .kto_config import KTOConfig
     from .kinds import TRAINERS
     from .reward_config import RewardConfig
 
@@ -298,10 +299,11 @@ def _config_keys(model_type: str) -> str:
         "",
         "# trainer",
         f"trainer: str = 'sft'  which trainer: {', '.join(TRAINERS)} "
-        "(dpo adds # preference, grpo and rloo # rl, reward # reward, distillation # distillation)",
+        "(dpo adds # preference, kto # kto, grpo and rloo # rl, reward # reward, distillation # distillation)",
     ]
     kinds = {
         "preference": "trainer=dpo only",
+        "kto": "trainer=kto only",
         "rl": "trainer=grpo and rloo; the keys marked [rloo] rloo only",
         "reward": "trainer=reward only",
         "distillation": "trainer=distillation only",
@@ -310,6 +312,7 @@ def _config_keys(model_type: str) -> str:
     grpo_keys = {f["name"] for f in own}
     rloo_only = [f for f in RLOOConfig.fields() if f["group"] == "rl" and f["name"] not in grpo_keys]
     own += rloo_only
+    own += [f for f in KTOConfig.fields() if f["group"] == "kto"]
     own += [f for f in RewardConfig.fields() if f["group"] == "reward"]
     own += [f for f in DistillationConfig.fields() if f["group"] == "distillation"]
     names = [f["name"] for f in [*DPOConfig.fields(), *own]]
@@ -320,7 +323,9 @@ def _config_keys(model_type: str) -> str:
             lines += ["", f"# {group}" + (f" ({kinds[group]}; a key both kinds have keeps each kind's default)"
                                           if group in kinds else "")]  # fmt: skip
         both = f["name"] in shared
-        kind = {"preference": " [dpo]", "rl": " [grpo]", "distillation": " [distillation]"}.get(str(group), "")
+        kind = {"preference": " [dpo]", "kto": " [kto]", "rl": " [grpo]", "distillation": " [distillation]"}.get(
+            str(group), ""
+        )
         kind = kind if both else " [rloo]" if f in rloo_only else ""
         if f["name"] == "beta" and group == "rl":
             kind += " (rloo's default: 0.05)"
@@ -328,8 +333,8 @@ def _config_keys(model_type: str) -> str:
     lines += ["", "# other names (HF Trainer, TRL, EasyDeL): read as the jaxloom key, or refused naming it"]
     lines += [f"{alias}: the same as {name}" for alias, name in ALIASES.items()]
     lines.append(
-        "max_length: the same as max_sequence_length (TRL's SFTConfig, DPOConfig and RewardConfig name; "
-        "trainer=sft, dpo or reward)"
+        "max_length: the same as max_sequence_length (TRL's SFTConfig, DPOConfig, KTOConfig and RewardConfig name; "
+        "trainer=sft, dpo, kto or reward)"
     )
     lines += [f"{name}: refused; use {instead}" for name, instead in RENAMED.items()]
     lines += ["", *_launcher_keys()]

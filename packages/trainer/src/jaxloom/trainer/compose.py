@@ -155,6 +155,14 @@ FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
         **_FINETUNE_RUN,
         "save_directory": "jaxloom-runs/dpo",
     },
+    "kto": {
+        "learning_rate": 1e-6,  # TRL's KTOConfig
+        "scheduler": "linear",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        **_FINETUNE_RUN,
+        "save_directory": "jaxloom-runs/kto",
+    },
     "distillation": {
         "learning_rate": 1e-6,  # TRL's DistillationConfig
         "scheduler": "linear",
@@ -441,6 +449,11 @@ def build_run(config_path: str | None, overrides: list[str]) -> tuple[Any, dict]
         raise ValueError(
             "trainer=distillation needs prompts: data.train=prompts.jsonl (records with a prompt) and "
             "teacher_model_name_or_path=DIR; the bundled corpus is plain text"
+        )
+    if kind == "kto" and train == "bundled":
+        raise ValueError(
+            "trainer=kto needs unpaired preference data: data.train=feedback.jsonl (records with prompt, completion "
+            "and a boolean label); the bundled corpus is plain text"
         )
     if kind in ("dpo", "reward") and train == "bundled":
         raise ValueError(

@@ -194,11 +194,16 @@ class Reference:
     (`extend`): computed by the reference on the mesh, or read from log-probs precomputed in one pass before
     training (`precompute_ref_log_probs`; then no reference is held: `state` is None). `source`: an `nnx`
     model, an HF directory, a jaxloom run directory, or None (the starting policy, rebuilt from the plan).
-    Its collaborators arrive with `ready()`, once the policy exists: the policy's state (`policy()`), the run's
-    plan, its batches component and the folder of the run's files (`folder()`)."""
+    `logps`: the kind's two log-probs per row, `(ref, batch, after, fuse=, adapters_off=) -> [..., B, 2]`
+    (default `reference_logps`, a pair's chosen and rejected; KTO's: the completion and the mismatched one).
+    Its collaborators — the policy's state (`policy()`), the run's plan, its batches component and the folder of
+    the run's files (`folder()`) — are named by `collaborators()` (a dict of those four, read once the policy
+    exists) or given to `ready()`; an evaluation of a restored run readies it at its first batch."""
 
-    def __init__(self, source: Any):
+    def __init__(self, source: Any, logps: Any = None, collaborators: Any = None):
         self.source = source
+        self.logps = logps or reference_logps  # (ref, batch, after, fuse=, adapters_off=) -> [..., B, 2]
+        self.collaborators = collaborators
         self.state: js.TrainState | None = None
         self.cache: dict[bytes, np.ndarray] | None = None
         self.adapters_off = False  # a LoRA policy's base is the reference: `state` is the policy's own
@@ -207,19 +212,22 @@ class Reference:
         self.batches: Any = None
         self.folder: Any = None
 
-    def ready(self, *, policy: Any, plan: Any, batches: Any, folder: Any) -> None:
-        """Build the reference (once), after the policy: one program at a time on every process. `policy()` is
-        the policy's current `TrainState`, `plan` the run's `Plan`, `batches` its `Batches`, `folder()` the local
-        folder of the run's files (precomputed log-probs are kept there)."""
+    def ready(self, **given: Any) -> None:
+        """Build the reference (once), after the policy: one program at a time on every process. The collaborators
+        (`given`, else `collaborators()`): `policy()` the policy's current `TrainState`, `plan` the run's `Plan`,
+        `batches` its `Batches`, `folder()` the local folder of the run's files (precomputed log-probs are kept
+        there)."""
         if self.state is not None or self.cache is not None or self.adapters_off:
             return
-        self.policy, self.plan, self.batches, self.folder = policy, plan, batches, folder
+        named = given or self.collaborators()
+        policy, plan, batches = named["policy"], named["plan"], named["batches"]
+        self.policy, self.plan, self.batches, self.folder = policy, plan, batches, named["folder"]
         jax.block_until_ready(policy())  # one program at a time on every process (see reference_logps)
         self.adapters_off = plan.lora is not None and self.source is None
         # with LoRA, the base (the policy with its adapters off) is the reference: no second copy (TRL's way)
         self.state = None if self.adapters_off else jax.block_until_ready(self._build())
         fuse = (batches.arguments.loss_block_size, batches.data_shards())
-        fn = functools.partial(reference_logps, fuse=fuse, adapters_off=self.adapters_off)
+        fn = functools.partial(self.logps, fuse=fuse, adapters_off=self.adapters_off)
         self._train_fn = jax.jit(fn, out_shardings=batches.sharding, keep_unused=True)
         self._eval_fn = jax.jit(fn, out_shardings=batches.eval_sharding, keep_unused=True)
         if batches.arguments.precompute_ref_log_probs:
@@ -227,6 +235,8 @@ class Reference:
 
     def extend(self, local: dict[str, np.ndarray], batch: dict[str, jax.Array], training: bool) -> dict:
         """`batch` with the reference's log-probs of its pairs (`REF_KEY`)."""
+        if self.batches is None:  # a restored run's evaluation (`jaxloom eval`): readied at its first batch
+            self.ready()
         data = self.batches
         a = data.arguments
         if self.cache is not None:
@@ -359,7 +369,18 @@ class DPOTrainer(BaseTrainer):
 
     def take_inputs(self, *, ref_model: Any = None) -> None:
         """`ref_model` (default: `arguments.ref_model`): see the class."""
-        self.reference = Reference(ref_model if ref_model is not None else self.arguments.ref_model)
+        self.reference = Reference(
+            ref_model if ref_model is not None else self.arguments.ref_model, collaborators=self.reference_collaborators
+        )
+
+    def reference_collaborators(self) -> dict[str, Any]:
+        """What the reference reads once the policy exists (see `Reference`)."""
+        return {
+            "policy": lambda: self.state,
+            "plan": self.plan,
+            "batches": self.batches,
+            "folder": lambda: self.run_directory.local,
+        }
 
     @property
     def ref_state(self) -> js.TrainState | None:
@@ -390,9 +411,7 @@ class DPOTrainer(BaseTrainer):
     def configure_model(self):
         """The policy (as the core builds or restores it), then the frozen reference."""
         out = super().configure_model()
-        self.reference.ready(
-            policy=lambda: self.state, plan=self.plan, batches=self.batches, folder=lambda: self.run_directory.local
-        )
+        self.reference.ready()
         return out
 
 

@@ -3,9 +3,9 @@ argument and the `preference` group."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .pair_config import PairArguments
 from .arguments import GROUPS, _Group, _positive
@@ -20,7 +20,9 @@ class PreferenceArgs(_Group):
         0.1, description="DPO: how far the policy may move from the reference (higher: less); IPO's tau"
     )
     loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
-        "sigmoid", description="DPO: the preference loss, as TRL defines it: sigmoid (DPO), ipo, hinge"
+        "sigmoid",
+        description="DPO: the preference loss, as TRL defines it: sigmoid (DPO), ipo, hinge (TRL 1.16's one-element "
+        "list too)",
     )
     label_smoothing: float = Field(
         0.0, description="DPO sigmoid: the probability that a preference label is wrong (conservative DPO)"
@@ -32,6 +34,20 @@ class PreferenceArgs(_Group):
     precompute_ref_log_probs: bool = Field(
         False, description="DPO: compute the reference log-probs in one pass before training; no reference held"
     )
+
+    @field_validator("loss_type", mode="before")
+    @classmethod
+    def _one_loss(cls, value: Any) -> Any:
+        """TRL 1.16 writes `loss_type=["sigmoid"]` (a list: several losses combined by `loss_weights`): one is one
+        loss; several are refused by name."""
+        if isinstance(value, list | tuple):
+            if len(value) != 1:
+                raise ValueError(
+                    f"loss_type = {list(value)!r}: combining several DPO losses (TRL's loss_weights) is not "
+                    "implemented; expected one of sigmoid, ipo, hinge"
+                )
+            return value[0]
+        return value
 
     @model_validator(mode="after")
     def _check(self):

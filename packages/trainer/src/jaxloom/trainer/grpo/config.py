@@ -65,6 +65,11 @@ class RLArgs(_Group):
     vllm_importance_sampling_clip_min: float | None = Field(
         None, description="GRPO: the correction's lower bound (truncate: clamp; mask: 0 below; None: none)"
     )
+    use_bias_correction_kl: bool = Field(
+        True,
+        description="GRPO: the KL term weighted by the importance ratio (its gradient the unbiased reverse-KL's, "
+        "DeepSeek-V3.2's; TRL's default), with beta > 0",
+    )
     off_policy_mask_threshold: float | None = Field(
         None,
         description="GRPO: drop a sequence with advantage < 0 whose mean (sampler - current) log-prob passes this "
@@ -195,7 +200,7 @@ class GRPOConfig(TrainingArguments):
     1.16's eight) with `sapo_temperature_pos`, `sapo_temperature_neg`, `vespo_k_pos`, `vespo_k_neg`,
     `vespo_lambda_pos` and `vespo_lambda_neg`, the sampler's corrections (`vllm_importance_sampling_correction`,
     `vllm_importance_sampling_mode`, `vllm_importance_sampling_clip_max`, `vllm_importance_sampling_clip_min`,
-    `off_policy_mask_threshold`: TRL's, applied to jaxloom's own sampler), `scale_rewards`,
+    `off_policy_mask_threshold`: TRL's, applied to jaxloom's own sampler), `use_bias_correction_kl`, `scale_rewards`,
     `mask_truncated_completions`, `ref_model`, `importance_sampling_level` (GSPO), `use_transformers_paged` (or
     jaxloom's `generation_backend="paged"`: rollouts through the paged `LLMEngine`), `tools` and
     `max_tool_calling_iterations` (tool calls in the rollouts), `environment_factory` and `rollout_func` (dotted paths
@@ -215,7 +220,7 @@ class GRPOConfig(TrainingArguments):
     GROUPS = {**GROUPS, "rl": RLArgs}
 
     def __init__(self, **kwargs: Any):
-        super().__init__(**completion_rows(kwargs, RLArgs, "GRPO"))
+        super().__init__(**completion_rows(kwargs, RLArgs, type(self).__name__.removesuffix("Config")))
         rows, group = self.total_batch_size, self.rl.num_generations
         if rows % group:
             raise ValueError(

@@ -66,6 +66,7 @@ def per_token_loss(
     delta=None,
     sapo_temperatures=(1.0, 1.05),
     vespo=(2.0, 3.0, 3.0, 2.0),
+    bias_correction_kl=True,
 ):
     """TRL 1.16's token loss of `loss_type`, `+ beta k3(ref, logp)`, with `r = exp(logp - old)` per token
     (`level="token"`), or with `level="sequence"` (GSPO, TRL's `importance_sampling_level`) one ratio per row, `exp`
@@ -78,6 +79,8 @@ def per_token_loss(
     - vespo: `-phi A logp`, `phi` the sequence's gamma weight held constant (`vespo_weights`, `vespo` =
       `(k_pos, lambda_pos, k_neg, lambda_neg)`).
 
+    With `bias_correction_kl` (TRL's `use_bias_correction_kl`, on by default) the KL is weighted by `r` (its value
+    1 on-policy, its gradient not: the unbiased reverse-KL gradient of DeepSeek-V3.2).
     Also the k3 KL and which tokens the loss's clip acts on (low with A < 0 or high with A > 0; cispo: the cap with
     A > 0; none for sapo and vespo)."""
     log_ratio = logp - old
@@ -107,6 +110,8 @@ def per_token_loss(
         bound = ((ratio < 1 - epsilon_low) & (a < 0)) | ((ratio > 1 + epsilon_high) & (a > 0))
     loss = jnp.broadcast_to(loss, logp.shape)
     kl = jnp.exp(ref - logp) - (ref - logp) - 1
+    if bias_correction_kl:
+        kl = kl * ratio
     if beta:
         loss = loss + beta * kl
     return loss, kl, jnp.broadcast_to(bound, logp.shape)
@@ -201,6 +206,7 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
         delta=rl.delta,
         sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
         vespo=vespo,
+        bias_correction_kl=rl.use_bias_correction_kl,
     )
     if rl.off_policy_mask_threshold is not None:  # TRL: with the sampler's log-probs, as with vLLM
         keep = off_policy_mask(batch[ADV], logp, batch[SAMPLED][:, 1:], mask, rl.off_policy_mask_threshold)

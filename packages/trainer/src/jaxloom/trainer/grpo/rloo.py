@@ -46,6 +46,7 @@ GRPO_ONLY = {
     "delta": None,
     "vllm_importance_sampling_correction": False,
     "off_policy_mask_threshold": None,
+    "use_bias_correction_kl": True,  # RLOO's KL is a reward penalty, not a loss term
 }
 """GRPO's settings that RLOO does not have (TRL's `RLOOConfig` lacks them): refused when set to another value."""
 
