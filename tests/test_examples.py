@@ -64,6 +64,13 @@ def test_reward_model_learns_its_pairs_and_drives_grpo(tmp_path):
     assert re.search(r"GRPO with the reward model: 2 steps, last rewards/reward_model/mean -?\d", out), out[-2000:]
 
 
+def test_kto_feedback_learns_which_answers_are_good(tmp_path):
+    out = run("kto_feedback.py", "--out", str(tmp_path), "--steps", "60", "--tiny")
+    margin = float(re.search(r"KTO: 60 steps; held-out .* margin (\S+)", out).group(1))
+    assert margin > 0.1, out[-2000:]  # held-out good answers rewarded above bad ones: learnt, not known
+    assert (tmp_path / "checkpoints" / "60").is_dir()
+
+
 def test_distillation_trains_a_teacher_then_a_smaller_student(tmp_path):
     out = run("distillation.py", "--out", str(tmp_path), "--steps", "4", "--tiny")
     assert re.search(r"teacher: 20 steps of next-token training, loss \d", out), out[-2000:]

@@ -240,6 +240,28 @@ def test_cli_preference_kinds_with_ray_two_workers(ray_cluster, tmp_path, capsys
     assert json.loads((tmp_path / kind / "run_config.json").read_text())["trainer"] == kind
 
 
+def test_cli_rloo_with_ray_two_workers(ray_cluster, tmp_path, capsys, monkeypatch):
+    """Online RL through the same front door: `trainer=rloo` with a reward module beside the data (each worker runs
+    in the driver's directory and imports it there) runs as a 2-worker gang."""
+    from jaxloom.trainer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "letters.py").write_text(
+        "def letter_e(prompts, completions, **kwargs):\n"
+        "    return [c.count('e') / max(len(c), 1) for c in completions]\n"
+    )
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"say {w}:"}) + "\n" for w in ["red", "sun"] * 8))
+    argv = ["train", *TINY_OVERRIDES, "trainer=rloo", "data.train=p.jsonl", "reward_funcs=letters.letter_e"]
+    argv += ["num_generations=4", "max_prompt_length=16", "max_completion_length=16", "max_training_steps=2"]
+    argv += ["save_directory=rloo", "--ray", "num_workers=2", f"storage_path={tmp_path}"]
+    rc = main(argv)
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{\n") :])
+    assert rc == 0 and summary["attempts"] == 1 and summary["step"] == 2
+    assert "reward" in summary["final"] and "kl" in summary["final"]
+    assert json.loads((tmp_path / "rloo" / "run_config.json").read_text())["trainer"] == "rloo"
+
+
 def test_cli_distillation_with_ray_two_workers(ray_cluster, tmp_path, capsys):
     """On-policy distillation through the same front door: `trainer=distillation` with a teacher directory of
     another size runs as a 2-worker gang (each process rolls out its share and reads its teacher shard)."""

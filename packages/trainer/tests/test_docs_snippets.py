@@ -30,7 +30,7 @@ SHRINK = [
     ),
 ]
 # A doc's whole Python before its run: every block, in order, in one namespace (later blocks use earlier ones).
-PAGES = ["quickstart.md", "adapters.md", "preference.md", "reward.md", "distillation.md", "rl.md"]
+PAGES = ["quickstart.md", "adapters.md", "preference.md", "kto.md", "reward.md", "distillation.md", "rl.md"]
 
 
 def blocks(page: str) -> list[str]:
@@ -74,6 +74,7 @@ def folder(tmp_path_factory) -> Path:
     pairs = [{"prompt": f"q{i}", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(8)]
     jsonl("pairs.jsonl", pairs)
     jsonl("pairs-eval.jsonl", pairs)
+    jsonl("feedback.jsonl", [{"prompt": f"q{i}", "completion": f" yes {i}", "label": i % 3 > 0} for i in range(8)])
     jsonl("prompts.jsonl", [{"prompt": f"say {w}:", "answer": w} for w in ["a", "b", "c", "d"] * 2])
     return where
 

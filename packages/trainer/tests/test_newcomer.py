@@ -255,7 +255,12 @@ def test_the_cli_lists_and_shows_its_settings(tmp_path, capsys):
     # keys of several kinds (beta, loss_type, ref_model, the sampling settings) each under its kind, with that kind's
     # default (issue 51)
     assert "beta: float = 0.1  DPO" in keys and "beta: float = 1.0  distillation" in keys
-    assert (keys.count("[dpo]"), keys.count("[kto]"), keys.count("[grpo]"), keys.count("[distillation]")) == (4, 4, 8, 6)
+    assert (keys.count("[dpo]"), keys.count("[kto]"), keys.count("[grpo]"), keys.count("[distillation]")) == (
+        4,
+        4,
+        8,
+        6,
+    )
     assert "# kto (trainer=kto only" in keys
     assert "# distillation (trainer=distillation only" in keys
     assert "# rl (trainer=grpo and rloo" in keys and "# preference (trainer=dpo only" in keys

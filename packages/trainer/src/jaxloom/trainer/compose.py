@@ -120,6 +120,7 @@ FINETUNE_DIFFERENCES = {
     "eval_batches": "8 batches an evaluation (TRL evaluates the whole eval set)",
     "dtype": "the model's dtype, float32 for a float32 checkpoint (TRL computes in bf16 where the device has it)",
     "remat": "the model's (none: TRL's gradient_checkpointing is on by default)",
+    "assistant_only_loss": "true: chat records train on the assistant turns (TRL's default false: every token)",
 }
 FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
     "sft": {
