@@ -618,6 +618,12 @@ def test_rloo_from_the_command_line_learns_the_letter_from_the_reward_alone(tmp_
     assert {"train/kl", "train/clip_ratio/region_mean", "train/rewards/letter_e/std"} <= set(last)
     assert json.loads((tmp_path / "run" / "run_config.json").read_text())["trainer"] == "rloo"
     assert main(["convert", "--to-hf", "run", "hf"]) == 0 and (tmp_path / "hf" / "config.json").is_file()
+    capsys.readouterr()
+    assert main(["plan", "run"]) == 0 and "parameters" in capsys.readouterr().out
+    assert main(["eval", "run", "data.eval=p.jsonl"]) == 0
+    out = capsys.readouterr().out
+    scores = json.loads(out[out.index('{\n  "step"') :])
+    assert scores["step"] == 30 and "eval/reward" in scores, scores
     with pytest.raises(ValueError, match="loss_type = 'grpo' is GRPO's; RLOO's loss is its own"):
         from jaxloom.trainer import RLOOConfig
 
