@@ -17,6 +17,8 @@ One call of a lent device measures it all (≈ 7 minutes on an H200, compiles an
    the chip (H100/H200 SXM: 989 TFLOP/s). Rows with `attn_mechanism=flash` show what cuDNN moved.
    `train_gpu_2048_trainer_default_batch`: the Trainer's default 8 rows a step (16,384 tokens). Variants
    beside the defaults (loss blocks, Triton's GEMMs off, unstacked layers) and
+   `train_gpu_2048_trainer_fp8_tensor` / `_fp8_row`: FP8 training (`fp8=tensor|row`, issue 77; its MFU is counted
+   on the bf16 peak, so FP8's gain shows as MFU above the bf16 row's).
    `train_gpu_2048_trainer_profile`, whose `profile` entry says where three steps' device time went
    (profile_summary.py); with `BENCH_GPU_DUMP=DIR` that row also writes its train step's optimised HLO there
    (to read what a kernel of the profile computes).
@@ -234,6 +236,9 @@ TRAINING = (
     ("train_gpu_2048_trainer_unstacked", 2048, "trainer", {"scan_layers": False}, TOKENS, {}),
     ("train_gpu_2048_bare", 2048, "bare", {}, TOKENS, {}),
     ("train_gpu_2048_trainer_flash", 2048, "trainer", {"attn_mechanism": "flash"}, TOKENS, {}),
+    # FP8 training (issue 77): the same ~1B step with the decoder's products in FP8, per-tensor and per-row scales
+    ("train_gpu_2048_trainer_fp8_tensor", 2048, "trainer", {"fp8": "tensor"}, TOKENS, {}),
+    ("train_gpu_2048_trainer_fp8_row", 2048, "trainer", {"fp8": "row"}, TOKENS, {}),
     ("train_gpu_8192_bare", 8192, "bare", {}, TOKENS, {}),
 )
 

@@ -279,6 +279,8 @@ def main() -> None:
     results["engine"] = run_process([str(HERE / "engine_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # User code in rollouts (issue 78): a tool turn's rows concurrently, async reward functions concurrently
     results["usercode"] = run_process([str(HERE / "usercode_rows.py")], {"JAX_PLATFORMS": "cpu"})
+    # FP8 training (issue 77's CPU proxy): a ~19M Llama 300 steps with fp8 off, tensor and row, final losses
+    results["fp8"] = run_process([str(HERE / "fp8_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Scanned layers at the speed of unrolled ones: an 18-layer Llama, defaults vs scan_layers=false vs scan_unroll=1
     results["scan"] = run_process([str(HERE / "scan_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Each model family's training step at about Llama's parameter count, in tokens/s relative to Llama's
@@ -335,6 +337,22 @@ def engine_rows(e: dict) -> list[tuple[str, str, str, str]]:
             "",
             f"= {t['tool_tokens'] + 1}",
         ),
+    ]
+
+
+def fp8_rows(f: dict) -> list[tuple[str, str, str, str]]:
+    """FP8 training emulated on the CPU: each mode's final loss against the unquantized run's (issue 77: within 1 %)."""
+    if not f:
+        return []
+    runs = f["runs"]
+    return [
+        (
+            f"FP8 {mode} scales, ~19M Llama {f['steps']} steps: final loss vs fp8 off (emulated by XLA)",
+            f"{runs[mode]['final_loss']:.4f} vs {runs['none']['final_loss']:.4f}",
+            f"{runs[mode]['relative_to_none']:+.2%}",
+            "within 1 %",
+        )
+        for mode in ("tensor", "row")
     ]
 
 
@@ -867,6 +885,7 @@ def table(r: dict) -> str:
         ]
     rows += engine_rows(r.get("engine") or {})
     rows += usercode_rows(r.get("usercode") or {})
+    rows += fp8_rows(r.get("fp8") or {})
     p = r.get("peft")
     if p:
         rows.append(

@@ -288,6 +288,7 @@ RUN_LEVEL = {
         "test_a_run_paused_past_its_lease_stops_before_writing_and_the_run_that_took_over_is_intact"
     ),
     "router_bias_update_rate": "test_training.py::test_router_bias_update_rate_takes_effect_in_a_run",
+    "fp8": "test_fp8.py::test_an_fp8_run_trains_as_the_unquantized_one_and_its_checkpoint_restores_either_way",
     **{
         name: "test_trl_keys.py::test_the_loss_mask_keys_train_on_what_trl_trains_on"
         for name in ("completion_only_loss", "assistant_only_loss")

@@ -45,9 +45,15 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (din, dout), runtime.param_dtype), logical_axes=axes)
         self.bias = nnx.Param(jnp.zeros((dout,), runtime.param_dtype), logical_axes=(axes[1],)) if use_bias else None
         self.dtype, self.precision = runtime.dtype, _precision(runtime)
+        self.fp8 = getattr(runtime, "fp8", "none")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), precision=self.precision)
+        if self.fp8 != "none":  # FP8 training (`RuntimeConfig.fp8`): the product's operands rounded through FP8
+            from .fp8_training import fp8_dot
+
+            y = fp8_dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), self.fp8, self.precision)
+        else:
+            y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), precision=self.precision)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

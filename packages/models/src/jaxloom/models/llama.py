@@ -181,6 +181,8 @@ class CausalLM(nnx.Module):
                 rngs=rngs,
             )
         )
+        if self.lm_head is not None:
+            self.lm_head.fp8 = "none"  # FP8 training leaves the output layer in the compute dtype (torchtitan's too)
 
     def __call__(
         self,

@@ -151,6 +151,9 @@ class RuntimeConfig:
       GPU/TPU), 'tiled' (tokens sorted by expert in fixed tiles, pure JAX: FLOPs follow k on any
       platform), 'dense' (every expert on every token: the test reference) or 'auto' (ragged on
       GPU/TPU, tiled on CPU, where XLA lowers ragged_dot densely).
+    fp8: FP8 training of the decoder's linear layers (`fp8_training`): 'none', 'tensor' (one scale per tensor)
+      or 'row' (per row of the activations and gradients, per output column of the weights); e4m3 forward, e5m2
+      gradients, scales from the current tensors. The output layer stays in `dtype`.
     partition_axis: the logical → mesh axis mapping used for parameters and activations.
     """
 
@@ -164,6 +167,7 @@ class RuntimeConfig:
     scan_layers: bool | None = None
     scan_unroll: PositiveInt | None = None
     moe_implementation: Literal["auto", "ragged", "tiled", "dense"] = "auto"
+    fp8: Literal["none", "tensor", "row"] = "none"
     partition_axis: PartitionAxis = dataclasses.field(default_factory=PartitionAxis)
 
     def unroll(self, num_layers: int, platform: str | None = None) -> int:

@@ -300,6 +300,11 @@ class RuntimeArgs(_Group):
     )
     # MoE experts: auto (ragged on GPU/TPU, tiled on CPU), ragged, tiled, dense (reference).
     moe_implementation: str | None = Field(None, description="MoE expert computation: auto, ragged, tiled, dense")
+    fp8: Literal["none", "tensor", "row"] | None = Field(
+        None,
+        description="FP8 training of the decoder's linear layers: tensor or row scales (e4m3 forward, e5m2 "
+        "gradients; NVIDIA compute capability 8.9 or newer, emulated on CPU); None/none: off",
+    )
     # The mesh axes batch rows are split over, in order. None: the model's `partition_axis.batch_axis`
     # (fsdp, then dp). Add "ep" for expert parallelism that moves tokens: the ep devices then hold
     # different rows (data-parallel outside the experts) instead of repeating the same ones.
@@ -372,6 +377,7 @@ class RuntimeArgs(_Group):
             "scan_layers",
             "scan_unroll",
             "moe_implementation",
+            "fp8",
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 

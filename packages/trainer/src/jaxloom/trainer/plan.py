@@ -12,6 +12,7 @@ shards; `plan.target()` is the tree a restore fills.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,8 @@ import jaxloom.state as js
 from jaxloom.mesh import local_batch_slice
 
 from .optim import make_optimizer
+
+log = logging.getLogger("jaxloom.trainer")
 
 
 def data_axes(runtime: jmod.RuntimeConfig, mesh) -> tuple[str, ...]:
@@ -85,6 +88,7 @@ class Plan:
         `mesh` for `total_steps`; `finetune=False` draws new parameters from the seed. Raises before anything
         runs when the settings cannot work (the evaluation batch size too with `check_eval`)."""
         runtime = arguments.runtime.apply(model.runtime)
+        _check_fp8(runtime, mesh)
         config, model_class = model.config, type(model)
         attention = _check_attention(arguments, config, runtime, mesh)
         axes = data_axes(runtime, mesh)
@@ -321,3 +325,22 @@ def gb_per_device(tree) -> float:
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
         total += math.prod(shape) * x.dtype.itemsize
     return total / 2**30
+
+
+def _check_fp8(runtime: Any, mesh: Any) -> None:
+    """FP8 training runs where the devices multiply in FP8 (NVIDIA compute capability 8.9 and newer) or on a CPU,
+    where XLA emulates it (the same numbers, no speed); any other device is refused with one line."""
+    if getattr(runtime, "fp8", "none") == "none":
+        return
+    device = mesh.devices.flat[0]
+    if device.platform == "cpu":
+        log.info(
+            "fp8=%s on a CPU: FP8 products emulated by XLA (the same numbers as a GPU's, no speed-up)", runtime.fp8
+        )
+        return
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or capability is None or tuple(int(p) for p in str(capability).split(".")) < (8, 9):
+        raise ValueError(
+            f"fp8 = {runtime.fp8!r} on {device.device_kind} ({device.platform}, compute capability {capability}): FP8 "
+            "products need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); expected fp8=none"
+        )
