@@ -136,6 +136,10 @@ def _max_length(value: Any) -> dict[str, Any]:
     return {"max_sequence_length": value}
 
 
+def _renamed(name: str) -> Callable[[Any], dict[str, Any]]:
+    return lambda value: {name: value}
+
+
 # ---- the table ---------------------------------------------------------------------------------------------
 _TORCH = "jaxloom runs on JAX: every step is compiled by XLA (jit); there is no torch model or kernel to switch"
 _DISTRIBUTED = (
@@ -353,7 +357,11 @@ TRL_KEYS: dict[str, Answer] = {
     "vllm_enable_sleep_mode": Answer(_SAMPLER, ok=(False,)),
     "vllm_max_model_length": Answer(_SAMPLER, ok=(None,)),
     "vllm_structured_outputs_regex": Answer("constrained decoding is " + _NOT_IMPLEMENTED, ok=(None,)),
-    "vllm_importance_sampling_cap": Answer("vllm_importance_sampling_clip_max (TRL's newer name)", ok=(None,)),
+    "vllm_importance_sampling_cap": Answer(
+        "vllm_importance_sampling_clip_max (TRL's newer name)",
+        ok=(None,),
+        to=_renamed("vllm_importance_sampling_clip_max"),
+    ),
     "use_transformers_continuous_batching": Answer(
         "generation_backend=paged (jaxloom's paged engine) batches continuously", ok=(False,)
     ),
