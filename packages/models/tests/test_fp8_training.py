@@ -52,5 +52,9 @@ def test_the_decoders_linear_layers_multiply_in_fp8_and_the_output_layer_does_no
     ids = jnp.arange(16)[None] % 64
     a, b = plain(ids).logits, fp8(ids).logits
     assert 0 < float(jnp.abs(a - b).max()) < 0.05 * float(jnp.abs(a).max()) + 1e-3  # close, and not the same
+    adapted = jm.apply_lora(fp8, jm.LoRAConfig(r=4, target_modules=["down_proj"]))  # the base's product stays FP8
+    layer = adapted.model.layers[0].mlp.down_proj
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 64))
+    np.testing.assert_allclose(layer(x), fp8_dot(x, layer.weight(), "tensor"), rtol=1e-6)  # B = 0: the base alone
     with pytest.raises(ValueError):
         jm.RuntimeConfig(fp8="block")

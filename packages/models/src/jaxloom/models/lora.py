@@ -200,6 +200,7 @@ class LoRALinear(nnx.Module):
         self.scaling = config.scaling
         self.dropout, self.salt = float(config.dropout), int(salt)
         self.dtype, self.precision = base.dtype, base.precision
+        self.fp8 = getattr(base, "fp8", "none")  # FP8 training: the frozen base's product as the plain layer's
 
     def weight(self, dtype: Any = None) -> jax.Array:
         """The frozen base kernel `[in, out]` (dequantized) in `dtype` (default: the compute dtype)."""
@@ -216,8 +217,13 @@ class LoRALinear(nnx.Module):
         return (self.weight(jnp.float32) + delta).astype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(self.dtype)
-        y = jnp.dot(x, self.weight(), precision=self.precision)
+        x, w = x.astype(self.dtype), self.weight()
+        if getattr(self, "fp8", "none") != "none" and w.ndim == 2:
+            from .fp8_training import fp8_dot
+
+            y = fp8_dot(x, w, self.fp8, self.precision)
+        else:
+            y = jnp.dot(x, w, precision=self.precision)
         if self.lora_a is not None:
             inputs = dropped(x, self.dropout, self.salt)  # the adapters' input only (PEFT's lora_dropout)
             low = jnp.dot(inputs, self.lora_a[...].astype(self.dtype), precision=self.precision)
