@@ -281,6 +281,8 @@ def main() -> None:
     results["usercode"] = run_process([str(HERE / "usercode_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # FP8 training (issue 77's CPU proxy): a ~19M Llama 300 steps with fp8 off, tensor and row, final losses
     results["fp8"] = run_process([str(HERE / "fp8_rows.py")], {"JAX_PLATFORMS": "cpu"})
+    # lm-evaluation-harness (issue 76): the same model and local tasks under lm-eval's hf model and jaxloom's
+    results["lm_eval"] = run_process([str(HERE / "lm_eval_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Scanned layers at the speed of unrolled ones: an 18-layer Llama, defaults vs scan_layers=false vs scan_unroll=1
     results["scan"] = run_process([str(HERE / "scan_rows.py")], {"JAX_PLATFORMS": "cpu"})
     # Each model family's training step at about Llama's parameter count, in tokens/s relative to Llama's
@@ -353,6 +355,20 @@ def fp8_rows(f: dict) -> list[tuple[str, str, str, str]]:
             "within 1 %",
         )
         for mode in ("tensor", "row")
+    ]
+
+
+def lm_eval_rows(e: dict) -> list[tuple[str, str, str, str]]:
+    """lm-eval's simple_evaluate on the same ~8M Llama and local tasks: jaxloom's model vs lm-eval's hf model."""
+    if not e:
+        return []
+    return [
+        (
+            f"lm-eval, ~8M Llama, {e['docs']} multiple-choice docs + generation + perplexity: jaxloom vs hf (s)",
+            f"{e['jaxloom_s']:.1f} vs {e['hf_s']:.1f} (scores agree: {e['scores_agree']})",
+            f"{e['speedup']:.2f}x",
+            "the time of both",
+        )
     ]
 
 
@@ -886,6 +902,7 @@ def table(r: dict) -> str:
     rows += engine_rows(r.get("engine") or {})
     rows += usercode_rows(r.get("usercode") or {})
     rows += fp8_rows(r.get("fp8") or {})
+    rows += lm_eval_rows(r.get("lm_eval") or {})
     p = r.get("peft")
     if p:
         rows.append(

@@ -15,6 +15,7 @@ DOCS = Path(__file__).parents[3] / "docs"
 NOT_RUN = {
     "ray.md": "a Ray cluster's launch templates (`...` in a job); the ray part's tests run the same calls",
     "storage.md": "reads a checkpoint of step 400 of an earlier run; test_storage_snippet runs it on a run of its own",
+    "benchmarks.md": "lm-eval's Hub tasks (arc_easy) need the network; test_lm_eval runs the same calls on local tasks",
 }
 # Sizes only: what a snippet trains is a real run, made small. (pattern, replacement)
 SHRINK = [

@@ -38,6 +38,7 @@ from .losses import (
     linear_generalized_jsd,
     linear_log_probs,
     linear_token_log_probs,
+    linear_token_scores,
 )
 from .llama import CausalLMOutput, RouterLoad, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from .mixtral import MixtralForCausalLM, dispatch_tokens, expert_parallel_dispatch, grouped_matmul
@@ -81,6 +82,7 @@ __all__ = [
     "linear_cross_entropy",
     "linear_generalized_jsd",
     "linear_token_log_probs",
+    "linear_token_scores",
     "linear_log_probs",
     "SCAN_ABOVE_LAYERS",
     "CONFIG_CLASSES",

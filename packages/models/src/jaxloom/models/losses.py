@@ -152,6 +152,38 @@ def linear_token_log_probs(
     return _join(logp)[:, :t], _join(entropy)[:, :t]
 
 
+def linear_token_scores(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    *,
+    blocks: int = 1,
+    dtype=None,
+    precision=None,
+    softcap: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`(logp, greedy)`, each `[B, T]`: the log-probability of `targets [B, T]` under the logits `z = hidden @
+    kernel` (as in `linear_token_log_probs`, read in float32) and whether the target is the logits' argmax — what
+    an evaluation harness asks of a continuation (its log-likelihood, and whether greedy decoding gives it) —
+    in `blocks` blocks of positions, never holding the `[B, T, V]` logits whole. `dtype`, `precision` and
+    `softcap` as in `linear_cross_entropy` (the model's output layer's). Not differentiated."""
+    weight = jnp.ones(targets.shape, jnp.float32)
+    t = hidden.shape[1]
+    hidden, kernel = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(kernel)
+    hidden, targets, _, dtype = _prepare(hidden, kernel, targets, weight, blocks, dtype)
+    softcap = _cap_value(softcap)
+
+    def body(_, xs):
+        h, tg = xs
+        logits = _logits(h, kernel, dtype, precision, softcap)[0]
+        picked = jnp.take_along_axis(logits, tg[..., None], axis=-1)[..., 0]
+        logp = picked - jax.nn.logsumexp(logits, axis=-1)
+        return None, (logp, jnp.argmax(logits, axis=-1) == tg)
+
+    _, (logp, greedy) = jax.lax.scan(body, None, (_split(hidden, blocks), _split(targets, blocks)))
+    return _join(logp)[:, :t], _join(greedy)[:, :t]
+
+
 def _prepare(hidden, kernel, targets, weight, blocks: int, dtype):
     """Check `blocks`, read `weight` in float32, pad the positions to a multiple of `blocks` (weight 0) and
     default `dtype` to the kernel's."""

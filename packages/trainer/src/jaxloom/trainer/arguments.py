@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import difflib
-import functools
 import inspect
-import json
 import os
 import re
 from pathlib import Path
@@ -17,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from jaxloom.core.schema import explain_validation_error
+
+from .config_files import apply_overrides, load_config_file  # noqa: F401 - their home for the composition root
 
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 SCHEDULERS = ("linear", "cosine", "constant")
@@ -53,6 +53,7 @@ class _Group(BaseModel):
 # Arguments that are paths: `~` and `$VARS` in them are expanded as a shell would (a YAML file or a Python
 # string does not), so `save_directory: ~/runs/a` is a directory in the home directory, not one named `~`.
 PATH_ARGUMENTS = {"save_directory", "checkpoint_directory", "compilation_cache_dir", "ref_model", "lora_from"}
+PATH_ARGUMENTS |= {"eval_tasks_include_path"}
 
 
 def expand_path(value: Any, key: str) -> Any:
@@ -131,6 +132,14 @@ class LoopArgs(_Group):
     eval_batches: int = Field(8, description="batches per evaluation")
     # default: total_batch_size
     evaluation_batch_size: int | None = Field(None, description="rows per evaluation batch (None: total_batch_size)")
+    # lm-evaluation-harness during training (the lm-eval extra; jaxloom.trainer.benchmarks)
+    eval_tasks: list[str] | None = Field(
+        None, description="lm-eval task names run on the state being trained, logged as lm_eval/<task>/<metric>"
+    )
+    eval_tasks_steps: int | None = Field(None, description="run eval_tasks every this many steps (None: at the end)")
+    eval_tasks_limit: float | None = Field(None, description="documents per lm-eval task (a fraction if below 1)")
+    eval_tasks_num_fewshot: int | None = Field(None, description="lm-eval few-shot examples (None: the task's)")
+    eval_tasks_include_path: str | None = Field(None, description="a folder of one's own lm-eval task YAMLs")
     logging_steps: int = Field(10, description="a metrics row every this many steps")
     # seconds; then save and stop cleanly
     training_time_limit: float | None = Field(None, description="seconds; then save and stop cleanly")
@@ -152,6 +161,12 @@ class LoopArgs(_Group):
         "on a small device)",
     )
 
+    @field_validator("eval_tasks", mode="before")
+    @classmethod
+    def _task_names(cls, value):
+        """`eval_tasks=a,b` on the command line: lm-eval's comma-separated task names, as its `--tasks`."""
+        return [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _check(self):
         _positive(
@@ -163,8 +178,13 @@ class LoopArgs(_Group):
             "evaluation_steps",
             "evaluation_batch_size",
             "training_time_limit",
+            "eval_tasks_steps",
+            "eval_tasks_limit",
             allow_none=True,
         )
+        _positive(self, "eval_tasks_num_fewshot", allow_none=True, allow_zero=True)
+        if self.eval_tasks is not None and not self.eval_tasks:
+            raise ValueError("eval_tasks = []; expected lm-eval task names (eval_tasks=arc_easy,hellaswag) or null")
         _positive(self, "z_loss", "loss_block_size", "router_bias_update_rate", allow_zero=True)
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed = {self.seed}; expected an integer in [0, 2**32)")
@@ -678,119 +698,3 @@ def _aliased(kwargs: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"{alias} and {name} are one setting ({alias} is another name of {name}); give one")
             out[name] = out.pop(alias)
     return out
-
-
-@functools.cache
-def _yaml_loader():
-    """PyYAML's safe loader reading numbers as YAML 1.2 does: `1e-5` and `1e6` are floats (YAML 1.1, which
-    PyYAML follows, wants a dot and a signed exponent, so they would be text that crashes deep in a run)."""
-    import re
-
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    def construct_mapping(self, node, deep=False):
-        """A key given twice in one mapping is an error naming its line (PyYAML keeps the last one silently)."""
-        seen: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} given twice (first at line {seen[key] + 1})", key_node.start_mark
-                )
-            seen[key] = key_node.start_mark.line
-        return yaml.SafeLoader.construct_mapping(self, node, deep=deep)
-
-    Loader.construct_mapping = construct_mapping  # type: ignore[method-assign]
-    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    number = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?\.[0-9_]+[eE][-+]?[0-9]+$")
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", number, list("-+0123456789."))
-    return Loader
-
-
-def _unique_keys(path: Path):
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [k for k, _ in items]
-        twice = sorted({k for k in keys if keys.count(k) > 1})
-        if twice:
-            raise ValueError(f"{path}: key(s) {twice} given twice in one object; expected each key once")
-        return dict(items)
-
-    return pairs
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """A YAML or JSON mapping; malformed files are an error naming the line."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
-    text = path.read_text()
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text, object_pairs_hook=_unique_keys(path))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
-    else:
-        import yaml
-
-        try:
-            for event in yaml.parse(text):  # a config is a tree: an alias could make it explode in memory
-                if isinstance(event, yaml.AliasEvent):
-                    line = event.start_mark.line + 1 if event.start_mark else "?"
-                    raise ValueError(
-                        f"{path}:{line}: YAML alias *{event.anchor}; expected plain values (aliases are refused: "
-                        "one line can expand to gigabytes)"
-                    )
-            data = yaml.load(text, Loader=_yaml_loader())  # a safe loader: no arbitrary Python objects
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            raise ValueError(
-                f"{path}: malformed YAML"
-                + (f" at line {mark.line + 1}" if mark else "")
-                + f": {getattr(e, 'problem', e)}"
-            ) from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-    _plain_values(data, path)
-    return data
-
-
-def _plain_values(value: Any, path: Any, key: str = "") -> None:
-    """Every value of a config is text, a number, a boolean, null, a list or a section: YAML's dates and times
-    (`save_directory: 2024-01-01`) are refused naming the key and how to write it as text."""
-    import datetime
-
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _plain_values(v, path, f"{key}.{k}" if key else str(k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _plain_values(v, path, f"{key}[{i}]")
-    elif isinstance(value, datetime.date | datetime.datetime | datetime.time):
-        raise ValueError(
-            f"{path}: {key} = {value} is read by YAML as a {type(value).__name__}; expected text: quote it "
-            f"({key.rsplit('.', 1)[-1]}: '{value}')"
-        )
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """`["max_training_steps=20", "model.hidden_size=64"]` applied onto `data` (dots reach into sections)."""
-    import yaml
-
-    data = json.loads(json.dumps(data))
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r}; expected key=value")
-        key, raw = item.split("=", 1)
-        value = yaml.load(raw, Loader=_yaml_loader()) if raw else raw
-        _plain_values(value, "the command line", key)
-        node = data
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {p!r} is not a section")
-        node[leaf] = value
-    return data

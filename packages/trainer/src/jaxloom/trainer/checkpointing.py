@@ -58,6 +58,7 @@ class Checkpointing:
         self.config, self.directory, self.read_only = config, directory, read_only
         self.fence, self.data, self.metadata = fence, data, metadata
         self._manager: js.CheckpointManager | None = None
+        self.read_step: int | None = None  # the checkpoint the last `restore` read
 
     @property
     def manager(self) -> js.CheckpointManager:
@@ -103,10 +104,13 @@ class Checkpointing:
     def restore(self, target: js.TrainState, *, params_only: bool = False, step: int | None = None) -> js.Restored:
         """The newest complete checkpoint (or checkpoint `step`, FileNotFoundError naming the steps there are when
         it is not one) into `target`'s shapes and shardings (FileNotFoundError without one); a full restore hands
-        its data position to `data` (the run continues where it stopped)."""
-        if self.manager.latest_step() is None:
+        its data position to `data` (the run continues where it stopped). `read_step` names the checkpoint read."""
+        newest = self.manager.latest_step()
+        if newest is None:
             raise FileNotFoundError(f"no checkpoint under {self.manager.directory} (none complete)")
         restored = self.manager.restore(target, step, params_only=params_only)
+        # the checkpoint read (a params-only restore keeps the target's step 0 in `restored.step`)
+        self.read_step = restored.step if not params_only else step if step is not None else newest
         if self.data is not None and not params_only:
             self.data.load_checkpoint_state(restored.data_state)
         return restored

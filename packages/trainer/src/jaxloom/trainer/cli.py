@@ -42,7 +42,6 @@ from jaxloom.core import host, paths
 
 from .report import versions
 from .compose import DATA_KEYS, DEMO_CONFIG, READ_ONLY, build_run, kind_settings, restored, split_target  # noqa: F401
-from .run_directory import RUN_CONFIG
 
 
 def _plan(trainer) -> dict[str, Any]:
@@ -88,30 +87,10 @@ def _plan(trainer) -> dict[str, Any]:
 
 
 def _model_to_generate(ns) -> tuple[Any, Any, Any]:
-    """`(model, tokenizer, eos)` of `ns.path`: an HF directory (with its tokenizer if it has one; `eos` where
-    transformers' generate stops) or a run directory (its checkpoint `ns.step`, default the newest)."""
-    import jaxloom.data as jd
-    import jaxloom.models as jm
+    """`(model, tokenizer, eos)` of `ns.path` (`compose.model_for_inference`), checkpoint `ns.step` of a run."""
+    from .compose import model_for_inference
 
-    path = Path(ns.path)
-    eos: Any = None
-    if (path / RUN_CONFIG).is_file():
-        trainer = restored(path, None, params_only=True, step=ns.step)
-        model, tokenizer = trainer.state.model, trainer.tokenizer
-    elif (path / "config.json").is_file():
-        if ns.step is not None:
-            raise ValueError(f"--step {ns.step}: {path} is a Hugging Face model directory, which has no steps")
-        model = jm.from_pretrained(path)
-        has_tok = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
-        tokenizer = jd.load_processor(path if has_tok else None)
-        # where transformers' generate() stops: generation_config.json, else the model config
-        for name in ("generation_config.json", "config.json"):
-            if eos is None and (path / name).is_file():
-                eos = json.loads((path / name).read_text()).get("eos_token_id")
-    else:
-        raise FileNotFoundError(
-            f"{path} is neither a Hugging Face model directory (config.json) nor a jaxloom run directory ({RUN_CONFIG})"
-        )
+    model, tokenizer, eos, _, _ = model_for_inference(ns.path, ns.step)
     return model, tokenizer, eos
 
 
@@ -179,6 +158,38 @@ def _generate(ns) -> int:
                 print(text[len(shown) :], end="", flush=True)
                 shown = text
             print(flush=True)
+    return 0
+
+
+def _lm_eval(ns) -> int:
+    """`jaxloom eval RUN_DIR|HF_DIR --tasks ...`: lm-eval's tasks on jaxloom's model and engine; lm-eval's table
+    and the scores (`lm_eval/<task>/<metric>`) printed, its results JSON written (`harness.results_folder`)."""
+    if len(ns.items) != 1 or "=" in ns.items[0]:
+        raise ValueError(
+            f"eval --tasks takes one run directory or HF model directory, got {ns.items}; settings do not apply"
+        )
+    from . import harness
+    from .compose import model_for_inference
+
+    path = ns.items[0]
+    folder = harness.results_folder(path, ns.output_path)  # refused before anything is loaded
+    tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]
+    harness.task_manager(tasks, ns.include_path)  # names checked before the model is read
+    model, tokenizer, eos, mesh, step = model_for_inference(path, ns.step)
+    lm = harness.JaxloomLM(model=model, tokenizer=tokenizer, mesh=mesh, eos_token_id=eos, batch_size=ns.batch_size)
+    results = harness.evaluate_tasks(
+        lm,
+        tasks,
+        num_fewshot=ns.num_fewshot,
+        limit=ns.limit,
+        include_path=ns.include_path,
+        apply_chat_template=ns.apply_chat_template,
+        output_folder=folder,
+        step=step,
+    )
+    print(harness.table(results))
+    said = {f"{harness.PREFIX}{k}": v for k, v in harness.scores(results).items()}
+    print(json.dumps({"step": step, "results_file": results["jaxloom"].get("results_file"), **said}, indent=2))
     return 0
 
 
@@ -409,6 +420,21 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("items", nargs="*", metavar="ITEM", help=target)
         if name == "eval":
             p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
+            lm = p.add_argument_group(
+                "lm-evaluation-harness (the lm-eval extra)",
+                "with --tasks, ITEM is a run directory or an HF model directory",
+            )
+            lm.add_argument("--tasks", default=None, help="lm-eval task names, comma-separated (arc_easy,hellaswag)")
+            lm.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+            lm.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if below 1)")
+            lm.add_argument("--include-path", default=None, help="a folder of one's own lm-eval task YAMLs")
+            lm.add_argument(
+                "--output-path",
+                default=None,
+                help="where lm-eval's results JSON goes (default: RUN_DIR/lm_eval; for an HF directory ./<name>/)",
+            )
+            lm.add_argument("--batch-size", type=int, default=16, help="rows per forward")
+            lm.add_argument("--apply-chat-template", action="store_true", help="lm-eval's chat formatting of prompts")
         if name == "train":
             p.add_argument(
                 "--ray",
@@ -601,7 +627,19 @@ def _disk_error(error: OSError) -> str | None:
     return None
 
 
-_OWN_OPTIONS = {"eval": ("--step",)}  # options of a command itself, not settings
+_OWN_OPTIONS = {  # options of a command itself, not settings
+    "eval": (
+        "--step",
+        "--tasks",
+        "--num-fewshot",
+        "--limit",
+        "--include-path",
+        "--output-path",
+        "--batch-size",
+        "--apply-chat-template",
+    )
+}
+_FLAGS = {"--apply-chat-template"}  # own options without a value
 
 
 def key_value_forms(argv: list[str]) -> list[str]:
@@ -616,7 +654,7 @@ def key_value_forms(argv: list[str]) -> list[str]:
         item = rest[i]
         if item.split("=", 1)[0] in own:  # the command's own option, and its value: kept as they are, at the end
             options.append(item)
-            if "=" not in item and i + 1 < len(rest):
+            if "=" not in item and item not in _FLAGS and i + 1 < len(rest):
                 options.append(rest[i + 1])
                 i += 1
         elif item.startswith("--") and item not in ("--ray", "--help", "--"):
@@ -678,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer = restored(ns.to_hf[0], ns.config, params_only=True, step=ns.step)
             print(trainer.save_pretrained(ns.to_hf[1], to_torch=True, merge_adapters=ns.merge))
             return 0
+        if ns.command == "eval" and ns.tasks is not None:
+            return _lm_eval(ns)
         config, items = split_target(ns.items)
         if getattr(ns, "ray", None) is not None:
             from .compose import resolve_settings

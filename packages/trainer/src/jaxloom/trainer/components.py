@@ -16,6 +16,7 @@ import jaxloom.state as js
 from jaxloom.models import pretrained_source
 
 from .batches import Batches
+from .benchmarks import Benchmarks
 from .callbacks import Callback, Callbacks, RunView, trainer_hooks
 from .checkpointing import Checkpointing
 from .evaluation import Evaluator
@@ -306,8 +307,38 @@ def callbacks(trainer: Any) -> Callbacks:
         builtin.append(Callback(lambda run, step: evaluate(step), every=a.evaluation_steps, name="evaluation"))
     if a.generation_interval and a.generation_prompts:
         builtin.append(Callback(lambda run, step: preview(step), every=a.generation_interval, name="preview"))
+    if a.eval_tasks:
+        bench = benchmarks(trainer)
+        bench.check()  # before step 1: lm-eval installed, every task known
+
+        def evaluate_tasks(run: RunView, step: int) -> None:
+            if run.checkpoints is not None:  # the step's checkpoint committed before anything that can fail runs
+                run.checkpoints.wait_until_finished()
+            bench.run(run.state, step)
+
+        builtin.append(
+            Callback(
+                evaluate_tasks,
+                when=bench.due,
+                name="lm-eval",
+                on_step_start=lambda run, step: bench.before_first_step(run.state, step),
+            )
+        )
     own = trainer_hooks(trainer.on_step_start, trainer.on_step_end)
     return Callbacks([*builtin, own, *map(Callback.of, trainer.hooks), *trainer.callbacks])
+
+
+def benchmarks(trainer: Any) -> Benchmarks:
+    """lm-eval's `eval_tasks` on the state being trained, on the run's mesh and tokenizer, logged as `lm_eval/`."""
+    return Benchmarks(
+        trainer.arguments,
+        last_step=trainer.plan.total_steps,
+        tokenizer=lambda: trainer.tokenizer,
+        mesh=trainer.mesh,
+        log=lambda scores, step: trainer.log_metrics(scores, trainer.pbar, step, mode="lm_eval"),
+        folder=lambda: trainer.run_directory.local if trainer.is_process_zero else None,
+        history=lambda: trainer.step_log.history if trainer.parts.built("step_log") else [],
+    )
 
 
 def _run_files_kept(trainer: Any) -> None:

@@ -17,7 +17,8 @@ from typing import Any
 
 from jaxloom.core import paths
 
-from .arguments import ALIASES, apply_overrides, expand_path, load_config_file
+from .arguments import ALIASES, expand_path
+from .config_files import apply_overrides, load_config_file
 from .kinds import KINDS, TRAINERS, arguments_of
 from .run_directory import RUN_CONFIG, staging_folder, use_endpoint
 from .runs import model_of, own_tokenizer, tokenizer_of
@@ -520,3 +521,32 @@ def restored(run_dir: str | Path, config: str | None = None, *, params_only: boo
     trainer, _ = build_run(config_path, [*items, *READ_ONLY, "max_training_steps=1"])
     trainer.restore_checkpoint(params_only=params_only, step=step)
     return trainer
+
+
+def model_for_inference(path: str | Path, step: int | None = None) -> tuple[Any, Any, Any, Any, int | None]:
+    """`(model, tokenizer, eos, mesh, step)` of `path`: an HF model directory (with its tokenizer if it has one,
+    else the bundled one; `eos` where transformers' generate stops; mesh and step None) or a run directory (its
+    checkpoint `step`, default the newest, on the run's mesh; eos None). What `jaxloom generate`, `serve` and an
+    lm-eval run load."""
+    import jaxloom.data as jd
+    import jaxloom.models as jm
+
+    path = Path(path)
+    eos: Any = None
+    if (path / RUN_CONFIG).is_file():
+        trainer = restored(path, None, params_only=True, step=step)
+        restored_step = int(str(trainer.resumed_from).rsplit("/", 1)[-1])  # `<checkpoints>/<step>`: the one read
+        return trainer.state.model, trainer.tokenizer, None, trainer.mesh, restored_step
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is neither a Hugging Face model directory (config.json) nor a jaxloom run directory ({RUN_CONFIG})"
+        )
+    if step is not None:
+        raise ValueError(f"--step {step}: {path} is a Hugging Face model directory, which has no steps")
+    model = jm.from_pretrained(path)
+    has_tok = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+    tokenizer = jd.load_processor(path if has_tok else None)
+    for name in ("generation_config.json", "config.json"):  # where transformers' generate() stops
+        if eos is None and (path / name).is_file():
+            eos = json.loads((path / name).read_text()).get("eos_token_id")
+    return model, tokenizer, eos, None, None

@@ -157,6 +157,17 @@ def write_report(
             *[f"| {r['step']} | " + " | ".join(_cell(r.get(n, "")) for n in names) + " |" for r in evals],
             "",
         ]
+    benches = [r for r in history if any(k.startswith("lm_eval/") for k in r)]
+    if benches:
+        names = sorted({k for r in benches for k in r if k.startswith("lm_eval/")})
+        lines += [
+            "## Benchmarks (lm-evaluation-harness)",
+            "",
+            "| step | " + " | ".join(n.split("/", 1)[1] for n in names) + " |",
+            "| --- |" + " --- |" * len(names),
+            *[f"| {r['step']} | " + " | ".join(_cell(r.get(n, "")) for n in names) + " |" for r in benches],
+            "",
+        ]
     if samples:
         lines += ["## Last samples", "", *[f"- {json.dumps(s, ensure_ascii=False)}" for s in samples], ""]
     lines += [

@@ -347,7 +347,7 @@ class BaseTrainer(ReferenceSurface):
             restored = reader.restore(self.plan.target(), params_only=params_only, step=step)
         finally:
             reader.close()
-        self.resumed_from = f"{reader.manager.directory}/{restored.step}"
+        self.resumed_from = f"{reader.manager.directory}/{reader.read_step}"
         self.state = self._with_base(restored, self.resumed_from)
         return self.state
 
