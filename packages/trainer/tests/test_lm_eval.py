@@ -199,3 +199,20 @@ def test_eval_tasks_during_training_on_their_cadence_and_a_killed_evaluation_is_
     refused = _cli("train", *[i.replace(str(run), str(tmp_path / "r2")) for i in items], "eval_tasks=nope")
     assert refused.returncode == 2 and "['nope'] are not lm-eval tasks" in refused.stderr
     assert not (tmp_path / "r2" / "checkpoints").exists()  # refused before step 1
+
+
+def test_settings_and_generation_kwargs_the_engine_does_not_have_are_refused_by_name():
+    """A `model_args` key lm-eval's jaxloom model does not have, and a task's generation setting the engine does not
+    have (beam search), are refused naming them — never silently dropped."""
+    import types
+
+    import jaxloom.models as jm
+    from jaxloom.trainer.harness import JaxloomLM
+    from util import tiny
+
+    with pytest.raises(ValueError, match=r"model_args \['dtype'\] are not settings"):
+        JaxloomLM(pretrained="somewhere", dtype="bfloat16")
+    lm = JaxloomLM(model=jm.create_model(tiny(), seed=0), tokenizer=TOK)
+    request = types.SimpleNamespace(args=("Q: apple\nA:", {"until": ["\n"], "num_beams": 4}))
+    with pytest.raises(ValueError, match=r"generation_kwargs \['num_beams'\] of an lm-eval task"):
+        lm.generate_until([request])

@@ -370,6 +370,7 @@ RECORDED_PATHS = (
     "ref_model",
     "lora_from",
     "teacher_model_name_or_path",
+    "eval_tasks_include_path",
 )
 
 

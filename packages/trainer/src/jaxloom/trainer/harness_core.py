@@ -204,7 +204,10 @@ class LoadedLM(TemplateLM):
             picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
             return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == targets
 
-        return jax.jit(fn)
+        if self.mesh is None:
+            return jax.jit(fn)
+        # replicated answers: every process reads them whole (the rows themselves are split over the mesh)
+        return jax.jit(fn, out_shardings=jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
     def _rows_per_batch(self) -> int:
         shards = 1 if self.mesh is None else int(self.mesh.devices.size)
@@ -309,6 +312,12 @@ class LoadedLM(TemplateLM):
         pending: dict[int, tuple[int, list[str]]] = {}
         for i, (context, gen_kwargs) in enumerate([r.args for r in requests]):
             kw = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+            unsupported = sorted(set(kw) - {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"})
+            if unsupported:
+                raise ValueError(
+                    f"generation_kwargs {unsupported} of an lm-eval task are not settings of jaxloom's engine; "
+                    "expected until, max_gen_toks, do_sample, temperature, top_k, top_p (drop them from the task)"
+                )
             until = handle_stop_sequences(kw.pop("until", None), eos=eos_text)
             max_new = int(kw.pop("max_gen_toks"))
             if max_new >= self.max_length:
