@@ -248,6 +248,13 @@ class _Poison:
 # ---- the rest: fields whose effect the named tests check, each setting the field itself ------------------
 HERE = Path(__file__).parent
 RUN_LEVEL = {
+    **{
+        name: "test_lm_eval.py::test_eval_tasks_during_training_on_their_cadence_and_a_killed_evaluation_is_redone"
+        for name in ("eval_tasks", "eval_tasks_steps", "eval_tasks_limit", "eval_tasks_num_fewshot")
+    },
+    "eval_tasks_include_path": (
+        "test_lm_eval.py::test_eval_tasks_during_training_on_their_cadence_and_a_killed_evaluation_is_redone"
+    ),
     "evaluation_steps": "test_training.py::test_eval_loss_falls_on_the_corpus",
     "eval_batches": "test_reference_base_trainer.py::test_base_trainer_members_in_the_reference_order",
     "logging_steps": "test_training.py::test_eval_loss_falls_on_the_corpus",

@@ -96,13 +96,13 @@ def hf_dir(tmp_path_factory):
     return out
 
 
-def _evaluate(model, model_args, tasks_dir, **kw):
+def _evaluate(model, model_args, tasks_dir, tasks=("tiny_mc", "tiny_gen", "tiny_text"), **kw):
     from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(
         model=model,
         model_args=model_args,
-        tasks=["tiny_mc", "tiny_gen", "tiny_text"],
+        tasks=list(tasks),
         task_manager=TaskManager(include_path=str(tasks_dir)),
         log_samples=True,
         **kw,
@@ -137,8 +137,26 @@ def test_the_jaxloom_model_scores_and_generates_as_lm_evals_hf_model(hf_dir, tmp
     assert set(scores) >= {"tiny_mc/acc", "tiny_mc/acc_norm", "tiny_gen/exact_match", "tiny_text/bits_per_byte"}
 
 
-def _cli(*args, timeout=600, cwd=None):
-    env = {**os.environ, "XLA_FLAGS": os.environ.get("JAXLOOM_TEST_XLA_FLAGS", "")}
+def test_chat_templates_and_few_shot_turns_as_lm_evals_hf_model(hf_dir, tmp_path):
+    """`apply_chat_template` with one few-shot example (lm-eval's multi-turn chat): the same prompts, through the
+    tokenizer's template, and the same answers as lm-eval's `hf` model."""
+    tasks = write_tasks(tmp_path / "tasks")
+    kw = dict(tasks=("tiny_mc", "tiny_gen"), apply_chat_template=True, num_fewshot=1, limit=4)
+    hf = _evaluate("hf", f"pretrained={hf_dir},dtype=float32,device=cpu", tasks, batch_size=4, **kw)
+    ours = _evaluate("jaxloom", f"pretrained={hf_dir},batch_size=4", tasks, **kw)
+    for task in ("tiny_mc", "tiny_gen"):
+        for x, y in zip(hf["samples"][task], ours["samples"][task], strict=True):
+            assert x["arguments"] == y["arguments"]
+            assert "<|user|>" in str(y["arguments"]) and str(y["arguments"]).count("<|assistant|>") >= 2
+            for ra, rb in zip(x["resps"], y["resps"], strict=True):
+                if task == "tiny_gen":
+                    assert ra == rb
+                else:
+                    assert rb[0][0] == pytest.approx(ra[0][0], rel=1e-4) and rb[0][1] == ra[0][1]
+
+
+def _cli(*args, timeout=600, cwd=None, env=None):
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("JAXLOOM_TEST_XLA_FLAGS", ""), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "jaxloom.trainer.cli", *args],
         capture_output=True,
@@ -152,7 +170,7 @@ def _cli(*args, timeout=600, cwd=None):
 def test_the_command_on_an_hf_directory_writes_lm_evals_results_outside_it_or_refuses(hf_dir, tmp_path):
     tasks = write_tasks(tmp_path / "tasks")
     proc = _cli("eval", str(hf_dir), "--tasks", "tiny_mc,tiny_gen", "--include-path", str(tasks), "--limit", "4",
-                "--output-path", str(tmp_path / "out"))  # fmt: skip
+                "--num-fewshot", "1", "--output-path", str(tmp_path / "out"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert {"lm_eval/tiny_mc/acc", "lm_eval/tiny_gen/exact_match"} <= set(said)
@@ -160,10 +178,20 @@ def test_the_command_on_an_hf_directory_writes_lm_evals_results_outside_it_or_re
     (written,) = (tmp_path / "out").rglob("results_*.json")
     results = json.loads(written.read_text())
     assert results["results"]["tiny_mc"]["acc,none"] == said["lm_eval/tiny_mc/acc"]
-    assert results["n-samples"]["tiny_mc"]["effective"] == 4
+    assert results["n-samples"]["tiny_mc"]["effective"] == 4 and results["n-shot"]["tiny_mc"] == 1
     assert not list(hf_dir.rglob("results_*.json"))
     inside = _cli("eval", str(hf_dir), "--tasks", "tiny_mc", "--include-path", str(tasks), "--output-path", str(hf_dir))
     assert inside.returncode == 2 and "inside the model directory" in inside.stderr
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "hub_arc.yaml").write_text(
+        "task: hub_arc\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\noutput_type: multiple_choice\n"
+        'test_split: test\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices.text}}"\ndoc_to_target: 0\n'
+    )
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # CI reaches no Hub either: fail at once
+    needs = _cli("eval", str(hf_dir), "--tasks", "hub_arc", "--include-path", str(hub), env=offline)
+    assert needs.returncode == 2 and "needs the network" in needs.stderr, needs.stderr[-2000:]
+    assert "Traceback" not in needs.stderr, needs.stderr[-2000:]  # a line, not a traceback
 
 
 def test_eval_tasks_during_training_on_their_cadence_and_a_killed_evaluation_is_redone(tmp_path):
@@ -174,7 +202,7 @@ def test_eval_tasks_during_training_on_their_cadence_and_a_killed_evaluation_is_
     tasks = write_tasks(tmp_path / "tasks", kill_marker=marker)
     run = tmp_path / "run"
     items = [*CLI_TINY, f"save_directory={run}", "max_training_steps=4", "save_steps=2", "logging_steps=1",
-             "eval_tasks=tiny_mc,tiny_gen", "eval_tasks_steps=2", "eval_tasks_limit=4",
+             "eval_tasks=tiny_mc,tiny_gen", "eval_tasks_steps=2", "eval_tasks_limit=4", "eval_tasks_num_fewshot=1",
              f"eval_tasks_include_path={tasks}", "evaluation_steps=null", "generation_interval=null"]  # fmt: skip
     first = _cli("train", *items)
     assert first.returncode == -9 and marker.exists(), first.stderr[-3000:]
@@ -187,7 +215,9 @@ def test_eval_tasks_during_training_on_their_cadence_and_a_killed_evaluation_is_
     assert [r["step"] for r in bench] == [2, 4] and all("lm_eval/tiny_gen/exact_match" in r for r in bench)
     for step in (2, 4):
         (written,) = (run / "lm_eval" / f"step_{step}").glob("results_*.json")
-        assert json.loads(written.read_text())["jaxloom"]["step"] == step
+        recorded = json.loads(written.read_text())
+        assert recorded["jaxloom"]["step"] == step and recorded["n-shot"]["tiny_gen"] == 1
+        assert recorded["n-samples"]["tiny_mc"]["effective"] == 4  # eval_tasks_limit
     assert not list((run / "lm_eval").rglob("*.tmp"))
     report = (run / "report.md").read_text()
     assert "## Benchmarks (lm-evaluation-harness)" in report and "tiny_mc/acc" in report

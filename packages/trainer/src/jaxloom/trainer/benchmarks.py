@@ -45,13 +45,14 @@ class Benchmarks:
         self._resumed_checked = False
 
     def check(self) -> None:
-        """Before step 1: lm-eval is installed and knows every task (lm-eval's own names, or the YAMLs of
-        `eval_tasks_include_path`); else one error naming what to install or the unknown tasks."""
+        """Before step 1: lm-eval is installed, knows every task (lm-eval's own names, or the YAMLs of
+        `eval_tasks_include_path`) and has its documents; else one error naming what to install, the unknown tasks
+        or the data it cannot reach."""
         try:
             from . import harness_core
         except ImportError as e:
             raise ValueError(f"eval_tasks = {self.tasks}: {e}") from None
-        harness_core.task_manager(self.tasks, self.include_path)
+        harness_core.check_task_data(self.tasks, self.include_path)
 
     def due(self, step: int) -> bool:
         """Whether the tasks run after `step`: every `eval_tasks_steps` steps, and at the run's last step."""

@@ -174,7 +174,7 @@ def _lm_eval(ns) -> int:
     path = ns.items[0]
     folder = harness.results_folder(path, ns.output_path)  # refused before anything is loaded
     tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]
-    harness.task_manager(tasks, ns.include_path)  # names checked before the model is read
+    harness.check_task_data(tasks, ns.include_path)  # names and documents checked before the model is read
     model, tokenizer, eos, mesh, step = model_for_inference(path, ns.step)
     lm = harness.JaxloomLM(model=model, tokenizer=tokenizer, mesh=mesh, eos_token_id=eos, batch_size=ns.batch_size)
     results = harness.evaluate_tasks(
@@ -745,7 +745,8 @@ def main(argv: list[str] | None = None) -> int:
         from jaxloom.state import CheckpointSaveError
 
         if not isinstance(e, CheckpointSaveError):
-            if isinstance(e, FileNotFoundError | FileExistsError):  # a missing input; a target another run holds
+            # a missing input; a target another run holds; data out of reach (an lm-eval task's Hub dataset)
+            if isinstance(e, FileNotFoundError | FileExistsError | ConnectionError):
                 print(f"jaxloom: error: {e}", file=sys.stderr)
                 return 2
             said = _disk_error(e)

@@ -21,12 +21,22 @@ from typing import Any
 
 from lm_eval.api.registry import register_model
 
-from .harness_core import PREFIX, LoadedLM, evaluate_tasks, scores, table, task_manager, write_results
+from .harness_core import (
+    PREFIX,
+    LoadedLM,
+    check_task_data,
+    evaluate_tasks,
+    scores,
+    table,
+    task_manager,
+    write_results,
+)
 
 __all__ = [
     "PREFIX",
     "JaxloomLM",
     "LoadedLM",
+    "check_task_data",
     "evaluate_tasks",
     "results_folder",
     "scores",

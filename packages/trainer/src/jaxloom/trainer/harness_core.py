@@ -7,6 +7,7 @@ a run's `eval_tasks` (`jaxloom.trainer.benchmarks`) use this module directly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -396,6 +397,28 @@ def task_manager(tasks: list[str], include_path: str | None = None) -> Any:
     return manager
 
 
+def check_task_data(tasks: list[str], include_path: str | None = None) -> None:
+    """Every task's documents loaded once (lm-eval's datasets, cached by `datasets`): before a model is read or a
+    run trains, a task whose data cannot be had fails in one line (`_reachable`)."""
+    from lm_eval.tasks import get_task_dict
+
+    with _reachable(tasks):
+        get_task_dict(list(tasks), task_manager(tasks, include_path))
+
+
+@contextlib.contextmanager
+def _reachable(tasks: list[str]):
+    """A task's data that lm-eval cannot fetch (a Hub dataset without the network) as one line naming the tasks."""
+    try:
+        yield
+    except ConnectionError as e:
+        raise ConnectionError(
+            f"tasks {list(tasks)}: {e}; a task whose dataset_path is on the Hugging Face Hub needs the network (or "
+            "the dataset in the local cache): use local tasks (dataset_path: json with data_files) through "
+            "include_path"
+        ) from None
+
+
 def evaluate_tasks(
     lm: LoadedLM,
     tasks: list[str],
@@ -416,7 +439,7 @@ def evaluate_tasks(
     import lm_eval
 
     manager = task_manager(tasks, include_path)
-    try:
+    with _reachable(tasks):
         results = lm_eval.simple_evaluate(
             model=lm,
             tasks=list(tasks),
@@ -430,14 +453,6 @@ def evaluate_tasks(
             torch_random_seed=None,
             fewshot_random_seed=seed,
         )
-    except (ConnectionError, OSError) as e:
-        if "resolve" in str(e).lower() or "connect" in str(e).lower() or "offline" in str(e).lower():
-            raise OSError(
-                f"tasks {tasks}: lm-eval could not fetch a task's data ({type(e).__name__}); a task whose "
-                "dataset_path is on the Hub needs the network — use local tasks (dataset_path: json with "
-                "data_files) through --include-path"
-            ) from e
-        raise
     if results is None:  # a non-zero rank of a torch launcher; jaxloom's processes all compute, one writes
         return {}
     results["jaxloom"] = {"step": step, "timings_s": {k: round(v, 3) for k, v in lm.timings.items()}}
