@@ -246,3 +246,20 @@ def test_settings_and_generation_kwargs_the_engine_does_not_have_are_refused_by_
     request = types.SimpleNamespace(args=("Q: apple\nA:", {"until": ["\n"], "num_beams": 4}))
     with pytest.raises(ValueError, match=r"generation_kwargs \['num_beams'\] of an lm-eval task"):
         lm.generate_until([request])
+
+
+def test_a_new_model_scores_with_the_programs_already_compiled():
+    """`set_model` (a run's next evaluation): the scores are the new weights', equal to a fresh model's, and the
+    scoring program is the one compiled before."""
+    import jaxloom.models as jm
+    from jaxloom.trainer.harness_core import LoadedLM
+    from util import tiny
+
+    rows = [(None, [5, 6, 7, 8], [9, 10]), (None, [11, 12], [13])]
+    lm = LoadedLM(model=jm.create_model(tiny(), seed=0), tokenizer=TOK, batch_size=2)
+    first, program = lm._loglikelihood_tokens(rows), lm._score_fn
+    other = jm.create_model(tiny(), seed=1)
+    lm.set_model(other)
+    again = lm._loglikelihood_tokens(rows)
+    fresh = LoadedLM(model=other, tokenizer=TOK, batch_size=2)._loglikelihood_tokens(rows)
+    assert lm._score_fn is program and again == fresh and again != first

@@ -42,6 +42,7 @@ class Benchmarks:
         self.include_path = None if include is None else str(Path(include).resolve())
         self._tokenizer, self.mesh, self._log, self._folder, self._history = tokenizer, mesh, log, folder, history
         self.last: tuple[int | None, dict[str, float]] = (None, {})
+        self._lm: Any = None  # one lm-eval model for the run: its scoring programs compile once, not per evaluation
         self._resumed_checked = False
 
     def check(self) -> None:
@@ -78,7 +79,11 @@ class Benchmarks:
         `<run>/lm_eval/step_<step>/` (written whole or not at all)."""
         from . import harness_core as harness
 
-        lm = harness.LoadedLM(model=state.model, tokenizer=self._tokenizer(), mesh=self.mesh)
+        if self._lm is None:
+            self._lm = harness.LoadedLM(model=state.model, tokenizer=self._tokenizer(), mesh=self.mesh)
+        else:
+            self._lm.set_model(state.model)
+        lm = self._lm
         folder = self._folder()
         results = harness.evaluate_tasks(
             lm,

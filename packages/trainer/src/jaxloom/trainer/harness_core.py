@@ -100,6 +100,14 @@ class LoadedLM(TemplateLM):
             raise ValueError("a jaxloom model for lm-eval needs model= and tokenizer=")
         return self._given
 
+    def set_model(self, model: Any) -> None:
+        """Score and generate with `model` from now on — the same architecture with other weights (a run's state at
+        its next evaluation): the compiled scoring programs are kept (they take the weights as an argument); the
+        engine, which holds its model, is made again at the next generation."""
+        self._loaded = (model, *self._loaded[1:])
+        self.__dict__.pop("engine", None)
+        self.timings = dict.fromkeys(self.timings, 0.0)
+
     @property
     def model(self) -> Any:
         return self._loaded[0]
