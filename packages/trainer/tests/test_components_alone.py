@@ -133,3 +133,62 @@ def test_callbacks_run_in_order_on_their_cadence_and_may_replace_metrics():
         Callback(lambda run, step: None)
     with pytest.raises(TypeError, match="has none of on_step_start"):
         Callback.of(object())
+
+
+def test_start_up_traces_the_step_first_and_imports_orbax_after_step_one(tmp_path):
+    """The start-up's order (issue 70: the first step as soon as a bare loop's): `Compilation.traced` is set once the
+    train step is lowered (and when lowering fails: nothing waits forever); `Plan.initial_state(after=)` traces its own
+    program only then, with the values it makes without waiting; `Checkpointing.after_step` imports orbax in a
+    background thread from the second step a process runs, never before it."""
+    import sys
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jaxloom.trainer.checkpointing import Checkpointing
+    from jaxloom.trainer.functions import Compilation
+
+    events: list[str] = []
+
+    class Lowered:
+        def compile(self):
+            events.append("compiled")
+            return "executable"
+
+    def lower():
+        time.sleep(0.2)
+        events.append("lowered")
+        return Lowered()
+
+    with ThreadPoolExecutor(1) as pool:
+        compilation = Compilation(pool, lower)
+        compilation.traced.wait()
+        assert events[0] == "lowered" and compilation.future.result() == "executable"
+
+        def broken():
+            raise RuntimeError("no lowering")
+
+        failed = Compilation(pool, broken)
+        assert failed.traced.wait(timeout=30)
+        with pytest.raises(RuntimeError, match="no lowering"):
+            failed.future.result()
+
+    plan = Plan.build(ARGS, jm.create_model(tiny(), lazy=True), mesh=mesh(1), total_steps=4)
+    traced = threading.Event()
+    threading.Timer(0.2, lambda: (events.append("step traced"), traced.set())).start()
+    state = plan.initial_state(after=traced)
+    events.append("state made")
+    assert events[-2:] == ["step traced", "state made"]
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(plan.initial_state()), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    ckpt = Checkpointing(ARGS.checkpoint, str(tmp_path / "checkpoints"))
+    ckpt.after_step(7)  # the first step this process runs: nothing imported beside it
+    assert ckpt.preparing is None
+    ckpt.after_step(8)
+    thread = ckpt.preparing
+    assert thread is not None and thread.name == "jaxloom-orbax"
+    thread.join(timeout=120)
+    assert "orbax.checkpoint" in sys.modules
+    ckpt.after_step(9)
+    assert ckpt.preparing is thread  # once

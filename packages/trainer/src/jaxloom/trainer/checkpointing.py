@@ -15,6 +15,7 @@ torchtitan registers its data loader as checkpoint state): the batches component
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -59,6 +60,8 @@ class Checkpointing:
         self.fence, self.data, self.metadata = fence, data, metadata
         self._manager: js.CheckpointManager | None = None
         self.read_step: int | None = None  # the checkpoint the last `restore` read
+        self._first_step: int | None = None
+        self.preparing: threading.Thread | None = None  # orbax imported in the background (`after_step`)
 
     @property
     def manager(self) -> js.CheckpointManager:
@@ -78,6 +81,16 @@ class Checkpointing:
                 commit_check=self.fence,  # a save in flight when the run lost its lease never commits
             )
         return self._manager
+
+    def after_step(self, step: int) -> None:
+        """Once the run's first step is behind it (at the second step this process runs), import orbax in a
+        background thread, so the first save does not pay it (~0.4 s alone), and neither does the start-up before
+        step 1: an import holds Python's lock, which the train step's tracing needs at the same time."""
+        if self._first_step is None:
+            self._first_step = step
+        elif self.preparing is None:
+            self.preparing = threading.Thread(target=js.CheckpointManager.prepare, name="jaxloom-orbax", daemon=True)
+            self.preparing.start()
 
     def should_save(self, step: int) -> bool:
         """Whether `step` is due (by steps or wall time; every process agrees)."""

@@ -300,7 +300,12 @@ def callbacks(trainer: Any) -> Callbacks:
     a = trainer.arguments
     save, evaluate, preview = trainer.save_checkpoint, trainer._evaluate_and_log, trainer.preview
     builtin = [
-        Callback(lambda run, step: save(step), when=trainer.checkpointing.should_save, name="checkpoint"),
+        Callback(
+            lambda run, step: save(step),
+            when=trainer.checkpointing.should_save,
+            name="checkpoint",
+            on_step_end=lambda run, step, metrics: trainer.checkpointing.after_step(step),
+        ),
         Callback(on_save=lambda run, step: _run_files_kept(trainer), name="run files"),
     ]
     if a.evaluation_steps and trainer.dataset_eval is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from typing import Any
 
@@ -27,15 +28,22 @@ log = logging.getLogger("jaxloom.trainer")
 class Compilation:
     """The train step compiling in the background on `pool` (`lower()` then `.compile()`): `result()` waits,
     saying so when the run has to wait for it, and logs how long the compile took (a long compile of a large
-    model is never a silent pause)."""
+    model is never a silent pause). `traced` is set once the step is lowered (or failed to): from then on the
+    compile runs in XLA, holding no Python lock, so other Python work (the initial state's own program) no longer
+    slows the step's tracing."""
 
     def __init__(self, pool, lower, *, eval_ratio: float = 0.0, staged_bytes: int = 0):
         self.started, self.seconds = time.monotonic(), 0.0
         self.eval_ratio, self.staged_bytes = eval_ratio, staged_bytes
+        self.traced = threading.Event()
 
         def run():
             start = time.monotonic()
-            executable = lower().compile()
+            try:
+                lowered = lower()
+            finally:
+                self.traced.set()
+            executable = lowered.compile()
             self.seconds = time.monotonic() - start
             return executable
 

@@ -320,7 +320,6 @@ class BaseTrainer(ReferenceSurface):
         pool = self._setup_pool()
         if self._tokenizer is None:
             self._tokenizer = pool.submit(default_tokenizer, self._model_source, self._model_given)
-        pool.submit(js.CheckpointManager.prepare)
         if self._train_fn is None:
             self.configure_functions()
         if self.state is None and self._resume_step() is not None:
@@ -385,7 +384,7 @@ class BaseTrainer(ReferenceSurface):
             log.info(
                 "resume_if_possible: no complete checkpoint in %s; starting from scratch", self.checkpoints.directory
             )
-        return self.plan.initial_state()
+        return self.plan.initial_state(after=getattr(self._train_fn, "traced", None))
 
     # ---- compiling ------------------------------------------------------------------------------------
     def lower_train_step(self):
