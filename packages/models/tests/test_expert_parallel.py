@@ -67,7 +67,7 @@ def test_expert_parallel_step_equals_one_device(reference, axes, partition_axis,
     mesh = MeshConfig.from_axes(**axes).build()
     model = jm.create_model(CONFIG, runtime, seed=5, mesh=mesh)
     (grads, logits), _ = step(model, IDS, mesh)
-    if scan:  # a scanned stack holds its weights (and gradients) stacked: its own dense reference
+    if scan:  # a scanned stack draws its weights stacked: its own dense reference
         ref_grads, ref_logits = step(
             jm.create_model(CONFIG, jm.RuntimeConfig(moe_implementation="dense", scan_layers=True), seed=5), IDS
         )

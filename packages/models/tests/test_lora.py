@@ -188,7 +188,7 @@ def test_an_adapter_for_another_base_or_module_is_refused_by_name(tmp_path):
 
 def test_quantized_base_stays_within_its_measured_error_and_shrinks():
     """Measured on this tiny Llama (hidden 128, seed 3): the logits of the int8 base differ from the
-    bf16-parameter model's by at most 0.69 % of their range, NF4's by 11.0 % (bounds 1 % and 15 %); the quantized
+    bf16-parameter model's by at most 0.53 % of their range, NF4's by 7.8 % (bounds 1 % and 10 %); the quantized
     kernels take 0.514 (int8, a float32 scale per column) and 0.281 (NF4, a float32 absmax per 64) of their
     bf16 bytes."""
     config = jm.LlamaConfig(
@@ -203,7 +203,7 @@ def test_quantized_base_stays_within_its_measured_error_and_shrinks():
     ref = jm.create_model(config, jm.RuntimeConfig(param_dtype="bfloat16"), seed=3)
     want = np.asarray(ref(ids).logits, np.float32)
     span = want.max() - want.min()
-    for kind, bound, ratio in (("int8", 0.01, 0.52), ("nf4", 0.15, 0.3)):
+    for kind, bound, ratio in (("int8", 0.01, 0.52), ("nf4", 0.1, 0.3)):
         model = jm.create_model(config, jm.RuntimeConfig(param_dtype="bfloat16"), seed=3)
         jm.apply_lora(model, jm.LoRAConfig(r=4, target_modules="all-linear", quantize=kind))
         got = np.asarray(model(ids).logits, np.float32)

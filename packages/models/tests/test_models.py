@@ -161,33 +161,3 @@ def test_an_export_onto_a_symlink_writes_where_it_points(tmp_path):
     assert (tmp_path / "latest").is_symlink() and (tmp_path / "latest").resolve() == (tmp_path / "v1").resolve()
     a, b = jm.to_hf_state_dict(newer), jm.to_hf_state_dict(jm.from_pretrained(tmp_path / "v1"))
     assert all(np.array_equal(a[k], b[k]) for k in a)
-
-
-def test_unrolled_layers_are_drawn_as_a_scanned_stack_draws_them():
-    """Each layer's weights come from its own key whether the stack is scanned or unrolled: layer i of the unrolled
-    model is slice i of the scanned one (its random program is compiled once per parameter, not per layer), and the
-    two layouts give the same logits."""
-    from flax import nnx
-
-    config = jm.LlamaConfig(**{**TINY, "num_hidden_layers": 3})
-    unrolled = jm.LlamaForCausalLM(config, jm.RuntimeConfig(scan_layers=False), rngs=nnx.Rngs(3))
-    scanned = jm.LlamaForCausalLM(config, jm.RuntimeConfig(scan_layers=True), rngs=nnx.Rngs(3))
-    assert not unrolled.scanned and scanned.scanned
-    stacked = nnx.to_pure_dict(nnx.state(scanned.model.layers, nnx.Param))
-    for i, layer in enumerate(unrolled.model.layers):
-        own = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
-        for (path, value), (_, stack) in zip(
-            jax.tree_util.tree_leaves_with_path(own), jax.tree_util.tree_leaves_with_path(stacked), strict=True
-        ):
-            np.testing.assert_array_equal(np.asarray(value), np.asarray(stack)[i], err_msg=f"layer {i} {path}")
-    kernel = unrolled.model.layers[0].self_attn.q_proj.kernel
-    assert (
-        kernel.get_metadata()["logical_axes"]
-        == scanned.model.layers.self_attn.q_proj.kernel.get_metadata()["logical_axes"][1:]
-    )
-    ids = jnp.arange(12)[None] % config.vocab_size
-    np.testing.assert_allclose(unrolled(ids).logits, scanned(ids).logits, atol=1e-5)
-    np.testing.assert_array_equal(
-        nnx.state(unrolled, nnx.Param)["lm_head"]["kernel"].get_value(),
-        nnx.state(scanned, nnx.Param)["lm_head"]["kernel"].get_value(),
-    )

@@ -17,12 +17,12 @@ from jaxloom.trainer import BaseTrainerProtocol, NonFiniteLossError, StepConfig,
 def test_eval_loss_falls_on_the_corpus(tmp_path):
     t = trainer(
         tmp_path,
-        max_training_steps=90,
-        logging_steps=30,
+        max_training_steps=60,
+        logging_steps=20,
         learning_rate=1e-2,
         total_batch_size=16,
-        evaluation_steps=90,
-        generation_interval=45,
+        evaluation_steps=60,
+        generation_interval=30,
         generation_prompts=("The interpreter",),
         generation_max_new_tokens=6,
         plot_loss=True,
@@ -33,14 +33,14 @@ def test_eval_loss_falls_on_the_corpus(tmp_path):
     assert out.stop_reason == "max_training_steps reached"
     after = out.metrics["eval_loss"]
     print(f"eval loss {before:.3f} -> {after:.3f}")
-    assert after < before - 1.25  # from the uniform 8.32 nats (measured: 6.79 after 90 steps)
+    assert after < before - 1.5
     assert "| eval_loss |" in (tmp_path / "report.md").read_text()
     previews = [
         r
         for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
         if "samples" in r
     ]
-    assert [r["step"] for r in previews] == [45, 90]  # every 45 steps; the final sample is step 90's
+    assert [r["step"] for r in previews] == [30, 60]  # every 30 steps; the final sample is step 60's
     assert out.samples and out.samples[0].startswith("The interpreter")
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert jm.count_params(t.model) == t.n_params
@@ -288,10 +288,10 @@ def test_sft_trains_only_on_completions(tmp_path):
         packing=False,
         max_sequence_length=16,
         total_batch_size=64,
-        max_training_steps=300,
+        max_training_steps=200,
         learning_rate=1e-2,
         logging_steps=100,
-        evaluation_steps=300,
+        evaluation_steps=200,
         config=tiny(hidden=64),
     )
     before = t.evaluate()["accuracy"]

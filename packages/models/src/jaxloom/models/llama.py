@@ -160,12 +160,10 @@ class CausalLM(nnx.Module):
             )
         self.scanned = runtime.scans(n) and uniform
         attention = type(self).attention_factory
-        if uniform:  # each layer from its own key, as a stack draws them: one random program per parameter, not per
-            # layer and parameter (a fraction of the start-up's compile), and the same values scanned or unrolled
-            layers = stack_layers(
+        if self.scanned:
+            self.model.layers = stack_layers(
                 lambda r: DecoderLayer(config, runtime, factories[0], rngs=r, attention_factory=attention), n, rngs
             )
-            self.model.layers = layers if self.scanned else nnx.List(unstack_layers(layers, n))
         else:
             self.model.layers = nnx.List(
                 [DecoderLayer(config, runtime, f, rngs=rngs, attention_factory=attention) for f in factories]
@@ -353,24 +351,6 @@ def stack_layers(make_layer, n: int, rngs: nnx.Rngs) -> nnx.Module:
 
     states = jax.tree_util.tree_map(add_layer_axis, states, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return nnx.merge(graphdef, states)
-
-
-def unstack_layers(stacked: nnx.Module, n: int) -> list[nnx.Module]:
-    """The `n` layers of a `stack_layers` module as separate modules (the unrolled layout), without the layer axis."""
-    graphdef, states = nnx.split(stacked)
-
-    def drop_layer_axis(v, i):
-        v = v.replace(value=v.get_value()[i])
-        axes = v.get_metadata().get("logical_axes")
-        return v.replace(logical_axes=tuple(axes[1:])) if axes is not None else v
-
-    def layer(i: int) -> nnx.Module:
-        sliced = jax.tree_util.tree_map(
-            lambda v: drop_layer_axis(v, i), states, is_leaf=lambda x: isinstance(x, nnx.Variable)
-        )
-        return nnx.merge(graphdef, sliced)
-
-    return [layer(i) for i in range(n)]
 
 
 @register("llama", TaskType.CAUSAL_LM)
