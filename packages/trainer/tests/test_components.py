@@ -171,14 +171,26 @@ def test_the_nan_stop_message_names_the_checkpoints_of_a_run_on_a_store():
         trainer.stop_control.apply_training_hooks(metrics)
 
 
-def test_callbacks_get_a_view_of_the_run_never_the_trainer(tmp_path):
+def test_callbacks_get_a_view_of_the_run_never_the_trainer(tmp_path, monkeypatch):
     """Every event and cadence callback is called with the run's `RunView`: the state of its step (which it may
     replace), the arguments, the checkpoint manager, the rows logged so far, and a stop request that ends the run
-    after that step, saved."""
+    after that step, saved. The start-up's order is wired: the initial state waits for the train step's trace, and
+    the checkpoint callback imports orbax in the background after the first step."""
     from util import trainer as make_trainer
 
     from jaxloom.trainer import BaseTrainer
     from jaxloom.trainer.callbacks import RunView
+    from jaxloom.trainer.plan import Plan
+
+    made = Plan.initial_state
+    waited = []
+
+    def initial_state(self, after=None):
+        state = made(self, after=after)
+        waited.append(after is not None and after.is_set())
+        return state
+
+    monkeypatch.setattr(Plan, "initial_state", initial_state)
 
     seen = []
 
@@ -205,6 +217,8 @@ def test_callbacks_get_a_view_of_the_run_never_the_trainer(tmp_path):
     assert out.stop_reason == "enough" and t.checkpoints.all_steps() == [2, 3]
     assert [s for s, _, _ in rows] == [1, 2, 3] and all(every == 2 for *_, every in rows)
     assert rows[-1][1] >= 2  # the rows logged before step 3's callback ran (logging_steps=1)
+    assert waited == [True]  # made once, after the train step was traced
+    assert t.checkpointing.preparing is not None and t.checkpointing.preparing.name == "jaxloom-orbax"
 
 
 def test_one_constructor_and_one_registry_for_every_trainer_kind():

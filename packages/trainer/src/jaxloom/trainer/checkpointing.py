@@ -89,7 +89,8 @@ class Checkpointing:
         if self._first_step is None:
             self._first_step = step
         elif self.preparing is None:
-            self.preparing = threading.Thread(target=js.CheckpointManager.prepare, name="jaxloom-orbax", daemon=True)
+            # not a daemon: a short run's interpreter never tears down mid-import (a native extension's loading)
+            self.preparing = threading.Thread(target=js.CheckpointManager.prepare, name="jaxloom-orbax")
             self.preparing.start()
 
     def should_save(self, step: int) -> bool:
