@@ -50,6 +50,34 @@ def test_scan_is_automatic_above_sixteen_layers_and_stacks_parameters():
     ).scanned
 
 
+@pytest.mark.parametrize("config_class", [jm.LlamaConfig, jm.MixtralConfig])
+def test_unrolled_layers_are_drawn_in_two_traces_with_the_sequential_draws_values(monkeypatch, config_class):
+    """`draw_layers` traces layer 0 and one `lax.map` of the rest (an 8-layer init compiles in half the time) and
+    draws what n layers built one after another from the shared stream draw: bitwise under jit, and eagerly
+    within the rounding that separates a compiled program from the same operations run one by one."""
+    from jaxloom.models import llama
+
+    config = config_class(**SMALL, num_hidden_layers=5)
+    built, draw_layers = [], llama.draw_layers
+
+    def build():
+        return jm.get_model_class(config.model_type)(config, jm.RuntimeConfig(scan_layers=False), rngs=nnx.Rngs(3))
+
+    def counting(make_layer, n, rngs):
+        return draw_layers(lambda r: built.append(1) or make_layer(r), n, rngs)
+
+    monkeypatch.setattr(llama, "draw_layers", counting)
+    drawn, drawn_jit = build(), nnx.jit(build)()
+    assert len(built) == 4  # two traces each, not five
+    monkeypatch.setattr(llama, "draw_layers", lambda make_layer, n, rngs: [make_layer(rngs) for _ in range(n)])
+    one_by_one, one_by_one_jit = build(), nnx.jit(build)()
+    for a, b, atol in [(drawn_jit, one_by_one_jit, 0.0), (drawn, one_by_one, 1e-8)]:  # eagerly: op by op vs compiled
+        pairs = zip(jax.tree.leaves(nnx.state(a, nnx.Param)), jax.tree.leaves(nnx.state(b, nnx.Param)), strict=True)
+        assert all(np.allclose(x, y, rtol=0, atol=atol) for x, y in pairs)
+    q = [layer.self_attn.q_proj.kernel[...] for layer in drawn.model.layers]
+    assert not any(np.array_equal(q[i], q[i + 1]) for i in range(4))  # every layer its own keys
+
+
 @pytest.mark.parametrize("remat", ["none", "dots_saveable"])
 def test_scanned_equals_unrolled_with_the_same_weights(tmp_path, remat):
     config = jm.MixtralConfig(**SMALL, num_hidden_layers=3, num_local_experts=4)

@@ -172,6 +172,37 @@ def test_a_step_written_after_the_lease_changed_hands_is_never_resumed(tmp_path,
     assert manager.resumable_step() == 16
 
 
+def test_a_late_writer_never_touches_the_folder_of_the_run_that_took_its_lease_over(caplog):
+    """Issue 70: a run paused past its lease still has a save in flight when it continues; its array writes land
+    without asking the lease (tensorstore writes a bucket's step folder in place). Run B, which took the lease over
+    (generation 2), names its steps `<step>.g2`: run A's late save of the same step writes `8`, never B's `8.g2`,
+    so B's checkpoint 8 restores B's arrays, verified, whatever A wrote after (with one name per step, A's
+    writes replaced B's objects and step 8 restored A's arrays). Each step is read from its newest committed
+    generation; a lower step of generation 1 (A's `4`, which B resumed from) is still read."""
+    state = make_state(mesh_of(fsdp=2))
+    with s3_server() as bucket:
+        uri = f"{bucket}/run/checkpoints"
+        a = js.CheckpointManager(uri, async_save=False, save_total_limit=None)
+        a.save(4, train_steps(state, 4), generation=1)
+        b = js.CheckpointManager(uri, async_save=False, save_total_limit=None)
+        b.save(8, train_steps(state, 8), generation=2)
+        a.save(8, train_steps(state, 3), generation=1)  # A's write in flight, landing after B committed step 8
+        fs, root = fsspec.core.url_to_fs(uri)
+        names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, refresh=True))
+        assert names == ["4", "8", "8.g2"], names
+        reader = js.CheckpointManager(uri, read_only=True)
+        assert reader.all_steps() == [4, 8] and str(reader.step_folder(8)).endswith("/checkpoints/8.g2")
+        assert reader.read_meta(8)["lease_generation"] == 2
+        reader.verify(8)  # B's files as B wrote them
+        restored = reader.restore(target(mesh_of(fsdp=2)))
+        assert restored.step == 8 and equal(restored.state.params, train_steps(state, 8).params)
+        four = reader.restore(target(mesh_of(fsdp=2)), step=4)
+        assert equal(four.state.params, train_steps(state, 4).params)
+    assert js.step_name(8, 2) == "8.g2" and js.step_name(8, 1) == js.step_name(8) == "8"
+    assert js.parse_step_name("8.g2") == (8, 2) and js.parse_step_name("8") == (8, 1)
+    assert js.parse_step_name("8.corrupt") is None and js.parse_step_name("8.orbax-checkpoint-tmp-1") is None
+
+
 def test_hf_export_to_gcs_streams_and_loads_back(tmp_path):
     """save_pretrained(to_hf=True) into gs://: written beside the destination, then swapped in; a re-export
     leaves no stale shard and keeps the user's own files; the bucket's copy loads as the same model."""

@@ -105,7 +105,7 @@ class _BeatHook:
 
     def on_save(self, run, step) -> None:
         if run.checkpoints is not None:
-            self._checkpoint = str(run.checkpoints.directory / str(step))
+            self._checkpoint = str(run.checkpoints.step_folder(step))
         self._beat(run, step)
 
     def _beat(self, run, step) -> None:

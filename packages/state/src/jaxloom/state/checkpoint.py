@@ -23,7 +23,6 @@ import json
 import logging
 import threading
 import time
-import types
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,11 +51,14 @@ from .checkpoint_files import (
     _flat,
     check_target,
     fenced_steps,
+    read_items,
+    set_aside,
     stored_shapes,
     verify_folder,
     commit_records,
     write_checksums,
 )
+from .step_names import StepNames, step_folders
 
 log = logging.getLogger(__name__)
 __all__ = [
@@ -156,6 +158,9 @@ class CheckpointManager:
         # saved whose integrity record is not written yet
         self._digests: dict[int, Any] = {}
         self._lock = threading.Lock()
+        # the step folders' names: `<step>`, or `<step>.g<generation>` for a lease generation past the first (a run
+        # that took a store directory over never writes where the run it took it from may still be writing)
+        self._names = StepNames(stores.temporary_path_class(self.directory))
         if self.directory.is_dir():
             self._open()
 
@@ -172,7 +177,8 @@ class CheckpointManager:
             c = self.config
             stores.prepare_orbax(self.directory)  # s3://: tensorstore's s3 driver, commit by marker
             options = ocp.CheckpointManagerOptions(
-                temporary_path_class=stores.temporary_path_class(self.directory),
+                temporary_path_class=self._names.temporary_path_class,
+                step_name_format=self._names,
                 max_to_keep=c.save_total_limit,
                 keep_period=c.keep_period,
                 enable_async_checkpointing=c.async_save,
@@ -232,7 +238,7 @@ class CheckpointManager:
                 log.warning(
                     "checkpoint %s was written by a run that had lost this directory's lease (generation %d, after "
                     "generation %d took over); it is never resumed",
-                    self.directory / str(s),
+                    self.step_folder(s),
                     generation,
                     newest,
                 )
@@ -306,6 +312,7 @@ class CheckpointManager:
         with self._lock:
             self._digests[int(step)] = found
         items["meta"] = ocp.args.JsonSave(meta)
+        self._names.generation = generation  # one run holds one generation: its steps' folder names
         try:
             manager.save(int(step), args=ocp.args.Composite(**items), force=True)
             self._last_save_time = time.monotonic()
@@ -344,14 +351,20 @@ class CheckpointManager:
         if self.commit_check is not None:
             self.commit_check()  # raises: orbax does not commit, and the error reaches the next save or wait
         with self._lock:
-            commit_records(self.directory, self._digests)
+            commit_records(self.directory, self._digests, self._names.build_name)
 
     def _write_checksums(self) -> None:
         """Process 0's integrity record of the finalised steps that lack one (`write_checksums`): a synchronous
         save's, and any an asynchronous commit could not write."""
         if self._manager is not None:
             with self._lock:
-                write_checksums(self.directory, self._manager.all_steps(), self._digests)
+                write_checksums(self.step_folder, self._manager.all_steps(), self._digests)
+
+    def step_folder(self, step: int) -> Any:
+        """The folder of checkpoint `step`: its newest committed generation's (`step_names`), else the folder this
+        manager writes it in (a save in flight)."""
+        found = step_folders(self.directory, self._names.committed, step).get(int(step))
+        return found if found is not None else self.directory / self._names.build_name(step)
 
     # ---- restoring --------------------------------------------------------------------------------
     def verify(self, step: int) -> dict[str, list]:
@@ -359,7 +372,7 @@ class CheckpointManager:
         written, or (metadata files, not array data) another checksum. Reads only the small files; array
         data is checked by `restore` as it is read, against the digests returned here (`{}` when the
         checkpoint has none)."""
-        return verify_folder(self.directory / str(step))
+        return verify_folder(self.step_folder(step))
 
     def restore(
         self, target: TrainState, step: int | None = None, *, params_only: bool = False, fallback: bool = True
@@ -391,14 +404,14 @@ class CheckpointManager:
             s = candidates.pop(0)
             try:
                 started = time.monotonic()
-                log.info("restoring checkpoint %s …", self.directory / str(s))
+                log.info("restoring checkpoint %s …", self.step_folder(s))
                 restored = self._restore_one(target, s, params_only)
                 read = restored.state.params if params_only else (restored.state.params, restored.state.opt_state)
                 size = sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(read))
                 seconds = time.monotonic() - started
                 log.info(  # the checkpoint's step (a params-only restore keeps the target's step 0)
                     "restored checkpoint %s (step %d%s): %.2f GB in %.1f s",
-                    self.directory / str(s),
+                    self.step_folder(s),
                     s,
                     ", parameters only" if params_only else "",
                     size / 1e9,
@@ -414,7 +427,7 @@ class CheckpointManager:
                     log.warning(
                         "checkpoint %s disappeared while it was read (the run writing %s removed it); reading the "
                         "newest complete checkpoint now",
-                        self.directory / str(s),
+                        self.step_folder(s),
                         self.directory,
                     )
                     candidates = sorted(self.all_steps(), reverse=True)
@@ -444,18 +457,8 @@ class CheckpointManager:
             return False
 
     def _set_aside(self, step: int) -> Path:
-        """Rename corrupt checkpoint `step` to `<step>.corrupt` (process 0), so that it is never chosen
-        again and a new checkpoint of that step can be written."""
-        folder = self.directory / str(step)
-        dest, n = folder.with_name(f"{step}.corrupt"), 1
-        while dest.exists():
-            dest, n = folder.with_name(f"{step}.corrupt.{n}"), n + 1
-        if jax.process_index() == 0:
-            paths.move(folder, dest)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"jaxloom-set-aside-{step}")
+        """Move corrupt checkpoint `step` aside (`set_aside`): never chosen again, and that step can be saved anew."""
+        dest = set_aside(self.step_folder(step), step)
         self._manager = None  # orbax lists steps once: open again without the corrupt one
         return dest
 
@@ -467,7 +470,7 @@ class CheckpointManager:
             trees["opt_state"] = target.opt_state
         error = None
         try:
-            out = self._read(step, trees)
+            out = read_items(self.step_folder(step), trees, self.config.verify)
         except (ValueError, OSError, RuntimeError, KeyError) as e:
             error = f"could not be read: {type(e).__name__}: {str(e)[:500]}"
         error = _agree(error)  # every process raises, or none: no process waits on another that gave up
@@ -481,7 +484,7 @@ class CheckpointManager:
                     + (" …" if len(bad) > 5 else "")
                 )
         if error is not None:
-            raise CheckpointCorruptError(f"checkpoint {self.directory / str(step)} {error}")
+            raise CheckpointCorruptError(f"checkpoint {self.step_folder(step)} {error}")
         meta = out.meta
         rng_sharding = getattr(target.rng, "sharding", None)
         rng = np.asarray(meta["rng"], dtype=np.uint32)
@@ -498,22 +501,6 @@ class CheckpointManager:
             state=state, step=int(meta["step"]), data_state=meta.get("data"), metadata=meta.get("metadata", {})
         )
 
-    def _read(self, step: int, trees: dict[str, Any]) -> Any:
-        """The items `trees` names (onto their shapes and shardings) and `meta` of checkpoint `step`: read
-        directly in jaxloom's format, through orbax for a checkpoint of jaxloom-state < 0.9."""
-        folder = self.directory / str(step)
-        meta = json.loads((folder / "meta" / "metadata").read_text())
-        if arrays.is_ours(folder / "params"):
-            out = {k: arrays.restore(folder / k, _as_abstract(v), verify=self.config.verify) for k, v in trees.items()}
-            return types.SimpleNamespace(meta=meta, **out)
-        ocp = _ocp()
-        stores.prepare_orbax(self.directory)
-        read = {
-            k: ocp.StandardCheckpointHandler().restore(folder / k, args=ocp.args.StandardRestore(_as_abstract(v)))
-            for k, v in trees.items()
-        }
-        return types.SimpleNamespace(meta=meta, **read)
-
     def restore_shapes(self, step: int | None = None, item: str = "params") -> Any:
         """The stored shapes and dtypes (`jax.ShapeDtypeStruct` tree) of `item` (`"params"` or
         `"opt_state"`) of checkpoint `step` (default: the newest), without reading weights; None when the
@@ -521,12 +508,14 @@ class CheckpointManager:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        return stored_shapes(self.directory / str(step), item)
+        return stored_shapes(self.step_folder(step), item)
 
     def read_meta(self, step: int | None = None) -> dict:
         """The JSON metadata (step, data position, versions, ...) of checkpoint `step` (default: newest)."""
         step = self.latest_step() if step is None else step
-        file = self.directory / str(step) / "meta" / "metadata"
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        file = self.step_folder(step) / "meta" / "metadata"
         return json.loads(file.read_text())
 
 
@@ -561,12 +550,6 @@ def _ocp():
     import orbax.checkpoint as ocp
 
     return ocp
-
-
-def _as_abstract(tree: Any) -> Any:
-    return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
-    )
 
 
 def _named(items: dict[str, Any]) -> dict[str, Any]:

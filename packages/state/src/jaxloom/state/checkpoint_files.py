@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import types
 from pathlib import Path
 from typing import Any
 
@@ -67,41 +68,43 @@ def _saved_digests(folder: Any, listed: dict[str, int]) -> dict[str, list]:
         raise CheckpointCorruptError(f"checkpoint {folder}: array digests unreadable ({e})") from e
 
 
-def write_checksums(directory: Path, steps: list[int], digests: dict[int, Any]) -> None:
-    """Process 0's integrity record of each of `steps` still without one, in its folder: the arrays' digests (orbax's
-    format: `jaxloom_digests.process_0.json`, every process's part added up at save time; `digests` maps a step to a
-    function returning them, and loses the steps written) and the manifest `{"files": {path: [size, sha256 or None]}}`
-    (its presence marks a verified checkpoint). Array data files get only their size: their digests are in the digest
-    file (orbax's format) or the item's index files (raw), which the manifest hashes. A step is written in its
-    in-progress folder when it has not been committed yet (`in_progress`), so that it commits with its record."""
+def write_checksums(folder_of: Any, steps: list[int], digests: dict[int, Any]) -> None:
+    """Process 0's integrity record of each of `steps` still without one, in its folder (`folder_of(step)`): the
+    arrays' digests (orbax's format: `jaxloom_digests.process_0.json`, every process's part added up at save time;
+    `digests` maps a step to a function returning them, and loses the steps written) and the manifest
+    `{"files": {path: [size, sha256 or None]}}` (its presence marks a verified checkpoint). Array data files get
+    only their size: their digests are in the digest file (orbax's format) or the item's index files (raw), which
+    the manifest hashes. A step is written in its in-progress folder when it has not been committed yet
+    (`in_progress`), so that it commits with its record."""
     if jax.process_index() != 0:
         digests.clear()  # every process's part is process 0's to write
         return
     for step in steps:
-        write_integrity(directory / str(step), digests.pop(step, None))
+        write_integrity(folder_of(step), digests.pop(step, None))
     for step in [s for s in digests if steps and s < min(steps)]:  # removed by keep-N
         del digests[step]
 
 
-def commit_records(directory: Any, digests: dict[int, Any]) -> None:
+def commit_records(directory: Any, digests: dict[int, Any], name_of: Any = str) -> None:
     """Before orbax commits (process 0): the integrity record of each step of `digests` into its in-progress folder
-    (`write_integrity`); the steps written are removed from `digests`."""
+    (`write_integrity`; `name_of(step)`: the folder name this writer saves it under); the steps written are removed
+    from `digests`."""
     for step in sorted(digests):
-        folder = in_progress(directory, step)
+        folder = in_progress(directory, name_of(step))
         if folder is not None and write_integrity(folder, digests[step]):
             del digests[step]
 
 
-def in_progress(directory: Any, step: int) -> Any:
-    """The folder checkpoint `step` is being written in before orbax commits it: `<step>.orbax-checkpoint-tmp*`
-    beside the final folder (atomic rename, a local disk), or the final folder itself (commit by marker file, on
-    an object store); None when neither exists."""
+def in_progress(directory: Any, name: str) -> Any:
+    """The folder the checkpoint named `name` (`step_names.step_name`) is being written in before orbax commits it:
+    `<name>.orbax-checkpoint-tmp*` beside the final folder (atomic rename, a local disk), or the final folder itself
+    (commit by marker file, on an object store); None when neither exists."""
     from orbax.checkpoint._src.path import atomicity
 
-    found = sorted(directory.glob(f"{step}{atomicity.TMP_DIR_SUFFIX}*"), key=str)
+    found = sorted(directory.glob(f"{name}{atomicity.TMP_DIR_SUFFIX}*"), key=str)
     if found:
         return found[-1]
-    final = directory / str(step)
+    final = directory / name
     return final if final.exists() else None
 
 
@@ -120,6 +123,45 @@ def write_integrity(folder: Any, digests: Any = None) -> bool:
         return False
 
 
+def read_items(folder: Any, trees: dict[str, Any], verify: bool) -> Any:
+    """The items `trees` names (read onto their shapes and shardings) and `meta` of the checkpoint in `folder`:
+    directly in jaxloom's format (each piece checked against its digest as it is read when `verify`), through
+    orbax for a checkpoint of jaxloom-state < 0.9."""
+    meta = json.loads((folder / "meta" / "metadata").read_text())
+    if arrays.is_ours(folder / "params"):
+        out = {k: arrays.restore(folder / k, _as_abstract(v), verify=verify) for k, v in trees.items()}
+        return types.SimpleNamespace(meta=meta, **out)
+    import orbax.checkpoint as ocp
+
+    stores.prepare_orbax(folder.parent)
+    read = {
+        k: ocp.StandardCheckpointHandler().restore(folder / k, args=ocp.args.StandardRestore(_as_abstract(v)))
+        for k, v in trees.items()
+    }
+    return types.SimpleNamespace(meta=meta, **read)
+
+
+def set_aside(folder: Any, step: int) -> Any:
+    """Rename the corrupt checkpoint `folder` (of `step`) to `<name>.corrupt` (process 0; every process waits for
+    it), so that it is never chosen again and a new checkpoint of that step can be written. Returns the new path."""
+    dest, n = folder.with_name(f"{folder.name}.corrupt"), 1
+    while dest.exists():
+        dest, n = folder.with_name(f"{folder.name}.corrupt.{n}"), n + 1
+    if jax.process_index() == 0:
+        paths.move(folder, dest)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"jaxloom-set-aside-{step}")
+    return dest
+
+
+def _as_abstract(tree: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+    )
+
+
 def check_target(manager: Any, target: TrainState, step: int, params_only: bool) -> None:
     """Before reading anything of checkpoint `step` of `manager`: `target`'s shapes are the stored ones (the params,
     and the optimizer state unless `params_only`), and its shardings divide them; else one error naming them."""
@@ -131,7 +173,7 @@ def check_target(manager: Any, target: TrainState, step: int, params_only: bool)
             found = manager.restore_shapes(step, item)
         except (ValueError, OSError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointCorruptError(
-                f"checkpoint {manager.directory / str(step)}: metadata unreadable ({type(e).__name__}: {str(e)[:200]})"
+                f"checkpoint {manager.step_folder(step)}: metadata unreadable ({type(e).__name__}: {str(e)[:200]})"
             ) from e
         stored = {k: v.shape for k, v in _flat(found).items()} if found is not None else {}
         wanted = {k: v.shape for k, v in _flat(tree).items()}
@@ -143,7 +185,7 @@ def check_target(manager: Any, target: TrainState, step: int, params_only: bool)
         if problems:
             what = "model shape" if item == "params" else "optimizer (its state differs)"
             raise ValueError(
-                f"checkpoint {manager.directory / str(step)} was written for another configuration, another "
+                f"checkpoint {manager.step_folder(step)} was written for another configuration, another "
                 f"{what}: "
                 + "; ".join(problems[:10])
                 + (" …" if len(problems) > 10 else "")

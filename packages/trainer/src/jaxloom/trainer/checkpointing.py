@@ -60,6 +60,7 @@ class Checkpointing:
         self.fence, self.data, self.metadata = fence, data, metadata
         self._manager: js.CheckpointManager | None = None
         self.read_step: int | None = None  # the checkpoint the last `restore` read
+        self.read_from = ""  # ... and its folder (`<step>`, or `<step>.gN` on a store run taken over)
         self._first_step: int | None = None
         self.preparing: threading.Thread | None = None  # orbax imported in the background (`after_step`)
 
@@ -118,13 +119,15 @@ class Checkpointing:
     def restore(self, target: js.TrainState, *, params_only: bool = False, step: int | None = None) -> js.Restored:
         """The newest complete checkpoint (or checkpoint `step`, FileNotFoundError naming the steps there are when
         it is not one) into `target`'s shapes and shardings (FileNotFoundError without one); a full restore hands
-        its data position to `data` (the run continues where it stopped). `read_step` names the checkpoint read."""
+        its data position to `data` (the run continues where it stopped). `read_step` names the checkpoint read,
+        `read_from` its folder."""
         newest = self.manager.latest_step()
         if newest is None:
             raise FileNotFoundError(f"no checkpoint under {self.manager.directory} (none complete)")
         restored = self.manager.restore(target, step, params_only=params_only)
         # the checkpoint read (a params-only restore keeps the target's step 0 in `restored.step`)
-        self.read_step = restored.step if not params_only else step if step is not None else newest
+        self.read_step = read = restored.step if not params_only else step if step is not None else newest
+        self.read_from = str(self.manager.step_folder(read))
         if self.data is not None and not params_only:
             self.data.load_checkpoint_state(restored.data_state)
         return restored

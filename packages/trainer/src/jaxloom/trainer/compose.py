@@ -531,12 +531,13 @@ def model_for_inference(path: str | Path, step: int | None = None) -> tuple[Any,
     lm-eval run load."""
     import jaxloom.data as jd
     import jaxloom.models as jm
+    import jaxloom.state as js
 
     path = Path(path)
     eos: Any = None
     if (path / RUN_CONFIG).is_file():
         trainer = restored(path, None, params_only=True, step=step)
-        restored_step = int(str(trainer.resumed_from).rsplit("/", 1)[-1])  # `<checkpoints>/<step>`: the one read
+        restored_step = js.parse_step_name(str(trainer.resumed_from).rsplit("/", 1)[-1])[0]  # the step folder read
         return trainer.state.model, trainer.tokenizer, None, trainer.mesh, restored_step
     if not (path / "config.json").is_file():
         raise FileNotFoundError(

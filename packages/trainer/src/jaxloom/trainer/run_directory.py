@@ -51,7 +51,7 @@ RUN_OUTPUTS = (
 
 
 # What jaxloom writes in a checkpoint directory: step folders, steps being written, steps set aside as corrupt.
-_STEP_ENTRY = re.compile(r"^\d+(\.orbax-checkpoint-tmp.*|\.corrupt(\.\d+)?)?$")
+_STEP_ENTRY = re.compile(r"^\d+(\.g\d+)?(\.orbax-checkpoint-tmp.*|\.corrupt(\.\d+)?)?$")
 
 
 class RunDirectory:
@@ -130,7 +130,7 @@ class RunDirectory:
             self.release()
             raise
         ckpts = paths.as_path(self.checkpoints)
-        earlier = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.is_dir() else []
+        earlier = sorted(js.step_folders(ckpts))
         if earlier and c.overwrite_output_dir:
             log.warning("overwrite_output_dir: removing the earlier run in %s (checkpoints %s)", directory, earlier)
             if is_process_zero:

@@ -346,7 +346,7 @@ class BaseTrainer(ReferenceSurface):
             restored = reader.restore(self.plan.target(), params_only=params_only, step=step)
         finally:
             reader.close()
-        self.resumed_from = f"{reader.manager.directory}/{reader.read_step}"
+        self.resumed_from = reader.read_from
         self.state = self._with_base(restored, self.resumed_from)
         return self.state
 
@@ -360,7 +360,7 @@ class BaseTrainer(ReferenceSurface):
 
     def _restore(self) -> js.TrainState:
         restored = self.checkpointing.restore(self.plan.target())
-        self.resumed_from = f"{self.checkpointing.manager.directory}/{restored.step}"
+        self.resumed_from = self.checkpointing.read_from
         restored = dataclasses.replace(restored, state=self._with_base(restored, self.resumed_from))
         # a warning: a Python user who configured no logging still sees that the run continued an earlier one
         log.warning("resumed from checkpoint %s (step %d)", self.resumed_from, restored.step)
