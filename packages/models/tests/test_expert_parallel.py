@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxloom.models as jm
-import jaxloom.models.mixtral as mixtral
+import jaxloom.models.moe as moe
 from jaxloom.mesh import MeshConfig, PartitionAxis, gather
 
 D, F, E = 32, 48, 8
@@ -106,7 +106,7 @@ def test_weights_stay_on_their_devices_and_tokens_move(monkeypatch):
     # the ep group's tokens (4 of the 8 sequences: dp keeps its halves) are gathered, the outputs scattered
     assert any("all-gather" in c and "f32[4,16,32]" in c for c in collectives), collectives
     assert any("reduce-scatter" in c and "f32[1,16,32]" in c for c in collectives), collectives
-    monkeypatch.setattr(mixtral, "expert_parallel_mesh", lambda *a: None)
+    monkeypatch.setattr(moe, "expert_parallel_mesh", lambda *a: None)
     (_, _), hlo = step(model, IDS, mesh)
     assert _moved_weights(hlo), "without expert parallelism the experts' weights travel"
 

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import jaxloom.models as jm
-from jaxloom.models.mixtral import grouped_matmul, tile_rows
+from jaxloom.models.moe import grouped_matmul, tile_rows
 
 SMALL = dict(
     vocab_size=64,
@@ -55,10 +55,10 @@ def test_unrolled_layers_are_drawn_in_two_traces_with_the_sequential_draws_value
     """`draw_layers` traces layer 0 and one `lax.map` of the rest (an 8-layer init compiles in half the time) and
     draws what n layers built one after another from the shared stream draw: bitwise under jit, and eagerly
     within the rounding that separates a compiled program from the same operations run one by one."""
-    from jaxloom.models import llama
+    from jaxloom.models import decoder
 
     config = config_class(**SMALL, num_hidden_layers=5)
-    built, draw_layers = [], llama.draw_layers
+    built, draw_layers = [], decoder.draw_layers
 
     def build():
         return jm.get_model_class(config.model_type)(config, jm.RuntimeConfig(scan_layers=False), rngs=nnx.Rngs(3))
@@ -66,10 +66,10 @@ def test_unrolled_layers_are_drawn_in_two_traces_with_the_sequential_draws_value
     def counting(make_layer, n, rngs):
         return draw_layers(lambda r: built.append(1) or make_layer(r), n, rngs)
 
-    monkeypatch.setattr(llama, "draw_layers", counting)
+    monkeypatch.setattr(decoder, "draw_layers", counting)
     drawn, drawn_jit = build(), nnx.jit(build)()
     assert len(built) == 4  # two traces each, not five
-    monkeypatch.setattr(llama, "draw_layers", lambda make_layer, n, rngs: [make_layer(rngs) for _ in range(n)])
+    monkeypatch.setattr(decoder, "draw_layers", lambda make_layer, n, rngs: [make_layer(rngs) for _ in range(n)])
     one_by_one, one_by_one_jit = build(), nnx.jit(build)()
     for a, b, atol in [(drawn_jit, one_by_one_jit, 0.0), (drawn, one_by_one, 1e-8)]:  # eagerly: op by op vs compiled
         pairs = zip(jax.tree.leaves(nnx.state(a, nnx.Param)), jax.tree.leaves(nnx.state(b, nnx.Param)), strict=True)

@@ -40,8 +40,10 @@ from .losses import (
     linear_token_log_probs,
     linear_token_scores,
 )
-from .llama import CausalLMOutput, RouterLoad, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-from .mixtral import MixtralForCausalLM, dispatch_tokens, expert_parallel_dispatch, grouped_matmul
+from .decoder import CausalLMOutput, RouterLoad
+from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from .mixtral import MixtralForCausalLM
+from .moe import dispatch_tokens, expert_parallel_dispatch, grouped_matmul
 from .olmo2 import Olmo2Config, Olmo2ForCausalLM
 from .phi3 import Phi3Config, Phi3ForCausalLM
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM

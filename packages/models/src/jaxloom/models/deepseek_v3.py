@@ -36,9 +36,9 @@ from jaxloom.core.schema import config
 from .attention import attend, self_attention
 from .configs import LlamaConfig, check_top_k, register_config
 from .layers import ACTIVATIONS, Linear, RMSNorm, apply_rope
-from .llama import MLP, CausalLM, RouterLoad
+from .decoder import MLP, CausalLM, RouterLoad
 from .expert_adapters import ExpertLoRA
-from .mixtral import SparseMoE, gated, run_experts, stacked_weights
+from .moe import SparseMoE, gated, run_experts, stacked_weights
 from .registry import TaskType, register
 from .runtime import RuntimeConfig
 

@@ -30,10 +30,10 @@ from flax import nnx
 from jaxloom.core.schema import config
 
 from .configs import LlamaConfig, check_top_k, register_config
-from .layers import Linear, _precision
-from .llama import CausalLM
+from .layers import Linear, matmul_precision
+from .decoder import CausalLM
 from .expert_adapters import ExpertLoRA, expert_weights
-from .mixtral import balance_loss, route, run_experts
+from .moe import balance_loss, route, run_experts
 from .registry import TaskType, register
 from .runtime import RuntimeConfig
 
@@ -184,7 +184,7 @@ class GptOssMoE(nnx.Module):
     def __call__(self, x, token_mask=None):
         dtype = self.runtime.dtype
         probs, top_w, top_i, chosen = route(self.router(x), self.k, self.e, normalize=True)
-        weights, biases = self.experts.split(dtype, _precision(self.runtime))
+        weights, biases = self.experts.split(dtype, matmul_precision(self.runtime))
         out = run_experts(x.astype(dtype), top_i, top_w, weights, glu=self.glu, biases=biases, runtime=self.runtime)
         return out, balance_loss(probs, chosen, token_mask, self.k, self.e)
 

@@ -23,7 +23,8 @@ def constrain(x: jax.Array, names: Sequence[str | None], runtime: RuntimeConfig,
     return jax.lax.with_sharding_constraint(x, runtime.partition_axis.spec(names, kind, mesh=mesh))
 
 
-def _precision(runtime: RuntimeConfig):
+def matmul_precision(runtime: RuntimeConfig):
+    """The `jax.lax.Precision` of `runtime.precision` for the matmuls (None: XLA's default)."""
     return None if runtime.precision is None else jax.lax.Precision[runtime.precision.upper()]
 
 
@@ -44,7 +45,7 @@ class Linear(nnx.Module):
         init = jax.nn.initializers.normal(std)
         self.kernel = nnx.Param(init(rngs.params(), (din, dout), runtime.param_dtype), logical_axes=axes)
         self.bias = nnx.Param(jnp.zeros((dout,), runtime.param_dtype), logical_axes=(axes[1],)) if use_bias else None
-        self.dtype, self.precision = runtime.dtype, _precision(runtime)
+        self.dtype, self.precision = runtime.dtype, matmul_precision(runtime)
         self.fp8 = getattr(runtime, "fp8", "none")
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -65,7 +66,7 @@ class Embed(nnx.Module):
         self.embedding = nnx.Param(
             init(rngs.params(), (vocab, dim), runtime.param_dtype), logical_axes=("vocab", "embed")
         )
-        self.dtype, self.precision = runtime.dtype, _precision(runtime)
+        self.dtype, self.precision = runtime.dtype, matmul_precision(runtime)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)

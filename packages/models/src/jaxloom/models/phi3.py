@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 from jaxloom.core.schema import config
 
 from .configs import LlamaConfig, register_config
-from .llama import CausalLM
+from .decoder import CausalLM
 from .registry import TaskType, register
 
 

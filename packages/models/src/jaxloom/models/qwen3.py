@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 from jaxloom.core.schema import config
 
 from .configs import Qwen2Config, check_top_k, register_config
-from .llama import MLP, CausalLM
-from .mixtral import SparseMoE
+from .decoder import MLP, CausalLM
+from .moe import SparseMoE
 from .registry import TaskType, register
 
 
