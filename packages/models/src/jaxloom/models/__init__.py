@@ -16,7 +16,8 @@ from .classifier import SequenceClassifierOutput, as_sequence_classifier, is_cla
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, expert_load, update_router_bias
 from .gemma import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
-from .gpt_oss import GptOssConfig, GptOssForCausalLM, dequantize_mxfp4
+from .gpt_oss import GptOssConfig, GptOssForCausalLM
+from .mxfp4 import dequantize_mxfp4
 from .hf import from_pretrained, pretrained_source, save_hf_model, to_hf_state_dict
 from .expert_adapters import ExpertLoRA, expert_weights
 from .dropout import dropout_key

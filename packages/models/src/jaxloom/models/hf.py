@@ -24,7 +24,7 @@ from . import safetensors_io
 from .build import is_variable, variable_specs
 from .configs import LlamaConfig, config_from_hf_dict
 from .fp8 import fp8_tensors
-from .gpt_oss import mxfp4_tensors
+from .mxfp4 import mxfp4_tensors
 from .registry import TaskType, get_model_class
 from .runtime import RuntimeConfig
 
