@@ -180,7 +180,7 @@ def test_run_level_fields_against_a_baseline_run(tmp_path):
         progress_bar=True,
         plot_loss=True,
     )
-    assert type(a.pbar).__name__ == "_NoBar" and type(b.pbar).__name__ != "_NoBar"  # progress_bar
+    assert type(a.pbar).__name__ == "NoBar" and type(b.pbar).__name__ != "NoBar"  # progress_bar
     assert (tmp_path / "b" / "loss.png").is_file() and not (tmp_path / "a" / "loss.png").exists()  # plot_loss
     assert _saved(tmp_path / "a") == [2, 4] and _saved(tmp_path / "b") == [4]  # save_total_limit
     loss = lambda rows: next(r["train/loss"] for r in rows if r["step"] == 1)  # noqa: E731

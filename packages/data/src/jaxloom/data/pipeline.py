@@ -369,7 +369,7 @@ class DataLoader:
         cursor.consume(len(cursor.current()[0]) - cursor.state["token_offset"])
 
 
-def _batch_tokenize(rows: list[dict], tokenizer, config: DataConfig) -> list[np.ndarray] | None:
+def batch_tokenize(rows: list[dict], tokenizer, config: DataConfig) -> list[np.ndarray] | None:
     """Plain-text `rows` are tokenized in one batched call (in the prefetch thread), so training-time data
     work is slicing; None when some row is not plain text (those go record by record)."""
     column = config.text_column
@@ -514,7 +514,7 @@ class _Block:
         if chunk not in self.plain:
             positions = range(chunk * TOKENIZE_CHUNK, min(len(self.order), (chunk + 1) * TOKENIZE_CHUNK))
             indices = [int(self.order[p]) for p in positions]
-            ids = _batch_tokenize([self.records[i] for i in indices], tokenizer, config)
+            ids = batch_tokenize([self.records[i] for i in indices], tokenizer, config)
             self.plain[chunk] = ids is not None
             if ids is not None:
                 self.tokens.update(zip(indices, ids, strict=True))

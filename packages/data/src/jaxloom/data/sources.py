@@ -22,7 +22,7 @@ from typing import Any
 
 from jaxloom.core import paths as _pathlayer
 
-from .streams import OnError, ShardedDataSource, Stream, _Streamed, describe, iter_shard  # noqa: F401
+from .streams import OnError, ShardedDataSource, Stream, Streamed, describe, iter_shard  # noqa: F401
 from .tokenize import SKIP_HINT
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def _line_number(name: str, offset: int) -> int:
     return count
 
 
-class _LineFiles(_Streamed):
+class _LineFiles(Streamed):
     """Files read line by line; the cursor is a byte offset."""
 
     files: list[Path]
@@ -182,7 +182,7 @@ class TextSource(_LineFiles):
             start = end
 
 
-class ParquetSource(_Streamed):
+class ParquetSource(Streamed):
     """One shard per Parquet file in `paths` (a path, a glob or a list), streamed by row group with
     pyarrow; the cursor is the row, and a resume opens the row group that holds it."""
 
@@ -223,7 +223,7 @@ class ParquetSource(_Streamed):
                     yield record, row
 
 
-class HFDatasetSource(_Streamed):
+class HFDatasetSource(Streamed):
     """`dataset`, a `datasets.Dataset`, split into `num_shards` contiguous shards read in slices (the
     cursor is the row), or an `IterableDataset` (its own shards when it has several, else one;
     `streaming=True` datasets too), consumed in order: it cannot seek, so a resume skips forward."""
@@ -262,7 +262,7 @@ def _skip_forward(source: Any, records: Iterable[dict], cursor: int, what: str) 
         yield dict(record), n
 
 
-class IterableSource(_Streamed):
+class IterableSource(Streamed):
     """`records` from Python: a list (split contiguously into `num_shards` shards), or a callable
     returning an iterable (streamed when `num_shards` is 1; a resume skips forward)."""
 

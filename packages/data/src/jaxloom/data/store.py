@@ -33,14 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from .streams import Stream, _Streamed
+from .streams import Stream, Streamed
 
 log = logging.getLogger(__name__)
 FORMAT = "jaxloom-token-store"
 VERSION = 1
 MANIFEST = "manifest.json"
 UNIT_BYTES = 64 << 20  # a large JSONL/text file is split into work units (and store shards) of this many bytes
-_BATCH = 1024  # records tokenized per call
+TOKENIZE_BATCH = 1024  # records tokenized per call
 
 
 def is_store(path: str | os.PathLike) -> bool:
@@ -73,16 +73,19 @@ def offsets_digest(offsets: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(offsets, dtype="<i8").tobytes()).hexdigest()[:16]
 
 
-def _tokenizer_name(tokenizer) -> str:
+def tokenizer_name(tokenizer) -> str:
+    """How a store's manifest names `tokenizer`: its `name_or_path`, else its class name."""
     return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
 
 
-def _settings(config, max_sequence_length: int | None) -> dict[str, Any]:
+def store_settings(config, max_sequence_length: int | None) -> dict[str, Any]:
+    """The data settings a prepared store was tokenized under (`config`'s columns and special tokens, and
+    `max_sequence_length`), recorded in its manifest and compared when a run reads it."""
     keys = ("add_bos", "add_eos", "text_column", "messages_column", "prompt_column", "completion_column")
     return {**{k: getattr(config, k) for k in keys}, "max_sequence_length": max_sequence_length}
 
 
-class TokenStore(_Streamed):
+class TokenStore(Streamed):
     """A token store (see the module docstring) as a data source: one shard per store shard, a record
     per document (`{"input_ids", "loss_mask"}`, views into memory-mapped files), the cursor a document
     index, so a resume seeks. `paths`: a store directory (or a one-item list of it)."""
@@ -140,7 +143,7 @@ class TokenStore(_Streamed):
         if made["hash"] != run:
             raise ValueError(
                 f"token store {self.root} was made with tokenizer {made['name']!r} (hash {made['hash']}), the run "
-                f"uses {_tokenizer_name(tokenizer)!r} (hash {run}); expected the same tokenizer "
+                f"uses {tokenizer_name(tokenizer)!r} (hash {run}); expected the same tokenizer "
                 "(prepare the store again with the run's tokenizer)"
             )
         for key in ("add_bos", "add_eos"):

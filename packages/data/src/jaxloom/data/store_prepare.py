@@ -16,13 +16,13 @@ import numpy as np
 
 from .sources import as_source, iter_shard
 from .store import (
-    _BATCH,
+    TOKENIZE_BATCH,
     FORMAT,
     MANIFEST,
     UNIT_BYTES,
     VERSION,
-    _settings,
-    _tokenizer_name,
+    store_settings,
+    tokenizer_name,
     is_store,
     offsets_digest,
     tokenizer_hash,
@@ -133,7 +133,7 @@ def _tokenize_unit(args, report=None) -> dict[str, Any]:
     """Tokenize one work unit into `shard-K.*` files in `work` (written under temporary names, then renamed).
     `report(bytes, documents, tokens)`, when given, is told of the progress after each batch of records."""
     source, unit, tokenizer_dir, config, max_len, dtype, work = args
-    from .pipeline import _batch_tokenize
+    from .pipeline import batch_tokenize
     from .processor import load_processor
     from .tokenize import tokenize_record
 
@@ -145,7 +145,7 @@ def _tokenize_unit(args, report=None) -> dict[str, Any]:
 
         def flush(records: list[dict], where: list[int]) -> None:
             nonlocal n_tokens, masked
-            fast = _batch_tokenize(records, tokenizer, config)
+            fast = batch_tokenize(records, tokenizer, config)
             for i, record in enumerate(records):
                 if fast is not None:
                     ids, mask = fast[i], None
@@ -188,7 +188,7 @@ def _tokenize_unit(args, report=None) -> dict[str, Any]:
             records.append(record)
             where.append(pos)
             pos = after
-            if len(records) == _BATCH:
+            if len(records) == TOKENIZE_BATCH:
                 flush(records, where)
                 records, where = [], []
                 tell()
@@ -236,12 +236,12 @@ def prepare(
     out = Path(out)
     tok_dir = str(tokenizer or bundled_tokenizer_path())
     tok = load_processor(tok_dir)
-    settings = _settings(config, max_sequence_length)
+    settings = store_settings(config, max_sequence_length)
     source = as_source(data)
     header = {
         "format": FORMAT,
         "version": VERSION,
-        "tokenizer": {"name": _tokenizer_name(tok), "hash": tokenizer_hash(tok)},
+        "tokenizer": {"name": tokenizer_name(tok), "hash": tokenizer_hash(tok)},
         "settings": settings,
         "dtype": "uint16" if len(tok) <= 1 << 16 else "uint32",
         "sources": [str(s) for s in source.shard_names],

@@ -38,7 +38,7 @@ def describe(source: Any, name: str, cursor: int) -> str:
     return fn(name, cursor) if fn is not None else f"{name} record {cursor}"
 
 
-class _Streamed:
+class Streamed:
     """`read_shard` for a streaming source: all its records as a list (small data, tests)."""
 
     def read_shard(self, name: str) -> list[dict]:

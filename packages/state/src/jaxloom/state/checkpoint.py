@@ -40,15 +40,15 @@ from .train_state import TrainState
 
 from .checkpoint_errors import (
     CheckpointSaveError,
-    _holding_checkpoints,
-    _quiet_writer_threads,
-    _retry_unreachable,
+    holding_checkpoints,
+    quiet_writer_threads,
+    retry_unreachable,
     save_failure,
 )
 from .checkpoint_files import (
     CHECKSUMS,
     DIGESTS,
-    _flat,
+    flat_leaves,
     check_target,
     fenced_steps,
     read_items,
@@ -172,7 +172,7 @@ class CheckpointManager:
 
     def _open(self):
         if self._manager is None:
-            _quiet_writer_threads()
+            quiet_writer_threads()
             ocp = _ocp()
             c = self.config
             stores.prepare_orbax(self.directory)  # s3://: tensorstore's s3 driver, commit by marker
@@ -249,7 +249,7 @@ class CheckpointManager:
         manager = self._listing()
         if manager is None:
             return []
-        return _holding_checkpoints(self.directory, sorted(manager.all_steps()), self._stray_seen)
+        return holding_checkpoints(self.directory, sorted(manager.all_steps()), self._stray_seen)
 
     # ---- saving -----------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -286,7 +286,7 @@ class CheckpointManager:
         resumed after a newer generation's step (`resumable_step`)."""
         if self.config.read_only:
             raise ValueError(f"checkpoint manager of {self.directory} is read-only (a reader); it saves nothing")
-        _retry_unreachable(
+        retry_unreachable(
             lambda: self._save_once(step, state, data_state, metadata, generation),
             self.config.retry_seconds,
             f"saving checkpoint {step} in {self.directory}",
@@ -554,7 +554,7 @@ def _ocp():
 
 def _named(items: dict[str, Any]) -> dict[str, Any]:
     """`{"params": tree, ...}` to `{"params/<leaf path>": array}`."""
-    return {f"{item}/{name}": leaf for item, tree in items.items() for name, leaf in _flat(tree).items()}
+    return {f"{item}/{name}": leaf for item, tree in items.items() for name, leaf in flat_leaves(tree).items()}
 
 
 def _agree(error: str | None) -> str | None:

@@ -77,7 +77,9 @@ class _WriterErrorsOneLine(logging.Filter):
 _WRITER_FILTER = _WriterErrorsOneLine()
 
 
-def _quiet_writer_threads() -> None:
+def quiet_writer_threads() -> None:
+    """Install, once, the filters that keep orbax's writer threads to one line per failed write (their tracebacks
+    dropped: the save's one `CheckpointSaveError` says what happened) and tensorstore's closed-loop callbacks quiet."""
     absl = logging.getLogger("absl")
     if _WRITER_FILTER not in absl.filters:
         absl.addFilter(_WRITER_FILTER)
@@ -100,7 +102,7 @@ def _closed_loop_callbacks_dropped(previous: Any) -> Any:
     return hook
 
 
-def _holding_checkpoints(directory: Any, steps: list[int], said: set[int]) -> list[int]:
+def holding_checkpoints(directory: Any, steps: list[int], said: set[int]) -> list[int]:
     """`steps` whose directories hold a checkpoint (`params`, `meta`): a stray `mkdir checkpoints/7` is not one,
     is never chosen, and is warned of once (`said`). A bucket's steps are committed by marker: orbax's list."""
     if not isinstance(directory, Path):
@@ -191,7 +193,7 @@ def _size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def _retry_unreachable(attempt: Any, seconds: float, what: str) -> None:
+def retry_unreachable(attempt: Any, seconds: float, what: str) -> None:
     """`attempt()`, again after 1 s, 2 s, 4 s, ... (at most 30 s apart) while it fails with a
     `CheckpointSaveError` caused by a store out of reach, for `seconds` after the first failure."""
     deadline, delay = None, 1.0

@@ -175,8 +175,8 @@ def check_target(manager: Any, target: TrainState, step: int, params_only: bool)
             raise CheckpointCorruptError(
                 f"checkpoint {manager.step_folder(step)}: metadata unreadable ({type(e).__name__}: {str(e)[:200]})"
             ) from e
-        stored = {k: v.shape for k, v in _flat(found).items()} if found is not None else {}
-        wanted = {k: v.shape for k, v in _flat(tree).items()}
+        stored = {k: v.shape for k, v in flat_leaves(found).items()} if found is not None else {}
+        wanted = {k: v.shape for k, v in flat_leaves(tree).items()}
         problems = [
             f"{k}: stored {stored.get(k, 'nothing')} vs this run's {wanted.get(k, 'nothing')}"
             for k in sorted(set(stored) | set(wanted))
@@ -191,7 +191,7 @@ def check_target(manager: Any, target: TrainState, step: int, params_only: bool)
                 + (" …" if len(problems) > 10 else "")
                 + ". Train into a new save_directory, or set overwrite_output_dir=true to start over in this one."
             )
-    for name, leaf in _flat(target.params).items():
+    for name, leaf in flat_leaves(target.params).items():
         sharding = getattr(leaf, "sharding", None)
         if sharding is None:
             raise ValueError(
@@ -241,7 +241,8 @@ def _checksums(folder: Any, listed: dict[str, int] | None = None) -> dict[str, l
     return out
 
 
-def _flat(tree: Any) -> dict[str, Any]:
+def flat_leaves(tree: Any) -> dict[str, Any]:
+    """`tree`'s leaves by their path names (`jaxloom.mesh.named_leaves`), as digests and manifests name them."""
     from jaxloom.mesh import named_leaves
 
     return dict(named_leaves(tree))

@@ -22,7 +22,9 @@ OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 SCHEDULERS = ("linear", "cosine", "constant")
 
 
-def _positive(obj, *names, allow_none=False, allow_zero=False):
+def check_positive(obj, *names, allow_none=False, allow_zero=False):
+    """Each of `obj`'s fields `names` is a finite number above 0 (`allow_zero`: at least 0; `allow_none`: or
+    None), else one `ValueError` naming the field, its value and what was expected."""
     for n in names:
         v = getattr(obj, n)
         if v is None and allow_none:
@@ -35,7 +37,7 @@ def _positive(obj, *names, allow_none=False, allow_zero=False):
             )
 
 
-class _Group(BaseModel):
+class SettingsGroup(BaseModel):
     """One frozen group of arguments. Values are checked against the field types (pydantic's lax mode:
     `"1e-5"` is a float, `"3"` an int, `3.5` is not an int) and then by the group's own checks."""
 
@@ -68,7 +70,7 @@ def expand_path(value: Any, key: str) -> Any:
     return out
 
 
-class OptimizerArgs(_Group):
+class OptimizerArgs(SettingsGroup):
     learning_rate: float = Field(3e-4, description="peak learning rate of the schedule (0, as TRL takes it: no update)")
     optimizer: Literal["adamw", "adafactor", "lion", "sgd"] = Field("adamw", description="the optax optimizer")
     scheduler: Literal["linear", "cosine", "constant"] = Field(
@@ -95,7 +97,7 @@ class OptimizerArgs(_Group):
 
     @model_validator(mode="after")
     def _check(self):
-        _positive(
+        check_positive(
             self,
             "weight_decay",
             "learning_rate",
@@ -104,18 +106,18 @@ class OptimizerArgs(_Group):
             "end_learning_rate",
             allow_zero=True,
         )
-        _positive(self, "max_grad_norm", allow_none=True)
-        _positive(self, "warmup_steps", allow_none=True, allow_zero=True)
+        check_positive(self, "max_grad_norm", allow_none=True)
+        check_positive(self, "warmup_steps", allow_none=True, allow_zero=True)
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio {self.warmup_ratio}; expected a value in [0, 1)")
         for name in ("adam_beta1", "adam_beta2", "momentum"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}; expected a value in [0, 1)")
-        _positive(self, "adam_epsilon")
+        check_positive(self, "adam_epsilon")
         return self
 
 
-class LoopArgs(_Group):
+class LoopArgs(SettingsGroup):
     # global rows per micro-batch
     total_batch_size: int = Field(
         8,
@@ -169,10 +171,10 @@ class LoopArgs(_Group):
 
     @model_validator(mode="after")
     def _check(self):
-        _positive(
+        check_positive(
             self, "total_batch_size", "gradient_accumulation_steps", "num_train_epochs", "logging_steps", "eval_batches"
         )
-        _positive(
+        check_positive(
             self,
             "max_training_steps",
             "evaluation_steps",
@@ -182,16 +184,16 @@ class LoopArgs(_Group):
             "eval_tasks_limit",
             allow_none=True,
         )
-        _positive(self, "eval_tasks_num_fewshot", allow_none=True, allow_zero=True)
+        check_positive(self, "eval_tasks_num_fewshot", allow_none=True, allow_zero=True)
         if self.eval_tasks is not None and not self.eval_tasks:
             raise ValueError("eval_tasks = []; expected lm-eval task names (eval_tasks=arc_easy,hellaswag) or null")
-        _positive(self, "z_loss", "loss_block_size", "router_bias_update_rate", allow_zero=True)
+        check_positive(self, "z_loss", "loss_block_size", "router_bias_update_rate", allow_zero=True)
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed = {self.seed}; expected an integer in [0, 2**32)")
         return self
 
 
-class CheckpointArgs(_Group):
+class CheckpointArgs(SettingsGroup):
     # None: a new directory for every run, jaxloom-runs/run-<date>-<time>-<random> (logged at the start).
     save_directory: str | None = Field(
         None, description="the run's directory: checkpoints, logs, report (None: a new one per run)"
@@ -232,7 +234,7 @@ class CheckpointArgs(_Group):
 
     @model_validator(mode="after")
     def _check(self):
-        _positive(self, "save_steps", "save_minutes", "save_total_limit", allow_none=True)
+        check_positive(self, "save_steps", "save_minutes", "save_total_limit", allow_none=True)
         if not self.storage_lease_seconds >= 3:
             raise ValueError(
                 f"storage_lease_seconds = {self.storage_lease_seconds}; expected at least 3 seconds "
@@ -254,7 +256,7 @@ class CheckpointArgs(_Group):
         return self
 
 
-class DataArgs(_Group):
+class DataArgs(SettingsGroup):
     max_sequence_length: int = Field(512, description="tokens per row")
     truncation_mode: Literal["keep_end", "keep_start"] = Field(
         "keep_end", description="which end of a too-long unpacked record is kept"
@@ -285,7 +287,7 @@ class DataArgs(_Group):
 
     @model_validator(mode="after")
     def _check(self):
-        _positive(self, "max_sequence_length", "shuffle_buffer_size")
+        check_positive(self, "max_sequence_length", "shuffle_buffer_size")
         if self.max_sequence_length < 2:  # one token predicts nothing: steps would train on no target at all
             raise ValueError(
                 f"max_sequence_length = {self.max_sequence_length}; expected at least 2 (a row of one token has "
@@ -294,7 +296,7 @@ class DataArgs(_Group):
         return self
 
 
-class RuntimeArgs(_Group):
+class RuntimeArgs(SettingsGroup):
     # How the model computes. None: the model's own setting (its `RuntimeConfig`); a value replaces it for
     # this run, in the Python API and the `jaxloom` command alike (the trainer rebuilds the model with it).
     # computation dtype, e.g. "bfloat16"
@@ -411,7 +413,7 @@ class RuntimeArgs(_Group):
         return runtime
 
 
-class LoggingArgs(_Group):
+class LoggingArgs(SettingsGroup):
     use_tensorboard: bool = Field(True, description="write TensorBoard events in save_directory/tensorboard")
     use_wandb: bool = Field(False, description="log to Weights & Biases (resumed runs continue their W&B run)")
     wandb_project: str | None = Field(None, description="the W&B project (None: jaxloom)")
@@ -434,11 +436,11 @@ class LoggingArgs(_Group):
         steps = self.profile_steps
         if steps is not None and (len(steps) != 2 or not all(s > 0 for s in steps) or steps[0] > steps[1]):
             raise ValueError(f"profile_steps {list(steps)!r}; expected [first, last] with 0 < first <= last")
-        _positive(self, "peak_flops_per_device", allow_none=True)
+        check_positive(self, "peak_flops_per_device", allow_none=True)
         return self
 
 
-class GenerationArgs(_Group):
+class GenerationArgs(SettingsGroup):
     generation_interval: int | None = Field(None, description="generate previews every this many steps")
     generation_prompts: tuple[str, ...] = Field((), description="prompts of the previews")
     generation_max_new_tokens: int = Field(32, description="tokens per preview")
@@ -447,13 +449,13 @@ class GenerationArgs(_Group):
 
     @model_validator(mode="after")
     def _check(self):
-        _positive(self, "generation_interval", allow_none=True)
-        _positive(self, "generation_max_new_tokens", "generation_num_samples")
-        _positive(self, "generation_temperature", allow_zero=True)
+        check_positive(self, "generation_interval", allow_none=True)
+        check_positive(self, "generation_max_new_tokens", "generation_num_samples")
+        check_positive(self, "generation_temperature", allow_zero=True)
         return self
 
 
-class AdapterArgs(_Group):
+class AdapterArgs(SettingsGroup):
     """LoRA and QLoRA (TRL's `ModelConfig` names): only the adapters train; the base is frozen, and with
     `load_in_8bit` / `load_in_4bit` stored quantized."""
 
@@ -483,7 +485,7 @@ class AdapterArgs(_Group):
     def _check(self):
         if isinstance(self.lora_r, bool) or self.lora_r <= 0:
             raise ValueError(f"lora_r = {self.lora_r!r}; expected a positive integer (the adapters' rank)")
-        _positive(self, "lora_alpha")
+        check_positive(self, "lora_alpha")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout = {self.lora_dropout}; expected a probability in [0, 1) (PEFT's default 0)")
         if self.lora_dropout and self.lora_target_parameters:
@@ -527,7 +529,7 @@ class AdapterArgs(_Group):
         )
 
 
-GROUPS: dict[str, type[_Group]] = {
+GROUPS: dict[str, type[SettingsGroup]] = {
     "optim": OptimizerArgs,
     "loop": LoopArgs,
     "checkpoint": CheckpointArgs,
@@ -551,7 +553,7 @@ class TrainingArguments:
     one. `TrainingArguments.fields()` lists every argument with its group, type and default.
     """
 
-    GROUPS: dict[str, type[_Group]] = GROUPS
+    GROUPS: dict[str, type[SettingsGroup]] = GROUPS
 
     def __init__(self, **kwargs: Any):
         from .trl_keys import answered
@@ -655,7 +657,7 @@ TrainingArguments.__doc__ = (
 )
 
 
-def config_signature(groups: dict[str, type[_Group]]) -> inspect.Signature:
+def config_signature(groups: dict[str, type[SettingsGroup]]) -> inspect.Signature:
     """The signature of an arguments class made of `groups`: help(), IDEs and inspect see every argument with its
     type and default (a kind's config sets it: `RLOOConfig.__signature__ = config_signature(RLOOConfig.GROUPS)`)."""
     return inspect.Signature(

@@ -7,13 +7,13 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from .arguments import GROUPS, TrainingArguments, _Group, _positive, config_signature
+from .arguments import GROUPS, TrainingArguments, SettingsGroup, check_positive, config_signature
 from .grpo.config import completion_rows
 
 __all__ = ["DistillationArgs", "DistillationConfig"]
 
 
-class DistillationArgs(_Group):
+class DistillationArgs(SettingsGroup):
     """The settings of on-policy distillation (`DistillationConfig`), TRL 1.16's names, meanings and defaults. The
     student samples its completions as GRPO's rollouts do (one per prompt), so the group also answers what those
     ask of GRPO's settings: one completion a prompt, one optimizer step a rollout, no rewards."""
@@ -66,8 +66,8 @@ class DistillationArgs(_Group):
     def _check(self):
         if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"beta = {self.beta}; expected a value in [0, 1] (0: forward KL, 0.5: JSD, 1: reverse KL)")
-        _positive(self, "temperature", "max_completion_length")
-        _positive(self, "max_prompt_length", allow_none=True)
+        check_positive(self, "temperature", "max_completion_length")
+        check_positive(self, "max_prompt_length", allow_none=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p}; expected a value in (0, 1]")
         if self.top_k < 0:

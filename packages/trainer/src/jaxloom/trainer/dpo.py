@@ -27,6 +27,7 @@ import jaxloom.state as js
 
 from .dpo_config import DPOConfig
 from .batches import DataSpec
+from .pairs import pairs_as_rows
 from . import reference
 from .reference import build_reference
 from .step import Objective, StepConfig, forward_for_loss
@@ -49,28 +50,21 @@ def sequence_logps(logits, ids, mask):
     return jnp.sum(logp * weight, -1), jnp.sum(jnp.mean(logits, -1) * weight, -1), jnp.sum(weight, -1)
 
 
-def _pairs_as_rows(x):
-    """`[B, 2L]` rows of pairs → `[2B, L]` sequences (chosen, rejected, chosen, ...); the data axis stays
-    the leading one, so no data moves between devices."""
-    b, w = x.shape
-    return x.reshape(b * 2, w // 2)
-
-
 def forward_logps(model, batch, fuse: tuple[int, int] = (0, 1)):
     """`(logps [B, 2], logit sums [B, 2], target counts [B, 2])` of `model` on a batch of pair rows, the
     model's output, and the `FusedHead` when `fuse = (loss_block_size, data_shards)` fuses the output
     layer (see `step.forward_for_loss`), else None. Fused, the log-probs are computed in blocks without the
     logits and carry no gradient: `dpo_loss` gives the gradient through `cross_entropy_gradient`."""
-    ids = _pairs_as_rows(batch["input_ids"])
-    mask = _pairs_as_rows(batch["loss_mask"])
+    ids = pairs_as_rows(batch["input_ids"])
+    mask = pairs_as_rows(batch["loss_mask"])
     weight = (mask[:, 1:] > 0).astype(jnp.float32)
     block_size, data_shards = fuse
     out, head = forward_for_loss(
         model,
         ids,
         weight,
-        positions=_pairs_as_rows(batch["positions"]),
-        segment_ids=_pairs_as_rows(batch["segment_ids"]),
+        positions=pairs_as_rows(batch["positions"]),
+        segment_ids=pairs_as_rows(batch["segment_ids"]),
         block_size=block_size,
         data_shards=data_shards,
     )

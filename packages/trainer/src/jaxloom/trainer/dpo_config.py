@@ -8,12 +8,12 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from .pair_config import PairArguments
-from .arguments import GROUPS, _Group, _positive
+from .arguments import GROUPS, SettingsGroup, check_positive
 
 __all__ = ["DPOConfig", "PreferenceArgs"]
 
 
-class PreferenceArgs(_Group):
+class PreferenceArgs(SettingsGroup):
     """The settings of preference training (`DPOConfig`), TRL's names and defaults."""
 
     beta: float = Field(
@@ -51,7 +51,7 @@ class PreferenceArgs(_Group):
 
     @model_validator(mode="after")
     def _check(self):
-        _positive(self, "beta")
+        check_positive(self, "beta")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label_smoothing = {self.label_smoothing}; expected a value in [0, 0.5)")
         if self.label_smoothing and self.loss_type != "sigmoid":

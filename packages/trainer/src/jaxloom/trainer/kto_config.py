@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .arguments import GROUPS, _Group, _positive
+from .arguments import GROUPS, SettingsGroup, check_positive
 from .pair_config import PairArguments
 
 __all__ = ["KTOArgs", "KTOConfig"]
@@ -17,7 +17,7 @@ KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 `apo_zero_unpaired` (APO-zero's unpaired form: no KL term)."""
 
 
-class KTOArgs(_Group):
+class KTOArgs(SettingsGroup):
     """The settings of KTO (`KTOConfig`), TRL's names and defaults."""
 
     beta: float = Field(0.1, description="KTO: how far the policy may move from the reference (higher: less)")
@@ -43,7 +43,7 @@ class KTOArgs(_Group):
 
     @model_validator(mode="after")
     def _check(self):
-        _positive(self, "beta", "desirable_weight", "undesirable_weight")
+        check_positive(self, "beta", "desirable_weight", "undesirable_weight")
         if self.precompute_ref_log_probs and self.loss_type == "kto":
             raise ValueError(
                 "precompute_ref_log_probs = true with loss_type='kto': the KL estimate pairs each prompt with another "

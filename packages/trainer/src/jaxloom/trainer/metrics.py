@@ -71,7 +71,7 @@ def console(line: str, bar: Any = None) -> None:
             pass
 
 
-class _NoBar:
+class NoBar:
     """A progress bar that shows nothing (disabled, or not process 0); lines still reach the console."""
 
     def update(self, n: int = 1) -> None: ...
@@ -85,7 +85,7 @@ class _NoBar:
 def create_progress_bar(total: int, desc: str = "", *, disabled: bool = False, initial: int = 0):
     """A tqdm bar over `total` steps (shown on a terminal), or a no-op bar when `disabled`."""
     if disabled or not total:
-        return _NoBar()
+        return NoBar()
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=not sys.stderr.isatty())

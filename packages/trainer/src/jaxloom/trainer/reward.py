@@ -25,7 +25,7 @@ import jaxloom.state as js
 
 from . import components
 from .batches import DataSpec
-from .dpo import _pairs_as_rows
+from .pairs import pairs_as_rows
 from .plan import Plan
 from .reward_config import RewardConfig
 from .step import Objective, StepConfig
@@ -41,9 +41,9 @@ def pair_rewards(model, batch) -> tuple[jax.Array, Any]:
     """`(rewards [B, 2], out)`: the classifier `model`'s score of each pair row's chosen and rejected sequence (a
     batch of pair rows `[B, 2L]`), and its output (for the MoE auxiliary loss)."""
     out = model(
-        _pairs_as_rows(batch["input_ids"]),
-        positions=_pairs_as_rows(batch["positions"]),
-        segment_ids=_pairs_as_rows(batch["segment_ids"]),
+        pairs_as_rows(batch["input_ids"]),
+        positions=pairs_as_rows(batch["positions"]),
+        segment_ids=pairs_as_rows(batch["segment_ids"]),
     )
     return out.logits[:, 0].reshape(-1, 2), out
 

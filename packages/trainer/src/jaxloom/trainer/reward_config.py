@@ -9,14 +9,14 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from .pair_config import PairArguments
-from .arguments import GROUPS, _Group
+from .arguments import GROUPS, SettingsGroup
 
 __all__ = ["RewardArgs", "RewardConfig"]
 
 MAX_LENGTH = 1024  # TRL's RewardConfig default
 
 
-class RewardArgs(_Group):
+class RewardArgs(SettingsGroup):
     """The settings of reward modelling (`RewardConfig`), TRL's names and defaults."""
 
     center_rewards_coefficient: float | None = Field(

@@ -15,7 +15,7 @@ from jaxloom.state import LeaseLostError
 from . import export
 from .functions import StepTooLargeError
 from .loop import run_loop
-from .metrics import MetricsWriter, _NoBar
+from .metrics import MetricsWriter, NoBar
 from .outputs import ALREADY_COMPLETE, TrainerOutput
 from .report import plot_history
 
@@ -117,7 +117,7 @@ def already_complete(trainer: Any, step: int) -> TrainerOutput:
     """Resumed at or past its last step: nothing to train, and nothing rewritten (report, plot, logs)."""
     trainer.run_directory.release()
     directory = trainer.run_directory.local
-    history = MetricsWriter(directory, tensorboard=False, bar=_NoBar(), start_step=step)
+    history = MetricsWriter(directory, tensorboard=False, bar=NoBar(), start_step=step)
     history.close()
     last_eval = next((r for r in reversed(history.history) if "eval/loss" in r), {})
     final = final_metrics(history.history, {k.split("/", 1)[1]: v for k, v in last_eval.items() if k != "step"})

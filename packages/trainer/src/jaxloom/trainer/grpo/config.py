@@ -7,13 +7,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..arguments import GROUPS, TrainingArguments, _Group, _positive, config_signature
+from ..arguments import GROUPS, TrainingArguments, SettingsGroup, check_positive, config_signature
 
 
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
-class RLArgs(_Group):
+class RLArgs(SettingsGroup):
     """The settings of online RL (`GRPOConfig`), TRL's names, meanings and defaults (TRL 1.16)."""
 
     reward_funcs: tuple[str, ...] = Field(
@@ -150,13 +150,13 @@ class RLArgs(_Group):
                 f"num_generations = {self.num_generations}; expected at least 2 (advantages compare completions "
                 "of one prompt)"
             )
-        _positive(self, "max_completion_length", "num_iterations", "epsilon", "tool_workers")
-        _positive(
+        check_positive(self, "max_completion_length", "num_iterations", "epsilon", "tool_workers")
+        check_positive(
             self, "max_prompt_length", "reward_timeout", "max_tool_calling_iterations", "tool_timeout", allow_none=True
         )
-        _positive(self, "temperature", "beta", allow_zero=True)
-        _positive(self, "sapo_temperature_pos", "sapo_temperature_neg")
-        _positive(self, "delta", allow_none=True)
+        check_positive(self, "temperature", "beta", allow_zero=True)
+        check_positive(self, "sapo_temperature_pos", "sapo_temperature_neg")
+        check_positive(self, "delta", allow_none=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p}; expected a value in (0, 1]")
         if self.top_k < 0:
