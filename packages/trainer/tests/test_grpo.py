@@ -565,6 +565,34 @@ def test_rollouts_through_the_paged_engine(tmp_path):
     assert any(r.get("train/completions/mean_length", 0) > 0 for r in runs[0])
 
 
+def test_the_plan_counts_a_rollouts_kv_cache_at_its_most(tmp_path, monkeypatch):
+    """`jaxloom plan`'s `rollout_kv_cache_gb` (`Rollouts.kv_cache_bytes`, issue 71): `total_batch_size`
+    completions of the widest row, every layer's keys and values; the static sampler with the prompts' prefill
+    beside the group's copy, the paged engine in whole pages with its trash page. A paged rollout's pool, made
+    from the prompts it really got, is never larger."""
+    config = tiny()
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # float32 k and v
+    model = jm.create_model(config, lazy=True)
+    static = grpo_trainer(tmp_path / "s")
+    width = static.batches.widest_row()
+    assert width == 16 + 8  # the prompt cap's bucket (prompt widths go by 16) and max_completion_length
+    assert static.batches.kv_cache_bytes(model) == (16 + 4) * width * per_position  # 16 completions of 4 prompts
+    paged = grpo_trainer(tmp_path / "p", max_training_steps=1, generation_backend="paged")
+    planned = paged.batches.kv_cache_bytes(model)
+    assert planned == (1 + 16 * 2) * 16 * per_position  # a 24-position row takes two pages
+    from jaxloom.trainer.grpo import rollouts
+
+    made, close = [], rollouts.PagedRollout.close
+
+    def closing(self):  # the real pool each rollout made, read as it is freed
+        made.append(self.engine.pool.num_pages)
+        close(self)
+
+    monkeypatch.setattr(rollouts.PagedRollout, "close", closing)
+    paged.train()
+    assert made and all(1 < pages <= planned // (16 * per_position) for pages in made), (made, planned)
+
+
 def test_paged_tool_turns_run_only_the_turns_tokens():
     """With tool turns to follow, the paged rollout keeps each completion's pages: a row continued after its tool
     turn runs only that turn's tokens (and its last sampled one), and decodes what the whole history decoded afresh
@@ -619,7 +647,9 @@ def test_rloo_from_the_command_line_learns_the_letter_from_the_reward_alone(tmp_
     assert json.loads((tmp_path / "run" / "run_config.json").read_text())["trainer"] == "rloo"
     assert main(["convert", "--to-hf", "run", "hf"]) == 0 and (tmp_path / "hf" / "config.json").is_file()
     capsys.readouterr()
-    assert main(["plan", "run"]) == 0 and "parameters" in capsys.readouterr().out
+    assert main(["plan", "run"]) == 0
+    planned = capsys.readouterr().out
+    assert "parameters" in planned and json.loads(planned[planned.index("{") :])["rollout_kv_cache_gb"] > 0
     assert main(["eval", "run", "data.eval=p.jsonl"]) == 0
     out = capsys.readouterr().out
     scores = json.loads(out[out.index('{\n  "step"') :])

@@ -246,7 +246,21 @@ class Rollouts(Batches):
         return prompt + rl.max_completion_length
 
     def per_rollout(self) -> int:
+        """Prompts a rollout samples: `total_batch_size / num_generations`."""
         return self.arguments.total_batch_size // self.rl.num_generations
+
+    def kv_cache_bytes(self, model: Any) -> int:
+        """The most one rollout's KV cache holds for `model` (`jaxloom plan`): `total_batch_size` completions
+        (`per_rollout()` prompts × `num_generations`), each `widest_row()` positions of every layer's keys and
+        values. The paged engine's pool is whole pages (`PAGE_SIZE`) and its trash page; the static sampler holds
+        the prompts' prefill beside the group's copy of it."""
+        from jaxloom.generation.paged import CacheLayout
+
+        per_position, rows, width = CacheLayout.of(model).page_bytes(1), self.per_rollout(), self.widest_row()
+        completions = rows * self.rl.num_generations
+        if getattr(self.rl, "generation_backend", "static") == "paged":
+            return (1 + completions * -(-width // PAGE_SIZE)) * PAGE_SIZE * per_position
+        return (completions + rows) * width * per_position
 
     def train_loader(self, state: Any = None) -> PromptOrder:  # type: ignore[override]
         """The prompt cursor (made once), at the restored position `state` when resuming (a checkpoint written
@@ -547,6 +561,10 @@ class Rollouts(Batches):
         return {k: float(np.mean([m[k] for m in due if k in m])) for k in due[-1]}
 
 
+PAGE_SIZE = 16
+"""Positions a page of the paged rollouts' KV cache holds."""
+
+
 class PagedRollout:
     """A rollout through `LLMEngine` (`generation_backend="paged"`): `group` completions of each row of
     `prompt [U, P]` (`mask`: 1 on its tokens) by `model` (its parameters on `mesh`), decoded as `config` says;
@@ -565,7 +583,7 @@ class PagedRollout:
             )
         self.prompts = [row[m > 0].tolist() for row, m in zip(prompt, mask, strict=True)]
         self.config, self.group, self.keep, self.key = config, group, keep, key
-        n, page = config.max_new_tokens, 16
+        n, page = config.max_new_tokens, PAGE_SIZE
         pages = 1 + group * sum(-(-(len(p) + n) // page) for p in self.prompts)
         slots = len(self.prompts) * group
         self.engine = jg.LLMEngine(model, config, max_num_seqs=slots, page_size=page, num_pages=pages, mesh=mesh)
