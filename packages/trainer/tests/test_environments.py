@@ -16,7 +16,7 @@ from util import mesh  # noqa: E402
 
 import jaxloom.models as jm  # noqa: E402
 from jaxloom.trainer import GRPOConfig, GRPOTrainer  # noqa: E402
-from jaxloom.trainer.grpo import rollouts as ro  # noqa: E402
+from jaxloom.trainer.grpo import sampler  # noqa: E402
 
 TOK = family_tokenizer("qwen2_5")
 MADE: list = []
@@ -70,7 +70,7 @@ def call_text(name: str, arguments: dict) -> str:
 
 
 def scripted(first):
-    """A stand-in for `Rollouts.generate`: the first turn of row r is `first(r)`, a later turn replies."""
+    """A stand-in for `Sampler.generate`: the first turn of row r is `first(r)`, a later turn replies."""
     reply = TOK.encode("Done.<|im_end|>", add_special_tokens=False)
 
     def generate(self, prompt, mask, key, *, group=None, max_new_tokens=None):
@@ -114,7 +114,7 @@ def test_an_environment_gives_each_row_its_tools_and_its_reward_and_trains_witho
     it returns ends the prompt, beside the schema of its `increment` method); a row's call reaches its own
     instance; `get_reward` scores it, logged as `rewards/Counter/mean`; instances are made once and reset for each
     rollout; the tool turn's tokens are not trained on; the weights move."""
-    monkeypatch.setattr(ro.Rollouts, "generate", scripted(lambda r: call_text("increment", {"step": 1 + r % 2})))
+    monkeypatch.setattr(sampler.Sampler, "generate", scripted(lambda r: call_text("increment", {"step": 1 + r % 2})))
     MADE.clear()
     records = [{"prompt": [{"role": "user", "content": "Count."}], "target": 2} for _ in range(4)]
     t = trainer(tmp_path, records, environment_factory=Counter)
@@ -146,7 +146,7 @@ def test_a_dict_of_environments_routes_each_record_and_exposes_only_its_tools(tm
     def first(r):  # rows 0-1 are the Counter record's, rows 2-3 the Echo record's
         return call_text("increment", {"step": 2}) if r < 2 else call_text("shout", {"text": "hi"})
 
-    monkeypatch.setattr(ro.Rollouts, "generate", scripted(first))
+    monkeypatch.setattr(sampler.Sampler, "generate", scripted(first))
     rewards_seen = []
 
     def length(prompts, completions, environments, **kw):
@@ -182,7 +182,7 @@ def test_a_dict_of_environments_routes_each_record_and_exposes_only_its_tools(tm
 def test_a_failing_environment_stops_the_run_naming_class_method_and_record(tmp_path, monkeypatch, method):
     """`reset` (or `get_reward`) raising on a record of the second rollout stops the run with one error naming
     `Counter.<method>` and the record; checkpoint 1 stands and the note says the command that resumes it."""
-    monkeypatch.setattr(ro.Rollouts, "generate", scripted(lambda r: call_text("increment", {"step": 2})))
+    monkeypatch.setattr(sampler.Sampler, "generate", scripted(lambda r: call_text("increment", {"step": 2})))
     records = [{"prompt": [{"role": "user", "content": "Count."}], "target": 2} for _ in range(4)]
     records[3] = {**records[3], **({"fail": "reset"} if method == "reset" else {"target": 99})}
     t = trainer(tmp_path, records, environment_factory=Counter, shuffle_train_dataset=False)

@@ -566,7 +566,7 @@ def test_rollouts_through_the_paged_engine(tmp_path):
 
 
 def test_the_plan_counts_a_rollouts_kv_cache_at_its_most(tmp_path, monkeypatch):
-    """`jaxloom plan`'s `rollout_kv_cache_gb` (`Rollouts.kv_cache_bytes`, issue 71): `total_batch_size`
+    """`jaxloom plan`'s `rollout_kv_cache_gb` (`Sampler.kv_cache_bytes`, issue 71): `total_batch_size`
     completions of the widest row, every layer's keys and values; the static sampler with the prompts' prefill
     beside the group's copy, the paged engine in whole pages with its trash page. A paged rollout's pool, made
     from the prompts it really got, is never larger."""
@@ -576,19 +576,20 @@ def test_the_plan_counts_a_rollouts_kv_cache_at_its_most(tmp_path, monkeypatch):
     static = grpo_trainer(tmp_path / "s")
     width = static.batches.widest_row()
     assert width == 16 + 8  # the prompt cap's bucket (prompt widths go by 16) and max_completion_length
-    assert static.batches.kv_cache_bytes(model) == (16 + 4) * width * per_position  # 16 completions of 4 prompts
+    most = static.batches.sampler.kv_cache_bytes(model, prompts=4, width=width)
+    assert most == (16 + 4) * width * per_position  # 16 completions of 4 prompts, the 4 prompts' prefill beside
     paged = grpo_trainer(tmp_path / "p", max_training_steps=1, generation_backend="paged")
-    planned = paged.batches.kv_cache_bytes(model)
+    planned = paged.batches.sampler.kv_cache_bytes(model, prompts=4, width=width)
     assert planned == (1 + 16 * 2) * 16 * per_position  # a 24-position row takes two pages
-    from jaxloom.trainer.grpo import rollouts
+    from jaxloom.trainer.grpo import sampler
 
-    made, close = [], rollouts.PagedRollout.close
+    made, close = [], sampler.PagedRollout.close
 
     def closing(self):  # the real pool each rollout made, read as it is freed
         made.append(self.engine.pool.num_pages)
         close(self)
 
-    monkeypatch.setattr(rollouts.PagedRollout, "close", closing)
+    monkeypatch.setattr(sampler.PagedRollout, "close", closing)
     paged.train()
     assert made and all(1 < pages <= planned // (16 * per_position) for pages in made), (made, planned)
 
@@ -598,7 +599,7 @@ def test_paged_tool_turns_run_only_the_turns_tokens():
     turn runs only that turn's tokens (and its last sampled one), and decodes what the whole history decoded afresh
     does (greedy); every page returns at `close`."""
     import jaxloom.generation as jg
-    from jaxloom.trainer.grpo.rollouts import PagedRollout
+    from jaxloom.trainer.grpo.sampler import PagedRollout
 
     model = jm.create_model(tiny(), seed=4)
     prompt = np.array([[0, 5, 6, 7], [8, 9, 10, 11]], np.int32)

@@ -217,7 +217,7 @@ def test_grpo_trains_on_tool_exchanges_with_the_tool_turns_masked(tmp_path, monk
 
     import jaxloom.models as jm
     from jaxloom.trainer import GRPOConfig, GRPOTrainer
-    from jaxloom.trainer.grpo import rollouts as ro
+    from jaxloom.trainer.grpo import sampler
     from util import mesh
 
     tok = family_tokenizer("qwen2_5")
@@ -232,7 +232,7 @@ def test_grpo_trains_on_tool_exchanges_with_the_tool_turns_masked(tmp_path, monk
         ids[:, : len(script)], m[:, : len(script)] = script[:width], 1
         return ids, m, np.zeros((rows, width), np.float32)
 
-    monkeypatch.setattr(ro.Rollouts, "generate", scripted)
+    monkeypatch.setattr(sampler.Sampler, "generate", scripted)
     seen = []
 
     def used_the_tool(prompts, completions, **kwargs):

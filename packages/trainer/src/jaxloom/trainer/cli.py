@@ -80,9 +80,13 @@ def _plan(trainer) -> dict[str, Any]:
         out["state_gb_per_device"]["teacher"] = gb_per_device(frozen.params)
     if trainer.plan.lora is not None:
         out["trainable_parameters"] = trainer.plan.n_trainable
-    rollout_cache = getattr(trainer.batches, "kv_cache_bytes", None)
-    if rollout_cache is not None:  # an RL kind: its sampler's KV cache, held between train steps beside the state
-        out["rollout_kv_cache_gb"] = rollout_cache(trainer.plan.abstract.model) / 2**30
+    sampler = getattr(trainer.batches, "sampler", None)
+    if sampler is not None:  # an RL kind: its sampler's KV cache, held between train steps beside the state
+        rollouts = trainer.batches
+        most = sampler.kv_cache_bytes(
+            trainer.plan.abstract.model, prompts=rollouts.per_rollout(), width=rollouts.widest_row()
+        )
+        out["rollout_kv_cache_gb"] = most / 2**30
     if capacity and per_device:
         out["fits"] = per_device["total_gb"] * 2**30 <= capacity
         out["device_capacity_gb"] = capacity / 2**30

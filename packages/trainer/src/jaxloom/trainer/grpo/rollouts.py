@@ -23,6 +23,7 @@ from ..usercode import UserCodeError, describe
 from .loss import ADV, OLD, REF, SAMPLED
 from .rewards import advantages, call_reward, concurrently, is_async, reward_name
 from .environments import EnvironmentCallError, environment_rows, raise_naming_the_record
+from .sampler import Sampler
 from .tools import tool_turns
 
 log = logging.getLogger("jaxloom.trainer")
@@ -182,8 +183,7 @@ class Rollouts(Batches):
         self.cached: tuple[int, dict] | None = None  # the last rollout's batch (num_iterations > 1 reuses it)
         self.metrics: list[tuple[int, dict[str, float]]] = []  # (step trained on it, metrics)
         self._stop_ids: tuple[int, ...] | None = None
-        self.paged: PagedRollout | None = None  # the paged engine of the rollout under way, its rows' pages kept
-        self.keep_pages = False  # the next generation has tool turns to follow: the paged engine keeps its pages
+        self.sampler = Sampler(self.rl, lambda: policy.state().model, tokenizer, self.stop_ids, mesh)
         self._eval: tuple[list[dict], list[np.ndarray]] | None = None
 
     # ---- what the core asks of the batches ----------------------------------------------------------------
@@ -248,19 +248,6 @@ class Rollouts(Batches):
     def per_rollout(self) -> int:
         """Prompts a rollout samples: `total_batch_size / num_generations`."""
         return self.arguments.total_batch_size // self.rl.num_generations
-
-    def kv_cache_bytes(self, model: Any) -> int:
-        """The most one rollout's KV cache holds for `model` (`jaxloom plan`): `total_batch_size` completions
-        (`per_rollout()` prompts × `num_generations`), each `widest_row()` positions of every layer's keys and
-        values. The paged engine's pool is whole pages (`PAGE_SIZE`) and its trash page; the static sampler holds
-        the prompts' prefill beside the group's copy of it."""
-        from jaxloom.generation.paged import CacheLayout
-
-        per_position, rows, width = CacheLayout.of(model).page_bytes(1), self.per_rollout(), self.widest_row()
-        completions = rows * self.rl.num_generations
-        if getattr(self.rl, "generation_backend", "static") == "paged":
-            return (1 + completions * -(-width // PAGE_SIZE)) * PAGE_SIZE * per_position
-        return (completions + rows) * width * per_position
 
     def train_loader(self, state: Any = None) -> PromptOrder:  # type: ignore[override]
         """The prompt cursor (made once), at the restored position `state` when resuming (a checkpoint written
@@ -407,11 +394,11 @@ class Rollouts(Batches):
             completion, completion_mask = self.engine(prompt, prompt_mask, key)
             sampled = None
         elif _grouped(prompt, prompt_mask, group):  # one prefill per prompt, shared by its group
-            self.keep_pages = tools is not None  # the paged engine then keeps each row's pages for its tool turns
-            completion, completion_mask, sampled = self.generate(prompt[::group], prompt_mask[::group], key)
+            self.sampler.keep_pages = tools is not None  # the paged engine then keeps each row's pages for tool turns
+            completion, completion_mask, sampled = self.sampler.generate(prompt[::group], prompt_mask[::group], key)
         else:  # an environment's observation made a group's prompts differ: a prefill per row
-            self.keep_pages = tools is not None
-            completion, completion_mask, sampled = self.generate(prompt, prompt_mask, key, group=1)
+            self.sampler.keep_pages = tools is not None
+            completion, completion_mask, sampled = self.sampler.generate(prompt, prompt_mask, key, group=1)
         turns = None
         if tools is not None and sampled is not None:  # TRL's tool loop (in-process generation only)
             buckets = (PROMPT_BUCKET, COMPLETION_BUCKET)
@@ -420,9 +407,7 @@ class Rollouts(Batches):
             )
             completion, completion_mask, sampled = _padded(turns, rl.max_completion_length, tok.pad_token_id or 0)
             keep = _padded_keep(turns, completion_mask.shape[1])
-        if self.paged is not None:  # the rollout's engine and its kept pages are done with
-            self.paged.close()
-            self.paged = None
+        self.sampler.done()  # the rollout's paged engine and its kept pages are done with
         _, cwidth = row_buckets(width, int(np.max(completion_mask.sum(axis=1), initial=1)), completion.shape[1])
         completion, completion_mask = completion[:, :cwidth], completion_mask[:, :cwidth]
         if sampled is not None:
@@ -511,40 +496,6 @@ class Rollouts(Batches):
             batch[SAMPLED] = self._put(at_tokens[None])
         return batch
 
-    def generate(
-        self,
-        prompt: np.ndarray,
-        mask: np.ndarray,
-        key: jax.Array,
-        *,
-        group: int | None = None,
-        max_new_tokens: int | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """In-process generation with the policy's current weights, on the training mesh: `num_generations` (or
-        `group`) completions of at most `max_completion_length` (or `max_new_tokens`) tokens of each prompt row (one
-        prefill per prompt, its KV cache shared by the group), as `(completion_ids, completion_mask,
-        completion_logps)` with rows `i * num_generations + j`."""
-        import jaxloom.generation as jg
-
-        rl, tok = self.rl, self.tokenizer()
-        config = jg.GenerationConfig(
-            max_new_tokens=max_new_tokens or rl.max_completion_length,
-            do_sample=rl.temperature > 0,
-            temperature=rl.temperature or 1.0,
-            top_k=rl.top_k or None,
-            top_p=rl.top_p if rl.top_p < 1 else None,
-            eos_token_id=self.stop_ids(),
-            pad_token_id=tok.pad_token_id or 0,
-        )
-        model = self.policy.state().model
-        group = rl.num_generations if group is None else group
-        if getattr(rl, "generation_backend", "static") == "paged":
-            self.paged = PagedRollout(model, prompt, mask, key, group, config, self.mesh, keep=self.keep_pages)
-            self.keep_pages = False
-            return self.paged.completions()
-        out = jg.generate(model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group)
-        return np.asarray(out.completion_ids), np.asarray(out.completion_mask), np.asarray(out.completion_logps)
-
     def _put(self, x: np.ndarray) -> jax.Array:
         """A global `[1, B, ...]` host array (the same on every process) on the batch's sharding."""
         spec = PartitionSpec(None, *self.sharding.spec[1:2])
@@ -559,79 +510,6 @@ class Rollouts(Batches):
         if not due:
             return {}
         return {k: float(np.mean([m[k] for m in due if k in m])) for k in due[-1]}
-
-
-PAGE_SIZE = 16
-"""Positions a page of the paged rollouts' KV cache holds."""
-
-
-class PagedRollout:
-    """A rollout through `LLMEngine` (`generation_backend="paged"`): `group` completions of each row of
-    `prompt [U, P]` (`mask`: 1 on its tokens) by `model` (its parameters on `mesh`), decoded as `config` says;
-    every completion in a slot of its own, the pool sized for this rollout (a prompt and `max_new_tokens` per
-    completion), prompt `i`'s completions sampled with `fold_in(key, i)` (a resumed run samples what the
-    uninterrupted one did). With `keep`, each completion keeps its pages for the tool turns (`continue_rows`:
-    only a turn's own tokens run) until `close`."""
-
-    def __init__(self, model, prompt, mask, key, group: int, config, mesh, *, keep: bool = False):
-        import jaxloom.generation as jg
-
-        if jax.process_count() > 1:
-            raise ValueError(
-                "generation_backend = 'paged' samples on one process; this run has "
-                f"{jax.process_count()} processes: set generation_backend='static'"
-            )
-        self.prompts = [row[m > 0].tolist() for row, m in zip(prompt, mask, strict=True)]
-        self.config, self.group, self.keep, self.key = config, group, keep, key
-        n, page = config.max_new_tokens, PAGE_SIZE
-        pages = 1 + group * sum(-(-(len(p) + n) // page) for p in self.prompts)
-        slots = len(self.prompts) * group
-        self.engine = jg.LLMEngine(model, config, max_num_seqs=slots, page_size=page, num_pages=pages, mesh=mesh)
-
-    def completions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`(completion_ids, completion_mask, completion_logps)`, rows `i * group + j`."""
-        engine, n = self.engine, self.config.max_new_tokens
-        self.ids = [
-            engine.add_request(p, n=self.group, key=jax.random.fold_in(self.key, i), max_new_tokens=n, keep=self.keep)
-            for i, p in enumerate(self.prompts)
-        ]
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update((o.request_id, o) for o in engine.step())
-        outs = [c for i in self.ids for c in done[i].outputs]
-        completion = np.full((len(outs), n), self.config.pad_token_id, np.int32)
-        completion_mask = np.zeros((len(outs), n), np.int32)
-        logps = np.zeros((len(outs), n), np.float32)
-        for r, c in enumerate(outs):
-            k = len(c.token_ids)
-            completion[r, :k], completion_mask[r, :k], logps[r, :k] = c.token_ids, 1, c.logprobs
-        return completion, completion_mask, logps
-
-    def continue_rows(self, rows: list[int], histories: list[list[int]], max_completion_length: int):
-        """The tool turns of `rows`: each row's kept sequence continues after the part of its history it has not
-        run (the tool turn; the rest is in its pages), with what is left of its completion budget. Returns each
-        row's new `(tokens, log-probs)`."""
-        engine = self.engine
-        for row, history in zip(rows, histories, strict=True):
-            rid, index = self.ids[row // self.group], row % self.group
-            held = engine.sequence_tokens(rid, index)
-            if history[: len(held)] != held:
-                raise RuntimeError(f"row {row}: its history is not what its pages hold")  # a bug, not input
-            completion = len(history) - len(self.prompts[row // self.group])
-            engine.extend(rid, history[len(held) :], index=index, max_new_tokens=max_completion_length - completion)
-        while engine.has_unfinished_requests():
-            engine.step()
-        out = []
-        for row in rows:
-            c = engine.completion(self.ids[row // self.group], row % self.group)
-            out.append((c.token_ids, c.logprobs))
-        return out
-
-    def close(self) -> None:
-        """Free every kept page."""
-        if self.keep:
-            for rid in self.ids:
-                self.engine.release(rid)
 
 
 def _prompt_records(data: Any, name: str, environments: bool = False) -> list[dict]:

@@ -378,8 +378,8 @@ def tool_turns(
     def generate(histories: list[list[int]], budget: int, iteration: int, rows_: list[int]):
         from jaxloom.generation.decode import bucket
 
-        if rollouts.paged is not None:  # the engine kept each row's pages: only the tool turns run
-            return rollouts.paged.continue_rows(rows_, histories, rl.max_completion_length)
+        if rollouts.sampler.paged is not None:  # the engine kept each row's pages: only the tool turns run
+            return rollouts.sampler.paged.continue_rows(rows_, histories, rl.max_completion_length)
 
         width = bucket(max(map(len, histories)), buckets[0])
         ids = np.full((rows, width), pad, np.int32)  # every row, so the program's shape holds: extra rows idle
@@ -388,7 +388,7 @@ def tool_turns(
             h = histories[i] if i < len(histories) else histories[0]
             ids[i, width - len(h) :], mask_[i, width - len(h) :] = h, 1
         steps = min(rl.max_completion_length, bucket(budget, buckets[1]))
-        out_ids, out_mask, out_logps = rollouts.generate(
+        out_ids, out_mask, out_logps = rollouts.sampler.generate(
             ids, mask_, jax.random.fold_in(key, 1 + iteration), group=1, max_new_tokens=steps
         )
         return [(list(c[m > 0]), list(lp[m > 0])) for c, m, lp in zip(out_ids, out_mask, out_logps, strict=True)][

@@ -1,0 +1,155 @@
+"""The rollouts' in-process sampler: the policy's current weights on the training mesh, through the static
+sampler (`jaxloom.generation.generate`: one batch, rows compacted as they end) or the paged engine
+(`generation_backend="paged"`: `LLMEngine`, each completion's cost its own), and the KV cache a rollout holds at
+most (`jaxloom plan`). Built from the sampling settings and the callables it reads; testable without a trainer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+PAGE_SIZE = 16
+"""Positions a page of the paged rollouts' KV cache holds."""
+
+
+class PagedRollout:
+    """A rollout through `LLMEngine` (`generation_backend="paged"`): `group` completions of each row of
+    `prompt [U, P]` (`mask`: 1 on its tokens) by `model` (its parameters on `mesh`), decoded as `config` says;
+    every completion in a slot of its own, the pool sized for this rollout (a prompt and `max_new_tokens` per
+    completion), prompt `i`'s completions sampled with `fold_in(key, i)` (a resumed run samples what the
+    uninterrupted one did). With `keep`, each completion keeps its pages for the tool turns (`continue_rows`:
+    only a turn's own tokens run) until `close`."""
+
+    def __init__(self, model, prompt, mask, key, group: int, config, mesh, *, keep: bool = False):
+        import jaxloom.generation as jg
+
+        if jax.process_count() > 1:
+            raise ValueError(
+                "generation_backend = 'paged' samples on one process; this run has "
+                f"{jax.process_count()} processes: set generation_backend='static'"
+            )
+        self.prompts = [row[m > 0].tolist() for row, m in zip(prompt, mask, strict=True)]
+        self.config, self.group, self.keep, self.key = config, group, keep, key
+        n, page = config.max_new_tokens, PAGE_SIZE
+        pages = 1 + group * sum(-(-(len(p) + n) // page) for p in self.prompts)
+        slots = len(self.prompts) * group
+        self.engine = jg.LLMEngine(model, config, max_num_seqs=slots, page_size=page, num_pages=pages, mesh=mesh)
+
+    def completions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`(completion_ids, completion_mask, completion_logps)`, rows `i * group + j`."""
+        engine, n = self.engine, self.config.max_new_tokens
+        self.ids = [
+            engine.add_request(p, n=self.group, key=jax.random.fold_in(self.key, i), max_new_tokens=n, keep=self.keep)
+            for i, p in enumerate(self.prompts)
+        ]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step())
+        outs = [c for i in self.ids for c in done[i].outputs]
+        completion = np.full((len(outs), n), self.config.pad_token_id, np.int32)
+        completion_mask = np.zeros((len(outs), n), np.int32)
+        logps = np.zeros((len(outs), n), np.float32)
+        for r, c in enumerate(outs):
+            k = len(c.token_ids)
+            completion[r, :k], completion_mask[r, :k], logps[r, :k] = c.token_ids, 1, c.logprobs
+        return completion, completion_mask, logps
+
+    def continue_rows(self, rows: list[int], histories: list[list[int]], max_completion_length: int):
+        """The tool turns of `rows`: each row's kept sequence continues after the part of its history it has not
+        run (the tool turn; the rest is in its pages), with what is left of its completion budget. Returns each
+        row's new `(tokens, log-probs)`."""
+        engine = self.engine
+        for row, history in zip(rows, histories, strict=True):
+            rid, index = self.ids[row // self.group], row % self.group
+            held = engine.sequence_tokens(rid, index)
+            if history[: len(held)] != held:
+                raise RuntimeError(f"row {row}: its history is not what its pages hold")  # a bug, not input
+            completion = len(history) - len(self.prompts[row // self.group])
+            engine.extend(rid, history[len(held) :], index=index, max_new_tokens=max_completion_length - completion)
+        while engine.has_unfinished_requests():
+            engine.step()
+        out = []
+        for row in rows:
+            c = engine.completion(self.ids[row // self.group], row % self.group)
+            out.append((c.token_ids, c.logprobs))
+        return out
+
+    def close(self) -> None:
+        """Free every kept page."""
+        if self.keep:
+            for rid in self.ids:
+                self.engine.release(rid)
+
+
+class Sampler:
+    """Completions of the rollouts' prompts as the `rl` settings say (temperature, top-k/top-p,
+    `max_completion_length`, `num_generations`, `generation_backend`), from `model()` (the policy's current
+    weights) on `mesh`, ending at `stop_ids()`, padded with `tokenizer()`'s pad id. `keep_pages`: the next paged
+    generation keeps each row's pages for its tool turns (`paged.continue_rows`) until `done()`."""
+
+    def __init__(
+        self,
+        rl: Any,
+        model: Callable[[], Any],
+        tokenizer: Callable[[], Any],
+        stop_ids: Callable[[], tuple[int, ...]],
+        mesh: Any,
+    ):
+        self.rl, self.model, self.tokenizer, self.stop_ids, self.mesh = rl, model, tokenizer, stop_ids, mesh
+        self.paged: PagedRollout | None = None  # the paged engine of the rollout under way, its rows' pages kept
+        self.keep_pages = False
+
+    def generate(
+        self,
+        prompt: np.ndarray,
+        mask: np.ndarray,
+        key: jax.Array,
+        *,
+        group: int | None = None,
+        max_new_tokens: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Generation with the policy's current weights, on the training mesh: `num_generations` (or
+        `group`) completions of at most `max_completion_length` (or `max_new_tokens`) tokens of each prompt row (one
+        prefill per prompt, its KV cache shared by the group), as `(completion_ids, completion_mask,
+        completion_logps)` with rows `i * num_generations + j`."""
+        import jaxloom.generation as jg
+
+        rl, tok = self.rl, self.tokenizer()
+        config = jg.GenerationConfig(
+            max_new_tokens=max_new_tokens or rl.max_completion_length,
+            do_sample=rl.temperature > 0,
+            temperature=rl.temperature or 1.0,
+            top_k=rl.top_k or None,
+            top_p=rl.top_p if rl.top_p < 1 else None,
+            eos_token_id=self.stop_ids(),
+            pad_token_id=tok.pad_token_id or 0,
+        )
+        model = self.model()
+        group = rl.num_generations if group is None else group
+        if getattr(rl, "generation_backend", "static") == "paged":
+            self.paged = PagedRollout(model, prompt, mask, key, group, config, self.mesh, keep=self.keep_pages)
+            self.keep_pages = False
+            return self.paged.completions()
+        out = jg.generate(model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group)
+        return np.asarray(out.completion_ids), np.asarray(out.completion_mask), np.asarray(out.completion_logps)
+
+    def done(self) -> None:
+        """The rollout under way is finished: its paged engine and the pages it kept are freed."""
+        if self.paged is not None:
+            self.paged.close()
+            self.paged = None
+
+    def kv_cache_bytes(self, model: Any, *, prompts: int, width: int) -> int:
+        """The most one rollout's KV cache holds for `model` (`jaxloom plan`): `prompts × num_generations`
+        completions, each `width` positions (the widest row), every layer's keys and values. The paged engine's
+        pool is whole pages (`PAGE_SIZE`) and its trash page; the static sampler holds the prompts' prefill beside
+        the group's copy of it."""
+        from jaxloom.generation.paged import CacheLayout
+
+        per_position, completions = CacheLayout.of(model).page_bytes(1), prompts * self.rl.num_generations
+        if getattr(self.rl, "generation_backend", "static") == "paged":
+            return (1 + completions * -(-width // PAGE_SIZE)) * PAGE_SIZE * per_position
+        return (completions + prompts) * width * per_position
