@@ -87,8 +87,8 @@ def test_a_smaller_student_learns_toward_its_teacher(tmp_path):
     (step 9) ... 0.566 (11) ... 0.527 (21) ... 0.529 (30); entropy 8.31 → 5.5 nats (the vocabulary's uniform 8.32);
     on the held-out prompts 0.641 before training, 0.564 after. The compiled step holds both
     models (the teacher is its argument) and TRL's metrics are logged. The evaluation pass (held-out prompts the
-    student completes, scored by the divergence) falls too: logged as `eval/...` at step 30, and the same state
-    evaluates to the same numbers."""
+    student completes, scored by the divergence) falls too: logged as `eval/...` at step 30, the same state
+    evaluates to the same numbers, and a state given to it is scored without being swapped in."""
     held_out = [{"prompt": f"tell {w}:"} for w in WORDS]
     t = distill_trainer(tmp_path, dataset_eval=held_out, beta=0.5, max_training_steps=30, evaluation_steps=30)
     before = t.evaluate()
@@ -97,6 +97,9 @@ def test_a_smaller_student_learns_toward_its_teacher(tmp_path):
     assert [r["step"] for r in after] == [30] and after[0]["eval/loss"] < before["loss"] - 0.05, (before, after)
     again = t.evaluate()
     assert again["loss"] == pytest.approx(after[0]["eval/loss"]) and again["entropy"] < before["entropy"]
+    trained = t.state  # an untrained student given to the trained run's pass: scored as given, never swapped in
+    untrained = t.evaluate(distill_trainer(tmp_path / "fresh", dataset_eval=held_out, beta=0.5).model_state)
+    assert untrained["loss"] == pytest.approx(before["loss"]) and t.state is trained
     assert 0 < again["completions/mean_length"] <= 8
     log = [r for r in rows(tmp_path) if "train/loss" in r]
     loss, entropy = [r["train/loss"] for r in log], [r["train/entropy"] for r in log]

@@ -73,7 +73,7 @@ def scripted(first):
     """A stand-in for `Sampler.generate`: the first turn of row r is `first(r)`, a later turn replies."""
     reply = TOK.encode("Done.<|im_end|>", add_special_tokens=False)
 
-    def generate(self, prompt, mask, key, *, group=None, max_new_tokens=None):
+    def generate(self, prompt, mask, key, *, group=None, max_new_tokens=None, model=None):
         rows = len(prompt) * (group or self.rl.num_generations)
         width = max_new_tokens or self.rl.max_completion_length
         ids, m = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)

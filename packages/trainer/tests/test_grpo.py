@@ -232,11 +232,16 @@ def test_bad_settings_and_data_are_refused_before_step_one(tmp_path):
 def test_the_evaluation_pass_scores_held_out_prompts_with_the_rewards(tmp_path):
     """TRL's GRPO evaluation: completions of the held-out prompts (not the training ones), `num_generations` each,
     sampled from the policy and scored by the reward functions; the metrics are those rewards' means, logged as
-    `eval/...` on the evaluation cadence and at the end; the same state evaluates to the same numbers."""
+    `eval/...` on the evaluation cadence and at the end; the same state evaluates to the same numbers; a given state
+    is evaluated without being swapped in for the run's."""
     seen: list[tuple[list, list]] = []
+    watch: dict = {}  # the trainer and state whose place is checked as the rewards are called
+    in_place: list[bool] = []
 
     def length(prompts, completions, **kwargs):
         seen.append((list(prompts), list(kwargs["answer"])))
+        if watch:
+            in_place.append(watch["trainer"].state is watch["state"])
         return [float(len(c)) for c in completions]
 
     held_out = [{"prompt": f"name {w}:", "answer": w.upper()} for w in ["one", "two", "three", "four", "five"]]
@@ -263,6 +268,27 @@ def test_the_evaluation_pass_scores_held_out_prompts_with_the_rewards(tmp_path):
         {k: v for k, v in again.items() if k != "evaluation_time"}
     )
     assert 0 <= again["completions/clipped_ratio"] <= 1 and again["completions/mean_length"] > 0
+
+    # another state is scored as it is given, never swapped in for the run's (issue 72): while the untrained state
+    # samples, the run's own state stays in place, and the scores are those a fresh run's own evaluation gives
+    fresh = GRPOTrainer(
+        grpo_args(tmp_path / "fresh", max_training_steps=2, eval_batches=2),
+        model=jm.create_model(tiny(), lazy=True),
+        dataset_train=RECORDS,
+        dataset_eval=held_out,
+        processing_class=TOK,
+        mesh=mesh(1),
+        reward_funcs=[length],
+    )
+    trained = t.state
+    watch.update(trainer=t, state=trained)
+    given = t.evaluate(fresh.model_state)
+    assert in_place and all(in_place) and t.state is trained
+    watch.clear()
+    untrained = fresh.evaluate()
+    assert {k: v for k, v in given.items() if k != "evaluation_time"} == pytest.approx(
+        {k: v for k, v in untrained.items() if k != "evaluation_time"}
+    )
 
 
 def _bad():

@@ -224,7 +224,7 @@ def test_grpo_trains_on_tool_exchanges_with_the_tool_turns_masked(tmp_path, monk
     call = tok.encode(QWEN_CALL, add_special_tokens=False)
     reply = tok.encode("It is sunny.<|im_end|>", add_special_tokens=False)
 
-    def scripted(self, prompt, mask, key, *, group=None, max_new_tokens=None):
+    def scripted(self, prompt, mask, key, *, group=None, max_new_tokens=None, model=None):
         rows = len(prompt) * (group or self.rl.num_generations)
         width = max_new_tokens or self.rl.max_completion_length
         script = call if group is None else reply  # the first turn calls the tool, the second replies

@@ -199,15 +199,10 @@ class DistillationTrainer(GRPOTrainer):
             raise ValueError(f"no dataset_eval was given; {self.no_evaluation}")
         if self.state is None:
             self.initialize_trainer_utils()
-        student = self.state
-        if state is not None:
-            self.state = self.plan.as_own(state, lambda: self.model_state)
+        student = self.state if state is None else self.plan.as_own(state, lambda: self.model_state)  # never swapped in
         self.start_evaluation_hook()
         started = self.evaluator.started or time.monotonic()
-        try:
-            sums, rollouts = self._evaluation_sums()
-        finally:
-            self.state = student
+        sums, rollouts = self._evaluation_sums(self.model_state if student is None else student)
         tokens = max(sums["tokens"], 1.0)
         means = {k: float(np.mean([m[k] for m in rollouts])) for k in rollouts[0] if k.startswith("completions/")}
         return {
@@ -217,7 +212,7 @@ class DistillationTrainer(GRPOTrainer):
             "evaluation_time": time.monotonic() - started,
         }
 
-    def _evaluation_sums(self) -> tuple[dict[str, float], list[dict[str, float]]]:
+    def _evaluation_sums(self, student: js.TrainState) -> tuple[dict[str, float], list[dict[str, float]]]:
         rollouts: Any = self.batches
         records, ids = rollouts.eval_prompts()
         per = self.arguments.total_batch_size
@@ -229,12 +224,11 @@ class DistillationTrainer(GRPOTrainer):
         metrics = []
         for i in range(min(self.arguments.eval_batches, len(records) // per)):
             key = jax.random.fold_in(jax.random.PRNGKey(self.arguments.seed), 1_000_003 + i)
-            rows, rollout_metrics, _ = rollouts.sample(
-                records[i * per : (i + 1) * per], ids[i * per : (i + 1) * per], key
-            )
+            chosen = slice(i * per, (i + 1) * per)
+            rows, rollout_metrics, _ = rollouts.sample(records[chosen], ids[chosen], key, model=student.model)
             batch = {k: v[0] for k, v in rollouts.layout(rows, None).items()}
             with jax.set_mesh(self.mesh):
-                out = jax.device_get(self.functions.evaluate(self.state, batch))
+                out = jax.device_get(self.functions.evaluate(student, batch))
             for k in ("loss_sum", "tokens", "entropy_sum"):
                 sums[k] = sums.get(k, 0.0) + float(out[k])
             metrics.append(rollout_metrics)

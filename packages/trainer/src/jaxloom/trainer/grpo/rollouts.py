@@ -295,11 +295,11 @@ class Rollouts(Batches):
             self._eval = (records, [np.asarray(i, np.int32) for i in ids])
         return self._eval
 
-    def evaluate(self, batches: int) -> dict[str, float]:
+    def evaluate(self, batches: int, model: Any = None) -> dict[str, float]:
         """The evaluation pass (TRL's, for GRPO): `num_generations` completions of each held-out prompt sampled
-        from the current policy as in training, scored by the reward functions; up to `batches` groups of
-        `total_batch_size / num_generations` prompts, in order (not shuffled), each seeded by its index. Returns
-        the rollouts' metrics averaged over the prompts (`reward`, `reward_std`, `rewards/<func>/mean`,
+        from `model` (default the current policy's) as in training, scored by the reward functions; up to `batches`
+        groups of `total_batch_size / num_generations` prompts, in order (not shuffled), each seeded by its index.
+        Returns the rollouts' metrics averaged over the prompts (`reward`, `reward_std`, `rewards/<func>/mean`,
         `completions/mean_length`, `completions/clipped_ratio`, `prompts/truncated`)."""
         records, ids = self.eval_prompts() or ([], [])
         if not records:
@@ -309,7 +309,7 @@ class Rollouts(Batches):
             chosen = list(range(i * per, min((i + 1) * per, len(records))))
             key = jax.random.fold_in(jax.random.PRNGKey(self.arguments.seed), 1_000_003 + i)
             where = [f"dataset_eval record {j}" for j in chosen]
-            _, metrics, _ = self.sample([records[j] for j in chosen], [ids[j] for j in chosen], key, where)
+            _, metrics, _ = self.sample([records[j] for j in chosen], [ids[j] for j in chosen], key, where, model=model)
             out.append((len(chosen), metrics))
         weight = sum(n for n, _ in out)
         keep = [k for k in out[0][1] if not k.startswith(("time/", "rows/", "prompts/"))]
@@ -349,14 +349,21 @@ class Rollouts(Batches):
         return self.layout(rows, sampled)
 
     def sample(
-        self, records: list[dict], encoded: list[np.ndarray], key: jax.Array, where: Sequence[str] | None = None
+        self,
+        records: list[dict],
+        encoded: list[np.ndarray],
+        key: jax.Array,
+        where: Sequence[str] | None = None,
+        *,
+        model: Any = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, float], np.ndarray | None]:
         """`num_generations` completions of each prompt (`encoded`: its token ids) from the current policy, scored:
         `(rows, metrics, sampler log-probs)`, rows `i * num_generations + j` as host arrays (`input_ids`,
         `segment_ids`, `positions`, `loss_mask`, the advantage per row under `ADV`, and `width`: the prompt
         columns). With environments each row's instance is reset first (its text appended to the prompt); a
         `rollout_func` replaces the generation; with tools the exchange continues (`tool_turns`). `where` names
-        each record in an error (default: its index in the step)."""
+        each record in an error (default: its index in the step); `model` samples instead of the policy (an
+        evaluation of another state)."""
         rl, tok = self.rl, self.tokenizer()
         started = time.perf_counter()
         group = rl.num_generations
@@ -395,15 +402,17 @@ class Rollouts(Batches):
             sampled = None
         elif _grouped(prompt, prompt_mask, group):  # one prefill per prompt, shared by its group
             self.sampler.keep_pages = tools is not None  # the paged engine then keeps each row's pages for tool turns
-            completion, completion_mask, sampled = self.sampler.generate(prompt[::group], prompt_mask[::group], key)
+            completion, completion_mask, sampled = self.sampler.generate(
+                prompt[::group], prompt_mask[::group], key, model=model
+            )
         else:  # an environment's observation made a group's prompts differ: a prefill per row
             self.sampler.keep_pages = tools is not None
-            completion, completion_mask, sampled = self.sampler.generate(prompt, prompt_mask, key, group=1)
+            completion, completion_mask, sampled = self.sampler.generate(prompt, prompt_mask, key, group=1, model=model)
         turns = None
         if tools is not None and sampled is not None:  # TRL's tool loop (in-process generation only)
             buckets = (PROMPT_BUCKET, COMPLETION_BUCKET)
             turns = tool_turns(
-                self, kept, completion, completion_mask, sampled, key, buckets, tools=tools, row_tools=row_tools
+                self.sampler, kept, completion, completion_mask, sampled, key, buckets, tools, row_tools, model
             )
             completion, completion_mask, sampled = _padded(turns, rl.max_completion_length, tok.pad_token_id or 0)
             keep = _padded_keep(turns, completion_mask.shape[1])

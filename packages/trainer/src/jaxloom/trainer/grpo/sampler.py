@@ -110,11 +110,13 @@ class Sampler:
         *,
         group: int | None = None,
         max_new_tokens: int | None = None,
+        model: Any = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Generation with the policy's current weights, on the training mesh: `num_generations` (or
         `group`) completions of at most `max_completion_length` (or `max_new_tokens`) tokens of each prompt row (one
         prefill per prompt, its KV cache shared by the group), as `(completion_ids, completion_mask,
-        completion_logps)` with rows `i * num_generations + j`."""
+        completion_logps)` with rows `i * num_generations + j`. `model`: another state's model to sample (an
+        evaluation of a given state), default `model()`."""
         import jaxloom.generation as jg
 
         rl, tok = self.rl, self.tokenizer()
@@ -127,7 +129,7 @@ class Sampler:
             eos_token_id=self.stop_ids(),
             pad_token_id=tok.pad_token_id or 0,
         )
-        model = self.model()
+        model = self.model() if model is None else model
         group = rl.num_generations if group is None else group
         if getattr(rl, "generation_backend", "static") == "paged":
             self.paged = PagedRollout(model, prompt, mask, key, group, config, self.mesh, keep=self.keep_pages)

@@ -352,7 +352,7 @@ def exchange(
 
 
 def tool_turns(
-    rollouts: Any,
+    sampler: Any,
     prompts: list,
     completion: Any,
     mask: Any,
@@ -361,25 +361,27 @@ def tool_turns(
     buckets: tuple[int, int],
     tools: ToolSet,
     row_tools: Sequence[dict[str, Callable]] | None = None,
+    model: Any = None,
 ) -> Exchange:
-    """The tool loop of one rollout of GRPO's `rollouts` (`exchange`, TRL's): each row's first completion (`completion`,
-    `mask`, `sampled` log-probs, after `prompts`) parsed for calls, the tools run, their turn appended and the model
-    continuing from its whole history with the policy's current weights (histories left-padded to a power of two of
+    """The tool loop of one rollout (`exchange`, TRL's) through GRPO's `sampler`: each row's first completion
+    (`completion`, `mask`, `sampled` log-probs, after `prompts`) parsed for calls, the tools run, their turn appended
+    and `model` (default the sampler's: the policy's current weights) continuing from its whole history (histories
+    left-padded to a power of two of
     at least `buckets[0]` tokens, the budget to one of at least `buckets[1]`: one generation program per width and
     budget met), each iteration seeded by the rollout's `key` and its index; `tools` parses and runs the calls
     (`row_tools`: per row, an environment instance's own tools)."""
     import jax
     import numpy as np
 
-    rl, tok = rollouts.rl, rollouts.tokenizer()
+    rl, tok = sampler.rl, sampler.tokenizer()
     first = [(list(c[m > 0]), list(lp[m > 0])) for c, m, lp in zip(completion, mask, sampled, strict=True)]
     pad, rows = tok.pad_token_id or 0, len(prompts)
 
     def generate(histories: list[list[int]], budget: int, iteration: int, rows_: list[int]):
         from jaxloom.generation.decode import bucket
 
-        if rollouts.sampler.paged is not None:  # the engine kept each row's pages: only the tool turns run
-            return rollouts.sampler.paged.continue_rows(rows_, histories, rl.max_completion_length)
+        if sampler.paged is not None:  # the engine kept each row's pages: only the tool turns run
+            return sampler.paged.continue_rows(rows_, histories, rl.max_completion_length)
 
         width = bucket(max(map(len, histories)), buckets[0])
         ids = np.full((rows, width), pad, np.int32)  # every row, so the program's shape holds: extra rows idle
@@ -388,8 +390,8 @@ def tool_turns(
             h = histories[i] if i < len(histories) else histories[0]
             ids[i, width - len(h) :], mask_[i, width - len(h) :] = h, 1
         steps = min(rl.max_completion_length, bucket(budget, buckets[1]))
-        out_ids, out_mask, out_logps = rollouts.sampler.generate(
-            ids, mask_, jax.random.fold_in(key, 1 + iteration), group=1, max_new_tokens=steps
+        out_ids, out_mask, out_logps = sampler.generate(
+            ids, mask_, jax.random.fold_in(key, 1 + iteration), group=1, max_new_tokens=steps, model=model
         )
         return [(list(c[m > 0]), list(lp[m > 0])) for c, m, lp in zip(out_ids, out_mask, out_logps, strict=True)][
             : len(histories)
@@ -401,7 +403,7 @@ def tool_turns(
         first,
         generate,
         max_completion_length=rl.max_completion_length,
-        positions=rollouts.policy.state().model.config.max_position_embeddings,
+        positions=(model or sampler.model()).config.max_position_embeddings,
         max_iterations=getattr(rl, "max_tool_calling_iterations", None),
         row_tools=row_tools,
     )

@@ -273,15 +273,10 @@ class GRPOTrainer(BaseTrainer):
             raise ValueError(f"no dataset_eval was given; {self.no_evaluation}")
         if self.state is None:
             self.initialize_trainer_utils()
-        policy = self.state
-        if state is not None:
-            self.state = self.plan.as_own(state, lambda: self.model_state)
+        model = None if state is None else self.plan.as_own(state, lambda: self.model_state).model  # never swapped in
         self.start_evaluation_hook()
         started = self.evaluator.started
-        try:
-            metrics = self.batches.evaluate(self.arguments.eval_batches)  # type: ignore[attr-defined]
-        finally:
-            self.state = policy
+        metrics = self.batches.evaluate(self.arguments.eval_batches, model)  # type: ignore[attr-defined]
         return {**metrics, "evaluation_time": time.monotonic() - (started or time.monotonic())}
 
     def configure_model(self):
