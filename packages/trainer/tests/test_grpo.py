@@ -38,11 +38,12 @@ def grpo_args(tmp, **kw) -> GRPOConfig:
     return GRPOConfig(**{**base, **quiet(tmp), **kw})
 
 
-def grpo_trainer(tmp, rewards=(letter_e,), records=RECORDS, **kw) -> GRPOTrainer:
+def grpo_trainer(tmp, rewards=(letter_e,), records=RECORDS, dataset_eval=None, **kw) -> GRPOTrainer:
     return GRPOTrainer(
         grpo_args(tmp, **kw),
         model=jm.create_model(tiny(), lazy=True),
         dataset_train=records,
+        dataset_eval=dataset_eval,
         processing_class=TOK,
         mesh=mesh(1),
         reward_funcs=list(rewards),
@@ -245,15 +246,8 @@ def test_the_evaluation_pass_scores_held_out_prompts_with_the_rewards(tmp_path):
         return [float(len(c)) for c in completions]
 
     held_out = [{"prompt": f"name {w}:", "answer": w.upper()} for w in ["one", "two", "three", "four", "five"]]
-    t = GRPOTrainer(
-        grpo_args(tmp_path, max_training_steps=2, evaluation_steps=2, eval_batches=2),
-        model=jm.create_model(tiny(), lazy=True),
-        dataset_train=RECORDS,
-        dataset_eval=held_out,
-        processing_class=TOK,
-        mesh=mesh(1),
-        reward_funcs=[length],
-    )
+    evaluating = dict(dataset_eval=held_out, max_training_steps=2, eval_batches=2)
+    t = grpo_trainer(tmp_path, [length], evaluation_steps=2, **evaluating)
     t.train()
     logged = [r for r in rows(tmp_path) if "eval/reward" in r]
     assert [r["step"] for r in logged] == [2]  # on the cadence; the end of the run does not evaluate step 2 again
@@ -271,15 +265,7 @@ def test_the_evaluation_pass_scores_held_out_prompts_with_the_rewards(tmp_path):
 
     # another state is scored as it is given, never swapped in for the run's (issue 72): while the untrained state
     # samples, the run's own state stays in place, and the scores are those a fresh run's own evaluation gives
-    fresh = GRPOTrainer(
-        grpo_args(tmp_path / "fresh", max_training_steps=2, eval_batches=2),
-        model=jm.create_model(tiny(), lazy=True),
-        dataset_train=RECORDS,
-        dataset_eval=held_out,
-        processing_class=TOK,
-        mesh=mesh(1),
-        reward_funcs=[length],
-    )
+    fresh = grpo_trainer(tmp_path / "fresh", [length], **evaluating)
     trained = t.state
     watch.update(trainer=t, state=trained)
     given = t.evaluate(fresh.model_state)
