@@ -198,6 +198,17 @@ def test_a_late_writer_never_touches_the_folder_of_the_run_that_took_its_lease_o
         assert restored.step == 8 and equal(restored.state.params, train_steps(state, 8).params)
         four = reader.restore(target(mesh_of(fsdp=2)), step=4)
         assert equal(four.state.params, train_steps(state, 4).params)
+        # B ended and released its lease; the next run is generation 3, past every generation that wrote here (a
+        # lease taken where none is never starts again at 1: its steps would sit below generation 2's, fenced out)
+        from jaxloom.core import paths
+
+        assert js.newest_generation(paths.as_path(uri)) == 2
+        lease = js.StoreLease(f"{bucket}/run", ttl=30, after=js.newest_generation(paths.as_path(uri))).acquire()
+        assert lease.generation == 3
+        c = js.CheckpointManager(uri, async_save=False, save_total_limit=None)
+        c.save(12, train_steps(state, 12), generation=lease.generation)
+        lease.release()
+        assert c.resumable_step() == 12 and str(c.step_folder(12)).endswith("/12.g3")
     assert js.step_name(8, 2) == "8.g2" and js.step_name(8, 1) == js.step_name(8) == "8"
     assert js.parse_step_name("8.g2") == (8, 2) and js.parse_step_name("8") == (8, 1)
     assert js.parse_step_name("8.corrupt") is None and js.parse_step_name("8.orbax-checkpoint-tmp-1") is None

@@ -6,7 +6,7 @@ from .convert import convert_checkpoint
 from .lock import DirectoryLock, DirectoryLockedError, LeaseLostError, StoreLease
 from .export import save_pretrained
 from .shared import check_shared_directory
-from .step_names import parse_step_name, step_folders, step_name
+from .step_names import newest_generation, parse_step_name, step_folders, step_name
 from .serialization import from_jsonable, load_json, save_json, to_jsonable
 from .train_state import TrainState, abstract_state, convert_model_to_state, state_shardings
 
@@ -29,6 +29,7 @@ __all__ = [
     "from_jsonable",
     "parse_step_name",
     "load_json",
+    "newest_generation",
     "save_json",
     "save_pretrained",
     "state_shardings",

@@ -283,7 +283,8 @@ class CheckpointManager:
         position) and `metadata` are stored as JSON beside the arrays. A store out of reach is retried with
         backoff for `retry_seconds` (see `CheckpointConfig`). `generation`: the writer's lease generation on a
         store (`StoreLease.check`), recorded so that a step written late by a run that lost the lease is never
-        resumed after a newer generation's step (`resumable_step`)."""
+        resumed after a newer generation's step (`resumable_step`), and naming the step's folder (`step_names`):
+        every process passes the same one."""
         if self.config.read_only:
             raise ValueError(f"checkpoint manager of {self.directory} is read-only (a reader); it saves nothing")
         retry_unreachable(

@@ -158,11 +158,14 @@ class StoreLease:
     writes (the store lets exactly one of two racing writers win), renewed every `ttl / 3` seconds by a
     background thread while held. A second run is refused naming the owner; a lease is taken over when it
     expired (its owner stopped renewing it: killed, or its host gone), when its owner is a dead process on this
-    host, or when it carries this launcher's owner token (a restarted Ray gang)."""
+    host, or when it carries this launcher's owner token (a restarted Ray gang). Each holder is a generation, one
+    more than the previous holder's and than `after`, the newest generation that wrote in the directory (its
+    checkpoints' folder names, `step_names.newest_generation`): a lease taken where none is (the last run released
+    it) never goes back to a generation a late writer may still hold."""
 
-    def __init__(self, directory: str, ttl: float = 60.0):
+    def __init__(self, directory: str, ttl: float = 60.0, after: int = 0):
         self.path = f"{str(directory).rstrip('/')}/{LOCK_FILE}"
-        self.ttl = ttl
+        self.ttl, self.after = ttl, int(after)
         self.held = False
         self.generation = 0  # one more than the lease's previous holder's: a takeover is a new generation
         self.lost: dict[str, Any] | None = None  # the new owner, once another run took the lease
@@ -220,9 +223,10 @@ class StoreLease:
                         f"for it, stop it, or choose another save_directory. If that run is gone, delete {self.path}."
                     )
                 version = found[1]
-                self.generation = int(owner.get("generation") or 0) + 1 if isinstance(owner, dict) else 1
+                held = int(owner.get("generation") or 0) if isinstance(owner, dict) else 0
+                self.generation = max(held, self.after) + 1
             else:
-                self.generation = 1
+                self.generation = self.after + 1
             self._since = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             try:
                 paths.write_if(self.path, json.dumps(self._me()).encode(), version)

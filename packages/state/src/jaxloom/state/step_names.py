@@ -55,6 +55,14 @@ def step_folders(directory: Any, committed: Any = None, step: int | None = None)
     return out
 
 
+def newest_generation(directory: Any) -> int:
+    """The newest lease generation whose step folders are in `directory` (1 for `<step>` names), 0 for none: what a
+    new lease's generation must pass (`StoreLease(after=)`)."""
+    if not directory.is_dir():
+        return 0
+    return max((parsed[1] for e in directory.iterdir() if (parsed := parse_step_name(e.name))), default=0)
+
+
 class StepNames:
     """orbax's `NameFormat` for jaxloom's step folders: writes `step_name(step, generation)` (`generation`: the
     writer's lease generation, set before each save) and finds each step's newest committed generation.

@@ -146,8 +146,8 @@ class Checkpointing:
         return self.manager.latest_step() == step
 
     def _fenced(self) -> int | None:
-        """The lease generation the next checkpoint records (process 0 renews the lease; every process learns
-        whether it was lost)."""
+        """The lease generation the next checkpoint records and names its folder by (process 0 renews the lease;
+        every process learns whether it was lost, and the generation: all write the same step folder)."""
         error, generation = None, None
         if self.fence is not None:
             try:
@@ -157,7 +157,9 @@ class Checkpointing:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            lost = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+            said = np.asarray([error is not None, -1 if generation is None else generation], np.int32)
+            lost, shared = (int(x) for x in multihost_utils.broadcast_one_to_all(said))
+            generation = None if shared < 0 else shared
             if lost and error is None:
                 error = js.LeaseLostError("process 0 found the run directory's lease taken by another run")
         if error is not None:

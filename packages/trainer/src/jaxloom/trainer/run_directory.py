@@ -114,8 +114,14 @@ class RunDirectory:
         self._created = not directory.exists()
         if is_process_zero:
             remote = self.is_remote
-            lock = (
-                js.StoreLease(c.save_directory, ttl=c.storage_lease_seconds) if remote else js.DirectoryLock(directory)
+            lock = (  # a store's lease: a generation past every one that wrote the checkpoints there
+                js.StoreLease(
+                    c.save_directory,
+                    ttl=c.storage_lease_seconds,
+                    after=js.newest_generation(paths.as_path(self.checkpoints)),
+                )
+                if remote
+                else js.DirectoryLock(directory)
             )
             if isinstance(lock, js.StoreLease):
                 lock.on_lost = lambda: self.on_lost() if self.on_lost is not None else None
