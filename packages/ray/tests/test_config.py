@@ -172,14 +172,16 @@ def test_a_step_that_saves_reports_once_with_its_checkpoint(tmp_path):
     from jaxloom.ray.worker import WorkerContext
     from jaxloom.trainer.callbacks import RunView
 
-    sent = []
+    import jaxloom.state as js
+
+    sent, manager = [], js.CheckpointManager(str(tmp_path / "checkpoints"))  # no folder yet: nothing opened
     board = types.SimpleNamespace(beat=types.SimpleNamespace(remote=lambda *a: sent.append(a)))
     (hook,) = WorkerContext(rank=0, world_size=1, attempt=0, board=board, report_interval_s=0.0).hooks()
     history = []
     run = RunView(  # what the trainer gives its callbacks
         arguments=lambda: None,
         state=(lambda: None, lambda value: None),
-        checkpoints=lambda: types.SimpleNamespace(directory=tmp_path),
+        checkpoints=lambda: manager,
         history=lambda: history,
         evaluates=False,
         is_process_zero=True,
@@ -193,4 +195,5 @@ def test_a_step_that_saves_reports_once_with_its_checkpoint(tmp_path):
             hook.on_save(run, step)
     hook.on_step_start(run, 4)
     reports = [(step, report["step"], report["checkpoint_dir"]) for _, step, _, report in sent]
-    assert reports == [(1, 1, str(tmp_path / "1")), (2, 2, str(tmp_path / "1")), (3, 3, str(tmp_path / "3"))]
+    folder = tmp_path / "checkpoints"  # each saved step's folder (`CheckpointManager.step_folder`)
+    assert reports == [(1, 1, str(folder / "1")), (2, 2, str(folder / "1")), (3, 3, str(folder / "3"))]
