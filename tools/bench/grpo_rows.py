@@ -5,7 +5,9 @@
    after the first (compile / warm-up) step, each in its own process.
 2. The same on the 8.4M Llama (bench CPU_MODEL), 16 completions of 64 tokens a step; for jaxloom also the
    rollout tokens/s and the step's time split into rollout, reward and train (the rest of the step).
-3. A multi-turn rollout on the 8.4M Llama (`examples/tool_calling.py`: a prior of 150 steps on chats that sometimes
+3. Asynchronous GRPO on the 8.4M Llama: a reward that waits on the host as long as row 2's generation and training
+   take together (a remote judge), synchronous (`max_staleness=0`) and `max_staleness=1`: seconds per step, ratio.
+4. A multi-turn rollout on the 8.4M Llama (`examples/tool_calling.py`: a prior of 150 steps on chats that sometimes
    call a tool, then GRPO with its `Server` environment): the step split into generation (both turns), the tool calls,
    the reward (medians; a step's wall time beside them), with the tool calls and turns per completion.
 """
@@ -32,6 +34,17 @@ def letter_e(prompts, completions, **kwargs):
 
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def waiting(seconds: float):
+    """`letter_e` after `seconds` on the host (a remote judge's latency)."""
+
+    def judged(prompts, completions, **kwargs):
+        time.sleep(seconds)
+        return letter_e(prompts, completions)
+
+    judged.__name__ = "letter_e"
+    return judged
 
 
 def tiny_hf(path: Path, sizes: dict | None = None) -> None:
@@ -101,7 +114,11 @@ def run_trl(model_dir: str, completion: int = 16, rows: int = 8) -> dict:
     return {"seconds_per_step": per_step(steps), "first_step_s": steps[0]}
 
 
-def run_jaxloom(model_dir: str, completion: int = 16, rows: int = 8, engine: str = "static") -> dict:
+def run_jaxloom(
+    model_dir: str, completion: int = 16, rows: int = 8, engine: str = "static", staleness: int = 0, wait: float = 0.0
+) -> dict:
+    """jaxloom's GRPO on `model_dir` (`staleness`: `max_staleness`; `wait`: seconds the reward waits on the host,
+    as a remote judge would): seconds per step and its split."""
     import jaxloom.data as jd
     import jaxloom.models as jm
     from jaxloom.trainer import GRPOConfig, GRPOTrainer
@@ -129,6 +146,7 @@ def run_jaxloom(model_dir: str, completion: int = 16, rows: int = 8, engine: str
             seed=0,
             save_total_limit=1,  # defaults otherwise: progress bar, TensorBoard, a checkpoint at the end
             generation_backend=engine,
+            max_staleness=staleness,
         )
         model, tok = jm.from_pretrained(model_dir), jd.load_processor(model_dir)
         trainer = GRPOTrainer(
@@ -136,7 +154,7 @@ def run_jaxloom(model_dir: str, completion: int = 16, rows: int = 8, engine: str
             model=model,
             dataset_train=[{"prompt": f"say {w}:"} for w in WORDS * 8],
             processing_class=tok,
-            reward_funcs=letter_e,
+            reward_funcs=waiting(float(wait)),
             hooks=[Clock()],
         )
         start = time.perf_counter()
@@ -148,12 +166,14 @@ def run_jaxloom(model_dir: str, completion: int = 16, rows: int = 8, engine: str
     reward = statistics.median(r["train/time/reward_s"] for r in timed)
     step = per_step(steps)
     gen_tokens = statistics.median(r["train/completions/mean_length"] for r in timed) * rows
+    waited = statistics.median(r.get("train/perf/rollout_wait_s", r["train/time/reward_s"]) for r in timed)
     return {
         "seconds_per_step": step,
         "first_step_s": steps[0],
         "rollout_s": rollout,
         "reward_s": reward,
-        "train_s": step - rollout - reward,
+        "wait_s": waited,  # asynchronous: the step's wait for its scores (synchronous: the reward's seconds)
+        "train_s": step - rollout - waited,
         "rollout_tokens_per_s": gen_tokens / rollout,
     }
 
@@ -226,6 +246,15 @@ def main() -> None:
         for n in ("8m", "8m_128"):  # TRL's step over jaxloom's, static and paged sampler
             for kind in ("model", "paged"):
                 out[f"trl_vs_{kind}_{n}"] = out[f"trl_{n}"]["seconds_per_step"] / out[f"{kind}_{n}"]["seconds_per_step"]
+        # asynchronous GRPO: a reward that waits on the host as long as the step's generation and training take
+        wait = out["model_8m"]["seconds_per_step"] - out["model_8m"]["reward_s"]
+        for name, staleness in (("judge_sync_8m", 0), ("judge_async_8m", 1)):
+            job = [sys.executable, __file__, "jaxloom", f"{d}/8m", "64", "16", "static", str(staleness), f"{wait:.3f}"]
+            r = subprocess.run(job, capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(r.stderr[-3000:])
+            out[name] = {**json.loads(r.stdout.strip().splitlines()[-1]), "reward_wait_s": wait}
+        out["async_vs_sync_8m"] = out["judge_async_8m"]["seconds_per_step"] / out["judge_sync_8m"]["seconds_per_step"]
         r = subprocess.run([sys.executable, __file__, "multiturn"], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(r.stderr[-3000:])
@@ -233,12 +262,13 @@ def main() -> None:
         print(json.dumps(out))
     elif what == "multiturn":
         print(json.dumps(run_multiturn()))
-    else:  # one job: KIND MODEL_DIR [COMPLETION_TOKENS ROWS [ENGINE]]
+    else:  # one job: KIND MODEL_DIR [COMPLETION_TOKENS ROWS [ENGINE [MAX_STALENESS REWARD_WAIT_S]]]
         sizes: list = [int(x) for x in sys.argv[3:5]]
         if what == "trl":
             print(json.dumps(run_trl(sys.argv[2], *sizes)))
         else:
-            print(json.dumps(run_jaxloom(sys.argv[2], *sizes, *sys.argv[5:6])))
+            more = [int(sys.argv[6]), float(sys.argv[7])] if len(sys.argv) > 7 else []
+            print(json.dumps(run_jaxloom(sys.argv[2], *sizes, *sys.argv[5:6], *more)))
 
 
 if __name__ == "__main__":

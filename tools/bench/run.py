@@ -412,6 +412,17 @@ def grpo_rows(g: dict) -> list[tuple[str, str, str, str]]:
                 "",
             )
         )
+    if "async_vs_sync_8m" in g:
+        s, a = g["judge_sync_8m"], g["judge_async_8m"]
+        out.append(
+            (
+                f"GRPO 8.4M, a reward waiting {s['reward_wait_s']:.2f} s (= generation + training): s/step "
+                "max_staleness=0 vs 1 (issue 73: <= 0.7)",
+                f"{s['seconds_per_step']:.2f} vs {a['seconds_per_step']:.2f}",
+                f"{g['async_vs_sync_8m']:.2f}x",
+                "",
+            )
+        )
     t = g.get("multiturn_8m")
     if t:
         out.append(

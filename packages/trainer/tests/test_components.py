@@ -31,6 +31,9 @@ COMPONENT_MODULES = [
     "step.py",
     "stopping.py",
     "grpo/rollouts.py",
+    "grpo/drawing.py",
+    "grpo/pipeline.py",
+    "grpo/sampler.py",
     "grpo/loss.py",
     "grpo/rewards.py",
 ]

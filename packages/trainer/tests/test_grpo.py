@@ -462,13 +462,13 @@ def test_trl_grpo_keys_without_a_prompt_cap_run_on_a_short_model(tmp_path):
 
 def test_sampler_log_probs_equal_the_trainers_in_float32_and_are_reported_in_bf16(tmp_path):
     """The log-probs recorded while sampling equal the training forward's on the same tokens (float32: within
-    1e-6, the step's `sampling/logprob_diff/max`); in bf16 the difference is reported every step."""
+    1e-6, the step's `sampling/sampling_logp_difference/max`); in bf16 the difference is reported every step."""
     grpo_trainer(tmp_path / "f32", max_training_steps=2).train()
-    logged = [r for r in rows(tmp_path / "f32") if "train/sampling/logprob_diff/max" in r]
-    assert len(logged) == 2 and all(r["train/sampling/logprob_diff/max"] <= 1e-6 for r in logged), logged
+    logged = [r for r in rows(tmp_path / "f32") if "train/sampling/sampling_logp_difference/max" in r]
+    assert len(logged) == 2 and all(r["train/sampling/sampling_logp_difference/max"] <= 1e-6 for r in logged), logged
     grpo_trainer(tmp_path / "bf16", max_training_steps=2, dtype="bfloat16").train()
-    logged = [r for r in rows(tmp_path / "bf16") if "train/sampling/logprob_diff/max" in r]
-    assert len(logged) == 2 and all(r["train/sampling/logprob_diff/mean"] >= 0 for r in logged)
+    logged = [r for r in rows(tmp_path / "bf16") if "train/sampling/sampling_logp_difference/max" in r]
+    assert len(logged) == 2 and all(r["train/sampling/sampling_logp_difference/mean"] >= 0 for r in logged)
 
 
 def test_bucketed_rows_give_the_loss_of_rows_padded_to_the_caps(tmp_path):
@@ -561,8 +561,8 @@ def test_the_prompt_cursor_is_saved_with_the_state_and_checked_on_resume(tmp_pat
 
 def test_rollouts_through_the_paged_engine(tmp_path):
     """`generation_backend="paged"` (TRL's `use_transformers_paged=true` too) samples through `LLMEngine`: the sampler's
-    log-probs equal the training forward's (float32, the step's `sampling/logprob_diff/max`), completions end at
-    EOS, and the same seed samples the same rollouts again."""
+    log-probs equal the training forward's (float32, the step's `sampling/sampling_logp_difference/max`), completions
+    end at EOS, and the same seed samples the same rollouts again."""
     assert GRPOConfig(use_transformers_paged=True).rl.generation_backend == "paged"
     assert GRPOConfig().rl.generation_backend == "static"
     with pytest.raises(ValueError, match="generation_backend"):
@@ -571,8 +571,8 @@ def test_rollouts_through_the_paged_engine(tmp_path):
     for name in ("a", "b"):
         grpo_trainer(tmp_path / name, max_training_steps=2, generation_backend="paged").train()
         runs.append(rows(tmp_path / name))
-    logged = [r for r in runs[0] if "train/sampling/logprob_diff/max" in r]
-    assert len(logged) == 2 and all(r["train/sampling/logprob_diff/max"] <= 1e-6 for r in logged), logged
+    logged = [r for r in runs[0] if "train/sampling/sampling_logp_difference/max" in r]
+    assert len(logged) == 2 and all(r["train/sampling/sampling_logp_difference/max"] <= 1e-6 for r in logged), logged
     assert [r.get("train/loss") for r in runs[0]] == [r.get("train/loss") for r in runs[1]]
     assert any(r.get("train/completions/mean_length", 0) > 0 for r in runs[0])
 
@@ -734,6 +734,8 @@ def test_the_samplers_correction_takes_effect_in_a_run(tmp_path):
     grpo_trainer(tmp_path / "off", max_training_steps=1).train()
     masked, plain = rows(tmp_path / "on")[0], rows(tmp_path / "off")[0]
     assert masked["train/grad_norm"] == 0 and plain["train/grad_norm"] > 0
+    ratio = [masked[f"train/sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")]
+    assert ratio == [0, 0, 0] and "train/sampling/importance_sampling_ratio/mean" not in plain  # TRL's: when on
     with pytest.raises(ValueError, match="vllm_importance_sampling_correction correct the sampler by its log-probs"):
         GRPOTrainer(  # an external engine records no log-probs: refused when the trainer is made
             grpo_args(tmp_path / "engine", **on),

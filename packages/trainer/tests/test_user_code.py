@@ -19,7 +19,7 @@ import pytest
 
 from jaxloom.trainer.grpo.environments import Environments, EnvironmentCallError
 from jaxloom.trainer.grpo.rewards import RewardError, RewardTimeoutError, call_reward, concurrently, is_async
-from jaxloom.trainer.grpo.rollouts import RolloutFuncError, call_rollout
+from jaxloom.trainer.grpo.drawing import RolloutFuncError, call_rollout
 from jaxloom.trainer.grpo.tools import ToolError, ToolSet, ToolWorkers
 from jaxloom.trainer.usercode import FULL_TRACEBACK, for_terminal, is_users
 

@@ -225,7 +225,8 @@ class DistillationTrainer(GRPOTrainer):
         for i in range(min(self.arguments.eval_batches, len(records) // per)):
             key = jax.random.fold_in(jax.random.PRNGKey(self.arguments.seed), 1_000_003 + i)
             chosen = slice(i * per, (i + 1) * per)
-            rows, rollout_metrics, _ = rollouts.sample(records[chosen], ids[chosen], key, model=student.model)
+            drawn = rollouts.drawer.draw(records[chosen], ids[chosen], key, model=student.model)
+            rows, rollout_metrics, _ = rollouts.drawer.finish(drawn)
             batch = {k: v[0] for k, v in rollouts.layout(rows, None).items()}
             with jax.set_mesh(self.mesh):
                 out = jax.device_get(self.functions.evaluate(student, batch))

@@ -7,7 +7,7 @@ What it adds to the core is a rollout stage and an objective:
   policy's current weights through `jaxloom.generation` (one prefill per prompt shared by its group, finished
   rows compacted away, on the training mesh, no copy of the weights), scored by the reward functions, turned
   into group-relative advantages, and laid out as one batch of rows `[prompt | completion]` as wide as the
-  step's longest prompt and completion (bucketed: `rollouts.row_buckets`), with the old, reference and
+  step's longest prompt and completion (bucketed: `drawing.row_buckets`), with the old, reference and
   sampler per-token log-probs. The sampling key is `fold_in(state.rng, rollout)`: a resumed run samples what
   the uninterrupted one did.
 - `grpo_loss` (the objective): the clipped policy-gradient loss per completion token, plus `beta` times the
@@ -42,7 +42,8 @@ _HOMES = {
         "reward_name",
     ),
     "rloo": ("RLOOConfig", "RLOOTrainer", "rloo_advantages", "rloo_loss"),
-    "rollouts": ("COMPLETION_BUCKET", "PROMPT_BUCKET", "PromptOrder", "Rollouts", "read_records", "row_buckets"),
+    "drawing": ("COMPLETION_BUCKET", "PROMPT_BUCKET", "Drawer", "Drawn", "row_buckets"),
+    "rollouts": ("PromptOrder", "Rollouts", "read_records"),
     "trainer": ("GRPOTrainer",),
 }
 _WHERE = {name: module for module, names in _HOMES.items() for name in names}

@@ -122,6 +122,22 @@ class RLArgs(SettingsGroup):
     ref_model: str | None = Field(
         None, description="GRPO: the KL reference, an HF directory (None: the initial policy; with LoRA, the base)"
     )
+    max_staleness: int = Field(
+        0,
+        description="GRPO: optimizer steps a rollout may lag the policy it trains (TRL's AsyncGRPOConfig): 0 samples "
+        "each step's rows with its own weights (synchronous); k >= 1 draws the next k steps' rollouts ahead, their "
+        "rewards scored on threads while the current step trains; an older rollout is dropped, counted (docs/rl.md)",
+    )
+    max_inflight_tasks: int = Field(
+        -1,
+        description="GRPO, max_staleness >= 1: completions drawn and not yet scored at most (TRL's; -1: max_staleness "
+        "x total_batch_size); fewer than a step's rows is refused",
+    )
+    queue_maxsize: int = Field(
+        1024,
+        description="GRPO, max_staleness >= 1: completions held drawn and not yet trained at most (TRL's); bounds how "
+        "many steps ahead rollouts are drawn",
+    )
 
     @field_validator("reward_funcs", "tools", mode="before")
     @classmethod
@@ -156,6 +172,10 @@ class RLArgs(SettingsGroup):
         )
         check_positive(self, "temperature", "beta", allow_zero=True)
         check_positive(self, "sapo_temperature_pos", "sapo_temperature_neg")
+        check_positive(self, "max_staleness", allow_zero=True)
+        check_positive(self, "queue_maxsize")
+        if self.max_inflight_tasks != -1 and self.max_inflight_tasks < 1:
+            raise ValueError(f"max_inflight_tasks = {self.max_inflight_tasks}; expected -1 (auto) or at least 1")
         check_positive(self, "delta", allow_none=True)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p}; expected a value in (0, 1]")
@@ -206,10 +226,12 @@ class GRPOConfig(TrainingArguments):
     `max_tool_calling_iterations` (tool calls in the rollouts), `environment_factory` and `rollout_func` (dotted paths
     here; `GRPOTrainer` also takes the objects), and jaxloom's `reward_timeout` (seconds a reward
     function may take on a step's completions before the run stops naming it), `tool_timeout` (seconds a tool turn's
-    calls may take) and `tool_workers` (the threads that run them, rows concurrently). A step trains on
+    calls may take) and `tool_workers` (the threads that run them, rows concurrently); asynchronous rollouts with
+    TRL's `AsyncGRPOConfig` names: `max_staleness` (0: synchronous; k: the next k steps' rollouts drawn ahead and
+    scored on threads while a step trains), `max_inflight_tasks` and `queue_maxsize` (docs/rl.md). A step trains on
     `total_batch_size` completions: `total_batch_size / num_generations` prompts, each completed `num_generations`
     times. A step's rows are as wide as its longest prompt and its longest completion, each rounded up to a bucket
-    (`jaxloom.trainer.grpo.rollouts.row_buckets`), not as the caps: `max_sequence_length` is the widest row the caps
+    (`jaxloom.trainer.grpo.drawing.row_buckets`), not as the caps: `max_sequence_length` is the widest row the caps
     allow, `max_prompt_length + max_completion_length`, or with no `max_prompt_length` (TRL 1.16: prompts are never
     cut) `max_completion_length`, the prompts' own lengths being added from the data and checked against the model's
     positions before step 1. `packing` is off.
@@ -232,6 +254,26 @@ class GRPOConfig(TrainingArguments):
                 f"gradient_accumulation_steps = {self.gradient_accumulation_steps}: GRPO rolls out one batch a step "
                 "here; expected 1 (raise total_batch_size instead)"
             )
+        self.check_asynchronous(rows)
+
+    def check_asynchronous(self, rows: int) -> None:
+        """`max_staleness >= 1`: one rollout (`rows` completions) fits `queue_maxsize` and `max_inflight_tasks`, and
+        a rollout trains one step (`num_iterations = 1`)."""
+        rl = self.rl
+        if not rl.max_staleness:
+            return
+        if rl.num_iterations > 1:
+            raise ValueError(
+                f"num_iterations = {rl.num_iterations} with max_staleness = {rl.max_staleness}: an asynchronous "
+                "rollout trains one step; expected num_iterations = 1 (or max_staleness = 0)"
+            )
+        for name in ("queue_maxsize", "max_inflight_tasks"):
+            value = getattr(rl, name)
+            if value != -1 and value < rows:
+                raise ValueError(
+                    f"{name} = {value} with max_staleness = {rl.max_staleness}: a step's rollout is total_batch_size "
+                    f"= {rows} completions; expected at least {rows} (or max_staleness = 0)"
+                )
 
 
 GRPOConfig.__signature__ = config_signature(GRPOConfig.GROUPS)  # type: ignore[attr-defined]

@@ -221,6 +221,9 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
             rl.vllm_importance_sampling_clip_max,
         )
         loss = loss * ratio
+        extra = importance_sums(ratio, mask)
+    else:
+        extra = {}
     total, units = aggregate(loss, mask, rl.loss_type, rl.max_completion_length)
     sums = {
         "units": units,
@@ -234,7 +237,23 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
     if rl.loss_type == "vespo":  # TRL's `vespo/phi_seq_mean`: the weights' mean over completion tokens
         phi = vespo_weights(logp - old, mask, batch[ADV], *vespo)
         sums["phi_sum"] = jnp.sum(phi * mask)
-    return total, {**sums, **sampler_sums(logp, batch, mask)}
+    return total, {**sums, **sampler_sums(logp, batch, mask), **extra}
+
+
+def importance_sums(ratio, mask) -> dict:
+    """The sampler correction's ratios as sums for TRL's `sampling/importance_sampling_ratio/min|mean|max`: over
+    the completion tokens (`mask`), or per sequence (a `[B, 1]` ratio: every row, as TRL flattens it)."""
+    where = jnp.broadcast_to(mask > 0, ratio.shape) if ratio.shape == mask.shape else jnp.ones(ratio.shape, bool)
+    return {
+        "is_ratio_sum": jnp.sum(jnp.where(where, ratio, 0.0)),
+        "is_ratio_count": jnp.sum(where.astype(jnp.float32)),
+        "is_ratio_min": jnp.min(jnp.where(where, ratio, jnp.inf)),
+        "is_ratio_max": jnp.max(jnp.where(where, ratio, -jnp.inf)),
+    }
+
+
+SAMPLER_EXTREMES = (("logprob_diff_max", "max"), ("is_ratio_min", "min"), ("is_ratio_max", "max"))
+"""The sampler statistics combined over micro-batches by their extreme (`Objective.extremes`)."""
 
 
 def sampler_sums(logp, batch, mask) -> dict:
@@ -248,19 +267,25 @@ def sampler_sums(logp, batch, mask) -> dict:
 
 
 def sampler_metrics(sums, tokens) -> dict:
-    """`sampling/logprob_diff/mean` (over `tokens`) and `/max` of `sampler_sums`' sums, when there are any."""
+    """TRL's `sampling/sampling_logp_difference/mean` (over `tokens`) and `/max` of `sampler_sums`' sums, when
+    there are any; with the sampler's correction, TRL's `sampling/importance_sampling_ratio/min`, `/mean`, `/max`."""
     if "logprob_diff_sum" not in sums:
         return {}
-    return {
-        "sampling/logprob_diff/mean": sums["logprob_diff_sum"] / tokens,
-        "sampling/logprob_diff/max": sums["logprob_diff_max"],
+    out = {
+        "sampling/sampling_logp_difference/mean": sums["logprob_diff_sum"] / tokens,
+        "sampling/sampling_logp_difference/max": sums["logprob_diff_max"],
     }
+    if "is_ratio_sum" in sums:
+        out["sampling/importance_sampling_ratio/min"] = sums["is_ratio_min"]
+        out["sampling/importance_sampling_ratio/mean"] = sums["is_ratio_sum"] / jnp.maximum(sums["is_ratio_count"], 1.0)
+        out["sampling/importance_sampling_ratio/max"] = sums["is_ratio_max"]
+    return out
 
 
 def grpo_metrics(sums):
     """TRL's step metrics: `kl`, `clip_ratio` (tokens whose ratio the clip bound), `entropy`; and, with the
-    sampler's log-probs, `sampling/logprob_diff/mean` and `/max`: |trainer − sampler| log-prob of the completion
-    tokens (0 up to float32 rounding when both run the same model in float32; in bf16 the difference an
+    sampler's log-probs, `sampling/sampling_logp_difference/mean` and `/max`: |trainer − sampler| log-prob of the
+    completion tokens (0 up to float32 rounding when both run the same model in float32; in bf16 the difference an
     importance-sampling correction would undo)."""
     n = jnp.maximum(sums["completion_tokens"], 1.0)
     out = {"kl": sums["kl_sum"] / n, "clip_ratio": sums["clipped"] / n, "entropy": sums["entropy_sum"] / n}

@@ -4,7 +4,6 @@ they end, log-probs recorded), scored, and laid out as rows as wide as the step'
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
@@ -19,31 +18,13 @@ import jaxloom.data as jd
 
 from ..batches import Batches, DataSpec
 from ..step import STOP_KEY
-from ..usercode import UserCodeError, describe
 from .loss import ADV, OLD, REF, SAMPLED
 from .rewards import advantages, call_reward, concurrently, is_async, reward_name
-from .environments import EnvironmentCallError, environment_rows, raise_naming_the_record
+from .drawing import Drawer, Drawn, prompt_of, row_buckets
+from .pipeline import Pipeline, depth_of
 from .sampler import Sampler
-from .tools import tool_turns
 
 log = logging.getLogger("jaxloom.trainer")
-PROMPT_BUCKET = 16
-"""The narrowest prompt bucket: a step's prompts are padded to their longest, rounded up to a power of two >= this."""
-COMPLETION_BUCKET = 16
-"""The narrowest completion bucket (likewise; at most `max_completion_length`)."""
-
-
-def row_buckets(longest_prompt: int, longest_completion: int, max_completion_length: int) -> tuple[int, int]:
-    """`(prompt width, completion width)` of a step's rows: the step's longest prompt and longest completion, each
-    rounded up to a power of two (at least `PROMPT_BUCKET` / `COMPLETION_BUCKET` tokens; a completion at most
-    `max_completion_length`). Cost follows the data, not the caps, and compiles stay few: the generator
-    compiles once per prompt bucket, the train step once per (prompt, completion) bucket pair a run meets —
-    prompts of 10 to 40 tokens and completions up to 256 make at most 3 × 5."""
-    from jaxloom.generation.decode import bucket
-
-    return bucket(longest_prompt, PROMPT_BUCKET), min(
-        max_completion_length, bucket(longest_completion, COMPLETION_BUCKET)
-    )
 
 
 def read_records(data: Any) -> list[dict]:
@@ -184,7 +165,9 @@ class Rollouts(Batches):
         self.metrics: list[tuple[int, dict[str, float]]] = []  # (step trained on it, metrics)
         self._stop_ids: tuple[int, ...] | None = None
         self.sampler = Sampler(self.rl, lambda: policy.state().model, tokenizer, self.stop_ids, mesh)
+        self.drawer = Drawer(self.rl, tokenizer, policy, self.sampler, engine, self.stop_ids, self.score)
         self._eval: tuple[list[dict], list[np.ndarray]] | None = None
+        self._pipeline: Pipeline | None = None  # the asynchronous rollouts (max_staleness >= 1), made when first asked
 
     # ---- what the core asks of the batches ----------------------------------------------------------------
     def prompt_records(self) -> list[dict]:
@@ -309,7 +292,8 @@ class Rollouts(Batches):
             chosen = list(range(i * per, min((i + 1) * per, len(records))))
             key = jax.random.fold_in(jax.random.PRNGKey(self.arguments.seed), 1_000_003 + i)
             where = [f"dataset_eval record {j}" for j in chosen]
-            _, metrics, _ = self.sample([records[j] for j in chosen], [ids[j] for j in chosen], key, where, model=model)
+            drawn = self.drawer.draw([records[j] for j in chosen], [ids[j] for j in chosen], key, where, model=model)
+            _, metrics, _ = self.drawer.finish(drawn)
             out.append((len(chosen), metrics))
         weight = sum(n for n, _ in out)
         keep = [k for k in out[0][1] if not k.startswith(("time/", "rows/", "prompts/"))]
@@ -338,135 +322,68 @@ class Rollouts(Batches):
 
     # ---- one rollout ---------------------------------------------------------------------------------------
     def rollout(self, index: int) -> dict[str, jax.Array]:
-        """Generate, score and lay out rollout `index` (its prompts, `num_generations` completions each)."""
-        order = self.train_loader()
-        records = order.prompts(index)
-        indices = order.indices(index)
-        encoded = [self.prompt_ids()[i] for i in indices]
-        key = jax.random.fold_in(self.policy.state().rng, index)
-        rows, metrics, sampled = self.sample(records, encoded, key, [f"dataset_train record {i}" for i in indices])
+        """Generate, score and lay out rollout `index` (its prompts, `num_generations` completions each); with
+        `max_staleness >= 1` drawn ahead and scored on a thread (`pipeline`)."""
+        pipeline = self.pipeline()
+        if pipeline is not None:
+            rows, metrics, sampled = pipeline.take(index)
+        else:
+            rows, metrics, sampled = self.drawer.finish(self.draw_rollout(index))
         self.metrics.append((self.policy.step() + 1, metrics))
         return self.layout(rows, sampled)
 
-    def sample(
-        self,
-        records: list[dict],
-        encoded: list[np.ndarray],
-        key: jax.Array,
-        where: Sequence[str] | None = None,
-        *,
-        model: Any = None,
-    ) -> tuple[dict[str, np.ndarray], dict[str, float], np.ndarray | None]:
-        """`num_generations` completions of each prompt (`encoded`: its token ids) from the current policy, scored:
-        `(rows, metrics, sampler log-probs)`, rows `i * num_generations + j` as host arrays (`input_ids`,
-        `segment_ids`, `positions`, `loss_mask`, the advantage per row under `ADV`, and `width`: the prompt
-        columns). With environments each row's instance is reset first (its text appended to the prompt); a
-        `rollout_func` replaces the generation; with tools the exchange continues (`tool_turns`). `where` names
-        each record in an error (default: its index in the step); `model` samples instead of the policy (an
-        evaluation of another state)."""
-        rl, tok = self.rl, self.tokenizer()
-        started = time.perf_counter()
-        group = rl.num_generations
-        where = list(where) if where is not None else [f"prompt {i} of this step" for i in range(len(records))]
-        row_records = [r for r in records for _ in range(group)]
-        row_where = [w for w in where for _ in range(group)]
-        prompts = [prompt_of(r) for r in row_records]
-        chat = isinstance(prompts[0], list)
-        envs, tools, row_tools = self.policy.environments(), self.policy.tools(), None
-        row_ids = [ids for ids in encoded for _ in range(group)]
-        columns = {k: [r.get(k) for r in row_records] for k in records[0] if k != "prompt"}
-        if envs is not None:  # TRL's environments: one instance per row, reset with its record
-            prompts, row_ids, tools, row_tools, columns["environments"] = environment_rows(
-                envs, records, group, prompts, row_ids, row_where
+    def rollout_prompts(self, index: int) -> tuple[list[dict], list[np.ndarray], list[str]]:
+        """Rollout `index`'s prompt records, their token ids and where each record is (named in errors)."""
+        indices = self.train_loader().indices(index)
+        records = [self.prompt_records()[i] for i in indices]
+        return records, [self.prompt_ids()[i] for i in indices], [f"dataset_train record {i}" for i in indices]
+
+    def draw_rollout(self, index: int) -> Drawn:
+        """Rollout `index` drawn by the current weights, seeded by the state's key folded with `index`."""
+        records, encoded, where = self.rollout_prompts(index)
+        return self.drawer.draw(records, encoded, jax.random.fold_in(self.policy.state().rng, index), where)
+
+    def redraw(self, index: int, completions: dict[str, np.ndarray]) -> Drawn:
+        """Rollout `index` as a checkpoint saved it drawn (its `completions`; see `pipeline.Pipeline.state`)."""
+        records, encoded, where = self.rollout_prompts(index)
+        drawn = self.drawer.prompt_rows(records, encoded, where)
+        self.drawer.cut_prompts(drawn)
+        c = completions
+        drawn.completed(c["completion"], c["completion_mask"], c.get("sampled"), c.get("keep"))
+        return drawn
+
+    def pipeline(self) -> Pipeline | None:
+        """The asynchronous rollouts (`max_staleness >= 1`), made when first asked (from the saved drawn rollouts
+        when resuming); None when synchronous."""
+        if self._pipeline is None:
+            a, rows = self.arguments, self.arguments.total_batch_size
+            depth = depth_of(self.rl, rows)
+            if not depth:
+                return None
+            self._pipeline = Pipeline(
+                self.draw_rollout,
+                self.drawer.finish,
+                self.policy.step,
+                depth=depth,
+                max_staleness=self.rl.max_staleness,
+                last=a.max_training_steps or self.steps_for_epochs(),
             )
-        custom = self.policy.rollout()
-        keep = None
-        if custom is not None:  # TRL's rollout_func: the user's own generation, its extra fields to the rewards
-            out = _rollout_rows(call_rollout(custom, copy.deepcopy(prompts)), len(prompts), rl.max_completion_length)
-            row_ids = [np.asarray(ids, np.int32) for ids in out.pop("prompt_ids")]
-            kept, truncated = row_ids, 0
-        else:
-            cap = rl.max_prompt_length
-            kept = [ids if cap is None else ids[-cap:] for ids in row_ids]  # the end is kept: it leads into the reply
-            truncated = sum(cap is not None and len(ids) > cap for ids in row_ids[::group])
-        width, _ = row_buckets(max(map(len, kept)), 1, rl.max_completion_length)
-        prompt = np.full((len(kept), width), tok.pad_token_id or 0, np.int32)
-        prompt_mask = np.zeros((len(kept), width), np.int32)
-        for i, ids in enumerate(kept):
-            prompt[i, width - len(ids) :], prompt_mask[i, width - len(ids) :] = ids, 1
-        if custom is not None:
-            completion, completion_mask, sampled, keep = _custom_completions(out, tok, rl.max_completion_length)
-            columns.update(out)  # what is left: the fields for the reward functions
-        elif self.engine is not None:  # an external engine: the prompt rows as they are trained on, no log-probs
-            completion, completion_mask = self.engine(prompt, prompt_mask, key)
-            sampled = None
-        elif _grouped(prompt, prompt_mask, group):  # one prefill per prompt, shared by its group
-            self.sampler.keep_pages = tools is not None  # the paged engine then keeps each row's pages for tool turns
-            completion, completion_mask, sampled = self.sampler.generate(
-                prompt[::group], prompt_mask[::group], key, model=model
-            )
-        else:  # an environment's observation made a group's prompts differ: a prefill per row
-            self.sampler.keep_pages = tools is not None
-            completion, completion_mask, sampled = self.sampler.generate(prompt, prompt_mask, key, group=1, model=model)
-        turns = None
-        if tools is not None and sampled is not None:  # TRL's tool loop (in-process generation only)
-            buckets = (PROMPT_BUCKET, COMPLETION_BUCKET)
-            turns = tool_turns(
-                self.sampler, kept, completion, completion_mask, sampled, key, buckets, tools, row_tools, model
-            )
-            completion, completion_mask, sampled = _padded(turns, rl.max_completion_length, tok.pad_token_id or 0)
-            keep = _padded_keep(turns, completion_mask.shape[1])
-        self.sampler.done()  # the rollout's paged engine and its kept pages are done with
-        _, cwidth = row_buckets(width, int(np.max(completion_mask.sum(axis=1), initial=1)), completion.shape[1])
-        completion, completion_mask = completion[:, :cwidth], completion_mask[:, :cwidth]
-        if sampled is not None:
-            sampled = sampled[:, :cwidth]
-        if keep is not None:
-            keep = keep[:, :cwidth]
-        generated = time.perf_counter()
-        texts = [
-            tok.decode(c[m > 0], skip_special_tokens=True) for c, m in zip(completion, completion_mask, strict=True)
-        ]
-        completions: list[Any] = [[{"role": "assistant", "content": x}] for x in texts] if chat else texts
-        if turns is not None:  # the turns as messages: assistant (with its tool calls), tool, assistant, ...
-            completions = turns.messages
-        try:
-            scored, score_metrics = self.score(
-                prompts, completions, columns, completion, completion_mask, where=row_where
-            )
-        except EnvironmentCallError as e:
-            raise_naming_the_record(e, row_where)
-        eos = set(self.stop_ids())
-        ended = np.asarray(
-            [any(int(x) in eos for x in c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)]
-        )
-        loss_mask = completion_mask.copy()
-        if keep is not None:  # tool and environment tokens are read, never trained on (nor in the KL or the entropy)
-            loss_mask = loss_mask * keep
-        if rl.mask_truncated_completions:
-            loss_mask[~ended] = 0
-        ids = np.concatenate([prompt, completion], axis=1)
-        seg = np.concatenate([prompt_mask, completion_mask], axis=1)
-        rows = {
-            "input_ids": ids,
-            "segment_ids": seg,
-            "positions": np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32),
-            "loss_mask": np.concatenate([np.zeros_like(prompt_mask), loss_mask], axis=1),
-            **scored,
-            "width": np.asarray(width),
-        }
-        lengths = (completion_mask if keep is None else completion_mask * keep).sum(axis=1)  # the model's tokens (TRL)
-        metrics = {
-            **score_metrics,
-            "completions/mean_length": float(lengths.mean()),
-            "completions/clipped_ratio": float(np.mean(~ended)),
-            "prompts/truncated": float(truncated),
-            "rows/width": float(ids.shape[1]),
-            "time/rollout_s": generated - started,
-        }
-        if turns is not None:
-            metrics.update(turns.metrics())
-        return rows, metrics, (None if sampled is None else np.where(completion_mask > 0, sampled, 0.0))
+            saved = (self.resume_state or {}).get("pipeline")
+            if saved:
+                self._pipeline.restore(saved, self.redraw)
+        return self._pipeline
+
+    def checkpoint_state(self) -> Any:
+        """The prompt cursor's position and, asynchronous, the rollouts drawn and not yet trained."""
+        state = super().checkpoint_state()
+        if state is not None and self._pipeline is not None:
+            state = {**state, "pipeline": self._pipeline.state()}
+        return state
+
+    def close(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+        super().close()
 
     def score(
         self,
@@ -486,7 +403,7 @@ class Rollouts(Batches):
         )
 
     def layout(self, rows: dict[str, np.ndarray], sampled: np.ndarray | None) -> dict[str, jax.Array]:
-        """A rollout's host rows (`sample`) as the train step's global batch `[1, B, ...]`: the tokens, the
+        """A rollout's host rows (`Drawer.finish`) as the train step's global batch `[1, B, ...]`: the tokens, the
         scores of each row (the advantages; RLOO's rewards), the old and reference log-probs (computed now when
         `num_iterations > 1` / `beta > 0`) and the sampler's log-probs at their tokens' columns."""
         rl, width = self.rl, int(rows["width"])
@@ -542,111 +459,6 @@ def jd_encode(tokenizer: Any, prompts: Sequence[Any], chat: bool) -> list[list[i
     from jaxloom.generation import encode_prompts
 
     return encode_prompts(tokenizer, list(prompts), apply_chat_template=chat)
-
-
-def _padded(turns: Any, width: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A tool exchange's rows as `(completion_ids, completion_mask, sampled log-probs)`, `[rows, width]`."""
-    rows = len(turns.ids)
-    ids, mask, logps = np.full((rows, width), pad, np.int32), np.zeros((rows, width), np.int32), np.zeros((rows, width))
-    for i in range(rows):
-        n = len(turns.ids[i])
-        ids[i, :n], mask[i, :n], logps[i, :n] = turns.ids[i], 1, turns.logps[i]
-    return ids, mask, logps.astype(np.float32)
-
-
-def _padded_keep(turns: Any, width: int) -> np.ndarray:
-    """Which completion tokens the model wrote (1) rather than a tool turn (0), `[rows, width]`."""
-    keep = np.zeros((len(turns.keep), width), np.int32)
-    for i, k in enumerate(turns.keep):
-        keep[i, : len(k)] = k[:width]
-    return keep
-
-
-EMPTY_PROMPT = [{"role": "user", "content": ""}]
-"""The prompt of a record without one, when an environment owns the data (its `reset` returns the prompt; TRL's)."""
-
-
-def prompt_of(record: dict) -> Any:
-    """A record's prompt (text or chat messages); an environment's record may have none (`EMPTY_PROMPT`)."""
-    return record.get("prompt", EMPTY_PROMPT)
-
-
-def _grouped(prompt: np.ndarray, mask: np.ndarray, group: int) -> bool:
-    """Whether every row of each group of `group` rows holds its group's first prompt (then one prefill serves it)."""
-    first = np.repeat(np.arange(0, len(prompt), group), group)
-    return bool((prompt == prompt[first]).all() and (mask == mask[first]).all())
-
-
-ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
-
-
-class RolloutFuncError(UserCodeError):
-    """A `rollout_func` raised: the run stops, naming it."""
-
-
-def call_rollout(custom: Callable, prompts: list) -> Any:
-    """`custom(prompts)` (TRL's `rollout_func`, bound to its trainer); a raise stops the run naming the function,
-    with the user's frames."""
-    try:
-        return custom(prompts)
-    except Exception as e:  # noqa: BLE001 - user code: name it
-        name = getattr(custom, "__name__", None) or getattr(getattr(custom, "func", None), "__name__", "rollout_func")
-        raise RolloutFuncError(
-            f"rollout_func {name} raised on this step's {len(prompts)} prompts ({describe(e)})"
-        ) from e
-
-
-def _rollout_rows(out: Any, rows: int, max_completion_length: int) -> dict[str, list]:
-    """The output of a `rollout_func` checked (TRL's contract: `prompt_ids`, `completion_ids` and `logprobs`, one list
-    per row — each prompt `num_generations` times — and optionally `env_mask`; other fields go to the reward
-    functions, one value per row); a completion longer than `max_completion_length` is cut to it, counted as clipped."""
-    if not isinstance(out, dict):
-        raise ValueError(f"rollout_func returned {type(out).__name__}; expected a dict with {list(ROLLOUT_KEYS)}")
-    missing = [k for k in ROLLOUT_KEYS if k not in out]
-    if missing:
-        raise ValueError(f"rollout_func must return keys {missing} in its output dict (one list per row)")
-    checked = {}
-    for k, v in out.items():
-        v = list(v) if not isinstance(v, str) else v
-        if not isinstance(v, list) or len(v) != rows:
-            n = len(v) if isinstance(v, list) else type(v).__name__
-            raise ValueError(
-                f"rollout_func's {k!r} has {n} entries for {rows} rows; expected one per row (each prompt "
-                "num_generations times, rows i * num_generations + j)"
-            )
-        checked[k] = v
-    for k in ("logprobs", "env_mask"):
-        given = checked.get(k, checked["completion_ids"])
-        for i, (ids, values) in enumerate(zip(checked["completion_ids"], given, strict=True)):
-            if len(values) != len(ids):
-                raise ValueError(
-                    f"rollout_func's {k!r} row {i} has {len(values)} values for {len(ids)} completion tokens; "
-                    "expected one per token"
-                )
-    for k in ("completion_ids", "logprobs", "env_mask"):
-        if k in checked:
-            checked[k] = [list(v)[:max_completion_length] for v in checked[k]]
-    return checked
-
-
-def _custom_completions(
-    out: dict[str, list], tok: Any, cap: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """A `rollout_func`'s completions (`_rollout_rows`, its fields popped from `out`) as `(completion_ids, mask,
-    sampled log-probs, keep)`, `keep` from its `env_mask` (TRL's: 1 on the model's tokens), or None."""
-    completion, mask, sampled = _padded_rows(out.pop("completion_ids"), out.pop("logprobs"), tok, cap)
-    env_mask = out.pop("env_mask", None)
-    keep = None if env_mask is None else (_padded_rows(env_mask, env_mask, tok, cap)[2] > 0).astype(np.int32)
-    return completion, mask, sampled, keep
-
-
-def _padded_rows(ids: list, values: list, tok: Any, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Ragged completion rows (`ids`, and `values` per token) right-padded to `width`: `(ids, mask, values)`."""
-    out = np.full((len(ids), width), tok.pad_token_id or 0, np.int32)
-    mask, vals = np.zeros((len(ids), width), np.int32), np.zeros((len(ids), width), np.float32)
-    for i, (row, v) in enumerate(zip(ids, values, strict=True)):
-        out[i, : len(row)], mask[i, : len(row)], vals[i, : len(v)] = row, 1, v
-    return out, mask, vals
 
 
 def group_rewards(

@@ -21,7 +21,7 @@ from ..reference import build_reference
 from ..components import data_inputs, part
 from ..trainer import BaseTrainer
 from .config import GRPOConfig
-from .loss import ADV, OLD, REF, SAMPLED, grpo_loss, grpo_metrics, token_logps
+from .loss import ADV, OLD, REF, SAMPLED, SAMPLER_EXTREMES, grpo_loss, grpo_metrics, token_logps
 from .rewards import load_reward_function, load_tool
 from .rollouts import Policy, Rollouts
 
@@ -124,6 +124,13 @@ class GRPOTrainer(BaseTrainer):
             raise ValueError(
                 f"{' and '.join(custom)} run in jaxloom's own rollouts: a rollout_engine with them is not supported"
             )
+        if rl.max_staleness and (custom or self._rollout_spec is not None):
+            given = custom + (["rollout_func"] if self._rollout_spec is not None else [])
+            raise ValueError(
+                f"max_staleness = {rl.max_staleness} with {' and '.join(given)}: asynchronous rollouts score reward "
+                "functions on threads; tools, environments and rollout_func run synchronously for now: set "
+                "max_staleness = 0"
+            )
         if self._rollout_spec is not None and rollout_engine is not None:
             raise ValueError("rollout_func and rollout_engine both replace the generation: give one")
         corrections = ["vllm_importance_sampling_correction"] if rl.vllm_importance_sampling_correction else []
@@ -218,7 +225,7 @@ class GRPOTrainer(BaseTrainer):
         """The GRPO loss of `loss_type`; TRL's metrics (`kl`, `clip_ratio`, `entropy`)."""
         rl = self.arguments.rl
         loss = functools.partial(grpo_loss, rl=rl, iterations=rl.num_iterations)
-        return Objective(loss=loss, metrics=grpo_metrics, weight="units", perplexity=False)
+        return Objective(loss=loss, metrics=grpo_metrics, weight="units", perplexity=False, extremes=SAMPLER_EXTREMES)
 
     def data_spec(self) -> DataSpec:
         """Rows `[prompt | completion]`, with the advantage per row and the old, reference and (in-process

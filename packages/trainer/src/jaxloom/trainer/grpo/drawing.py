@@ -1,0 +1,337 @@
+"""A GRPO rollout made (`Drawer`): the prompt rows of a step's records, their completions drawn by the sampler (or
+an external engine, or TRL's `rollout_func`), with tool turns and environments (`draw`, the part that holds the
+device), then scored and laid out as host rows (`finish`, host work only). `Drawn` is what lies between the two:
+an asynchronous run (`max_staleness >= 1`) scores it on a thread while the device trains."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..usercode import UserCodeError, describe
+from .environments import EnvironmentCallError, environment_rows, raise_naming_the_record
+from .tools import tool_turns
+
+PROMPT_BUCKET = 16
+"""The narrowest prompt bucket: a step's prompts are padded to their longest, rounded up to a power of two >= this."""
+COMPLETION_BUCKET = 16
+"""The narrowest completion bucket (likewise; at most `max_completion_length`)."""
+
+
+def row_buckets(longest_prompt: int, longest_completion: int, max_completion_length: int) -> tuple[int, int]:
+    """`(prompt width, completion width)` of a step's rows: the step's longest prompt and longest completion, each
+    rounded up to a power of two (at least `PROMPT_BUCKET` / `COMPLETION_BUCKET` tokens; a completion at most
+    `max_completion_length`). Cost follows the data, not the caps, and compiles stay few: the generator
+    compiles once per prompt bucket, the train step once per (prompt, completion) bucket pair a run meets —
+    prompts of 10 to 40 tokens and completions up to 256 make at most 3 × 5."""
+    from jaxloom.generation.decode import bucket
+
+    return bucket(longest_prompt, PROMPT_BUCKET), min(
+        max_completion_length, bucket(longest_completion, COMPLETION_BUCKET)
+    )
+
+
+@dataclasses.dataclass
+class Drawn:
+    """A rollout drawn and not yet scored (`Rollouts.draw`): each row's prompt (text or messages), the columns the
+    rewards read, where each row's record is (named in errors), the prompt rows (`prompt`, `prompt_mask`, `width`
+    columns; `kept`: each row's prompt tokens; `truncated`: prompts cut) and the completions (`completion`,
+    `completion_mask`, the sampler's log-probs `sampled`, `keep`: 1 on the model's own tokens, or None), the tool
+    exchange (`turns`) and the seconds drawing took."""
+
+    prompts: list[Any]
+    columns: dict[str, list]
+    where: list[str] = dataclasses.field(default_factory=list)
+    chat: bool = False
+    row_ids: list[np.ndarray] = dataclasses.field(default_factory=list)
+    kept: list[np.ndarray] = dataclasses.field(default_factory=list)
+    prompt: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    prompt_mask: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    width: int = 0
+    truncated: int = 0
+    completion: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    completion_mask: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    sampled: np.ndarray | None = None
+    keep: np.ndarray | None = None
+    turns: Any = None
+    seconds: float = 0.0
+
+    def completed(self, completion, completion_mask, sampled, keep) -> None:
+        """The completions, cut to their bucket (the longest completion's, at most their width)."""
+        _, width = row_buckets(self.width, int(np.max(completion_mask.sum(axis=1), initial=1)), completion.shape[1])
+        self.completion = np.asarray(completion)[:, :width]
+        self.completion_mask = np.asarray(completion_mask)[:, :width]
+        self.sampled = None if sampled is None else np.asarray(sampled)[:, :width]
+        self.keep = None if keep is None else np.asarray(keep)[:, :width]
+
+
+class Drawer:
+    """Rollouts made as the sampling settings `rl` say, from the `policy`'s environments, tools and custom rollout,
+    through the `sampler` (or `engine(prompt_ids, prompt_mask, key) -> (completion_ids, completion_mask)`),
+    completions ending at `stop_ids()`, decoded with `tokenizer()`, scored by `score(prompts, completions, columns,
+    completion, completion_mask, where=)` (the batches component's: GRPO's rewards, RLOO's, none for
+    distillation)."""
+
+    def __init__(
+        self,
+        rl: Any,
+        tokenizer: Callable[[], Any],
+        policy: Any,
+        sampler: Any,
+        engine: Callable | None,
+        stop_ids: Callable[[], tuple[int, ...]],
+        score: Callable[..., tuple[dict[str, np.ndarray], dict[str, float]]],
+    ):
+        self.rl, self.tokenizer, self.policy, self.sampler = rl, tokenizer, policy, sampler
+        self.engine, self.stop_ids, self.score = engine, stop_ids, score
+
+    def prompt_rows(self, records: list[dict], encoded: list[np.ndarray], where: Sequence[str] | None) -> Drawn:
+        """The prompt side of a rollout (host only, deterministic): each record `num_generations` times, its
+        prompt, its columns for the rewards and the prompt rows left-padded to their bucket (`max_prompt_length`
+        keeps each prompt's end); no completion yet."""
+        group = self.rl.num_generations
+        where = list(where) if where is not None else [f"prompt {i} of this step" for i in range(len(records))]
+        row_records = [r for r in records for _ in range(group)]
+        prompts = [prompt_of(r) for r in row_records]
+        drawn = Drawn(prompts, {k: [r.get(k) for r in row_records] for k in records[0] if k != "prompt"})
+        drawn.where, drawn.chat = [w for w in where for _ in range(group)], isinstance(prompts[0], list)
+        drawn.row_ids = [ids for ids in encoded for _ in range(group)]
+        return drawn
+
+    def lay_prompts(self, drawn: Drawn, kept: list[np.ndarray], truncated: int) -> None:
+        """`drawn`'s prompt rows: `kept` (each row's prompt tokens) left-padded to their bucket."""
+        tok = self.tokenizer()
+        width, _ = row_buckets(max(map(len, kept)), 1, self.rl.max_completion_length)
+        drawn.prompt = np.full((len(kept), width), tok.pad_token_id or 0, np.int32)
+        drawn.prompt_mask = np.zeros((len(kept), width), np.int32)
+        for i, ids in enumerate(kept):
+            drawn.prompt[i, width - len(ids) :], drawn.prompt_mask[i, width - len(ids) :] = ids, 1
+        drawn.kept, drawn.width, drawn.truncated = kept, width, truncated
+
+    def cut_prompts(self, drawn: Drawn) -> None:
+        """`drawn`'s prompt rows from its rows' prompt tokens, each cut to `max_prompt_length` (its end kept: it
+        leads into the reply; the prompts cut counted)."""
+        cap, group, row_ids = self.rl.max_prompt_length, self.rl.num_generations, drawn.row_ids
+        kept = [ids if cap is None else ids[-cap:] for ids in row_ids]
+        self.lay_prompts(drawn, kept, sum(cap is not None and len(ids) > cap for ids in row_ids[::group]))
+
+    def draw(
+        self,
+        records: list[dict],
+        encoded: list[np.ndarray],
+        key: jax.Array,
+        where: Sequence[str] | None = None,
+        *,
+        model: Any = None,
+    ) -> Drawn:
+        """A rollout's completions, not yet scored (the part that holds the device): with environments each row's
+        instance is reset first (its text appended to the prompt); a `rollout_func` replaces the generation; with
+        tools the exchange continues (`tool_turns`)."""
+        rl, tok = self.rl, self.tokenizer()
+        started = time.perf_counter()
+        group = rl.num_generations
+        drawn = self.prompt_rows(records, encoded, where)
+        envs, tools, row_tools = self.policy.environments(), self.policy.tools(), None
+        if envs is not None:  # TRL's environments: one instance per row, reset with its record
+            drawn.prompts, drawn.row_ids, tools, row_tools, drawn.columns["environments"] = environment_rows(
+                envs, records, group, drawn.prompts, drawn.row_ids, drawn.where
+            )
+        custom = self.policy.rollout()
+        keep = None
+        if custom is not None:  # TRL's rollout_func: the user's own generation, its extra fields to the rewards
+            prompts = copy.deepcopy(drawn.prompts)
+            out = _rollout_rows(call_rollout(custom, prompts), len(prompts), rl.max_completion_length)
+            drawn.row_ids = [np.asarray(ids, np.int32) for ids in out.pop("prompt_ids")]
+            self.lay_prompts(drawn, drawn.row_ids, 0)
+        else:
+            self.cut_prompts(drawn)
+        prompt, prompt_mask = drawn.prompt, drawn.prompt_mask
+        if custom is not None:
+            completion, completion_mask, sampled, keep = _custom_completions(out, tok, rl.max_completion_length)
+            drawn.columns.update(out)  # what is left: the fields for the reward functions
+        elif self.engine is not None:  # an external engine: the prompt rows as they are trained on, no log-probs
+            completion, completion_mask = self.engine(prompt, prompt_mask, key)
+            sampled = None
+        elif _grouped(prompt, prompt_mask, group):  # one prefill per prompt, shared by its group
+            self.sampler.keep_pages = tools is not None  # the paged engine then keeps each row's pages for tool turns
+            completion, completion_mask, sampled = self.sampler.generate(
+                prompt[::group], prompt_mask[::group], key, model=model
+            )
+        else:  # an environment's observation made a group's prompts differ: a prefill per row
+            self.sampler.keep_pages = tools is not None
+            completion, completion_mask, sampled = self.sampler.generate(prompt, prompt_mask, key, group=1, model=model)
+        if tools is not None and sampled is not None:  # TRL's tool loop (in-process generation only)
+            buckets = (PROMPT_BUCKET, COMPLETION_BUCKET)
+            drawn.turns = tool_turns(
+                self.sampler, drawn.kept, completion, completion_mask, sampled, key, buckets, tools, row_tools, model
+            )
+            completion, completion_mask, sampled = _padded(drawn.turns, rl.max_completion_length, tok.pad_token_id or 0)
+            keep = _padded_keep(drawn.turns, completion_mask.shape[1])
+        self.sampler.done()  # the rollout's paged engine and its kept pages are done with
+        drawn.completed(completion, completion_mask, sampled, keep)
+        drawn.seconds = time.perf_counter() - started
+        return drawn
+
+    def finish(self, drawn: Drawn) -> tuple[dict[str, np.ndarray], dict[str, float], np.ndarray | None]:
+        """A drawn rollout scored (host only: the completions' text, the rewards): `(rows, metrics, sampler
+        log-probs)`, rows `i * num_generations + j` as host arrays (`input_ids`, `segment_ids`, `positions`,
+        `loss_mask`, the advantage per row under `ADV`, and `width`: the prompt columns) — what an asynchronous run
+        (`max_staleness >= 1`) does on a thread while the device trains."""
+        rl, tok = self.rl, self.tokenizer()
+        completion, completion_mask, keep = drawn.completion, drawn.completion_mask, drawn.keep
+        prompt, prompt_mask = drawn.prompt, drawn.prompt_mask
+        texts = [
+            tok.decode(c[m > 0], skip_special_tokens=True) for c, m in zip(completion, completion_mask, strict=True)
+        ]
+        completions: list[Any] = [[{"role": "assistant", "content": x}] for x in texts] if drawn.chat else texts
+        if drawn.turns is not None:  # the turns as messages: assistant (with its tool calls), tool, assistant, ...
+            completions = drawn.turns.messages
+        try:
+            scored, score_metrics = self.score(
+                drawn.prompts, completions, drawn.columns, completion, completion_mask, where=drawn.where
+            )
+        except EnvironmentCallError as e:
+            raise_naming_the_record(e, drawn.where)
+        eos = set(self.stop_ids())
+        ended = np.asarray(
+            [any(int(x) in eos for x in c[m > 0]) for c, m in zip(completion, completion_mask, strict=True)]
+        )
+        loss_mask = completion_mask.copy()
+        if keep is not None:  # tool and environment tokens are read, never trained on (nor in the KL or the entropy)
+            loss_mask = loss_mask * keep
+        if rl.mask_truncated_completions:
+            loss_mask[~ended] = 0
+        ids = np.concatenate([prompt, completion], axis=1)
+        seg = np.concatenate([prompt_mask, completion_mask], axis=1)
+        rows = {
+            "input_ids": ids,
+            "segment_ids": seg,
+            "positions": np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32),
+            "loss_mask": np.concatenate([np.zeros_like(prompt_mask), loss_mask], axis=1),
+            **scored,
+            "width": np.asarray(drawn.width),
+        }
+        lengths = (completion_mask if keep is None else completion_mask * keep).sum(axis=1)  # the model's tokens (TRL)
+        metrics = {
+            **score_metrics,
+            "completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": float(np.mean(~ended)),
+            "prompts/truncated": float(drawn.truncated),
+            "rows/width": float(ids.shape[1]),
+            "time/rollout_s": drawn.seconds,
+        }
+        if drawn.turns is not None:
+            metrics.update(drawn.turns.metrics())
+        sampled = drawn.sampled
+        return rows, metrics, (None if sampled is None else np.where(completion_mask > 0, sampled, 0.0))
+
+
+def _padded(turns: Any, width: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A tool exchange's rows as `(completion_ids, completion_mask, sampled log-probs)`, `[rows, width]`."""
+    rows = len(turns.ids)
+    ids, mask, logps = np.full((rows, width), pad, np.int32), np.zeros((rows, width), np.int32), np.zeros((rows, width))
+    for i in range(rows):
+        n = len(turns.ids[i])
+        ids[i, :n], mask[i, :n], logps[i, :n] = turns.ids[i], 1, turns.logps[i]
+    return ids, mask, logps.astype(np.float32)
+
+
+def _padded_keep(turns: Any, width: int) -> np.ndarray:
+    """Which completion tokens the model wrote (1) rather than a tool turn (0), `[rows, width]`."""
+    keep = np.zeros((len(turns.keep), width), np.int32)
+    for i, k in enumerate(turns.keep):
+        keep[i, : len(k)] = k[:width]
+    return keep
+
+
+EMPTY_PROMPT = [{"role": "user", "content": ""}]
+"""The prompt of a record without one, when an environment owns the data (its `reset` returns the prompt; TRL's)."""
+
+
+def prompt_of(record: dict) -> Any:
+    """A record's prompt (text or chat messages); an environment's record may have none (`EMPTY_PROMPT`)."""
+    return record.get("prompt", EMPTY_PROMPT)
+
+
+def _grouped(prompt: np.ndarray, mask: np.ndarray, group: int) -> bool:
+    """Whether every row of each group of `group` rows holds its group's first prompt (then one prefill serves it)."""
+    first = np.repeat(np.arange(0, len(prompt), group), group)
+    return bool((prompt == prompt[first]).all() and (mask == mask[first]).all())
+
+
+ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+class RolloutFuncError(UserCodeError):
+    """A `rollout_func` raised: the run stops, naming it."""
+
+
+def call_rollout(custom: Callable, prompts: list) -> Any:
+    """`custom(prompts)` (TRL's `rollout_func`, bound to its trainer); a raise stops the run naming the function,
+    with the user's frames."""
+    try:
+        return custom(prompts)
+    except Exception as e:  # noqa: BLE001 - user code: name it
+        name = getattr(custom, "__name__", None) or getattr(getattr(custom, "func", None), "__name__", "rollout_func")
+        raise RolloutFuncError(
+            f"rollout_func {name} raised on this step's {len(prompts)} prompts ({describe(e)})"
+        ) from e
+
+
+def _rollout_rows(out: Any, rows: int, max_completion_length: int) -> dict[str, list]:
+    """The output of a `rollout_func` checked (TRL's contract: `prompt_ids`, `completion_ids` and `logprobs`, one list
+    per row — each prompt `num_generations` times — and optionally `env_mask`; other fields go to the reward
+    functions, one value per row); a completion longer than `max_completion_length` is cut to it, counted as clipped."""
+    if not isinstance(out, dict):
+        raise ValueError(f"rollout_func returned {type(out).__name__}; expected a dict with {list(ROLLOUT_KEYS)}")
+    missing = [k for k in ROLLOUT_KEYS if k not in out]
+    if missing:
+        raise ValueError(f"rollout_func must return keys {missing} in its output dict (one list per row)")
+    checked = {}
+    for k, v in out.items():
+        v = list(v) if not isinstance(v, str) else v
+        if not isinstance(v, list) or len(v) != rows:
+            n = len(v) if isinstance(v, list) else type(v).__name__
+            raise ValueError(
+                f"rollout_func's {k!r} has {n} entries for {rows} rows; expected one per row (each prompt "
+                "num_generations times, rows i * num_generations + j)"
+            )
+        checked[k] = v
+    for k in ("logprobs", "env_mask"):
+        given = checked.get(k, checked["completion_ids"])
+        for i, (ids, values) in enumerate(zip(checked["completion_ids"], given, strict=True)):
+            if len(values) != len(ids):
+                raise ValueError(
+                    f"rollout_func's {k!r} row {i} has {len(values)} values for {len(ids)} completion tokens; "
+                    "expected one per token"
+                )
+    for k in ("completion_ids", "logprobs", "env_mask"):
+        if k in checked:
+            checked[k] = [list(v)[:max_completion_length] for v in checked[k]]
+    return checked
+
+
+def _custom_completions(
+    out: dict[str, list], tok: Any, cap: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """A `rollout_func`'s completions (`_rollout_rows`, its fields popped from `out`) as `(completion_ids, mask,
+    sampled log-probs, keep)`, `keep` from its `env_mask` (TRL's: 1 on the model's tokens), or None."""
+    completion, mask, sampled = _padded_rows(out.pop("completion_ids"), out.pop("logprobs"), tok, cap)
+    env_mask = out.pop("env_mask", None)
+    keep = None if env_mask is None else (_padded_rows(env_mask, env_mask, tok, cap)[2] > 0).astype(np.int32)
+    return completion, mask, sampled, keep
+
+
+def _padded_rows(ids: list, values: list, tok: Any, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ragged completion rows (`ids`, and `values` per token) right-padded to `width`: `(ids, mask, values)`."""
+    out = np.full((len(ids), width), tok.pad_token_id or 0, np.int32)
+    mask, vals = np.zeros((len(ids), width), np.int32), np.zeros((len(ids), width), np.float32)
+    for i, (row, v) in enumerate(zip(ids, values, strict=True)):
+        out[i, : len(row)], mask[i, : len(row)], vals[i, : len(v)] = row, 1, v
+    return out, mask, vals

@@ -1,0 +1,154 @@
+"""Asynchronous rollouts (`max_staleness >= 1`, TRL's `AsyncGRPOConfig` names): the next steps' rollouts are drawn
+ahead with the weights of their time, each tagged with that policy version, and scored on threads while the device
+trains; a step takes its rollout when the scores are in, dropping (and counting) one older than `max_staleness`
+versions. What is drawn and not yet trained is saved with each checkpoint (`state`), so a resumed run trains what
+the uninterrupted one did, bit for bit. Built from callables: testable without a trainer."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import dataclasses
+import io
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("jaxloom.trainer")
+
+
+def depth_of(rl: Any, rows: int) -> int:
+    """How many steps ahead rollouts are drawn: `max_staleness`, bounded by the completions `queue_maxsize` may
+    hold drawn and untrained and the `max_inflight_tasks` drawn and unscored (`-1`: `max_staleness × rows`), a
+    step being `rows` completions. 0: synchronous."""
+    k = getattr(rl, "max_staleness", 0)
+    if not k:
+        return 0
+    inflight = rl.max_inflight_tasks if rl.max_inflight_tasks != -1 else k * rows
+    return min(k, rl.queue_maxsize // rows, inflight // rows)
+
+
+def pack(arrays: dict[str, np.ndarray | None]) -> str:
+    """Host arrays as one text (an `.npz` in base64): exact, compact, JSON-safe (a checkpoint's data position)."""
+    buffer = io.BytesIO()
+    kept: dict[str, Any] = {k: v for k, v in arrays.items() if v is not None}
+    np.savez(buffer, **kept)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def unpack(text: str) -> dict[str, np.ndarray]:
+    """The arrays `pack` wrote."""
+    with np.load(io.BytesIO(base64.b64decode(text))) as z:
+        return {k: z[k] for k in z.files}
+
+
+@dataclasses.dataclass
+class Pending:
+    """A rollout drawn ahead: its index, the policy version that drew it, what was drawn and its scoring."""
+
+    index: int
+    version: int
+    drawn: Any
+    scored: cf.Future
+
+
+class Pipeline:
+    """The rollouts drawn ahead of the steps that train them. `draw(index)` draws rollout `index` with the current
+    weights (on the caller's thread: it holds the device, in step with training); `finish(drawn)` scores it and
+    lays out its host rows (`(rows, metrics, sampler log-probs)`, on one of `depth` threads); `version()` is the
+    policy's version now (optimizer steps taken). `take(index)` keeps rollouts `index .. index + depth` drawn
+    (none past `last`) and returns rollout `index`'s rows with its staleness metrics (TRL's: `sample/staleness_mean`,
+    `sample/staleness_max`, `sample/dropped_stale_total`, `perf/rollout_wait_s`: the seconds the step waited for
+    the scores)."""
+
+    def __init__(
+        self,
+        draw: Callable[[int], Any],
+        finish: Callable[[Any], tuple],
+        version: Callable[[], int],
+        *,
+        depth: int,
+        max_staleness: int,
+        last: int | None = None,
+    ):
+        self.draw, self.finish, self.version = draw, finish, version
+        self.depth, self.max_staleness, self.last = depth, max_staleness, last
+        self.pending: dict[int, Pending] = {}
+        self.dropped = 0
+        self._threads: cf.ThreadPoolExecutor | None = None
+
+    def _submit(self, index: int, version: int, drawn: Any) -> None:
+        if self._threads is None:
+            self._threads = cf.ThreadPoolExecutor(max(self.depth, 1), thread_name_prefix="jaxloom-rollout")
+        self.pending[index] = Pending(index, version, drawn, self._threads.submit(self.finish, drawn))
+
+    def take(self, index: int) -> tuple[dict[str, np.ndarray], dict[str, float], np.ndarray | None]:
+        """Rollout `index`'s scored rows (see the class), drawing what the steps ahead need first."""
+        now = self.version()
+        stale = self.pending.get(index)
+        if stale is not None and now - stale.version > self.max_staleness:  # never trained on: dropped, counted
+            del self.pending[index]
+            stale.scored.cancel()
+            self.dropped += 1
+            log.warning(
+                "rollout %d was drawn by policy version %d, %d versions ago (max_staleness = %d): dropped and drawn "
+                "again with the current weights",
+                index,
+                stale.version,
+                now - stale.version,
+                self.max_staleness,
+            )
+        for i in range(index, index + self.depth + 1):
+            if i not in self.pending and (i == index or self.last is None or i < self.last):
+                self._submit(i, now, self.draw(i))
+        taken = self.pending.pop(index)
+        waited = time.perf_counter()
+        rows, metrics, sampled = taken.scored.result()
+        staleness = float(now - taken.version)
+        metrics = {
+            **metrics,
+            "sample/staleness_mean": staleness,
+            "sample/staleness_max": staleness,
+            "sample/dropped_stale_total": float(self.dropped),
+            "perf/rollout_wait_s": time.perf_counter() - waited,
+        }
+        return rows, metrics, sampled
+
+    def state(self) -> dict[str, Any]:
+        """What is drawn and not yet trained (each rollout's index, version and completions) and the drops so far:
+        saved with a checkpoint (JSON-safe). The scores are not: a resumed run scores them again."""
+        return {
+            "dropped": self.dropped,
+            "drawn": [
+                {"index": p.index, "version": p.version, "arrays": pack(completions_of(p.drawn))}
+                for p in sorted(self.pending.values(), key=lambda p: p.index)
+            ],
+        }
+
+    def restore(self, state: dict[str, Any], redraw: Callable[[int, dict[str, np.ndarray]], Any]) -> None:
+        """Continue from `state` (`state()` of a checkpoint): each saved rollout rebuilt by `redraw(index,
+        completions)` and scored again, under the version that drew it."""
+        self.dropped = int(state.get("dropped", 0))
+        for saved in state.get("drawn", []):
+            index = int(saved["index"])
+            self._submit(index, int(saved["version"]), redraw(index, unpack(saved["arrays"])))
+
+    def close(self) -> None:
+        """Stop: scoring not yet started is cancelled; the threads end when their call returns."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
+        self.pending.clear()
+
+
+def completions_of(drawn: Any) -> dict[str, np.ndarray | None]:
+    """A drawn rollout's completions (`Drawn`): what a checkpoint keeps of it."""
+    return {
+        "completion": drawn.completion,
+        "completion_mask": drawn.completion_mask,
+        "sampled": drawn.sampled,
+        "keep": drawn.keep,
+    }

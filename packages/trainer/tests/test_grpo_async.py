@@ -1,0 +1,159 @@
+"""Asynchronous GRPO (`max_staleness >= 1`, TRL's `AsyncGRPOConfig` names): the next step's rollout is drawn
+before the current step trains and scored on a thread while it trains; its samples are a version stale (the
+sampler's log-probs differ from the trainer's); a rollout older than `max_staleness` is dropped and counted; what
+is drawn and untrained is saved with each checkpoint, so a run killed by SIGKILL resumes bit for bit."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+from test_grpo import RECORDS, grpo_args, grpo_trainer, letter_e, rows
+
+from jaxloom.trainer.callbacks import Callback
+from jaxloom.trainer.grpo.pipeline import Pipeline, pack, unpack
+
+
+def test_the_next_rollout_is_scored_on_a_thread_while_the_step_trains(tmp_path):
+    """Each step's `on_step_end` waits for the reward call of the rollout the next step trains: it has started
+    (on a rollout thread) while this step trains — a synchronous run would only call it after this step. The rows
+    of steps 2.. were sampled by the policy a version back: staleness 1, and the sampler's log-probs differ from
+    the trainer's (in float32 they agree to 1e-6 when fresh, step 1)."""
+    started = [threading.Event() for _ in range(8)]
+    threads: list[str] = []
+
+    def reward(prompts, completions, **kwargs):
+        started[len(threads)].set()
+        threads.append(threading.current_thread().name)
+        return letter_e(prompts, completions)
+
+    waited = {}
+
+    def on_step_end(run, step, metrics):
+        if step < 4:
+            waited[step] = started[step].wait(60)  # rollout `step` (0-based) trains at step + 1
+
+    correction = dict(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate")
+    trainer = grpo_trainer(
+        tmp_path, rewards=(reward,), max_staleness=1, logging_steps=1, use_tensorboard=True, **correction
+    )
+    trainer.callbacks.append(Callback(on_step_end=on_step_end, name="overlap"))
+    trainer.train()
+    assert waited == {1: True, 2: True, 3: True}, waited
+    assert len(threads) == 4, threads
+    logged = [r for r in rows(tmp_path) if "train/sample/staleness_max" in r]
+    assert [r["train/sample/staleness_max"] for r in logged] == [0, 1, 1, 1]
+    assert all(r["train/sample/dropped_stale_total"] == 0 and r["train/perf/rollout_wait_s"] >= 0 for r in logged)
+    diff = [r["train/sampling/sampling_logp_difference/max"] for r in logged]
+    assert diff[0] <= 1e-6 and min(diff[1:]) > 1e-4, diff
+    ratio = [[r[f"train/sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")] for r in logged]
+    assert np.allclose(ratio[0], 1, atol=1e-5), ratio  # TRL's names: the correction of the stale rows, not of fresh
+    assert all(lo < 1 < hi <= 3.0 for lo, _, hi in ratio[1:]), ratio
+    # the time split and the staleness in TensorBoard and report.md too
+    from test_tbevents import read_events
+
+    split = ("time/rollout_s", "time/reward_s", "perf/rollout_wait_s", "step_time", "sample/staleness_mean")
+    tags = {v.tag for f in (tmp_path / "tensorboard").iterdir() for e in read_events(f) for v in e.summary.value}
+    assert {f"train/{k}" for k in split} <= tags, sorted(tags)
+    report = (tmp_path / "report.md").read_text()
+    assert all(k in report for k in split), report
+
+
+def test_a_rollout_older_than_max_staleness_is_dropped_counted_and_drawn_again():
+    """The pipeline alone: rollouts drawn a step ahead under the version of their time; after a jump of two
+    versions the one waiting is too stale: dropped (counted, never returned) and drawn again with the weights now."""
+    version, draws = [0], []
+
+    def draw(i):
+        draws.append((i, version[0]))
+        return (i, version[0])
+
+    p = Pipeline(draw, lambda d: ({}, {"drawn": d}, None), lambda: version[0], depth=1, max_staleness=1, last=5)
+    _, m, _ = p.take(0)
+    assert m["drawn"] == (0, 0) and m["sample/staleness_max"] == 0 and draws == [(0, 0), (1, 0)]
+    version[0] = 1
+    _, m, _ = p.take(1)
+    assert m["drawn"] == (1, 0) and m["sample/staleness_max"] == 1 and draws[-1] == (2, 1)
+    version[0] = 3
+    _, m, _ = p.take(2)
+    assert m["drawn"] == (2, 3) and m["sample/staleness_max"] == 0 and m["sample/dropped_stale_total"] == 1
+    assert draws[-2:] == [(2, 3), (3, 3)]
+    version[0] = 4
+    p.take(3)
+    assert draws[-1] == (4, 4)
+    p.take(4)
+    assert draws[-1] == (4, 4)  # nothing past the run's last rollout is drawn
+    p.close()
+    arrays = {"a": np.arange(6, dtype=np.int32).reshape(2, 3), "b": np.float32([0.1, np.nan])}
+    back = unpack(json.loads(json.dumps(pack(arrays))))
+    assert all(np.array_equal(arrays[k], back[k], equal_nan=True) and arrays[k].dtype == back[k].dtype for k in arrays)
+
+
+def test_asynchronous_settings_are_checked_before_step_one(tmp_path):
+    """Bad settings are refused when the config is made; `queue_maxsize` and `max_inflight_tasks` bound how many
+    steps ahead rollouts are drawn (`depth_of`)."""
+    from jaxloom.trainer.grpo.pipeline import depth_of
+
+    assert depth_of(grpo_args(tmp_path).rl, 16) == 0
+    assert depth_of(grpo_args(tmp_path, max_staleness=4).rl, 16) == 4
+    assert depth_of(grpo_args(tmp_path, max_staleness=4, queue_maxsize=40).rl, 16) == 2
+    assert depth_of(grpo_args(tmp_path, max_staleness=4, max_inflight_tasks=16).rl, 16) == 1
+    with pytest.raises(ValueError, match="num_iterations = 2 with max_staleness = 1"):
+        grpo_args(tmp_path, max_staleness=1, num_iterations=2)
+    with pytest.raises(ValueError, match="queue_maxsize = 8 with max_staleness = 1: .* expected at least 16"):
+        grpo_args(tmp_path, max_staleness=1, queue_maxsize=8)
+    with pytest.raises(ValueError, match="max_inflight_tasks = 0; expected -1"):
+        grpo_args(tmp_path, max_inflight_tasks=0)
+    with pytest.raises(ValueError, match="max_staleness = 1 with tools"):
+        import jaxloom.models as jm
+        from util import TOK, tiny
+
+        from jaxloom.trainer import GRPOTrainer
+
+        GRPOTrainer(
+            grpo_args(tmp_path, max_staleness=1),
+            model=jm.create_model(tiny(), lazy=True),
+            dataset_train=RECORDS,
+            processing_class=TOK,
+            reward_funcs=[letter_e],
+            tools=[len],
+        )
+
+
+def test_asynchronous_grpo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monkeypatch):
+    """`jaxloom train max_staleness=1`, killed by SIGKILL after step 7 (the next rollout drawn, its scoring under
+    way) and started again, resumes from step 4's checkpoint — the rollout drawn then by step 3's weights restored
+    from it and scored again — and ends bit for bit where an uninterrupted run ends."""
+    from test_resume_cli import resumes_bitwise
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "letters.py").write_text(
+        "import time\n"
+        "def letter_e(prompts, completions, **kwargs):\n"
+        "    time.sleep(0.2)\n"
+        "    return [c.count('e') / max(len(c), 1) for c in completions]\n"
+    )
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    extra = ["trainer=grpo", "data.train=p.jsonl", "reward_funcs=letters.letter_e", "num_generations=4"]
+    extra += ["max_prompt_length=16", "max_completion_length=16", "max_training_steps=8", "learning_rate=1e-2"]
+    extra += ["max_staleness=1"]
+    resumes_bitwise(tmp_path, extra)
+    assert [r["train/sample/staleness_max"] for r in rows(tmp_path / "run") if "train/sample/staleness_max" in r]
+
+
+def test_a_tiny_model_learns_the_letter_with_rollouts_a_step_stale(tmp_path):
+    """The letter task of `test_grpo.py` (the reward is the share of e; 30 steps, lr 1e-2, top_k 16) with
+    `max_staleness=1` and TRL's truncated token correction of the stale samples: it learns to the synchronous
+    run's bar (the last 5 steps' mean reward above twice the first 5's, and above 0.2)."""
+    grpo_trainer(
+        tmp_path,
+        max_training_steps=30,
+        learning_rate=1e-2,
+        top_k=16,
+        max_staleness=1,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_truncate",
+    ).train()
+    rewards = [r["train/reward"] for r in rows(tmp_path) if "train/reward" in r]
+    assert len(rewards) == 30
+    assert np.mean(rewards[-5:]) > 2 * np.mean(rewards[:5]) and np.mean(rewards[-5:]) > 0.2, rewards
