@@ -92,8 +92,12 @@ def test_sigkill_during_a_multi_turn_grpo_run_then_resume_ends_bitwise_equal(tmp
     assert all(0 <= r["train/rewards/Counter/mean"] <= 1 for r in tools)
 
 
-def test_two_processes_train_grpo_as_one_process(tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_two_processes_train_grpo_as_one_process(tmp_path, staleness):
+    """Synchronous, and asynchronous (`max_staleness=1`: each process draws the next rollout on the mesh and scores
+    it on its threads while the step trains)."""
     args = [*grpo(prompts(tmp_path / "p.jsonl")), "max_sequence_length=32", "max_training_steps=4", "save_steps=2"]
+    args += [f"max_staleness={staleness}"]
     launch(tmp_path / "one", 1, args, devices=2)
     outs = launch(tmp_path / "two", 2, args, devices=1)
     assert all("STEP 4" in o for o in outs)

@@ -120,10 +120,12 @@ def test_asynchronous_settings_are_checked_before_step_one(tmp_path):
         )
 
 
-def test_asynchronous_grpo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monkeypatch):
-    """`jaxloom train max_staleness=1`, killed by SIGKILL after step 7 (the next rollout drawn, its scoring under
-    way) and started again, resumes from step 4's checkpoint — the rollout drawn then by step 3's weights restored
-    from it and scored again — and ends bit for bit where an uninterrupted run ends."""
+@pytest.mark.parametrize("split", [[], ["sampling_devices=1"]], ids=["one-mesh", "split-1-1"])
+def test_asynchronous_grpo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monkeypatch, split):
+    """`jaxloom train max_staleness=1` (on the training mesh, or with the sampler on one of the 2 devices), killed
+    by SIGKILL after step 7 (the next rollout drawn, its scoring under way) and started again, resumes from step 4's
+    checkpoint — the rollout drawn then by step 3's weights restored from it and scored again — and ends bit for
+    bit where an uninterrupted run ends."""
     from test_resume_cli import resumes_bitwise
 
     monkeypatch.chdir(tmp_path)
@@ -136,24 +138,49 @@ def test_asynchronous_grpo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monk
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     extra = ["trainer=grpo", "data.train=p.jsonl", "reward_funcs=letters.letter_e", "num_generations=4"]
     extra += ["max_prompt_length=16", "max_completion_length=16", "max_training_steps=8", "learning_rate=1e-2"]
-    extra += ["max_staleness=1"]
+    extra += ["max_staleness=1", *split]
     resumes_bitwise(tmp_path, extra)
     assert [r["train/sample/staleness_max"] for r in rows(tmp_path / "run") if "train/sample/staleness_max" in r]
 
 
-def test_a_tiny_model_learns_the_letter_with_rollouts_a_step_stale(tmp_path):
-    """The letter task of `test_grpo.py` (the reward is the share of e; 30 steps, lr 1e-2, top_k 16) with
-    `max_staleness=1` and TRL's truncated token correction of the stale samples: it learns to the synchronous
-    run's bar (the last 5 steps' mean reward above twice the first 5's, and above 0.2)."""
-    grpo_trainer(
+def test_on_eight_devices_split_four_and_four_the_letter_is_learned_a_step_stale(tmp_path):
+    """`sampling_devices=4` on the 8 CPU devices: the training mesh is the last 4, the sampler's own mesh the first
+    4, the policy's weights copied device to device for each rollout, drawn on a thread while the step trains. The
+    letter task of `test_grpo.py` (the reward is the share of e; 30 steps, lr 1e-2, top_k 16) with
+    `max_staleness=1` and TRL's truncated token correction learns to the synchronous run's bar (the last 5 steps'
+    mean reward above twice the first 5's, and above 0.2)."""
+    import jax
+    import jaxloom.models as jm
+    from util import TOK, tiny
+
+    from jaxloom.trainer import GRPOTrainer
+
+    args = grpo_args(
         tmp_path,
         max_training_steps=30,
         learning_rate=1e-2,
         top_k=16,
         max_staleness=1,
+        sampling_devices=4,
         vllm_importance_sampling_correction=True,
         vllm_importance_sampling_mode="token_truncate",
-    ).train()
-    rewards = [r["train/reward"] for r in rows(tmp_path) if "train/reward" in r]
-    assert len(rewards) == 30
+    )
+    model = jm.create_model(tiny(), lazy=True)
+    trainer = GRPOTrainer(args, model=model, dataset_train=RECORDS, processing_class=TOK, reward_funcs=[letter_e])
+    trainer.train()
+    training, sampling = set(trainer.mesh.devices.flat), set(trainer.batches.sampler.mesh.devices.flat)
+    assert training == set(jax.devices()[4:]) and sampling == set(jax.devices()[:4])
+    copied = jax.tree.leaves(trainer.batches.sampler.weights())
+    assert copied and all(set(x.sharding.device_set) <= sampling for x in copied)
+    logged = [r for r in rows(tmp_path) if "train/reward" in r]
+    rewards = [r["train/reward"] for r in logged]
+    assert len(rewards) == 30 and {r["train/sample/staleness_max"] for r in logged[1:]} == {1}
     assert np.mean(rewards[-5:]) > 2 * np.mean(rewards[:5]) and np.mean(rewards[-5:]) > 0.2, rewards
+    with pytest.raises(ValueError, match="sampling_devices = 8 of 8 devices leaves none to train on"):
+        _ = GRPOTrainer(
+            grpo_args(tmp_path / "all", sampling_devices=8),
+            model=model,
+            dataset_train=RECORDS,
+            processing_class=TOK,
+            reward_funcs=[letter_e],
+        ).mesh

@@ -128,6 +128,12 @@ class RLArgs(SettingsGroup):
         "each step's rows with its own weights (synchronous); k >= 1 draws the next k steps' rollouts ahead, their "
         "rewards scored on threads while the current step trains; an older rollout is dropped, counted (docs/rl.md)",
     )
+    sampling_devices: int = Field(
+        0,
+        description="GRPO: devices given to sampling (one process): the training mesh is built over the others, the "
+        "policy's weights copied device to device for each rollout; with max_staleness >= 1 a rollout is drawn there "
+        "while the step trains (0: sampling on the training mesh)",
+    )
     max_inflight_tasks: int = Field(
         -1,
         description="GRPO, max_staleness >= 1: completions drawn and not yet scored at most (TRL's; -1: max_staleness "
@@ -172,7 +178,7 @@ class RLArgs(SettingsGroup):
         )
         check_positive(self, "temperature", "beta", allow_zero=True)
         check_positive(self, "sapo_temperature_pos", "sapo_temperature_neg")
-        check_positive(self, "max_staleness", allow_zero=True)
+        check_positive(self, "max_staleness", "sampling_devices", allow_zero=True)
         check_positive(self, "queue_maxsize")
         if self.max_inflight_tasks != -1 and self.max_inflight_tasks < 1:
             raise ValueError(f"max_inflight_tasks = {self.max_inflight_tasks}; expected -1 (auto) or at least 1")
@@ -228,7 +234,8 @@ class GRPOConfig(TrainingArguments):
     function may take on a step's completions before the run stops naming it), `tool_timeout` (seconds a tool turn's
     calls may take) and `tool_workers` (the threads that run them, rows concurrently); asynchronous rollouts with
     TRL's `AsyncGRPOConfig` names: `max_staleness` (0: synchronous; k: the next k steps' rollouts drawn ahead and
-    scored on threads while a step trains), `max_inflight_tasks` and `queue_maxsize` (docs/rl.md). A step trains on
+    scored on threads while a step trains), `max_inflight_tasks` and `queue_maxsize`; jaxloom's `sampling_devices`
+    (devices given to sampling, the training mesh built over the rest; docs/rl.md). A step trains on
     `total_batch_size` completions: `total_batch_size / num_generations` prompts, each completed `num_generations`
     times. A step's rows are as wide as its longest prompt and its longest completion, each rounded up to a bucket
     (`jaxloom.trainer.grpo.drawing.row_buckets`), not as the caps: `max_sequence_length` is the widest row the caps

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,6 +73,17 @@ class Drawn:
         self.keep = None if keep is None else np.asarray(keep)[:, :width]
 
 
+def one_at_a_time(method: Callable) -> Callable:
+    """`method` run under its object's `lock`."""
+
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class Drawer:
     """Rollouts made as the sampling settings `rl` say, from the `policy`'s environments, tools and custom rollout,
     through the `sampler` (or `engine(prompt_ids, prompt_mask, key) -> (completion_ids, completion_mask)`),
@@ -90,6 +103,7 @@ class Drawer:
     ):
         self.rl, self.tokenizer, self.policy, self.sampler = rl, tokenizer, policy, sampler
         self.engine, self.stop_ids, self.score = engine, stop_ids, score
+        self.lock = threading.Lock()  # one rollout at a time on the sampler (a drawing thread, an evaluation)
 
     def prompt_rows(self, records: list[dict], encoded: list[np.ndarray], where: Sequence[str] | None) -> Drawn:
         """The prompt side of a rollout (host only, deterministic): each record `num_generations` times, its
@@ -121,6 +135,7 @@ class Drawer:
         kept = [ids if cap is None else ids[-cap:] for ids in row_ids]
         self.lay_prompts(drawn, kept, sum(cap is not None and len(ids) > cap for ids in row_ids[::group]))
 
+    @one_at_a_time
     def draw(
         self,
         records: list[dict],

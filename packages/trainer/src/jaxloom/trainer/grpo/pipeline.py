@@ -47,17 +47,26 @@ def unpack(text: str) -> dict[str, np.ndarray]:
 
 @dataclasses.dataclass
 class Pending:
-    """A rollout drawn ahead: its index, the policy version that drew it, what was drawn and its scoring."""
+    """A rollout drawn ahead: its index, the policy version that drew it, what was drawn (when it is) and its
+    scoring."""
 
     index: int
     version: int
-    drawn: Any
+    drawn: cf.Future
     scored: cf.Future
+
+
+def done(value: Any) -> cf.Future:
+    """A future that holds `value`."""
+    future: cf.Future = cf.Future()
+    future.set_result(value)
+    return future
 
 
 class Pipeline:
     """The rollouts drawn ahead of the steps that train them. `draw(index)` draws rollout `index` with the current
-    weights (on the caller's thread: it holds the device, in step with training); `finish(drawn)` scores it and
+    weights (on the caller's thread: it holds the device, in step with training) — or returns a function that does,
+    run on a drawing thread (the sampler on devices of its own); `finish(drawn)` scores it and
     lays out its host rows (`(rows, metrics, sampler log-probs)`, on one of `depth` threads); `version()` is the
     policy's version now (optimizer steps taken). `take(index)` keeps rollouts `index .. index + depth` drawn
     (none past `last`) and returns rollout `index`'s rows with its staleness metrics (TRL's: `sample/staleness_mean`,
@@ -79,11 +88,21 @@ class Pipeline:
         self.pending: dict[int, Pending] = {}
         self.dropped = 0
         self._threads: cf.ThreadPoolExecutor | None = None
+        self._drawing: cf.ThreadPoolExecutor | None = None  # draws on the sampler's own devices, one at a time
 
     def _submit(self, index: int, version: int, drawn: Any) -> None:
+        """Score `drawn` on a thread; a function (`draw` on the sampler's own devices) is drawn first, on the one
+        drawing thread (rollouts drawn in order), then scored."""
         if self._threads is None:
             self._threads = cf.ThreadPoolExecutor(max(self.depth, 1), thread_name_prefix="jaxloom-rollout")
-        self.pending[index] = Pending(index, version, drawn, self._threads.submit(self.finish, drawn))
+        if callable(drawn):
+            if self._drawing is None:
+                self._drawing = cf.ThreadPoolExecutor(1, thread_name_prefix="jaxloom-draw")
+            got = self._drawing.submit(drawn)
+            scored = self._threads.submit(lambda: self.finish(got.result()))
+        else:
+            got, scored = done(drawn), self._threads.submit(self.finish, drawn)
+        self.pending[index] = Pending(index, version, got, scored)
 
     def take(self, index: int) -> tuple[dict[str, np.ndarray], dict[str, float], np.ndarray | None]:
         """Rollout `index`'s scored rows (see the class), drawing what the steps ahead need first."""
@@ -92,6 +111,7 @@ class Pipeline:
         if stale is not None and now - stale.version > self.max_staleness:  # never trained on: dropped, counted
             del self.pending[index]
             stale.scored.cancel()
+            stale.drawn.cancel()
             self.dropped += 1
             log.warning(
                 "rollout %d was drawn by policy version %d, %d versions ago (max_staleness = %d): dropped and drawn "
@@ -123,7 +143,7 @@ class Pipeline:
         return {
             "dropped": self.dropped,
             "drawn": [
-                {"index": p.index, "version": p.version, "arrays": pack(completions_of(p.drawn))}
+                {"index": p.index, "version": p.version, "arrays": pack(completions_of(p.drawn.result()))}
                 for p in sorted(self.pending.values(), key=lambda p: p.index)
             ],
         }
@@ -138,9 +158,10 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop: scoring not yet started is cancelled; the threads end when their call returns."""
-        if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
-            self._threads = None
+        for pool in (self._drawing, self._threads):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._threads = self._drawing = None
         self.pending.clear()
 
 

@@ -5,6 +5,7 @@ they end, log-probs recorded), scored, and laid out as rows as wide as the step'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxloom.data as jd
+from jaxloom.mesh import MeshConfig
 
 from ..batches import Batches, DataSpec
 from ..step import STOP_KEY
@@ -164,7 +166,8 @@ class Rollouts(Batches):
         self.cached: tuple[int, dict] | None = None  # the last rollout's batch (num_iterations > 1 reuses it)
         self.metrics: list[tuple[int, dict[str, float]]] = []  # (step trained on it, metrics)
         self._stop_ids: tuple[int, ...] | None = None
-        self.sampler = Sampler(self.rl, lambda: policy.state().model, tokenizer, self.stop_ids, mesh)
+        layout = MeshConfig(arguments.sharding_axis_dims, arguments.sharding_axis_names)  # a sampling mesh's
+        self.sampler = Sampler(self.rl, lambda: policy.state().model, tokenizer, self.stop_ids, mesh, layout)
         self.drawer = Drawer(self.rl, tokenizer, policy, self.sampler, engine, self.stop_ids, self.score)
         self._eval: tuple[list[dict], list[np.ndarray]] | None = None
         self._pipeline: Pipeline | None = None  # the asynchronous rollouts (max_staleness >= 1), made when first asked
@@ -328,7 +331,7 @@ class Rollouts(Batches):
         if pipeline is not None:
             rows, metrics, sampled = pipeline.take(index)
         else:
-            rows, metrics, sampled = self.drawer.finish(self.draw_rollout(index))
+            rows, metrics, sampled = self.drawer.finish(self.draw_rollout(index))  # type: ignore[arg-type]
         self.metrics.append((self.policy.step() + 1, metrics))
         return self.layout(rows, sampled)
 
@@ -338,10 +341,16 @@ class Rollouts(Batches):
         records = [self.prompt_records()[i] for i in indices]
         return records, [self.prompt_ids()[i] for i in indices], [f"dataset_train record {i}" for i in indices]
 
-    def draw_rollout(self, index: int) -> Drawn:
-        """Rollout `index` drawn by the current weights, seeded by the state's key folded with `index`."""
+    def draw_rollout(self, index: int, *, later: bool = False) -> Drawn | Callable[[], Drawn]:
+        """Rollout `index` drawn by the current weights, seeded by the state's key folded with `index`; `later`: the
+        weights copied to the sampler's own devices now (`sampling_devices`), the drawing returned as a function
+        to run on another thread while the step trains."""
         records, encoded, where = self.rollout_prompts(index)
-        return self.drawer.draw(records, encoded, jax.random.fold_in(self.policy.state().rng, index), where)
+        key = jax.random.fold_in(self.policy.state().rng, index)
+        if not later:
+            return self.drawer.draw(records, encoded, key, where)
+        model = self.sampler.weights()
+        return lambda: self.drawer.draw(records, encoded, key, where, model=model)
 
     def redraw(self, index: int, completions: dict[str, np.ndarray]) -> Drawn:
         """Rollout `index` as a checkpoint saved it drawn (its `completions`; see `pipeline.Pipeline.state`)."""
@@ -360,8 +369,9 @@ class Rollouts(Batches):
             depth = depth_of(self.rl, rows)
             if not depth:
                 return None
+            apart = bool(getattr(self.rl, "sampling_devices", 0))  # drawn on the sampler's own devices, on a thread
             self._pipeline = Pipeline(
-                self.draw_rollout,
+                functools.partial(self.draw_rollout, later=apart),
                 self.drawer.finish,
                 self.policy.step,
                 depth=depth,

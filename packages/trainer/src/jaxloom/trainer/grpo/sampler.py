@@ -97,10 +97,56 @@ class Sampler:
         tokenizer: Callable[[], Any],
         stop_ids: Callable[[], tuple[int, ...]],
         mesh: Any,
+        mesh_config: Any = None,
     ):
-        self.rl, self.model, self.tokenizer, self.stop_ids, self.mesh = rl, model, tokenizer, stop_ids, mesh
+        self.rl, self.model, self.tokenizer, self.stop_ids = rl, model, tokenizer, stop_ids
+        self.training_mesh, self.mesh_config = mesh, mesh_config
         self.paged: PagedRollout | None = None  # the paged engine of the rollout under way, its rows' pages kept
         self.keep_pages = False
+        self._own_mesh: Any = None
+
+    @property
+    def mesh(self) -> Any:
+        """Where sampling runs: the training mesh, or with `sampling_devices = n` a mesh of its own over the first
+        `n` devices the training mesh does not hold (laid out as `mesh_config` says, the training mesh's axes)."""
+        n = getattr(self.rl, "sampling_devices", 0)
+        if not n:
+            return self.training_mesh
+        if self._own_mesh is None:
+            held = set(self.training_mesh.devices.flat)
+            free = [d for d in jax.devices() if d not in held]
+            if len(free) < n:
+                raise ValueError(
+                    f"sampling_devices = {n}: {len(free)} of the {jax.device_count()} devices are outside the "
+                    f"training mesh; expected at least {n} (the training mesh takes the rest)"
+                )
+            self._own_mesh = self.mesh_config.build(free[:n])
+        return self._own_mesh
+
+    def weights(self, model: Any = None) -> Any:
+        """The model to sample: `model` (default `model()`), with `sampling_devices` copied device to device onto
+        the sampler's own mesh (each array under its own partition spec; the copy is complete when this returns, so
+        the next train step may donate the training state)."""
+        model = self.model() if model is None else model
+        if not getattr(self.rl, "sampling_devices", 0):
+            return model
+        from flax import nnx
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        mesh = self.mesh
+        graph, state = nnx.split(model)
+
+        def put(x: Any) -> Any:
+            if not isinstance(x, jax.Array):
+                return x
+            where = x.sharding
+            if isinstance(where, NamedSharding) and where.mesh == mesh:
+                return x
+            spec = where.spec if isinstance(where, NamedSharding) else PartitionSpec()
+            return jax.device_put(x, NamedSharding(mesh, spec))
+
+        state = jax.block_until_ready(jax.tree.map(put, state))
+        return nnx.merge(graph, state)
 
     def generate(
         self,
@@ -129,7 +175,11 @@ class Sampler:
             eos_token_id=self.stop_ids(),
             pad_token_id=tok.pad_token_id or 0,
         )
-        model = self.model() if model is None else model
+        model = self.weights(model)
+        if getattr(rl, "sampling_devices", 0):  # the key too, from the training state's devices
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            key = jax.device_put(key, NamedSharding(self.mesh, PartitionSpec()))
         group = rl.num_generations if group is None else group
         if getattr(rl, "generation_backend", "static") == "paged":
             self.paged = PagedRollout(model, prompt, mask, key, group, config, self.mesh, keep=self.keep_pages)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxloom.state as js
+from jaxloom.mesh import MeshConfig
 
 from ..batches import DataSpec
 from ..step import Objective
@@ -142,6 +143,26 @@ class GRPOTrainer(BaseTrainer):
             )
 
     batches = part(rollouts)  # type: ignore[assignment]
+
+    @property
+    def mesh(self):
+        """The training mesh: with `sampling_devices = n` (and none given), the one the arguments describe built over
+        the devices after the first `n`, which sample (`Sampler.mesh`); one process only for now."""
+        n = getattr(getattr(self.arguments, "rl", None), "sampling_devices", 0)  # distillation's settings have none
+        if n and self._mesh is None:
+            if jax.process_count() > 1:
+                raise ValueError(
+                    f"sampling_devices = {n} splits one process's devices; this run has {jax.process_count()} "
+                    "processes: set sampling_devices = 0"
+                )
+            if n >= jax.device_count():
+                raise ValueError(
+                    f"sampling_devices = {n} of {jax.device_count()} devices leaves none to train on; expected fewer"
+                )
+            a = self.arguments
+            layout = MeshConfig(a.sharding_axis_dims, a.sharding_axis_names, a.sharding_dcn_axis_dims)
+            self._mesh = layout.build(jax.devices()[n:])
+        return super().mesh
 
     @functools.cached_property
     def reward_functions(self) -> list[Callable]:
