@@ -104,7 +104,7 @@ def test_asynchronous_settings_are_checked_before_step_one(tmp_path):
         grpo_args(tmp_path, max_staleness=1, queue_maxsize=8)
     with pytest.raises(ValueError, match="max_inflight_tasks = 0; expected -1"):
         grpo_args(tmp_path, max_inflight_tasks=0)
-    with pytest.raises(ValueError, match="max_staleness = 1 with tools"):
+    with pytest.raises(ValueError, match="max_staleness = 1 with environment_factory: an environment's state"):
         import jaxloom.models as jm
         from util import TOK, tiny
 
@@ -116,7 +116,7 @@ def test_asynchronous_settings_are_checked_before_step_one(tmp_path):
             dataset_train=RECORDS,
             processing_class=TOK,
             reward_funcs=[letter_e],
-            tools=[len],
+            environment_factory=dict,
         )
 
 

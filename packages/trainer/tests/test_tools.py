@@ -208,11 +208,13 @@ def test_tool_tokens_carry_no_gradient():
     assert np.all(grad[:, 4:8] == 0) and np.all(grad[:, :4] != 0) and np.all(grad[:, 8:] != 0)
 
 
-def test_grpo_trains_on_tool_exchanges_with_the_tool_turns_masked(tmp_path, monkeypatch):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_grpo_trains_on_tool_exchanges_with_the_tool_turns_masked(tmp_path, monkeypatch, staleness):
     """`GRPOTrainer(tools=[...])` with chat prompts: the prompts carry the tool's schema, a completion that calls the
     tool gets the tool's turn and the model's continuation; the rewards receive the turns as messages; the rows'
     loss mask is 0 exactly on the tool turn's tokens; TRL's tool metrics are logged. (Generation is scripted here:
-    a random tiny model calls no tool.)"""
+    a random tiny model calls no tool.) Asynchronous (`max_staleness=1`): the rollout drawn ahead, saved with the
+    checkpoint of step 1 (its exchange as messages), restored from it scores as it did."""
     import json
 
     import jaxloom.models as jm
@@ -242,8 +244,9 @@ def test_grpo_trains_on_tool_exchanges_with_the_tool_turns_masked(tmp_path, monk
     config = jm.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
     args = GRPOConfig(
-        num_generations=2, max_completion_length=96, total_batch_size=4, max_training_steps=1, logging_steps=1,
-        save_directory=str(tmp_path), progress_bar=False, use_tensorboard=False,
+        num_generations=2, max_completion_length=96, total_batch_size=4, max_training_steps=1 + staleness,
+        logging_steps=1,
+        save_directory=str(tmp_path), progress_bar=False, use_tensorboard=False, max_staleness=staleness,
     )  # fmt: skip
     t = GRPOTrainer(
         args,
@@ -254,7 +257,18 @@ def test_grpo_trains_on_tool_exchanges_with_the_tool_turns_masked(tmp_path, monk
         reward_funcs=[used_the_tool],
         tools=[get_weather],
     )
+    saved = []
+    if staleness:  # the data position of step 1's checkpoint: the next rollout, drawn, with its exchange
+        from jaxloom.trainer.callbacks import Callback
+
+        t.callbacks.append(Callback(on_step_end=lambda run, step, m: saved.append(t.batches.checkpoint_state())))
     t.train()
+    if staleness:
+        (drawn,) = saved[0]["pipeline"]["drawn"]
+        assert drawn["index"] == 1 and drawn["version"] == 0 and drawn["turns"]["counts"][0] == 4
+        rows, metrics, _ = t.batches.drawer.finish(t.batches.redraw(1, json.loads(json.dumps(drawn))))
+        assert seen[-1] == seen[1] and metrics["tools/call_frequency"] == 1.0  # scored again as it was
+        assert rows["loss_mask"].sum() == np.asarray(t.batches.cached[1]["loss_mask"]).sum()
     assert [m["role"] for m in seen[0][0]] == ["assistant", "tool", "assistant"]
     assert seen[0][0][1]["content"] == "sunny in Paris" and seen[0][0][2]["content"] == "It is sunny."
     batch = t.batches.cached[1]

@@ -68,7 +68,8 @@ class Pipeline:
     weights (on the caller's thread: it holds the device, in step with training) — or returns a function that does,
     run on a drawing thread (the sampler on devices of its own); `finish(drawn)` scores it and
     lays out its host rows (`(rows, metrics, sampler log-probs)`, on one of `depth` threads); `version()` is the
-    policy's version now (optimizer steps taken). `take(index)` keeps rollouts `index .. index + depth` drawn
+    policy's version now (optimizer steps taken); `save(drawn)` what a checkpoint keeps of a drawn rollout (JSON-safe;
+    default its completions, `pack`ed). `take(index)` keeps rollouts `index .. index + depth` drawn
     (none past `last`) and returns rollout `index`'s rows with its staleness metrics (TRL's: `sample/staleness_mean`,
     `sample/staleness_max`, `sample/dropped_stale_total`, `perf/rollout_wait_s`: the seconds the step waited for
     the scores)."""
@@ -79,11 +80,12 @@ class Pipeline:
         finish: Callable[[Any], tuple],
         version: Callable[[], int],
         *,
+        save: Callable[[Any], dict[str, Any]] = lambda drawn: {"arrays": pack(completions_of(drawn))},
         depth: int,
         max_staleness: int,
         last: int | None = None,
     ):
-        self.draw, self.finish, self.version = draw, finish, version
+        self.draw, self.finish, self.version, self.save = draw, finish, version, save
         self.depth, self.max_staleness, self.last = depth, max_staleness, last
         self.pending: dict[int, Pending] = {}
         self.dropped = 0
@@ -143,18 +145,18 @@ class Pipeline:
         return {
             "dropped": self.dropped,
             "drawn": [
-                {"index": p.index, "version": p.version, "arrays": pack(completions_of(p.drawn.result()))}
+                {"index": p.index, "version": p.version, **self.save(p.drawn.result())}
                 for p in sorted(self.pending.values(), key=lambda p: p.index)
             ],
         }
 
-    def restore(self, state: dict[str, Any], redraw: Callable[[int, dict[str, np.ndarray]], Any]) -> None:
-        """Continue from `state` (`state()` of a checkpoint): each saved rollout rebuilt by `redraw(index,
-        completions)` and scored again, under the version that drew it."""
+    def restore(self, state: dict[str, Any], redraw: Callable[[int, dict[str, Any]], Any]) -> None:
+        """Continue from `state` (`state()` of a checkpoint): each saved rollout rebuilt by `redraw(index, saved)`
+        (`saved`: what `save` wrote of it) and scored again, under the version that drew it."""
         self.dropped = int(state.get("dropped", 0))
         for saved in state.get("drawn", []):
             index = int(saved["index"])
-            self._submit(index, int(saved["version"]), redraw(index, unpack(saved["arrays"])))
+            self._submit(index, int(saved["version"]), redraw(index, saved))
 
     def close(self) -> None:
         """Stop: scoring not yet started is cancelled; the threads end when their call returns."""

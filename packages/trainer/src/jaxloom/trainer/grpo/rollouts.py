@@ -23,7 +23,7 @@ from ..step import STOP_KEY
 from .loss import ADV, OLD, REF, SAMPLED
 from .rewards import advantages, call_reward, concurrently, is_async, reward_name
 from .drawing import Drawer, Drawn, prompt_of, row_buckets
-from .pipeline import Pipeline, depth_of
+from .pipeline import Pipeline, completions_of, depth_of, pack, unpack
 from .sampler import Sampler
 
 log = logging.getLogger("jaxloom.trainer")
@@ -352,13 +352,25 @@ class Rollouts(Batches):
         model = self.sampler.weights()
         return lambda: self.drawer.draw(records, encoded, key, where, model=model)
 
-    def redraw(self, index: int, completions: dict[str, np.ndarray]) -> Drawn:
-        """Rollout `index` as a checkpoint saved it drawn (its `completions`; see `pipeline.Pipeline.state`)."""
+    def save_drawn(self, drawn: Drawn) -> dict[str, Any]:
+        """What a checkpoint keeps of a drawn rollout (JSON-safe): its completions (`pack`ed arrays: tokens, mask,
+        the sampler's log-probs, the model's own tokens) and, with tools, its exchange as messages."""
+        saved: dict[str, Any] = {"arrays": pack(completions_of(drawn))}
+        if drawn.turns is not None:
+            saved["turns"] = drawn.turns.saved()
+        return saved
+
+    def redraw(self, index: int, saved: dict[str, Any]) -> Drawn:
+        """Rollout `index` as a checkpoint saved it drawn (`save_drawn`; see `pipeline.Pipeline.state`)."""
         records, encoded, where = self.rollout_prompts(index)
         drawn = self.drawer.prompt_rows(records, encoded, where)
         self.drawer.cut_prompts(drawn)
-        c = completions
+        c = unpack(saved["arrays"])
         drawn.completed(c["completion"], c["completion_mask"], c.get("sampled"), c.get("keep"))
+        if saved.get("turns") is not None:
+            from .tools import Exchange
+
+            drawn.turns = Exchange.restored(saved["turns"])
         return drawn
 
     def pipeline(self) -> Pipeline | None:
@@ -374,6 +386,7 @@ class Rollouts(Batches):
                 functools.partial(self.draw_rollout, later=apart),
                 self.drawer.finish,
                 self.policy.step,
+                save=self.save_drawn,
                 depth=depth,
                 max_staleness=self.rl.max_staleness,
                 last=a.max_training_steps or self.steps_for_epochs(),

@@ -278,6 +278,25 @@ class Exchange:
             "time/tools_s": self.tool_seconds,
         }
 
+    def saved(self) -> dict[str, Any]:
+        """What a checkpoint keeps of a drawn rollout's exchange (JSON-safe): the turns as messages and the counts;
+        the tokens are kept as arrays beside it (`pipeline.Pipeline.state`)."""
+        return {
+            "rows": len(self.ids),
+            "messages": self.messages,
+            "counts": [self.calls, self.failures, self.turns],
+            "seconds": [self.tool_seconds, self.generate_seconds],
+        }
+
+    @classmethod
+    def restored(cls, saved: dict[str, Any]) -> Exchange:
+        """The exchange `saved` wrote (its messages and counts: what scoring reads)."""
+        out = cls(int(saved["rows"]))
+        out.messages = saved["messages"]
+        out.calls, out.failures, out.turns = saved["counts"]
+        out.tool_seconds, out.generate_seconds = saved["seconds"]
+        return out
+
     def add(self, row: int, ids: Sequence[int], logps: Sequence[float] | None, model: bool) -> None:
         self.ids[row] += list(ids)
         self.keep[row] += [int(model)] * len(ids)

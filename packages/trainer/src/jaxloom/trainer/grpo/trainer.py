@@ -125,12 +125,13 @@ class GRPOTrainer(BaseTrainer):
             raise ValueError(
                 f"{' and '.join(custom)} run in jaxloom's own rollouts: a rollout_engine with them is not supported"
             )
-        if rl.max_staleness and (custom or self._rollout_spec is not None):
-            given = custom + (["rollout_func"] if self._rollout_spec is not None else [])
+        stateful = (("environment_factory", self._environment_spec), ("rollout_func", self._rollout_spec))
+        synchronous = [name for name, given in stateful if given is not None]
+        if rl.max_staleness and synchronous:
             raise ValueError(
-                f"max_staleness = {rl.max_staleness} with {' and '.join(given)}: asynchronous rollouts score reward "
-                "functions on threads; tools, environments and rollout_func run synchronously for now: set "
-                "max_staleness = 0"
+                f"max_staleness = {rl.max_staleness} with {' and '.join(synchronous)}: an environment's state and a "
+                "custom rollout's fields cannot be saved with a checkpoint (a resumed run would not train what the "
+                "uninterrupted one did); they run synchronously for now: set max_staleness = 0"
             )
         if self._rollout_spec is not None and rollout_engine is not None:
             raise ValueError("rollout_func and rollout_engine both replace the generation: give one")
