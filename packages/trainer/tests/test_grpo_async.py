@@ -184,3 +184,48 @@ def test_on_eight_devices_split_four_and_four_the_letter_is_learned_a_step_stale
             processing_class=TOK,
             reward_funcs=[letter_e],
         ).mesh
+
+
+def test_a_rollout_drawn_by_the_drawer_alone_then_finished_on_another_thread():
+    """The RL pieces without a trainer: a `Drawer` over a `Sampler` of a tiny model draws a rollout (prompt rows
+    left-padded to their bucket, completions cut to theirs, the sampler's log-probs recorded); `finish` on another
+    thread decodes and scores it with the score function it was given, and lays out host rows; the same key draws the
+    same rollout again."""
+    import concurrent.futures as cf
+
+    import jax
+    import jaxloom.models as jm
+    from util import TOK, mesh, tiny
+
+    from jaxloom.trainer.grpo.drawing import Drawer
+    from jaxloom.trainer.grpo.rollouts import Policy
+    from jaxloom.trainer.grpo.sampler import Sampler
+
+    rl = grpo_args("unused", max_completion_length=8).rl
+    model = jm.create_model(tiny())
+    policy = Policy(state=None, step=lambda: 0, logps=None, rewards=lambda: ([], []))
+    sampler = Sampler(rl, lambda: model, lambda: TOK, lambda: (TOK.eos_token_id,), mesh(1))
+    scored = []
+
+    def score(prompts, completions, columns, completion, completion_mask, where=None):
+        scored.append((list(prompts), list(completions), columns))
+        return {"advantages": np.arange(len(prompts), dtype=np.float32)}, {"reward": 1.0}
+
+    drawer = Drawer(rl, lambda: TOK, policy, sampler, None, lambda: (TOK.eos_token_id,), score)
+    records = [{"prompt": "say red:", "answer": "red"}, {"prompt": "say a much longer thing:", "answer": "x"}]
+    encoded = [np.asarray(TOK(r["prompt"])["input_ids"], np.int32) for r in records]
+    key = jax.random.PRNGKey(3)
+    drawn = drawer.draw(records, encoded, key)
+    rows_ = 2 * rl.num_generations
+    assert drawn.prompt.shape == (rows_, 16) and drawn.prompt_mask[0, -len(encoded[0]) :].all()
+    assert drawn.completion.shape[0] == rows_ and drawn.completion.shape[1] in (8, 16) and drawn.sampled is not None
+    with cf.ThreadPoolExecutor(1) as pool:
+        rows, metrics, sampled = pool.submit(drawer.finish, drawn).result()
+    assert scored[0][0] == ["say red:"] * 4 + ["say a much longer thing:"] * 4
+    assert scored[0][2] == {"answer": ["red"] * 4 + ["x"] * 4}
+    assert rows["input_ids"].shape == (rows_, 16 + drawn.completion.shape[1]) and int(rows["width"]) == 16
+    assert list(rows["advantages"]) == list(range(rows_)) and metrics["reward"] == 1.0
+    on = drawn.completion_mask > 0
+    assert np.all(sampled[~on] == 0) and np.all(sampled[on] < 0)  # the sampler's log-probs, on the tokens only
+    again = drawer.draw(records, encoded, key)
+    np.testing.assert_array_equal(again.completion, drawn.completion)
