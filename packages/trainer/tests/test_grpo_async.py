@@ -89,7 +89,7 @@ def test_a_rollout_older_than_max_staleness_is_dropped_counted_and_drawn_again()
     assert all(np.array_equal(arrays[k], back[k], equal_nan=True) and arrays[k].dtype == back[k].dtype for k in arrays)
 
 
-def test_asynchronous_settings_are_checked_before_step_one(tmp_path):
+def test_asynchronous_settings_are_checked_before_step_one(tmp_path, caplog):
     """Bad settings are refused when the config is made; `queue_maxsize` and `max_inflight_tasks` bound how many
     steps ahead rollouts are drawn (`depth_of`)."""
     from jaxloom.trainer.grpo.pipeline import depth_of
@@ -98,6 +98,11 @@ def test_asynchronous_settings_are_checked_before_step_one(tmp_path):
     assert depth_of(grpo_args(tmp_path, max_staleness=4).rl, 16) == 4
     assert depth_of(grpo_args(tmp_path, max_staleness=4, queue_maxsize=40).rl, 16) == 2
     assert depth_of(grpo_args(tmp_path, max_staleness=4, max_inflight_tasks=16).rl, 16) == 1
+    with caplog.at_level("WARNING", logger="jaxloom.trainer"):
+        grpo_trainer(tmp_path / "plain", max_staleness=1)
+        grpo_trainer(tmp_path / "corrected", max_staleness=1, vllm_importance_sampling_correction=True)
+    warned = [r.getMessage() for r in caplog.records if "without vllm_importance_sampling_correction" in r.getMessage()]
+    assert len(warned) == 1, warned  # the stale rows would train uncorrected: said once, when the trainer is made
     with pytest.raises(ValueError, match="num_iterations = 2 with max_staleness = 1"):
         grpo_args(tmp_path, max_staleness=1, num_iterations=2)
     with pytest.raises(ValueError, match="queue_maxsize = 8 with max_staleness = 1: .* expected at least 16"):

@@ -125,6 +125,13 @@ class GRPOTrainer(BaseTrainer):
             raise ValueError(
                 f"{' and '.join(custom)} run in jaxloom's own rollouts: a rollout_engine with them is not supported"
             )
+        if rl.max_staleness and not rl.vllm_importance_sampling_correction and rollout_engine is None:
+            log.warning(
+                "max_staleness = %d without vllm_importance_sampling_correction: rows sampled by an older policy are "
+                "trained on uncorrected; set vllm_importance_sampling_correction=true (e.g. with "
+                "vllm_importance_sampling_mode='token_truncate'; docs/rl.md)",
+                rl.max_staleness,
+            )
         stateful = (("environment_factory", self._environment_spec), ("rollout_func", self._rollout_spec))
         synchronous = [name for name, given in stateful if given is not None]
         if rl.max_staleness and synchronous:
