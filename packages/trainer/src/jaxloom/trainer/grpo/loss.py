@@ -242,7 +242,8 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
 
 def importance_sums(ratio, mask) -> dict:
     """The sampler correction's ratios as sums for TRL's `sampling/importance_sampling_ratio/min|mean|max`: over
-    the completion tokens (`mask`), or per sequence (a `[B, 1]` ratio: every row, as TRL flattens it)."""
+    the completion tokens (`mask`), or per sequence (a `[B, 1]` ratio: every row, as TRL flattens it). One
+    micro-batch a step (GRPO, RLOO): the minimum and maximum are the step's."""
     where = jnp.broadcast_to(mask > 0, ratio.shape) if ratio.shape == mask.shape else jnp.ones(ratio.shape, bool)
     return {
         "is_ratio_sum": jnp.sum(jnp.where(where, ratio, 0.0)),
@@ -250,10 +251,6 @@ def importance_sums(ratio, mask) -> dict:
         "is_ratio_min": jnp.min(jnp.where(where, ratio, jnp.inf)),
         "is_ratio_max": jnp.max(jnp.where(where, ratio, -jnp.inf)),
     }
-
-
-SAMPLER_EXTREMES = (("logprob_diff_max", "max"), ("is_ratio_min", "min"), ("is_ratio_max", "max"))
-"""The sampler statistics combined over micro-batches by their extreme (`Objective.extremes`)."""
 
 
 def sampler_sums(logp, batch, mask) -> dict:

@@ -31,7 +31,7 @@ from ..batches import DataSpec
 from ..components import part
 from ..step import Objective, StepConfig
 from .config import GRPOConfig, RLArgs
-from .loss import OLD, REF, SAMPLER_EXTREMES, sampler_metrics, sampler_sums, token_logps
+from .loss import OLD, REF, sampler_metrics, sampler_sums, token_logps
 from .rewards import call_reward, concurrently, is_async, reward_name
 from .rollouts import Rollouts
 from .trainer import GRPOTrainer, rollouts
@@ -202,7 +202,7 @@ class RLOOTrainer(GRPOTrainer):
         """RLOO's loss (one clipped ratio per completion, averaged over completions) and TRL's metrics."""
         rl = self.arguments.rl
         loss = functools.partial(rloo_loss, rl=rl, iterations=rl.num_iterations)
-        return Objective(loss=loss, metrics=rloo_metrics, weight="rows", perplexity=False, extremes=SAMPLER_EXTREMES)
+        return Objective(loss=loss, metrics=rloo_metrics, weight="rows", perplexity=False)
 
     def data_spec(self) -> DataSpec:
         """GRPO's rows with each completion's reward (`REWARDS`) in place of its advantage."""

@@ -22,7 +22,7 @@ from ..reference import build_reference
 from ..components import data_inputs, part
 from ..trainer import BaseTrainer
 from .config import GRPOConfig
-from .loss import ADV, OLD, REF, SAMPLED, SAMPLER_EXTREMES, grpo_loss, grpo_metrics, token_logps
+from .loss import ADV, OLD, REF, SAMPLED, grpo_loss, grpo_metrics, token_logps
 from .rewards import load_reward_function, load_tool
 from .rollouts import Policy, Rollouts
 
@@ -254,7 +254,7 @@ class GRPOTrainer(BaseTrainer):
         """The GRPO loss of `loss_type`; TRL's metrics (`kl`, `clip_ratio`, `entropy`)."""
         rl = self.arguments.rl
         loss = functools.partial(grpo_loss, rl=rl, iterations=rl.num_iterations)
-        return Objective(loss=loss, metrics=grpo_metrics, weight="units", perplexity=False, extremes=SAMPLER_EXTREMES)
+        return Objective(loss=loss, metrics=grpo_metrics, weight="units", perplexity=False)
 
     def data_spec(self) -> DataSpec:
         """Rows `[prompt | completion]`, with the advantage per row and the old, reference and (in-process
