@@ -84,6 +84,23 @@ def test_a_rollout_older_than_max_staleness_is_dropped_counted_and_drawn_again()
     p.take(4)
     assert draws[-1] == (4, 4)  # nothing past the run's last rollout is drawn
     p.close()
+
+    def failing(i):  # the next rollout's drawing fails (on the drawing thread): the checkpoint is still written
+        if i == 1:
+
+            def fail():
+                raise RuntimeError("the sampler's devices are gone")
+
+            return fail
+        return lambda: (i, 0)
+
+    q = Pipeline(failing, lambda d: ({}, {"drawn": d}, None), lambda: 0, depth=1, max_staleness=1, last=5)
+    q.save = lambda drawn: {"drawn": list(drawn)}
+    assert q.take(0)[1]["drawn"] == (0, 0)
+    assert q.state()["drawn"] == []  # rollout 1 failed to draw: left out, the save goes on
+    with pytest.raises(RuntimeError, match="devices are gone"):
+        q.take(1)  # and the step that needs it fails, naming why
+    q.close()
     arrays = {"a": np.arange(6, dtype=np.int32).reshape(2, 3), "b": np.float32([0.1, np.nan])}
     back = unpack(json.loads(json.dumps(pack(arrays))))
     assert all(np.array_equal(arrays[k], back[k], equal_nan=True) and arrays[k].dtype == back[k].dtype for k in arrays)

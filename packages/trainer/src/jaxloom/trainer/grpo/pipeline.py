@@ -147,6 +147,7 @@ class Pipeline:
             "drawn": [
                 {"index": p.index, "version": p.version, **self.save(p.drawn.result())}
                 for p in sorted(self.pending.values(), key=lambda p: p.index)
+                if p.drawn.exception() is None  # a draw that failed is not saved: the step's checkpoint still is
             ],
         }
 
