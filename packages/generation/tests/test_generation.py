@@ -272,3 +272,31 @@ def test_finished_rows_are_compacted_away_without_changing_a_sample(monkeypatch)
     np.testing.assert_array_equal(np.asarray(compacted.completion_ids), np.asarray(whole.completion_ids))
     np.testing.assert_array_equal(np.asarray(compacted.completion_mask), np.asarray(whole.completion_mask))
     np.testing.assert_allclose(np.asarray(compacted.completion_logps), np.asarray(whole.completion_logps), atol=1e-6)
+
+
+def test_an_moe_models_experts_are_recorded_as_a_forward_over_the_sequence_chooses_them():
+    """`record_routes=True`: the experts each layer sent each token to while decoding (the prompt in the prefill,
+    each completion token when fed; the group sharing its prompt's), `[B, P + N, L, k]` — what a forward pass over
+    the whole sequence chooses; -1 on padding, after a row ends and on its last token (never fed). The batch is
+    wide enough to be compacted as rows end (rows keep their own places)."""
+    config = jm.MixtralConfig(**TINY, num_local_experts=4)
+    model = jm.create_model(config, jm.RuntimeConfig(scan_layers=True), seed=5)
+    ids, mask = prompts((5, 9, 2, 7), width=9)
+    gen = jg.GenerationConfig(max_new_tokens=10, do_sample=True, eos_token_id=tuple(range(3, 13)))
+    out = jg.generate(model, ids, mask, gen, rng=jax.random.PRNGKey(3), num_return_sequences=8, record_routes=True)
+    seq, routes = np.asarray(out.sequences), np.asarray(out.routes)
+    assert routes.shape == (32, 19, 2, 2) and routes.dtype == np.int16
+    comp = np.asarray(out.completion_mask)
+    lengths = comp.sum(1)
+    assert lengths.min() < 5 and lengths.max() == 10  # rows ended early: the decode was compacted
+    seg = np.concatenate([np.repeat(mask, 8, axis=0), comp], axis=1)
+    forward = np.transpose(np.asarray(model(jnp.asarray(seq), segment_ids=jnp.asarray(seg)).routes), (1, 2, 0, 3))
+    fed = seg.copy()  # the tokens a decode step ran: the prompt's and every completion token but a row's last
+    fed[np.arange(32), 9 + lengths - 1] = 0
+    recorded = (routes >= 0).all(-1)
+    np.testing.assert_array_equal(recorded, np.repeat(fed[:, :, None] > 0, 2, axis=2))
+    np.testing.assert_array_equal(np.sort(routes, -1)[recorded], np.sort(forward, -1)[recorded])
+    assert (routes[~recorded] == -1).all()
+    plain = jg.generate(model, ids, mask, gen, rng=jax.random.PRNGKey(3), num_return_sequences=8)
+    assert plain.routes is None  # only when asked; the tokens are the same
+    np.testing.assert_array_equal(np.asarray(plain.sequences), seq)

@@ -524,7 +524,7 @@ def test_no_step_or_rollout_program_holds_the_whole_logits(tmp_path):
     with jax.set_mesh(t.mesh):
         texts = {
             "train step": t.functions.lower(rows_, width).compile().as_text(),
-            "log-probs": t._logps_fn.lower(t.state, batch, False).compile().as_text(),
+            "log-probs": t._logps_fn.lower(t.state, batch, False, False).compile().as_text(),
         }
     config = jg.GenerationConfig(max_new_tokens=16, do_sample=True)
     prompt = np.ones((4, 16), np.int32)

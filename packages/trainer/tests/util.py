@@ -22,8 +22,8 @@ CLI_TINY = [
 ]
 
 
-def tiny(hidden=32, layers=2, **kw):
-    return jm.LlamaConfig(
+def tiny(hidden=32, layers=2, kind=jm.LlamaConfig, **kw):
+    return kind(
         vocab_size=len(TOK),
         hidden_size=hidden,
         intermediate_size=2 * hidden,

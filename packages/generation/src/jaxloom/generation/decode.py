@@ -23,12 +23,16 @@ class Generated:
     `completion_ids [B, N]` right-padded after EOS, `completion_mask` (1 for generated tokens), and
     `completion_logps [B, N]`: each generated token's log-probability under the distribution it was sampled
     from before top-k/top-p filtering (float32 logits divided by the temperature; 0 after the end) — what a
-    trainer's forward pass computes for the same tokens (GRPO compares the two every step)."""
+    trainer's forward pass computes for the same tokens (GRPO compares the two every step). With `record_routes`
+    and an MoE model, `routes [B, P + N, L, k]`: the experts each layer sent each token of `sequences` to while
+    decoding (-1 where none ran: padding, a dense layer, the last token, fed to no step) — what a trainer's
+    forward replays (MoE routing replay, `CausalLM(routing=...)`)."""
 
     sequences: jax.Array  # [B, P + N]: the (left-padded) prompt then the completion
     completion_ids: jax.Array  # [B, N], right-padded with pad_token_id after EOS
     completion_mask: jax.Array  # [B, N], 1 for generated tokens (EOS included)
     completion_logps: jax.Array | None = None  # [B, N], float32
+    routes: jax.Array | None = None  # [B, P + N, L, k] int16: an MoE model's experts per token (`record_routes`)
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -62,13 +66,14 @@ def last_logits(model, input_ids, **kwargs):
 def prefill(model, input_ids, attention_mask, total: int, rng, config: GenerationConfig):
     """Run the prompts `[B, P]` into a fresh cache of `total` slots; returns the first new token and the
     decoding state `(cache, last_position, kv_segment_ids, kv_positions)`."""
-    logits, decoding = prefill_logits(model, input_ids, attention_mask, total)
+    logits, decoding, _ = prefill_logits(model, input_ids, attention_mask, total)
     return next_token(logits, rng, config), decoding
 
 
 def prefill_logits(model, input_ids, attention_mask, total: int):
-    """Run the prompts `[B, P]` into a fresh cache of `total` slots: the last position's logits `[B, V]` and the
-    decoding state `(cache, last_position, kv_segment_ids, kv_positions)`."""
+    """Run the prompts `[B, P]` into a fresh cache of `total` slots: the last position's logits `[B, V]`, the
+    decoding state `(cache, last_position, kv_segment_ids, kv_positions)` and an MoE model's `routes [L, B, P, k]`
+    (None for a dense one)."""
     b, p = input_ids.shape
     mask = attention_mask.astype(jnp.int32)
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
@@ -84,7 +89,7 @@ def prefill_logits(model, input_ids, attention_mask, total: int):
         kv_positions=kv_pos,
         kv_segment_ids=kv_seg,
     )
-    return logits, (out.cache, positions[:, -1], kv_seg, kv_pos)
+    return logits, (out.cache, positions[:, -1], kv_seg, kv_pos), out.routes
 
 
 def repeat_rows(model, decoding, logits, group: int, total: int):
@@ -102,12 +107,13 @@ def repeat_rows(model, decoding, logits, group: int, total: int):
 
 def decode_one(model, token, decoding, at, rng, config: GenerationConfig):
     """Feed `token [B]` at cache slot `at`; returns the next token and the updated decoding state."""
-    logits, decoding = decode_logits(model, token, decoding, at)
+    logits, decoding, _ = decode_logits(model, token, decoding, at)
     return next_token(logits, rng, config), decoding
 
 
 def decode_logits(model, token, decoding, at):
-    """Feed `token [B]` at cache slot `at`; returns the next position's logits `[B, V]` and the decoding state."""
+    """Feed `token [B]` at cache slot `at`; returns the next position's logits `[B, V]`, the decoding state and an
+    MoE model's experts for the token, `[L, B, k]` (None for a dense one)."""
     cache, pos, kv_seg, kv_pos = decoding
     b = token.shape[0]
     pos = pos + 1
@@ -122,14 +128,15 @@ def decode_logits(model, token, decoding, at):
         kv_positions=kv_pos,
         kv_segment_ids=kv_seg,
     )
-    return out.logits[:, -1], (out.cache, pos, kv_seg, kv_pos)
+    routes = None if out.routes is None else out.routes[:, :, -1]
+    return out.logits[:, -1], (out.cache, pos, kv_seg, kv_pos), routes
 
 
 def refill(model, tokens, token, decoding, at, rng, config: GenerationConfig):
     """Like `decode_one`, but the whole sequence so far (`tokens [B, S]`, the token fed now at slot `at`) is run
     again into a fresh cache: what transformers does once when a LongRoPE model (Phi-3 128k) passes its original
     length, so that every key is rotated with the long factors from there on."""
-    logits, decoding = refill_logits(model, tokens, token, decoding, at)
+    logits, decoding, _ = refill_logits(model, tokens, token, decoding, at)
     return next_token(logits, rng, config), decoding
 
 
@@ -150,7 +157,8 @@ def refill_logits(model, tokens, token, decoding, at):
         kv_segment_ids=kv_seg,
     )
     logits = jax.lax.dynamic_slice_in_dim(out.logits, at, 1, axis=1)[:, 0]
-    return logits, (out.cache, pos, kv_seg, kv_pos)
+    routes = None if out.routes is None else jax.lax.dynamic_slice_in_dim(out.routes, at, 1, axis=2)[:, :, 0]
+    return logits, (out.cache, pos, kv_seg, kv_pos), routes
 
 
 COMPACT_ROWS = 32
@@ -170,19 +178,28 @@ def _take_rows(rows: jax.Array, x: jax.Array, axis: int) -> jax.Array:
     return jnp.take(x, rows, axis=axis)
 
 
-def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationConfig, group: int = 1):
+def _decode(
+    graphdef, state, input_ids, attention_mask, rng, config: GenerationConfig, group: int = 1, record: bool = False
+):
     """Prefill (once per prompt, shared by its `group` rows), then decode until every row has ended or
     `max_new_tokens`. Finished rows stop costing: a batch of `COMPACT_ROWS` or more rows decodes in phases, each
     half as wide as the one before, the next starting once at most half of the rows are still going (the
     going rows, and the cache they read, gathered into the narrower batch; outputs written back by row). Each row
-    samples with its own key (`fold_in(step key, row)`), so which rows share a phase changes no sample."""
+    samples with its own key (`fold_in(step key, row)`), so which rows share a phase changes no sample. With
+    `record` (and an MoE model), each fed token's experts are kept (`Generated.routes`)."""
     model = nnx.merge(graphdef, state)
     u, p = input_ids.shape
     b = u * group
     n = config.max_new_tokens
     rng, sub = jax.random.split(rng)
-    logits, decoding = prefill_logits(model, input_ids, attention_mask, p + n)
+    logits, decoding, prompt_routes = prefill_logits(model, input_ids, attention_mask, p + n)
     decoding, logits = repeat_rows(model, decoding, logits, group, p + n)
+    routes = None
+    if record and prompt_routes is not None:  # [L, B, P + N, k]: the prompt's now, each completion token's when fed
+        prompt_routes = jnp.where(attention_mask[None, :, :, None] > 0, prompt_routes, -1)
+        prompt_routes = jnp.repeat(prompt_routes, group, axis=1).astype(jnp.int16)
+        layers, _, _, k = prompt_routes.shape
+        routes = jnp.concatenate([prompt_routes, jnp.full((layers, b, n, k), -1, jnp.int16)], axis=2)
     input_ids = jnp.repeat(input_ids, group, axis=0)
     rows = jnp.arange(b, dtype=jnp.int32)
 
@@ -209,18 +226,21 @@ def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationC
         )
 
     def body(carry):
-        i, decoding, token, rows, done, completion, comp_mask, logps, rng = carry
+        i, decoding, token, rows, done, completion, comp_mask, logps, routes, rng = carry
         rng, sub = jax.random.split(rng)
-        logits, decoding = step(token, decoding, p + i - 1, rows, completion)
+        logits, decoding, fed = step(token, decoding, p + i - 1, rows, completion)
+        if routes is not None:  # the token fed now: completion token i - 1 (-1 once its row has ended)
+            fed = jnp.where(done[None, :, None], -1, fed).astype(routes.dtype)
+            routes = routes.at[:, rows, p + i - 1].set(fed)
         new = jnp.where(done, config.pad_token_id, sample(logits, sub, rows))
         logp = jnp.where(done, 0.0, token_logp(logits, new, config))
         completion = completion.at[rows, i].set(new)
         comp_mask = comp_mask.at[rows, i].set((~done).astype(jnp.int32))
         logps = logps.at[rows, i].set(logp)
-        return i + 1, decoding, new, rows, done | jnp.isin(new, eos), completion, comp_mask, logps, rng
+        return i + 1, decoding, new, rows, done | jnp.isin(new, eos), completion, comp_mask, logps, routes, rng
 
     axes = _batch_axes(model, p + n)
-    carry = (jnp.int32(1), decoding, token, rows, done, completion, comp_mask, logps, rng)
+    carry = (jnp.int32(1), decoding, token, rows, done, completion, comp_mask, logps, routes, rng)
     width = b
     while True:  # phases, unrolled at trace time: b, b/2, b/4, ... rows
         narrower = width // 2 if width >= COMPACT_ROWS and width % 2 == 0 else 0
@@ -240,13 +260,14 @@ def _decode(graphdef, state, input_ids, attention_mask, rng, config: GenerationC
         decoding = (cache, pos[keep], kv_seg[keep], kv_pos[keep])
         carry = (i, decoding, token[keep], rows[keep], done[keep], *outputs)
         width = narrower
-    _, _, _, _, _, completion, comp_mask, logps, _ = carry
-    return Generated(jnp.concatenate([input_ids, completion], axis=1), completion, comp_mask, logps)
+    _, _, _, _, _, completion, comp_mask, logps, routes, _ = carry
+    routes = None if routes is None else jnp.transpose(routes, (1, 2, 0, 3))  # [B, P + N, L, k]
+    return Generated(jnp.concatenate([input_ids, completion], axis=1), completion, comp_mask, logps, routes)
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, config: GenerationConfig, group: int = 1):
-    return jax.jit(functools.partial(_decode, graphdef, config=config, group=group))
+def _compiled(graphdef, config: GenerationConfig, group: int = 1, record: bool = False):
+    return jax.jit(functools.partial(_decode, graphdef, config=config, group=group, record=record))
 
 
 def generate(
@@ -258,6 +279,7 @@ def generate(
     mesh=None,
     rng=None,
     num_return_sequences: int = 1,
+    record_routes: bool = False,
 ) -> Generated:
     """Decode `config.max_new_tokens` tokens after left-padded prompts `input_ids [B, P]` (with
     `attention_mask`, 0 on padding; default all ones). With `mesh`, the batch is sharded over its data
@@ -265,7 +287,8 @@ def generate(
     bucket. `rng`: the sampling key (default: `PRNGKey(config.seed)`), e.g. one derived from a training
     state, so that a resumed run samples what the uninterrupted one did. `num_return_sequences` (transformers'
     name): each prompt is completed that many times, rows `i * n ... (i + 1) * n - 1` of the outputs being
-    prompt `i`'s; the prompt is run once and its KV cache shared by its completions (one prefill per prompt)."""
+    prompt `i`'s; the prompt is run once and its KV cache shared by its completions (one prefill per prompt).
+    `record_routes`: an MoE model's experts per token are returned too (`Generated.routes`; MoE routing replay)."""
     config = config or GenerationConfig()
     group = int(num_return_sequences)
     if group < 1:
@@ -286,7 +309,7 @@ def generate(
     ids = np.pad(ids, ((0, 0), (pad, 0)), constant_values=config.pad_token_id)
     mask = np.pad(mask, ((0, 0), (pad, 0)))
     graphdef, state = nnx.split(model)
-    fn = _compiled(graphdef, config, group)
+    fn = _compiled(graphdef, config, group, bool(record_routes))
     rng = jax.random.PRNGKey(config.seed) if rng is None else rng
     if mesh is not None:
         with jax.set_mesh(mesh):
@@ -294,7 +317,8 @@ def generate(
     else:
         out = fn(state, ids, mask, rng)
     out = jax.tree_util.tree_map(_on_every_process, out)
-    return Generated(out.sequences[:, pad:], out.completion_ids, out.completion_mask, out.completion_logps)
+    routes = None if out.routes is None else out.routes[:, pad:]
+    return Generated(out.sequences[:, pad:], out.completion_ids, out.completion_mask, out.completion_logps, routes)
 
 
 def _on_every_process(x: jax.Array) -> jax.Array | np.ndarray:

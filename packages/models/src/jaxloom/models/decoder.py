@@ -32,19 +32,30 @@ class RouterLoad(NamedTuple):
     load: jax.Array
 
 
+class Routed(NamedTuple):
+    """What a routed feed-forward (MoE) returns beside its output: its `aux` (the balance loss, a `RouterLoad`, or
+    None) and `experts [B, T, k]` (int32), the experts each token went to (`CausalLMOutput.routes` stacks them)."""
+
+    aux: Any
+    experts: jax.Array
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class CausalLMOutput:
     """What a causal LM returns: `logits [B, T, V]`, the MoE `aux_loss` (None for dense models), the
     updated KV `cache` when called with one, and, when called with `return_hidden=True`, the final normed
     `hidden [B, T, D]` in place of the logits (None). `expert_load` maps the index of each layer whose router
-    balances through a bias (`RouterLoad`) to the tokens its experts took (None: no such layer)."""
+    balances through a bias (`RouterLoad`) to the tokens its experts took (None: no such layer). `routes [L, B, T, k]`
+    (int32): the experts each layer sent each token to (-1 on a dense layer; None for a dense model), what a sampler
+    records and a training forward replays (`routing=`: MoE routing replay)."""
 
     logits: jax.Array | None  # [B, T, V]
     aux_loss: jax.Array | None = None  # MoE load-balancing loss (unscaled), None for dense models
     cache: Any = None  # per layer (k, v) `[B, S, KV, H]`, or stacked `[L, B, S, KV, H]` when scanned
     hidden: jax.Array | None = None  # [B, T, D], what the output projection reads
     expert_load: dict[int, jax.Array] | None = None  # layer index → `[E]` tokens per routed expert
+    routes: jax.Array | None = None  # [L, B, T, k] int32: each MoE layer's chosen experts (-1: a dense layer)
 
 
 # A full-attention layer's "window" when a scanned stack mixes local and global layers (a traced value): longer
@@ -101,8 +112,10 @@ class DecoderLayer(nnx.Module):
         *,
         window=None,
         rope=None,
+        routing=None,
     ):
-        """`window` and `rope` (`(inv_freq, scale)`) are this layer's, given by the model (default: the config's)."""
+        """`window` and `rope` (`(inv_freq, scale)`) are this layer's, given by the model (default: the config's);
+        `routing [B, T, k]`: the experts an MoE feed-forward sends each token to (-1: its router chooses)."""
         h = x if self.input_layernorm is None else self.input_layernorm(x)
         attn, cache = self.self_attn(
             h, positions, segment_ids, cache, cache_index, kv_positions, kv_segment_ids, window=window, rope=rope
@@ -114,7 +127,8 @@ class DecoderLayer(nnx.Module):
             h = x
         else:
             h = (self.post_attention_layernorm if self.layout == "pre" else self.pre_feedforward_layernorm)(x)
-        out, aux = self.mlp(h, token_mask)
+        replay = routing is not None and routed(self.mlp)
+        out, aux = self.mlp(h, token_mask, routing) if replay else self.mlp(h, token_mask)
         if self.post_feedforward_layernorm is not None:
             out = self.post_feedforward_layernorm(out)
         x = constrain(x + out, ("batch", "length", "embed"), self.runtime)
@@ -202,11 +216,15 @@ class CausalLM(nnx.Module):
         kv_positions=None,
         kv_segment_ids=None,
         return_hidden: bool = False,
+        routing=None,
     ) -> CausalLMOutput:
         """Decoding: pass `cache` (from `init_cache`), the write offset `cache_index`, and the cache's
         `kv_positions` / `kv_segment_ids` `[B, S]` already holding this call's tokens (segment 0 = empty).
         `return_hidden=True` stops before the output projection: the output holds `hidden`, not `logits`
-        (for a loss that applies `output_projection()` itself, e.g. `linear_cross_entropy`)."""
+        (for a loss that applies `output_projection()` itself, e.g. `linear_cross_entropy`). `routing [L, B, T, k]`
+        (int): MoE routing replay, each layer's experts for each token as a sampler recorded them (`routes`); -1
+        where the router chooses (a token never recorded, a dense layer). The chosen experts' weights still come
+        from this router's scores, so it keeps its gradient."""
         b, t = input_ids.shape
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
@@ -230,18 +248,20 @@ class CausalLM(nnx.Module):
             kind: table if c.uses_rope(kind) else (jnp.zeros_like(table[0]), table[1]) for kind, table in tables.items()
         }
 
-        def run(layer, x, layer_cache, window, rope):
-            return layer(x, positions, segment_ids, token_mask, layer_cache, **decode, window=window, rope=rope)
+        def run(layer, x, layer_cache, routes, window, rope):
+            return layer(
+                x, positions, segment_ids, token_mask, layer_cache, **decode, window=window, rope=rope, routing=routes
+            )
 
         def with_pattern(kind):  # a layer's static window and its RoPE tables bound (remat takes positional args)
             window, rope = c.window_of(kind), tables[kind]
-            return lambda layer, x, layer_cache: run(layer, x, layer_cache, window, rope)
+            return lambda layer, x, layer_cache, routes: run(layer, x, layer_cache, routes, window, rope)
 
         remat = self.runtime.remat != "none" and cache is None
         loads: dict[int, jax.Array] = {}
         if self.scanned:
             if len(tables) == 1:  # one attention pattern: the window stays static (every backend takes it)
-                x, aux_total, new_cache = self._scan(with_pattern(kinds[0]), x, cache, remat, None)
+                x, aux_total, new_cache, routes = self._scan(with_pattern(kinds[0]), x, cache, remat, None, routing)
             else:  # local and global layers in one scan: each layer's window and RoPE tables are scanned data
                 per_layer = (
                     jnp.asarray([c.window_of(k) or NO_WINDOW for k in kinds], jnp.int32),
@@ -250,33 +270,42 @@ class CausalLM(nnx.Module):
                         jnp.stack([jnp.asarray(tables[k][1], jnp.float32) for k in kinds]),
                     ),
                 )
-                x, aux_total, new_cache = self._scan(run, x, cache, remat, per_layer)
+                x, aux_total, new_cache, routes = self._scan(run, x, cache, remat, per_layer, routing)
             if isinstance(aux_total, RouterLoad):
                 loads = dict(enumerate(aux_total.load))
                 aux_total = None
         else:
-            aux_total, new_cache = None, []
+            aux_total, new_cache, chosen = None, [], []
             for i, layer in enumerate(self.model.layers):
                 step = with_pattern(kinds[i])
                 if remat:
                     step = nnx.remat(step, policy=REMAT_POLICIES[self.runtime.remat], prevent_cse=True)
-                x, aux, layer_cache = step(layer, x, None if cache is None else cache[i])
+                x, aux, layer_cache = step(
+                    layer, x, None if cache is None else cache[i], None if routing is None else routing[i]
+                )
                 new_cache.append(layer_cache)
+                aux, experts = (aux.aux, aux.experts) if isinstance(aux, Routed) else (aux, None)
+                chosen.append(experts)
                 if isinstance(aux, RouterLoad):
                     loads[i] = aux.load
                 elif aux is not None:
                     aux_total = aux if aux_total is None else aux_total + aux
+            routes = stack_routes(chosen)
         x = self.model.norm(x)
         if aux_total is not None:
             aux_total = aux_total / self.config.num_hidden_layers
         new_cache = new_cache if cache is not None else None
         if return_hidden:
-            return CausalLMOutput(logits=None, aux_loss=aux_total, cache=new_cache, hidden=x, expert_load=loads or None)
+            return CausalLMOutput(
+                logits=None, aux_loss=aux_total, cache=new_cache, hidden=x, expert_load=loads or None, routes=routes
+            )
         logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
         if self.logit_softcap is not None:  # Gemma 2: cap · tanh(logits / cap)
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
         logits = constrain(logits, ("batch", "length", "vocab"), self.runtime)
-        return CausalLMOutput(logits=logits, aux_loss=aux_total, cache=new_cache, expert_load=loads or None)
+        return CausalLMOutput(
+            logits=logits, aux_loss=aux_total, cache=new_cache, expert_load=loads or None, routes=routes
+        )
 
     @property
     def cache_refresh_position(self) -> int | None:
@@ -301,7 +330,7 @@ class CausalLM(nnx.Module):
             return e.embedding[...].T, e.dtype, e.precision
         return self.lm_head.kernel[...], self.lm_head.dtype, self.lm_head.precision
 
-    def _scan(self, run, x, cache, remat: bool, per_layer):
+    def _scan(self, run, x, cache, remat: bool, per_layer, routing=None):
         """The stacked layers as one `lax.scan`: the body is one layer, traced once whatever the depth; each
         step slices that layer's parameters (and cache) off the leading axis. `runtime.unroll` layers run per
         iteration (all of them by default on CPU and GPU: straight-line code, the speed of unrolled layers; 1:
@@ -309,11 +338,11 @@ class CausalLM(nnx.Module):
         each layer's input (and what the policy saves)."""
         graphdef, stacked = nnx.split(self.model.layers)
 
-        def layer_fn(layer_state, x, layer_cache, layer_data):
+        def layer_fn(layer_state, x, layer_cache, layer_data, routes):
             if layer_data is None:
-                return run(nnx.merge(graphdef, layer_state), x, layer_cache)
+                return run(nnx.merge(graphdef, layer_state), x, layer_cache, routes)
             window, rope = layer_data
-            return run(nnx.merge(graphdef, layer_state), x, layer_cache, window, rope)
+            return run(nnx.merge(graphdef, layer_state), x, layer_cache, routes, window, rope)
 
         unroll = self.runtime.unroll(self.config.num_hidden_layers)  # the stack's layout is the same for any
         if remat:  # a rolled loop keeps the recomputation apart; unrolled copies need the barrier, as unrolled layers
@@ -321,16 +350,19 @@ class CausalLM(nnx.Module):
             layer_fn = jax.checkpoint(layer_fn, policy=policy, prevent_cse=unroll > 1)
 
         def body(x, xs):
-            layer_state, layer_cache, layer_data, index = xs
+            layer_state, layer_cache, layer_data, index, routes = xs
             with dropout_layer(index):  # LoRA dropout (training only): each layer its own mask
-                x, aux, layer_cache = layer_fn(layer_state, x, layer_cache, layer_data)
+                x, aux, layer_cache = layer_fn(layer_state, x, layer_cache, layer_data, routes)
             return x, (aux, layer_cache)
 
         index = jnp.arange(self.config.num_hidden_layers) if dropout_active() else None
-        x, (aux, new_cache) = jax.lax.scan(body, x, (stacked, cache, per_layer, index), unroll=unroll)
+        x, (aux, new_cache) = jax.lax.scan(body, x, (stacked, cache, per_layer, index, routing), unroll=unroll)
+        routes = None
+        if isinstance(aux, Routed):  # `[L, B, T, k]`: each layer's experts
+            aux, routes = aux.aux, aux.experts
         if isinstance(aux, RouterLoad):  # `[L, E]`: each layer's loads
-            return x, aux, new_cache
-        return x, None if aux is None else jnp.sum(aux), new_cache
+            return x, aux, new_cache, routes
+        return x, None if aux is None else jnp.sum(aux), new_cache, routes
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> Any:
         """Zeroed key/value buffers in the compute dtype: a list of per-layer `(k, v)` `[B, S, KV, H]`, or
@@ -342,6 +374,21 @@ class CausalLM(nnx.Module):
             layers = self.config.num_hidden_layers
             return jnp.zeros((layers, *keys), dtype), jnp.zeros((layers, *values), dtype)
         return [(jnp.zeros(keys, dtype), jnp.zeros(values, dtype)) for _ in range(self.config.num_hidden_layers)]
+
+
+def routed(module: nnx.Module) -> bool:
+    """Whether a feed-forward module routes tokens to experts (its class sets `ROUTED`): it takes `routing` and
+    returns `Routed`."""
+    return bool(getattr(type(module), "ROUTED", False))
+
+
+def stack_routes(chosen: list) -> jax.Array | None:
+    """Each layer's `[B, T, k]` experts (None: a dense layer) as `[L, B, T, k]`, -1 on the dense layers; None when
+    no layer routes."""
+    some = next((r for r in chosen if r is not None), None)
+    if some is None:
+        return None
+    return jnp.stack([jnp.full_like(some, -1) if r is None else r for r in chosen])
 
 
 def stack_layers(make_layer, n: int, rngs: nnx.Rngs) -> nnx.Module:

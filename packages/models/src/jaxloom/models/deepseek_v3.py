@@ -36,9 +36,9 @@ from jaxloom.core.schema import config
 from .attention import attend, self_attention
 from .configs import LlamaConfig, check_top_k, register_config
 from .layers import ACTIVATIONS, Linear, RMSNorm, apply_rope
-from .decoder import MLP, CausalLM, RouterLoad
+from .decoder import MLP, CausalLM, Routed, RouterLoad
 from .expert_adapters import ExpertLoRA
-from .moe import SparseMoE, gated, run_experts, stacked_weights
+from .moe import SparseMoE, gated, replay_routes, run_experts, stacked_weights
 from .registry import TaskType, register
 from .runtime import RuntimeConfig
 
@@ -358,8 +358,9 @@ class Router(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (d, e), runtime.param_dtype), logical_axes=("embed", None))
         self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), runtime.param_dtype), logical_axes=(None,))
 
-    def __call__(self, x, config: DeepseekV3Config):
-        """`(top_w [B, T, k], top_i [B, T, k])` in float32, as `DeepseekV3TopkRouter` computes them."""
+    def __call__(self, x, config: DeepseekV3Config, replay=None):
+        """`(top_w [B, T, k], top_i [B, T, k])` in float32, as `DeepseekV3TopkRouter` computes them; `replay`: the
+        experts to take where recorded (`replay_routes`), weighted by this router's scores."""
         scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32))  # [B, T, E]
         choice = scores + jax.lax.stop_gradient(self.e_score_correction_bias[...].astype(jnp.float32))
         e, g = config.n_routed_experts, config.n_group
@@ -369,6 +370,8 @@ class Router(nnx.Module):
         keep = jax.nn.one_hot(best_groups, g, dtype=jnp.bool_).any(-2)  # [B, T, G]
         choice = jnp.where(jnp.repeat(keep, e // g, axis=-1), choice, -jnp.inf)
         _, top_i = jax.lax.top_k(choice, config.num_experts_per_tok)
+        if replay is not None:
+            top_i = replay_routes(top_i, replay)
         top_w = jnp.take_along_axis(scores, top_i, axis=-1)
         if config.norm_topk_prob:
             top_w = top_w / (top_w.sum(-1, keepdims=True) + 1e-20)
@@ -384,6 +387,7 @@ class DeepseekMoE(nnx.Module):
 
     EXPERT_WEIGHTS: ClassVar[dict[str, tuple[str, ...]]] = SparseMoE.EXPERT_WEIGHTS
     HF_EXPERTS: ClassVar[str] = SparseMoE.HF_EXPERTS
+    ROUTED: ClassVar[bool] = True  # takes `routing` (replay) and returns `Routed`
 
     def __init__(self, config: DeepseekV3Config, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         e, d, f = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -402,13 +406,13 @@ class DeepseekMoE(nnx.Module):
         self.shared_experts = MLP(shared, runtime, rngs=rngs)
         self.act, self.e, self.config, self.runtime = ACTIVATIONS[config.mlp_activation], e, config, runtime
 
-    def __call__(self, x, token_mask=None):
+    def __call__(self, x, token_mask=None, routing=None):
         dtype = self.runtime.dtype
-        top_w, top_i = self.gate(x, self.config)
+        top_w, top_i = self.gate(x, self.config, routing)
         weights = stacked_weights(self, dtype, self.runtime)
         routed = run_experts(x.astype(dtype), top_i, top_w, weights, glu=gated(self.act), runtime=self.runtime)
         shared, _ = self.shared_experts(x)
-        return routed + shared, RouterLoad(expert_load(top_i, self.e, token_mask))
+        return routed + shared, Routed(RouterLoad(expert_load(top_i, self.e, token_mask)), top_i)
 
 
 def expert_load(top_i: jax.Array, experts: int, token_mask=None) -> jax.Array:

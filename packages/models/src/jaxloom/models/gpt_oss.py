@@ -30,7 +30,7 @@ from jaxloom.core.schema import config
 
 from .configs import LlamaConfig, check_top_k, register_config
 from .layers import Linear, matmul_precision
-from .decoder import CausalLM
+from .decoder import CausalLM, Routed
 from .expert_adapters import ExpertLoRA, expert_weights
 from .moe import balance_loss, route, run_experts
 from .registry import TaskType, register
@@ -163,7 +163,8 @@ class GptOssMoE(nnx.Module):
     """The router (`router`: a linear layer with a bias) picks `num_experts_per_tok` experts per token; their
     weights are the softmax of the chosen logits (the router's softmax renormalised over the chosen: the same
     numbers); the experts (`experts`) run their clamped SwiGLU through Mixtral's token dispatch (`dense`, the
-    reference, runs every expert on every token). Returns `(out, aux)`, `aux` the Switch load-balancing loss."""
+    reference, runs every expert on every token). Returns `(out, Routed(aux, experts))`, `aux` the Switch
+    load-balancing loss; `routing` replays recorded experts (`route`)."""
 
     def __init__(self, config: GptOssConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         e, d = config.num_local_experts, config.hidden_size
@@ -173,6 +174,8 @@ class GptOssMoE(nnx.Module):
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
         self.runtime = runtime
 
+    ROUTED: ClassVar[bool] = True  # takes `routing` (replay) and returns `Routed`
+
     def glu(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         """GPT-OSS's clamped SwiGLU: `(clip(up, -limit, limit) + 1) · g · sigmoid(alpha · g)`, `g = min(gate,
         limit)`."""
@@ -180,12 +183,12 @@ class GptOssMoE(nnx.Module):
         up = jnp.clip(up, -self.limit, self.limit)
         return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
 
-    def __call__(self, x, token_mask=None):
+    def __call__(self, x, token_mask=None, routing=None):
         dtype = self.runtime.dtype
-        probs, top_w, top_i, chosen = route(self.router(x), self.k, self.e, normalize=True)
+        probs, top_w, top_i, chosen = route(self.router(x), self.k, self.e, normalize=True, replay=routing)
         weights, biases = self.experts.split(dtype, matmul_precision(self.runtime))
         out = run_experts(x.astype(dtype), top_i, top_w, weights, glu=self.glu, biases=biases, runtime=self.runtime)
-        return out, balance_loss(probs, chosen, token_mask, self.k, self.e)
+        return out, Routed(balance_loss(probs, chosen, token_mask, self.k, self.e), top_i)
 
 
 @register("gpt_oss", TaskType.CAUSAL_LM)

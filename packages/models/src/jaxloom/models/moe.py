@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .configs import MixtralConfig
+from .decoder import Routed
 from .layers import ACTIVATIONS, Linear, matmul_precision, constrain
 from .expert_adapters import ExpertLoRA, expert_weights
 from .runtime import RuntimeConfig
@@ -123,6 +124,7 @@ class SparseMoE(nnx.Module):
         "down_proj": ("w_down",),
     }
     HF_EXPERTS: ClassVar[str] = "experts"  # transformers' module of the stacked weights, under this one's name
+    ROUTED: ClassVar[bool] = True  # takes `routing` (replay) and returns `Routed`
 
     def __init__(self, config: MixtralConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
@@ -141,12 +143,12 @@ class SparseMoE(nnx.Module):
         self.k, self.e, self.normalize = config.num_experts_per_tok, e, config.normalize_top_k
         self.act, self.runtime = ACTIVATIONS[config.mlp_activation], runtime
 
-    def __call__(self, x, token_mask=None):
+    def __call__(self, x, token_mask=None, routing=None):
         dtype = self.runtime.dtype
-        probs, top_w, top_i, chosen = route(self.gate(x), self.k, self.e, normalize=self.normalize)
+        probs, top_w, top_i, chosen = route(self.gate(x), self.k, self.e, normalize=self.normalize, replay=routing)
         weights = stacked_weights(self, dtype, self.runtime)
         out = run_experts(x.astype(dtype), top_i, top_w, weights, glu=gated(self.act), runtime=self.runtime)
-        return out, balance_loss(probs, chosen, token_mask, self.k, self.e)
+        return out, Routed(balance_loss(probs, chosen, token_mask, self.k, self.e), top_i)
 
 
 def stacked_weights(moe: nnx.Module, dtype, runtime: RuntimeConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -182,15 +184,25 @@ def run_experts(x, top_i, top_w, weights, *, glu, runtime: RuntimeConfig, biases
     return jnp.einsum("bted,bte->btd", per_expert, jnp.einsum("btk,btke->bte", top_w, chosen).astype(x.dtype))
 
 
-def route(logits: jax.Array, k: int, experts: int, *, normalize: bool):
+def route(logits: jax.Array, k: int, experts: int, *, normalize: bool, replay=None):
     """Top-`k` routing from router `logits [B, T, E]`: `(probs [B, T, E]` (softmax, float32), `top_w [B, T, k]`
     (the chosen experts' probabilities, renormalised to sum to one with `normalize`), `top_i [B, T, k]`,
-    `chosen [B, T, k, E]` (one-hot))."""
+    `chosen [B, T, k, E]` (one-hot)). `replay [B, T, k]`: the experts to take where it is >= 0 (`replay_routes`)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top_w, top_i = jax.lax.top_k(probs, k)
+    if replay is not None:
+        top_i = replay_routes(top_i, replay)
+        top_w = jnp.take_along_axis(probs, top_i, axis=-1)
     if normalize:  # Mixtral and GPT-OSS always; Qwen3-MoE with norm_topk_prob
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     return probs, top_w, top_i, jax.nn.one_hot(top_i, experts, dtype=jnp.float32)
+
+
+def replay_routes(top_i: jax.Array, replay: jax.Array) -> jax.Array:
+    """MoE routing replay: the recorded experts `replay [B, T, k]` in place of the router's own `top_i` on every
+    token recorded (-1: not recorded, the router's choice stays)."""
+    recorded = jnp.all(replay >= 0, axis=-1, keepdims=True)
+    return jnp.where(recorded, replay.astype(top_i.dtype), top_i)
 
 
 def balance_loss(probs: jax.Array, chosen: jax.Array, token_mask, k: int, experts: int) -> jax.Array:

@@ -26,6 +26,12 @@ import jaxloom.data as jd
 from .step import STOP_KEY
 
 
+def per_token(shape: tuple[int, ...], row_width: int, width: int) -> tuple[int, ...]:
+    """An extra's trailing `shape` for rows of `width` tokens: a per-token extra (`(row_width, ...)`: GRPO's
+    log-probs, an MoE sampler's experts per token) follows the row's width; any other keeps its shape."""
+    return (width, *shape[1:]) if shape[:1] == (row_width,) else shape
+
+
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
     """What a trainer kind reads and feeds its step: `row_width` token columns per batch row, the
@@ -65,7 +71,7 @@ class DataSpec:
     def with_width(self, width: int) -> DataSpec:
         """The same spec for rows of `width` tokens (per-token extras, whose trailing shape is the row's
         width, follow): for a kind whose rows are as wide as each step's data (GRPO's bucketed rollouts)."""
-        extra = {k: ((width,) if shape == (self.row_width,) else shape, dt) for k, (shape, dt) in self.extra.items()}
+        extra = {k: (per_token(shape, self.row_width, width), dt) for k, (shape, dt) in self.extra.items()}
         return dataclasses.replace(self, row_width=width, extra=extra)
 
     def batch_spec(self, accumulation: int, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:

@@ -98,17 +98,18 @@ class FusedHead(NamedTuple):
         return {"blocks": self.blocks, "dtype": self.dtype, "precision": self.precision, "softcap": self.softcap}
 
 
-def forward_for_loss(model, ids, weight, *, positions, segment_ids, block_size: int, data_shards: int):
+def forward_for_loss(model, ids, weight, *, positions, segment_ids, block_size: int, data_shards: int, routing=None):
     """Run `model` on `ids [B, T]` for a loss over next-token targets with `weight [B, T-1]`: `(out, head)`.
     When `block_size > 0` and the model can stop before its output layer (jaxloom's causal LMs, and
     subclasses that keep the call signature), `out` has no logits and `head` is the `FusedHead` for a fused
     loss in blocks of at most `block_size` positions per data shard (`data_shards`: how many ways the rows
     are split); otherwise `out` has the logits and `head` is None. `positions` and `segment_ids` go to the
-    model."""
+    model, and `routing` (MoE routing replay, `[L, B, T, k]`) when given."""
     fusable = hasattr(model, "output_projection") and "return_hidden" in inspect.signature(model.__call__).parameters
+    replay = {} if routing is None else {"routing": routing}
     if block_size <= 0 or not fusable:
-        return model(ids, positions=positions, segment_ids=segment_ids), None
-    out = model(ids, positions=positions, segment_ids=segment_ids, return_hidden=True)
+        return model(ids, positions=positions, segment_ids=segment_ids, **replay), None
+    out = model(ids, positions=positions, segment_ids=segment_ids, return_hidden=True, **replay)
     kernel, dtype, precision = model.output_projection()
     b, t = ids.shape
     last = ((0, 0), (0, 1))  # the last position predicts nothing

@@ -145,6 +145,13 @@ class RLArgs(SettingsGroup):
         "many steps ahead rollouts are drawn",
     )
 
+    routing_replay: bool = Field(
+        False,
+        description="GRPO/RLOO, MoE policies: the training forward sends each token to the experts the sampler chose "
+        "(recorded while decoding; the field's R3), so sampling and training route alike; off, their disagreement is "
+        "measured (routing/disagreement). Needs generation_backend=static and jaxloom's own generation",
+    )
+
     @field_validator("reward_funcs", "tools", mode="before")
     @classmethod
     def _one_function(cls, v):  # TRL takes one reward function as well as a list
@@ -180,6 +187,11 @@ class RLArgs(SettingsGroup):
         check_positive(self, "sapo_temperature_pos", "sapo_temperature_neg")
         check_positive(self, "max_staleness", "sampling_devices", allow_zero=True)
         check_positive(self, "queue_maxsize")
+        if self.routing_replay and self.generation_backend != "static":
+            raise ValueError(
+                f"routing_replay = true with generation_backend = {self.generation_backend!r}: the experts are "
+                "recorded by the static sampler; set generation_backend = 'static'"
+            )
         if self.max_inflight_tasks != -1 and self.max_inflight_tasks < 1:
             raise ValueError(f"max_inflight_tasks = {self.max_inflight_tasks}; expected -1 (auto) or at least 1")
         check_positive(self, "delta", allow_none=True)
@@ -235,7 +247,9 @@ class GRPOConfig(TrainingArguments):
     calls may take) and `tool_workers` (the threads that run them, rows concurrently); asynchronous rollouts with
     TRL's `AsyncGRPOConfig` names: `max_staleness` (0: synchronous; k: the next k steps' rollouts drawn ahead and
     scored on threads while a step trains), `max_inflight_tasks` and `queue_maxsize`; jaxloom's `sampling_devices`
-    (devices given to sampling, the training mesh built over the rest; docs/rl.md). A step trains on
+    (devices given to sampling, the training mesh built over the rest; docs/rl.md); MoE routing replay,
+    `routing_replay` (an MoE policy's training forward sends each token to the experts its sampler chose). A step
+    trains on
     `total_batch_size` completions: `total_batch_size / num_generations` prompts, each completed `num_generations`
     times. A step's rows are as wide as its longest prompt and its longest completion, each rounded up to a bucket
     (`jaxloom.trainer.grpo.drawing.row_buckets`), not as the caps: `max_sequence_length` is the widest row the caps

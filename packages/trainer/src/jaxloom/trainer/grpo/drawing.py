@@ -45,7 +45,8 @@ class Drawn:
     rewards read, where each row's record is (named in errors), the prompt rows (`prompt`, `prompt_mask`, `width`
     columns; `kept`: each row's prompt tokens; `truncated`: prompts cut) and the completions (`completion`,
     `completion_mask`, the sampler's log-probs `sampled`, `keep`: 1 on the model's own tokens, or None), the tool
-    exchange (`turns`) and the seconds drawing took."""
+    exchange (`turns`), an MoE sampler's experts per token of `[prompt | completion]` (`routes`, or None) and the
+    seconds drawing took."""
 
     prompts: list[Any]
     columns: dict[str, list]
@@ -62,15 +63,18 @@ class Drawn:
     sampled: np.ndarray | None = None
     keep: np.ndarray | None = None
     turns: Any = None
+    routes: np.ndarray | None = None
     seconds: float = 0.0
 
-    def completed(self, completion, completion_mask, sampled, keep) -> None:
-        """The completions, cut to their bucket (the longest completion's, at most their width)."""
+    def completed(self, completion, completion_mask, sampled, keep, routes=None) -> None:
+        """The completions (and `routes`, `[rows, prompt + completion columns, layers, k]`), cut to their bucket (the
+        longest completion's, at most their width)."""
         _, width = row_buckets(self.width, int(np.max(completion_mask.sum(axis=1), initial=1)), completion.shape[1])
         self.completion = np.asarray(completion)[:, :width]
         self.completion_mask = np.asarray(completion_mask)[:, :width]
         self.sampled = None if sampled is None else np.asarray(sampled)[:, :width]
         self.keep = None if keep is None else np.asarray(keep)[:, :width]
+        self.routes = None if routes is None else np.asarray(routes)[:, : self.width + width]
 
 
 def one_at_a_time(method: Callable) -> Callable:
@@ -158,7 +162,7 @@ class Drawer:
                 envs, records, group, drawn.prompts, drawn.row_ids, drawn.where
             )
         custom = self.policy.rollout()
-        keep = None
+        keep, routes = None, None
         if custom is not None:  # TRL's rollout_func: the user's own generation, its extra fields to the rewards
             prompts = copy.deepcopy(drawn.prompts)
             out = _rollout_rows(call_rollout(custom, prompts), len(prompts), rl.max_completion_length)
@@ -178,9 +182,11 @@ class Drawer:
             completion, completion_mask, sampled = self.sampler.generate(
                 prompt[::group], prompt_mask[::group], key, model=model
             )
+            routes = self.sampler.routes
         else:  # an environment's observation made a group's prompts differ: a prefill per row
             self.sampler.keep_pages = tools is not None
             completion, completion_mask, sampled = self.sampler.generate(prompt, prompt_mask, key, group=1, model=model)
+            routes = self.sampler.routes
         if tools is not None and sampled is not None:  # TRL's tool loop (in-process generation only)
             buckets = (PROMPT_BUCKET, COMPLETION_BUCKET)
             drawn.turns = tool_turns(
@@ -188,8 +194,9 @@ class Drawer:
             )
             completion, completion_mask, sampled = _padded(drawn.turns, rl.max_completion_length, tok.pad_token_id or 0)
             keep = _padded_keep(drawn.turns, completion_mask.shape[1])
+            routes = None  # the turns' tokens were decoded apart: no replay
         self.sampler.done()  # the rollout's paged engine and its kept pages are done with
-        drawn.completed(completion, completion_mask, sampled, keep)
+        drawn.completed(completion, completion_mask, sampled, keep, routes)
         drawn.seconds = time.perf_counter() - started
         return drawn
 
@@ -232,6 +239,8 @@ class Drawer:
             **scored,
             "width": np.asarray(drawn.width),
         }
+        if drawn.routes is not None:  # an MoE sampler's experts per token (`routing_replay`)
+            rows["routes"] = drawn.routes
         lengths = (completion_mask if keep is None else completion_mask * keep).sum(axis=1)  # the model's tokens (TRL)
         metrics = {
             **score_metrics,

@@ -11,13 +11,19 @@ from ..step import StepConfig
 
 ADV, OLD, REF, SAMPLED = "advantages", "old_logps", "ref_logps", "sampling_logps"
 """Batch keys of the rollout rows: the advantage per row; the old, reference and sampler log-probs per token."""
+ROUTES = "sampling_routes"
+"""Batch key of an MoE policy's rollout rows: the experts the sampler sent each token to, `[B, T, L, k]` (-1: none
+recorded); the training forward replays them with `routing_replay` (`token_logps`)."""
 
 
-def token_logps(model, batch, temperature: float, *, block_size: int = 0, data_shards: int = 1):
+def token_logps(model, batch, temperature: float, *, block_size: int = 0, data_shards: int = 1, replay: bool = False):
     """Per-token log-probabilities `[B, L-1]` of each row's next tokens under `model` (logits divided by
-    `temperature`, as TRL does), and the entropies of those distributions. With `block_size > 0` (the
+    `temperature`, as TRL does), the entropies of those distributions, and an MoE model's experts per token
+    (`[L, B, T, k]`, the forward's `routes`; None for a dense one). With `block_size > 0` (the
     trainer's `loss_block_size`) and a jaxloom causal LM, the output layer runs in blocks of positions
-    (`jaxloom.models.linear_token_log_probs`): no `[B, L, V]` logits in the step or the rollout."""
+    (`jaxloom.models.linear_token_log_probs`): no `[B, L, V]` logits in the step or the rollout. With `replay`
+    and the sampler's experts in the batch (`ROUTES`), the forward sends each token where sampling did (MoE routing
+    replay)."""
     from ..step import forward_for_loss
 
     ids = batch["input_ids"]
@@ -30,6 +36,7 @@ def token_logps(model, batch, temperature: float, *, block_size: int = 0, data_s
         segment_ids=batch["segment_ids"],
         block_size=block_size,
         data_shards=data_shards,
+        routing=jnp.transpose(batch[ROUTES], (2, 0, 1, 3)).astype(jnp.int32) if replay and ROUTES in batch else None,
     )
     if head is not None:
         from jaxloom.models import linear_token_log_probs
@@ -37,12 +44,48 @@ def token_logps(model, batch, temperature: float, *, block_size: int = 0, data_s
         logp, entropy = linear_token_log_probs(
             head.hidden, head.kernel, head.targets, temperature=temperature, **head.settings()
         )
-        return logp[:, :-1], entropy[:, :-1]
+        return logp[:, :-1], entropy[:, :-1], out.routes
     logits = out.logits[:, :-1].astype(jnp.float32) / temperature
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(logp_all, ids[:, 1:, None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-    return logp, entropy
+    return logp, entropy, out.routes
+
+
+def policy_logps(model, batch, cfg: StepConfig, rl):
+    """`token_logps` of the policy a step trains, on a micro-batch of rollout rows: at `rl.temperature`, the output
+    layer fused as the step says (`cfg`), the sampler's experts replayed with `rl.routing_replay`."""
+    return token_logps(
+        model,
+        batch,
+        rl.temperature,
+        block_size=cfg.loss_block_size,
+        data_shards=cfg.data_shards,
+        replay=rl.routing_replay,
+    )
+
+
+def routing_sums(used, batch) -> dict:
+    """With the sampler's experts in the batch (`ROUTES`) and an MoE forward's `used [L, B, T, k]`: how many (token,
+    MoE layer) pairs sampling recorded, and on how many the training forward sent the token elsewhere (another set
+    of experts) — `routing/disagreement` (`routing_metrics`); else nothing."""
+    if ROUTES not in batch or used is None:
+        return {}
+    recorded = jnp.transpose(batch[ROUTES], (2, 0, 1, 3)).astype(jnp.int32)  # [L, B, T, k]
+    seen = jnp.all(recorded >= 0, axis=-1)
+    same = jnp.all(jnp.sort(recorded, axis=-1) == jnp.sort(used.astype(jnp.int32), axis=-1), axis=-1)
+    return {
+        "routes_recorded": jnp.sum(seen.astype(jnp.float32)),
+        "routes_differ": jnp.sum((seen & ~same).astype(jnp.float32)),
+    }
+
+
+def routing_metrics(sums) -> dict:
+    """`routing/disagreement`: the share of the (token, MoE layer) pairs sampling recorded whose experts the training
+    forward did not choose (0 with `routing_replay`), when `routing_sums` made any."""
+    if "routes_recorded" not in sums:
+        return {}
+    return {"routing/disagreement": sums["routes_differ"] / jnp.maximum(sums["routes_recorded"], 1.0)}
 
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -183,10 +226,7 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
     """The GRPO objective of one micro-batch of rollout rows: `(summed loss, sums)`; `sums["units"]`
     normalises it (see `aggregate`), the rest are TRL's metrics' sums, and with the sampler's log-probs in the
     batch (`SAMPLED`) how far the training forward's log-probs of the same tokens are from them."""
-    model = state.replace(params=params).model
-    logp, entropy = token_logps(
-        model, batch, rl.temperature, block_size=cfg.loss_block_size, data_shards=cfg.data_shards
-    )
+    logp, entropy, used = policy_logps(state.replace(params=params).model, batch, cfg, rl)
     mask = batch["loss_mask"][:, 1:].astype(jnp.float32)
     old = batch[OLD][:, 1:] if iterations > 1 else jax.lax.stop_gradient(logp)
     ref = batch[REF][:, 1:] if rl.beta else jax.lax.stop_gradient(logp)
@@ -237,7 +277,7 @@ def grpo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
     if rl.loss_type == "vespo":  # TRL's `vespo/phi_seq_mean`: the weights' mean over completion tokens
         phi = vespo_weights(logp - old, mask, batch[ADV], *vespo)
         sums["phi_sum"] = jnp.sum(phi * mask)
-    return total, {**sums, **sampler_sums(logp, batch, mask), **extra}
+    return total, {**sums, **sampler_sums(logp, batch, mask), **routing_sums(used, batch), **extra}
 
 
 def importance_sums(ratio, mask) -> dict:
@@ -290,4 +330,4 @@ def grpo_metrics(sums):
         out["cispo_clip_ratio"] = sums["cispo_clipped"] / n
     if "phi_sum" in sums:
         out["vespo/phi_seq_mean"] = sums["phi_sum"] / n
-    return {**out, **sampler_metrics(sums, n)}
+    return {**out, **sampler_metrics(sums, n), **routing_metrics(sums)}

@@ -31,7 +31,7 @@ from ..batches import DataSpec
 from ..components import part
 from ..step import Objective, StepConfig
 from .config import GRPOConfig, RLArgs
-from .loss import OLD, REF, sampler_metrics, sampler_sums, token_logps
+from .loss import OLD, REF, policy_logps, routing_metrics, routing_sums, sampler_metrics, sampler_sums
 from .rewards import call_reward, concurrently, is_async, reward_name
 from .rollouts import Rollouts
 from .trainer import GRPOTrainer, rollouts
@@ -115,10 +115,7 @@ def rloo_advantages(rewards, kl, group: int, *, beta: float, normalize: bool):
 def rloo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
     """RLOO's objective of one step's rollout rows (every group whole): `(summed loss, sums)`, the loss summed over
     completions and `sums["rows"]` their count (the loss is their mean); TRL's metrics' sums."""
-    model = state.replace(params=params).model
-    logp, entropy = token_logps(
-        model, batch, rl.temperature, block_size=cfg.loss_block_size, data_shards=cfg.data_shards
-    )
+    logp, entropy, used = policy_logps(state.replace(params=params).model, batch, cfg, rl)
     mask = batch["loss_mask"][:, 1:].astype(jnp.float32)
     old = batch[OLD][:, 1:] if iterations > 1 else jax.lax.stop_gradient(logp)
     token_kl = old - batch[REF][:, 1:] if rl.beta else jnp.zeros_like(logp)
@@ -138,7 +135,7 @@ def rloo_loss(state, params, batch, cfg: StepConfig, *, rl, iterations: int):
         "clipped": jnp.sum(bound.astype(jnp.float32)),
         "entropy_sum": jnp.sum(jax.lax.stop_gradient(entropy) * mask),
     }
-    return jnp.sum(loss), {**sums, **sampler_sums(logp, batch, mask)}
+    return jnp.sum(loss), {**sums, **sampler_sums(logp, batch, mask), **routing_sums(used, batch)}
 
 
 def rloo_metrics(sums):
@@ -150,7 +147,7 @@ def rloo_metrics(sums):
         "entropy": sums["entropy_sum"] / n,
         "clip_ratio/region_mean": sums["clipped"] / jnp.maximum(sums["rows"], 1.0),
     }
-    return {**out, **sampler_metrics(sums, n)}
+    return {**out, **sampler_metrics(sums, n), **routing_metrics(sums)}
 
 
 # ---- the components it changes ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from jaxloom.mesh import MeshConfig
 
 from ..batches import Batches, DataSpec
 from ..step import STOP_KEY
-from .loss import ADV, OLD, REF, SAMPLED
+from .loss import ADV, OLD, REF, ROUTES, SAMPLED
 from .rewards import advantages, call_reward, concurrently, is_async, reward_name
 from .drawing import Drawer, Drawn, prompt_of, row_buckets
 from .pipeline import Pipeline, completions_of, depth_of, pack, unpack
@@ -428,7 +428,8 @@ class Rollouts(Batches):
     def layout(self, rows: dict[str, np.ndarray], sampled: np.ndarray | None) -> dict[str, jax.Array]:
         """A rollout's host rows (`Drawer.finish`) as the train step's global batch `[1, B, ...]`: the tokens, the
         scores of each row (the advantages; RLOO's rewards), the old and reference log-probs (computed now when
-        `num_iterations > 1` / `beta > 0`) and the sampler's log-probs at their tokens' columns."""
+        `num_iterations > 1` / `beta > 0`), the sampler's log-probs at their tokens' columns and, for an MoE policy, the
+        experts the sampler sent each token to (`ROUTES`)."""
         rl, width = self.rl, int(rows["width"])
         batch = {k: self._put(rows[k][None]) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
         for key, (shape, _) in self.spec.extra.items():  # one value per row: the advantage (RLOO: the reward)
@@ -436,6 +437,13 @@ class Rollouts(Batches):
                 batch[key] = self._put(rows[key][None])
         b, length = rows["input_ids"].shape
         zeros = np.zeros((1, b, length), np.float32)
+        if ROUTES in self.spec.extra:  # an MoE sampler's experts per token; -1 where none were recorded (the
+            # old and reference log-probs replay them too)
+            layers, k = self.spec.extra[ROUTES][0][1:]
+            routes = rows.get("routes")
+            if routes is None or routes.shape != (b, length, layers, k):
+                routes = np.full((b, length, layers, k), -1, np.int16)
+            batch[ROUTES] = self._put(routes[None])
         batch[OLD] = self.policy.logps(batch, reference=False) if rl.num_iterations > 1 else self._put(zeros)
         batch[REF] = self.policy.logps(batch, reference=True) if rl.beta else self._put(zeros)
         if SAMPLED in self.spec.extra:  # the sampler's log-prob of each completion token, at the token's column

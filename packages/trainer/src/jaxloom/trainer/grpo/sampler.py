@@ -102,6 +102,7 @@ class Sampler:
         self.rl, self.model, self.tokenizer, self.stop_ids = rl, model, tokenizer, stop_ids
         self.training_mesh, self.mesh_config = mesh, mesh_config
         self.paged: PagedRollout | None = None  # the paged engine of the rollout under way, its rows' pages kept
+        self.routes: np.ndarray | None = None  # an MoE policy's experts per token of the last static generation
         self.keep_pages = False
         self._own_mesh: Any = None
 
@@ -162,7 +163,9 @@ class Sampler:
         `group`) completions of at most `max_completion_length` (or `max_new_tokens`) tokens of each prompt row (one
         prefill per prompt, its KV cache shared by the group), as `(completion_ids, completion_mask,
         completion_logps)` with rows `i * num_generations + j`. `model`: another state's model to sample (an
-        evaluation of a given state), default `model()`."""
+        evaluation of a given state), default `model()`. The static sampler records an MoE policy's experts per
+        token of `[prompt | completion]` in `routes` (`[rows, P + N, layers, k]`, int16; None otherwise): what the
+        training forward replays (`routing_replay`) or measures itself against (`routing/disagreement`)."""
         import jaxloom.generation as jg
 
         rl, tok = self.rl, self.tokenizer()
@@ -181,11 +184,15 @@ class Sampler:
 
             key = jax.device_put(key, NamedSharding(self.mesh, PartitionSpec()))
         group = rl.num_generations if group is None else group
+        self.routes = None
         if getattr(rl, "generation_backend", "static") == "paged":
             self.paged = PagedRollout(model, prompt, mask, key, group, config, self.mesh, keep=self.keep_pages)
             self.keep_pages = False
             return self.paged.completions()
-        out = jg.generate(model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group)
+        out = jg.generate(
+            model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group, record_routes=True
+        )
+        self.routes = None if out.routes is None else np.asarray(out.routes)
         return np.asarray(out.completion_ids), np.asarray(out.completion_mask), np.asarray(out.completion_logps)
 
     def done(self) -> None:

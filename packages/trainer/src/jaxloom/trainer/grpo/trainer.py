@@ -22,7 +22,7 @@ from ..reference import build_reference
 from ..components import data_inputs, part
 from ..trainer import BaseTrainer
 from .config import GRPOConfig
-from .loss import ADV, OLD, REF, SAMPLED, grpo_loss, grpo_metrics, token_logps
+from .loss import ADV, OLD, REF, ROUTES, SAMPLED, grpo_loss, grpo_metrics, token_logps
 from .rewards import load_reward_function, load_tool
 from .rollouts import Policy, Rollouts
 
@@ -142,6 +142,12 @@ class GRPOTrainer(BaseTrainer):
             )
         if self._rollout_spec is not None and rollout_engine is not None:
             raise ValueError("rollout_func and rollout_engine both replace the generation: give one")
+        replaced = [n for n, v in (("rollout_engine", rollout_engine), ("rollout_func", self._rollout_spec)) if v]
+        if rl.routing_replay and replaced:
+            raise ValueError(
+                f"routing_replay = true with {' and '.join(replaced)}: the experts are recorded by jaxloom's own "
+                "sampler; drop routing_replay, or sample in process"
+            )
         corrections = ["vllm_importance_sampling_correction"] if rl.vllm_importance_sampling_correction else []
         corrections += ["off_policy_mask_threshold"] if rl.off_policy_mask_threshold is not None else []
         if corrections and rollout_engine is not None:
@@ -265,6 +271,15 @@ class GRPOTrainer(BaseTrainer):
         extra = {ADV: ((), np.float32), OLD: ((width,), np.float32), REF: ((width,), np.float32)}
         if self.rollout_engine is None:
             extra[SAMPLED] = ((width,), np.float32)
+            routed = routes_shape(self.plan.config)
+            if routed is not None and a.rl.generation_backend == "static":  # the sampler records the experts
+                extra[ROUTES] = ((width, *routed), np.int16)
+        if a.rl.routing_replay and ROUTES not in extra:
+            raise ValueError(
+                f"routing_replay = true, but the policy ({type(self.plan.config).__name__}) routes no tokens to "
+                "experts; expected a mixture-of-experts model (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS) or "
+                "routing_replay = false"
+            )
         return DataSpec(row_width=width, settings={}, extra=extra)
 
     def configure_functions(self):
@@ -355,21 +370,29 @@ class GRPOTrainer(BaseTrainer):
         temperature = self.arguments.rl.temperature
         fused = dict(block_size=self.arguments.loss_block_size, data_shards=self.data_shards())
 
-        def fn(state, batch, adapters_off):
+        def fn(state, batch, adapters_off, replay):
             if adapters_off:
                 state = reference.adapters_off(state)
-            rows = {k: batch[k][0] for k in ("input_ids", "positions", "segment_ids")}
-            logp, _ = token_logps(state.model, rows, temperature, **fused)
+            rows = {k: batch[k][0] for k in ("input_ids", "positions", "segment_ids", ROUTES) if k in batch}
+            logp, _, _ = token_logps(state.model, rows, temperature, **fused, replay=replay)
             return jnp.pad(logp, ((0, 0), (1, 0)))[None]  # aligned with the row's tokens: column 0 predicts nothing
 
-        return jax.jit(fn, static_argnums=2)
+        return jax.jit(fn, static_argnums=(2, 3))
 
     def logps_of(self, batch: dict[str, jax.Array], *, reference: bool) -> jax.Array:
         """Per-token log-probs `[1, B, L]` of the rollout rows of `batch`: the policy's now (the old log-probs
-        of `num_iterations`), or with `reference` the reference's."""
+        of `num_iterations`, the sampler's experts replayed with `routing_replay`), or with `reference` the
+        reference's (its own routing)."""
         with jax.set_mesh(self.mesh):
             if not reference:
-                return self._logps_fn(self.state, batch, False)
+                return self._logps_fn(self.state, batch, False, self.arguments.rl.routing_replay)
             if self._reference is None:  # LoRA: the base is the policy with its adapters off
-                return self._logps_fn(self.state, batch, True)
-            return self._logps_fn(self._reference, batch, False)
+                return self._logps_fn(self.state, batch, True, False)
+            return self._logps_fn(self._reference, batch, False, False)
+
+
+def routes_shape(config: Any) -> tuple[int, int] | None:
+    """`(layers, experts per token)` of an MoE model's `config` (what its sampler records per token), None for a dense
+    one."""
+    k = getattr(config, "num_experts_per_tok", None)
+    return None if not k else (int(config.num_hidden_layers), int(k))
