@@ -233,3 +233,25 @@ def test_each_request_samples_with_its_own_settings(llama):
             ks = jax.vmap(jax.random.fold_in, (0, None))(keys, draw)
             token, _ = jg.sample_rows(logits, ks, jnp.full(6, 0.9), jnp.full(6, top_k, jnp.int32), jnp.full(6, top_p))
             assert allowed[np.arange(6), np.asarray(token)].all(), (top_k, top_p)
+
+
+def test_an_moe_models_experts_are_kept_per_token_as_a_forward_chooses_them():
+    """`record_routes=True`: each completion's `routes [prompt + completion, L, k]` are the experts a forward over
+    its sequence chooses for every token run (the prompt once for its group; each decode chunk's fed tokens, through
+    more sequences than slots, so some wait), -1 on the last token (never fed)."""
+    config = jm.MixtralConfig(**TINY, num_local_experts=4)
+    model = jm.create_model(config, jm.RuntimeConfig(scan_layers=True), seed=2)
+    gen = jg.GenerationConfig(do_sample=True, seed=3)
+    prompts = prompt_list((6, 11, 3), seed=4)
+    engine = jg.LLMEngine(model, gen, max_num_seqs=4, decode_chunk=3, page_size=4, record_routes=True)
+    outs = engine.generate(prompts, max_new_tokens=8, n=2, eos_token_id=list(range(3, 10)))
+    for p, o in zip(prompts, outs, strict=True):
+        for c in o.outputs:
+            seq = p + c.token_ids
+            forward = np.asarray(model(jnp.asarray([seq])).routes)[:, 0].transpose(1, 0, 2)  # [T, L, k]
+            assert c.routes.shape == (len(seq), 2, 2) and c.routes.dtype == np.int16
+            np.testing.assert_array_equal(np.sort(c.routes[:-1], -1), np.sort(forward[:-1], -1))
+            assert (c.routes[-1] == -1).all()
+    plain = jg.LLMEngine(model, gen, max_num_seqs=4, decode_chunk=3, page_size=4)
+    again = plain.generate(prompts, max_new_tokens=8, n=2, eos_token_id=list(range(3, 10)))
+    assert completions(again) == completions(outs) and again[0].outputs[0].routes is None

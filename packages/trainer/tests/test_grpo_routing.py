@@ -42,9 +42,14 @@ def test_a_stale_moe_rollouts_experts_are_replayed_by_the_training_forward(tmp_p
     assert all(a["train/grad_norm"] != b["train/grad_norm"] for a, b in zip(free[1:], replayed[1:], strict=True))
 
 
+def test_the_paged_engine_records_the_experts_too(tmp_path):
+    """Through the paged engine (`generation_backend="paged"`), the fresh rows' recorded experts are the training
+    forward's (0 at step 1) and the stale rows' differ."""
+    off = [r["train/routing/disagreement"] for r in run(tmp_path, generation_backend="paged")]
+    assert off[0] == 0 and min(off[1:]) > 0, off
+
+
 def test_routing_replay_is_refused_where_no_experts_are_recorded(tmp_path):
-    with pytest.raises(ValueError, match="routing_replay = true with generation_backend = 'paged'"):
-        grpo_args(tmp_path, routing_replay=True, generation_backend="paged")
     dense = GRPOTrainer(
         grpo_args(tmp_path, routing_replay=True),
         model=jm.create_model(tiny(), lazy=True),

@@ -40,7 +40,9 @@ class CompletionOutput:
     """One completion (vLLM's names): its `index` among the request's `n`, its `token_ids` (after the prompt, or
     after the last `extend`), the sampler's log-prob of each (`logprobs`, float32 logits over the temperature,
     before top-k/top-p), its `text` when the engine has a tokenizer, and why it ended: `finish_reason` "stop" (an
-    end id or stop string, named in `stop_reason`) or "length" (`max_new_tokens`)."""
+    end id or stop string, named in `stop_reason`) or "length" (`max_new_tokens`). With the engine's
+    `record_routes` and an MoE model, `routes [len(prompt) + len(token_ids), L, k]` (int16): the experts each layer
+    sent each token of the sequence to (-1 where none ran: the last token, never fed) — MoE routing replay."""
 
     index: int
     token_ids: list[int]
@@ -48,6 +50,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None = None
     text: str | None = None
+    routes: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ class LLMEngine:
       no free memory is reported: room for every slot at the model's full context, at most 1 GiB).
     - `tokenizer`: decodes `text` and finds `stop` strings.
     - `mesh`: the mesh `model`'s parameters are sharded on (the pool is replicated over it; calls run under it).
+    - `record_routes`: an MoE model's experts per token are kept with each sequence (`CompletionOutput.routes`).
 
     The constructor reads nothing and allocates nothing: the pool is made at the first `step()`."""
 
@@ -88,6 +92,7 @@ class LLMEngine:
         gpu_memory_utilization: float = 0.9,
         tokenizer: Any = None,
         mesh: Any = None,
+        record_routes: bool = False,
     ):
         for name, value in (("max_num_seqs", max_num_seqs), ("decode_chunk", decode_chunk), ("page_size", page_size)):
             if not isinstance(value, int) or value < 1:
@@ -103,6 +108,7 @@ class LLMEngine:
             )
         self.model, self.config, self.tokenizer, self.mesh = model, config or GenerationConfig(), tokenizer, mesh
         self.max_num_seqs, self.decode_chunk, self.page_size = max_num_seqs, decode_chunk, page_size
+        self.record_routes = bool(record_routes)
         self.max_model_len = int(model.config.max_position_embeddings)
         self._num_pages, self._memory, self._utilization = num_pages, kv_cache_memory, gpu_memory_utilization
         self.stats: collections.Counter = collections.Counter()
@@ -284,9 +290,14 @@ class LLMEngine:
         table, lens, tokens, count, keys = self._rows(sources, rows, width)
         fn = paged.compiled("extend", self._graphdef, self._layout, self.page_size, read, 0)
         with self._on_mesh():
-            token, logp, logits, self._pools = fn(
+            token, logp, logits, self._pools, routes = fn(
                 self._state, self._pools, table, lens, tokens, count, keys, self._params(sources, rows)
             )
+        if self.record_routes and routes is not None:  # each source's new tokens, right-aligned in its row
+            routes = np.transpose(np.asarray(routes), (1, 2, 0, 3))  # [B, T, L, k]
+            for r, s in enumerate(sources):
+                n = int(count[r])
+                self._keep_routes(s, s.cached, routes[r, width - n :])
         self.stats["prefill_tokens"] += int(count.sum())
         self.stats["extend_calls"] += 1
         token, logp = np.asarray(token), np.asarray(logp)
@@ -295,6 +306,8 @@ class LLMEngine:
             for s in unit[1:]:
                 members.append(s)
                 src_rows.append(r)
+                if unit[0].routes is not None:  # the prompt ran once, for the group
+                    self._keep_routes(s, 0, unit[0].routes[: len(s.tokens)])
         copies = [
             (u[0].pages[len(u[0].tokens) // self.page_size], s.pages[len(s.tokens) // self.page_size])
             for u in units
@@ -343,13 +356,29 @@ class LLMEngine:
         read = self.scheduler.read_pages([s.cached for s in running])
         fn = paged.compiled("decode", self._graphdef, self._layout, self.page_size, read, k)
         with self._on_mesh():
-            tokens, logps, self._pools = fn(
+            tokens, logps, self._pools, routes = fn(
                 self._state, self._pools, table, lens, token, keys, limit, self._params(running, n)
             )
         tokens, logps = np.asarray(tokens), np.asarray(logps)
         self.stats["decode_chunks"] += 1
         self.stats["decode_row_steps"] += k * n
-        return [s for r, s in enumerate(running) if self._append(s, tokens[r].tolist(), logps[r].tolist())]
+        fed = [s.cached for s in running]
+        ended = [s for r, s in enumerate(running) if self._append(s, tokens[r].tolist(), logps[r].tolist())]
+        if self.record_routes and routes is not None:  # the tokens this chunk ran into the pages: fed .. cached - 1
+            routes = np.asarray(routes)
+            for r, s in enumerate(running):
+                self._keep_routes(s, fed[r], routes[r, : s.cached - fed[r]])
+        return ended
+
+    @staticmethod
+    def _keep_routes(s: Sequence, at: int, routes: np.ndarray) -> None:
+        """Keep `routes [n, L, k]`, the experts of `s`'s tokens at positions `at .. at + n - 1`."""
+        if s.routes is None or len(s.routes) < s.limit:
+            grown = np.full((s.limit, *routes.shape[1:]), -1, np.int16)
+            if s.routes is not None:
+                grown[: len(s.routes)] = s.routes
+            s.routes = grown
+        s.routes[at : at + len(routes)] = routes
 
     @staticmethod
     def _params(seqs: list[Sequence], rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -405,4 +434,7 @@ class LLMEngine:
 
     @staticmethod
     def _completion(s: Sequence) -> CompletionOutput:
-        return CompletionOutput(s.index, s.tokens[s.start :], s.logprobs, s.finish_reason, s.stop_reason, s.text)
+        routes = None if s.routes is None else s.routes[: len(s.tokens)].copy()
+        return CompletionOutput(
+            s.index, s.tokens[s.start :], s.logprobs, s.finish_reason, s.stop_reason, s.text, routes
+        )

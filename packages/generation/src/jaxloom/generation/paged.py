@@ -104,8 +104,9 @@ def _extend(graphdef, layout, page_size, read_pages, state, pools, table, lens, 
     """Run `tokens [B, T]` (left-padded, `count [B]` real ones) after each row's `lens [B]` cached positions
     (pages `table [B, Pmax]`, of which the first `read_pages` are read); write their keys and values into the
     pages and sample each row's next token (key: its sequence's `keys [B, 2]`, folded with the token's
-    position) and settings `params`. Returns `(next [B], logp [B], logits [B, V], pools)`: a group's members
-    sample their own tokens from the one prompt row's logits."""
+    position) and settings `params`. Returns `(next [B], logp [B], logits [B, V], pools, routes)`: a group's
+    members sample their own tokens from the one prompt row's logits; `routes [L, B, T, k]`, an MoE model's experts
+    of each token run (None for a dense model)."""
     model = nnx.merge(graphdef, state)
     b, t = tokens.shape
     g = read_pages * page_size
@@ -129,14 +130,15 @@ def _extend(graphdef, layout, page_size, read_pages, state, pools, table, lens, 
     pools = layout.write(pools, out.cache, g, pages, offsets)
     where = lens + count
     token, logp = sample_rows(logits, _step_keys(keys, where), *params)
-    return token, logp, logits, pools
+    return token, logp, logits, pools, out.routes
 
 
 def _decode(graphdef, layout, page_size, read_pages, steps, state, pools, table, lens, token, keys, limit, params):
     """`steps` decode steps for every slot: feed `token [B]` at position `lens [B]` (its pages `table [B, Pmax]`,
     the first `read_pages` read), sample the next, feed it, ... Writes positions `lens ... lens + steps - 1`
     below `limit [B]` into the pages; each row samples with its `params`. Returns `(tokens [B, steps],
-    logps [B, steps], pools)`."""
+    logps [B, steps], pools, routes)`, `routes [B, steps, L, k]` an MoE model's experts of each token fed (None
+    for a dense model)."""
     model = nnx.merge(graphdef, state)
     b = token.shape[0]
     g = read_pages * page_size
@@ -162,12 +164,13 @@ def _decode(graphdef, layout, page_size, read_pages, steps, state, pools, table,
         )
         logits = out.logits[:, -1].astype(jnp.float32)
         new, logp = sample_rows(logits, _step_keys(keys, pos + 1), *params)
-        return (out.cache, kv_seg, kv_pos, new), (new, logp)
+        return (out.cache, kv_seg, kv_pos, new), (new, logp, None if out.routes is None else out.routes[:, :, 0])
 
-    (cache, *_), (tokens, logps) = jax.lax.scan(body, (cache, kv_seg, kv_pos, token), jnp.arange(steps))
+    (cache, *_), (tokens, logps, routes) = jax.lax.scan(body, (cache, kv_seg, kv_pos, token), jnp.arange(steps))
     positions = lens[:, None] + jnp.arange(steps)[None, :]
     pages, offsets = _targets(table, positions, positions < limit[:, None], page_size)
-    return tokens.T, logps.T, layout.write(pools, cache, g, pages, offsets)
+    routes = None if routes is None else jnp.transpose(routes, (2, 0, 1, 3))  # [B, steps, L, k]
+    return tokens.T, logps.T, layout.write(pools, cache, g, pages, offsets), routes
 
 
 def _copy_pages(pools, src, dst):

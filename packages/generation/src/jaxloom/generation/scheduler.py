@@ -39,6 +39,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str | None = None
+    routes: np.ndarray | None = None  # [limit, L, k] int16: an MoE model's experts per position (-1: not run)
 
     @property
     def fresh_member(self) -> bool:

@@ -149,7 +149,7 @@ class RLArgs(SettingsGroup):
         False,
         description="GRPO/RLOO, MoE policies: the training forward sends each token to the experts the sampler chose "
         "(recorded while decoding; the field's R3), so sampling and training route alike; off, their disagreement is "
-        "measured (routing/disagreement). Needs generation_backend=static and jaxloom's own generation",
+        "measured (routing/disagreement). Needs jaxloom's own generation (static or paged)",
     )
 
     @field_validator("reward_funcs", "tools", mode="before")
@@ -187,11 +187,6 @@ class RLArgs(SettingsGroup):
         check_positive(self, "sapo_temperature_pos", "sapo_temperature_neg")
         check_positive(self, "max_staleness", "sampling_devices", allow_zero=True)
         check_positive(self, "queue_maxsize")
-        if self.routing_replay and self.generation_backend != "static":
-            raise ValueError(
-                f"routing_replay = true with generation_backend = {self.generation_backend!r}: the experts are "
-                "recorded by the static sampler; set generation_backend = 'static'"
-            )
         if self.max_inflight_tasks != -1 and self.max_inflight_tasks < 1:
             raise ValueError(f"max_inflight_tasks = {self.max_inflight_tasks}; expected -1 (auto) or at least 1")
         check_positive(self, "delta", allow_none=True)

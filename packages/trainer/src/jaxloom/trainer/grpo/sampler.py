@@ -21,7 +21,8 @@ class PagedRollout:
     every completion in a slot of its own, the pool sized for this rollout (a prompt and `max_new_tokens` per
     completion), prompt `i`'s completions sampled with `fold_in(key, i)` (a resumed run samples what the
     uninterrupted one did). With `keep`, each completion keeps its pages for the tool turns (`continue_rows`:
-    only a turn's own tokens run) until `close`."""
+    only a turn's own tokens run) until `close`. An MoE model's experts per token are kept (`routes`, laid out as the
+    static sampler's)."""
 
     def __init__(self, model, prompt, mask, key, group: int, config, mesh, *, keep: bool = False):
         import jaxloom.generation as jg
@@ -32,14 +33,19 @@ class PagedRollout:
                 f"{jax.process_count()} processes: set generation_backend='static'"
             )
         self.prompts = [row[m > 0].tolist() for row, m in zip(prompt, mask, strict=True)]
+        self.width = prompt.shape[1]
+        self.routes: np.ndarray | None = None
         self.config, self.group, self.keep, self.key = config, group, keep, key
         n, page = config.max_new_tokens, PAGE_SIZE
         pages = 1 + group * sum(-(-(len(p) + n) // page) for p in self.prompts)
         slots = len(self.prompts) * group
-        self.engine = jg.LLMEngine(model, config, max_num_seqs=slots, page_size=page, num_pages=pages, mesh=mesh)
+        self.engine = jg.LLMEngine(
+            model, config, max_num_seqs=slots, page_size=page, num_pages=pages, mesh=mesh, record_routes=True
+        )
 
     def completions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`(completion_ids, completion_mask, completion_logps)`, rows `i * group + j`."""
+        """`(completion_ids, completion_mask, completion_logps)`, rows `i * group + j`; an MoE model's experts in
+        `routes` `[rows, prompt width + max_new_tokens, L, k]` (the prompt right-aligned in its width, as the rows)."""
         engine, n = self.engine, self.config.max_new_tokens
         self.ids = [
             engine.add_request(p, n=self.group, key=jax.random.fold_in(self.key, i), max_new_tokens=n, keep=self.keep)
@@ -55,6 +61,11 @@ class PagedRollout:
         for r, c in enumerate(outs):
             k = len(c.token_ids)
             completion[r, :k], completion_mask[r, :k], logps[r, :k] = c.token_ids, 1, c.logprobs
+            if c.routes is not None:
+                if self.routes is None:
+                    self.routes = np.full((len(outs), self.width + n, *c.routes.shape[1:]), -1, np.int16)
+                p = len(self.prompts[r // self.group])
+                self.routes[r, self.width - p : self.width + k] = c.routes[: p + k]
         return completion, completion_mask, logps
 
     def continue_rows(self, rows: list[int], histories: list[list[int]], max_completion_length: int):
@@ -188,7 +199,9 @@ class Sampler:
         if getattr(rl, "generation_backend", "static") == "paged":
             self.paged = PagedRollout(model, prompt, mask, key, group, config, self.mesh, keep=self.keep_pages)
             self.keep_pages = False
-            return self.paged.completions()
+            out = self.paged.completions()
+            self.routes = self.paged.routes
+            return out
         out = jg.generate(
             model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group, record_routes=True
         )

@@ -272,7 +272,7 @@ class GRPOTrainer(BaseTrainer):
         if self.rollout_engine is None:
             extra[SAMPLED] = ((width,), np.float32)
             routed = routes_shape(self.plan.config)
-            if routed is not None and a.rl.generation_backend == "static":  # the sampler records the experts
+            if routed is not None:  # the sampler records the experts
                 extra[ROUTES] = ((width, *routed), np.int16)
         if a.rl.routing_replay and ROUTES not in extra:
             raise ValueError(
