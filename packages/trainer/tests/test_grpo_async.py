@@ -142,12 +142,18 @@ def test_asynchronous_settings_are_checked_before_step_one(tmp_path, caplog):
         )
 
 
-@pytest.mark.parametrize("split", [[], ["sampling_devices=1"]], ids=["one-mesh", "split-1-1"])
+MOE_REPLAY = ["model.model_type=mixtral", "model.num_local_experts=4", "routing_replay=true"]
+
+
+@pytest.mark.parametrize(
+    "split", [[], ["sampling_devices=1"], MOE_REPLAY], ids=["one-mesh", "split-1-1", "mixtral-routing-replay"]
+)
 def test_asynchronous_grpo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monkeypatch, split):
     """`jaxloom train max_staleness=1` (on the training mesh, or with the sampler on one of the 2 devices), killed
     by SIGKILL after step 7 (the next rollout drawn, its scoring under way) and started again, resumes from step 4's
     checkpoint — the rollout drawn then by step 3's weights restored from it and scored again — and ends bit for
-    bit where an uninterrupted run ends."""
+    bit where an uninterrupted run ends. A Mixtral policy with `routing_replay`: the drawn rollout's experts per
+    token are saved with it and replayed after the resume."""
     from test_resume_cli import resumes_bitwise
 
     monkeypatch.chdir(tmp_path)
@@ -162,7 +168,10 @@ def test_asynchronous_grpo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monk
     extra += ["max_prompt_length=16", "max_completion_length=16", "max_training_steps=8", "learning_rate=1e-2"]
     extra += ["max_staleness=1", *split]
     resumes_bitwise(tmp_path, extra)
-    assert [r["train/sample/staleness_max"] for r in rows(tmp_path / "run") if "train/sample/staleness_max" in r]
+    logged = [r for r in rows(tmp_path / "run") if "train/sample/staleness_max" in r]
+    assert logged
+    if split is MOE_REPLAY:  # replayed on the resumed run's rows too (a lost record would leave only -1s: 0 too)
+        assert all(r["train/routing/disagreement"] == 0 for r in logged)
 
 
 def test_on_eight_devices_split_four_and_four_the_letter_is_learned_a_step_stale(tmp_path):

@@ -169,10 +169,12 @@ class Pipeline:
 
 
 def completions_of(drawn: Any) -> dict[str, np.ndarray | None]:
-    """A drawn rollout's completions (`Drawn`): what a checkpoint keeps of it."""
+    """A drawn rollout's completions (`Drawn`; an MoE sampler's experts per token too): what a checkpoint keeps of
+    it."""
     return {
         "completion": drawn.completion,
         "completion_mask": drawn.completion_mask,
         "sampled": drawn.sampled,
         "keep": drawn.keep,
+        "routes": getattr(drawn, "routes", None),
     }

@@ -366,7 +366,7 @@ class Rollouts(Batches):
         drawn = self.drawer.prompt_rows(records, encoded, where)
         self.drawer.cut_prompts(drawn)
         c = unpack(saved["arrays"])
-        drawn.completed(c["completion"], c["completion_mask"], c.get("sampled"), c.get("keep"))
+        drawn.completed(c["completion"], c["completion_mask"], c.get("sampled"), c.get("keep"), c.get("routes"))
         if saved.get("turns") is not None:
             from .tools import Exchange
 
