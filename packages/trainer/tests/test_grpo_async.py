@@ -157,16 +157,13 @@ def test_asynchronous_grpo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monk
     from test_resume_cli import resumes_bitwise
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "letters.py").write_text(
+    source = (
         "import time\n"
         "def letter_e(prompts, completions, **kwargs):\n"
         "    time.sleep(0.2)\n"
         "    return [c.count('e') / max(len(c), 1) for c in completions]\n"
     )
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    extra = ["trainer=grpo", "data.train=p.jsonl", "reward_funcs=letters.letter_e", "num_generations=4"]
-    extra += ["max_prompt_length=16", "max_completion_length=16", "max_training_steps=8", "learning_rate=1e-2"]
-    extra += ["max_staleness=1", *split]
+    extra = [*grpo_cli(tmp_path, source, "letter_e"), "max_staleness=1", *split]
     resumes_bitwise(tmp_path, extra)
     logged = [r for r in rows(tmp_path / "run") if "train/sample/staleness_max" in r]
     assert logged
@@ -260,3 +257,44 @@ def test_a_rollout_drawn_by_the_drawer_alone_then_finished_on_another_thread():
     assert np.all(sampled[~on] == 0) and np.all(sampled[on] < 0)  # the sampler's log-probs, on the tokens only
     again = drawer.draw(records, encoded, key)
     np.testing.assert_array_equal(again.completion, drawn.completion)
+
+
+def test_a_rollout_funcs_rows_drawn_ahead_resume_bitwise_with_their_fields(tmp_path, monkeypatch):
+    """`rollout_func` with `max_staleness=1`: its rows are drawn a step ahead, and a checkpoint saves them with the
+    function's own prompt tokens and fields (JSON), so a run killed by SIGKILL resumes bit for bit — the resumed
+    run's rewards read the saved fields (a field lost would be a missing argument). A field JSON would not give
+    back as it is (a tuple) is one clear error when the rollout is drawn, before any step trains on it."""
+    from test_resume_cli import resumes_bitwise, run
+
+    monkeypatch.chdir(tmp_path)
+    source = (
+        "def rollout(prompts, trainer):\n"
+        "    tok = trainer.tokenizer\n"
+        "    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]\n"
+        "    text = [' e' * (1 + i % 3) + ' x' * (i % 2) for i in range(len(ids))]\n"
+        "    done = [tok.encode(t, add_special_tokens=False) for t in text]\n"
+        "    return {'prompt_ids': ids, 'completion_ids': done, 'logprobs': [[-1.0] * len(c) for c in done],\n"
+        "            'weight': [0.5 + (i % 4) / 4 for i in range(len(ids))]}\n"
+        "def weighted(prompts, completions, weight, **kwargs):\n"
+        "    return [w * c.count('e') / max(len(c), 1) for w, c in zip(weight, completions)]\n"
+        "def tupled(prompts, trainer):\n"
+        "    out = rollout(prompts, trainer)\n"
+        "    return {**out, 'weight': [(w,) for w in out['weight']]}\n"
+    )
+    extra = grpo_cli(tmp_path, source, "weighted")
+    resumes_bitwise(tmp_path, [*extra, "max_staleness=1", "rollout_func=custom.rollout"])
+    logged = [r for r in rows(tmp_path / "run") if "train/sample/staleness_max" in r]
+    assert [r["train/sample/staleness_max"] for r in logged][-1] == 1
+
+    failed, lines, err = run(tmp_path / "tupled", extra=[*extra, "max_staleness=1", "rollout_func=custom.tupled"])
+    assert failed.returncode != 0 and "STEP 1" not in lines
+    assert "rollout_func's field 'weight' row 0 holds tuple (0.5,), which a checkpoint cannot save" in err, err[-2000:]
+
+
+def grpo_cli(tmp_path, source: str, reward: str) -> list[str]:
+    """A GRPO command line's overrides: RECORDS as `p.jsonl`, `source` as the module `custom` (its reward function
+    `reward`, a rollout), 8 steps of 4 completions of 16 tokens at most, in `tmp_path` (the working directory)."""
+    (tmp_path / "custom.py").write_text(source)
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    extra = ["trainer=grpo", "data.train=p.jsonl", f"reward_funcs=custom.{reward}", "num_generations=4"]
+    return [*extra, "max_prompt_length=16", "max_completion_length=16", "max_training_steps=8", "learning_rate=1e-2"]

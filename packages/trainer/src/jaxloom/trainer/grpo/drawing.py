@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,8 +46,8 @@ class Drawn:
     rewards read, where each row's record is (named in errors), the prompt rows (`prompt`, `prompt_mask`, `width`
     columns; `kept`: each row's prompt tokens; `truncated`: prompts cut) and the completions (`completion`,
     `completion_mask`, the sampler's log-probs `sampled`, `keep`: 1 on the model's own tokens, or None), the tool
-    exchange (`turns`), an MoE sampler's experts per token of `[prompt | completion]` (`routes`, or None) and the
-    seconds drawing took."""
+    exchange (`turns`), an MoE sampler's experts per token of `[prompt | completion]` (`routes`, or None), a
+    `rollout_func`'s own fields for the rewards (`fields`, or None) and the seconds drawing took."""
 
     prompts: list[Any]
     columns: dict[str, list]
@@ -64,6 +65,7 @@ class Drawn:
     keep: np.ndarray | None = None
     turns: Any = None
     routes: np.ndarray | None = None
+    fields: dict[str, list] | None = None
     seconds: float = 0.0
 
     def completed(self, completion, completion_mask, sampled, keep, routes=None) -> None:
@@ -173,7 +175,10 @@ class Drawer:
         prompt, prompt_mask = drawn.prompt, drawn.prompt_mask
         if custom is not None:
             completion, completion_mask, sampled, keep = _custom_completions(out, tok, rl.max_completion_length)
+            if rl.max_staleness:  # drawn ahead: a checkpoint saves the fields with the rollout
+                check_saveable(out)
             drawn.columns.update(out)  # what is left: the fields for the reward functions
+            drawn.fields = out
         elif self.engine is not None:  # an external engine: the prompt rows as they are trained on, no log-probs
             completion, completion_mask = self.engine(prompt, prompt_mask, key)
             sampled = None
@@ -254,6 +259,34 @@ class Drawer:
             metrics.update(drawn.turns.metrics())
         sampled = drawn.sampled
         return rows, metrics, (None if sampled is None else np.where(completion_mask > 0, sampled, 0.0))
+
+
+def check_saveable(fields: dict[str, list]) -> None:
+    """A `rollout_func`'s fields of a rollout drawn ahead (`max_staleness >= 1`) are saved with a checkpoint as JSON:
+    each value must come back from JSON as it is (strings, numbers, booleans, None, lists, dicts with string keys),
+    or a resumed run would score other values; else one error naming the field, its row and what it holds."""
+    for name, values in fields.items():
+        for row, value in enumerate(values):
+            try:
+                same = json.loads(json.dumps(value)) == value and _json_types(value)
+            except (TypeError, ValueError):
+                same = False
+            if not same:
+                raise ValueError(
+                    f"rollout_func's field {name!r} row {row} holds {type(value).__name__} {value!r:.80}, which a "
+                    "checkpoint cannot save as it is; with max_staleness >= 1 a drawn rollout's fields are saved as "
+                    "JSON: return strings, numbers, booleans, None, lists or dicts with string keys (or set "
+                    "max_staleness = 0)"
+                )
+
+
+def _json_types(value: Any) -> bool:
+    """Whether `value` is made of JSON's own types only (a tuple would come back a list)."""
+    if isinstance(value, list):
+        return all(map(_json_types, value))
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_types(v) for k, v in value.items())
+    return value is None or isinstance(value, str | bool | int | float)
 
 
 def _padded(turns: Any, width: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -354,17 +354,27 @@ class Rollouts(Batches):
 
     def save_drawn(self, drawn: Drawn) -> dict[str, Any]:
         """What a checkpoint keeps of a drawn rollout (JSON-safe): its completions (`pack`ed arrays: tokens, mask,
-        the sampler's log-probs, the model's own tokens) and, with tools, its exchange as messages."""
+        the sampler's log-probs, the model's own tokens, an MoE sampler's experts), with tools its exchange as
+        messages, and a `rollout_func`'s prompt tokens and fields (checked JSON-safe when drawn)."""
         saved: dict[str, Any] = {"arrays": pack(completions_of(drawn))}
         if drawn.turns is not None:
             saved["turns"] = drawn.turns.saved()
+        if drawn.fields is not None:
+            saved["custom"] = {"prompt_ids": [[int(t) for t in ids] for ids in drawn.row_ids], "fields": drawn.fields}
         return saved
 
     def redraw(self, index: int, saved: dict[str, Any]) -> Drawn:
         """Rollout `index` as a checkpoint saved it drawn (`save_drawn`; see `pipeline.Pipeline.state`)."""
         records, encoded, where = self.rollout_prompts(index)
         drawn = self.drawer.prompt_rows(records, encoded, where)
-        self.drawer.cut_prompts(drawn)
+        custom = saved.get("custom")
+        if custom is not None:  # a rollout_func's rows: its own prompt tokens and fields
+            drawn.row_ids = [np.asarray(ids, np.int32) for ids in custom["prompt_ids"]]
+            self.drawer.lay_prompts(drawn, drawn.row_ids, 0)
+            drawn.columns.update(custom["fields"])
+            drawn.fields = custom["fields"]
+        else:
+            self.drawer.cut_prompts(drawn)
         c = unpack(saved["arrays"])
         drawn.completed(c["completion"], c["completion_mask"], c.get("sampled"), c.get("keep"), c.get("routes"))
         if saved.get("turns") is not None:

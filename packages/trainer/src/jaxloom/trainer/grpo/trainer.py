@@ -132,13 +132,11 @@ class GRPOTrainer(BaseTrainer):
                 "vllm_importance_sampling_mode='token_truncate'; docs/rl.md)",
                 rl.max_staleness,
             )
-        stateful = (("environment_factory", self._environment_spec), ("rollout_func", self._rollout_spec))
-        synchronous = [name for name, given in stateful if given is not None]
-        if rl.max_staleness and synchronous:
+        if rl.max_staleness and self._environment_spec is not None:
             raise ValueError(
-                f"max_staleness = {rl.max_staleness} with {' and '.join(synchronous)}: an environment's state and a "
-                "custom rollout's fields cannot be saved with a checkpoint (a resumed run would not train what the "
-                "uninterrupted one did); they run synchronously for now: set max_staleness = 0"
+                f"max_staleness = {rl.max_staleness} with environment_factory: an environment's state cannot be saved "
+                "with a checkpoint (a resumed run would not train what the uninterrupted one did); environments run "
+                "synchronously: set max_staleness = 0"
             )
         if self._rollout_spec is not None and rollout_engine is not None:
             raise ValueError("rollout_func and rollout_engine both replace the generation: give one")
