@@ -39,8 +39,9 @@ class PagedRollout:
         n, page = config.max_new_tokens, PAGE_SIZE
         pages = 1 + group * sum(-(-(len(p) + n) // page) for p in self.prompts)
         slots = len(self.prompts) * group
+        routed = bool(getattr(model.config, "num_experts_per_tok", 0))  # an MoE policy: its experts are recorded
         self.engine = jg.LLMEngine(
-            model, config, max_num_seqs=slots, page_size=page, num_pages=pages, mesh=mesh, record_routes=True
+            model, config, max_num_seqs=slots, page_size=page, num_pages=pages, mesh=mesh, record_routes=routed
         )
 
     def completions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -202,8 +203,9 @@ class Sampler:
             out = self.paged.completions()
             self.routes = self.paged.routes
             return out
+        routed = bool(getattr(model.config, "num_experts_per_tok", 0))  # an MoE policy: its experts are recorded
         out = jg.generate(
-            model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group, record_routes=True
+            model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group, record_routes=routed
         )
         self.routes = None if out.routes is None else np.asarray(out.routes)
         return np.asarray(out.completion_ids), np.asarray(out.completion_mask), np.asarray(out.completion_logps)

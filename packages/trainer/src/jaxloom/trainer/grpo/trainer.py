@@ -269,12 +269,12 @@ class GRPOTrainer(BaseTrainer):
         extra = {ADV: ((), np.float32), OLD: ((width,), np.float32), REF: ((width,), np.float32)}
         if self.rollout_engine is None:
             extra[SAMPLED] = ((width,), np.float32)
-            routed = routes_shape(self.plan.config)
+            routed = routes_shape(self.model.config)  # the model's config, not the plan's: the plan counts the steps
             if routed is not None:  # the sampler records the experts
                 extra[ROUTES] = ((width, *routed), np.int16)
         if a.rl.routing_replay and ROUTES not in extra:
             raise ValueError(
-                f"routing_replay = true, but the policy ({type(self.plan.config).__name__}) routes no tokens to "
+                f"routing_replay = true, but the policy ({type(self.model.config).__name__}) routes no tokens to "
                 "experts; expected a mixture-of-experts model (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS) or "
                 "routing_replay = false"
             )
