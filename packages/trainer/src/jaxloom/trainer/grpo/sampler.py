@@ -15,6 +15,13 @@ PAGE_SIZE = 16
 """Positions a page of the paged rollouts' KV cache holds."""
 
 
+def routes_shape(config: Any) -> tuple[int, int] | None:
+    """`(layers, experts per token)` of an MoE model's `config` (what its sampler records per token), None for a dense
+    one."""
+    k = getattr(config, "num_experts_per_tok", None)
+    return None if not k else (int(config.num_hidden_layers), int(k))
+
+
 class PagedRollout:
     """A rollout through `LLMEngine` (`generation_backend="paged"`): `group` completions of each row of
     `prompt [U, P]` (`mask`: 1 on its tokens) by `model` (its parameters on `mesh`), decoded as `config` says;
@@ -39,7 +46,7 @@ class PagedRollout:
         n, page = config.max_new_tokens, PAGE_SIZE
         pages = 1 + group * sum(-(-(len(p) + n) // page) for p in self.prompts)
         slots = len(self.prompts) * group
-        routed = bool(getattr(model.config, "num_experts_per_tok", 0))  # an MoE policy: its experts are recorded
+        routed = routes_shape(model.config) is not None  # an MoE policy: its experts are recorded
         self.engine = jg.LLMEngine(
             model, config, max_num_seqs=slots, page_size=page, num_pages=pages, mesh=mesh, record_routes=routed
         )
@@ -203,7 +210,7 @@ class Sampler:
             out = self.paged.completions()
             self.routes = self.paged.routes
             return out
-        routed = bool(getattr(model.config, "num_experts_per_tok", 0))  # an MoE policy: its experts are recorded
+        routed = routes_shape(model.config) is not None  # an MoE policy: its experts are recorded
         out = jg.generate(
             model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group, record_routes=routed
         )

@@ -18,6 +18,7 @@ from jaxloom.mesh import MeshConfig
 from ..batches import DataSpec
 from ..step import Objective
 from .. import reference
+from .sampler import routes_shape
 from ..reference import build_reference
 from ..components import data_inputs, part
 from ..trainer import BaseTrainer
@@ -387,10 +388,3 @@ class GRPOTrainer(BaseTrainer):
             if self._reference is None:  # LoRA: the base is the policy with its adapters off
                 return self._logps_fn(self.state, batch, True, False)
             return self._logps_fn(self._reference, batch, False, False)
-
-
-def routes_shape(config: Any) -> tuple[int, int] | None:
-    """`(layers, experts per token)` of an MoE model's `config` (what its sampler records per token), None for a dense
-    one."""
-    k = getattr(config, "num_experts_per_tok", None)
-    return None if not k else (int(config.num_hidden_layers), int(k))
