@@ -11,7 +11,7 @@ from util import TOK, TRAIN, mesh, tiny
 
 import jaxloom.models as jm
 from jaxloom.trainer import Trainer, TrainingArguments
-from jaxloom.trainer.components import Parts
+from jaxloom.trainer.components import IfBuilt, Later, Parts
 from jaxloom.trainer.stopping import NonFiniteLossError
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "jaxloom" / "trainer"
@@ -41,35 +41,61 @@ TRAINER_CLASSES = {"BaseTrainer", "Trainer", "DPOTrainer", "GRPOTrainer", "Refer
 
 
 def test_parts_build_once_on_first_use_and_record_what_each_was_built_from():
+    """A builder names its collaborators as keyword parameters: components, or the owner's inputs (`inputs`: the
+    attribute each is read from); `Later` ones come as functions, built when called; `IfBuilt` ones only if
+    something else built them."""
     calls = []
 
-    def a(owner):
+    def a(*, seed):
         calls.append("a")
-        return ["a", owner]
+        return ["a", seed]
 
-    def b(owner):
+    def b(*, a):
         calls.append("b")
-        return ("b", owner.parts.get("a", owner)[0])
+        return ("b", a[0])
 
     class Owner:
-        parts = Parts({"a": a, "b": b})
+        parts = Parts({"a": a, "b": b}, inputs={"seed": "given_seed"})
+        given_seed = 7
 
     owner = Owner()
     assert not owner.parts.built("a") and owner.parts.wiring() == []
     assert owner.parts.get("b", owner) == ("b", "a") and owner.parts.get("b", owner) == ("b", "a")
-    assert calls == ["b", "a"]  # each once: `b` began, asked for `a`, which was made first
+    assert calls == ["b", "a"] or calls == ["a", "b"]  # each once: `b` asked for `a`, which was made first
+    assert owner.parts.get("a", owner) == ["a", 7]  # the input read from the owner's attribute it names
     assert owner.parts.wiring() == [("a", "list", []), ("b", "tuple", ["a"])]
     owner.parts.forget(["b"])
     assert owner.parts.built("a") and not owner.parts.built("b")
     owner.parts.get("b", owner)
-    assert calls == ["b", "a", "b"]
+    assert calls.count("b") == 2 and calls.count("a") == 1
 
-    def loop(owner):
-        return owner.parts.get("loop", owner)
+    def lazy(*, c: Later[list], b: IfBuilt[tuple]):
+        return (c, b)
+
+    def c():
+        calls.append("c")
+        return ["c"]
+
+    owner.parts.builders.update(lazy=lazy, c=c)
+    later, if_built = owner.parts.get("lazy", owner)
+    assert "c" not in calls and if_built() == ("b", "a")  # nothing built for them until asked
+    assert later() == ["c"] and calls.count("c") == 1
+    owner.parts.forget(["b"])
+    assert if_built() is None and not owner.parts.built("b")  # never built by an IfBuilt
+
+    def loop(*, loop):
+        return loop
 
     owner.parts.builders["loop"] = loop
     with pytest.raises(RuntimeError, match="component 'loop' needs itself: loop -> loop"):
         owner.parts.get("loop", owner)
+
+    def unknown(*, trainer):
+        return trainer
+
+    owner.parts.builders["unknown"] = unknown
+    with pytest.raises(TypeError, match="unknown\\(\\) names 'trainer', which is neither a component"):
+        owner.parts.get("unknown", owner)
 
 
 def test_parts_build_each_component_once_across_threads_and_keep_each_threads_chain():
@@ -81,18 +107,18 @@ def test_parts_build_each_component_once_across_threads_and_keep_each_threads_ch
 
     count, started = [], threading.Event()
 
-    def slow(owner):
+    def slow():
         count.append(1)
         started.set()
         time.sleep(0.2)
         return object()
 
-    def other(owner):
+    def other(*, slow: Later[object]):
         started.wait()
-        return ("other", owner.parts.get("slow", owner))
+        return ("other", slow())
 
     class Owner:
-        parts = Parts({"slow": slow, "other": other, "plain": lambda owner: "plain"})
+        parts = Parts({"slow": slow, "other": other, "plain": lambda: "plain"})
 
     owner = Owner()
     with ThreadPoolExecutor(3) as pool:
@@ -118,8 +144,9 @@ def test_a_trainer_builds_no_component_until_one_is_used_then_shows_the_graph(tm
     wiring = {name: (cls, needs) for name, cls, needs in trainer.parts.wiring()}
     assert wiring["functions"] == ("StepFunctions", ["plan", "batches"])
     # max_training_steps given: the plan needs no data (without it, the epochs' steps are the batches' to count)
-    assert wiring["plan"] == ("Plan", []) and wiring["batches"] == ("Batches", [])
-    assert [n for n, _, _ in trainer.parts.wiring()] == ["plan", "batches", "functions"]  # the order they were made
+    assert wiring["plan"] == ("Plan", ["source_model"]) and wiring["batches"] == ("Batches", [])
+    assert wiring["source_model"][1] == []  # the model given, as this kind trains it (a reward kind: a classifier)
+    assert [n for n, _, _ in trainer.parts.wiring()] == ["source_model", "plan", "batches", "functions"]  # in order
     assert not trainer.parts.built("checkpointing") and not trainer.parts.built("run_directory")
     trainer.finish()  # releases only what was built: no run directory was taken
     assert not trainer.parts.built("run_directory")

@@ -422,15 +422,15 @@ def test_a_device_error_names_the_step_that_failed_not_the_one_dispatched_after_
 
     real = session.run_loop
 
-    def run_loop(t, step, callbacks, train_fn):
+    def run_loop(*, run, train_fn, **collaborators):
         def first_fails(state, batch):
             state, metrics = train_fn(state, batch)
-            if t.current_step == 0:  # step 1's result: an error the device reports when it is read
+            if run.step == 0:  # step 1's result: an error the device reports when it is read
                 bad = jax.pure_callback(fails, jax.ShapeDtypeStruct((), jnp.float32), metrics["loss"])
                 metrics = {**metrics, "loss": bad}
             return state, metrics
 
-        return real(t, step, callbacks, first_fails)
+        return real(run=run, train_fn=first_fails, **collaborators)
 
     monkeypatch.setattr(session, "run_loop", run_loop)
     t = trainer(tmp_path, max_training_steps=2, evaluation=None)

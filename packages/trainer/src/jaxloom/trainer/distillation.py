@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,9 @@ import numpy as np
 import jaxloom.state as js
 
 from .batches import DataSpec
-from . import components
-from .components import data_inputs, part
+from .components import Later, part, step_functions
+from .plan import Plan
+from .run_state import RunState
 from .distillation_config import DistillationConfig
 from .functions import StepFunctions
 from .grpo.rollouts import Policy, Rollouts
@@ -95,25 +97,41 @@ def _no_log_probs(batch, *, reference: bool) -> jax.Array:
     raise AssertionError("distillation's rollouts keep no per-token log-probs")  # its layout asks for none
 
 
-def student_rollouts(trainer: Any) -> StudentRollouts:
+def student_rollouts(
+    *,
+    arguments: DistillationConfig,
+    data_spec: Callable[[], DataSpec],
+    mesh: Any,
+    data_axes: Any,
+    tokenizer: Later[Any],
+    dataset_train: Any,
+    dataset_eval: Any,
+    run: RunState,
+) -> StudentRollouts:
     """Distillation's batches component: the student's completions of the step's prompts."""
     return StudentRollouts(
-        trainer.arguments,
-        trainer.data_spec(),
-        **data_inputs(trainer),
-        settings=trainer.arguments.distillation,
-        policy=Policy(
-            state=lambda: trainer.state,
-            step=lambda: trainer.current_step,
-            logps=_no_log_probs,
-            rewards=lambda: ([], []),
-        ),
+        arguments,
+        data_spec(),
+        mesh=mesh,
+        data_axes=data_axes,
+        tokenizer=tokenizer,
+        dataset_train=dataset_train,
+        dataset_eval=dataset_eval,
+        settings=arguments.distillation,
+        policy=Policy(state=lambda: run.state, step=lambda: run.step, logps=_no_log_probs, rewards=lambda: ([], [])),
     )
 
 
-def teacher_functions(trainer: Any) -> StepFunctions:
+def teacher_functions(
+    *,
+    arguments: DistillationConfig,
+    plan: Plan,
+    batches: Any,
+    objective: Callable[[], Objective],
+    teacher: js.TrainState,
+) -> StepFunctions:
     """The train and eval steps with the teacher as their frozen first argument (`StepFunctions.build(frozen=)`)."""
-    return components.functions(trainer, frozen=trainer.teacher)
+    return step_functions(arguments, plan, batches, objective(), frozen=teacher)
 
 
 # ---- the trainer -------------------------------------------------------------------------------------------
@@ -151,6 +169,7 @@ class DistillationTrainer(GRPOTrainer):
         self._reference = None
 
     batches = part(student_rollouts)  # type: ignore[assignment]
+    INPUTS: ClassVar[dict[str, str]] = {"teacher": "teacher"}
     functions = part(teacher_functions)  # type: ignore[assignment]
 
     @functools.cached_property

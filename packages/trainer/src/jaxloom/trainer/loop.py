@@ -9,46 +9,63 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from .callbacks import Callbacks
+from .batches import Batches
+from .callbacks import Callbacks, RunView
+from .monitor import StepLog
+from .run_state import RunState
 from .step import STOP_KEY
+from .stopping import StopControl
 
 log = logging.getLogger("jaxloom.trainer")
 
 
-def run_loop(trainer: Any, step: int, callbacks: Callbacks, train_fn: Any) -> tuple[int, str]:
-    """Train `trainer.state` from `step` to the plan's last step (or a stop); returns `(step, stop reason)`."""
-    stop, data, total, run = trainer.stop_control, trainer.batches, trainer.plan.total_steps, trainer.run_view
-    loader = data.train_loader()
-    profiler = Profiler(trainer.arguments.profile_steps, trainer.run_directory.local / "profile")
+def run_loop(
+    *,
+    run: RunState,
+    step: int,
+    total: int,
+    train_fn: Any,
+    batches: Batches,
+    callbacks: Callbacks,
+    view: RunView,
+    stop: StopControl,
+    step_log: StepLog,
+    data_metrics: Callable[..., dict[str, float]],
+    profiler: Profiler,
+) -> tuple[int, str]:
+    """Train `run.state` from `step` to `total` (or a stop); returns `(step, stop reason)`. The loop owns `run`: it
+    writes the state, the step being run and the newest step known to have run on the device."""
+    loader = batches.train_loader()
     pending, reason = None, "max_training_steps reached"
     # the newest step known to have run: steps are dispatched ahead, so an error of step k (an out-of-memory on the
     # device) surfaces while step k + 1 is dispatched; the run's error names the step that failed, not the next
-    trainer.completed_step = step
+    run.completed = step
 
     def settle(step: int, metrics: dict) -> None:
         """The host's share of `step`, once the next step is dispatched: checks, log row, progress."""
         keys = ("finite", "loss", "grad_norm", STOP_KEY)
         done = jax.device_get({k: metrics[k] for k in keys if k in metrics})  # the step has run on the device
-        trainer.completed_step = step
-        trainer.apply_training_hooks({**done, "step": step})
-        trainer.step_log.step(step, metrics, extra=lambda: trainer.data_metrics(step=step), state=trainer.state)
+        run.completed = step
+        stop.apply_training_hooks({**done, "step": step})
+        step_log.step(step, metrics, extra=lambda: data_metrics(step=step), state=run.state)
 
     try:
         while step < total and not stop.reason:
-            callbacks.step_start(run, step + 1)  # steps are numbered like checkpoints: updates after the step
+            callbacks.step_start(view, step + 1)  # steps are numbered like checkpoints: updates after the step
             profiler.before(step + 1)
             try:
                 local = next(loader)
             except StopIteration:
                 reason = "training data exhausted"
                 break
-            trainer.state, metrics = train_fn(trainer.state, data.global_batch(local, stop_code=stop.code))
-            step = trainer.current_step = step + 1
-            metrics = callbacks.step_end(run, step, metrics)
+            run.state, metrics = train_fn(run.state, batches.global_batch(local, stop_code=stop.code))
+            step = run.step = step + 1
+            metrics = callbacks.step_end(view, step, metrics)
             profiler.after(step, metrics)
             if pending:
                 settle(*pending)  # the previous step, now done on the device
@@ -58,14 +75,14 @@ def run_loop(trainer: Any, step: int, callbacks: Callbacks, train_fn: Any) -> tu
                 settle(*pending)
                 pending = None
                 for cb in due:
-                    cb.fn(run, step)  # type: ignore[misc]
+                    cb.fn(view, step)  # type: ignore[misc]
         if pending:
             settle(*pending)
     except jax.errors.JaxRuntimeError:
         if pending:  # did the step in flight run? its error, if it failed, is the one being raised
             try:
                 jax.block_until_ready(pending[1])
-                trainer.completed_step = pending[0]
+                run.completed = pending[0]
             except Exception:  # noqa: BLE001, S110 - it failed: completed_step stays before it
                 pass
         raise

@@ -14,7 +14,7 @@ than `max_length` is a bad record, as TRL drops it. The loss is `−log σ(r_cho
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +23,8 @@ import numpy as np
 import jaxloom.models as jmod
 import jaxloom.state as js
 
-from . import components
 from .batches import DataSpec
 from .pairs import pairs_as_rows
-from .plan import Plan
 from .reward_config import RewardConfig
 from .step import Objective, StepConfig
 from .trainer import BaseTrainer
@@ -92,14 +90,13 @@ def reward_metrics(sums):
     }
 
 
-def reward_plan(trainer: Any) -> Plan:
-    """The plan of the given model as a one-score sequence classifier (a causal LM's decoder with a new `score`
-    drawn from the seed; a classifier as it is) reading its score at the last token that is not the tokenizer's
-    pad token, as TRL sets the model's `pad_token_id`."""
-    trainer._model_in = jmod.as_sequence_classifier(
-        trainer._model_in, num_labels=1, pad_token_id=trainer.tokenizer.pad_token_id, seed=trainer.arguments.seed
+def reward_model(*, given_model: Any, tokenizer: Any, arguments: RewardConfig) -> Any:
+    """The given model as a one-score sequence classifier (a causal LM's decoder with a new `score` drawn from the
+    seed; a classifier as it is) reading its score at the last token that is not the tokenizer's pad token, as TRL
+    sets the model's `pad_token_id`: the model the reward kind trains (its plan's and its exports')."""
+    return jmod.as_sequence_classifier(
+        given_model, num_labels=1, pad_token_id=tokenizer.pad_token_id, seed=arguments.seed
     )
-    return components.plan(trainer)
 
 
 # ---- the trainer -------------------------------------------------------------------------------------------
@@ -121,7 +118,7 @@ class RewardTrainer(BaseTrainer):
 
     MATCH_BOS = False  # pairs are tokenized with the tokenizer's own special-token policy, as TRL does
     arguments_class = RewardConfig
-    plan = components.part(reward_plan)
+    BUILDERS: ClassVar[dict[str, Any]] = {"source_model": reward_model}
 
     def objective(self) -> Objective:
         """The pairs' Bradley-Terry loss (with `center_rewards_coefficient`); TRL's metrics."""

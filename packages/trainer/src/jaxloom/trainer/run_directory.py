@@ -92,6 +92,15 @@ class RunDirectory:
         return staging_folder(d) if paths.is_uri(d) else Path(d)
 
     @property
+    def folder(self) -> Path:
+        """`local` of a run directory whose `save_directory` is set (every one a run writes to: its builder chose one
+        when none was given)."""
+        local = self.local
+        if local is None:
+            raise ValueError("save_directory is not set: this run directory has no folder")
+        return local
+
+    @property
     def checkpoints(self) -> str:
         """Where the checkpoints are: `checkpoint_directory`, else `save_directory/checkpoints`."""
         c = self.config

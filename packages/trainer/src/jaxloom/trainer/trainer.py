@@ -55,14 +55,16 @@ from .outputs import (
 )
 from .surface import ReferenceSurface
 from .run_directory import RUN_CONFIG, RunDirectory
+from .run_state import RunState, run_field
 from .runs import default_tokenizer, load_model
-from .session import train
+from .session import Session
 from .step import Objective
 from .stopping import NonFiniteLossError
 
 __all__ = ["RUN_CONFIG", "BaseTrainer", "NonFiniteLossError", "Trainer", "use_compilation_cache"]
 log = logging.getLogger("jaxloom.trainer")
-_PLANNED = ("plan", "functions", "evaluator", "batches", "run_identity")  # rebuilt when the starting point changes
+# rebuilt when the starting point changes
+_PLANNED = ("source_model", "plan", "functions", "evaluator", "batches", "run_identity")
 
 
 def _kind_signature(cls: type) -> inspect.Signature:
@@ -150,7 +152,7 @@ class BaseTrainer(ReferenceSurface):
             raise ValueError("give a model (concrete or lazy) or a model_state")
         if data_collator is not None and not callable(data_collator):
             raise TypeError(f"data_collator {data_collator!r} is not callable")
-        self.arguments = arguments
+        self.run = RunState(arguments)  # the run's mutable state: arguments in force, state, step
         self.dataset_train, self.dataset_eval = dataset_train, dataset_eval
         self.data_collator, self.finetune = data_collator, bool(finetune)
         self.hooks = list(hooks or [])
@@ -161,10 +163,6 @@ class BaseTrainer(ReferenceSurface):
         self._tokenizer = processing_class
         self._tokenizer_matched = False  # set to add BOS as training does: checked once, not on every access
         self._mesh = mesh
-        self.state: js.TrainState | None = None  # the state being trained, once configure_model() has run
-        self.resumed_from: str | None = None
-        self.current_step = 0
-        self.completed_step = 0  # the newest step known to have run on the device (the loop sets it)
         self._pool: ThreadPoolExecutor | None = None
         self._train_fn: Any = None  # the compiled train step (a Compilation while it compiles)
         self._initialized = False
@@ -177,7 +175,18 @@ class BaseTrainer(ReferenceSurface):
         """A kind's own keyword inputs (DPO's `ref_model`), checked and kept: the one constructor passes the
         keyword arguments this method names to it, after storing the common ones. No I/O."""
 
-    # ---- the components (built on first use by their builders in components.py) --------------------------
+    # ---- the run's state (`RunState`) and components (built on first use by their builders in components.py) --
+    arguments = run_field("arguments", "The arguments in force (`save_directory` filled in once chosen).")
+    state = run_field("state", "The `TrainState` being trained, once `configure_model()` has run (else None).")
+    current_step = run_field("step", "The step being run.")
+    completed_step = run_field("completed", "The newest step known to have run on the device.")
+    resumed_from = run_field("resumed_from", "The checkpoint the state was restored from, if any.")
+    INPUTS: ClassVar[dict[str, str]] = components.CORE_INPUTS
+    BUILDERS: ClassVar[dict[str, Any]] = {
+        "source_model": components.source_model,
+        "benchmarks": components.benchmarks,
+        "run_files": components.run_files,
+    }
     plan = components.part(components.plan)
     batches = components.part(components.batches)
     functions = components.part(components.functions)
@@ -420,7 +429,7 @@ class BaseTrainer(ReferenceSurface):
         """Every callback in the order they run: checkpoint first (saved before anything that can fail runs
         on the step), evaluation and preview on their cadence, the trainer's own hooks, `hooks`, then
         `callbacks` added with `add_callback`."""
-        return components.callbacks(self)
+        return self.parts.call(components.callbacks, self)
 
     def save_checkpoint(self, step: int) -> None:
         """Save the current state as checkpoint `step` (with the data position and the run's metadata: see
@@ -437,7 +446,7 @@ class BaseTrainer(ReferenceSurface):
         `save_directory` wins when `resume_if_possible`. Returns a `TrainerOutput` (`.state` is the final
         state)."""
         self._take_starting_point(model_parameters, state)
-        return train(self)
+        return self.parts.call(Session, self).train()
 
     def _take_starting_point(self, model_parameters: Any, state: js.TrainState | None) -> None:
         """`train(model_parameters=..., state=...)`: what the run starts from (before setup)."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +33,7 @@ from .config import GRPOConfig, RLArgs
 from .loss import OLD, REF, policy_logps, routing_metrics, routing_sums, sampler_metrics, sampler_sums
 from .rewards import call_reward, concurrently, is_async, reward_name
 from .rollouts import Rollouts
-from .trainer import GRPOTrainer, rollouts
+from .trainer import GRPOTrainer, rollouts_of
 
 REWARDS = "rewards"
 """Batch key of RLOO's rows: each completion's reward (NaN: unscorable), the advantage made in the step."""
@@ -182,9 +181,8 @@ class RLOORollouts(Rollouts):
         return {REWARDS: trained.astype(np.float32)}, metrics
 
 
-def rloo_rollouts(trainer: Any) -> RLOORollouts:
-    """RLOO's batches component: GRPO's rollouts, scored by reward (the advantage is the step's)."""
-    return rollouts(trainer, RLOORollouts)  # type: ignore[return-value]
+rloo_rollouts = rollouts_of(RLOORollouts)
+"""RLOO's batches component: GRPO's rollouts, scored by reward (the advantage is the step's)."""
 
 
 class RLOOTrainer(GRPOTrainer):

@@ -6,7 +6,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,8 @@ from ..step import Objective
 from .. import reference
 from .sampler import routes_shape
 from ..reference import build_reference
-from ..components import data_inputs, part
+from ..components import Later, part
+from ..run_state import RunState
 from ..trainer import BaseTrainer
 from .config import GRPOConfig
 from .loss import ADV, OLD, REF, ROUTES, SAMPLED, grpo_loss, grpo_metrics, token_logps
@@ -31,24 +32,54 @@ from .rollouts import Policy, Rollouts
 log = logging.getLogger("jaxloom.trainer")
 
 
-def rollouts(trainer: Any, kind: type[Rollouts] = Rollouts) -> Rollouts:
-    """GRPO's batches component: rollouts of the policy from the prompts, scored by the reward functions (`kind`:
-    the rollout stage's class, a kind that scores otherwise gives its own)."""
-    return kind(
-        trainer.arguments,
-        trainer.data_spec(),
-        **data_inputs(trainer),
-        engine=trainer.rollout_engine,
-        policy=Policy(
-            state=lambda: trainer.state,
-            step=lambda: trainer.current_step,
-            logps=trainer.logps_of,
-            rewards=lambda: (trainer.reward_functions, trainer.reward_weights),
-            tools=lambda: trainer.tool_set,
-            environments=lambda: trainer.environments,
-            rollout=lambda: trainer.custom_rollout,
-        ),
-    )
+def rollouts_of(kind: type[Rollouts]) -> Callable[..., Rollouts]:
+    """The batches component's builder of a kind that samples like GRPO: rollouts of the policy from the prompts,
+    scored by the reward functions, made by `kind` (the rollout stage's class: a kind that scores otherwise gives
+    its own)."""
+
+    def rollouts(
+        *,
+        arguments: GRPOConfig,
+        data_spec: Callable[[], DataSpec],
+        mesh: Any,
+        data_axes: Any,
+        tokenizer: Later[Any],
+        dataset_train: Any,
+        dataset_eval: Any,
+        run: RunState,
+        rollout_engine: Callable | None,
+        logps_of: Callable[..., Any],
+        reward_functions: Later[list[Callable]],
+        reward_weights: Later[list[float]],
+        tool_set: Later[Any],
+        environments: Later[Any],
+        custom_rollout: Later[Any],
+    ) -> Rollouts:
+        """The run's rollouts (`Rollouts`): the policy's completions of the step's prompts, scored."""
+        return kind(
+            arguments,
+            data_spec(),
+            mesh=mesh,
+            data_axes=data_axes,
+            tokenizer=tokenizer,
+            dataset_train=dataset_train,
+            dataset_eval=dataset_eval,
+            engine=rollout_engine,
+            policy=Policy(
+                state=lambda: run.state,
+                step=lambda: run.step,
+                logps=logps_of,
+                rewards=lambda: (reward_functions(), reward_weights()),
+                tools=tool_set,
+                environments=environments,
+                rollout=custom_rollout,
+            ),
+        )
+
+    return rollouts
+
+
+rollouts = rollouts_of(Rollouts)
 
 
 class GRPOTrainer(BaseTrainer):
@@ -156,6 +187,10 @@ class GRPOTrainer(BaseTrainer):
             )
 
     batches = part(rollouts)  # type: ignore[assignment]
+    INPUTS: ClassVar[dict[str, str]] = {
+        name: name
+        for name in ("rollout_engine", "logps_of", "reward_functions", "reward_weights", "tool_set", "environments")
+    } | {"custom_rollout": "custom_rollout"}
 
     @property
     def mesh(self):
