@@ -152,6 +152,31 @@ def test_a_trainer_builds_no_component_until_one_is_used_then_shows_the_graph(tm
     assert not trainer.parts.built("run_directory")
 
 
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo", "rloo", "reward", "distillation"])
+def test_every_builder_of_every_kind_names_collaborators_the_run_has_never_the_trainer(kind):
+    """Issue 72: a component is built from the collaborators its builder names as keyword parameters — components,
+    or the run's inputs the kind declares (`INPUTS`: the one table of trainer members given by name) — so the
+    wiring reads from the code. Every name resolves for every kind, and each input names a member the kind has."""
+    import inspect
+
+    from jaxloom.trainer.kinds import KINDS
+    from jaxloom.trainer.session import Session
+
+    cls = KINDS[kind]
+    parts = Parts.of(cls)
+    assert {"plan", "batches", "functions", "setup", "checkpointing", "step_log"} <= set(parts.builders)
+    for name, builder in [*parts.builders.items(), ("session", Session)]:
+        for p in inspect.signature(builder).parameters.values():
+            wanted = p.name.removesuffix("_if_built")
+            assert p.kind is inspect.Parameter.KEYWORD_ONLY, (kind, name, p.name)
+            assert p.name not in ("trainer", "_trainer", "owner", "self"), (kind, name)
+            assert wanted in parts.builders or wanted in parts.inputs, (kind, name, p.name)
+    instance_attributes = {"run", "dataset_train", "dataset_eval", "data_collator", "finetune", "hooks", "callbacks"}
+    instance_attributes |= {"_state_in", "_tokenizer", "run_config", "reward_weights", "rollout_engine"}
+    for given, attribute in parts.inputs.items():
+        assert hasattr(cls, attribute) or attribute in instance_attributes, (kind, given, attribute)
+
+
 def test_no_component_module_imports_the_trainer_or_keeps_it():
     for rel in COMPONENT_MODULES:
         tree = ast.parse((SRC / rel).read_text())

@@ -192,3 +192,123 @@ def test_start_up_traces_the_step_first_and_imports_orbax_after_step_one(tmp_pat
     assert "orbax.checkpoint" in sys.modules
     ckpt.after_step(9)
     assert ckpt.preparing is thread  # once
+
+
+def test_the_step_log_writes_window_means_with_throughput_and_continues_a_resumed_history(tmp_path):
+    """`StepLog` alone: each `logging_steps` window becomes one row (the mean of its steps' metrics, perplexity,
+    tokens seen, the data's `extra()` asked for only when a row is written); a second log opened at step 4 (a
+    resumed segment) reads the first segment's rows and goes on counting tokens from them."""
+    import json
+    import math
+
+    import jax.numpy as jnp
+
+    from jaxloom.trainer.monitor import StepLog
+
+    a = args(tmp_path, logging_steps=2, max_training_steps=6)
+    config = jm.create_model(tiny(), lazy=True).config
+    asked = []
+
+    def extra():
+        asked.append(1)
+        return {"data/x": 1.0}
+
+    def log():
+        return StepLog(a, config=config, row_width=32, devices=1, is_process_zero=True, directory=tmp_path)
+
+    first = log()
+    first.open(0, 6, {"run": "first"})
+    for step in range(1, 5):
+        first.step(step, {"loss": jnp.float32(step), "grad_norm": jnp.float32(1), "learning_rate": 1e-3}, extra=extra)
+    first.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train] == [2, 4] and len(asked) == 2  # one row, one extra(), per window
+    assert [r["train/loss"] for r in train] == [1.5, 3.5]  # each window's mean
+    assert train[0]["train/perplexity"] == pytest.approx(math.exp(1.5))
+    assert train[1]["train/tokens_seen"] == 4 * a.training_batch_size * 32 and train[1]["data/x"] == 1.0
+    second = log()
+    second.open(4, 6, {"run": "second"})
+    assert [r["step"] for r in second.history if "train/loss" in r] == [2, 4]  # the first segment's rows
+    for step in (5, 6):
+        second.step(step, {"loss": jnp.float32(1), "learning_rate": 1e-3}, extra=dict)
+    second.close()
+    assert second.history[-1]["step"] == 6 and second.history[-1]["train/tokens_seen"] == 6 * 8 * 32
+
+
+def test_the_exporter_writes_the_state_it_is_given_and_a_report_of_the_facts_it_is_given(tmp_path):
+    """`Exporter` alone: `save_pretrained` writes the state `current()` gives (an HF directory `from_pretrained`
+    reads back equal), or any state passed to it; `save_information` writes `facts()` to report.md in
+    `directory()`. Nothing else of a run is needed."""
+    from jaxloom.trainer.export import Exporter
+    from jaxloom.trainer.resume import run_identity
+
+    plan = Plan.build(ARGS, jm.create_model(tiny(), lazy=True), mesh=mesh(1), total_steps=4)
+    state = plan.initial_state()
+    facts = dict(
+        identity=run_identity(ARGS, plan.config, TOK, TRAIN),
+        dataset_train=TRAIN,
+        dataset_eval=None,
+        model=plan.abstract.model,
+        n_params=plan.n_params,
+        mesh=plan.mesh,
+        arguments=ARGS,
+        resumed_from=None,
+        history=[{"step": 4, "train/loss": 2.5}],
+    )
+    exporter = Exporter(
+        current=lambda: state,
+        tokenizer=lambda: TOK,
+        arguments=lambda: ARGS,
+        directory=lambda: tmp_path,
+        facts=lambda: facts,
+    )
+    out = exporter.save_pretrained(tmp_path / "hf", to_hf=True)
+    from flax import nnx
+
+    back = nnx.to_pure_dict(nnx.state(jm.from_pretrained(out), nnx.Param))
+    mine = nnx.to_pure_dict(nnx.state(state.model, nnx.Param))
+    jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), mine, back)
+    report = exporter.save_information(final={"loss": 2.5}, stop_reason="max_training_steps reached")
+    text = report.read_text()
+    assert report == tmp_path / "report.md" and "max_training_steps reached" in text and f"{plan.n_params:,}" in text
+
+
+def test_the_reference_holder_alone_gives_each_pair_batch_the_frozen_models_log_probs(tmp_path):
+    """DPO's `Reference` alone, given its collaborators by name (the policy's state, the plan, the batches, the
+    folder): the reference rebuilt from the plan (no `ref_model`: the starting policy) gives every pair batch its
+    `[A, B, 2]` log-probs — equal to the policy's own at the start — and keeps them while the policy moves."""
+    import functools
+
+    from test_dpo import dpo_args, rule_pairs
+
+    from jaxloom.trainer.dpo import REF_KEY, Reference, reference_logps
+
+    a = dpo_args(tmp_path, max_training_steps=2)
+    plan = Plan.build(a, jm.create_model(tiny(), lazy=True), mesh=mesh(1), total_steps=2)
+    policy = {"state": plan.initial_state()}
+    ref = Reference(None)
+    spec = DataSpec.tokens(
+        a,
+        row_width=2 * a.max_sequence_length,
+        settings={"packing": False, "pairs": True},
+        extra={REF_KEY: ((2,), np.float32)},
+        extend=ref.extend,
+    )
+    data = Batches(
+        a, spec, mesh=plan.mesh, data_axes=plan.data_axes, tokenizer=lambda: TOK, dataset_train=rule_pairs(32, 0)
+    )
+    ref.ready(policy=lambda: policy["state"], plan=plan, batches=data, folder=lambda: tmp_path)
+    assert ref.state is not None and ref.state is not policy["state"]  # its own copy, frozen
+    local = next(data.train_loader())
+    batch = data.global_batch(local)
+    fuse = (a.loss_block_size, data.data_shards())
+    own = jax.jit(functools.partial(reference_logps, fuse=fuse))(policy["state"], batch, policy["state"].step)
+    assert batch[REF_KEY].shape == (1, a.total_batch_size, 2)
+    np.testing.assert_allclose(np.asarray(batch[REF_KEY]), np.asarray(own), rtol=1e-6)
+    plain = DataSpec.tokens(a, row_width=2 * a.max_sequence_length, settings={"packing": False, "pairs": True})
+    fns = StepFunctions.build(plan, plain, StepConfig(schedule=plan.schedule), accumulation=1, donate=False)
+    policy["state"], _ = fns.train(policy["state"], {k: v for k, v in batch.items() if k != REF_KEY})
+    again = data.global_batch(local)  # the same pairs after a policy step: the reference has not moved
+    np.testing.assert_array_equal(np.asarray(again[REF_KEY]), np.asarray(batch[REF_KEY]))
+    data.close()

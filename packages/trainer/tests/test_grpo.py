@@ -403,7 +403,7 @@ def test_rows_follow_the_data_not_the_prompt_cap(tmp_path):
         t.train()
         seen = [r["train/rows/width"] for r in rows(out) if "train/rows/width" in r]
         widths[cap] = seen
-        assert sorted(t._train_fn.compiled) == sorted(set(seen))  # one compile per width, reused after
+        assert sorted(t.setup.train_fn.compiled) == sorted(set(seen))  # one compile per width, reused after
     # prompts of ~4 tokens: bucket 16; completions of 12 tokens: the bucket 16 cut to max_completion_length
     assert widths[32] == widths[512] == widths[None] == [16 + 12] * 3, widths
     tokens = [r["train/tokens_seen"] for r in rows(tmp_path / "cap-512") if "train/tokens_seen" in r]

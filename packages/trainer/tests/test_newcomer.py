@@ -524,9 +524,9 @@ def test_ctrl_c_during_setup_or_the_first_compile_is_one_line(tmp_path):
     for). Python raises KeyboardInterrupt in the main thread on SIGINT; here it is raised where setup runs."""
     code = (
         "import sys\n"
-        "import jaxloom.trainer.trainer as t\n"
+        "import jaxloom.trainer.setup as t\n"
         "def interrupted(self):\n    raise KeyboardInterrupt\n"
-        "t.BaseTrainer.initialize_trainer_utils = interrupted\n"
+        "t.Setup.initialize_trainer_utils = interrupted\n"
         "from jaxloom.trainer.cli import main\n"
         f"sys.exit(main(['train', *{TINY!r}, 'max_training_steps=3', 'save_directory={tmp_path / 'run'}']))\n"
     )

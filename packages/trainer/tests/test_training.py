@@ -117,9 +117,9 @@ def test_one_step_stays_in_flight_and_the_next_batch_is_staged_before_the_host_r
             events.append(("dispatched", step))
 
     t = trainer(tmp_path, hooks=[Order()], max_training_steps=6, save_steps=4, logging_steps=2, evaluation=None)
-    stage, check, save = t.batches.global_batch, t.apply_training_hooks, t.save_checkpoint
+    stage, check, save = t.batches.global_batch, t.stop_control.apply_training_hooks, t.save_checkpoint
     t.batches.global_batch = lambda local, **kw: (events.append(("staged", None)), stage(local, **kw))[1]
-    t.apply_training_hooks = lambda m: (events.append(("checked", m["step"])), check(m))[1]
+    t.stop_control.apply_training_hooks = lambda m: (events.append(("checked", m["step"])), check(m))[1]
     t.save_checkpoint = lambda step: (events.append(("saved", step)), save(step))[1]
     t.train()
     assert events[:9] == [

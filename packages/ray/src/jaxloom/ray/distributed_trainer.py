@@ -431,15 +431,17 @@ class RayDistributedTrainer:
 
 
 def _train_job(
-    ctx, trainer: RayDistributedTrainer, scaling_index, arguments, dataset_train, dataset_eval, data_collator, faults
+    ctx, launcher: RayDistributedTrainer, scaling_index, arguments, dataset_train, dataset_eval, data_collator, faults
 ):
+    """One worker's share of `RayDistributedTrainer.train_on_ray`: `launcher` (the `RayDistributedTrainer`, which
+    builds this worker's trainer) trains, resuming on a restart; returns `jobs.summarize`'s summary."""
     from .jobs import summarize
 
     if ctx.attempt > 0:
         arguments = arguments.replace(resume_if_possible=True)
     hooks = ctx.hooks() + [b for f in faults if (b := f.bind(ctx)) is not None]
-    out = trainer.train(scaling_index, arguments, dataset_train, dataset_eval, data_collator, hooks=hooks)
-    return summarize(trainer.last_trainer, out)
+    out = launcher.train(scaling_index, arguments, dataset_train, dataset_eval, data_collator, hooks=hooks)
+    return summarize(out, launcher.last_trainer.writer.history)
 
 
 class _Mapped:

@@ -10,9 +10,10 @@ from typing import Any
 log = logging.getLogger("jaxloom.ray")
 
 
-def summarize(trainer, out) -> dict[str, Any]:
-    """What comes back to the driver from a finished training: metrics, paths, the loss history and a
-    fingerprint of the final parameters (SHA-256 over every parameter's bytes, the same on every rank)."""
+def summarize(out, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """What comes back to the driver from a finished training (`out`, a `TrainerOutput`, and the rows it logged,
+    `history`): metrics, paths, the loss history and a fingerprint of the final parameters (SHA-256 over every
+    parameter's bytes, the same on every rank)."""
     return {
         "metrics": out.metrics,
         "stop_reason": out.stop_reason,
@@ -22,7 +23,7 @@ def summarize(trainer, out) -> dict[str, Any]:
         "plot_path": out.plot_path,
         "samples": out.samples,
         "step": int(out.state.step),
-        "history": [dict(r) for r in trainer.writer.history],
+        "history": [dict(r) for r in history],
         "params_sha256": params_fingerprint(out.state.params),
     }
 
@@ -65,6 +66,6 @@ def train_from_config(
     ctx.beat(0, "ready")
     try:
         out = trainer.train()
-        return summarize(trainer, out)
+        return summarize(out, trainer.writer.history)
     finally:
         trainer.finish()

@@ -19,7 +19,7 @@ class SweepResult:
 
 
 def tune_sweep(
-    trainer,
+    launcher,
     param_space: dict[str, Any],
     arguments,
     dataset_train,
@@ -33,7 +33,7 @@ def tune_sweep(
     trial_resources: dict[str, float] | None = None,
 ) -> SweepResult:
     """Sweep `scaling_index` and/or any `TrainingArguments` name over `param_space` (a list is a grid;
-    Tune's search spaces work too). Each trial trains `trainer` (a `RayDistributedTrainer`) on a gang
+    Tune's search spaces work too). Each trial trains with `launcher` (a `RayDistributedTrainer`) on a gang
     of `scaling.num_workers` workers in `save_directory/<name>/<trial>` and reports its final metrics;
     the best trial by `metric` (an eval metric needs `dataset_eval`) is returned with its checkpoint.
     Every trial starts from `arguments` and trains on `dataset_train`; `mode` is 'min' or 'max';
@@ -59,7 +59,7 @@ def tune_sweep(
     root = Path(arguments.save_directory).resolve() / name
     trainable = tune.with_parameters(
         _trial,
-        trainer=trainer,
+        launcher=launcher,
         arguments=arguments,
         dataset_train=dataset_train,
         dataset_eval=dataset_eval,
@@ -99,14 +99,14 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if isinstance(v, int | float | str) and not k.startswith("time_")}
 
 
-def _trial(config: dict[str, Any], trainer, arguments, dataset_train, dataset_eval, scaling, root: str) -> None:
+def _trial(config: dict[str, Any], launcher, arguments, dataset_train, dataset_eval, scaling, root: str) -> None:
     from ray import tune
 
     changes = dict(config)
     scaling_index = int(changes.pop("scaling_index", 1))
     trial_dir = Path(root) / tune.get_context().get_trial_id()
     args = arguments.replace(save_directory=str(trial_dir), **changes)
-    res = trainer.train_on_ray(scaling_index, args, dataset_train, dataset_eval, scaling=scaling)
+    res = launcher.train_on_ray(scaling_index, args, dataset_train, dataset_eval, scaling=scaling)
     summary = res.result
     tune.report(
         {

@@ -6,7 +6,7 @@ from .dpo_config import DPOConfig
 from .grpo.config import GRPOConfig
 from .batches import DataSpec
 from .callbacks import Callback, Callbacks
-from .deployer import Deployer
+from .compat.deployer import Deployer
 from .distillation import DistillationTrainer
 from .distillation_config import DistillationConfig
 from .dpo import DPOTrainer
@@ -23,7 +23,7 @@ from .outputs import (
     TrainerConfigureModelOutput,
     TrainerOutput,
 )
-from .protocol import BaseTrainerProtocol, TrainerProtocol
+from .compat.protocol import BaseTrainerProtocol, TrainerProtocol
 from .plan import Plan
 from .step import Objective, StepConfig, eval_step, token_loss, train_step
 from .trainer import BaseTrainer, NonFiniteLossError, Trainer

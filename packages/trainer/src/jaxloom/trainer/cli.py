@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,55 +43,6 @@ from jaxloom.core import host, paths
 
 from .report import versions
 from .compose import DATA_KEYS, DEMO_CONFIG, READ_ONLY, build_run, kind_settings, restored, split_target  # noqa: F401
-
-
-def _plan(trainer) -> dict[str, Any]:
-    import jax
-
-    import jaxloom.models as jm
-
-    a = trainer.arguments
-    compiled = trainer.compiled_train_step()  # for the exact shapes; also what train() runs
-    mem = compiled.memory_analysis()
-    per_device = {}
-    if mem is not None:
-        per_device = {
-            "arguments_gb": mem.argument_size_in_bytes / 2**30,
-            "outputs_gb": mem.output_size_in_bytes / 2**30,
-            "temporaries_gb": mem.temp_size_in_bytes / 2**30,
-            "generated_code_gb": mem.generated_code_size_in_bytes / 2**30,
-        }
-        aliased = getattr(mem, "alias_size_in_bytes", 0) / 2**30  # outputs written over donated arguments
-        per_device["total_gb"] = sum(per_device.values()) - aliased
-    device = jax.devices()[0]
-    stats = device.memory_stats() or {}
-    capacity = stats.get("bytes_limit")
-    out = {
-        "parameters": trainer.n_params,
-        "flops_per_token": jm.flops_per_token(trainer.config, a.max_sequence_length),
-        "mesh": dict(trainer.mesh.shape),
-        "devices": f"{trainer.mesh.devices.size} × {device.device_kind}",
-        "memory_per_device": per_device,
-        "state_gb_per_device": trainer.plan.state_gb_per_device(),  # parameters, optimizer state, frozen base
-    }
-    frozen = getattr(trainer.functions, "frozen", None)
-    if frozen is not None:  # what the step reads and never trains: distillation's teacher
-        from .plan import gb_per_device
-
-        out["state_gb_per_device"]["teacher"] = gb_per_device(frozen.params)
-    if trainer.plan.lora is not None:
-        out["trainable_parameters"] = trainer.plan.n_trainable
-    sampler = getattr(trainer.batches, "sampler", None)
-    if sampler is not None:  # an RL kind: its sampler's KV cache, held between train steps beside the state
-        rollouts = trainer.batches
-        most = sampler.kv_cache_bytes(
-            trainer.plan.abstract.model, prompts=rollouts.per_rollout(), width=rollouts.widest_row()
-        )
-        out["rollout_kv_cache_gb"] = most / 2**30
-    if capacity and per_device:
-        out["fits"] = per_device["total_gb"] * 2**30 <= capacity
-        out["device_capacity_gb"] = capacity / 2**30
-    return out
 
 
 def _model_to_generate(ns) -> tuple[Any, Any, Any]:
@@ -583,20 +535,21 @@ def _stop_prepare_at_once(out: str):
     return lambda: [signal.signal(sig, handler) for sig, handler in old.items()]
 
 
-def _train(trainer, resolved: dict) -> int:
+def _train(train: Callable[[], Any], finish: Callable[[], None], started: Callable[[], bool]) -> int:
+    """`jaxloom train`: `train()`, its summary printed, `finish()`; the exit code. An error once the run started
+    (`started()`) is reported as the run's (what is safe on disk), not as a traceback."""
     from .outputs import ALREADY_COMPLETE
 
-    trainer.run_config = resolved
     try:
-        out = trainer.train()
+        out = train()
     except BaseException as e:  # noqa: BLE001 - reported, then the process exits
-        if not trainer._initialized:
+        if not started():
             raise  # nothing started: the usual error handling
         exit_after_training_error(e)
     from .metrics import console
 
     console(json.dumps(run_summary(out), indent=2, default=str))  # a closed stdout loses the summary, not the run
-    trainer.finish()
+    finish()
     if out.stop_reason.startswith(ALREADY_COMPLETE):
         return 4
     return 128 + out.signal if out.signal else 0
@@ -745,9 +698,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer, resolved = build_run(config, items)
         if ns.command == "plan":
-            print(json.dumps(_plan(trainer), indent=2))
+            from .setup import memory_plan
+
+            print(json.dumps(trainer.parts.call(memory_plan, trainer), indent=2))
             return 0
-        return _train(trainer, resolved)
+        trainer.run_config = resolved  # written to save_directory/run_config.json once the run is set up
+        started = lambda: trainer.parts.built("setup") and trainer.setup.done  # noqa: E731
+        return _train(trainer.train, trainer.finish, started)
     except OSError as e:
         from jaxloom.state import CheckpointSaveError
 

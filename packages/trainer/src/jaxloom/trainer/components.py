@@ -8,7 +8,7 @@ the run asks for them; the trainer's constructor builds none) and records what e
 A parameter annotated `Later[X]` is given as a function returning the collaborator when called (built then, if it
 is a component): for what a component reads only while it runs (the tokenizer, the state); `IfBuilt[X]` returns
 the component only if something else built it (None otherwise): for what it reads only when there is one (the
-step log's history).
+step log's history); named `<component>_if_built`, beside the same component asked for as `Later`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol, TypeVar, get_origin
+from typing import Any, TypeVar, get_origin
 
 import jaxloom.state as js
 from jaxloom.models import pretrained_source
@@ -28,6 +28,7 @@ from .batches import Batches, DataSpec
 from .benchmarks import Benchmarks
 from .callbacks import Callback, Callbacks, RunView, trainer_hooks
 from .checkpointing import Checkpointing
+from .collaborators import IfBuilt, Later
 from .evaluation import Evaluator
 from .export import Exporter
 from .functions import StepFunctions
@@ -36,24 +37,12 @@ from .plan import Plan
 from .previews import Generation
 from .run_directory import RunDirectory, use_endpoint
 from .run_state import RunState
+from .setup import Setup
 from .step import Objective, StepConfig
 from .stopping import StopControl
 
 log = logging.getLogger("jaxloom.trainer")
 T = TypeVar("T")
-T_co = TypeVar("T_co", covariant=True)
-
-
-class Later(Protocol[T_co]):
-    """A collaborator given as a function that returns it when called (a component is built then, on first call)."""
-
-    def __call__(self) -> T_co: ...
-
-
-class IfBuilt(Protocol[T_co]):
-    """A component given as a function that returns it if it has been built, else None (never built for this)."""
-
-    def __call__(self) -> T_co | None: ...
 
 
 CORE_INPUTS: dict[str, str] = {
@@ -74,8 +63,9 @@ CORE_INPUTS: dict[str, str] = {
     "data_spec": "data_spec",  # the kind's: what it reads and feeds its step
     "model_state": "model_state",  # the state being trained, restored or created on first use
     "checkpoints": "checkpoints",  # the checkpoint manager, or None while the run has no save_directory
-    "base_digest": "_base_digest",  # a LoRA run's base, recorded with each checkpoint
-    "setup": "initialize_trainer_utils",
+    "tokenizer_slot": "_tokenizer",  # the tokenizer given, or its loading (`TokenizerSlot`)
+    "prepare": "prepare",  # the kind's: its own work once the state exists, before step 1
+    "width_per_step": "WIDTH_PER_STEP",  # the kind's: rows as wide as each step's data
     "save_checkpoint": "save_checkpoint",
     "evaluate_and_log": "_evaluate_and_log",
     "on_step_start": "on_step_start",  # the trainer's overridable hooks
@@ -84,8 +74,6 @@ CORE_INPUTS: dict[str, str] = {
     "added_callbacks": "callbacks",  # add_callback's
     "all_callbacks": "all_callbacks",
     "start_training_hook": "start_training_hook",
-    "compile_aot": "compile_aot",
-    "train_fn": "_train_fn",  # the compiled train step
     "data_metrics": "data_metrics",  # the kind's: metrics of the data read so far
     "runtime": "runtime",
 }
@@ -158,6 +146,8 @@ class Parts:
         return builder(**given)
 
     def _collaborator(self, builder: Callable[..., Any], name: str, owner: Any, how: str) -> Any:
+        if how == "IfBuilt" and name.endswith("_if_built"):  # beside the same component asked for `Later`
+            name = name.removesuffix("_if_built")
         if name in self.builders:
             if how == "IfBuilt":
                 return lambda: self.made.get(name)
@@ -319,7 +309,7 @@ def checkpointing(
     batches: Batches,
     plan: Plan,
     run_identity: Later[dict[str, Any]],
-    base_digest: Later[str | None],
+    setup: Later[Setup],
 ) -> Checkpointing:
     """Checkpoints in the run directory: cadence, saves behind the lease's fence with the batches' data position
     and the run's metadata, restore (the data position handed back to the batches) and resume."""
@@ -332,7 +322,7 @@ def checkpointing(
             "tokens_seen": step * a.training_batch_size * batches.spec.row_width,
             "arguments": js.to_jsonable(a.to_dict()),
             "run": run_identity(),
-            **({"lora_base": base_digest()} if plan.lora is not None else {}),
+            **({"lora_base": setup().base_digest()} if plan.lora is not None else {}),
         }
 
     return Checkpointing(
@@ -375,11 +365,18 @@ def generation(
     tokenizer: Later[Any],
     mesh: Any,
     model_state: Later[js.TrainState],
-    setup: Callable[[], None],
+    setup: Later[Setup],
     step_log: IfBuilt[StepLog],
 ) -> Generation:
     """Generation from the current state: `generate_unified`, `generate_aio`, previews."""
-    return Generation(arguments, tokenizer=tokenizer, mesh=mesh, current=model_state, setup=setup, log=step_log)
+    return Generation(
+        arguments,
+        tokenizer=tokenizer,
+        mesh=mesh,
+        current=model_state,
+        setup=lambda: setup().initialize_trainer_utils(),
+        log=step_log,
+    )
 
 
 def stop_control(*, run: RunState, run_directory: RunDirectory) -> StopControl:
@@ -395,7 +392,7 @@ def stop_control(*, run: RunState, run_directory: RunDirectory) -> StopControl:
 def exporter(
     *,
     run: RunState,
-    setup: Callable[[], None],
+    setup: Later[Setup],
     tokenizer: Later[Any],
     run_directory: Later[RunDirectory],
     run_identity: Later[dict[str, Any]],
@@ -410,7 +407,7 @@ def exporter(
 
     def current():
         if run.state is None:  # a restored state (jaxloom convert) needs no loader, compile or lock
-            setup()
+            setup().initialize_trainer_utils()
         return run.state
 
     def facts() -> dict[str, Any]:
@@ -630,4 +627,5 @@ COMPONENT_CLASSES: dict[str, type] = {
     "stop_control": StopControl,
     "step_log": StepLog,
     "plan": Plan,
+    "setup": Setup,
 }

@@ -31,7 +31,8 @@ from .run_state import RunState
 from .distillation_config import DistillationConfig
 from .functions import StepFunctions
 from .grpo.rollouts import Policy, Rollouts
-from .grpo.trainer import GRPOTrainer
+from .grpo.kind import SamplingKind
+from .trainer import BaseTrainer
 from .reference import build_reference
 from .step import Objective, StepConfig
 
@@ -135,7 +136,7 @@ def teacher_functions(
 
 
 # ---- the trainer -------------------------------------------------------------------------------------------
-class DistillationTrainer(GRPOTrainer):
+class DistillationTrainer(SamplingKind, BaseTrainer):
     """On-policy distillation of a teacher into the student `model`, as TRL 1.16's `DistillationTrainer` does it
     (see the module docstring), on jaxloom's core: one jitted step holding both models, exact resume (the prompt
     cursor is saved with each checkpoint; the teacher is reloaded from its source), the same outputs and
@@ -150,10 +151,9 @@ class DistillationTrainer(GRPOTrainer):
     - the rest as `BaseTrainer`.
     """
 
-    no_evaluation = "expected held-out prompt records: dataset_eval= (data.eval=FILE on the command line)"
-    arguments_class = DistillationConfig  # type: ignore[assignment]
+    arguments_class = DistillationConfig
 
-    def take_inputs(self, *, teacher_model: Any = None) -> None:  # type: ignore[override]
+    def take_inputs(self, *, teacher_model: Any = None) -> None:
         """`teacher_model` (default: `arguments.teacher_model_name_or_path`), loaded when the run trains."""
         if self.data_collator is not None:
             raise ValueError("DistillationTrainer builds its rows from rollouts: data_collator is not used; drop it")
@@ -164,9 +164,6 @@ class DistillationTrainer(GRPOTrainer):
                 "jaxloom run directory), or teacher_model= a model"
             )
         self._teacher_source = source
-        self._reward_specs, self.reward_weights, self.rollout_engine = [], [], None
-        self._tool_specs, self._environment_spec, self._rollout_spec = [], None, None  # the student's own rollouts
-        self._reference = None
 
     batches = part(student_rollouts)  # type: ignore[assignment]
     INPUTS: ClassVar[dict[str, str]] = {"teacher": "teacher"}
@@ -193,18 +190,11 @@ class DistillationTrainer(GRPOTrainer):
         """Rows `[prompt | completion]` of tokens, as wide as each step's data (GRPO's buckets)."""
         return DataSpec(row_width=self.arguments.max_sequence_length, settings={}, extra={})
 
-    def data_metrics(self, step: int | None = None) -> dict[str, float]:
-        """The rollouts' metrics under TRL's names for the log row of `step`: `completions/mean_length`,
-        `completions/clipped_ratio`, `prompts/truncated`, `time/rollout_s` (averaged over the steps since the last
-        row)."""
-        return self.batches.take_metrics(step)  # type: ignore[attr-defined]
-
-    def configure_model(self):
-        """The student, then the teacher (loaded, sharded and checked before step 1)."""
-        out = super(GRPOTrainer, self).configure_model()
+    def prepare(self) -> None:
+        """Once the student exists: its prompts checked, then the teacher (loaded, sharded and checked) before
+        step 1."""
         self.check_rows(self.arguments.distillation)
         self.teacher  # noqa: B018 - loaded and checked before step 1
-        return out
 
     def evaluate(self, state=None, metric_calculator=None) -> dict[str, float]:
         """The evaluation pass (TRL's, for distillation): the student (`state`, default the trainer's) completes the

@@ -268,7 +268,7 @@ class Reference:
 
         data = self.batches
         if self.adapters_off:  # the reference is the base: its identity is the base's
-            from .trainer import base_digest
+            from .setup import base_digest
 
             ref: Any = {"lora_base": base_digest(self.policy())}
         else:
@@ -402,11 +402,9 @@ class DPOTrainer(BaseTrainer):
             extend=self.reference.extend,
         )
 
-    def configure_model(self):
-        """The policy (as the core builds or restores it), then the frozen reference."""
-        out = super().configure_model()
+    def prepare(self) -> None:
+        """Once the policy exists (built or restored by the core): the frozen reference, before step 1."""
         self.reference.ready()
-        return out
 
 
 def _row_keys(local: dict[str, np.ndarray]) -> list[bytes]:

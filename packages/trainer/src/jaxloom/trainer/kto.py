@@ -259,8 +259,6 @@ class KTOTrainer(BaseTrainer):
             extend=self.reference.extend,
         )
 
-    def configure_model(self):
-        """The policy (as the core builds or restores it), then the frozen reference."""
-        out = super().configure_model()
+    def prepare(self) -> None:
+        """Once the policy exists (built or restored by the core): the frozen reference, before step 1."""
         self.reference.ready()
-        return out

@@ -28,13 +28,14 @@ if TYPE_CHECKING:
     from .batches import Batches
     from .callbacks import Callbacks, RunView
     from .checkpointing import Checkpointing
-    from .components import Later
+    from .collaborators import Later
     from .evaluation import Evaluator
     from .export import Exporter
     from .monitor import StepLog
     from .plan import Plan
     from .previews import Generation
     from .run_directory import RunDirectory
+    from .setup import Setup
     from .stopping import StopControl
 
 log = logging.getLogger("jaxloom.trainer")
@@ -46,11 +47,9 @@ class Session:
     the trainer kind's hooks and steps, the run's `RunState`, which the loop writes)."""
 
     run: RunState
-    setup: Callable[[], None]
+    setup: Later[Setup]
     start_training_hook: Callable[[], None]
     model_state: Later[Any]
-    compile_aot: Callable[[], Any]
-    train_fn: Later[Any]
     all_callbacks: Callable[[], Callbacks]
     save_checkpoint: Callable[[int], None]
     evaluate_and_log: Callable[[int], dict[str, float]]
@@ -77,7 +76,7 @@ class Session:
         step, then finish; an error gets a note naming the step and what is safe on disk."""
         run = self.run
         try:
-            self.setup()
+            self.setup().initialize_trainer_utils()
         except BaseException as e:
             note_out_of_memory(e)
             self.run_directory().abandon()  # nothing trained: no half-made run directory is left behind
@@ -92,13 +91,14 @@ class Session:
         self.step_log().open(step, total, {**identity["arguments"], **_prefixed(identity["model"])})
         restore_signals = stop.install_signal_handlers()
         try:
-            self.compile_aot()  # usually done already: it compiled in the background during setup
+            setup = self.setup()
+            setup.compile_aot()  # usually done already: it compiled in the background during setup
             profiler = Profiler(run.arguments.profile_steps, directory.folder / "profile")
             step, stop_reason = run_loop(
                 run=run,
                 step=step,
                 total=total,
-                train_fn=self.train_fn(),
+                train_fn=setup.train_fn,
                 batches=self.batches(),
                 callbacks=self.all_callbacks(),
                 view=self.run_view(),

@@ -1,7 +1,8 @@
 """`BaseTrainer`: the trainer core, which holds components that own their state and drives them.
 
-The components, each built on first use by its builder in `components.py` (`Parts`: `trainer.parts.wiring()`
-lists what was built, in order, and from what):
+The components, each built on first use by its builder (`components.py`), a function whose keyword parameters name
+the collaborators it is built from — never the trainer (`Parts`: `trainer.parts.wiring()` lists what was built, in
+order, and from what):
 
 | attribute | component | owns |
 | --- | --- | --- |
@@ -9,34 +10,32 @@ lists what was built, in order, and from what):
 | `plan` | `Plan` | mesh, runtime, optimizer and schedule, the state's shapes and shardings, checks |
 | `batches` | `Batches` | train/eval loaders and global batches (the kind's `DataSpec`) |
 | `functions` | `StepFunctions` | the jitted train and eval steps |
+| `setup` | `Setup` | the state restored or created, the loaders started, the train step compiled; once |
 | `checkpointing` | `Checkpointing` | the checkpoint manager, its cadence, resume |
 | `step_log` | `StepLog` | progress bar, metrics rows, TensorBoard, W&B |
 | `evaluator` | `Evaluator` | evaluation and its last result |
 | `generation` | `Generation` | generate_unified/aio, previews |
 | `stop_control` | `StopControl` | signals, time limit, non-finite loss, stop requests |
+| `exporter` | `Exporter` | save_pretrained, save_information |
 
-A trainer kind (SFT here, `DPOTrainer`, `GRPOTrainer`) is an `objective()` and a `data_spec()` (plus any
-frozen state it builds in `configure_model()`); the loop (`loop.run_loop`) is the same for all. Constructing a
-trainer stores what it was given and nothing else: no file, thread, device query or compilation. The reference
-documents' members that are views of the components (`optimizer`, `log_metrics`, `generate_unified`, ...) are
-in `surface.py`, mixed in.
+The run's mutable state (arguments in force, the state, the step) is one `RunState` (`trainer.run`), which the
+loop (`loop.run_loop`) and the session (`session.Session`, what `train()` runs) write. A trainer kind (SFT here,
+`DPOTrainer`, `GRPOTrainer`) is an `objective()`, a `data_spec()`, its own inputs (`take_inputs()`) and its work
+before step 1 (`prepare()`: a reference, a teacher); shared pieces of several kinds are mixins with homes of their
+own (`grpo.kind`), never another kind. Constructing a trainer stores what it was given and nothing else: no file,
+thread, device query or compilation. EasyDeL's documented members (`configure_model`, `optimizer`, `log_metrics`,
+`generate_unified`, ...) are views of the components in the compatibility layer (`compat.surface`), mixed in.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import inspect
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, ClassVar
 
-import jax
 from flax import nnx
 
-import jaxloom.data as jd
 import jaxloom.models as jmod
 import jaxloom.state as js
 from jaxloom.mesh import MeshConfig
@@ -44,19 +43,15 @@ from jaxloom.mesh import MeshConfig
 from . import components
 from .arguments import TrainingArguments
 from .batches import DataSpec
-from .checkpointing import Checkpointing
-from .functions import Compilation, later_memory
 from .callbacks import Callback, Callbacks
 from .outputs import (
-    TrainerConfigureDataloaderOutput,
-    TrainerConfigureFunctionOutput,
-    TrainerConfigureModelOutput,
     TrainerOutput,
 )
-from .surface import ReferenceSurface
-from .run_directory import RUN_CONFIG, RunDirectory
+from .compat.surface import ReferenceSurface
+from .run_directory import RUN_CONFIG
 from .run_state import RunState, run_field
-from .runs import default_tokenizer, load_model
+from .runs import load_model
+from .setup import Setup, TokenizerSlot, use_compilation_cache
 from .session import Session
 from .step import Objective
 from .stopping import NonFiniteLossError
@@ -64,7 +59,7 @@ from .stopping import NonFiniteLossError
 __all__ = ["RUN_CONFIG", "BaseTrainer", "NonFiniteLossError", "Trainer", "use_compilation_cache"]
 log = logging.getLogger("jaxloom.trainer")
 # rebuilt when the starting point changes
-_PLANNED = ("source_model", "plan", "functions", "evaluator", "batches", "run_identity")
+_PLANNED = ("source_model", "plan", "functions", "evaluator", "batches", "run_identity", "setup")
 
 
 def _kind_signature(cls: type) -> inspect.Signature:
@@ -107,7 +102,7 @@ class BaseTrainer(ReferenceSurface):
 
     Subclasses may override `on_step_start(state, step)`, `on_step_end(state, metrics, step)`,
     `start_training_hook()` and `start_evaluation_hook()`; a trainer kind sets `arguments_class` and overrides
-    `objective()`, `data_spec()` and `take_inputs()` (see `DPOTrainer`).
+    `objective()`, `data_spec()`, `take_inputs()` and `prepare()` (see `DPOTrainer`).
     """
 
     MATCH_BOS = True  # the tokenizer adds BOS exactly when training does (next-token data); DPO keeps its own
@@ -160,12 +155,10 @@ class BaseTrainer(ReferenceSurface):
         self.parts = components.Parts.of(type(self))  # the components, built on first use
         self._model_given: nnx.Module | str = model if model is not None else model_state.model  # type: ignore[union-attr]
         self._state_in = model_state
-        self._tokenizer = processing_class
-        self._tokenizer_matched = False  # set to add BOS as training does: checked once, not on every access
+        self._tokenizer = TokenizerSlot(
+            processing_class, lambda: (self._model_source, self._model_given), self.MATCH_BOS
+        )
         self._mesh = mesh
-        self._pool: ThreadPoolExecutor | None = None
-        self._train_fn: Any = None  # the compiled train step (a Compilation while it compiles)
-        self._initialized = False
         # The resolved config of a `jaxloom train` run (sections model, data, arguments): written to
         # save_directory/run_config.json at setup, so that eval, generate, convert and plan rebuild the run.
         self.run_config: dict[str, Any] | None = None
@@ -186,7 +179,12 @@ class BaseTrainer(ReferenceSurface):
         "source_model": components.source_model,
         "benchmarks": components.benchmarks,
         "run_files": components.run_files,
+        "run_identity": components.run_identity,
+        "run_view": components.run_view,
     }
+    WIDTH_PER_STEP: ClassVar[bool] = False
+    """Whether this kind's rows are as wide as each step's data (rollouts): its train step is compiled per width
+    when first met, not ahead (`Setup`)."""
     plan = components.part(components.plan)
     batches = components.part(components.batches)
     functions = components.part(components.functions)
@@ -197,23 +195,15 @@ class BaseTrainer(ReferenceSurface):
     generation = components.part(components.generation)
     stop_control = components.part(components.stop_control)
     exporter = components.part(components.exporter)
-    run_identity = components.part(components.run_identity)
-    run_view = components.part(components.run_view)
+    setup = components.part(Setup)
 
     # ---- what the trainer is working on ---------------------------------------------------------------
     @property
     def tokenizer(self):
-        """The tokenizer (`processing_class`; the bundled one, loaded on first use), set to add BOS by itself
-        exactly when training does (`jaxloom.data.match_bos`): prompts, the run's copy of it and an HF
-        export encode text as the model saw it in training."""
-        if self._tokenizer is None:
-            self._tokenizer = default_tokenizer(self._model_source, self._model_given)
-        if isinstance(self._tokenizer, Future):  # loaded in the background during setup
-            self._tokenizer = self._tokenizer.result()
-        if self.MATCH_BOS and not self._tokenizer_matched:
-            self._tokenizer = jd.match_bos(self._tokenizer, jd.DataConfig.add_bos)
-            self._tokenizer_matched = True
-        return self._tokenizer
+        """The tokenizer (`processing_class`; else the model's own or the bundled one, loaded on first use), set to
+        add BOS by itself exactly when training does (`jaxloom.data.match_bos`): prompts, the run's copy of it and
+        an HF export encode text as the model saw it in training."""
+        return self._tokenizer.get()
 
     @property
     def _model_in(self) -> nnx.Module:
@@ -237,18 +227,13 @@ class BaseTrainer(ReferenceSurface):
         return self._mesh
 
     @property
-    def runtime(self) -> jmod.RuntimeConfig:
-        """The model's `RuntimeConfig` with the arguments that set runtime fields applied."""
-        return self.arguments.runtime.apply(self._model_in.runtime)
-
-    @property
     def model_state(self) -> js.TrainState:
         """The `TrainState` being trained: built (restored, or created on its shards) on first access."""
-        return self.state if self.state is not None else self.configure_model().state
+        return self.setup.model_state()
 
     @property
     def model(self):
-        """The model: the trained state's once `configure_model()` has run, else the one given."""
+        """The model: the trained state's once the state exists, else the one given."""
         return self.state.model if self.state is not None else self._model_in
 
     # ---- what a trainer kind supplies (public extension points; see DPOTrainer) --------------------------
@@ -273,148 +258,9 @@ class BaseTrainer(ReferenceSurface):
             out["truncated_records"], out["truncated_tokens"] = float(records), float(tokens)
         return out
 
-    @property
-    def row_width(self) -> int:
-        """Token columns of one batch row (`data_spec().row_width`)."""
-        return self.batches.spec.row_width
-
-    def data_shards(self) -> int:
-        """How many ways the batch rows are split over the mesh (the data-parallel size)."""
-        return self.batches.data_shards()
-
-    # ---- builders (EasyDeL's) --------------------------------------------------------------------------
-    def configure_model(self) -> TrainerConfigureModelOutput:
-        """The state this run trains, on its shards: restored from the newest checkpoint of
-        `save_directory` (`resume_if_possible`), else from the given state or model, else new from
-        `seed`. Also builds the mesh, the optimizer and schedule (`optimizer`, `scheduler`)."""
-        plan = self.plan
-        if self.state is None:
-            self.state = self._restore() if self._resume_step() is not None else self._initial_state()
-        return TrainerConfigureModelOutput(
-            model=self.state.model, state=self.state, tx=plan.tx, scheduler=plan.schedule, config=plan.config
-        )
-
-    def configure_dataloaders(self) -> TrainerConfigureDataloaderOutput:
-        """This process's training loader, started at the restored data position (so call it after
-        `configure_model()` when resuming), and a fresh evaluation loader."""
-        plan, data = self.plan, self.batches
-        if data.train is None:
-            data.check_vocab(plan.config.vocab_size)
-            self.generation.check_prompts(plan.config.max_position_embeddings)
-            data.check_train_data()
-            data.check_eval_data()
-            data.train_loader()  # at the data position a restored checkpoint handed over (`Checkpointing.restore`)
-        evaluation = self.arguments.eval_batches if self.dataset_eval is not None else None
-        return TrainerConfigureDataloaderOutput(data.train, data.eval_loader(), plan.total_steps, evaluation)
-
-    def configure_functions(self) -> TrainerConfigureFunctionOutput:
-        """The train and eval steps jitted with explicit shardings and donation; the train step starts
-        compiling for the exact shapes in the background."""
-        fns = self.functions
-        later = later_memory(self.arguments, self.plan, has_eval=self.dataset_eval is not None)
-        self._train_fn = Compilation(self._setup_pool(), self.lower_train_step, **later)
-        return TrainerConfigureFunctionOutput(fns.train, fns.evaluate, self.mesh, self.checkpoints)
-
-    def initialize_trainer_utils(self) -> None:
-        """Run the builders once, ordered so that the slow parts overlap: the tokenizer loads and the
-        train step compiles in the background while the state is restored or created; a new run starts
-        its loader (tokenizing) before creating the state, a resumed one after restoring its position.
-        Process-wide settings (the compilation cache) are applied here, at the start of a run."""
-        if self._initialized:
-            return
-        if self.run_directory.take(is_process_zero=self.is_process_zero) and self.parts.built("checkpointing"):
-            self.checkpointing.manager.reload()
-        if self.arguments.compilation_cache_dir:
-            use_compilation_cache(self.arguments.compilation_cache_dir)
-        pool = self._setup_pool()
-        if self._tokenizer is None:
-            self._tokenizer = pool.submit(default_tokenizer, self._model_source, self._model_given)
-        if self._train_fn is None:
-            self.configure_functions()
-        if self.state is None and self._resume_step() is not None:
-            self.checkpointing.check_resume(self.run_directory.location, self.run_identity)
-            self.configure_model()
-            self.configure_dataloaders()
-        else:
-            self.configure_dataloaders()
-            self.configure_model()
-        if self.is_process_zero:  # what rebuilds the run from its directory, once the run is known to be valid
-            self.run_directory.write_run_files(self.run_config, self.tokenizer)
-        self._initialized = True
-
-    def restore_checkpoint(self, *, params_only: bool = False, step: int | None = None) -> js.TrainState:
-        """The newest checkpoint of `save_directory` (or checkpoint `step`) as this trainer's state, with nothing
-        else set up (no loader, no compile): for commands that only read a run (`eval`, `generate`, `convert`).
-        `params_only` leaves the optimizer state abstract. FileNotFoundError when there is none (or no `step`:
-        the error lists the steps there are)."""
-        if RunDirectory(self.arguments.checkpoint).location is None:
-            raise FileNotFoundError("save_directory is not set: there is no run to restore a checkpoint from")
-        # a reader never changes the run (it may be training): not the run's own manager, which cleans up
-        reader = Checkpointing(self.arguments.checkpoint, self.run_directory.checkpoints, read_only=True)
-        try:
-            restored = reader.restore(self.plan.target(), params_only=params_only, step=step)
-        finally:
-            reader.close()
-        self.resumed_from = reader.read_from
-        self.state = self._with_base(restored, self.resumed_from)
-        return self.state
-
-    def _setup_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxloom-setup")
-        return self._pool
-
-    def _resume_step(self) -> int | None:
-        return None if self.checkpoints is None else self.checkpointing.resume_step()
-
-    def _restore(self) -> js.TrainState:
-        restored = self.checkpointing.restore(self.plan.target())
-        self.resumed_from = self.checkpointing.read_from
-        restored = dataclasses.replace(restored, state=self._with_base(restored, self.resumed_from))
-        # a warning: a Python user who configured no logging still sees that the run continued an earlier one
-        log.warning("resumed from checkpoint %s (step %d)", self.resumed_from, restored.step)
-        log.debug("data position at step %d: %s", restored.step, restored.data_state)
-        return restored.state
-
-    def _with_base(self, restored: js.Restored, where: str) -> js.TrainState:
-        """A restored state completed by the plan (a LoRA run's base; see `restored_with_base`)."""
-        state, digest = restored_with_base(self.plan, restored, where)
-        if digest is not None:
-            self._base_digest = digest
-        return state
-
-    @functools.cached_property
-    def _base_digest(self) -> str | None:
-        """The digest of a LoRA run's frozen base (recorded with each checkpoint), else None."""
-        return None if self.plan.lora is None else base_digest(self.state)  # type: ignore[arg-type]
-
-    def _initial_state(self) -> js.TrainState:
-        if self.arguments.resume_if_possible and self.checkpoints is not None:
-            log.info(
-                "resume_if_possible: no complete checkpoint in %s; starting from scratch", self.checkpoints.directory
-            )
-        return self.plan.initial_state(after=getattr(self._train_fn, "traced", None))
-
-    # ---- compiling ------------------------------------------------------------------------------------
-    def lower_train_step(self):
-        """The train step lowered for the run's exact shapes and shardings (`jax.stages.Lowered`:
-        `.as_text()` is the program before XLA's optimisations, `.compile()` the executable)."""
-        return self.functions.lower(self.arguments.total_batch_size)
-
-    def compile_aot(self) -> bool:
-        """Compile the train step for the run's exact shapes and shardings now, before the first batch
-        (the loop uses this executable). Returns True when it compiled it, False when it already was."""
-        if self._train_fn is None:
-            self.configure_functions()
-        if isinstance(self._train_fn, Compilation):
-            self._train_fn = self._train_fn.result()
-            return True
-        return False
-
-    def compiled_train_step(self):
-        """The AOT-compiled train step (compiling it if needed): `memory_analysis()`, `cost_analysis()`."""
-        self.compile_aot()
-        return self._train_fn
+    def prepare(self) -> None:
+        """This kind's own work once the state exists, before step 1 (a frozen reference, a teacher, its checks);
+        called by setup after the state is restored or created. Nothing for next-token training."""
 
     # ---- callbacks --------------------------------------------------------------------------------------
     def add_callback(self, fn, *, every: int | None = None, when=None, name: str = "") -> Callback:
@@ -452,7 +298,7 @@ class BaseTrainer(ReferenceSurface):
         """`train(model_parameters=..., state=...)`: what the run starts from (before setup)."""
         if state is None and model_parameters is None:
             return
-        if self._initialized:
+        if self.parts.built("setup") and self.setup.done:
             raise RuntimeError(
                 "train(state=..., model_parameters=...) must come before the trainer is set up "
                 "(a previous train() or evaluate() already chose its starting point)"
@@ -476,7 +322,7 @@ class BaseTrainer(ReferenceSurface):
         if self.dataset_eval is None:
             raise ValueError(f"no dataset_eval was given; {self.no_evaluation}")
         if state is None and self.state is None:
-            self.initialize_trainer_utils()
+            self.setup.initialize_trainer_utils()
         state = self.state if state is None else self.plan.as_own(state, lambda: self.model_state)
         self.start_evaluation_hook()
         return self.evaluator.run(state, metric_calculator, started=getattr(self.evaluator, "started", None))
@@ -493,45 +339,3 @@ class Trainer(BaseTrainer):
     on completions only). MoE load balancing is weighted by the config's `router_aux_loss_coef`.
     Arguments as `BaseTrainer`'s: `arguments`, `model_state`, `model`, `dataset_train`, `dataset_eval`,
     `data_collator`, `finetune`, `processing_class`, `mesh`, `hooks`, `deprecated_kwargs`."""
-
-
-def restored_with_base(plan: Any, restored: js.Restored, where: str) -> tuple[js.TrainState, str | None]:
-    """`(state, base digest)`: a restored LoRA state with its frozen base built from its source by `plan`
-    (checkpoints hold the adapters alone), refused when the checkpoint at `where` was trained on another
-    base (its recorded digest differs); other states as they are, with None."""
-    state = plan.complete(restored.state)
-    if plan.lora is None:
-        return state, None
-    recorded = (restored.metadata or {}).get("lora_base")
-    mine = base_digest(state)
-    if recorded is not None and recorded != mine:
-        raise ValueError(
-            f"checkpoint {where} holds adapters trained on another base model (base digest {recorded}; the base "
-            f"given now has {mine}): resume with the base the adapters were trained on (model.from_pretrained), "
-            "or start a new run (another save_directory)"
-        )
-    return state, mine
-
-
-def base_digest(state: js.TrainState) -> str:
-    """A digest of `state`'s frozen weights (a LoRA run's base), the same on any mesh and process count: the
-    identity of the base its adapters belong to. Every process calls this together."""
-    import hashlib
-    import json
-
-    from jaxloom.mesh import named_leaves
-    from jaxloom.state import integrity
-
-    found = integrity.digests(dict(named_leaves(state.frozen)))
-    return hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def use_compilation_cache(directory: str | Path) -> None:
-    """Keep every program this process compiles from now on in `directory` (JAX's persistent
-    compilation cache) and look there before compiling; with several processes JAX writes from one."""
-    from jax.experimental.compilation_cache import compilation_cache
-
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # small programs too: start-up
-    compilation_cache.reset_cache()  # takes effect even if something was compiled before

@@ -33,7 +33,9 @@ from .config import GRPOConfig, RLArgs
 from .loss import OLD, REF, policy_logps, routing_metrics, routing_sums, sampler_metrics, sampler_sums
 from .rewards import call_reward, concurrently, is_async, reward_name
 from .rollouts import Rollouts
-from .trainer import GRPOTrainer, rollouts_of
+from ..trainer import BaseTrainer
+from .kind import RewardedRollouts
+from .trainer import rollouts_of
 
 REWARDS = "rewards"
 """Batch key of RLOO's rows: each completion's reward (NaN: unscorable), the advantage made in the step."""
@@ -185,12 +187,12 @@ rloo_rollouts = rollouts_of(RLOORollouts)
 """RLOO's batches component: GRPO's rollouts, scored by reward (the advantage is the step's)."""
 
 
-class RLOOTrainer(GRPOTrainer):
+class RLOOTrainer(RewardedRollouts, BaseTrainer):
     """REINFORCE leave-one-out as TRL 1.16's `RLOOTrainer` (see the module docstring): GRPO's inputs and rollouts
     (`reward_funcs`, `tools`, `environment_factory`, `rollout_func`, `rollout_engine`), RLOO's advantage and loss;
     `arguments` is an `RLOOConfig`."""
 
-    arguments_class = RLOOConfig  # type: ignore[assignment]
+    arguments_class = RLOOConfig
     batches = part(rloo_rollouts)  # type: ignore[assignment]
 
     def objective(self) -> Objective:

@@ -1,16 +1,15 @@
 """The reference documents' trainer surface (EasyDeL's `BaseTrainer` names), layered on jaxloom's trainer core.
 
-`BaseTrainer` (`trainer.py`) is the core: the components it holds (`Parts`), the builders that set a run up,
-the loop's entry points and a trainer kind's extension points. Everything here is the documented surface a user
-of the reference reaches for under its documented name, each member a view of a component or of the core:
-forwarding members (`log_metrics` is the `step_log` component's), read-only properties (`optimizer` is the
-plan's `tx`), aliases (`processing_class` for `tokenizer`), the overridable hooks, and `finish`. It holds no state
-of its own: every attribute it reads lives in a component or in the core.
+`BaseTrainer` (`trainer.py`) is the core: the components it holds (`Parts`), the run's state, the loop's entry
+points and a trainer kind's extension points. Everything here is the documented surface a user of the reference
+reaches for under its documented name, each member a view of a component or of the core: forwarding members
+(`log_metrics` is the `step_log` component's, `configure_model` the `setup` component's), read-only properties
+(`optimizer` is the plan's `tx`), aliases (`processing_class` for `tokenizer`), the overridable hooks, and `finish`.
+It holds no state of its own: every attribute it reads lives in a component or in the core.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -20,9 +19,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jaxloom.data as jd
 import jaxloom.state as js
 
-from .components import forward
-from .plan import data_axes
-from .run_directory import RUN_OUTPUTS, RunDirectory
+import jaxloom.models as jmod
+
+from ..components import forward
+from ..plan import data_axes
+from ..run_directory import RUN_OUTPUTS, RunDirectory
 
 __all__ = ["ReferenceSurface"]
 
@@ -34,7 +35,7 @@ class _Finish:
     def __get__(self, obj, owner=None):
         if obj is None:
             return _finish_logging
-        return functools.partial(_finish_trainer, obj)
+        return obj._release_and_finish
 
 
 def _finish_logging() -> None:
@@ -46,20 +47,6 @@ def _finish_logging() -> None:
         wandb.finish()
 
 
-def _finish_trainer(trainer: Any) -> None:
-    """Release what `trainer` opened (only the components it built), then end the wandb run."""
-    parts = trainer.parts
-    if parts.built("run_directory"):
-        trainer.run_directory.release()
-    if parts.built("checkpointing"):
-        trainer.checkpointing.close()
-    if parts.built("batches"):
-        trainer.batches.close()
-    if trainer._pool is not None:
-        trainer._pool.shutdown(wait=False)
-    _finish_logging()
-
-
 class ReferenceSurface:
     """EasyDeL's documented trainer members that are views of jaxloom's components (see the module docstring);
     mixed into `BaseTrainer`."""
@@ -67,7 +54,46 @@ class ReferenceSurface:
     finish = _Finish()
     RUN_OUTPUTS = RUN_OUTPUTS
 
+    def _release_and_finish(self) -> None:
+        """Release what this trainer opened (only the components it built), then end the wandb run."""
+        parts = self.parts
+        if parts.built("run_directory"):
+            self.run_directory.release()
+        if parts.built("checkpointing"):
+            self.checkpointing.close()
+        if parts.built("batches"):
+            self.batches.close()
+        if parts.built("setup"):
+            self.setup.close()
+        _finish_logging()
+
+    # ---- setting up (EasyDeL's names: the `setup` component's) --------------------------------------------
+    configure_model = forward("setup")
+    configure_dataloaders = forward("setup")
+    configure_functions = forward("setup")
+    initialize_trainer_utils = forward("setup")
+    compile_aot = forward("setup")
+    lower_train_step = forward("setup")
+    compiled_train_step = forward("setup")
+    restore_checkpoint = forward("setup")
+
     # ---- read-only views ---------------------------------------------------------------------------------
+    @property
+    def runtime(self) -> jmod.RuntimeConfig:
+        """The model's `RuntimeConfig` with the arguments that set runtime fields applied."""
+        return self.arguments.runtime.apply(self._model_in.runtime)
+
+    row_width = property(lambda self: self.batches.spec.row_width, doc="Token columns of one batch row.")
+    run_identity = property(
+        lambda self: self.parts.get("run_identity", self),
+        doc="What this run is (arguments, model config, tokenizer, training data), recorded in every checkpoint.",
+    )
+    run_view = property(lambda self: self.parts.get("run_view", self), doc="What callbacks see of the run.")
+
+    def data_shards(self) -> int:
+        """How many ways the batch rows are split over the mesh (the data-parallel size)."""
+        return self.batches.data_shards()
+
     processing_class = property(lambda self: self.tokenizer, doc="The tokenizer (the reference's name).")
     _model_state = property(lambda self: self.model_state, doc="The `TrainState` being trained.")
     dtype = property(lambda self: self.runtime.dtype, doc="Computation dtype (the arguments', else the model's).")

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jaxloom.mesh as jmesh
 import jaxloom.state as js
 
-from .optim import get_lr_schedule_fn
+from ..optim import get_lr_schedule_fn
 
 log = logging.getLogger("jaxloom.deployer")
 
@@ -76,7 +76,7 @@ class Deployer:
         self.verbose = verbose
         self._writer = None
         if workdir and (run_tensorboard or wandb_init_kwargs):
-            from .metrics import MetricsWriter
+            from ..metrics import MetricsWriter
 
             self._writer = MetricsWriter(
                 workdir,
@@ -181,7 +181,7 @@ class Deployer:
         bar.close()
 
     def _progress(self, total: int, desc: str):
-        from .metrics import create_progress_bar
+        from ..metrics import create_progress_bar
 
         return create_progress_bar(total, desc, disabled=not self.verbose or jax.process_index() != 0)
 
