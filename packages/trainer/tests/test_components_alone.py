@@ -226,7 +226,7 @@ def test_the_step_log_writes_window_means_with_throughput_and_continues_a_resume
     assert [r["step"] for r in train] == [2, 4] and len(asked) == 2  # one row, one extra(), per window
     assert [r["train/loss"] for r in train] == [1.5, 3.5]  # each window's mean
     assert train[0]["train/perplexity"] == pytest.approx(math.exp(1.5))
-    assert train[1]["train/tokens_seen"] == 4 * a.training_batch_size * 32 and train[1]["data/x"] == 1.0
+    assert train[1]["train/tokens_seen"] == 4 * a.training_batch_size * 32 and train[1]["train/data/x"] == 1.0
     second = log()
     second.open(4, 6, {"run": "second"})
     assert [r["step"] for r in second.history if "train/loss" in r] == [2, 4]  # the first segment's rows
