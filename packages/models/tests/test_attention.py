@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import jaxloom.models as jm
-from jaxloom.models.attention import AttentionUnavailableError, _flash, attend, choose_implementation
+from jaxloom.models.attention import AttentionUnavailableError, attend, choose_implementation
+from jaxloom.models.attention.backends import _flash
 
 
 def packed_batch(seed=0, t=40, n=4, kv=2, h=8):

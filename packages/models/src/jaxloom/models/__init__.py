@@ -27,12 +27,10 @@ from .lora import (
     LoRALinear,
     apply_lora,
     quantize_frozen,
-    load_peft_weights,
     lora_config_of,
     merge_lora,
-    read_peft_config,
-    save_peft_adapter,
 )
+from .peft import load_peft_weights, read_peft_config, save_peft_adapter
 from .losses import (
     cross_entropy_gradient,
     linear_cross_entropy,

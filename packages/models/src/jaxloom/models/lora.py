@@ -25,10 +25,8 @@ of `block_size` inputs — and dequantized in the forward pass, in the compute d
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import zlib
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -40,8 +38,6 @@ from .dropout import dropped
 from .expert_adapters import EXPERT_PARAMETERS, ExpertLoRA, expert_weights
 from .layers import Linear
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # QLoRA's NF4 code: the 16 quantiles of a standard normal, scaled to [-1, 1] (Dettmers et al., 2023).
 NF4_CODE = np.array(
     [
@@ -251,12 +247,12 @@ def _find(module: nnx.Module, wanted, prefix: tuple[str, ...] = ()):
                     yield from _find(item, wanted, (*path, str(i)))
 
 
-def _linears(module: nnx.Module):
+def linears(module: nnx.Module):
     """`(parent, attribute, path)` of every `Linear` / `LoRALinear` under `module`, in a fixed order."""
     return _find(module, lambda value: isinstance(value, Linear | LoRALinear))
 
 
-def _expert_hosts(module: nnx.Module):
+def expert_hosts(module: nnx.Module):
     """`(host, path)` of every MoE module under `module` whose stacked expert weights can take adapters (its class
     names them in `EXPERT_WEIGHTS`), in a fixed order."""
     for parent, name, path in _find(module, lambda v: isinstance(v, nnx.Module) and hasattr(type(v), "EXPERT_WEIGHTS")):
@@ -268,7 +264,7 @@ def _expert_weight_names(host: nnx.Module, name: str) -> tuple[str, ...]:
     return type(host).EXPERT_WEIGHTS[name]
 
 
-def _hf_experts(model: nnx.Module, host: nnx.Module, path: tuple[str, ...]) -> list[str]:
+def hf_experts(model: nnx.Module, host: nnx.Module, path: tuple[str, ...]) -> list[str]:
     """transformers' name(s) of the experts module `host` at `path` stands for (`model.layers.3.mlp.experts`), one
     per layer of a scanned stack."""
     suffix = tuple(filter(None, [type(host).HF_EXPERTS]))
@@ -283,7 +279,7 @@ def expert_targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Modu
     scanned stack, is an error listing what the model has."""
     if not config.target_parameters:
         return []
-    hosts = list(_expert_hosts(model))
+    hosts = list(expert_hosts(model))
     if not hosts:
         raise ValueError(
             f"lora_target_parameters {list(config.target_parameters)}: {type(model).__name__} has no stacked expert "
@@ -291,7 +287,7 @@ def expert_targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Modu
         )
     found, used = [], set()
     for host, path in hosts:
-        modules = _hf_experts(model, host, path)
+        modules = hf_experts(model, host, path)
         for name in EXPERT_PARAMETERS:
             keys = [f"{m}.{name}" for m in modules]
             hits = {t for t in config.target_parameters for k in keys if k == t or k.endswith(f".{t}")}
@@ -306,7 +302,7 @@ def expert_targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Modu
                 found.append((host, path, name))
     unknown = [t for t in config.target_parameters if t not in used]
     if unknown:
-        example = _hf_experts(model, *hosts[0])[0]
+        example = hf_experts(model, *hosts[0])[0]
         raise ValueError(
             f"lora_target_parameters {unknown}: {type(model).__name__} has no such parameter; its stacked expert "
             f"weights are {[f'{example}.{n}' for n in EXPERT_PARAMETERS]} in every MoE layer (a suffix such as "
@@ -317,14 +313,14 @@ def expert_targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Modu
 
 def linear_names(model: nnx.Module) -> list[str]:
     """The module names `target_modules` can name in `model` (its linear layers; `lm_head` is the output)."""
-    return sorted({path[-1] for _, _, path in _linears(model)})
+    return sorted({path[-1] for _, _, path in linears(model)})
 
 
 def targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Module, str, tuple[str, ...]]]:
     """The linear layers `config.target_modules` selects in `model`; an unknown name is an error listing the
     names the model has."""
     saved = set(config.modules_to_save)
-    found = [f for f in _linears(model) if not saved & set(f[2])]  # a module trained whole takes no adapters (PEFT)
+    found = [f for f in linears(model) if not saved & set(f[2])]  # a module trained whole takes no adapters (PEFT)
     names = {path[-1] for _, _, path in found}
     if config.target_modules == ALL_LINEAR:
         return [f for f in found if f[2][-1] != "lm_head" and not (f[2][-1] in ROUTERS and "mlp" in f[2])]
@@ -344,14 +340,14 @@ def targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Module, str
 def apply_lora(model: nnx.Module, config: LoRAConfig, *, seed: int = 0) -> nnx.Module:
     """`model` with adapters on the layers `config` targets (in place; also returned). Each layer's A is drawn
     from `seed` and the layer's path, so the same layer gets the same draw whatever else is targeted."""
-    if any(isinstance(getattr(p, n), LoRALinear) for p, n, _ in _linears(model)) or any(
-        getattr(h, a) is not None for h, _ in _expert_hosts(model) for a in EXPERT_PARAMETERS.values()
+    if any(isinstance(getattr(p, n), LoRALinear) for p, n, _ in linears(model)) or any(
+        getattr(h, a) is not None for h, _ in expert_hosts(model) for a in EXPERT_PARAMETERS.values()
     ):
         raise ValueError("this model already has LoRA adapters")
     base_key = jax.random.PRNGKey(seed)
     experts = expert_targets(model, config)  # checked before anything changes
     chosen = {path for _, _, path in targets(model, config)}
-    for parent, name, path in list(_linears(model)):
+    for parent, name, path in list(linears(model)):
         if path in chosen:
             salt = zlib.crc32(".".join(path).encode()) & 0x7FFFFFFF
             key = jax.random.fold_in(base_key, salt)
@@ -363,7 +359,7 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, *, seed: int = 0) -> nnx.M
         key = jax.random.fold_in(base_key, zlib.crc32(".".join((*path, name)).encode()) & 0x7FFFFFFF)
         weights = [getattr(host, attr) for attr in _expert_weight_names(host, name)]
         setattr(host, EXPERT_PARAMETERS[name], ExpertLoRA(weights, config.r, config.scaling, key))
-    _freeze(model, keep=config.modules_to_save)
+    freeze(model, keep=config.modules_to_save)
     model.lora_config = config
     return model
 
@@ -376,14 +372,14 @@ def quantize_frozen(model: nnx.Module, kind: str, *, block_size: int = 64) -> nn
     if kind not in QUANTIZATIONS:
         raise ValueError(f"quantize = {kind!r}; expected one of {QUANTIZATIONS}")
     config = LoRAConfig(quantize=kind, block_size=block_size)
-    for parent, name, _ in list(_linears(model)):
+    for parent, name, _ in list(linears(model)):
         if name != "lm_head" and isinstance(getattr(parent, name), Linear):
             setattr(parent, name, LoRALinear(getattr(parent, name), config, None))
-    _freeze(model)
+    freeze(model)
     return model
 
 
-def _freeze(module: nnx.Module, source: type = nnx.Param, target: type = Frozen, keep: tuple[str, ...] = ()) -> None:
+def freeze(module: nnx.Module, source: type = nnx.Param, target: type = Frozen, keep: tuple[str, ...] = ()) -> None:
     """Every `source` variable under `module` but the adapters and the modules named in `keep` becomes a `target` (by
     default, every parameter becomes `Frozen`: embeddings, norms, the output layer; only the adapters train)."""
     for name in sorted(vars(module)):
@@ -393,11 +389,11 @@ def _freeze(module: nnx.Module, source: type = nnx.Param, target: type = Frozen,
         if isinstance(value, source) and name not in ("lora_a", "lora_b"):
             setattr(module, name, target(value.get_value(), **value.get_metadata()))
         elif isinstance(value, nnx.Module):
-            _freeze(value, source, target, keep)
+            freeze(value, source, target, keep)
         elif isinstance(value, nnx.List | list | tuple):
             for item in value:
                 if isinstance(item, nnx.Module):
-                    _freeze(item, source, target, keep)
+                    freeze(item, source, target, keep)
 
 
 def lora_config_of(model: nnx.Module) -> LoRAConfig | None:
@@ -409,7 +405,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     """`model` with every adapted layer replaced by a plain `Linear` whose kernel is `W + A B · scaling` (the
     base dequantized), in the base's parameter dtype (float32 for a quantized base): what transformers loads
     alone. In place; also returned."""
-    for parent, name, _ in list(_linears(model)):
+    for parent, name, _ in list(linears(model)):
         layer = getattr(parent, name)
         if not isinstance(layer, LoRALinear):
             continue
@@ -428,7 +424,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         )
         plain.dtype, plain.precision = layer.dtype, layer.precision
         setattr(parent, name, plain)
-    for host, _ in _expert_hosts(model):
+    for host, _ in expert_hosts(model):
         for name, attr in EXPERT_PARAMETERS.items():
             if getattr(host, attr) is None:
                 continue
@@ -437,7 +433,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
                 var = getattr(host, weight)
                 setattr(host, weight, Frozen(value.astype(var.get_value().dtype), **var.get_metadata()))
             setattr(host, attr, None)
-    _freeze(model, Frozen, nnx.Param)  # a plain model again: every weight a parameter
+    freeze(model, Frozen, nnx.Param)  # a plain model again: every weight a parameter
     if hasattr(model, "lora_config"):
         del model.lora_config
     return model
@@ -448,222 +444,3 @@ class _Runtime:  # the two fields `Linear.__init__` reads
     param_dtype: Any
     dtype: Any = jnp.float32
     precision: Any = None
-
-
-# ---- PEFT's files -------------------------------------------------------------------------------------------
-def _hf_module(model: nnx.Module, path: tuple[str, ...]) -> list[str]:
-    """The HF module name(s) of the linear layer at `path` (one per layer of a scanned stack)."""
-    from .hf import hf_sources
-
-    src = hf_sources([*path, "kernel"], model.config)
-
-    def names(s):
-        if isinstance(s, list):
-            return [n for x in s for n in names(x)]
-        if len(s) == 3:
-            raise ValueError(
-                f"{type(model).__name__} fuses {path[-1]} into {s[0].rsplit('.', 1)[0]} in transformers: its "
-                "adapters are not PEFT's; target the unfused modules of another family, or export with --merge"
-            )
-        return [s[0].removesuffix(".weight")]
-
-    return names(src)
-
-
-def peft_config(config: LoRAConfig, model: nnx.Module, base: str | None = None) -> dict[str, Any]:
-    """`adapter_config.json` of `config` on `model`, as PEFT writes it."""
-    modules = sorted({path[-1] for _, _, path in targets(model, config)})
-    return {
-        "peft_type": "LORA",
-        "task_type": "SEQ_CLS" if _saved_modules(model, config) else "CAUSAL_LM",
-        "r": config.r,
-        "lora_alpha": config.alpha,
-        "lora_dropout": config.dropout,
-        "target_modules": modules,
-        "target_parameters": sorted(config.target_parameters) or None,
-        "use_rslora": config.use_rslora,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-        "modules_to_save": list(config.modules_to_save) or None,
-        "base_model_name_or_path": base,
-        "inference_mode": True,
-    }
-
-
-def adapter_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
-    """The adapters of `model` under PEFT's names (`base_model.model.<module>.lora_A.weight [r, in]`,
-    `lora_B.weight [out, r]`), gathered to host, float32."""
-    from jaxloom.mesh import gather
-
-    out: dict[str, np.ndarray] = {}
-    for parent, name, path in _linears(model):
-        layer = getattr(parent, name)
-        if not isinstance(layer, LoRALinear) or layer.lora_a is None:
-            continue
-        a, b = np.asarray(gather(layer.lora_a[...])), np.asarray(gather(layer.lora_b[...]))
-        modules = _hf_module(model, path)
-        if a.ndim == 2:
-            a, b = a[None], b[None]
-        for i, module in enumerate(modules):
-            out[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
-            out[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
-    for name, var, transposed in _saved_tensors(model, lora_config_of(model)):
-        value = np.asarray(gather(var[...]))
-        out[f"base_model.model.{name}"] = np.ascontiguousarray(value.T if transposed else value)
-    for key, adapters, i in _expert_adapter_keys(model):
-        a, b = np.asarray(gather(adapters.lora_a[...])), np.asarray(gather(adapters.lora_b[...]))
-        a, b = (a, b) if i is None else (a[i], b[i])
-        experts, din, r = a.shape
-        out[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.transpose(0, 2, 1).reshape(experts * r, din))
-        out[f"{key}.lora_B.weight"] = np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[-1], r * experts))
-    return out
-
-
-def _saved_modules(model: nnx.Module, config: LoRAConfig | None) -> list[tuple[str, nnx.Module]]:
-    """`(name, module)` of the modules `config.modules_to_save` names that sit at the top of `model` (a classifier's
-    `score`)."""
-    names = config.modules_to_save if config is not None else ()
-    return [(n, getattr(model, n)) for n in names if isinstance(getattr(model, n, None), nnx.Module)]
-
-
-def _saved_tensors(model: nnx.Module, config: LoRAConfig | None):
-    """`(HF tensor name, variable, transposed)` of the weights of the modules trained whole (`modules_to_save`)."""
-    from .hf import hf_sources
-
-    for name, module in _saved_modules(model, config):
-        for leaf in sorted(vars(module)):
-            var = getattr(module, leaf)
-            if isinstance(var, nnx.Param):
-                tensor, transposed = hf_sources([name, leaf], model.config)[:2]
-                yield tensor, var, transposed
-
-
-def _expert_adapter_keys(model: nnx.Module):
-    """`(key, adapters, layer)` for each expert weight with adapters: PEFT's key up to `.lora_A.weight`, the
-    `ExpertLoRA`, and the index into its leading layer axis (None outside a scanned stack). PEFT wraps a module's
-    targeted parameters one inside the other in the module's order, so all but the last sit under `base_layer`s."""
-    for host, path in _expert_hosts(model):
-        adapted = [(n, getattr(host, a)) for n, a in EXPERT_PARAMETERS.items() if getattr(host, a) is not None]
-        modules = _hf_experts(model, host, path)
-        for j, (_, adapters) in enumerate(adapted):
-            nesting = ".base_layer" * (len(adapted) - 1 - j)
-            for i, module in enumerate(modules):
-                yield f"base_model.model.{module}{nesting}", adapters, (i if len(modules) > 1 else None)
-
-
-def save_peft_adapter(
-    model: nnx.Module, directory: str | Path, *, base: str | None = None, tokenizer: Any = None
-) -> Path:
-    """Write `model`'s adapters as a PEFT adapter directory (`adapter_config.json`,
-    `adapter_model.safetensors`, and `tokenizer`'s files when given), atomically; `base` is recorded as
-    `base_model_name_or_path`."""
-    from safetensors.numpy import save_file
-
-    from .hf import atomic_directory
-
-    config = lora_config_of(model)
-    if config is None:
-        raise ValueError("this model has no LoRA adapters")
-    tensors = adapter_tensors(model)  # every process gathers; process 0 writes
-    if jax.process_index() != 0:
-        return Path(directory)
-    with atomic_directory(directory) as tmp:
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(config, model, base), indent=2) + "\n")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-    return Path(directory)
-
-
-def read_peft_config(directory: str | Path) -> LoRAConfig:
-    """The `LoRAConfig` of a PEFT adapter directory; what jaxloom cannot reproduce is an error naming it."""
-    path = Path(directory) / ADAPTER_CONFIG
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory}: not a PEFT adapter directory (no {ADAPTER_CONFIG})")
-    raw = json.loads(path.read_text())
-    if raw.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{path}: peft_type {raw.get('peft_type')!r}; expected LORA")
-    for key, ok in (("bias", ("none", None)), ("fan_in_fan_out", (False, None))):
-        if raw.get(key) not in ok:
-            raise ValueError(f"{path}: {key} = {raw.get(key)!r}; jaxloom reads adapters with {key} = {ok[0]!r}")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if raw.get(key):
-            raise ValueError(f"{path}: {key} = {raw[key]!r}; jaxloom reads one rank and alpha for every layer")
-    modules = raw.get("target_modules") or ()
-    return LoRAConfig(
-        r=int(raw["r"]),
-        alpha=float(raw.get("lora_alpha", 8)),
-        target_modules=modules if isinstance(modules, str) else tuple(sorted(modules)),
-        use_rslora=bool(raw.get("use_rslora", False)),
-        target_parameters=tuple(sorted(raw.get("target_parameters") or ())),
-        modules_to_save=tuple(raw.get("modules_to_save") or ()),
-        dropout=float(raw.get("lora_dropout") or 0.0),
-    )
-
-
-def load_peft_weights(model: nnx.Module, directory: str | Path) -> nnx.Module:
-    """Set `model`'s adapters (applied with the directory's config) from a PEFT adapter directory; an adapter
-    missing, left over or of another shape than the base's layer is an error naming it. In place."""
-    from safetensors.numpy import load_file
-
-    path = Path(directory) / ADAPTER_WEIGHTS
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory}: no {ADAPTER_WEIGHTS}")
-    tensors = {k.replace(".default.", "."): v for k, v in load_file(str(path)).items()}
-    used = set()
-    for parent, name, p in _linears(model):
-        layer = getattr(parent, name)
-        if not isinstance(layer, LoRALinear) or layer.lora_a is None:
-            continue
-        pairs = []
-        for module in _hf_module(model, p):
-            keys = [f"base_model.model.{module}.lora_{x}.weight" for x in "AB"]
-            missing = [k for k in keys if k not in tensors]
-            if missing:
-                raise ValueError(f"{path}: no tensor {missing[0]}; the adapter does not cover this base's {module}")
-            used.update(keys)
-            pairs.append((tensors[keys[0]].T, tensors[keys[1]].T))
-        a = np.stack([x for x, _ in pairs]) if layer.lora_a.get_value().ndim == 3 else pairs[0][0]
-        b = np.stack([y for _, y in pairs]) if layer.lora_b.get_value().ndim == 3 else pairs[0][1]
-        for var, value, what in ((layer.lora_a, a, "lora_A"), (layer.lora_b, b, "lora_B")):
-            if tuple(value.shape) != tuple(var.get_value().shape):
-                raise ValueError(
-                    f"{path}: {what} of {'.'.join(p)} has shape {tuple(value.shape)} (jaxloom's layout), the base's "
-                    f"layer needs {tuple(var.get_value().shape)}: the adapter was made for another base model"
-                )
-            var.set_value(jnp.asarray(value, jnp.float32))
-    expert_pairs: dict[int, tuple[ExpertLoRA, list[tuple[np.ndarray, np.ndarray]]]] = {}
-    for key, adapters, _ in _expert_adapter_keys(model):
-        keys = [f"{key}.lora_{x}.weight" for x in "AB"]
-        missing = [k for k in keys if k not in tensors]
-        if missing:
-            raise ValueError(f"{path}: no tensor {missing[0]}; the adapter does not cover this base's experts")
-        used.update(keys)
-        expert_pairs.setdefault(id(adapters), (adapters, []))[1].append((tensors[keys[0]], tensors[keys[1]]))
-    for adapters, pairs in expert_pairs.values():
-        *_, experts, din, r = adapters.lora_a.get_value().shape
-        dout = adapters.lora_b.get_value().shape[-1]
-        for x, y in pairs:
-            if x.shape != (experts * r, din) or y.shape != (dout, r * experts):
-                raise ValueError(
-                    f"{path}: the experts' adapters are lora_A {x.shape}, lora_B {y.shape}; this base's {experts} "
-                    f"experts need {(experts * r, din)} and {(dout, r * experts)}: it was made for another base"
-                )
-        a = np.stack([x.reshape(experts, r, din).transpose(0, 2, 1) for x, _ in pairs])
-        b = np.stack([y.reshape(dout, r, experts).transpose(2, 1, 0) for _, y in pairs])
-        adapters.lora_a.set_value(jnp.asarray(a.reshape(adapters.lora_a.get_value().shape), jnp.float32))
-        adapters.lora_b.set_value(jnp.asarray(b.reshape(adapters.lora_b.get_value().shape), jnp.float32))
-    for name, var, transposed in _saved_tensors(model, lora_config_of(model)):
-        key = f"base_model.model.{name}"
-        if key not in tensors:
-            raise ValueError(f"{path}: no tensor {key}; the adapter does not hold the module it trains whole")
-        value = tensors[key].T if transposed else tensors[key]
-        if tuple(value.shape) != tuple(var.get_value().shape):
-            raise ValueError(f"{path}: {key} has shape {tensors[key].shape}; this base's needs another: another base")
-        used.add(key)
-        var.set_value(jnp.asarray(value, var.get_value().dtype))
-    left = sorted(set(tensors) - used)
-    if left:
-        raise ValueError(f"{path}: tensors for modules this model does not adapt: {left[:5]}")
-    return model

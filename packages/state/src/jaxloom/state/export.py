@@ -50,7 +50,8 @@ def save_pretrained(
         manager.close()
         return path
     from jaxloom.models.hf import atomic_directory, write_hf_export
-    from jaxloom.models.lora import lora_config_of, merge_lora, save_peft_adapter
+    from jaxloom.models.lora import lora_config_of, merge_lora
+    from jaxloom.models.peft import save_peft_adapter
 
     model = state.model
     if lora_config_of(model) is not None:
