@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
@@ -251,29 +251,6 @@ class Batches:
         """The eval step's batch of `rows` rows (default `evaluation_batch_size`), with the kind's arrays."""
         batch = self.eval_tokens(local, rows or self.arguments.eval_batch_size)
         return self.spec.extend(local, batch, False) if self.spec.extend else batch
-
-    # ---- collate functions (EasyDeL's) ------------------------------------------------------------
-    def create_collect_function(
-        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
-    ):
-        """`collate(examples) -> dict of arrays`: tokenized examples (`{"input_ids": [...], ...}`) truncated
-        by `truncation_mode` and right-padded with the tokenizer's pad id to `max_sequence_length`."""
-        pad = self.tokenizer().pad_token_id or 0
-        return jd.create_collect_function(max_sequence_length, truncation_mode, pad_token_id=pad)
-
-    def create_grain_collect_function(
-        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
-    ):
-        """The same collate function as `create_collect_function(max_sequence_length, truncation_mode)`,
-        for a grain pipeline's batch map."""
-        return self.create_collect_function(max_sequence_length, truncation_mode)
-
-    def create_tfds_collect_function(
-        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
-    ):
-        """The same collate function as `create_collect_function(max_sequence_length, truncation_mode)`,
-        for TFDS-style batches of examples."""
-        return self.create_collect_function(max_sequence_length, truncation_mode)
 
     # ---- metrics ----------------------------------------------------------------------------------
     def mixture_shares(self) -> dict[str, float]:

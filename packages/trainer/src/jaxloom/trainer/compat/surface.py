@@ -11,7 +11,7 @@ It holds no state of its own: every attribute it reads lives in a component or i
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -172,10 +172,28 @@ class ReferenceSurface:
     generate_aio = forward("generation")
     create_generate_function = forward("generation")
 
-    # ---- data helpers -------------------------------------------------------------------------------------
-    create_collect_function = forward("batches")
-    create_grain_collect_function = forward("batches")
-    create_tfds_collect_function = forward("batches")
+    # ---- collate functions (EasyDeL's) ---------------------------------------------------------------------
+    def create_collect_function(
+        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+    ):
+        """`collate(examples) -> dict of arrays`: tokenized examples (`{"input_ids": [...], ...}`) truncated
+        by `truncation_mode` and right-padded with the tokenizer's pad id to `max_sequence_length`."""
+        pad = self.tokenizer.pad_token_id or 0
+        return jd.create_collect_function(max_sequence_length, truncation_mode, pad_token_id=pad)
+
+    def create_grain_collect_function(
+        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+    ):
+        """The same collate function as `create_collect_function(max_sequence_length, truncation_mode)`,
+        for a grain pipeline's batch map."""
+        return self.create_collect_function(max_sequence_length, truncation_mode)
+
+    def create_tfds_collect_function(
+        self, max_sequence_length: int, truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+    ):
+        """The same collate function as `create_collect_function(max_sequence_length, truncation_mode)`,
+        for TFDS-style batches of examples."""
+        return self.create_collect_function(max_sequence_length, truncation_mode)
 
     def specs_to_name_sharding(self, tree, mesh=None):
         """`tree` with every `PartitionSpec` replaced by a `NamedSharding` on `mesh` (default: the trainer's)."""
