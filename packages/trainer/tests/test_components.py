@@ -69,8 +69,8 @@ def test_parts_build_once_on_first_use_and_record_what_each_was_built_from():
     owner.parts.get("b", owner)
     assert calls.count("b") == 2 and calls.count("a") == 1
 
-    def lazy(*, c: Later[list], b: IfBuilt[tuple]):
-        return (c, b)
+    def lazy(*, c: Later[list], b_if_built: IfBuilt[tuple]):  # `<name>_if_built`: beside a `Later` of the same
+        return (c, b_if_built)
 
     def c():
         calls.append("c")

@@ -411,7 +411,6 @@ def exporter(
         return run.state
 
     def facts() -> dict[str, Any]:
-        log_ = step_log()
         return dict(
             identity=run_identity(),
             dataset_train=dataset_train,
@@ -421,7 +420,7 @@ def exporter(
             mesh=mesh,
             arguments=run.arguments,
             resumed_from=run.resumed_from,
-            history=log_.history if log_ is not None else [],
+            history=_history(step_log)(),
         )
 
     return Exporter(
