@@ -145,15 +145,22 @@ def test_asynchronous_settings_are_checked_before_step_one(tmp_path, caplog):
 MOE_REPLAY = ["model.model_type=mixtral", "model.num_local_experts=4", "routing_replay=true"]
 
 
+PARTIAL = ["sampling_devices=1", "partial_rollout_tokens=4", "vllm_importance_sampling_correction=true"]
+
+
 @pytest.mark.parametrize(
-    "split", [[], ["sampling_devices=1"], MOE_REPLAY], ids=["one-mesh", "split-1-1", "mixtral-routing-replay"]
+    "split",
+    [[], ["sampling_devices=1"], MOE_REPLAY, PARTIAL],
+    ids=["one-mesh", "split-1-1", "mixtral-routing-replay", "split-partial-rollouts"],
 )
 def test_asynchronous_grpo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monkeypatch, split):
     """`jaxloom train max_staleness=1` (on the training mesh, or with the sampler on one of the 2 devices), killed
     by SIGKILL after step 7 (the next rollout drawn, its scoring under way) and started again, resumes from step 4's
     checkpoint — the rollout drawn then by step 3's weights restored from it and scored again — and ends bit for
     bit where an uninterrupted run ends. A Mixtral policy with `routing_replay`: the drawn rollout's experts per
-    token are saved with it and replayed after the resume."""
+    token are saved with it and replayed after the resume. Partial rollouts on the sampler's own device: the next
+    rollout's first part (4 tokens of each completion) is saved with each checkpoint and finished after the resume
+    by the resumed weights, as the uninterrupted run finishes it."""
     from test_resume_cli import resumes_bitwise
 
     monkeypatch.chdir(tmp_path)
@@ -169,6 +176,9 @@ def test_asynchronous_grpo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monk
     assert logged
     if split is MOE_REPLAY:  # replayed on the resumed run's rows too (a lost record would leave only -1s: 0 too)
         assert all(r["train/routing/disagreement"] == 0 for r in logged)
+    if split is PARTIAL:  # completions drawn ahead continued under the next version; their parts saved mid-way
+        assert max(r["train/sample/partial_ratio"] for r in logged) > 0
+        assert all(r["train/sample/token_staleness_mean"] <= r["train/sample/staleness_max"] for r in logged)
 
 
 def test_on_eight_devices_split_four_and_four_the_letter_is_learned_a_step_stale(tmp_path):
@@ -298,3 +308,114 @@ def grpo_cli(tmp_path, source: str, reward: str) -> list[str]:
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     extra = ["trainer=grpo", "data.train=p.jsonl", f"reward_funcs=custom.{reward}", "num_generations=4"]
     return [*extra, "max_prompt_length=16", "max_completion_length=16", "max_training_steps=8", "learning_rate=1e-2"]
+
+
+def test_partial_rollouts_in_the_pipeline_continue_under_each_version_and_resume_where_they_were():
+    """The pipeline alone with partial rollouts (`advance`): a rollout drawn ahead draws a part under the version of
+    its time, one more part at each later `take`, and the rest when its own step takes it; it is scored once, when
+    whole; each token's version gives `sample/token_staleness_mean` and `sample/partial_ratio`. Its state saved
+    mid-way (the parts drawn so far) and restored continues as the uninterrupted pipeline does."""
+    version, scored = [0], []
+    need = 4  # tokens a completion has; a part is one token, the rest when finished
+
+    def draw(i):
+        return (i, (version[0],))
+
+    def advance(i, get, finish):
+        index, parts = get()
+        return (index, parts + (version[0],) * ((need - len(parts)) if finish else 1))
+
+    def finish(drawn):
+        scored.append(drawn)
+        return {}, {"drawn": drawn}, None
+
+    def make():
+        return Pipeline(
+            draw,
+            finish,
+            lambda: version[0],
+            save=lambda d: {"d": [d[0], list(d[1])]},
+            depth=2,
+            max_staleness=2,
+            last=6,
+            advance=advance,
+            running=lambda d: len(d[1]) < need,
+            versions=lambda d: np.asarray([d[1]], np.int32),
+        )
+
+    p = make()
+    got = [p.take(0)[1]]
+    for v in (1, 2):
+        version[0] = v
+        got.append(p.take(v)[1])
+    assert [m["drawn"] for m in got] == [(0, (0, 0, 0, 0)), (1, (0, 1, 1, 1)), (2, (0, 1, 2, 2))]
+    assert [m["sample/staleness_max"] for m in got] == [0, 1, 2]
+    assert np.isclose(got[2]["sample/token_staleness_mean"], (2 + 1 + 0 + 0) / 4)
+    assert [m["sample/partial_ratio"] for m in got] == [0.0, 1.0, 1.0]
+    assert sorted(d[0] for d in scored) == [0, 1, 2]  # each scored once, when whole
+    saved = json.loads(json.dumps(p.state()))
+    assert [(d["index"], d["version"], d["d"][1]) for d in saved["drawn"]] == [(3, 1, [1, 2]), (4, 2, [2])]
+    version[0] = 3
+    want = p.take(3)[1]["drawn"]
+    p.close()
+    q = make()
+    q.restore(saved, lambda i, s: (s["d"][0], tuple(s["d"][1])))
+    assert q.take(3)[1]["drawn"] == want == (3, (1, 2, 3, 3))
+    q.close()
+
+
+def test_partial_rollouts_in_a_run_draw_most_tokens_with_fresher_weights(tmp_path):
+    """A GRPO run on the training mesh with `max_staleness=2` and `partial_rollout_tokens=2`: each rollout draws 2
+    tokens per completion two versions ahead, 2 more one version ahead, and the rest under the weights of its own
+    step: its rollout is 2 versions stale (it began then), its tokens less on average (`sample/token_staleness_mean`),
+    and the completions span versions (`sample/partial_ratio`). Partial rollouts with tools or recorded experts are
+    refused when the trainer is made."""
+    trainer = grpo_trainer(tmp_path, max_staleness=2, partial_rollout_tokens=2, logging_steps=1, top_k=16)
+    trainer.train()
+    logged = [r for r in rows(tmp_path) if "train/sample/staleness_max" in r]
+    assert [r["train/sample/staleness_max"] for r in logged] == [0, 1, 2, 2]
+    later = logged[2:]
+    assert all(r["train/sample/partial_ratio"] > 0 for r in later), later
+    assert all(0 < r["train/sample/token_staleness_mean"] < 2 for r in later), later
+    with pytest.raises(ValueError, match="partial_rollout_tokens = 2 with routing_replay: a partial rollout"):
+        grpo_trainer(tmp_path / "moe", max_staleness=1, partial_rollout_tokens=2, routing_replay=True)
+
+
+def test_a_partial_rollouts_tokens_carry_the_log_probs_of_the_version_that_drew_them():
+    """`Drawer.draw(budget=)` draws a part of each completion with one model; `Drawer.extend` continues the rows still
+    running with another (their `[prompt | part]` prefilled by it): every completion token is tagged with the version
+    that drew it, and its sampler log-prob is that version's model's own (a full forward of the finished sequence, at
+    temperature 1), so the per-token corrections weigh each token by the policy that drew it."""
+    import jax
+    import jaxloom.models as jm
+    from util import TOK, mesh, tiny
+
+    from jaxloom.trainer.grpo.drawing import Drawer
+    from jaxloom.trainer.grpo.rollouts import Policy
+    from jaxloom.trainer.grpo.sampler import Sampler
+
+    rl = grpo_args("unused", max_completion_length=12, max_staleness=1, partial_rollout_tokens=3, temperature=1.0).rl
+    models = [jm.create_model(tiny(), seed=seed) for seed in (0, 1)]
+    policy = Policy(state=None, step=lambda: 0, logps=None, rewards=lambda: ([], []))
+    no_eos = (len(TOK) + 7,)  # no completion ends early: every row runs to the cap
+    sampler = Sampler(rl, lambda: models[0], lambda: TOK, lambda: no_eos, mesh(1))
+    drawer = Drawer(rl, lambda: TOK, policy, sampler, None, lambda: no_eos, lambda *a, **k: ({}, {}))
+    records = [{"prompt": "say red:"}, {"prompt": "say a much longer thing:"}]
+    encoded = [np.asarray(TOK(r["prompt"])["input_ids"], np.int32) for r in records]
+    part = drawer.draw(records, encoded, jax.random.PRNGKey(3), budget=3, version=5, model=models[0])
+    assert (part.completion_mask.sum(axis=1) == 3).all() and drawer.running(part).all()
+    whole = drawer.extend(part, jax.random.PRNGKey(4), 6, finish=True, model=models[1])
+    assert not drawer.running(whole).any() and (whole.completion_mask.sum(axis=1) == 12).all()
+    assert (whole.versions[:, :3] == 5).all() and (whole.versions[:, 3:12] == 6).all()
+    np.testing.assert_array_equal(whole.completion[:, :3], part.completion[:, :3])
+    for r in (0, len(whole.kept) - 1):
+        ids = np.concatenate([whole.kept[r], whole.completion[r, :12]])
+        for v, model in ((5, models[0]), (6, models[1])):
+            logp = jax.nn.log_softmax(model(ids[None]).logits[0].astype(np.float32), axis=-1)
+            at = np.flatnonzero(whole.versions[r, :12] == v)
+            want = np.asarray(logp)[len(whole.kept[r]) - 1 + at, whole.completion[r, at]]
+            np.testing.assert_allclose(whole.sampled[r, at], want, atol=1e-4)
+    with pytest.raises(ValueError, match="partial_rollout_tokens = 3 with max_staleness = 0"):
+        grpo_args("unused", max_completion_length=12, partial_rollout_tokens=3)
+    with pytest.raises(ValueError, match="partial_rollout_tokens = 12 with max_completion_length = 12"):
+        grpo_args("unused", max_completion_length=12, max_staleness=1, partial_rollout_tokens=12)

@@ -144,6 +144,14 @@ class RLArgs(SettingsGroup):
         description="GRPO, max_staleness >= 1: completions held drawn and not yet trained at most (TRL's); bounds how "
         "many steps ahead rollouts are drawn",
     )
+    partial_rollout_tokens: int = Field(
+        0,
+        description="GRPO, max_staleness >= 1: partial rollouts (AReaL's, slime's): a rollout drawn ahead draws at "
+        "most this many tokens per completion under each policy version; a completion still running when the policy "
+        "changes continues under the new one (re-prefilled with its weights), each token tagged with the version that "
+        "drew it and corrected by its own sampler log-prob; the step that trains it finishes what still runs (0: off, "
+        "each rollout drawn whole by one version)",
+    )
 
     routing_replay: bool = Field(
         False,
@@ -185,7 +193,18 @@ class RLArgs(SettingsGroup):
         )
         check_positive(self, "temperature", "beta", allow_zero=True)
         check_positive(self, "sapo_temperature_pos", "sapo_temperature_neg")
-        check_positive(self, "max_staleness", "sampling_devices", allow_zero=True)
+        check_positive(self, "max_staleness", "sampling_devices", "partial_rollout_tokens", allow_zero=True)
+        if self.partial_rollout_tokens and not self.max_staleness:
+            raise ValueError(
+                f"partial_rollout_tokens = {self.partial_rollout_tokens} with max_staleness = 0: a synchronous rollout "
+                "is drawn whole by the weights it trains; expected max_staleness >= 1 (or partial_rollout_tokens = 0)"
+            )
+        if self.partial_rollout_tokens and self.partial_rollout_tokens >= self.max_completion_length:
+            raise ValueError(
+                f"partial_rollout_tokens = {self.partial_rollout_tokens} with max_completion_length = "
+                f"{self.max_completion_length}: every completion would end under one version; expected fewer tokens "
+                "per version than max_completion_length (or 0: off)"
+            )
         check_positive(self, "queue_maxsize")
         if self.max_inflight_tasks != -1 and self.max_inflight_tasks < 1:
             raise ValueError(f"max_inflight_tasks = {self.max_inflight_tasks}; expected -1 (auto) or at least 1")
@@ -241,7 +260,9 @@ class GRPOConfig(TrainingArguments):
     function may take on a step's completions before the run stops naming it), `tool_timeout` (seconds a tool turn's
     calls may take) and `tool_workers` (the threads that run them, rows concurrently); asynchronous rollouts with
     TRL's `AsyncGRPOConfig` names: `max_staleness` (0: synchronous; k: the next k steps' rollouts drawn ahead and
-    scored on threads while a step trains), `max_inflight_tasks` and `queue_maxsize`; jaxloom's `sampling_devices`
+    scored on threads while a step trains), `max_inflight_tasks` and `queue_maxsize`; partial rollouts,
+    `partial_rollout_tokens` (a completion drawn ahead continues under each new policy version); jaxloom's
+    `sampling_devices`
     (devices given to sampling, the training mesh built over the rest; docs/rl.md); MoE routing replay,
     `routing_replay` (an MoE policy's training forward sends each token to the experts its sampler chose). A step
     trains on

@@ -47,7 +47,8 @@ class Drawn:
     columns; `kept`: each row's prompt tokens; `truncated`: prompts cut) and the completions (`completion`,
     `completion_mask`, the sampler's log-probs `sampled`, `keep`: 1 on the model's own tokens, or None), the tool
     exchange (`turns`), an MoE sampler's experts per token of `[prompt | completion]` (`routes`, or None), a
-    `rollout_func`'s own fields for the rewards (`fields`, or None) and the seconds drawing took."""
+    `rollout_func`'s own fields for the rewards (`fields`, or None), with partial rollouts the policy version that
+    drew each completion token (`versions`, -1 on padding; None otherwise) and the seconds drawing took."""
 
     prompts: list[Any]
     columns: dict[str, list]
@@ -66,17 +67,19 @@ class Drawn:
     turns: Any = None
     routes: np.ndarray | None = None
     fields: dict[str, list] | None = None
+    versions: np.ndarray | None = None
     seconds: float = 0.0
 
-    def completed(self, completion, completion_mask, sampled, keep, routes=None) -> None:
-        """The completions (and `routes`, `[rows, prompt + completion columns, layers, k]`), cut to their bucket (the
-        longest completion's, at most their width)."""
+    def completed(self, completion, completion_mask, sampled, keep, routes=None, versions=None) -> None:
+        """The completions (and `routes`, `[rows, prompt + completion columns, layers, k]`; `versions`, per completion
+        token), cut to their bucket (the longest completion's, at most their width)."""
         _, width = row_buckets(self.width, int(np.max(completion_mask.sum(axis=1), initial=1)), completion.shape[1])
         self.completion = np.asarray(completion)[:, :width]
         self.completion_mask = np.asarray(completion_mask)[:, :width]
         self.sampled = None if sampled is None else np.asarray(sampled)[:, :width]
         self.keep = None if keep is None else np.asarray(keep)[:, :width]
         self.routes = None if routes is None else np.asarray(routes)[:, : self.width + width]
+        self.versions = None if versions is None else np.asarray(versions)[:, :width]
 
 
 def one_at_a_time(method: Callable) -> Callable:
@@ -150,10 +153,13 @@ class Drawer:
         where: Sequence[str] | None = None,
         *,
         model: Any = None,
+        budget: int | None = None,
+        version: int = 0,
     ) -> Drawn:
         """A rollout's completions, not yet scored (the part that holds the device): with environments each row's
         instance is reset first (its text appended to the prompt); a `rollout_func` replaces the generation; with
-        tools the exchange continues (`tool_turns`)."""
+        tools the exchange continues (`tool_turns`). `budget` (partial rollouts, in-process sampling): at most that
+        many tokens per completion, each tagged with the policy `version` (`extend` continues them)."""
         rl, tok = self.rl, self.tokenizer()
         started = time.perf_counter()
         group = rl.num_generations
@@ -185,12 +191,14 @@ class Drawer:
         elif _grouped(prompt, prompt_mask, group):  # one prefill per prompt, shared by its group
             self.sampler.keep_pages = tools is not None  # the paged engine then keeps each row's pages for tool turns
             completion, completion_mask, sampled = self.sampler.generate(
-                prompt[::group], prompt_mask[::group], key, model=model
+                prompt[::group], prompt_mask[::group], key, model=model, max_new_tokens=budget
             )
             routes = self.sampler.routes
         else:  # an environment's observation made a group's prompts differ: a prefill per row
             self.sampler.keep_pages = tools is not None
-            completion, completion_mask, sampled = self.sampler.generate(prompt, prompt_mask, key, group=1, model=model)
+            completion, completion_mask, sampled = self.sampler.generate(
+                prompt, prompt_mask, key, group=1, model=model, max_new_tokens=budget
+            )
             routes = self.sampler.routes
         if tools is not None and sampled is not None:  # TRL's tool loop (in-process generation only)
             buckets = (PROMPT_BUCKET, COMPLETION_BUCKET)
@@ -201,9 +209,59 @@ class Drawer:
             keep = _padded_keep(drawn.turns, completion_mask.shape[1])
             routes = None  # the turns' tokens were decoded apart: no replay
         self.sampler.done()  # the rollout's paged engine and its kept pages are done with
-        drawn.completed(completion, completion_mask, sampled, keep, routes)
+        versions = None if budget is None else np.where(completion_mask > 0, version, -1).astype(np.int32)
+        drawn.completed(completion, completion_mask, sampled, keep, routes, versions)
         drawn.seconds = time.perf_counter() - started
         return drawn
+
+    def running(self, drawn: Drawn) -> np.ndarray:
+        """Which rows of a partial rollout still run: no stop token yet and fewer than `max_completion_length`
+        tokens (`[rows]` bool; none without `versions`, a rollout drawn whole)."""
+        if drawn.versions is None:
+            return np.zeros(len(drawn.completion), bool)
+        stops = np.asarray(self.stop_ids(), np.int32)
+        on = drawn.completion_mask > 0
+        ended = (np.isin(drawn.completion, stops) & on).any(axis=1)
+        return ~ended & (on.sum(axis=1) < self.rl.max_completion_length)
+
+    @one_at_a_time
+    def extend(self, drawn: Drawn, key: jax.Array, version: int, *, finish: bool, model: Any = None) -> Drawn:
+        """Partial rollouts: `drawn`'s running completions continued by the policy `version` (`model`; default the
+        current weights) — each row's `[prompt | completion so far]` prefilled by those weights, at most
+        `partial_rollout_tokens` new tokens (`finish`: to the end: a stop token or `max_completion_length`), tagged
+        with `version`, their log-probs the sampler's. The same `drawn` when nothing runs."""
+        rl, tok = self.rl, self.tokenizer()
+        rows = np.flatnonzero(self.running(drawn))
+        if not len(rows):
+            return drawn
+        started, cap, pad = time.perf_counter(), rl.max_completion_length, tok.pad_token_id or 0
+        lengths = (drawn.completion_mask > 0).sum(axis=1)
+        histories = [np.concatenate([drawn.kept[r], drawn.completion[r, : lengths[r]]]) for r in rows]
+        width, _ = row_buckets(max(map(len, histories)), 1, cap)
+        prompt, mask = np.full((len(rows), width), pad, np.int32), np.zeros((len(rows), width), np.int32)
+        for i, ids in enumerate(histories):
+            prompt[i, width - len(ids) :], mask[i, width - len(ids) :] = ids, 1
+        left = cap - int(lengths[rows].min())  # the most a running row may still draw
+        steps = min(cap, row_buckets(1, left, cap)[1]) if finish else rl.partial_rollout_tokens  # few compiles
+        new, new_mask, new_logps = self.sampler.generate(prompt, mask, key, group=1, max_new_tokens=steps, model=model)
+        self.sampler.done()
+        completion = np.full((len(drawn.completion), cap), pad, np.int32)
+        completion_mask, versions = np.zeros_like(completion), np.full_like(completion, -1)
+        sampled = np.zeros(completion.shape, np.float32)
+        have = drawn.completion.shape[1]
+        completion[:, :have], completion_mask[:, :have] = drawn.completion, drawn.completion_mask
+        versions[:, :have] = drawn.versions
+        if drawn.sampled is not None:
+            sampled[:, :have] = drawn.sampled
+        for i, r in enumerate(rows):
+            n = min(int(new_mask[i].sum()), cap - int(lengths[r]))
+            at = slice(int(lengths[r]), int(lengths[r]) + n)
+            completion[r, at], completion_mask[r, at], sampled[r, at] = new[i, :n], 1, new_logps[i, :n]
+            versions[r, at] = version
+        out = dataclasses.replace(drawn)
+        out.completed(completion, completion_mask, sampled, drawn.keep, None, versions)
+        out.seconds = drawn.seconds + time.perf_counter() - started
+        return out
 
     def finish(self, drawn: Drawn) -> tuple[dict[str, np.ndarray], dict[str, float], np.ndarray | None]:
         """A drawn rollout scored (host only: the completions' text, the rewards): `(rows, metrics, sampler

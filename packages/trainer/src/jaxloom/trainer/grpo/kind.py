@@ -179,6 +179,19 @@ class RewardedRollouts(SamplingKind):
                 f"routing_replay = true with {' and '.join(replaced)}: the experts are recorded by jaxloom's own "
                 "sampler; drop routing_replay, or sample in process"
             )
+        drawn_whole = {
+            "rollout_engine": rollout_engine,
+            "rollout_func": self._rollout_spec,
+            "tools": self._tool_specs,
+            "routing_replay": rl.routing_replay,
+        }
+        whole = [name for name, given in drawn_whole.items() if given]
+        if rl.partial_rollout_tokens and whole:
+            raise ValueError(
+                f"partial_rollout_tokens = {rl.partial_rollout_tokens} with {' and '.join(whole)}: a partial rollout "
+                "continues jaxloom's own sampler's completions under each new version, one generation per version "
+                "(no tool turn, no recorded experts); drop partial_rollout_tokens, or those"
+            )
         corrections = ["vllm_importance_sampling_correction"] if rl.vllm_importance_sampling_correction else []
         corrections += ["off_policy_mask_threshold"] if rl.off_policy_mask_threshold is not None else []
         if corrections and rollout_engine is not None:

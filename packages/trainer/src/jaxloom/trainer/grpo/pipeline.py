@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import dataclasses
 import io
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,13 +48,14 @@ def unpack(text: str) -> dict[str, np.ndarray]:
 
 @dataclasses.dataclass
 class Pending:
-    """A rollout drawn ahead: its index, the policy version that drew it, what was drawn (when it is) and its
-    scoring."""
+    """A rollout drawn ahead: its index, the policy version that began it, what is drawn of it (a future: the last
+    of its draws) and its scoring (a future, once it is whole)."""
 
     index: int
     version: int
     drawn: cf.Future
-    scored: cf.Future
+    scored: cf.Future | None = None
+    scored_for: Any = None  # the drawn rollout `scored` scores
 
 
 def done(value: Any) -> cf.Future:
@@ -72,7 +74,15 @@ class Pipeline:
     default its completions, `pack`ed). `take(index)` keeps rollouts `index .. index + depth` drawn
     (none past `last`) and returns rollout `index`'s rows with its staleness metrics (TRL's: `sample/staleness_mean`,
     `sample/staleness_max`, `sample/dropped_stale_total`, `perf/rollout_wait_s`: the seconds the step waited for
-    the scores)."""
+    the scores).
+
+    Partial rollouts (`advance`): a rollout is drawn a part per version. `running(drawn)` says whether any of its
+    completions still runs; `advance(index, get, finish)` continues `get()` (what is drawn of rollout `index`) with the
+    weights now — a part, or with `finish` to the end — or returns a function that does, run on the drawing thread
+    after its earlier parts. At each `take` every rollout ahead still running draws one part under the new version,
+    and the rollout taken finishes what still runs; it is scored when whole. `versions(drawn)` gives each completion
+    token's version (`[rows, tokens]`, -1 on padding): the metrics `sample/token_staleness_mean` and
+    `sample/partial_ratio` (the share of completions drawn under more than one version)."""
 
     def __init__(
         self,
@@ -84,27 +94,69 @@ class Pipeline:
         depth: int,
         max_staleness: int,
         last: int | None = None,
+        advance: Callable[[int, Callable[[], Any], bool], Any] | None = None,
+        running: Callable[[Any], bool] = lambda drawn: False,
+        versions: Callable[[Any], np.ndarray | None] = lambda drawn: None,
     ):
         self.draw, self.finish, self.version, self.save = draw, finish, version, save
         self.depth, self.max_staleness, self.last = depth, max_staleness, last
+        self.advance, self.running, self.versions = advance, running, versions
         self.pending: dict[int, Pending] = {}
         self.dropped = 0
+        self._lock = threading.Lock()
         self._threads: cf.ThreadPoolExecutor | None = None
         self._drawing: cf.ThreadPoolExecutor | None = None  # draws on the sampler's own devices, one at a time
 
     def _submit(self, index: int, version: int, drawn: Any) -> None:
-        """Score `drawn` on a thread; a function (`draw` on the sampler's own devices) is drawn first, on the one
-        drawing thread (rollouts drawn in order), then scored."""
+        """Rollout `index` (begun by `version`): `drawn`, or a function (`draw` on the sampler's own devices) drawn on
+        the one drawing thread (rollouts drawn in order); scored on a thread once whole."""
         if self._threads is None:
             self._threads = cf.ThreadPoolExecutor(max(self.depth, 1), thread_name_prefix="jaxloom-rollout")
+        pending = Pending(index, version, done(None))
+        self.pending[index] = pending
+        self._chain(pending, drawn)
+
+    def _chain(self, pending: Pending, drawn: Any) -> None:
+        """`drawn` (a value, or a function for the drawing thread) as `pending`'s latest draw; scored when it is
+        done and whole."""
         if callable(drawn):
             if self._drawing is None:
                 self._drawing = cf.ThreadPoolExecutor(1, thread_name_prefix="jaxloom-draw")
             got = self._drawing.submit(drawn)
-            scored = self._threads.submit(lambda: self.finish(got.result()))
         else:
-            got, scored = done(drawn), self._threads.submit(self.finish, drawn)
-        self.pending[index] = Pending(index, version, got, scored)
+            got = done(drawn)
+        pending.drawn = got
+        got.add_done_callback(lambda f: self._drawn(pending, f))
+
+    def _drawn(self, pending: Pending, got: cf.Future) -> None:
+        """A draw of `pending` ended: scoring starts if it is its latest and the rollout is whole."""
+        if got.cancelled() or got.exception() is not None or pending.drawn is not got:
+            return
+        if not self.running(got.result()):
+            self._scoring(pending, got.result())
+
+    def _scoring(self, pending: Pending, drawn: Any) -> cf.Future:
+        """The scoring of `drawn` (rollout `pending` whole), started once."""
+        with self._lock:
+            if pending.scored is None or pending.scored_for is not drawn:
+                if self._threads is None:  # closed: nothing more is scored
+                    pending.scored = cf.Future()
+                    pending.scored.cancel()
+                else:
+                    pending.scored = self._threads.submit(self.finish, drawn)
+                pending.scored_for = drawn
+            return pending.scored
+
+    def _advance(self, pending: Pending, finish: bool) -> None:
+        """Partial rollouts: rollout `pending` draws its next part (`finish`: the rest) with the weights now."""
+        got = pending.drawn
+        if got.done() and (got.exception() is not None or not self.running(got.result())):
+            return  # failed (its step says why) or whole
+        assert self.advance is not None
+        step = self.advance(pending.index, got.result, finish)
+        if finish and callable(step):  # its step waits for it: drawn here, after its earlier parts
+            step = step()
+        self._chain(pending, step)
 
     def take(self, index: int) -> tuple[dict[str, np.ndarray], dict[str, float], np.ndarray | None]:
         """Rollout `index`'s scored rows (see the class), drawing what the steps ahead need first."""
@@ -112,8 +164,9 @@ class Pipeline:
         stale = self.pending.get(index)
         if stale is not None and now - stale.version > self.max_staleness:  # never trained on: dropped, counted
             del self.pending[index]
-            stale.scored.cancel()
-            stale.drawn.cancel()
+            for future in (stale.scored, stale.drawn):
+                if future is not None:
+                    future.cancel()
             self.dropped += 1
             log.warning(
                 "rollout %d was drawn by policy version %d, %d versions ago (max_staleness = %d): dropped and drawn "
@@ -123,12 +176,22 @@ class Pipeline:
                 now - stale.version,
                 self.max_staleness,
             )
+        if self.advance is not None:  # partial rollouts: the one taken finishes, those ahead draw a part each
+            if index in self.pending:
+                self.pending[index].drawn.exception()  # its earlier parts drawn (a failure is raised below)
+                self._advance(self.pending[index], True)
+            for ahead in sorted(self.pending.values(), key=lambda p: p.index):
+                if ahead.index != index:
+                    self._advance(ahead, False)
         for i in range(index, index + self.depth + 1):
             if i not in self.pending and (i == index or self.last is None or i < self.last):
                 self._submit(i, now, self.draw(i))
+                if i == index and self.advance is not None:  # drawn now for its own step: whole
+                    self._advance(self.pending[i], True)
         taken = self.pending.pop(index)
         waited = time.perf_counter()
-        rows, metrics, sampled = taken.scored.result()
+        drawn = taken.drawn.result()
+        rows, metrics, sampled = self._scoring(taken, drawn).result()
         staleness = float(now - taken.version)
         metrics = {
             **metrics,
@@ -136,6 +199,7 @@ class Pipeline:
             "sample/staleness_max": staleness,
             "sample/dropped_stale_total": float(self.dropped),
             "perf/rollout_wait_s": time.perf_counter() - waited,
+            **token_staleness(self.versions(drawn), now),
         }
         return rows, metrics, sampled
 
@@ -168,6 +232,20 @@ class Pipeline:
         self.pending.clear()
 
 
+def token_staleness(versions: np.ndarray | None, now: int) -> dict[str, float]:
+    """Partial rollouts' metrics from each completion token's policy version (`versions`, -1 on padding; None: a
+    rollout drawn whole): `sample/token_staleness_mean` (versions behind `now`, over the tokens) and
+    `sample/partial_ratio` (the share of completions drawn under more than one version)."""
+    if versions is None:
+        return {}
+    on = versions >= 0
+    newest, oldest = np.where(on, versions, -1).max(axis=1), np.where(on, versions, np.iinfo(np.int32).max).min(axis=1)
+    return {
+        "sample/token_staleness_mean": float(np.mean(now - versions[on])) if on.any() else 0.0,
+        "sample/partial_ratio": float(np.mean(on.any(axis=1) & (newest != oldest))),
+    }
+
+
 def completions_of(drawn: Any) -> dict[str, np.ndarray | None]:
     """A drawn rollout's completions (`Drawn`; an MoE sampler's experts per token too): what a checkpoint keeps of
     it."""
@@ -177,4 +255,5 @@ def completions_of(drawn: Any) -> dict[str, np.ndarray | None]:
         "sampled": drawn.sampled,
         "keep": drawn.keep,
         "routes": getattr(drawn, "routes", None),
+        "versions": getattr(drawn, "versions", None),
     }

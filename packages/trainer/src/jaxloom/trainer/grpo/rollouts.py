@@ -171,6 +171,7 @@ class Rollouts(Batches):
         self.drawer = Drawer(self.rl, tokenizer, policy, self.sampler, engine, self.stop_ids, self.score)
         self._eval: tuple[list[dict], list[np.ndarray]] | None = None
         self._pipeline: Pipeline | None = None  # the asynchronous rollouts (max_staleness >= 1), made when first asked
+        self._copied: tuple[int, Any] | None = None  # (version, the weights on the sampler's devices)
 
     # ---- what the core asks of the batches ----------------------------------------------------------------
     def prompt_records(self) -> list[dict]:
@@ -347,10 +348,33 @@ class Rollouts(Batches):
         to run on another thread while the step trains."""
         records, encoded, where = self.rollout_prompts(index)
         key = jax.random.fold_in(self.policy.state().rng, index)
+        part = dict(
+            budget=getattr(self.rl, "partial_rollout_tokens", 0) or None, version=self.policy.step()
+        )  # partial rollouts
         if not later:
-            return self.drawer.draw(records, encoded, key, where)
-        model = self.sampler.weights()
-        return lambda: self.drawer.draw(records, encoded, key, where, model=model)
+            return self.drawer.draw(records, encoded, key, where, **part)
+        model = self.sampling_weights()
+        return lambda: self.drawer.draw(records, encoded, key, where, model=model, **part)
+
+    def advance_rollout(
+        self, index: int, get: Callable[[], Drawn], finish: bool, *, later: bool = False
+    ) -> Drawn | Callable[[], Drawn]:
+        """Partial rollouts: rollout `index`'s running completions (`get()`: what is drawn of it) continued by the
+        current weights (`Drawer.extend`: a part, or with `finish` the rest), seeded by the rollout's key folded with
+        the version; `later` as `draw_rollout`'s."""
+        version = self.policy.step()
+        key = jax.random.fold_in(jax.random.fold_in(self.policy.state().rng, index), 1 + version)
+        if not later:
+            return self.drawer.extend(get(), key, version, finish=finish)
+        model = self.sampling_weights()
+        return lambda: self.drawer.extend(get(), key, version, finish=finish, model=model)
+
+    def sampling_weights(self) -> Any:
+        """The current weights on the sampler's own devices (`sampling_devices`), copied once per policy version."""
+        version = self.policy.step()
+        if self._copied is None or self._copied[0] != version:
+            self._copied = (version, self.sampler.weights())
+        return self._copied[1]
 
     def save_drawn(self, drawn: Drawn) -> dict[str, Any]:
         """What a checkpoint keeps of a drawn rollout (JSON-safe): its completions (`pack`ed arrays: tokens, mask,
@@ -376,7 +400,9 @@ class Rollouts(Batches):
         else:
             self.drawer.cut_prompts(drawn)
         c = unpack(saved["arrays"])
-        drawn.completed(c["completion"], c["completion_mask"], c.get("sampled"), c.get("keep"), c.get("routes"))
+        drawn.completed(
+            c["completion"], c["completion_mask"], c.get("sampled"), c.get("keep"), c.get("routes"), c.get("versions")
+        )
         if saved.get("turns") is not None:
             from .tools import Exchange
 
@@ -392,6 +418,15 @@ class Rollouts(Batches):
             if not depth:
                 return None
             apart = bool(getattr(self.rl, "sampling_devices", 0))  # drawn on the sampler's own devices, on a thread
+            partial: dict[str, Any] = {}
+            if getattr(
+                self.rl, "partial_rollout_tokens", 0
+            ):  # a completion drawn ahead continues under each new version
+                partial = dict(
+                    advance=functools.partial(self.advance_rollout, later=apart),
+                    running=lambda drawn: bool(self.drawer.running(drawn).any()),
+                    versions=lambda drawn: drawn.versions,
+                )
             self._pipeline = Pipeline(
                 functools.partial(self.draw_rollout, later=apart),
                 self.drawer.finish,
@@ -400,6 +435,7 @@ class Rollouts(Batches):
                 depth=depth,
                 max_staleness=self.rl.max_staleness,
                 last=a.max_training_steps or self.steps_for_epochs(),
+                **partial,
             )
             saved = (self.resume_state or {}).get("pipeline")
             if saved:
