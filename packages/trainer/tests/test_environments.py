@@ -235,3 +235,39 @@ def test_a_rollout_func_gives_the_rows_its_mask_and_its_fields(tmp_path):
 
     with pytest.raises(ValueError, match=r"rollout_func's 'prompt_ids' has 1 entries for 4 rows"):
         trainer(tmp_path / "b", records, rollout_func=short, reward_funcs=[verdict], max_training_steps=1).train()
+
+
+def test_asynchronous_environments_keep_their_own_instances_and_rebuild_them_on_resume(tmp_path, monkeypatch, caplog):
+    """`environment_factory` with `max_staleness=1`: the rollout drawn ahead takes instances of its own (a pool per
+    rollout in flight), so the rollout being scored on a thread reads its own instances' state, not the next one's
+    (rollout 0's target 2 is reached by the rows that add 2; rollout 1's 4 by none). A checkpoint keeps the calls each
+    row made; restored from it, the drawn rollout's instances are reset and the calls made again in order, so
+    `get_reward` reads the state the uninterrupted run read. A call that now returns other text is reported."""
+    monkeypatch.setattr(sampler.Sampler, "generate", scripted(lambda r: call_text("increment", {"step": 1 + r % 2})))
+    MADE.clear()
+    prompt = [{"role": "user", "content": "Count."}]
+    records = [{"prompt": prompt, "target": t} for t in (2, 2, 4, 4, 1, 1)]
+    t = trainer(tmp_path, records, environment_factory=Counter, max_staleness=1, max_training_steps=3,
+                shuffle_train_dataset=False)  # fmt: skip
+    saved = []
+    from jaxloom.trainer.callbacks import Callback
+
+    t.callbacks.append(Callback(on_step_end=lambda run, step, m: saved.append(t.batches.checkpoint_state())))
+    t.train()
+    assert [r["train/rewards/Counter/mean"] for r in logged(tmp_path)] == [0.5, 0.0, 0.5]
+    assert len(MADE) == 1 + 4 * 2  # the probe, and 4 rows for each of the 2 rollouts in flight at once
+    (drawn,) = saved[1]["pipeline"]["drawn"]  # after step 2: rollout 2 drawn ahead (target 1), its calls kept
+    assert drawn["index"] == 2 and [len(turns) for turns in drawn["turns"]["made"]] == [1, 1, 1, 1]
+    for e in MADE:  # what a fresh process holds: instances that never saw the rollout
+        e.count = e.target = None
+    _, metrics, _ = t.batches.drawer.finish(t.batches.redraw(2, json.loads(json.dumps(drawn))))
+    assert metrics["rewards/Counter/mean"] == 0.5  # the rows that added 1 reach 1 again: the state rebuilt
+
+    def increment(self, step: int) -> str:  # now not what it was: another count
+        return str(self.count + 100)
+
+    monkeypatch.setattr(Counter, "increment", increment)
+    with caplog.at_level("WARNING", logger="jaxloom.trainer"):
+        t.batches.redraw(2, json.loads(json.dumps(drawn)))
+    (warned,) = [r.getMessage() for r in caplog.records if "made again on its environments" in r.getMessage()]
+    assert "4 tool calls of rollout 2" in warned and "increment returned '100'" in warned, warned

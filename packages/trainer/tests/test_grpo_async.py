@@ -126,14 +126,14 @@ def test_asynchronous_settings_are_checked_before_step_one(tmp_path, caplog):
         grpo_args(tmp_path, max_staleness=1, queue_maxsize=8)
     with pytest.raises(ValueError, match="max_inflight_tasks = 0; expected -1"):
         grpo_args(tmp_path, max_inflight_tasks=0)
-    with pytest.raises(ValueError, match="max_staleness = 1 with environment_factory: an environment's state"):
+    with pytest.raises(ValueError, match="partial_rollout_tokens = 2 with environment_factory: a partial rollout"):
         import jaxloom.models as jm
         from util import TOK, tiny
 
         from jaxloom.trainer import GRPOTrainer
 
         GRPOTrainer(
-            grpo_args(tmp_path, max_staleness=1),
+            grpo_args(tmp_path, max_staleness=1, partial_rollout_tokens=2),
             model=jm.create_model(tiny(), lazy=True),
             dataset_train=RECORDS,
             processing_class=TOK,

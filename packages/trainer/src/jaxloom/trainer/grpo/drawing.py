@@ -137,6 +137,20 @@ class Drawer:
             drawn.prompt[i, width - len(ids) :], drawn.prompt_mask[i, width - len(ids) :] = ids, 1
         drawn.kept, drawn.width, drawn.truncated = kept, width, truncated
 
+    def environment_rows(
+        self, drawn: Drawn, records: list[dict], slot: int | None
+    ) -> tuple[Any, list[dict[str, Callable]] | None]:
+        """With TRL's environments, `drawn`'s rows each take an instance (from pool `slot`), reset with its record
+        (its text appended to the row's prompt; the instances are the rewards' `environments` column). Returns the
+        `ToolSet` that parses the rows' calls (the run's tools without environments) and each row's tools (None)."""
+        envs = self.policy.environments()
+        if envs is None:
+            return self.policy.tools(), None
+        drawn.prompts, drawn.row_ids, tools, row_tools, drawn.columns["environments"] = environment_rows(
+            envs, records, self.rl.num_generations, drawn.prompts, drawn.row_ids, drawn.where, slot
+        )
+        return tools, row_tools
+
     def cut_prompts(self, drawn: Drawn) -> None:
         """`drawn`'s prompt rows from its rows' prompt tokens, each cut to `max_prompt_length` (its end kept: it
         leads into the reply; the prompts cut counted)."""
@@ -155,20 +169,18 @@ class Drawer:
         model: Any = None,
         budget: int | None = None,
         version: int = 0,
+        slot: int | None = None,
     ) -> Drawn:
         """A rollout's completions, not yet scored (the part that holds the device): with environments each row's
         instance is reset first (its text appended to the prompt); a `rollout_func` replaces the generation; with
         tools the exchange continues (`tool_turns`). `budget` (partial rollouts, in-process sampling): at most that
-        many tokens per completion, each tagged with the policy `version` (`extend` continues them)."""
+        many tokens per completion, each tagged with the policy `version` (`extend` continues them). `slot`: the
+        pool of environment instances the rollout takes (one per rollout in flight, asynchronous GRPO)."""
         rl, tok = self.rl, self.tokenizer()
         started = time.perf_counter()
         group = rl.num_generations
         drawn = self.prompt_rows(records, encoded, where)
-        envs, tools, row_tools = self.policy.environments(), self.policy.tools(), None
-        if envs is not None:  # TRL's environments: one instance per row, reset with its record
-            drawn.prompts, drawn.row_ids, tools, row_tools, drawn.columns["environments"] = environment_rows(
-                envs, records, group, drawn.prompts, drawn.row_ids, drawn.where
-            )
+        tools, row_tools = self.environment_rows(drawn, records, slot)
         custom = self.policy.rollout()
         keep, routes = None, None
         if custom is not None:  # TRL's rollout_func: the user's own generation, its extra fields to the rewards

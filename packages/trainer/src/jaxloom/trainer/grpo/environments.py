@@ -5,6 +5,7 @@ methods, which are its tools.
     envs.probe()                                     # at setup: one instance each, its tools' schemas, its reward
     names = envs.names(records)                      # each record's environment (its `environment` field)
     instances = envs.draw(names)                     # one instance per rollout row, reused across steps
+    instances = envs.draw(names, slot=1)             # asynchronous: each rollout in flight its own instances
     observations = envs.reset(instances, records)    # reset(**record): text appended to the last user message
 
 TRL's contract: a factory (a class, or any callable) makes an instance; `reset(**row)` starts a rollout and may
@@ -13,6 +14,10 @@ tool, with the type hints and Google-style docstring a tool needs; `get_reward()
 rollout from the instance's state, and is then a reward function of weight 1 logged under the class's name. With a
 dict of factories each record names its environment in an `environment` field, and only that environment's tools
 are rendered in its prompt. Instances are made once and reset for each rollout ("construct once, reset often").
+Asynchronous GRPO draws a rollout while the one before is scored: each rollout in flight takes its instances from a
+pool of its own (`slot`). An instance's state is not saved with a checkpoint: a resumed run resets the instances of
+a rollout drawn ahead and runs the tool calls it made again, in order (`replay_calls`), which rebuilds the state of an
+environment whose methods are deterministic — a call that now returns other text is reported.
 
 A fault of a tool method is reported to the model (`ToolSet.run`); a fault of `reset` or `get_reward` stops the run
 (`EnvironmentCallError`) naming the class, the method and the record, after the last checkpoint.
@@ -71,7 +76,7 @@ class Environments:
             if not callable(factory):
                 raise TypeError(f"environment_factory{_label(name)}: {factory!r} is not callable")
         self.tools, self.tokenizer, self.timeout, self.workers = list(tools), tokenizer, timeout, workers
-        self.pool: dict[str | None, list[Any]] = {}
+        self.pool: dict[tuple[str | None, int | None], list[Any]] = {}  # (environment, slot) -> its instances
         self.toolsets: dict[str | None, Any] = {}  # per environment: a ToolSet of the standalone and method tools
         self.scored: list[type] = []  # the classes that own a reward (`get_reward`), in order of first probe
 
@@ -92,7 +97,7 @@ class Environments:
                     "None, its public methods the tools, get_reward() -> float optional"
                 )
             methods = [getattr(instance, m) for m in tool_methods(cls)]
-            self.pool[name] = [instance]
+            self.pool[name, None] = [instance]
             self.toolsets[name] = ToolSet(
                 [*self.tools, *methods], self.tokenizer, timeout=self.timeout, workers=self.workers
             )
@@ -138,14 +143,15 @@ class Environments:
         self.probe()
         return self.toolsets[name]
 
-    def draw(self, names: Sequence[str | None]) -> list[Any]:
+    def draw(self, names: Sequence[str | None], slot: int | None = None) -> list[Any]:
         """One instance per rollout row (`names`: each row's environment), from each environment's pool in order:
-        more are made only when a rollout needs more at once than were made so far."""
+        more are made only when a rollout needs more at once than were made so far. `slot`: a pool of its own (a
+        rollout in flight beside others, asynchronous GRPO; None: the run's one pool)."""
         self.probe()
         taken: dict[str | None, int] = {}
         out = []
         for name in names:
-            pool, i = self.pool[name], taken.get(name, 0)
+            pool, i = self.pool.setdefault((name, slot), []), taken.get(name, 0)
             if i == len(pool):
                 pool.append(self._make(name))
             taken[name] = i + 1
@@ -183,16 +189,22 @@ class Environments:
 
 
 def environment_rows(
-    envs: Environments, records: Sequence[dict], group: int, prompts: list, row_ids: list, where: Sequence[str]
+    envs: Environments,
+    records: Sequence[dict],
+    group: int,
+    prompts: list,
+    row_ids: list,
+    where: Sequence[str],
+    slot: int | None = None,
 ) -> tuple[list, list, Any, list[dict[str, Callable]], list[Any]]:
     """A rollout's rows (each record `group` times: `prompts`, their token ids `row_ids`, `where` naming each) with
-    an environment each: an instance drawn and reset per row, its text appended to the row's prompt (re-encoded
-    with its tools' schemas). Returns `(prompts, row_ids, the ToolSet that parses the rows' calls, each row's tools,
-    the instances)`."""
+    an environment each: an instance drawn (from pool `slot`) and reset per row, its text appended to the row's
+    prompt (re-encoded with its tools' schemas). Returns `(prompts, row_ids, the ToolSet that parses the rows' calls,
+    each row's tools, the instances)`."""
     import numpy as np
 
     names = [n for n in envs.names(records) for _ in range(group)]
-    instances = envs.draw(names)
+    instances = envs.draw(names, slot)
     observations = envs.reset(instances, [r for r in records for _ in range(group)], where)
     prompts = [observed(p, o) for p, o in zip(prompts, observations, strict=True)]
     row_ids = [
@@ -200,6 +212,28 @@ def environment_rows(
         for ids, o, n, p in zip(row_ids, observations, names, prompts, strict=True)
     ]
     return prompts, row_ids, envs.toolset(names[0]), [envs.row_tools(e) for e in instances], instances
+
+
+def replay_calls(
+    tools: Any, row_tools: Sequence[dict[str, Callable]], made: Sequence[Sequence[list[dict]]], where: Sequence[str]
+) -> list[str]:
+    """The tool calls a rollout's rows made (`made`: per row, its turns, each the calls with the text they returned,
+    `Exchange.made`) run again on the rows' instances (`row_tools`), turn by turn, the rows of a turn together as
+    when drawn (`ToolSet.run_turn`): what rebuilds the instances' state after a resume. Returns a line per call that
+    returned other text than it did (naming the record, the tool and both texts), none when all agree."""
+    differ = []
+    for turn in range(max((len(turns) for turns in made), default=0)):
+        rows = [r for r, turns in enumerate(made) if turn < len(turns)]
+        calls = [[{k: v for k, v in c.items() if k != "content"} for c in made[r][turn]] for r in rows]
+        results = tools.run_turn([(c, row_tools[r]) for r, c in zip(rows, calls, strict=True)])
+        for r, (messages, _) in zip(rows, results, strict=True):
+            for call, message in zip(made[r][turn], messages, strict=True):
+                if message["content"] != call["content"]:
+                    name = call["function"]["name"]
+                    differ.append(
+                        f"{where[r]}: {name} returned {message['content']!r:.60} (was {call['content']!r:.60})"
+                    )
+    return differ
 
 
 def raise_naming_the_record(error: EnvironmentCallError, where: Sequence[str]) -> None:

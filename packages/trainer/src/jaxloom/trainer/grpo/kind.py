@@ -165,12 +165,6 @@ class RewardedRollouts(SamplingKind):
                 "vllm_importance_sampling_mode='token_truncate'; docs/rl.md)",
                 rl.max_staleness,
             )
-        if rl.max_staleness and self._environment_spec is not None:
-            raise ValueError(
-                f"max_staleness = {rl.max_staleness} with environment_factory: an environment's state cannot be saved "
-                "with a checkpoint (a resumed run would not train what the uninterrupted one did); environments run "
-                "synchronously: set max_staleness = 0"
-            )
         if self._rollout_spec is not None and rollout_engine is not None:
             raise ValueError("rollout_func and rollout_engine both replace the generation: give one")
         replaced = [n for n, v in (("rollout_engine", rollout_engine), ("rollout_func", self._rollout_spec)) if v]
@@ -183,6 +177,7 @@ class RewardedRollouts(SamplingKind):
             "rollout_engine": rollout_engine,
             "rollout_func": self._rollout_spec,
             "tools": self._tool_specs,
+            "environment_factory": self._environment_spec,
             "routing_replay": rl.routing_replay,
         }
         whole = [name for name, given in drawn_whole.items() if given]

@@ -5,7 +5,6 @@ they end, log-probs recorded), scored, and laid out as rows as wide as the step'
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +22,8 @@ from ..step import STOP_KEY
 from .loss import ADV, OLD, REF, ROUTES, SAMPLED
 from .rewards import advantages, call_reward, concurrently, is_async, reward_name
 from .drawing import Drawer, Drawn, prompt_of, row_buckets
-from .pipeline import Pipeline, completions_of, depth_of, pack, unpack
+from .ahead import RolloutDraws
+from .pipeline import Pipeline
 from .sampler import Sampler
 
 log = logging.getLogger("jaxloom.trainer")
@@ -170,8 +170,15 @@ class Rollouts(Batches):
         self.sampler = Sampler(self.rl, lambda: policy.state().model, tokenizer, self.stop_ids, mesh, layout)
         self.drawer = Drawer(self.rl, tokenizer, policy, self.sampler, engine, self.stop_ids, self.score)
         self._eval: tuple[list[dict], list[np.ndarray]] | None = None
-        self._pipeline: Pipeline | None = None  # the asynchronous rollouts (max_staleness >= 1), made when first asked
-        self._copied: tuple[int, Any] | None = None  # (version, the weights on the sampler's devices)
+        self.draws = RolloutDraws(  # how each rollout is drawn, and drawn ahead (max_staleness >= 1)
+            self.rl,
+            arguments.total_batch_size,
+            self.drawer,
+            self.sampler,
+            policy,
+            self.rollout_prompts,
+            last=lambda: self.arguments.max_training_steps or self.steps_for_epochs(),
+        )
 
     # ---- what the core asks of the batches ----------------------------------------------------------------
     def prompt_records(self) -> list[dict]:
@@ -332,7 +339,7 @@ class Rollouts(Batches):
         if pipeline is not None:
             rows, metrics, sampled = pipeline.take(index)
         else:
-            rows, metrics, sampled = self.drawer.finish(self.draw_rollout(index))  # type: ignore[arg-type]
+            rows, metrics, sampled = self.drawer.finish(self.draws.draw(index))  # type: ignore[arg-type]
         self.metrics.append((self.policy.step() + 1, metrics))
         return self.layout(rows, sampled)
 
@@ -342,116 +349,25 @@ class Rollouts(Batches):
         records = [self.prompt_records()[i] for i in indices]
         return records, [self.prompt_ids()[i] for i in indices], [f"dataset_train record {i}" for i in indices]
 
-    def draw_rollout(self, index: int, *, later: bool = False) -> Drawn | Callable[[], Drawn]:
-        """Rollout `index` drawn by the current weights, seeded by the state's key folded with `index`; `later`: the
-        weights copied to the sampler's own devices now (`sampling_devices`), the drawing returned as a function
-        to run on another thread while the step trains."""
-        records, encoded, where = self.rollout_prompts(index)
-        key = jax.random.fold_in(self.policy.state().rng, index)
-        part = dict(
-            budget=getattr(self.rl, "partial_rollout_tokens", 0) or None, version=self.policy.step()
-        )  # partial rollouts
-        if not later:
-            return self.drawer.draw(records, encoded, key, where, **part)
-        model = self.sampling_weights()
-        return lambda: self.drawer.draw(records, encoded, key, where, model=model, **part)
-
-    def advance_rollout(
-        self, index: int, get: Callable[[], Drawn], finish: bool, *, later: bool = False
-    ) -> Drawn | Callable[[], Drawn]:
-        """Partial rollouts: rollout `index`'s running completions (`get()`: what is drawn of it) continued by the
-        current weights (`Drawer.extend`: a part, or with `finish` the rest), seeded by the rollout's key folded with
-        the version; `later` as `draw_rollout`'s."""
-        version = self.policy.step()
-        key = jax.random.fold_in(jax.random.fold_in(self.policy.state().rng, index), 1 + version)
-        if not later:
-            return self.drawer.extend(get(), key, version, finish=finish)
-        model = self.sampling_weights()
-        return lambda: self.drawer.extend(get(), key, version, finish=finish, model=model)
-
-    def sampling_weights(self) -> Any:
-        """The current weights on the sampler's own devices (`sampling_devices`), copied once per policy version."""
-        version = self.policy.step()
-        if self._copied is None or self._copied[0] != version:
-            self._copied = (version, self.sampler.weights())
-        return self._copied[1]
-
-    def save_drawn(self, drawn: Drawn) -> dict[str, Any]:
-        """What a checkpoint keeps of a drawn rollout (JSON-safe): its completions (`pack`ed arrays: tokens, mask,
-        the sampler's log-probs, the model's own tokens, an MoE sampler's experts), with tools its exchange as
-        messages, and a `rollout_func`'s prompt tokens and fields (checked JSON-safe when drawn)."""
-        saved: dict[str, Any] = {"arrays": pack(completions_of(drawn))}
-        if drawn.turns is not None:
-            saved["turns"] = drawn.turns.saved()
-        if drawn.fields is not None:
-            saved["custom"] = {"prompt_ids": [[int(t) for t in ids] for ids in drawn.row_ids], "fields": drawn.fields}
-        return saved
-
     def redraw(self, index: int, saved: dict[str, Any]) -> Drawn:
-        """Rollout `index` as a checkpoint saved it drawn (`save_drawn`; see `pipeline.Pipeline.state`)."""
-        records, encoded, where = self.rollout_prompts(index)
-        drawn = self.drawer.prompt_rows(records, encoded, where)
-        custom = saved.get("custom")
-        if custom is not None:  # a rollout_func's rows: its own prompt tokens and fields
-            drawn.row_ids = [np.asarray(ids, np.int32) for ids in custom["prompt_ids"]]
-            self.drawer.lay_prompts(drawn, drawn.row_ids, 0)
-            drawn.columns.update(custom["fields"])
-            drawn.fields = custom["fields"]
-        else:
-            self.drawer.cut_prompts(drawn)
-        c = unpack(saved["arrays"])
-        drawn.completed(
-            c["completion"], c["completion_mask"], c.get("sampled"), c.get("keep"), c.get("routes"), c.get("versions")
-        )
-        if saved.get("turns") is not None:
-            from .tools import Exchange
-
-            drawn.turns = Exchange.restored(saved["turns"])
-        return drawn
+        """Rollout `index` as a checkpoint saved it drawn (`RolloutDraws.redraw`)."""
+        return self.draws.redraw(index, saved)
 
     def pipeline(self) -> Pipeline | None:
         """The asynchronous rollouts (`max_staleness >= 1`), made when first asked (from the saved drawn rollouts
         when resuming); None when synchronous."""
-        if self._pipeline is None:
-            a, rows = self.arguments, self.arguments.total_batch_size
-            depth = depth_of(self.rl, rows)
-            if not depth:
-                return None
-            apart = bool(getattr(self.rl, "sampling_devices", 0))  # drawn on the sampler's own devices, on a thread
-            partial: dict[str, Any] = {}
-            if getattr(
-                self.rl, "partial_rollout_tokens", 0
-            ):  # a completion drawn ahead continues under each new version
-                partial = dict(
-                    advance=functools.partial(self.advance_rollout, later=apart),
-                    running=lambda drawn: bool(self.drawer.running(drawn).any()),
-                    versions=lambda drawn: drawn.versions,
-                )
-            self._pipeline = Pipeline(
-                functools.partial(self.draw_rollout, later=apart),
-                self.drawer.finish,
-                self.policy.step,
-                save=self.save_drawn,
-                depth=depth,
-                max_staleness=self.rl.max_staleness,
-                last=a.max_training_steps or self.steps_for_epochs(),
-                **partial,
-            )
-            saved = (self.resume_state or {}).get("pipeline")
-            if saved:
-                self._pipeline.restore(saved, self.redraw)
-        return self._pipeline
+        return self.draws.pipeline(self.resume_state)
 
     def checkpoint_state(self) -> Any:
         """The prompt cursor's position and, asynchronous, the rollouts drawn and not yet trained."""
         state = super().checkpoint_state()
-        if state is not None and self._pipeline is not None:
-            state = {**state, "pipeline": self._pipeline.state()}
+        pipeline = self.draws.made
+        if state is not None and pipeline is not None:
+            state = {**state, "pipeline": pipeline.state()}
         return state
 
     def close(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.close()
+        self.draws.close()
         super().close()
 
     def score(

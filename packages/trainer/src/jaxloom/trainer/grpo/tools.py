@@ -257,13 +257,16 @@ class ToolWorkers:
 class Exchange:
     """The tool turns of a rollout's rows (`exchange`): per row its completion tokens (model turns and tool turns),
     which of them the model wrote (`keep`: 1; the tool turns' tokens 0), their sampled log-probs (0 on tool
-    tokens), the turns as messages (what reward functions receive), and the counts of calls and failed calls."""
+    tokens), the turns as messages (what reward functions receive), the calls each turn ran with the text each
+    returned (`made`: what rebuilds an environment's state after a resume, `environments.replay_calls`) and the counts
+    of calls and failed calls."""
 
     def __init__(self, rows: int):
         self.ids: list[list[int]] = [[] for _ in range(rows)]
         self.keep: list[list[int]] = [[] for _ in range(rows)]
         self.logps: list[list[float]] = [[] for _ in range(rows)]
         self.messages: list[list[dict]] = [[] for _ in range(rows)]
+        self.made: list[list[list[dict]]] = [[] for _ in range(rows)]  # per row, per turn: its calls and results
         self.calls = self.failures = self.turns = 0
         self.tool_seconds = self.generate_seconds = 0.0  # time in the tools' calls, and in the later generations
 
@@ -284,6 +287,7 @@ class Exchange:
         return {
             "rows": len(self.ids),
             "messages": self.messages,
+            "made": self.made,
             "counts": [self.calls, self.failures, self.turns],
             "seconds": [self.tool_seconds, self.generate_seconds],
         }
@@ -293,6 +297,7 @@ class Exchange:
         """The exchange `saved` wrote (its messages and counts: what scoring reads)."""
         out = cls(int(saved["rows"]))
         out.messages = saved["messages"]
+        out.made = saved.get("made", out.made)
         out.calls, out.failures, out.turns = saved["counts"]
         out.tool_seconds, out.generate_seconds = saved["seconds"]
         return out
@@ -345,6 +350,7 @@ def exchange(
         turn = [(calls, None if row_tools is None else row_tools[row]) for row, calls in calls_of.items()]
         for (row, calls), (results, failed) in zip(calls_of.items(), tools.run_turn(turn), strict=True):
             out.calls, out.failures = out.calls + len(calls), out.failures + failed
+            out.made[row].append([{**c, "content": m["content"]} for c, m in zip(calls, results, strict=True)])
             suffix = tools.suffix_ids(results)
             completion = len(out.ids[row]) + len(suffix)
             if completion >= max_completion_length or len(prompts[row]) + completion >= positions:
