@@ -6,7 +6,9 @@
 2. The same on the 8.4M Llama (bench CPU_MODEL), 16 completions of 64 tokens a step; for jaxloom also the
    rollout tokens/s and the step's time split into rollout, reward and train (the rest of the step).
 3. Asynchronous GRPO on the 8.4M Llama: a reward that waits on the host as long as row 2's generation and training
-   take together (a remote judge), synchronous (`max_staleness=0`) and `max_staleness=1`: seconds per step, ratio.
+   take together (a remote judge), synchronous (`max_staleness=0`) and `max_staleness=1`: seconds per step, ratio;
+   and `max_staleness=2` with partial rollouts (`partial_rollout_tokens=16` of 64): seconds per step, and how stale
+   the trained tokens are (`sample/token_staleness_mean`, versions) beside the rollouts' staleness.
 4. A multi-turn rollout on the 8.4M Llama (`examples/tool_calling.py`: a prior of 150 steps on chats that sometimes
    call a tool, then GRPO with its `Server` environment): the step split into generation (both turns), the tool calls,
    the reward (medians; a step's wall time beside them), with the tool calls and turns per completion.
@@ -115,10 +117,16 @@ def run_trl(model_dir: str, completion: int = 16, rows: int = 8) -> dict:
 
 
 def run_jaxloom(
-    model_dir: str, completion: int = 16, rows: int = 8, engine: str = "static", staleness: int = 0, wait: float = 0.0
+    model_dir: str,
+    completion: int = 16,
+    rows: int = 8,
+    engine: str = "static",
+    staleness: int = 0,
+    wait: float = 0.0,
+    partial: int = 0,
 ) -> dict:
     """jaxloom's GRPO on `model_dir` (`staleness`: `max_staleness`; `wait`: seconds the reward waits on the host,
-    as a remote judge would): seconds per step and its split."""
+    as a remote judge would; `partial`: `partial_rollout_tokens`): seconds per step and its split."""
     import jaxloom.data as jd
     import jaxloom.models as jm
     from jaxloom.trainer import GRPOConfig, GRPOTrainer
@@ -147,6 +155,7 @@ def run_jaxloom(
             save_total_limit=1,  # defaults otherwise: progress bar, TensorBoard, a checkpoint at the end
             generation_backend=engine,
             max_staleness=staleness,
+            partial_rollout_tokens=partial,
         )
         model, tok = jm.from_pretrained(model_dir), jd.load_processor(model_dir)
         trainer = GRPOTrainer(
@@ -175,6 +184,11 @@ def run_jaxloom(
         "wait_s": waited,  # asynchronous: the step's wait for its scores (synchronous: the reward's seconds)
         "train_s": step - rollout - waited,
         "rollout_tokens_per_s": gen_tokens / rollout,
+        **{  # asynchronous: versions behind the policy, of the rollouts and of their tokens (partial rollouts)
+            name: statistics.median(r[f"train/sample/{key}"] for r in timed)
+            for name, key in (("staleness", "staleness_mean"), ("token_staleness", "token_staleness_mean"))
+            if all(f"train/sample/{key}" in r for r in timed)
+        },
     }
 
 
@@ -248,13 +262,21 @@ def main() -> None:
                 out[f"trl_vs_{kind}_{n}"] = out[f"trl_{n}"]["seconds_per_step"] / out[f"{kind}_{n}"]["seconds_per_step"]
         # asynchronous GRPO: a reward that waits on the host as long as the step's generation and training take
         wait = out["model_8m"]["seconds_per_step"] - out["model_8m"]["reward_s"]
-        for name, staleness in (("judge_sync_8m", 0), ("judge_async_8m", 1)):
+        for name, staleness, partial in (
+            ("judge_sync_8m", 0, 0),
+            ("judge_async_8m", 1, 0),
+            ("judge_partial_8m", 2, 16),
+        ):
             job = [sys.executable, __file__, "jaxloom", f"{d}/8m", "64", "16", "static", str(staleness), f"{wait:.3f}"]
+            job.append(str(partial))
             r = subprocess.run(job, capture_output=True, text=True)
             if r.returncode:
                 raise RuntimeError(r.stderr[-3000:])
             out[name] = {**json.loads(r.stdout.strip().splitlines()[-1]), "reward_wait_s": wait}
         out["async_vs_sync_8m"] = out["judge_async_8m"]["seconds_per_step"] / out["judge_sync_8m"]["seconds_per_step"]
+        out["partial_vs_sync_8m"] = (
+            out["judge_partial_8m"]["seconds_per_step"] / out["judge_sync_8m"]["seconds_per_step"]
+        )
         r = subprocess.run([sys.executable, __file__, "multiturn"], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(r.stderr[-3000:])
@@ -262,12 +284,13 @@ def main() -> None:
         print(json.dumps(out))
     elif what == "multiturn":
         print(json.dumps(run_multiturn()))
-    else:  # one job: KIND MODEL_DIR [COMPLETION_TOKENS ROWS [ENGINE [MAX_STALENESS REWARD_WAIT_S]]]
+    else:  # one job: KIND MODEL_DIR [COMPLETION_TOKENS ROWS [ENGINE [MAX_STALENESS REWARD_WAIT_S [PARTIAL]]]]
         sizes: list = [int(x) for x in sys.argv[3:5]]
         if what == "trl":
             print(json.dumps(run_trl(sys.argv[2], *sizes)))
         else:
             more = [int(sys.argv[6]), float(sys.argv[7])] if len(sys.argv) > 7 else []
+            more += [int(sys.argv[8])] if len(sys.argv) > 8 else []
             print(json.dumps(run_jaxloom(sys.argv[2], *sizes, *sys.argv[5:6], *more)))
 
 

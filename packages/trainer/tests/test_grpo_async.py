@@ -124,6 +124,9 @@ def test_asynchronous_settings_are_checked_before_step_one(tmp_path, caplog):
         grpo_args(tmp_path, max_staleness=1, num_iterations=2)
     with pytest.raises(ValueError, match="queue_maxsize = 8 with max_staleness = 1: .* expected at least 16"):
         grpo_args(tmp_path, max_staleness=1, queue_maxsize=8)
+    with pytest.raises(ValueError, match="weight_sync_steps = 2: the sampler reads the policy's weights of every"):
+        grpo_args(tmp_path, max_staleness=1, weight_sync_steps=2)  # TRL's AsyncGRPOConfig key: 1 only
+    assert grpo_args(tmp_path, max_staleness=1, weight_sync_steps=1).rl.max_staleness == 1
     with pytest.raises(ValueError, match="max_inflight_tasks = 0; expected -1"):
         grpo_args(tmp_path, max_inflight_tasks=0)
     with pytest.raises(ValueError, match="partial_rollout_tokens = 2 with environment_factory: a partial rollout"):
@@ -133,7 +136,7 @@ def test_asynchronous_settings_are_checked_before_step_one(tmp_path, caplog):
         from jaxloom.trainer import GRPOTrainer
 
         GRPOTrainer(
-            grpo_args(tmp_path, max_staleness=1, partial_rollout_tokens=2),
+            grpo_args(tmp_path, max_staleness=2, partial_rollout_tokens=2),
             model=jm.create_model(tiny(), lazy=True),
             dataset_train=RECORDS,
             processing_class=TOK,
@@ -145,7 +148,7 @@ def test_asynchronous_settings_are_checked_before_step_one(tmp_path, caplog):
 MOE_REPLAY = ["model.model_type=mixtral", "model.num_local_experts=4", "routing_replay=true"]
 
 
-PARTIAL = ["sampling_devices=1", "partial_rollout_tokens=4", "vllm_importance_sampling_correction=true"]
+PARTIAL = ["sampling_devices=1", "partial_rollout_tokens=4", "vllm_importance_sampling_correction=true"]  # 2 ahead
 
 
 @pytest.mark.parametrize(
@@ -158,9 +161,9 @@ def test_asynchronous_grpo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monk
     by SIGKILL after step 7 (the next rollout drawn, its scoring under way) and started again, resumes from step 4's
     checkpoint — the rollout drawn then by step 3's weights restored from it and scored again — and ends bit for
     bit where an uninterrupted run ends. A Mixtral policy with `routing_replay`: the drawn rollout's experts per
-    token are saved with it and replayed after the resume. Partial rollouts on the sampler's own device: the next
-    rollout's first part (4 tokens of each completion) is saved with each checkpoint and finished after the resume
-    by the resumed weights, as the uninterrupted run finishes it."""
+    token are saved with it and replayed after the resume. Partial rollouts (two steps ahead) on the sampler's own
+    device: the rollout two steps ahead has its first part (4 tokens of each completion) saved with each checkpoint
+    and is finished after the resume by the resumed weights, as the uninterrupted run finishes it."""
     from test_resume_cli import resumes_bitwise
 
     monkeypatch.chdir(tmp_path)
@@ -170,7 +173,7 @@ def test_asynchronous_grpo_sigkill_then_resume_ends_bitwise_equal(tmp_path, monk
         "    time.sleep(0.2)\n"
         "    return [c.count('e') / max(len(c), 1) for c in completions]\n"
     )
-    extra = [*grpo_cli(tmp_path, source, "letter_e"), "max_staleness=1", *split]
+    extra = [*grpo_cli(tmp_path, source, "letter_e"), f"max_staleness={2 if split is PARTIAL else 1}", *split]
     resumes_bitwise(tmp_path, extra)
     logged = [r for r in rows(tmp_path / "run") if "train/sample/staleness_max" in r]
     assert logged
@@ -311,10 +314,11 @@ def grpo_cli(tmp_path, source: str, reward: str) -> list[str]:
 
 
 def test_partial_rollouts_in_the_pipeline_continue_under_each_version_and_resume_where_they_were():
-    """The pipeline alone with partial rollouts (`advance`): a rollout drawn ahead draws a part under the version of
-    its time, one more part at each later `take`, and the rest when its own step takes it; it is scored once, when
-    whole; each token's version gives `sample/token_staleness_mean` and `sample/partial_ratio`. Its state saved
-    mid-way (the parts drawn so far) and restored continues as the uninterrupted pipeline does."""
+    """The pipeline alone with partial rollouts (`advance`), two steps ahead: a rollout drawn ahead draws a part under
+    the version of its time and the rest at the `take` of the step before its own (so it is scored while that step
+    trains); it is scored once, when whole; each token's version gives `sample/token_staleness_mean` and
+    `sample/partial_ratio`. Its state saved mid-way (the parts drawn so far) and restored continues as the
+    uninterrupted pipeline does."""
     version, scored = [0], []
     need = 4  # tokens a completion has; a part is one token, the rest when finished
 
@@ -348,37 +352,40 @@ def test_partial_rollouts_in_the_pipeline_continue_under_each_version_and_resume
     for v in (1, 2):
         version[0] = v
         got.append(p.take(v)[1])
-    assert [m["drawn"] for m in got] == [(0, (0, 0, 0, 0)), (1, (0, 1, 1, 1)), (2, (0, 1, 2, 2))]
+    assert [m["drawn"] for m in got] == [(0, (0, 0, 0, 0)), (1, (0, 0, 0, 0)), (2, (0, 1, 1, 1))]
     assert [m["sample/staleness_max"] for m in got] == [0, 1, 2]
-    assert np.isclose(got[2]["sample/token_staleness_mean"], (2 + 1 + 0 + 0) / 4)
-    assert [m["sample/partial_ratio"] for m in got] == [0.0, 1.0, 1.0]
-    assert sorted(d[0] for d in scored) == [0, 1, 2]  # each scored once, when whole
+    assert np.isclose(got[2]["sample/token_staleness_mean"], (2 + 1 + 1 + 1) / 4)
+    assert [m["sample/partial_ratio"] for m in got] == [0.0, 0.0, 1.0]
+    p.pending[3].scored.result()  # rollout 3 whole already: scored on a thread while step 3 trains
+    assert sorted(d[0] for d in scored) == [0, 1, 2, 3]  # each scored once, when whole
     saved = json.loads(json.dumps(p.state()))
-    assert [(d["index"], d["version"], d["d"][1]) for d in saved["drawn"]] == [(3, 1, [1, 2]), (4, 2, [2])]
+    assert [(d["index"], d["version"], d["d"][1]) for d in saved["drawn"]] == [(3, 1, [1, 2, 2, 2]), (4, 2, [2])]
     version[0] = 3
-    want = p.take(3)[1]["drawn"]
+    want = p.take(3)[1]["drawn"], p.take(4)[1]["drawn"]
     p.close()
     q = make()
     q.restore(saved, lambda i, s: (s["d"][0], tuple(s["d"][1])))
-    assert q.take(3)[1]["drawn"] == want == (3, (1, 2, 3, 3))
+    assert (q.take(3)[1]["drawn"], q.take(4)[1]["drawn"]) == want == ((3, (1, 2, 2, 2)), (4, (2, 3, 3, 3)))
     q.close()
 
 
 def test_partial_rollouts_in_a_run_draw_most_tokens_with_fresher_weights(tmp_path):
     """A GRPO run on the training mesh with `max_staleness=2` and `partial_rollout_tokens=2`: each rollout draws 2
-    tokens per completion two versions ahead, 2 more one version ahead, and the rest under the weights of its own
-    step: its rollout is 2 versions stale (it began then), its tokens less on average (`sample/token_staleness_mean`),
-    and the completions span versions (`sample/partial_ratio`). Partial rollouts with tools or recorded experts are
-    refused when the trainer is made."""
+    tokens per completion two versions ahead and the rest one version ahead (scored while the step before its own
+    trains): the rollout is 2 versions stale (it began then), its tokens less on average
+    (`sample/token_staleness_mean`), and the completions span versions (`sample/partial_ratio`). Partial rollouts
+    with tools or recorded experts, or fewer than 2 steps ahead, are refused before step 1."""
     trainer = grpo_trainer(tmp_path, max_staleness=2, partial_rollout_tokens=2, logging_steps=1, top_k=16)
     trainer.train()
     logged = [r for r in rows(tmp_path) if "train/sample/staleness_max" in r]
     assert [r["train/sample/staleness_max"] for r in logged] == [0, 1, 2, 2]
     later = logged[2:]
     assert all(r["train/sample/partial_ratio"] > 0 for r in later), later
-    assert all(0 < r["train/sample/token_staleness_mean"] < 2 for r in later), later
+    assert all(1 < r["train/sample/token_staleness_mean"] < 2 for r in later), later
     with pytest.raises(ValueError, match="partial_rollout_tokens = 2 with routing_replay: a partial rollout"):
-        grpo_trainer(tmp_path / "moe", max_staleness=1, partial_rollout_tokens=2, routing_replay=True)
+        grpo_trainer(tmp_path / "moe", max_staleness=2, partial_rollout_tokens=2, routing_replay=True)
+    with pytest.raises(ValueError, match="partial_rollout_tokens = 2 with rollouts drawn 1 step ahead"):
+        grpo_args(tmp_path, max_staleness=2, partial_rollout_tokens=2, queue_maxsize=16)
 
 
 def test_a_partial_rollouts_tokens_carry_the_log_probs_of_the_version_that_drew_them():
@@ -394,7 +401,7 @@ def test_a_partial_rollouts_tokens_carry_the_log_probs_of_the_version_that_drew_
     from jaxloom.trainer.grpo.rollouts import Policy
     from jaxloom.trainer.grpo.sampler import Sampler
 
-    rl = grpo_args("unused", max_completion_length=12, max_staleness=1, partial_rollout_tokens=3, temperature=1.0).rl
+    rl = grpo_args("unused", max_completion_length=12, max_staleness=2, partial_rollout_tokens=3, temperature=1.0).rl
     models = [jm.create_model(tiny(), seed=seed) for seed in (0, 1)]
     policy = Policy(state=None, step=lambda: 0, logps=None, rewards=lambda: ([], []))
     no_eos = (len(TOK) + 7,)  # no completion ends early: every row runs to the cap
@@ -415,7 +422,19 @@ def test_a_partial_rollouts_tokens_carry_the_log_probs_of_the_version_that_drew_
             at = np.flatnonzero(whole.versions[r, :12] == v)
             want = np.asarray(logp)[len(whole.kept[r]) - 1 + at, whole.completion[r, at]]
             np.testing.assert_allclose(whole.sampled[r, at], want, atol=1e-4)
-    with pytest.raises(ValueError, match="partial_rollout_tokens = 3 with max_staleness = 0"):
+    with pytest.raises(ValueError, match="partial_rollout_tokens = 3 with max_staleness = 0: .* expected max_stale"):
         grpo_args("unused", max_completion_length=12, partial_rollout_tokens=3)
     with pytest.raises(ValueError, match="partial_rollout_tokens = 12 with max_completion_length = 12"):
-        grpo_args("unused", max_completion_length=12, max_staleness=1, partial_rollout_tokens=12)
+        grpo_args("unused", max_completion_length=12, max_staleness=2, partial_rollout_tokens=12)
+
+
+def test_a_rollout_funcs_fields_are_checked_saveable_nan_included():
+    """`check_saveable`: what JSON gives back as it is passes — NaN too (JSON keeps it, though `NaN != NaN`), in
+    lists and dicts; a tuple (back as a list) or a key that is not a string is one error naming field and row."""
+    from jaxloom.trainer.grpo.drawing import check_saveable
+
+    check_saveable({"score": [float("nan"), 1.0, None], "meta": [{"a": [float("nan"), "x"]}, {}, {"b": True}]})
+    with pytest.raises(ValueError, match="field 'pair' row 1 holds tuple"):
+        check_saveable({"pair": [[1, 2], (1, 2)]})
+    with pytest.raises(ValueError, match="field 'by_id' row 0 holds dict"):
+        check_saveable({"by_id": [{1: "a"}]})

@@ -362,6 +362,12 @@ TRL_KEYS: dict[str, Answer] = {
         ok=(None,),
         to=_renamed("vllm_importance_sampling_clip_max"),
     ),
+    "weight_sync_steps": Answer(
+        "the sampler reads the policy's weights of every step (in place on the training mesh, or with "
+        "sampling_devices copied device to device, cheaper than one rollout's generation); a sampler n steps behind "
+        "would make a resumed run need weights no checkpoint holds — max_staleness lets rollouts lag instead",
+        ok=(1,),
+    ),
     "use_transformers_continuous_batching": Answer(
         "generation_backend=paged (jaxloom's paged engine) batches continuously", ok=(False,)
     ),

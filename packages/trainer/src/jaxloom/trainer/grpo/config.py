@@ -146,11 +146,11 @@ class RLArgs(SettingsGroup):
     )
     partial_rollout_tokens: int = Field(
         0,
-        description="GRPO, max_staleness >= 1: partial rollouts (AReaL's, slime's): a rollout drawn ahead draws at "
+        description="GRPO, max_staleness >= 2: partial rollouts (AReaL's, slime's): a rollout drawn ahead draws at "
         "most this many tokens per completion under each policy version; a completion still running when the policy "
         "changes continues under the new one (re-prefilled with its weights), each token tagged with the version that "
-        "drew it and corrected by its own sampler log-prob; the step that trains it finishes what still runs (0: off, "
-        "each rollout drawn whole by one version)",
+        "drew it and corrected by its own sampler log-prob; the step before the rollout's own finishes what still "
+        "runs, so it is scored while that step trains (0: off, each rollout drawn whole by one version)",
     )
 
     routing_replay: bool = Field(
@@ -197,7 +197,7 @@ class RLArgs(SettingsGroup):
         if self.partial_rollout_tokens and not self.max_staleness:
             raise ValueError(
                 f"partial_rollout_tokens = {self.partial_rollout_tokens} with max_staleness = 0: a synchronous rollout "
-                "is drawn whole by the weights it trains; expected max_staleness >= 1 (or partial_rollout_tokens = 0)"
+                "is drawn whole by the weights it trains; expected max_staleness >= 2 (or partial_rollout_tokens = 0)"
             )
         if self.partial_rollout_tokens and self.partial_rollout_tokens >= self.max_completion_length:
             raise ValueError(
@@ -299,6 +299,16 @@ class GRPOConfig(TrainingArguments):
         rl = self.rl
         if not rl.max_staleness:
             return
+        from .pipeline import depth_of
+
+        if rl.partial_rollout_tokens and depth_of(rl, rows) < 2:
+            raise ValueError(
+                f"partial_rollout_tokens = {rl.partial_rollout_tokens} with rollouts drawn {depth_of(rl, rows)} step "
+                f"ahead (max_staleness = {rl.max_staleness}, queue_maxsize = {rl.queue_maxsize}, max_inflight_tasks = "
+                f"{rl.max_inflight_tasks}, {rows} completions a step): a rollout is finished the step before its own, "
+                "so it is scored while that step trains; expected max_staleness >= 2 (and room for 2 steps' "
+                "completions), its parts then drawn under 2 versions or more"
+            )
         if rl.num_iterations > 1:
             raise ValueError(
                 f"num_iterations = {rl.num_iterations} with max_staleness = {rl.max_staleness}: an asynchronous "

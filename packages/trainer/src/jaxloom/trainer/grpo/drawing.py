@@ -253,8 +253,8 @@ class Drawer:
         prompt, mask = np.full((len(rows), width), pad, np.int32), np.zeros((len(rows), width), np.int32)
         for i, ids in enumerate(histories):
             prompt[i, width - len(ids) :], mask[i, width - len(ids) :] = ids, 1
-        left = cap - int(lengths[rows].min())  # the most a running row may still draw
-        steps = min(cap, row_buckets(1, left, cap)[1]) if finish else rl.partial_rollout_tokens  # few compiles
+        # the most a running row may still draw: few values (a running row holds whole parts), so few compiles
+        steps = cap - int(lengths[rows].min()) if finish else rl.partial_rollout_tokens
         new, new_mask, new_logps = self.sampler.generate(prompt, mask, key, group=1, max_new_tokens=steps, model=model)
         self.sampler.done()
         completion = np.full((len(drawn.completion), cap), pad, np.int32)
@@ -338,7 +338,7 @@ def check_saveable(fields: dict[str, list]) -> None:
     for name, values in fields.items():
         for row, value in enumerate(values):
             try:
-                same = json.loads(json.dumps(value)) == value and _json_types(value)
+                same = _same_json(json.loads(json.dumps(value)), value) and _json_types(value)
             except (TypeError, ValueError):
                 same = False
             if not same:
@@ -348,6 +348,17 @@ def check_saveable(fields: dict[str, list]) -> None:
                     "JSON: return strings, numbers, booleans, None, lists or dicts with string keys (or set "
                     "max_staleness = 0)"
                 )
+
+
+def _same_json(back: Any, value: Any) -> bool:
+    """Whether `back` (`value` through JSON) is `value`: equal, NaN as NaN (JSON keeps it; `NaN != NaN`)."""
+    if isinstance(value, float) and isinstance(back, float) and value != value:
+        return back != back
+    if isinstance(value, list) and isinstance(back, list):
+        return len(back) == len(value) and all(map(_same_json, back, value))
+    if isinstance(value, dict) and isinstance(back, dict):
+        return back.keys() == value.keys() and all(_same_json(back[k], value[k]) for k in value)
+    return bool(back == value)
 
 
 def _json_types(value: Any) -> bool:

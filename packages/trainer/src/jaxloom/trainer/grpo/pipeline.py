@@ -79,8 +79,10 @@ class Pipeline:
     Partial rollouts (`advance`): a rollout is drawn a part per version. `running(drawn)` says whether any of its
     completions still runs; `advance(index, get, finish)` continues `get()` (what is drawn of rollout `index`) with the
     weights now — a part, or with `finish` to the end — or returns a function that does, run on the drawing thread
-    after its earlier parts. At each `take` every rollout ahead still running draws one part under the new version,
-    and the rollout taken finishes what still runs; it is scored when whole. `versions(drawn)` gives each completion
+    after its earlier parts. At `take(index)` the rollout of the next step finishes what still runs (under the last
+    version before its step, so it is scored while this step trains) and every rollout after it draws one more part;
+    a rollout begun `depth` steps ahead is drawn under `depth` versions (`depth >= 2` for any to span two). It is
+    scored when whole. `versions(drawn)` gives each completion
     token's version (`[rows, tokens]`, -1 on padding): the metrics `sample/token_staleness_mean` and
     `sample/partial_ratio` (the share of completions drawn under more than one version)."""
 
@@ -147,14 +149,15 @@ class Pipeline:
                 pending.scored_for = drawn
             return pending.scored
 
-    def _advance(self, pending: Pending, finish: bool) -> None:
-        """Partial rollouts: rollout `pending` draws its next part (`finish`: the rest) with the weights now."""
+    def _advance(self, pending: Pending, finish: bool, here: bool = False) -> None:
+        """Partial rollouts: rollout `pending` draws its next part (`finish`: the rest) with the weights now; `here`:
+        on this thread (its step waits for it), not the drawing thread."""
         got = pending.drawn
         if got.done() and (got.exception() is not None or not self.running(got.result())):
             return  # failed (its step says why) or whole
         assert self.advance is not None
         step = self.advance(pending.index, got.result, finish)
-        if finish and callable(step):  # its step waits for it: drawn here, after its earlier parts
+        if here and callable(step):
             step = step()
         self._chain(pending, step)
 
@@ -176,18 +179,17 @@ class Pipeline:
                 now - stale.version,
                 self.max_staleness,
             )
-        if self.advance is not None:  # partial rollouts: the one taken finishes, those ahead draw a part each
-            if index in self.pending:
-                self.pending[index].drawn.exception()  # its earlier parts drawn (a failure is raised below)
-                self._advance(self.pending[index], True)
+        if self.advance is not None:  # partial rollouts: the next step's finishes, those after draw a part each
             for ahead in sorted(self.pending.values(), key=lambda p: p.index):
-                if ahead.index != index:
-                    self._advance(ahead, False)
+                taken = ahead.index == index  # still running (its first step, a restore): its last part, here
+                if taken:
+                    ahead.drawn.exception()  # its earlier parts drawn (a failure is raised below)
+                self._advance(ahead, ahead.index <= index + 1, here=taken)
         for i in range(index, index + self.depth + 1):
             if i not in self.pending and (i == index or self.last is None or i < self.last):
                 self._submit(i, now, self.draw(i))
-                if i == index and self.advance is not None:  # drawn now for its own step: whole
-                    self._advance(self.pending[i], True)
+                if self.advance is not None and i <= index + 1:  # its step, or the next: whole now
+                    self._advance(self.pending[i], True, here=i == index)
         taken = self.pending.pop(index)
         waited = time.perf_counter()
         drawn = taken.drawn.result()
