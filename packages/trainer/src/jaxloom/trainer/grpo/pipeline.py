@@ -181,10 +181,10 @@ class Pipeline:
             )
         if self.advance is not None:  # partial rollouts: the next step's finishes, those after draw a part each
             for ahead in sorted(self.pending.values(), key=lambda p: p.index):
-                taken = ahead.index == index  # still running (its first step, a restore): its last part, here
-                if taken:
+                own = ahead.index == index  # still running (its first step, a restore): its last part, here
+                if own:
                     ahead.drawn.exception()  # its earlier parts drawn (a failure is raised below)
-                self._advance(ahead, ahead.index <= index + 1, here=taken)
+                self._advance(ahead, ahead.index <= index + 1, here=own)
         for i in range(index, index + self.depth + 1):
             if i not in self.pending and (i == index or self.last is None or i < self.last):
                 self._submit(i, now, self.draw(i))
