@@ -107,6 +107,24 @@ def test_two_processes_train_grpo_as_one_process(tmp_path, staleness):
         np.testing.assert_allclose(one[k], two[k], rtol=2e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.parametrize("devices", [2, 3], ids=["device-to-device", "through-the-hosts"])
+def test_two_processes_give_each_a_device_to_sampling_and_train_as_one_process(tmp_path, devices):
+    """`sampling_devices=2` over two processes: each process gives its first device to the sampler's mesh and trains
+    on the others; the next rollout is drawn there on a thread while the step trains (`max_staleness=1`) — and the run
+    ends where one process of as many devices, split alike, ends. With 2 devices a process the weights reach the
+    sampler device to device within each process (each holds the parts its sampling device needs); with 3 the
+    training mesh cuts them in 4 and the sampler's in 2, so they go through the hosts (`sampler.moved`)."""
+    args = [*grpo(prompts(tmp_path / "p.jsonl")), "max_sequence_length=32", "max_training_steps=4", "save_steps=2"]
+    args += ["max_staleness=1", "sampling_devices=2"]
+    launch(tmp_path / "one", 1, args, devices=2 * devices)
+    outs = launch(tmp_path / "two", 2, args, devices=devices)
+    assert all("STEP 4" in o for o in outs)
+    one, two = np.load(tmp_path / "one" / "final.npz"), np.load(tmp_path / "two" / "final.npz")
+    assert sorted(one) == sorted(two)
+    for k in one:
+        np.testing.assert_allclose(one[k], two[k], rtol=2e-5, atol=1e-6, err_msg=k)
+
+
 def test_a_grpo_run_from_the_command_line_is_usable_afterwards(tmp_path, capsys):
     """A GRPO run started as docs/rl.md shows (the demo's defaults underneath, no max_sequence_length given)
     used to record the demo's 128-token rows in run_config.json, so `generate`, `convert` and `train RUN_DIR`

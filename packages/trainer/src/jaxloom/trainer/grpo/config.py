@@ -130,9 +130,9 @@ class RLArgs(SettingsGroup):
     )
     sampling_devices: int = Field(
         0,
-        description="GRPO: devices given to sampling (one process): the training mesh is built over the others, the "
-        "policy's weights copied device to device for each rollout; with max_staleness >= 1 a rollout is drawn there "
-        "while the step trains (0: sampling on the training mesh)",
+        description="GRPO: devices given to sampling (n / processes of each process's): the training mesh is built "
+        "over the others, the policy's weights copied to them once per version; with max_staleness >= 1 a rollout is "
+        "drawn there while the step trains (0: sampling on the training mesh)",
     )
     max_inflight_tasks: int = Field(
         -1,

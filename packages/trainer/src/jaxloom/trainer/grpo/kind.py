@@ -26,7 +26,7 @@ from ..batches import DataSpec
 from ..reference import build_reference
 from .loss import ADV, OLD, REF, ROUTES, SAMPLED, token_logps
 from .rewards import load_reward_function, load_tool
-from .sampler import routes_shape
+from .sampler import routes_shape, sampling_devices
 
 if TYPE_CHECKING:
     from ..trainer import BaseTrainer as _Core
@@ -46,21 +46,17 @@ class SamplingKind(_Core):
     @property
     def mesh(self):
         """The training mesh: with `sampling_devices = n` (and none given), the one the arguments describe built over
-        the devices after the first `n`, which sample (`Sampler.mesh`); one process only for now."""
+        the devices the sampler does not take — the first `n / processes` devices of each process (`Sampler.mesh`)."""
         n = getattr(getattr(self.arguments, "rl", None), "sampling_devices", 0)  # distillation's settings have none
         if n and self._mesh is None:
-            if jax.process_count() > 1:
-                raise ValueError(
-                    f"sampling_devices = {n} splits one process's devices; this run has {jax.process_count()} "
-                    "processes: set sampling_devices = 0"
-                )
             if n >= jax.device_count():
                 raise ValueError(
                     f"sampling_devices = {n} of {jax.device_count()} devices leaves none to train on; expected fewer"
                 )
             a = self.arguments
             layout = MeshConfig(a.sharding_axis_dims, a.sharding_axis_names, a.sharding_dcn_axis_dims)
-            self._mesh = layout.build(jax.devices()[n:])
+            sampling = set(sampling_devices(n))
+            self._mesh = layout.build([d for d in jax.devices() if d not in sampling])
         return super().mesh
 
     def data_metrics(self, step: int | None = None) -> dict[str, float]:

@@ -22,6 +22,56 @@ def routes_shape(config: Any) -> tuple[int, int] | None:
     return None if not k else (int(config.num_hidden_layers), int(k))
 
 
+def sampling_devices(n: int) -> list:
+    """The devices `sampling_devices = n` gives the sampler: the first `n / processes` of each process's own (every
+    process samples and trains alike); an error when `n` does not split evenly over the processes."""
+    processes = jax.process_count()
+    if n % processes:
+        raise ValueError(
+            f"sampling_devices = {n} over {processes} processes: each process gives the sampler as many of its "
+            f"devices; expected a multiple of {processes}"
+        )
+    per = n // processes
+    by_process: dict[int, list] = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    if any(len(own) <= per for own in by_process.values()):
+        least = min(len(own) for own in by_process.values())
+        raise ValueError(
+            f"sampling_devices = {n}: {per} devices of each process sample, and a process has {least}; expected "
+            "fewer, so every process trains too"
+        )
+    return [d for own in by_process.values() for d in sorted(own, key=lambda d: d.id)[:per]]
+
+
+def moved(x: jax.Array, sharding: Any) -> jax.Array:
+    """`x` laid out as `sharding` says on its devices (another device set: the sampler's own). Each of `sharding`'s
+    shards is copied device to device from a device of the same process that holds the same part of `x`; when some
+    process holds no such part (several processes, the parts cut otherwise), the array goes through the hosts —
+    multi-controller JAX copies between device sets of several hosts only on TPU. The choice is made from the global
+    layouts, so every process takes the same path (the gather is a collective)."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    shape = x.shape
+    held = {}  # (process, part) -> a device of that process holding it
+    for device, index in x.sharding.devices_indices_map(shape).items():
+        held.setdefault((device.process_index, _part(index, shape)), device)
+    wanted = sharding.devices_indices_map(shape)
+    if all((d.process_index, _part(i, shape)) in held for d, i in wanted.items()):
+        local = {_part(s.index, shape): s.data for s in x.addressable_shards}
+        parts = [jax.device_put(local[_part(wanted[d], shape)], d) for d in sharding.addressable_devices]
+        return jax.make_array_from_single_device_arrays(shape, sharding, parts)
+    from jax.experimental import multihost_utils
+
+    whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.make_array_from_callback(shape, sharding, lambda index: whole[index])
+
+
+def _part(index: tuple, shape: tuple) -> tuple:
+    """A shard's index (slices) as a hashable `((start, stop), ...)`."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
 class PagedRollout:
     """A rollout through `LLMEngine` (`generation_backend="paged"`): `group` completions of each row of
     `prompt [U, P]` (`mask`: 1 on its tokens) by `model` (its parameters on `mesh`), decoded as `config` says;
@@ -134,13 +184,13 @@ class Sampler:
             return self.training_mesh
         if self._own_mesh is None:
             held = set(self.training_mesh.devices.flat)
-            free = [d for d in jax.devices() if d not in held]
+            free = [d for d in sampling_devices(n) if d not in held]
             if len(free) < n:
                 raise ValueError(
-                    f"sampling_devices = {n}: {len(free)} of the {jax.device_count()} devices are outside the "
-                    f"training mesh; expected at least {n} (the training mesh takes the rest)"
+                    f"sampling_devices = {n}: {len(free)} of them are outside the training mesh; expected {n} (the "
+                    "training mesh takes the rest)"
                 )
-            self._own_mesh = self.mesh_config.build(free[:n])
+            self._own_mesh = self.mesh_config.build(free)
         return self._own_mesh
 
     def weights(self, model: Any = None) -> Any:
@@ -163,7 +213,7 @@ class Sampler:
             if isinstance(where, NamedSharding) and where.mesh == mesh:
                 return x
             spec = where.spec if isinstance(where, NamedSharding) else PartitionSpec()
-            return jax.device_put(x, NamedSharding(mesh, spec))
+            return moved(x, NamedSharding(mesh, spec))
 
         state = jax.block_until_ready(jax.tree.map(put, state))
         return nnx.merge(graph, state)
@@ -201,7 +251,7 @@ class Sampler:
         if getattr(rl, "sampling_devices", 0):  # the key too, from the training state's devices
             from jax.sharding import NamedSharding, PartitionSpec
 
-            key = jax.device_put(key, NamedSharding(self.mesh, PartitionSpec()))
+            key = moved(key, NamedSharding(self.mesh, PartitionSpec()))
         group = rl.num_generations if group is None else group
         self.routes = None
         if getattr(rl, "generation_backend", "static") == "paged":
