@@ -82,9 +82,9 @@ class Pipeline:
     after its earlier parts. At `take(index)` the rollout of the next step finishes what still runs (under the last
     version before its step, so it is scored while this step trains) and every rollout after it draws one more part;
     a rollout begun `depth` steps ahead is drawn under `depth` versions (`depth >= 2` for any to span two). It is
-    scored when whole. `versions(drawn)` gives each completion
-    token's version (`[rows, tokens]`, -1 on padding): the metrics `sample/token_staleness_mean` and
-    `sample/partial_ratio` (the share of completions drawn under more than one version)."""
+    scored when whole. `versions(drawn)` gives each completion token's version (`[rows, tokens]`, -1 on padding):
+    the metrics `sample/token_staleness_mean` and `sample/partial_ratio` (the share of completions drawn under more
+    than one version)."""
 
     def __init__(
         self,
