@@ -235,10 +235,26 @@ def test_each_request_samples_with_its_own_settings(llama):
             assert allowed[np.arange(6), np.asarray(token)].all(), (top_k, top_p)
 
 
-def test_an_moe_models_experts_are_kept_per_token_as_a_forward_chooses_them():
+def test_an_moe_models_experts_are_kept_per_token_as_a_forward_chooses_them(monkeypatch):
     """`record_routes=True`: each completion's `routes [prompt + completion, L, k]` are the experts a forward over
     its sequence chooses for every token run (the prompt once for its group; each decode chunk's fed tokens, through
-    more sequences than slots, so some wait), -1 on the last token (never fed)."""
+    more sequences than slots, so some wait), -1 on the last token (never fed). Without it the compiled steps return
+    no experts at all (no buffer left on the device), and the completions are the same."""
+    from jaxloom.generation import paged
+
+    returned, real = [], paged.compiled
+
+    def spy(*key):  # each compiled step's experts: returned, or None
+        fn = real(*key)
+
+        def call(*args):
+            out = fn(*args)
+            returned.append(out[-1] is not None)
+            return out
+
+        return call
+
+    monkeypatch.setattr(paged, "compiled", spy)
     config = jm.MixtralConfig(**TINY, num_local_experts=4)
     model = jm.create_model(config, jm.RuntimeConfig(scan_layers=True), seed=2)
     gen = jg.GenerationConfig(do_sample=True, seed=3)
@@ -252,6 +268,9 @@ def test_an_moe_models_experts_are_kept_per_token_as_a_forward_chooses_them():
             assert c.routes.shape == (len(seq), 2, 2) and c.routes.dtype == np.int16
             np.testing.assert_array_equal(np.sort(c.routes[:-1], -1), np.sort(forward[:-1], -1))
             assert (c.routes[-1] == -1).all()
+    assert returned and all(returned)
+    returned.clear()
     plain = jg.LLMEngine(model, gen, max_num_seqs=4, decode_chunk=3, page_size=4)
     again = plain.generate(prompts, max_new_tokens=8, n=2, eos_token_id=list(range(3, 10)))
     assert completions(again) == completions(outs) and again[0].outputs[0].routes is None
+    assert returned and not any(returned)

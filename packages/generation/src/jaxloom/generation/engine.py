@@ -288,7 +288,7 @@ class LLMEngine:
         width = bucket(max(len(s.tokens) - s.cached for s in sources), 8)
         read = self.scheduler.read_pages([s.cached for s in sources]) if any(s.cached for s in sources) else 0
         table, lens, tokens, count, keys = self._rows(sources, rows, width)
-        fn = paged.compiled("extend", self._graphdef, self._layout, self.page_size, read, 0)
+        fn = paged.compiled("extend", self._graphdef, self._layout, self.page_size, read, 0, self.record_routes)
         with self._on_mesh():
             token, logp, logits, self._pools, routes = fn(
                 self._state, self._pools, table, lens, tokens, count, keys, self._params(sources, rows)
@@ -354,7 +354,7 @@ class LLMEngine:
             lens[r], token[r], keys[r] = s.cached, s.tokens[-1], s.key
             limit[r] = min(s.cached + k, s.limit)
         read = self.scheduler.read_pages([s.cached for s in running])
-        fn = paged.compiled("decode", self._graphdef, self._layout, self.page_size, read, k)
+        fn = paged.compiled("decode", self._graphdef, self._layout, self.page_size, read, k, self.record_routes)
         with self._on_mesh():
             tokens, logps, self._pools, routes = fn(
                 self._state, self._pools, table, lens, token, keys, limit, self._params(running, n)

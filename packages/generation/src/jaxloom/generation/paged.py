@@ -100,13 +100,13 @@ def _step_keys(keys: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, positions)
 
 
-def _extend(graphdef, layout, page_size, read_pages, state, pools, table, lens, tokens, count, keys, params):
+def _extend(graphdef, layout, page_size, read_pages, state, pools, table, lens, tokens, count, keys, params, *, record):
     """Run `tokens [B, T]` (left-padded, `count [B]` real ones) after each row's `lens [B]` cached positions
     (pages `table [B, Pmax]`, of which the first `read_pages` are read); write their keys and values into the
     pages and sample each row's next token (key: its sequence's `keys [B, 2]`, folded with the token's
     position) and settings `params`. Returns `(next [B], logp [B], logits [B, V], pools, routes)`: a group's
     members sample their own tokens from the one prompt row's logits; `routes [L, B, T, k]`, an MoE model's experts
-    of each token run (None for a dense model)."""
+    of each token run (None for a dense model, or unless `record`: then no buffer is made)."""
     model = nnx.merge(graphdef, state)
     b, t = tokens.shape
     g = read_pages * page_size
@@ -130,15 +130,17 @@ def _extend(graphdef, layout, page_size, read_pages, state, pools, table, lens, 
     pools = layout.write(pools, out.cache, g, pages, offsets)
     where = lens + count
     token, logp = sample_rows(logits, _step_keys(keys, where), *params)
-    return token, logp, logits, pools, out.routes
+    return token, logp, logits, pools, out.routes if record else None
 
 
-def _decode(graphdef, layout, page_size, read_pages, steps, state, pools, table, lens, token, keys, limit, params):
+def _decode(
+    graphdef, layout, page_size, read_pages, steps, state, pools, table, lens, token, keys, limit, params, *, record
+):
     """`steps` decode steps for every slot: feed `token [B]` at position `lens [B]` (its pages `table [B, Pmax]`,
     the first `read_pages` read), sample the next, feed it, ... Writes positions `lens ... lens + steps - 1`
     below `limit [B]` into the pages; each row samples with its `params`. Returns `(tokens [B, steps],
     logps [B, steps], pools, routes)`, `routes [B, steps, L, k]` an MoE model's experts of each token fed (None
-    for a dense model)."""
+    for a dense model, or unless `record`)."""
     model = nnx.merge(graphdef, state)
     b = token.shape[0]
     g = read_pages * page_size
@@ -164,7 +166,8 @@ def _decode(graphdef, layout, page_size, read_pages, steps, state, pools, table,
         )
         logits = out.logits[:, -1].astype(jnp.float32)
         new, logp = sample_rows(logits, _step_keys(keys, pos + 1), *params)
-        return (out.cache, kv_seg, kv_pos, new), (new, logp, None if out.routes is None else out.routes[:, :, 0])
+        routes = out.routes[:, :, 0] if record and out.routes is not None else None
+        return (out.cache, kv_seg, kv_pos, new), (new, logp, routes)
 
     (cache, *_), (tokens, logps, routes) = jax.lax.scan(body, (cache, kv_seg, kv_pos, token), jnp.arange(steps))
     positions = lens[:, None] + jnp.arange(steps)[None, :]
@@ -187,14 +190,16 @@ def _sample_members(logits, rows, keys, positions, params):
 
 
 @functools.lru_cache(maxsize=256)
-def compiled(kind: str, graphdef, layout: CacheLayout, page_size: int, read_pages: int, steps: int):
+def compiled(
+    kind: str, graphdef, layout: CacheLayout, page_size: int, read_pages: int, steps: int, record: bool = False
+):
     """The jitted call of `kind` (`extend`, `decode`) for one model structure and page geometry (each row's
-    sampling settings are data: `params = (temperature, top_k, top_p)`, `[B]` each);
-    the pools are donated (updated in place)."""
+    sampling settings are data: `params = (temperature, top_k, top_p)`, `[B]` each); `record`: an MoE model's
+    experts per token are returned (else none: no buffer); the pools are donated (updated in place)."""
     if kind == "extend":
-        fn = functools.partial(_extend, graphdef, layout, page_size, read_pages)
+        fn = functools.partial(_extend, graphdef, layout, page_size, read_pages, record=record)
     else:
-        fn = functools.partial(_decode, graphdef, layout, page_size, read_pages, steps)
+        fn = functools.partial(_decode, graphdef, layout, page_size, read_pages, steps, record=record)
     return jax.jit(fn, donate_argnums=(1,))
 
 
