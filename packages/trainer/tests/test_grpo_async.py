@@ -438,3 +438,19 @@ def test_a_rollout_funcs_fields_are_checked_saveable_nan_included():
         check_saveable({"pair": [[1, 2], (1, 2)]})
     with pytest.raises(ValueError, match="field 'by_id' row 0 holds dict"):
         check_saveable({"by_id": [{1: "a"}]})
+
+
+def test_the_sampling_devices_are_each_processs_first_ones_the_training_mesh_does_not_hold():
+    """`sampler.sampling_devices(n, held)`: of the 8 CPU devices, the first `n` (one process) — or, beside a training
+    mesh given over the first 4, the first `n` after them; too few left, or none left to train on, is one error."""
+    import jax
+
+    from jaxloom.trainer.grpo.sampler import sampling_devices
+
+    devices = jax.devices()
+    assert sampling_devices(3) == devices[:3]
+    assert sampling_devices(2, set(devices[:4])) == devices[4:6]
+    with pytest.raises(ValueError, match="a process has 2 devices outside the training mesh; expected 3"):
+        sampling_devices(3, set(devices[:6]))
+    with pytest.raises(ValueError, match="8 devices of each process sample, and a process has 8"):
+        sampling_devices(8)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..arguments import GROUPS, TrainingArguments, SettingsGroup, check_positive, config_signature
+from .pipeline import depth_of
 
 
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
@@ -299,8 +300,6 @@ class GRPOConfig(TrainingArguments):
         rl = self.rl
         if not rl.max_staleness:
             return
-        from .pipeline import depth_of
-
         if rl.partial_rollout_tokens and depth_of(rl, rows) < 2:
             raise ValueError(
                 f"partial_rollout_tokens = {rl.partial_rollout_tokens} with rollouts drawn {depth_of(rl, rows)} step "

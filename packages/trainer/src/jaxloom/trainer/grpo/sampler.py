@@ -22,9 +22,10 @@ def routes_shape(config: Any) -> tuple[int, int] | None:
     return None if not k else (int(config.num_hidden_layers), int(k))
 
 
-def sampling_devices(n: int) -> list:
-    """The devices `sampling_devices = n` gives the sampler: the first `n / processes` of each process's own (every
-    process samples and trains alike); an error when `n` does not split evenly over the processes."""
+def sampling_devices(n: int, held: Any = frozenset()) -> list:
+    """The devices `sampling_devices = n` gives the sampler: of each process's own devices, the first `n / processes`
+    that `held` (a training mesh's devices) does not hold — every process samples and trains alike. One error when
+    `n` does not split evenly over the processes, leaves a process nothing to train on, or finds too few free."""
     processes = jax.process_count()
     if n % processes:
         raise ValueError(
@@ -33,15 +34,21 @@ def sampling_devices(n: int) -> list:
         )
     per = n // processes
     by_process: dict[int, list] = {}
-    for d in jax.devices():
+    for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
         by_process.setdefault(d.process_index, []).append(d)
-    if any(len(own) <= per for own in by_process.values()):
-        least = min(len(own) for own in by_process.values())
+    least = min(len(own) for own in by_process.values())
+    if least <= per:
         raise ValueError(
             f"sampling_devices = {n}: {per} devices of each process sample, and a process has {least}; expected "
             "fewer, so every process trains too"
         )
-    return [d for own in by_process.values() for d in sorted(own, key=lambda d: d.id)[:per]]
+    free = [[d for d in own if d not in held] for own in by_process.values()]
+    if min(map(len, free)) < per:
+        raise ValueError(
+            f"sampling_devices = {n}: a process has {min(map(len, free))} devices outside the training mesh; expected "
+            f"{per} (the training mesh takes the rest)"
+        )
+    return [d for own in free for d in own[:per]]
 
 
 def moved(x: jax.Array, sharding: Any) -> jax.Array:
@@ -178,19 +185,13 @@ class Sampler:
     @property
     def mesh(self) -> Any:
         """Where sampling runs: the training mesh, or with `sampling_devices = n` a mesh of its own over the first
-        `n` devices the training mesh does not hold (laid out as `mesh_config` says, the training mesh's axes)."""
+        `n / processes` devices of each process the training mesh does not hold (`sampling_devices`; laid out as
+        `mesh_config` says, the training mesh's axes)."""
         n = getattr(self.rl, "sampling_devices", 0)
         if not n:
             return self.training_mesh
         if self._own_mesh is None:
-            held = set(self.training_mesh.devices.flat)
-            free = [d for d in sampling_devices(n) if d not in held]
-            if len(free) < n:
-                raise ValueError(
-                    f"sampling_devices = {n}: {len(free)} of them are outside the training mesh; expected {n} (the "
-                    "training mesh takes the rest)"
-                )
-            self._own_mesh = self.mesh_config.build(free)
+            self._own_mesh = self.mesh_config.build(sampling_devices(n, set(self.training_mesh.devices.flat)))
         return self._own_mesh
 
     def weights(self, model: Any = None) -> Any:
