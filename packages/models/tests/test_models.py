@@ -30,9 +30,23 @@ def test_registry_resolves_and_names_what_is_known():
         jm.get_model_class("llama", "translate")
 
 
+# what a family's config needs beyond TINY to be valid (a vision-language model's tower and image tokens)
+FAMILY_EXTRA = {
+    "qwen2_5_vl": dict(
+        mrope_section=(2, 3, 3),
+        vision_config=jm.Qwen2_5_VLVisionConfig(
+            depth=2, hidden_size=32, num_heads=2, out_hidden_size=64, fullatt_block_indexes=(1,)
+        ),  # fmt: skip
+        image_token_id=90,
+        vision_start_token_id=91,
+        vision_end_token_id=92,
+    ),
+}
+
+
 @pytest.mark.parametrize("cls", list(jm.CONFIG_CLASSES.values()))
 def test_hf_config_round_trip(tmp_path, cls):
-    config = cls(**TINY, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    config = cls(**TINY, **FAMILY_EXTRA.get(cls.model_type, {}), rope_scaling={"rope_type": "linear", "factor": 2.0})
     config.save_pretrained(tmp_path)
     back = cls.from_pretrained(tmp_path)
     assert back == config and hash(back) == hash(config)

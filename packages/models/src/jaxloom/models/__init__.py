@@ -46,6 +46,8 @@ from .moe import dispatch_tokens, expert_parallel_dispatch, grouped_matmul
 from .olmo2 import Olmo2Config, Olmo2ForCausalLM
 from .phi3 import Phi3Config, Phi3ForCausalLM
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from .qwen2_5_vl import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, rope_index
+from .vision import Qwen2_5_VisionTransformer, Qwen2_5_VLVisionConfig, VisionLayout, vision_layout
 from .registry import TaskType, get_model_class, register, registered
 from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM
 from .runtime import SCAN_ABOVE_LAYERS, AttentionMechanisms, EasyDeLGradientCheckPointers, RuntimeConfig
@@ -110,6 +112,13 @@ __all__ = [
     "Qwen3ForCausalLM",
     "Qwen3MoeConfig",
     "Qwen3MoeForCausalLM",
+    "Qwen2_5_VLConfig",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen2_5_VLVisionConfig",
+    "Qwen2_5_VisionTransformer",
+    "VisionLayout",
+    "rope_index",
+    "vision_layout",
     "LlamaConfig",
     "LlamaForCausalLM",
     "MistralConfig",

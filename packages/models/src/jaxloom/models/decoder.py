@@ -113,13 +113,15 @@ class DecoderLayer(nnx.Module):
         window=None,
         rope=None,
         routing=None,
+        rope_positions=None,
     ):
         """`window` and `rope` (`(inv_freq, scale)`) are this layer's, given by the model (default: the config's);
-        `routing [B, T, k]`: the experts an MoE feed-forward sends each token to (-1: its router chooses)."""
+        `routing [B, T, k]`: the experts an MoE feed-forward sends each token to (-1: its router chooses);
+        `rope_positions`: what turns q and k when not `positions` (multimodal RoPE, `Attention`)."""
         h = x if self.input_layernorm is None else self.input_layernorm(x)
-        attn, cache = self.self_attn(
-            h, positions, segment_ids, cache, cache_index, kv_positions, kv_segment_ids, window=window, rope=rope
-        )
+        turn = {} if rope_positions is None else {"rope_positions": rope_positions}
+        decode = (cache, cache_index, kv_positions, kv_segment_ids)
+        attn, cache = self.self_attn(h, positions, segment_ids, *decode, window=window, rope=rope, **turn)
         if self.layout != "pre":
             attn = self.post_attention_layernorm(attn)
         x = x + attn
@@ -153,6 +155,8 @@ class CausalLM(nnx.Module):
     has_lm_head: ClassVar[bool] = True
     new_weights: ClassVar[tuple[str, ...]] = ()
     checkpoint_extras: ClassVar[tuple[str, ...]] = ()
+    # `(prefix, replacement)`: checkpoint names read as others (Qwen2.5-VL's `model.language_model.` as `model.`)
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init__(self, config: LlamaConfig, runtime: RuntimeConfig | None = None, *, rngs: nnx.Rngs):
         if not isinstance(config, self.config_class):
@@ -217,6 +221,8 @@ class CausalLM(nnx.Module):
         kv_segment_ids=None,
         return_hidden: bool = False,
         routing=None,
+        inputs_embeds=None,
+        rope_positions=None,
     ) -> CausalLMOutput:
         """Decoding: pass `cache` (from `init_cache`), the write offset `cache_index`, and the cache's
         `kv_positions` / `kv_segment_ids` `[B, S]` already holding this call's tokens (segment 0 = empty).
@@ -224,7 +230,10 @@ class CausalLM(nnx.Module):
         (for a loss that applies `output_projection()` itself, e.g. `linear_cross_entropy`). `routing [L, B, T, k]`
         (int): MoE routing replay, each layer's experts for each token as a sampler recorded them (`routes`); -1
         where the router chooses (a token never recorded, a dense layer). The chosen experts' weights still come
-        from this router's scores, so it keeps its gradient."""
+        from this router's scores, so it keeps its gradient. `inputs_embeds [B, T, D]`: the input vectors in place of
+        `embed(input_ids)` (a vision-language model's, image features among the tokens'); `rope_positions` (`[B, T]`,
+        or `[B, T, head_dim / 2]`: a position per rotated pair) turn q and k in place of `positions`, which then only
+        order the tokens (multimodal RoPE)."""
         b, t = input_ids.shape
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
@@ -232,9 +241,7 @@ class CausalLM(nnx.Module):
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(token_mask, axis=-1) - 1, 0)
         c = self.config
-        x = self.model.embed_tokens(input_ids)
-        if c.embedding_multiplier is not None:  # Gemma: rounded to the weights' dtype first, as transformers does
-            x = x * jnp.asarray(c.embedding_multiplier, self.runtime.param_dtype).astype(x.dtype)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         x = constrain(x, ("batch", "length", "embed"), self.runtime)
         decode = dict(cache_index=cache_index, kv_positions=kv_positions, kv_segment_ids=kv_segment_ids)
         kinds = c.attention_types()
@@ -248,9 +255,20 @@ class CausalLM(nnx.Module):
             kind: table if c.uses_rope(kind) else (jnp.zeros_like(table[0]), table[1]) for kind, table in tables.items()
         }
 
+        turn = {} if rope_positions is None else {"rope_positions": rope_positions}
+
         def run(layer, x, layer_cache, routes, window, rope):
             return layer(
-                x, positions, segment_ids, token_mask, layer_cache, **decode, window=window, rope=rope, routing=routes
+                x,
+                positions,
+                segment_ids,
+                token_mask,
+                layer_cache,
+                **decode,
+                window=window,
+                rope=rope,
+                routing=routes,
+                **turn,
             )
 
         def with_pattern(kind):  # a layer's static window and its RoPE tables bound (remat takes positional args)
@@ -306,6 +324,14 @@ class CausalLM(nnx.Module):
         return CausalLMOutput(
             logits=logits, aux_loss=aux_total, cache=new_cache, expert_load=loads or None, routes=routes
         )
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """The input vectors of `input_ids [B, T]`: the embedding rows, times the family's `embedding_multiplier`
+        (Gemma: `sqrt(hidden_size)`, rounded to the weights' dtype first, as transformers does)."""
+        x = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier is not None:
+            x = x * jnp.asarray(self.config.embedding_multiplier, self.runtime.param_dtype).astype(x.dtype)
+        return x
 
     @property
     def cache_refresh_position(self) -> int | None:

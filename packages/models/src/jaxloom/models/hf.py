@@ -134,6 +134,7 @@ def from_pretrained(
     cls = get_model_class(config.model_type, task)
     # published quantized weights, dequantized as they are read: GPT-OSS's MXFP4 experts, DeepSeek-V3's FP8 blocks
     tensors = fp8_tensors(mxfp4_tensors(_open_checkpoint(path)), raw.get("quantization_config"))
+    tensors = _renamed(tensors, getattr(cls, "checkpoint_renames", ()))
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, runtime, rngs=nnx.Rngs(0))))
     specs = variable_specs(abstract, runtime, mesh) if mesh is not None else None
     used, missing, drawn = set(), [], []
@@ -204,6 +205,21 @@ def from_pretrained(
     model = nnx.merge(graphdef, state)
     _SOURCES[model] = str(path.absolute())
     return model
+
+
+def _renamed(tensors: dict[str, Any], renames: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """`tensors` with each name starting with a `renames` prefix read under its replacement (the other layout of one
+    architecture's names: transformers' `model.language_model.*` for the Hub's `model.*`); a name given both ways is
+    one error."""
+    if not renames:
+        return tensors
+    out: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        new = next((repl + name[len(old) :] for old, repl in renames if name.startswith(old)), name)
+        if new in out:
+            raise ValueError(f"checkpoint holds {new} twice (as {new} and as {name}); expected one layout of names")
+        out[new] = tensor
+    return out
 
 
 def _drawn(var, std: float, spec, mesh):

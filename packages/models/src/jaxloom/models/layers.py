@@ -186,8 +186,11 @@ def rope_frequencies(
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: Any = 1.0) -> jax.Array:
-    """Rotate `x [B, T, N, H]` by `positions [B, T]` (the rotate-half convention of HF Llama)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    """Rotate `x [B, T, N, H]` by `positions [B, T]` (the rotate-half convention of HF Llama), or by `positions
+    [B, T, H/2]`, a position per rotated pair (multimodal RoPE: Qwen2.5-VL's sections of pairs turn with a token's
+    frame, row or column)."""
+    positions = positions.astype(jnp.float32)
+    angles = (positions if positions.ndim == 3 else positions[..., None]) * inv_freq  # [B, T, H/2]
     cos = (jnp.cos(angles) * scale)[:, :, None, :]
     sin = (jnp.sin(angles) * scale)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

@@ -107,12 +107,14 @@ class Attention(nnx.Module):
         *,
         window=None,
         rope=None,
+        rope_positions=None,
     ):
         """Self-attention of `x [B, T, D]`. With `cache=(k, v)` (`[B, S, KV, H]` each), this call's keys and
         values are written at `cache_index` and attention runs over the whole cache, whose slots are
         described by `kv_positions` / `kv_segment_ids` `[B, S]`; returns `(out, new_cache)`. `rope`
         (`(inv_freq, scale)`) and `window` are this layer's (a model passes them per layer); without
-        `rope`, both are the config's."""
+        `rope`, both are the config's. `rope_positions` (`[B, T]`, or `[B, T, H/2]` a position per rotated pair) turn
+        q and k in place of `positions`, which then only order the tokens (multimodal RoPE)."""
         b, t, _ = x.shape
         rt, c = self.runtime, self.config
         q, k = self.q_proj(x), self.k_proj(x)
@@ -128,7 +130,8 @@ class Attention(nnx.Module):
             rope = rope_frequencies(self.h, *c.rope_of(kind), c.max_position_embeddings, seq_len=t, positions=positions)
             rope = rope if c.uses_rope(kind) else (jnp.zeros_like(rope[0]), rope[1])
         inv_freq, scale = rope
-        q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
+        turn = positions if rope_positions is None else rope_positions
+        q, k = apply_rope(q, turn, inv_freq, scale), apply_rope(k, turn, inv_freq, scale)
         out, cache = self_attention(
             q,
             k,
