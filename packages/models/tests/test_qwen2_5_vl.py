@@ -71,9 +71,13 @@ GRIDS = np.array([[1, 8, 8], [1, 4, 12], [1, 12, 4]])  # patches: rows 8 (4 wind
 
 @pytest.fixture(scope="module")
 def hub_dir(tmp_path_factory):
+    return write_hub_model(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+def write_hub_model(path):
     """A Hub-layout directory (flat config, `model.*` / `visual.*` names) whose weights are drawn wide enough that
-    every part moves the logits (the initialiser's 0.02 would leave the tower's share in the noise)."""
-    path = tmp_path_factory.mktemp("qwen2_5_vl")
+    every part moves the logits (the initialiser's 0.02 would leave the tower's share in the noise). Generation's
+    tests build theirs with it."""
     config = transformers.Qwen2_5_VLConfig(**{k: v for k, v in HUB_CONFIG.items() if k != "architectures"})
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
@@ -84,6 +88,38 @@ def hub_dir(tmp_path_factory):
     model.save_pretrained(path)
     (path / "config.json").write_text(json.dumps(HUB_CONFIG))  # as the Hub has it
     return path
+
+
+# The special tokens of Qwen2.5-VL at the ids HUB_CONFIG gives them, and a Qwen2-VL-style chat template
+SPECIAL = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|endoftext|>", "<|im_end|>", "<|vision_pad|>",
+           "<|video_pad|>", "<|im_start|>"]  # fmt: skip
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_processor_files(path):
+    """A word-level tokenizer (`w4` … `w89`, then the special tokens at HUB_CONFIG's ids) with the chat template, and
+    transformers' image processor for this tower (patches of 4, merged 2 × 2), written into model directory `path`:
+    what `jaxloom generate --image` and the trainer read. Returns the tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "user": 1, "assistant": 2, "system": 3, **{f"w{i}": i for i in range(4, 90)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})  # in order: ids 90 … 97
+    tokenizer.pad_token, tokenizer.eos_token = "<|endoftext|>", "<|im_end|>"
+    assert [tokenizer.convert_tokens_to_ids(t) for t in SPECIAL] == list(range(90, 98))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    transformers.Qwen2VLImageProcessorPil(
+        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=16 * 16, max_pixels=32 * 48
+    ).save_pretrained(str(path))
+    return tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -319,3 +355,43 @@ def test_sharded_over_fsdp_and_tp_equals_one_device(model, hub_dir):
         logits = forward(state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(pix), layout, jnp.asarray(rope))
     ref = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask), pixel_values=jnp.asarray(pix), image_grid_thw=GRIDS)
     np.testing.assert_allclose(gather(logits), np.asarray(ref.logits), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("exclude", [None, ()], ids=["language-model-only", "with-the-tower"])
+def test_lora_adapters_load_in_peft_with_the_same_logits(model, hub_dir, tmp_path, exclude):
+    """LoRA's default on a vision-language model leaves the tower out (PEFT's `exclude_modules`, written so PEFT
+    builds the same); `exclude_modules=()` adapts the tower too (`mlp.0`: the merger's numbered layers by their
+    parent). PEFT over transformers' model gives the same logits with images; jaxloom reads the adapter back."""
+    peft = pytest.importorskip("peft")
+    from flax import nnx
+
+    lora = jm.from_pretrained(hub_dir)
+    jm.apply_lora(lora, jm.LoRAConfig(r=4, alpha=8, target_modules="all-linear", exclude_modules=exclude))
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 1000))
+    for path, var in nnx.iter_graph(lora):
+        if isinstance(var, nnx.Param) and path[-1] in ("lora_a", "lora_b"):  # B is zero at init: make both act
+            var.set_value(0.2 * jax.random.normal(next(keys), var.get_value().shape))
+    jm.save_peft_adapter(lora, tmp_path / "adapter")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    names = set(load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
+    tower = {n for n in names if ".visual." in n}
+    assert all(n.startswith("base_model.model.model.language_model.") for n in names - tower)  # PEFT's module names
+    if exclude is None:
+        assert written["exclude_modules"] == ".*visual.*" and not tower
+    else:
+        assert written["exclude_modules"] is None and "mlp.0" in written["target_modules"] and tower
+    ids, mask, pix = batch(model)
+    ours = lora(jnp.asarray(ids), attention_mask=jnp.asarray(mask), pixel_values=jnp.asarray(pix), image_grid_thw=GRIDS)
+    base = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(hub_dir, dtype=torch.float32)
+    ref = hf_logits(peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval(), ids, mask, pix, GRIDS)
+    assert close(ours.logits, ref, mask) < 1e-5
+    plain = hf_logits(transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(hub_dir, dtype=torch.float32),
+                      ids, mask, pix, GRIDS)  # fmt: skip
+    assert close(ours.logits, plain, mask) > 1e-2  # the adapters act
+    again = jm.from_pretrained(hub_dir)
+    jm.apply_lora(again, jm.read_peft_config(tmp_path / "adapter"))
+    jm.load_peft_weights(again, tmp_path / "adapter")
+    back = again(
+        jnp.asarray(ids), attention_mask=jnp.asarray(mask), pixel_values=jnp.asarray(pix), image_grid_thw=GRIDS
+    )
+    assert np.array_equal(np.asarray(back.logits), np.asarray(ours.logits))

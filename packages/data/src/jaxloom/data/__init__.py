@@ -8,6 +8,7 @@ from .collate import (
     process_sample_data,
     to_global,
 )
+from .images import expand_image_tokens, image_prompt, load_image_processor, open_image, process_images
 from .mesh_loader import MeshLoader
 from .pipeline import DataConfig, DataLoader, Mixture, first_bad_record
 from .processor import adds_bos, bundled_corpus_path, bundled_tokenizer_path, load_processor, match_bos
@@ -46,6 +47,11 @@ __all__ = [
     "bundled_tokenizer_path",
     "create_collect_function",
     "exact_match",
+    "expand_image_tokens",
+    "image_prompt",
+    "load_image_processor",
+    "open_image",
+    "process_images",
     "extract_column_names",
     "first_bad_record",
     "is_store",

@@ -70,10 +70,11 @@ def prefill(model, input_ids, attention_mask, total: int, rng, config: Generatio
     return next_token(logits, rng, config), decoding
 
 
-def prefill_logits(model, input_ids, attention_mask, total: int):
+def prefill_logits(model, input_ids, attention_mask, total: int, extras: dict[str, Any] | None = None):
     """Run the prompts `[B, P]` into a fresh cache of `total` slots: the last position's logits `[B, V]`, the
     decoding state `(cache, last_position, kv_segment_ids, kv_positions)` and an MoE model's `routes [L, B, P, k]`
-    (None for a dense one)."""
+    (None for a dense one). `extras`: more arguments of the prompt's call (a vision-language model's images:
+    `model.image_inputs`)."""
     b, p = input_ids.shape
     mask = attention_mask.astype(jnp.int32)
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
@@ -88,6 +89,7 @@ def prefill_logits(model, input_ids, attention_mask, total: int):
         cache_index=0,
         kv_positions=kv_pos,
         kv_segment_ids=kv_seg,
+        **(extras or {}),
     )
     return logits, (out.cache, positions[:, -1], kv_seg, kv_pos), out.routes
 
@@ -111,14 +113,16 @@ def decode_one(model, token, decoding, at, rng, config: GenerationConfig):
     return next_token(logits, rng, config), decoding
 
 
-def decode_logits(model, token, decoding, at):
+def decode_logits(model, token, decoding, at, rope_delta=None):
     """Feed `token [B]` at cache slot `at`; returns the next position's logits `[B, V]`, the decoding state and an
-    MoE model's experts for the token, `[L, B, k]` (None for a dense one)."""
+    MoE model's experts for the token, `[L, B, k]` (None for a dense one). `rope_delta [B]`: what each row's RoPE
+    position adds to its token position (a prompt with images under M-RoPE: `model.image_inputs`' deltas)."""
     cache, pos, kv_seg, kv_pos = decoding
     b = token.shape[0]
     pos = pos + 1
     kv_seg = jax.lax.dynamic_update_slice(kv_seg, jnp.ones((b, 1), jnp.int32), (0, at))
     kv_pos = jax.lax.dynamic_update_slice(kv_pos, pos[:, None], (0, at))
+    turn = {} if rope_delta is None else {"rope_positions": (pos + rope_delta)[:, None]}
     out = model(
         token[:, None],
         positions=pos[:, None],
@@ -127,6 +131,7 @@ def decode_logits(model, token, decoding, at):
         cache_index=at,
         kv_positions=kv_pos,
         kv_segment_ids=kv_seg,
+        **turn,
     )
     routes = None if out.routes is None else out.routes[:, :, -1]
     return out.logits[:, -1], (out.cache, pos, kv_seg, kv_pos), routes
@@ -179,20 +184,32 @@ def _take_rows(rows: jax.Array, x: jax.Array, axis: int) -> jax.Array:
 
 
 def _decode(
-    graphdef, state, input_ids, attention_mask, rng, config: GenerationConfig, group: int = 1, record: bool = False
+    graphdef,
+    state,
+    input_ids,
+    attention_mask,
+    rng,
+    extras=None,
+    deltas=None,
+    *,
+    config: GenerationConfig,
+    group: int = 1,
+    record: bool = False,
 ):
     """Prefill (once per prompt, shared by its `group` rows), then decode until every row has ended or
     `max_new_tokens`. Finished rows stop costing: a batch of `COMPACT_ROWS` or more rows decodes in phases, each
     half as wide as the one before, the next starting once at most half of the rows are still going (the
     going rows, and the cache they read, gathered into the narrower batch; outputs written back by row). Each row
     samples with its own key (`fold_in(step key, row)`), so which rows share a phase changes no sample. With
-    `record` (and an MoE model), each fed token's experts are kept (`Generated.routes`)."""
+    `record` (and an MoE model), each fed token's experts are kept (`Generated.routes`). `extras` and `deltas [U]`:
+    a prompt's images (`model.image_inputs`), the prefill's arguments and each prompt's RoPE offset."""
     model = nnx.merge(graphdef, state)
     u, p = input_ids.shape
     b = u * group
     n = config.max_new_tokens
     rng, sub = jax.random.split(rng)
-    logits, decoding, prompt_routes = prefill_logits(model, input_ids, attention_mask, p + n)
+    logits, decoding, prompt_routes = prefill_logits(model, input_ids, attention_mask, p + n, extras)
+    deltas = None if deltas is None else jnp.repeat(deltas, group)  # by row id: compaction keeps `rows`
     decoding, logits = repeat_rows(model, decoding, logits, group, p + n)
     routes = None
     if record and prompt_routes is not None:  # [L, B, P + N, k]: the prompt's now, each completion token's when fed
@@ -216,7 +233,7 @@ def _decode(
 
     def step(token, decoding, at, rows, completion):
         if refresh is None:
-            return decode_logits(model, token, decoding, at)
+            return decode_logits(model, token, decoding, at, None if deltas is None else deltas[rows])
         crossing = jnp.max(decoding[1]) + 1 == refresh  # the longest row's next position is the first past it
         sequence = jnp.concatenate([input_ids[rows], completion[rows]], 1)
         return jax.lax.cond(
@@ -280,6 +297,8 @@ def generate(
     rng=None,
     num_return_sequences: int = 1,
     record_routes: bool = False,
+    pixel_values=None,
+    image_grid_thw=None,
 ) -> Generated:
     """Decode `config.max_new_tokens` tokens after left-padded prompts `input_ids [B, P]` (with
     `attention_mask`, 0 on padding; default all ones). With `mesh`, the batch is sharded over its data
@@ -288,7 +307,10 @@ def generate(
     state, so that a resumed run samples what the uninterrupted one did. `num_return_sequences` (transformers'
     name): each prompt is completed that many times, rows `i * n ... (i + 1) * n - 1` of the outputs being
     prompt `i`'s; the prompt is run once and its KV cache shared by its completions (one prefill per prompt).
-    `record_routes`: an MoE model's experts per token are returned too (`Generated.routes`; MoE routing replay)."""
+    `record_routes`: an MoE model's experts per token are returned too (`Generated.routes`; MoE routing replay).
+    `pixel_values` and `image_grid_thw`: the image processor's outputs for the prompts' images, for a model that
+    reads images (Qwen2.5-VL: `image_inputs`); the image features join the prompt's one prefill, and each decoded
+    token turns at its M-RoPE position (the last + 1), as transformers' `generate` does."""
     config = config or GenerationConfig()
     group = int(num_return_sequences)
     if group < 1:
@@ -308,14 +330,21 @@ def generate(
     pad = p - ids.shape[1]
     ids = np.pad(ids, ((0, 0), (pad, 0)), constant_values=config.pad_token_id)
     mask = np.pad(mask, ((0, 0), (pad, 0)))
+    extras = deltas = None
+    if pixel_values is not None:
+        if not hasattr(model, "image_inputs"):
+            raise ValueError(f"pixel_values given, but {type(model).__name__} reads no images; expected a text prompt")
+        if image_grid_thw is None:
+            raise ValueError("pixel_values without image_grid_thw; expected the image processor's image_grid_thw too")
+        extras, deltas = model.image_inputs(ids, mask, pixel_values, image_grid_thw)
     graphdef, state = nnx.split(model)
     fn = _compiled(graphdef, config, group, bool(record_routes))
     rng = jax.random.PRNGKey(config.seed) if rng is None else rng
     if mesh is not None:
         with jax.set_mesh(mesh):
-            out = fn(state, ids, mask, rng)
+            out = fn(state, ids, mask, rng, extras, deltas)
     else:
-        out = fn(state, ids, mask, rng)
+        out = fn(state, ids, mask, rng, extras, deltas)
     out = jax.tree_util.tree_map(_on_every_process, out)
     routes = None if out.routes is None else out.routes[:, pad:]
     return Generated(out.sequences[:, pad:], out.completion_ids, out.completion_mask, out.completion_logps, routes)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import zlib
 from typing import Any
 
@@ -80,7 +81,10 @@ class LoRAConfig:
     and `modules_to_save` (modules trained whole beside the adapters and saved with them: a classifier's `score`,
     PEFT's `SEQ_CLS` default `("classifier", "score")`; names a model lacks are ignored, as PEFT ignores them),
     and `dropout` (PEFT's `lora_dropout`: the adapters' input dropped with this probability in the train step's
-    forward — `dropout_key` — never in evaluation or generation). PEFT's names and meanings."""
+    forward — `dropout_key` — never in evaluation or generation), and `exclude_modules` (PEFT's: module names a
+    targeted module's name must not end with, or one regular expression its whole name must not match — the name
+    in transformers' checkpoint, `visual.blocks.0.attn.qkv`; None: the model's default, which for a vision-language
+    model leaves its vision tower out (`.*visual.*`), for any other excludes nothing). PEFT's names and meanings."""
 
     r: int = 16
     alpha: float = 32.0
@@ -91,6 +95,7 @@ class LoRAConfig:
     target_parameters: tuple[str, ...] | str = ()
     modules_to_save: tuple[str, ...] = ()
     dropout: float = 0.0
+    exclude_modules: tuple[str, ...] | str | None = None
 
     def __post_init__(self):
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
@@ -109,6 +114,15 @@ class LoRAConfig:
         names = tuple(m for m in names.split(",") if m) if isinstance(names, str) else tuple(names or ())
         object.__setattr__(self, "target_parameters", names)
         object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save or ()))
+        if isinstance(self.exclude_modules, list):
+            object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
+        if isinstance(self.exclude_modules, str):
+            try:
+                re.compile(self.exclude_modules)
+            except re.error as e:
+                raise ValueError(
+                    f"lora_exclude_modules = {self.exclude_modules!r}: not a regular expression ({e})"
+                ) from None
         if not self.target_modules and not self.target_parameters:
             raise ValueError("lora_target_modules is empty; expected module names such as q_proj,v_proj or all-linear")
         if self.dropout and self.target_parameters:  # PEFT's ParamWrapper refuses it too
@@ -316,25 +330,74 @@ def linear_names(model: nnx.Module) -> list[str]:
     return sorted({path[-1] for _, _, path in linears(model)})
 
 
+def with_model_defaults(config: LoRAConfig, model: nnx.Module) -> LoRAConfig:
+    """`config` with `exclude_modules` None made the model's default (its class's `lora_exclude`: a vision-language
+    model's tower; nothing for others)."""
+    if config.exclude_modules is not None:
+        return config
+    return dataclasses.replace(config, exclude_modules=getattr(type(model), "lora_exclude", None) or ())
+
+
+def excluded(model: nnx.Module, path: tuple[str, ...], exclude: tuple[str, ...] | str | None) -> bool:
+    """Whether the linear layer at `path` is left out by `exclude` (PEFT's `exclude_modules`: a name the module's
+    name ends with, or a regular expression its whole name matches), its name as transformers' checkpoint has it.
+    A scanned stack's layers are one parameter: an expression that leaves out some of them but not all is one
+    error."""
+    if not exclude:
+        return False
+    if len(path) > 2 and path[:2] == ("model", "layers") and not path[2].isdigit():
+        names = [".".join(("model", "layers", str(i), *path[2:])) for i in range(model.config.num_hidden_layers)]
+    else:
+        names = [".".join(path)]
+
+    def out(name: str) -> bool:
+        if isinstance(exclude, str):
+            return re.fullmatch(exclude, name) is not None
+        return any(name == m or name.endswith(f".{m}") for m in exclude)
+
+    hits = {out(n) for n in names}
+    if len(hits) > 1:
+        raise ValueError(
+            f"lora_exclude_modules = {exclude!r} leaves out some layers of {'.'.join(path)}, a scanned stack whose "
+            "layers are one parameter; expected an expression for all of them, or scan_layers=False"
+        )
+    return hits.pop()
+
+
 def targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Module, str, tuple[str, ...]]]:
-    """The linear layers `config.target_modules` selects in `model`; an unknown name is an error listing the
-    names the model has."""
+    """The linear layers `config.target_modules` selects in `model`, less those `config.exclude_modules` leaves
+    out (None: the model's default, `with_model_defaults`); an unknown name is an error listing the names the model
+    has."""
     saved = set(config.modules_to_save)
+    exclude = with_model_defaults(config, model).exclude_modules
     found = [f for f in linears(model) if not saved & set(f[2])]  # a module trained whole takes no adapters (PEFT)
     names = {path[-1] for _, _, path in found}
     if config.target_modules == ALL_LINEAR:
-        return [f for f in found if f[2][-1] != "lm_head" and not (f[2][-1] in ROUTERS and "mlp" in f[2])]
+        return [
+            f
+            for f in found
+            if f[2][-1] != "lm_head"
+            and not (f[2][-1] in ROUTERS and "mlp" in f[2])
+            and not excluded(model, f[2], exclude)
+        ]
     if "lm_head" in config.target_modules:
         raise ValueError(
             "lora_target_modules names lm_head, the output layer; PEFT's all-linear leaves it out, and so does jaxloom"
         )
-    unknown = [m for m in config.target_modules if m not in names]
+
+    def named(path: tuple[str, ...], name: str) -> bool:  # PEFT's rule: the module's name is `name` or ends with it
+        full = ".".join(path)
+        return full == name or full.endswith(f".{name}")
+
+    unknown = [m for m in config.target_modules if not any(named(f[2], m) for f in found)]
     if unknown:
         raise ValueError(
             f"lora_target_modules {list(unknown)}: {type(model).__name__} has no such linear layer; "
             f"its linear layers are {sorted(names)} (or all-linear)"
         )
-    return [f for f in found if f[2][-1] in config.target_modules]
+    return [
+        f for f in found if any(named(f[2], m) for m in config.target_modules) and not excluded(model, f[2], exclude)
+    ]
 
 
 def apply_lora(model: nnx.Module, config: LoRAConfig, *, seed: int = 0) -> nnx.Module:
@@ -360,7 +423,7 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, *, seed: int = 0) -> nnx.M
         weights = [getattr(host, attr) for attr in _expert_weight_names(host, name)]
         setattr(host, EXPERT_PARAMETERS[name], ExpertLoRA(weights, config.r, config.scaling, key))
     freeze(model, keep=config.modules_to_save)
-    model.lora_config = config
+    model.lora_config = with_model_defaults(config, model)  # what was applied: the default exclusion made explicit
     return model
 
 

@@ -21,8 +21,19 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+def peft_name(model: nnx.Module, name: str) -> str:
+    """A module's checkpoint name `name` as transformers' model holds the module, which is what PEFT names adapters
+    by: the same for most families; for one whose class has `peft_renames` (Qwen2.5-VL: the Hub's `model.layers.*`
+    is `model.language_model.layers.*` in memory), renamed. A name already in memory's form is kept."""
+    renames = getattr(type(model), "peft_renames", ())
+    if any(name.startswith(new) for _, new in renames):
+        return name
+    return next((new + name[len(old) :] for old, new in renames if name.startswith(old)), name)
+
+
 def _hf_module(model: nnx.Module, path: tuple[str, ...]) -> list[str]:
-    """The HF module name(s) of the linear layer at `path` (one per layer of a scanned stack)."""
+    """The module name(s) PEFT gives the linear layer at `path` (one per layer of a scanned stack): its checkpoint
+    name as transformers' model holds it (`peft_name`)."""
     from .hf import hf_sources
 
     src = hf_sources([*path, "kernel"], model.config)
@@ -35,14 +46,17 @@ def _hf_module(model: nnx.Module, path: tuple[str, ...]) -> list[str]:
                 f"{type(model).__name__} fuses {path[-1]} into {s[0].rsplit('.', 1)[0]} in transformers: its "
                 "adapters are not PEFT's; target the unfused modules of another family, or export with --merge"
             )
-        return [s[0].removesuffix(".weight")]
+        return [peft_name(model, s[0].removesuffix(".weight"))]
 
     return names(src)
 
 
 def peft_config(config: LoRAConfig, model: nnx.Module, base: str | None = None) -> dict[str, Any]:
     """`adapter_config.json` of `config` on `model`, as PEFT writes it."""
-    modules = sorted({path[-1] for _, _, path in targets(model, config)})
+    # a module named by a number (`merger.mlp.0`, an `nn.Sequential` index) with its parent's name: PEFT matches names
+    # as suffixes, and `0` alone would name every first block of a list
+    modules = sorted({".".join(path[-2:]) if path[-1].isdigit() else path[-1] for _, _, path in targets(model, config)})
+    exclude = config.exclude_modules
     return {
         "peft_type": "LORA",
         "task_type": "SEQ_CLS" if _saved_modules(model, config) else "CAUSAL_LM",
@@ -56,6 +70,7 @@ def peft_config(config: LoRAConfig, model: nnx.Module, base: str | None = None) 
         "fan_in_fan_out": False,
         "init_lora_weights": True,
         "modules_to_save": list(config.modules_to_save) or None,
+        "exclude_modules": (exclude if isinstance(exclude, str) else list(exclude)) if exclude else None,
         "base_model_name_or_path": base,
         "inference_mode": True,
     }
@@ -169,6 +184,8 @@ def read_peft_config(directory: str | Path) -> LoRAConfig:
         target_parameters=tuple(sorted(raw.get("target_parameters") or ())),
         modules_to_save=tuple(raw.get("modules_to_save") or ()),
         dropout=float(raw.get("lora_dropout") or 0.0),
+        # PEFT's: absent excludes nothing (not the model's default: the adapters were made without one)
+        exclude_modules=exclude if isinstance(exclude := raw.get("exclude_modules") or (), str) else tuple(exclude),
     )
 
 
@@ -180,7 +197,11 @@ def load_peft_weights(model: nnx.Module, directory: str | Path) -> nnx.Module:
     path = Path(directory) / ADAPTER_WEIGHTS
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no {ADAPTER_WEIGHTS}")
-    tensors = {k.replace(".default.", "."): v for k, v in load_file(str(path)).items()}
+    prefix = "base_model.model."
+    tensors = {  # adapters named by the checkpoint's layout are read too (`peft_name`)
+        prefix + peft_name(model, k.replace(".default.", ".").removeprefix(prefix)): v
+        for k, v in load_file(str(path)).items()
+    }
     used = set()
     for parent, name, p in linears(model):
         layer = getattr(parent, name)

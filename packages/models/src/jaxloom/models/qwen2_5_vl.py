@@ -194,9 +194,15 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
     are read as well)."""
 
     config_class = Qwen2_5_VLConfig
+    lora_exclude: ClassVar[str] = r".*visual.*"  # LoRA's default targets: the language model only (the tower optional)
     checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = (
         ("model.language_model.", "model."),
         ("model.visual.", "visual."),
+    )
+    # what PEFT names adapters by: the modules as transformers' model holds them
+    peft_renames: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("model.", "model.language_model."),
+        ("visual.", "model.visual."),
     )
 
     def __init__(self, config: Qwen2_5_VLConfig, runtime=None, *, rngs):
@@ -233,7 +239,7 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
                 c,
             )
         if pixel_values is not None:
-            if image_grid_thw is None:
+            if image_grid_thw is None and vision_layout is None:
                 raise ValueError("pixel_values without image_grid_thw; expected the processor's image_grid_thw too")
             if vision_layout is None:
                 grid = _concrete(image_grid_thw, "image_grid_thw")
@@ -260,9 +266,33 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
             input_ids, attention_mask, positions, segment_ids, rope_positions=rope_positions, **kwargs
         )
 
+    def image_inputs(self, input_ids: Any, attention_mask: Any, pixel_values: Any, image_grid_thw: Any):
+        """What a decoder passes with a prompt of images, made on the host: `(prefill, deltas)` — `prefill` the
+        arguments of the prompt's call (`pixel_values`, `vision_layout`, `rope_positions [3, B, P]`), `deltas [B]` what
+        each row's decoded tokens add to their positions on all three axes (transformers' `rope_deltas`: each new
+        token at the last position + 1). The counts are checked as `__call__` checks them."""
+        grid = _concrete(image_grid_thw, "image_grid_thw").reshape(-1, 3)
+        patches = int(grid.prod(-1).sum())
+        if patches != np.shape(pixel_values)[0]:
+            raise ValueError(
+                f"pixel_values has {np.shape(pixel_values)[0]} patches, image_grid_thw {grid.tolist()} gives "
+                f"{patches}; expected the processor's outputs for the same images"
+            )
+        rope, deltas = rope_index(input_ids, grid, attention_mask, self.config)  # type: ignore[arg-type]
+        layout = vision_layout_of(grid, self.config)  # type: ignore[arg-type]
+        prefill = {
+            "pixel_values": jnp.asarray(pixel_values),
+            "vision_layout": VisionLayout(*(jnp.asarray(a) for a in layout)),
+            "rope_positions": jnp.asarray(rope, jnp.int32),
+        }
+        return prefill, jnp.asarray(deltas, jnp.int32)
+
     def pair_positions(self, rope_positions: jax.Array) -> jax.Array:
         """`[3, B, T]` (frame, row, column) as `[B, T, head_dim / 2]`: each rotated pair's position, by
-        `mrope_section` (the first pairs the frame's, then the row's, then the column's)."""
+        `mrope_section` (the first pairs the frame's, then the row's, then the column's). `[B, T]`, one position on
+        all three axes (a decoded token's), is returned as it is: plain RoPE at those positions."""
+        if rope_positions.ndim == 2:
+            return rope_positions
         axis = np.repeat(np.arange(3), self.config.mrope_section)
         return jnp.moveaxis(rope_positions[axis], 0, -1)
 

@@ -1,0 +1,117 @@
+"""Images for models that see: read (a file, a `datasets` image, a PIL image; a URL refused offline), turned into
+patches by transformers' own image processor, and their placeholder tokens expanded as transformers' processors do.
+
+No image preprocessing is written here: resizing, normalising and patching are the image processor's
+(`AutoImageProcessor`, which without torchvision is the PIL backend). What the processor class would also do — put
+`image_token * (t·h·w / merge²)` where each image's one placeholder stands — is `expand_image_tokens`, done on token
+ids so it composes with any tokenizer and chat template (Qwen2.5-VL's full processor needs torchvision for its video
+half)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def open_image(value: Any, where: str) -> Any:
+    """`value` as an RGB `PIL.Image`: a PIL image, a `datasets` image (`{"bytes", "path"}`), or a file path. `where`
+    names it in the one error a bad value gets (a missing file, a URL — jaxloom reads no network —, bytes PIL
+    cannot read, another type)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, dict) and (value.get("bytes") is not None or value.get("path")):
+        if value.get("bytes") is not None:
+            try:
+                return Image.open(io.BytesIO(value["bytes"])).convert("RGB")
+            except (UnidentifiedImageError, OSError) as e:
+                raise ValueError(f"{where}: its image bytes are not an image PIL reads ({e})") from None
+        value = value["path"]
+    if isinstance(value, str | Path):
+        text = str(value)
+        if text.startswith(("http://", "https://", "ftp://")):
+            raise ValueError(
+                f"{where}: image {text!r} is a URL; jaxloom reads images from files (it fetches nothing): download "
+                "it and give its path"
+            )
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{where}: image file {text} does not exist")
+        try:
+            with Image.open(path) as image:
+                return image.convert("RGB")
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"{where}: {text} is not an image PIL reads ({e})") from None
+    raise ValueError(
+        f"{where}: an image of type {type(value).__name__}; expected a file path, a PIL image or a datasets image"
+    )
+
+
+def load_image_processor(path: str | Path) -> Any:
+    """transformers' image processor of model directory `path` (its `preprocessor_config.json`); one error naming
+    the directory when it has none."""
+    from transformers import AutoImageProcessor
+
+    if not (Path(path) / "preprocessor_config.json").is_file():
+        raise ValueError(
+            f"{path}: no preprocessor_config.json, so no image processor; expected the model's files with it (as "
+            "transformers' processor.save_pretrained writes them)"
+        )
+    return AutoImageProcessor.from_pretrained(str(path))
+
+
+def process_images(processor: Any, images: Sequence[Any], where: str) -> tuple[np.ndarray, np.ndarray]:
+    """`(pixel_values [N, patch_dims] float32, image_grid_thw [n, 3] int64)` of `images` (each read by
+    `open_image`) through `processor`; an image the processor rejects is one error naming `where`."""
+    opened = [open_image(image, f"{where} image {i}") for i, image in enumerate(images)]
+    try:
+        out = processor(images=opened, return_tensors="np")
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: the image processor rejected an image ({e})") from None
+    return np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64).reshape(-1, 3)
+
+
+def expand_image_tokens(
+    ids: Sequence[int], grids: Any, image_token_id: int, merge_size: int, where: str = "the prompt"
+) -> list[int]:
+    """`ids` with each `image_token_id` (one placeholder per image, in order) repeated `t·h·w / merge_size²` times
+    for its image's grid, as transformers' Qwen2-VL and Qwen2.5-VL processors expand `<|image_pad|>`. As many
+    placeholders as images, or one error naming `where` and both counts."""
+    grid = np.asarray(grids, np.int64).reshape(-1, 3)
+    at = [i for i, t in enumerate(ids) if t == image_token_id]
+    if len(at) != len(grid):
+        raise ValueError(
+            f"{where} has {len(at)} image placeholder(s) (token {image_token_id}) for {len(grid)} image(s); expected "
+            "one per image"
+        )
+    counts = grid.prod(-1) // (merge_size * merge_size)
+    out: list[int] = []
+    last = 0
+    for i, n in zip(at, counts, strict=True):
+        out += list(ids[last:i]) + [image_token_id] * int(n)
+        last = i + 1
+    return out + list(ids[last:])
+
+
+def image_prompt(
+    tokenizer: Any, text: str, images: int, *, chat: bool, tokens: tuple[int, int, int], system: str | None = None
+) -> list[int]:
+    """The ids of a prompt `text` with `images` images before it, each one placeholder (`tokens`: the model's
+    `(vision_start, image, vision_end)` ids) to be expanded by `expand_image_tokens`: through the tokenizer's chat
+    template as a user turn of image blocks then the text (TRL's `{"type": "image"}` content), or, without `chat`,
+    `<vision_start><image><vision_end>` per image then the text."""
+    start, image, end = (tokenizer.convert_ids_to_tokens(t) for t in tokens)
+    if chat:
+        content = [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": text}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return list(tokenizer.encode(f"{start}{image}{end}" * images + text))
+
+
+__all__ = ["expand_image_tokens", "image_prompt", "load_image_processor", "open_image", "process_images"]
