@@ -277,6 +277,21 @@ def test_pixels_from_transformers_image_processor(model, hf):
     assert close(out.logits, ref, mask) < 1e-5
 
 
+def test_the_fused_loss_and_the_decoders_see_it_can_stop_before_its_output_layer(model):
+    """The trainer's fused output-layer loss and the decoders' last-position logits read `return_hidden` in the
+    model's signature: named there, the text rows of a Qwen2.5-VL train without the `[B, T, V]` logits."""
+    import inspect
+
+    assert "return_hidden" in inspect.signature(type(model).__call__).parameters
+    ids, mask, pix = batch(model)
+    args = dict(attention_mask=jnp.asarray(mask), pixel_values=jnp.asarray(pix), image_grid_thw=GRIDS)
+    out = model(jnp.asarray(ids), return_hidden=True, **args)
+    kernel, dtype, _ = model.output_projection()
+    assert out.logits is None
+    np.testing.assert_allclose(np.asarray(out.hidden @ kernel), np.asarray(model(jnp.asarray(ids), **args).logits),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
 def test_under_jit_with_the_layout_made_on_the_host(model):
     from flax import nnx
 
@@ -321,6 +336,8 @@ def test_bad_inputs_are_one_error_naming_what_disagrees(model):
         jm.vision_layout([[1, 3, 4]], model.config.vision_config)
     with pytest.raises(ValueError, match="without image_grid_thw"):
         model(jnp.asarray(ids), pixel_values=jnp.asarray(pix))
+    with pytest.raises(ValueError, match="videos are not read yet"):
+        model(jnp.asarray(ids), pixel_values_videos=jnp.asarray(pix), video_grid_thw=GRIDS)
     bad = dict(HUB_CONFIG, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 4]})
     with pytest.raises(ValueError, match="mrope_section"):
         jm.config_from_hf_dict(bad)

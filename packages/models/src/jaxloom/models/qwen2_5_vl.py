@@ -221,6 +221,9 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         rope_positions=None,
         vision_layout: VisionLayout | None = None,
         mm_token_type_ids=None,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+        return_hidden: bool = False,
         **kwargs: Any,
     ) -> CausalLMOutput:
         """As `CausalLM`, and: `pixel_values [N, patch_dims]` with `image_grid_thw [n, 3]` (the processor's), the
@@ -228,8 +231,14 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         `position_ids` of this model; default: `rope_index` of the inputs when there are images, else the tokens'
         positions); `vision_layout` (default: `vision_layout(image_grid_thw)`). Under `jit`, pass `vision_layout`
         and `rope_positions` made on the host. `mm_token_type_ids` is accepted (the processor gives it) and not
-        needed: the image tokens are found by id."""
+        needed: the image tokens are found by id. `return_hidden` as `CausalLM` (named here, so the trainer's fused
+        loss and the decoders see that this model can stop before its output layer)."""
         del mm_token_type_ids
+        if pixel_values_videos is not None or video_grid_thw is not None:
+            raise ValueError(
+                "pixel_values_videos / video_grid_thw: Qwen2.5-VL's videos are not read yet; expected images "
+                "(pixel_values, image_grid_thw) or text"
+            )
         c: Qwen2_5_VLConfig = self.config  # type: ignore[assignment]  # this class is built from one
         if rope_positions is None and image_grid_thw is not None:  # first: it names the row whose tokens disagree
             rope_positions, _ = rope_index(
@@ -263,7 +272,13 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         if rope_positions is not None:
             rope_positions = self.pair_positions(jnp.asarray(rope_positions))
         return super().__call__(
-            input_ids, attention_mask, positions, segment_ids, rope_positions=rope_positions, **kwargs
+            input_ids,
+            attention_mask,
+            positions,
+            segment_ids,
+            rope_positions=rope_positions,
+            return_hidden=return_hidden,
+            **kwargs,
         )
 
     def image_inputs(self, input_ids: Any, attention_mask: Any, pixel_values: Any, image_grid_thw: Any):
