@@ -79,9 +79,10 @@ def process_images(processor: Any, images: Sequence[Any], where: str) -> tuple[n
 def expand_image_tokens(
     ids: Sequence[int], grids: Any, image_token_id: int, merge_size: int, where: str = "the prompt"
 ) -> list[int]:
-    """`ids` with each `image_token_id` (one placeholder per image, in order) repeated `t·h·w / merge_size²` times
-    for its image's grid, as transformers' Qwen2-VL and Qwen2.5-VL processors expand `<|image_pad|>`. As many
-    placeholders as images, or one error naming `where` and both counts."""
+    """`ids` with each `image_token_id` (one placeholder per image, in order) repeated `t·h·w / merge_size ** 2`
+    times for its image's grid in `grids [n, 3]` (the processor's `image_grid_thw`; `merge_size`: its spatial merge),
+    as transformers' Qwen2-VL and Qwen2.5-VL processors expand `<|image_pad|>`. As many placeholders as images, or one
+    error naming `where` and both counts."""
     grid = np.asarray(grids, np.int64).reshape(-1, 3)
     at = [i for i, t in enumerate(ids) if t == image_token_id]
     if len(at) != len(grid):
@@ -104,7 +105,7 @@ def image_prompt(
     """The ids of a prompt `text` with `images` images before it, each one placeholder (`tokens`: the model's
     `(vision_start, image, vision_end)` ids) to be expanded by `expand_image_tokens`: through the tokenizer's chat
     template as a user turn of image blocks then the text (TRL's `{"type": "image"}` content), or, without `chat`,
-    `<vision_start><image><vision_end>` per image then the text."""
+    `<vision_start><image><vision_end>` per image then the text. `system`: a system turn before it (with `chat`)."""
     start, image, end = (tokenizer.convert_ids_to_tokens(t) for t in tokens)
     if chat:
         content = [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": text}]

@@ -47,6 +47,7 @@ from .olmo2 import Olmo2Config, Olmo2ForCausalLM
 from .phi3 import Phi3Config, Phi3ForCausalLM
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from .qwen2_5_vl import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, rope_index
+from .siglip import SiglipVisionConfig, SiglipVisionTransformer
 from .vision import Qwen2_5_VisionTransformer, Qwen2_5_VLVisionConfig, VisionLayout, vision_layout
 from .registry import TaskType, get_model_class, register, registered
 from .smollm3 import SmolLM3Config, SmolLM3ForCausalLM
@@ -117,6 +118,8 @@ __all__ = [
     "Qwen2_5_VLVisionConfig",
     "Qwen2_5_VisionTransformer",
     "VisionLayout",
+    "SiglipVisionConfig",
+    "SiglipVisionTransformer",
     "rope_index",
     "vision_layout",
     "LlamaConfig",

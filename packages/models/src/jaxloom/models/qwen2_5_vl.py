@@ -101,7 +101,8 @@ class Qwen2_5_VLConfig(Qwen2Config):
 
     @classmethod
     def family_adjust(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Qwen2's rules, without its refusal of `use_mrope` (this family's RoPE is multimodal)."""
+        """`data` (a `config.json` dict) by Qwen2's rules, without its refusal of `use_mrope` (this family's RoPE is
+        multimodal)."""
         data.pop("use_mrope", None)
         return super().family_adjust(data)
 
@@ -125,7 +126,8 @@ class Qwen2_5_VLConfig(Qwen2Config):
 def rope_index(
     input_ids: Any, image_grid_thw: Any, attention_mask: Any, config: Qwen2_5_VLConfig
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`(position_ids [3, B, T], deltas [B])` as transformers' `get_rope_index` gives them for text and images: a
+    """`(position_ids [3, B, T], deltas [B])` of `input_ids [B, T]` showing the images of `image_grid_thw` under
+    `config` (Qwen2.5-VL's), as transformers' `get_rope_index` gives them for text and images: a
     text token one past the position before it on all three axes; an image's tokens at the image's start plus
     (frame, row, column) of their merged patch; the text after it from the start plus its longer side. Padding
     (`attention_mask` 0) is skipped and left at 0. `deltas`: the last position + 1 minus the row's real tokens, what a
@@ -282,7 +284,8 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         )
 
     def image_inputs(self, input_ids: Any, attention_mask: Any, pixel_values: Any, image_grid_thw: Any):
-        """What a decoder passes with a prompt of images, made on the host: `(prefill, deltas)` — `prefill` the
+        """What a decoder passes with prompts `input_ids [B, P]` (`attention_mask`, 0 on padding) showing the images of
+        `pixel_values` and `image_grid_thw` (the processor's), made on the host: `(prefill, deltas)` — `prefill` the
         arguments of the prompt's call (`pixel_values`, `vision_layout`, `rope_positions [3, B, P]`), `deltas [B]` what
         each row's decoded tokens add to their positions on all three axes (transformers' `rope_deltas`: each new
         token at the last position + 1). The counts are checked as `__call__` checks them."""
@@ -303,7 +306,7 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         return prefill, jnp.asarray(deltas, jnp.int32)
 
     def pair_positions(self, rope_positions: jax.Array) -> jax.Array:
-        """`[3, B, T]` (frame, row, column) as `[B, T, head_dim / 2]`: each rotated pair's position, by
+        """`rope_positions [3, B, T]` (frame, row, column) as `[B, T, head_dim / 2]`: each rotated pair's position, by
         `mrope_section` (the first pairs the frame's, then the row's, then the column's). `[B, T]`, one position on
         all three axes (a decoded token's), is returned as it is: plain RoPE at those positions."""
         if rope_positions.ndim == 2:

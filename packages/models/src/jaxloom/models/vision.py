@@ -32,7 +32,7 @@ class Qwen2_5_VLVisionConfig:
     frames × `in_channels`; each `spatial_merge_size`² block of patches merged into one token of `out_hidden_size`
     (the language model's width); attention within windows of `window_size` pixels, but in the blocks
     `fullatt_block_indexes`, over each whole image; 2-D RoPE of base `rope_theta`. `tokens_per_second` spaces video
-    frames (videos are not read yet)."""
+    frames (videos are not read yet); `initializer_range`: the normal initialiser's standard deviation."""
 
     depth: int = 32
     hidden_size: int = 1280
@@ -101,8 +101,8 @@ class Qwen2_5_VLVisionConfig:
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any]) -> Qwen2_5_VLVisionConfig:
-        """From a `vision_config` mapping as transformers 4 or 5 writes it (`rope_parameters`; the Hub's `in_chans`
-        and `spatial_patch_size` spellings, which must agree with `in_channels` and `patch_size`)."""
+        """From `data`, a `vision_config` mapping as transformers 4 or 5 writes it (`rope_parameters`; the Hub's
+        `in_chans` and `spatial_patch_size` spellings, which must agree with `in_channels` and `patch_size`)."""
         data = dict(data)
         for key in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
             data.pop(key, None)
@@ -147,7 +147,7 @@ class VisionLayout(NamedTuple):
 
 def vision_layout(grid_thw: Any, config: Qwen2_5_VLVisionConfig) -> VisionLayout:
     """`VisionLayout` of images whose patch grids are `grid_thw [n, 3]` (the processor's `image_grid_thw`: frames,
-    rows, columns), as transformers' `get_vision_position_ids`, `get_vision_window_index` and
+    rows, columns) for the tower of `config`, as transformers' `get_vision_position_ids`, `get_vision_window_index` and
     `get_vision_attention_seqlens` compute them. A grid that does not split into merged blocks is one error."""
     grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     m, u = config.spatial_merge_size, config.merge_unit
