@@ -494,6 +494,23 @@ def _check_rope_scaling(owner: str, scaling: Mapping[str, Any], head_dim: int) -
             raise ValueError(f"{owner}: rope_scaling {key} = {value!r}; expected a positive number")
 
 
+# what transformers writes into every nested config (`vision_config`) beside its fields
+_BOOKKEEPING_KEYS = ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path")
+
+
+def read_sub_config(cls: type, data: Mapping[str, Any], adjust=None, key: str = "vision_config") -> Any:
+    """`cls` (a config dataclass) from `data`, a nested mapping of a `config.json` (`key`, e.g. `vision_config`):
+    transformers' bookkeeping keys dropped, `adjust(data)` applied (the family's renames and refusals: it returns
+    the mapping to read), and a key `cls` has no field for one error naming it."""
+    fields = {k: v for k, v in data.items() if k not in _BOOKKEEPING_KEYS}
+    fields = adjust(fields) if adjust is not None else fields
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown {key} key(s) {unknown}; expected some of {sorted(known)}")
+    return cls(**fields)
+
+
 CONFIG_CLASSES: dict[str, type[LlamaConfig]] = {}
 """`model_type` (as in `config.json`) → its config class (`register_config` adds to it)."""
 

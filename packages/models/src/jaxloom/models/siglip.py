@@ -15,6 +15,7 @@ from flax import nnx
 from jaxloom.core.schema import config
 
 from .attention.backends import attend
+from .configs import read_sub_config
 from .layers import ACTIVATIONS, Embed, Linear, constrain
 from .runtime import RuntimeConfig
 
@@ -54,20 +55,17 @@ class SiglipVisionConfig:
     def from_hf_dict(cls, data: dict[str, Any]) -> SiglipVisionConfig:
         """From `data`, a `vision_config` mapping as transformers writes it; `vision_use_head` true (a pooled image
         vector), dropout and an unknown key are refused by name."""
-        data = dict(data)
-        for key in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
-            data.pop(key, None)
-        if data.pop("vision_use_head", False):
-            raise ValueError(f"{cls.__name__}: vision_use_head = true (the pooling head) is not built; expected false")
-        if data.pop("attention_dropout", 0.0):
-            raise ValueError(f"{cls.__name__}: attention_dropout is not implemented; expected 0")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"{cls.__name__}: unknown vision_config key(s) {unknown}; expected some of {sorted(known)}"
-            )
-        return cls(**data)
+
+        def adjust(fields: dict[str, Any]) -> dict[str, Any]:
+            if fields.pop("vision_use_head", False):
+                raise ValueError(
+                    f"{cls.__name__}: vision_use_head = true (the pooling head) is not built; expected false"
+                )
+            if fields.pop("attention_dropout", 0.0):
+                raise ValueError(f"{cls.__name__}: attention_dropout is not implemented; expected 0")
+            return fields
+
+        return read_sub_config(cls, data, adjust)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """As transformers writes it."""

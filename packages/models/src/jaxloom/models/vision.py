@@ -20,6 +20,7 @@ from flax import nnx
 from jaxloom.core.schema import config
 
 from .attention.backends import attend
+from .configs import read_sub_config
 from .decoder import MLP
 from .layers import ACTIVATIONS, Linear, RMSNorm, apply_rope, constrain
 from .runtime import RuntimeConfig
@@ -103,26 +104,21 @@ class Qwen2_5_VLVisionConfig:
     def from_hf_dict(cls, data: dict[str, Any]) -> Qwen2_5_VLVisionConfig:
         """From `data`, a `vision_config` mapping as transformers 4 or 5 writes it (`rope_parameters`; the Hub's
         `in_chans` and `spatial_patch_size` spellings, which must agree with `in_channels` and `patch_size`)."""
-        data = dict(data)
-        for key in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
-            data.pop(key, None)
-        rope = data.pop("rope_parameters", None) or {}
-        if rope.get("rope_type", "axial") not in ("axial", "default"):
-            raise ValueError(f"{cls.__name__}: rope_parameters.rope_type {rope['rope_type']!r}; expected axial")
-        if "rope_theta" in rope:
-            data.setdefault("rope_theta", rope["rope_theta"])
-        for alias, key in (("in_chans", "in_channels"), ("spatial_patch_size", "patch_size")):
-            if alias in data:
-                value = data.pop(alias)
-                if data.setdefault(key, value) != value:
-                    raise ValueError(f"{cls.__name__}: {alias} = {value} and {key} = {data[key]} disagree")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"{cls.__name__}: unknown vision_config key(s) {unknown}; expected some of {sorted(known)}"
-            )
-        return cls(**data)
+
+        def adjust(fields: dict[str, Any]) -> dict[str, Any]:
+            rope = fields.pop("rope_parameters", None) or {}
+            if rope.get("rope_type", "axial") not in ("axial", "default"):
+                raise ValueError(f"{cls.__name__}: rope_parameters.rope_type {rope['rope_type']!r}; expected axial")
+            if "rope_theta" in rope:
+                fields.setdefault("rope_theta", rope["rope_theta"])
+            for alias, key in (("in_chans", "in_channels"), ("spatial_patch_size", "patch_size")):
+                if alias in fields:
+                    value = fields.pop(alias)
+                    if fields.setdefault(key, value) != value:
+                        raise ValueError(f"{cls.__name__}: {alias} = {value} and {key} = {fields[key]} disagree")
+            return fields
+
+        return read_sub_config(cls, data, adjust)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """As transformers 5 writes `vision_config`."""
