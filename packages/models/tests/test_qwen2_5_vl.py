@@ -374,6 +374,29 @@ def test_sharded_over_fsdp_and_tp_equals_one_device(model, hub_dir):
     np.testing.assert_allclose(gather(logits), np.asarray(ref.logits), rtol=2e-5, atol=2e-5)
 
 
+def test_exclude_modules_match_the_names_peft_matches(hub_dir):
+    """PEFT matches `exclude_modules` against the modules' names in transformers' model (`model.visual.*`,
+    `model.language_model.*`), not the checkpoint's: an expression in the checkpoint's form excludes nothing there,
+    so it excludes nothing here either."""
+
+    def adapted(exclude):
+        lora = jm.apply_lora(
+            jm.from_pretrained(hub_dir), jm.LoRAConfig(target_modules="all-linear", exclude_modules=exclude)
+        )
+        return {p for p, v in nnx_paths(lora) if p[-1] == "lora_a"}
+
+    tower = {p for p in adapted(()) if p[0] == "visual"}
+    assert tower and not {p for p in adapted(r"model\.visual\..*") if p[0] == "visual"}
+    assert {p for p in adapted(r"visual\..*") if p[0] == "visual"} == tower  # PEFT's names start with model.
+    assert not {p for p in adapted(r"model\.language_model\..*") if p[0] == "model"}
+
+
+def nnx_paths(module):
+    from flax import nnx
+
+    return ((path, v) for path, v in nnx.iter_graph(module) if isinstance(v, nnx.Param))
+
+
 @pytest.mark.parametrize("exclude", [None, ()], ids=["language-model-only", "with-the-tower"])
 def test_lora_adapters_load_in_peft_with_the_same_logits(model, hub_dir, tmp_path, exclude):
     """LoRA's default on a vision-language model leaves the tower out (PEFT's `exclude_modules`, written so PEFT

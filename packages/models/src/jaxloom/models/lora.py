@@ -83,8 +83,9 @@ class LoRAConfig:
     and `dropout` (PEFT's `lora_dropout`: the adapters' input dropped with this probability in the train step's
     forward — `dropout_key` — never in evaluation or generation), and `exclude_modules` (PEFT's: module names a
     targeted module's name must not end with, or one regular expression its whole name must not match — the name
-    in transformers' checkpoint, `visual.blocks.0.attn.qkv`; None: the model's default, which for a vision-language
-    model leaves its vision tower out (`.*visual.*`), for any other excludes nothing). PEFT's names and meanings."""
+    as transformers' model holds the module, as PEFT matches it: `model.visual.blocks.0.attn.qkv`; None: the
+    model's default, which for a vision-language model leaves its vision tower out (`.*visual.*`), for any other
+    excludes nothing). PEFT's names and meanings."""
 
     r: int = 16
     alpha: float = 32.0
@@ -330,6 +331,16 @@ def linear_names(model: nnx.Module) -> list[str]:
     return sorted({path[-1] for _, _, path in linears(model)})
 
 
+def peft_name(model: nnx.Module, name: str) -> str:
+    """A module's checkpoint name `name` as transformers' model holds the module, which is what PEFT names adapters
+    by: the same for most families; for one whose class has `peft_renames` (Qwen2.5-VL: the Hub's `model.layers.*`
+    is `model.language_model.layers.*` in memory), renamed. A name already in memory's form is kept."""
+    renames = getattr(type(model), "peft_renames", ())
+    if any(name.startswith(new) for _, new in renames):
+        return name
+    return next((new + name[len(old) :] for old, new in renames if name.startswith(old)), name)
+
+
 def with_model_defaults(config: LoRAConfig, model: nnx.Module) -> LoRAConfig:
     """`config` with `exclude_modules` None made the model's default (its class's `lora_exclude`: a vision-language
     model's tower; nothing for others)."""
@@ -340,7 +351,8 @@ def with_model_defaults(config: LoRAConfig, model: nnx.Module) -> LoRAConfig:
 
 def excluded(model: nnx.Module, path: tuple[str, ...], exclude: tuple[str, ...] | str | None) -> bool:
     """Whether the linear layer at `path` is left out by `exclude` (PEFT's `exclude_modules`: a name the module's
-    name ends with, or a regular expression its whole name matches), its name as transformers' checkpoint has it.
+    name ends with, or a regular expression its whole name matches), its name as transformers' model holds it, which
+    is what PEFT matches (`peft_name`: Qwen2.5-VL's `model.visual.blocks.0.attn.qkv`).
     A scanned stack's layers are one parameter: an expression that leaves out some of them but not all is one
     error."""
     if not exclude:
@@ -349,6 +361,7 @@ def excluded(model: nnx.Module, path: tuple[str, ...], exclude: tuple[str, ...] 
         names = [".".join(("model", "layers", str(i), *path[2:])) for i in range(model.config.num_hidden_layers)]
     else:
         names = [".".join(path)]
+    names = [peft_name(model, n) for n in names]
 
     def out(name: str) -> bool:
         if isinstance(exclude, str):
@@ -386,7 +399,7 @@ def targets(model: nnx.Module, config: LoRAConfig) -> list[tuple[nnx.Module, str
         )
 
     def named(path: tuple[str, ...], name: str) -> bool:  # PEFT's rule: the module's name is `name` or ends with it
-        full = ".".join(path)
+        full = peft_name(model, ".".join(path))
         return full == name or full.endswith(f".{name}")
 
     unknown = [m for m in config.target_modules if not any(named(f[2], m) for f in found)]

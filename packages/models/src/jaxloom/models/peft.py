@@ -15,20 +15,10 @@ import numpy as np
 from flax import nnx
 
 from .expert_adapters import EXPERT_PARAMETERS, ExpertLoRA
-from .lora import LoRAConfig, LoRALinear, expert_hosts, hf_experts, linears, lora_config_of, targets
+from .lora import LoRAConfig, LoRALinear, expert_hosts, hf_experts, linears, lora_config_of, peft_name, targets
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
-
-def peft_name(model: nnx.Module, name: str) -> str:
-    """A module's checkpoint name `name` as transformers' model holds the module, which is what PEFT names adapters
-    by: the same for most families; for one whose class has `peft_renames` (Qwen2.5-VL: the Hub's `model.layers.*`
-    is `model.language_model.layers.*` in memory), renamed. A name already in memory's form is kept."""
-    renames = getattr(type(model), "peft_renames", ())
-    if any(name.startswith(new) for _, new in renames):
-        return name
-    return next((new + name[len(old) :] for old, new in renames if name.startswith(old)), name)
 
 
 def _hf_module(model: nnx.Module, path: tuple[str, ...]) -> list[str]:
