@@ -61,3 +61,32 @@ def test_pixels_for_a_model_that_reads_no_images_are_refused():
     with pytest.raises(ValueError, match="LlamaForCausalLM reads no images"):
         jg.generate(model, np.ones((1, 4), np.int32), None, jg.GenerationConfig(max_new_tokens=2),
                     pixel_values=np.zeros((4, 96), np.float32), image_grid_thw=[[1, 2, 2]])  # fmt: skip
+
+
+def test_gemma3_greedy_with_images_equals_transformers_generate(tmp_path):
+    """Gemma 3: the prompt's image tokens see each other both ways in the one prefill (transformers passes
+    `token_type_ids` there and not after), each decoded token causally; greedy tokens equal transformers'."""
+    g3 = types.SimpleNamespace(
+        **runpy.run_path(str(pathlib.Path(__file__).parents[2] / "models/tests/test_gemma3_vl.py"))
+    )
+    path = g3.write_hub_model(tmp_path / "m")
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = jm.from_pretrained(path)
+    ids, mask, types_, pix = g3.batch()
+    n = 12
+    with torch.no_grad():
+        ref = hf.generate(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            pixel_values=torch.tensor(pix),
+            token_type_ids=torch.tensor(types_),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        ).numpy()[:, ids.shape[1] :]
+    config = jg.GenerationConfig(max_new_tokens=n, pad_token_id=0)
+    out = jg.generate(model, ids, mask, config, pixel_values=pix)
+    assert np.array_equal(np.asarray(out.completion_ids), ref), (np.asarray(out.completion_ids), ref)
+    other = jg.generate(model, ids, mask, config, pixel_values=g3.pixels(seed=1))
+    assert not np.array_equal(np.asarray(other.completion_ids)[:2], ref[:2])

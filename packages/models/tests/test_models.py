@@ -23,7 +23,8 @@ def test_registry_resolves_and_names_what_is_known():
     assert jm.MixtralForCausalLM.model_type == "mixtral" and jm.MixtralForCausalLM.task is jm.TaskType.CAUSAL_LM
     with pytest.raises(
         ValueError,
-        match=r"model_type='gpt9'.*known: \['deepseek_v3/CAUSAL_LM', .*'gemma2/CAUSAL_LM', 'gemma3_text/CAUSAL_LM'",
+        match=r"model_type='gpt9'.*known: \['deepseek_v3/CAUSAL_LM', .*'gemma2/CAUSAL_LM', 'gemma3/CAUSAL_LM', "
+        r"'gemma3_text/CAUSAL_LM'",
     ):
         jm.get_model_class("gpt9")
     with pytest.raises(ValueError, match="unknown task 'translate'"):

@@ -309,8 +309,9 @@ def generate(
     prompt `i`'s; the prompt is run once and its KV cache shared by its completions (one prefill per prompt).
     `record_routes`: an MoE model's experts per token are returned too (`Generated.routes`; MoE routing replay).
     `pixel_values` and `image_grid_thw`: the image processor's outputs for the prompts' images, for a model that
-    reads images (Qwen2.5-VL: `image_inputs`); the image features join the prompt's one prefill, and each decoded
-    token turns at its M-RoPE position (the last + 1), as transformers' `generate` does."""
+    reads images (`image_inputs`: Qwen2.5-VL, which needs the grid; Gemma 3, whose images are one size); the image
+    features join the prompt's one prefill (Gemma 3's image tokens seeing each other both ways there), and each
+    decoded token turns at its position (Qwen2.5-VL's M-RoPE: the last + 1), as transformers' `generate` does."""
     config = config or GenerationConfig()
     group = int(num_return_sequences)
     if group < 1:
@@ -334,8 +335,6 @@ def generate(
     if pixel_values is not None:
         if not hasattr(model, "image_inputs"):
             raise ValueError(f"pixel_values given, but {type(model).__name__} reads no images; expected a text prompt")
-        if image_grid_thw is None:
-            raise ValueError("pixel_values without image_grid_thw; expected the image processor's image_grid_thw too")
         extras, deltas = model.image_inputs(ids, mask, pixel_values, image_grid_thw)
     graphdef, state = nnx.split(model)
     fn = _compiled(graphdef, config, group, bool(record_routes))

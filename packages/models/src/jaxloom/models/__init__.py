@@ -15,7 +15,14 @@ from .build import count_params, create_model, flops_per_token, param_shardings,
 from .classifier import SequenceClassifierOutput, as_sequence_classifier, is_classifier, last_token
 from .configs import CONFIG_CLASSES, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, config_from_hf_dict
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, expert_load, update_router_bias
-from .gemma import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+from .gemma import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3Config,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
+)
 from .gpt_oss import GptOssConfig, GptOssForCausalLM
 from .mxfp4 import dequantize_mxfp4
 from .hf import from_pretrained, pretrained_source, save_hf_model, to_hf_state_dict
@@ -96,7 +103,9 @@ __all__ = [
     "update_router_bias",
     "Gemma2Config",
     "Gemma2ForCausalLM",
+    "Gemma3Config",
     "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
     "Gemma3TextConfig",
     "DeepseekV3Config",
     "DeepseekV3ForCausalLM",

@@ -131,6 +131,9 @@ class LlamaConfig:
     attention_sinks: ClassVar[bool] = False  # a learned sink logit per head joins each softmax (GPT-OSS)
     # config.json keys transformers accepts for this family and never reads (beyond the common ones)
     ignored_keys: ClassVar[frozenset[str]] = frozenset()
+    # `(prefix, file prefix)`: where parameters under `prefix` lie in the family's files (Gemma 3's language model
+    # `model.` is `language_model.model.` there); the names `hf.hf_sources` gives, read and written
+    checkpoint_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -509,6 +512,24 @@ def read_sub_config(cls: type, data: Mapping[str, Any], adjust=None, key: str = 
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown {key} key(s) {unknown}; expected some of {sorted(known)}")
     return cls(**fields)
+
+
+def lift_text_config(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` (a vision-language model's `config.json` dict) with its `text_config`'s keys moved to the top, where
+    `cls` (a config whose fields are the language model's) reads them: transformers 5 nests them, the Hub's older
+    files keep them at the top. A key given at both levels with two values is one error naming it, but for the special
+    tokens (`eos_token_id` …: the top level's, which generation reads, wins; Gemma 3's files give `[1, 106]` there and
+    1 below) and `tie_word_embeddings` (true at either level is kept: transformers 5 moves it up, older saves keep it
+    below)."""
+    data = dict(data)
+    text = dict(data.pop("text_config", None) or {})
+    text.pop("model_type", None)
+    for key, value in text.items():
+        if data.setdefault(key, value) != value and key != "tie_word_embeddings" and not key.endswith("_token_id"):
+            raise ValueError(f"{cls.__name__}: {key} = {data[key]!r} at the top and {value!r} in text_config")
+    if text.get("tie_word_embeddings"):
+        data["tie_word_embeddings"] = True
+    return data
 
 
 CONFIG_CLASSES: dict[str, type[LlamaConfig]] = {}

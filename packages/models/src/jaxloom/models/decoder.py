@@ -114,12 +114,14 @@ class DecoderLayer(nnx.Module):
         rope=None,
         routing=None,
         rope_positions=None,
+        q_horizon=None,
     ):
         """`window` and `rope` (`(inv_freq, scale)`) are this layer's, given by the model (default: the config's);
         `routing [B, T, k]`: the experts an MoE feed-forward sends each token to (-1: its router chooses);
-        `rope_positions`: what turns q and k when not `positions` (multimodal RoPE, `Attention`)."""
+        `rope_positions`: what turns q and k when not `positions` (multimodal RoPE, `Attention`); `q_horizon`: the
+        last position each query sees (`Attention`'s; image tokens that see their whole image)."""
         h = x if self.input_layernorm is None else self.input_layernorm(x)
-        turn = {} if rope_positions is None else {"rope_positions": rope_positions}
+        turn = {k: v for k, v in (("rope_positions", rope_positions), ("q_horizon", q_horizon)) if v is not None}
         decode = (cache, cache_index, kv_positions, kv_segment_ids)
         attn, cache = self.self_attn(h, positions, segment_ids, *decode, window=window, rope=rope, **turn)
         if self.layout != "pre":
@@ -223,6 +225,7 @@ class CausalLM(nnx.Module):
         routing=None,
         inputs_embeds=None,
         rope_positions=None,
+        q_horizon=None,
     ) -> CausalLMOutput:
         """Decoding: pass `cache` (from `init_cache`), the write offset `cache_index`, and the cache's
         `kv_positions` / `kv_segment_ids` `[B, S]` already holding this call's tokens (segment 0 = empty).
@@ -233,13 +236,13 @@ class CausalLM(nnx.Module):
         from this router's scores, so it keeps its gradient. `inputs_embeds [B, T, D]`: the input vectors in place of
         `embed(input_ids)` (a vision-language model's, image features among the tokens'); `rope_positions` (`[B, T]`,
         or `[B, T, head_dim / 2]`: a position per rotated pair) turn q and k in place of `positions`, which then only
-        order the tokens (multimodal RoPE)."""
+        order the tokens (multimodal RoPE); `q_horizon [B, T]`: the last position each token sees, at or past its
+        own (default: its own; Gemma 3's image tokens see their whole image both ways), windows still counted back
+        from its position."""
         b, t = input_ids.shape
-        if segment_ids is None:
-            segment_ids = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+        segment_ids = default_segments((b, t), attention_mask, segment_ids)
         token_mask = segment_ids != 0
-        if positions is None:
-            positions = jnp.maximum(jnp.cumsum(token_mask, axis=-1) - 1, 0)
+        positions = default_positions((b, t), attention_mask, positions, segment_ids)
         c = self.config
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         x = constrain(x, ("batch", "length", "embed"), self.runtime)
@@ -255,7 +258,7 @@ class CausalLM(nnx.Module):
             kind: table if c.uses_rope(kind) else (jnp.zeros_like(table[0]), table[1]) for kind, table in tables.items()
         }
 
-        turn = {} if rope_positions is None else {"rope_positions": rope_positions}
+        turn = {k: v for k, v in (("rope_positions", rope_positions), ("q_horizon", q_horizon)) if v is not None}
 
         def run(layer, x, layer_cache, routes, window, rope):
             return layer(
@@ -455,3 +458,28 @@ def draw_layers(make_layer, n: int, rngs: nnx.Rngs) -> list[nnx.Module]:
     stream.count[...] = after + per_layer * (n - 1)
     graphdef = nnx.graphdef(first)
     return [first, *(nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], states)) for i in range(n - 1))]
+
+
+def merge_features(embeds: jax.Array, is_image: jax.Array, features: jax.Array) -> jax.Array:
+    """`embeds [B, T, D]` with the rows where `is_image [B, T]` replaced by `features [n, D]` in order (row by row),
+    as transformers' `masked_scatter`."""
+    b, t, d = embeds.shape
+    index = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, max(features.shape[0] - 1, 0))
+    rows = features[index].reshape(b, t, d).astype(embeds.dtype)
+    return jnp.where(is_image[..., None], rows, embeds)
+
+
+def default_segments(shape: tuple[int, int], attention_mask=None, segment_ids=None) -> jax.Array:
+    """A `[B, T]` call's `segment_ids` as `CausalLM` takes them: given, or `attention_mask` (1 = token), or all ones."""
+    if segment_ids is not None:
+        return segment_ids
+    return jnp.ones(shape, jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+
+
+def default_positions(shape: tuple[int, int], attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
+    """A `[B, T]` call's `positions` as `CausalLM` takes them: given, or the count of real tokens before each one
+    (so left padding works)."""
+    if positions is not None:
+        return positions
+    token_mask = default_segments(shape, attention_mask, segment_ids) != 0
+    return jnp.maximum(jnp.cumsum(token_mask, axis=-1) - 1, 0)

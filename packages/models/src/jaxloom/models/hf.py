@@ -52,9 +52,23 @@ def hf_sources(names: list[str], config: LlamaConfig):
     a `(tensor name, stored transposed, (part, sizes))` triple for a part of a tensor that fuses several
     along its first axis (Phi-3's `qkv_proj`: part 0 of sizes `(q, k, v)` is q), or, for a parameter
     stacked on its first axis (a scanned layer stack, the experts of an MoE), a list with one such entry
-    (itself possibly a list) per index of that axis."""
+    (itself possibly a list) per index of that axis. Names under the config's `checkpoint_prefixes` are placed
+    where the family's files hold them."""
+    places = getattr(config, "checkpoint_prefixes", ())
+    src = _sources(names, config)
+    return _placed(src, places) if places else src
+
+
+def _placed(src, places):
+    if isinstance(src, list):
+        return [_placed(s, places) for s in src]
+    name = next((new + src[0][len(old) :] for old, new in places if src[0].startswith(old)), src[0])
+    return (name, *src[1:])
+
+
+def _sources(names: list[str], config: LlamaConfig):
     if len(names) > 2 and names[:2] == ["model", "layers"] and not names[2].isdigit():  # scanned stack
-        return [hf_sources([*names[:2], str(i), *names[2:]], config) for i in range(config.num_hidden_layers)]
+        return [_sources([*names[:2], str(i), *names[2:]], config) for i in range(config.num_hidden_layers)]
     *module, leaf = names
     if hasattr(config, "expert_names") and "mlp" in module and (leaf in _EXPERT_LEAVES or "gate" in module):
         block, experts, files = config.expert_names

@@ -13,8 +13,8 @@ import numpy as np
 
 from jaxloom.core.schema import config
 
-from .configs import Qwen2Config, register_config
-from .decoder import CausalLM, CausalLMOutput
+from .configs import Qwen2Config, lift_text_config, register_config
+from .decoder import CausalLM, CausalLMOutput, merge_features
 from .registry import TaskType, register
 from .vision import Qwen2_5_VisionTransformer, Qwen2_5_VLVisionConfig, VisionLayout, vision_layout
 
@@ -74,14 +74,7 @@ class Qwen2_5_VLConfig(Qwen2Config):
     def from_hf_dict(cls, data):
         """`data` in transformers 5's layout (`text_config`, `vision_config`, `rope_parameters` holding
         `mrope_section`) or the Hub's (the text fields at the top, `rope_scaling: {"type": "mrope", ...}`)."""
-        data = dict(data)
-        text = dict(data.pop("text_config", None) or {})
-        text.pop("model_type", None)
-        for key, value in text.items():
-            if data.setdefault(key, value) != value and key != "tie_word_embeddings":
-                raise ValueError(f"{cls.__name__}: {key} = {data[key]!r} at the top and {value!r} in text_config")
-        if text.get("tie_word_embeddings"):  # transformers 5 moves it up (pre-5 saves kept it in text_config)
-            data["tie_word_embeddings"] = True
+        data = lift_text_config(cls, data)
         section = None
         for key in ("rope_parameters", "rope_scaling"):
             rope = data.get(key)
@@ -283,12 +276,14 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
             **kwargs,
         )
 
-    def image_inputs(self, input_ids: Any, attention_mask: Any, pixel_values: Any, image_grid_thw: Any):
+    def image_inputs(self, input_ids: Any, attention_mask: Any, pixel_values: Any, image_grid_thw: Any = None):
         """What a decoder passes with prompts `input_ids [B, P]` (`attention_mask`, 0 on padding) showing the images of
         `pixel_values` and `image_grid_thw` (the processor's), made on the host: `(prefill, deltas)` — `prefill` the
         arguments of the prompt's call (`pixel_values`, `vision_layout`, `rope_positions [3, B, P]`), `deltas [B]` what
         each row's decoded tokens add to their positions on all three axes (transformers' `rope_deltas`: each new
         token at the last position + 1). The counts are checked as `__call__` checks them."""
+        if image_grid_thw is None:
+            raise ValueError("pixel_values without image_grid_thw; expected the image processor's image_grid_thw too")
         grid = _concrete(image_grid_thw, "image_grid_thw").reshape(-1, 3)
         patches = int(grid.prod(-1).sum())
         if patches != np.shape(pixel_values)[0]:
@@ -318,15 +313,6 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
 def vision_layout_of(grid_thw: Any, config: Qwen2_5_VLConfig) -> VisionLayout:
     """`vision.vision_layout` of a Qwen2.5-VL config's tower."""
     return vision_layout(grid_thw, config.vision_config)
-
-
-def merge_features(embeds: jax.Array, is_image: jax.Array, features: jax.Array) -> jax.Array:
-    """`embeds [B, T, D]` with the rows where `is_image [B, T]` replaced by `features [n, D]` in order (row by row),
-    as transformers' `masked_scatter`."""
-    b, t, d = embeds.shape
-    index = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, max(features.shape[0] - 1, 0))
-    rows = features[index].reshape(b, t, d).astype(embeds.dtype)
-    return jnp.where(is_image[..., None], rows, embeds)
 
 
 __all__ = [

@@ -67,10 +67,12 @@ def make_attention_mask(
     return _block_mask(segment_ids, q_positions, kv_seg, k_positions, causal, sliding_window)
 
 
-def _block_mask(q_seg, q_pos, k_seg, k_pos, causal, window):
+def _block_mask(q_seg, q_pos, k_seg, k_pos, causal, window, q_horizon=None):
+    """`[B, T, S]`: same segment (not padding), the key at or before the query's `q_horizon` (default: its position;
+    with `causal`), and within `window` of the query's position."""
     mask = (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] != 0)
     if causal:
-        mask &= k_pos[:, None, :] <= q_pos[:, :, None]
+        mask &= k_pos[:, None, :] <= (q_pos if q_horizon is None else q_horizon)[:, :, None]
     if window is not None:
         mask &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
     return mask
@@ -90,6 +92,7 @@ def choose_implementation(
     head_dim: int | None = None,
     value_head_dim: int | None = None,
     capability: tuple[int, int] | None | str = "detect",
+    horizon: bool = False,
 ) -> str:
     """The backend `attend` runs for `requested` (`auto` or one of `IMPLEMENTATIONS`) on `platform`
     (default: JAX's default backend) for `q_len` queries against `kv_len` keys, with a sliding `window`
@@ -97,13 +100,14 @@ def choose_implementation(
     layers), a logit `softcap` (Gemma 2) and attention `sinks` (GPT-OSS). `cached` calls (decoding with a KV
     cache) have queries and keys of different lengths, which only `xla` and `chunked` take. `dtype` (the
     computation's), `head_dim` / `value_head_dim` and the GPU's compute `capability` (default: this process's
-    GPU, `cuda_capability`) decide whether cuDNN can run: `auto` on an NVIDIA GPU picks it (packed documents
+    GPU, `cuda_capability`) decide whether cuDNN can run; `horizon`: queries that see past their position (`attend`'s
+    `q_horizon`), which only `xla` and `chunked` take: `auto` on an NVIDIA GPU picks it (packed documents
     kept apart, 1.7–1.9× the Pallas kernel's speed on an H100) when it can, `flash` otherwise. Raises
     `AttentionUnavailableError` when an explicit choice cannot run, naming what to pick instead."""
     platform = platform or jax.default_backend()
     small = q_len * kv_len <= _AUTO_XLA_MAX_PAIRS
     if requested == "auto":
-        if cached or platform == "cpu" or softcap is not None or sinks:
+        if cached or platform == "cpu" or softcap is not None or sinks or horizon:
             return "xla" if small else "chunked"
         if platform in ("gpu", "cuda") and (window is None or isinstance(window, int)):
             capability = cuda_capability(platform) if capability == "detect" else capability
@@ -118,6 +122,11 @@ def choose_implementation(
         return requested
     if cached:  # KV-cache decoding: T != S, which the fused kernels here do not take
         return "xla" if small else "chunked"
+    if horizon:
+        raise AttentionUnavailableError(
+            f"attn_mechanism={requested!r} attends causally by token order and cannot let a block of tokens see each "
+            "other both ways (Gemma 3's image tokens); use 'chunked' (blockwise, linear memory) or 'xla'."
+        )
     if sinks:
         raise AttentionUnavailableError(
             f"attn_mechanism={requested!r} has no attention sinks (this model's heads have them, GPT-OSS); use "
@@ -185,6 +194,7 @@ def attend(
     softcap: float | None = None,
     sinks: jax.Array | None = None,
     max_documents: int = 32,
+    q_horizon: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of `q [B, T, N, H]` over `k, v [B, S, K, H]` (grouped-query: N = K·G), in `q`'s dtype.
 
@@ -201,6 +211,9 @@ def attend(
       (GPT-OSS's attention sinks: a query may give its keys less than all of its attention), or None.
     - `max_documents`: documents a row that `cudnn`'s packed layout keeps apart (its softmax statistics are
       `B·M·N·T` floats); a row with more runs `flash` for that call, with the same result.
+    - `q_horizon`: `[B, T]` the last key position each query sees (with `causal`; default: its own position), the
+      window still counted back from its position: a block of tokens that see each other both ways inside a causal
+      sequence (Gemma 3's image tokens: each sees to its image's end). Only `xla` and `chunked` take it.
     """
     kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
     kv_positions = q_positions if kv_positions is None else kv_positions
@@ -217,9 +230,10 @@ def attend(
         dtype=q.dtype,
         head_dim=q.shape[-1],
         value_head_dim=v.shape[-1],
+        horizon=q_horizon is not None,
     )
     if impl == "xla":
-        mask = _block_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, causal, window)
+        mask = _block_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, causal, window, q_horizon)
         return _xla_attention(q, k, v, mask, scale, softcap, sinks)
     if impl == "chunked":
         return _chunked(
@@ -228,6 +242,7 @@ def attend(
             v,
             q_segment_ids,
             q_positions,
+            q_positions if q_horizon is None else q_horizon,
             kv_segment_ids,
             kv_positions,
             None if sinks is None else sinks.astype(jnp.float32),
@@ -313,7 +328,7 @@ def _key_blocks(k, v, k_seg, k_pos, block):
     return split(k), split(v), split(k_seg), split(k_pos)
 
 
-def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal, block, scale, softcap):
+def _chunked_forward(q, k, v, q_seg, q_pos, q_hor, k_seg, k_pos, sinks, window, causal, block, scale, softcap):
     b, t, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
@@ -323,7 +338,7 @@ def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal,
         m, norm, acc = carry  # running max [B,K,G,T], normaliser [B,K,G,T], output [B,T,K,G,H] (float32)
         kb, vb, sb, pb = blk
         s = _cap(jnp.einsum("btkgh,bskh->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale, softcap)
-        mask = _block_mask(q_seg, q_pos, sb, pb, causal, window)[:, None, None]
+        mask = _block_mask(q_seg, q_pos, sb, pb, causal, window, q_hor)[:, None, None]
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -346,21 +361,25 @@ def _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal,
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
-def _chunked(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal, block, scale, softcap):
-    return _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal, block, scale, softcap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
+def _chunked(q, k, v, q_seg, q_pos, q_hor, k_seg, k_pos, sinks, window, causal, block, scale, softcap):
+    """Blockwise attention; `q_hor` each query's causal horizon (`attend`'s `q_horizon`, or its position)."""
+    args = (q, k, v, q_seg, q_pos, q_hor, k_seg, k_pos, sinks, window, causal, block, scale, softcap)
+    return _chunked_forward(*args)[0]
 
 
-def _chunked_fwd(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal, block, scale, softcap):
-    out, lse = _chunked_forward(q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, causal, block, scale, softcap)
-    return out, (q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, out, lse)  # O(T) residuals: no probabilities
+def _chunked_fwd(q, k, v, q_seg, q_pos, q_hor, k_seg, k_pos, sinks, window, causal, block, scale, softcap):
+    out, lse = _chunked_forward(
+        q, k, v, q_seg, q_pos, q_hor, k_seg, k_pos, sinks, window, causal, block, scale, softcap
+    )
+    return out, (q, k, v, q_seg, q_pos, q_hor, k_seg, k_pos, sinks, window, out, lse)  # O(T) residuals
 
 
 def _chunked_bwd(causal, block, scale, softcap, res, d_out):
     """Flash-attention backward: per key block, recompute the probabilities from the saved log-sum-exp,
     accumulate dq over blocks and emit that block's dk, dv. A sink's gradient: its probability `exp(sink - lse)`
     times (0 - delta), its value being zero, summed over the queries of its head."""
-    q, k, v, q_seg, q_pos, k_seg, k_pos, sinks, window, out, lse = res
+    q, k, v, q_seg, q_pos, q_hor, k_seg, k_pos, sinks, window, out, lse = res
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     g = n // kh
@@ -372,7 +391,7 @@ def _chunked_bwd(causal, block, scale, softcap, res, d_out):
         kb, vb, sb, pb = blk
         s = jnp.einsum("btkgh,bskh->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
         capped = _cap(s, softcap)
-        mask = _block_mask(q_seg, q_pos, sb, pb, causal, window)[:, None, None]
+        mask = _block_mask(q_seg, q_pos, sb, pb, causal, window, q_hor)[:, None, None]
         p = jnp.where(mask, jnp.exp(capped - lse[..., None]), 0.0)
         dv = jnp.einsum("bkgts,btkgh->bskh", p.astype(dog.dtype), dog, preferred_element_type=jnp.float32)
         dp = jnp.einsum("btkgh,bskh->bkgts", dog, vb, preferred_element_type=jnp.float32)
@@ -393,7 +412,7 @@ def _chunked_bwd(causal, block, scale, softcap, res, d_out):
         p_sink = jnp.exp(_sink_logits(sinks, kh) - lse)  # [B, K, G, T]
         d_sinks = -jnp.sum(p_sink * delta, axis=(0, 3)).reshape(n).astype(sinks.dtype)
     dq = dq.reshape(b, t, n, h).astype(q.dtype)
-    return (dq, unblock(dk, k), unblock(dv, v), None, None, None, None, d_sinks, None)
+    return (dq, unblock(dk, k), unblock(dv, v), None, None, None, None, None, d_sinks, None)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -515,7 +534,7 @@ def _cudnn(q, k, v, seg, pos, causal, window, scale, max_documents: int = 32, bl
         t = q.shape[1]
         if window is None and t % min(128, t) == 0:
             return _flash(q, k, v, seg, causal, window, scale)
-        return _chunked(q, k, v, seg, pos, seg, pos, None, window, causal, min(block, t), scale, None)
+        return _chunked(q, k, v, seg, pos, pos, seg, pos, None, window, causal, min(block, t), scale, None)
 
     branches = [single, *(packed(m) for m in tables), overflow]
     return jax.lax.switch(cudnn_branch(offsets, tables), branches, q, k, v)

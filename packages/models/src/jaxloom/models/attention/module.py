@@ -31,11 +31,13 @@ def self_attention(
     scale=None,
     softcap=None,
     sinks=None,
+    q_horizon=None,
 ):
     """A decoder layer's causal self-attention of `q [B, T, N, H]` over this call's `k, v [B, T, K, H]`, or, with
     `cache=(k, v)` (`[B, S, K, H]` each), over the cache after writing this call's keys and values at
     `cache_index` (its slots described by `kv_positions` / `kv_segment_ids`): `(out [B, T, N, H], new_cache)`.
-    The backend, block size and sharding are `runtime`'s; `window`, `scale`, `softcap` and `sinks` as `attend`."""
+    The backend, block size and sharding are `runtime`'s; `window`, `scale`, `softcap`, `sinks` and `q_horizon` as
+    `attend`."""
     if cache is not None:
         at = (0, cache_index, 0, 0)
         cache = (
@@ -63,6 +65,7 @@ def self_attention(
         softcap=softcap,
         sinks=sinks,
         max_documents=runtime.attn_max_documents,
+        q_horizon=q_horizon,
     )
     return out, cache
 
@@ -108,13 +111,15 @@ class Attention(nnx.Module):
         window=None,
         rope=None,
         rope_positions=None,
+        q_horizon=None,
     ):
         """Self-attention of `x [B, T, D]`. With `cache=(k, v)` (`[B, S, KV, H]` each), this call's keys and
         values are written at `cache_index` and attention runs over the whole cache, whose slots are
         described by `kv_positions` / `kv_segment_ids` `[B, S]`; returns `(out, new_cache)`. `rope`
         (`(inv_freq, scale)`) and `window` are this layer's (a model passes them per layer); without
         `rope`, both are the config's. `rope_positions` (`[B, T]`, or `[B, T, H/2]` a position per rotated pair) turn
-        q and k in place of `positions`, which then only order the tokens (multimodal RoPE)."""
+        q and k in place of `positions`, which then only order the tokens (multimodal RoPE). `q_horizon [B, T]`: the
+        last position each query sees (`attend`'s; Gemma 3's image tokens see their whole image)."""
         b, t, _ = x.shape
         rt, c = self.runtime, self.config
         q, k = self.q_proj(x), self.k_proj(x)
@@ -147,5 +152,6 @@ class Attention(nnx.Module):
             scale=c.attention_scale,
             softcap=c.attention_softcap,
             sinks=None if self.sinks is None else self.sinks[...],
+            q_horizon=q_horizon,
         )
         return self.o_proj(out.reshape(b, t, self.n * self.h)), cache
