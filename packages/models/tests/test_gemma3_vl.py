@@ -69,11 +69,12 @@ def hub_dir(tmp_path_factory):
     return write_hub_model(tmp_path_factory.mktemp("gemma3"))
 
 
-def write_hub_model(path):
+def write_hub_model(path, seed=0):
     """A Hub-layout directory (sparse `text_config`, `language_model.model.*` / `vision_tower.vision_model.*` names)
-    whose weights are drawn wide enough that every part moves the logits. Generation's tests build theirs with it."""
+    whose weights are drawn (from `seed`) wide enough that every part moves the logits. Generation's and the
+    trainer's tests build theirs with it."""
     config = transformers.Gemma3Config(**{k: v for k, v in HUB_CONFIG.items() if k != "architectures"})
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -352,3 +353,58 @@ def test_sharded_over_fsdp_and_tp_equals_one_device(model, hub_dir):
     with jax.set_mesh(mesh):
         logits = forward(state, *(jnp.asarray(x) for x in (ids, mask, pix, types)))
     np.testing.assert_allclose(gather(logits), np.asarray(ours(model, ids, mask, pix, types)), rtol=2e-5, atol=2e-5)
+
+
+# Gemma 3's turn and image tokens at the ids HUB_CONFIG gives them, and a Gemma-style chat template
+SPECIAL = {"<start_of_turn>": 105, "<end_of_turn>": 106, "<start_of_image>": BOI, "<end_of_image>": EOI,
+           "<image_soft_token>": IMAGE}  # fmt: skip
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' "
+    "%}<start_of_image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+COLOURS = {"red": 110, "green": 111, "blue": 112}
+
+
+def write_processor_files(path):
+    """transformers' `Gemma3Processor` for this model written into model directory `path`: a word-level tokenizer
+    (`w5` … `w104`, the colour words, Gemma's turn and image tokens at HUB_CONFIG's ids; `boi_token` … as Gemma's
+    tokenizer names them) with the chat template, and Gemma 3's image processor at the tower's 32 pixels, 4 image
+    tokens an image. What the trainer and `jaxloom generate --image` read. Returns the processor."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "user": 3, "model": 4, **{f"w{i}": i for i in range(5, 105)},
+             **SPECIAL, **COLOURS}  # fmt: skip
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<pad>", pad_token="<pad>", bos_token="<bos>", eos_token="<end_of_turn>",
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"},
+    )  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL)})
+    assert [tokenizer.convert_tokens_to_ids(t) for t in SPECIAL] == list(SPECIAL.values())
+    tokenizer.chat_template = CHAT_TEMPLATE
+    image = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    processor = transformers.Gemma3Processor(
+        image_processor=image, tokenizer=tokenizer, image_seq_length=4, chat_template=CHAT_TEMPLATE
+    )
+    processor.save_pretrained(str(path))
+    return processor
+
+
+def test_the_processors_token_types_and_pixels_are_what_the_model_reads(model, hf, tmp_path):
+    """transformers' own `Gemma3Processor` (AutoProcessor, no torchvision needed) expands each image to
+    `mm_tokens_per_image` tokens and marks them; the model reads its outputs as transformers' does."""
+    from PIL import Image
+
+    write_processor_files(tmp_path)
+    processor = transformers.AutoProcessor.from_pretrained(tmp_path)
+    rng = np.random.default_rng(3)
+    images = [Image.fromarray(rng.integers(0, 255, (40, 30, 3), dtype=np.uint8)) for _ in range(2)]
+    out = processor(text=["w5 <start_of_image> w6 <start_of_image> w7"], images=[images], return_tensors="np")
+    ids, types = np.asarray(out["input_ids"]), np.asarray(out["token_type_ids"])
+    assert (ids == IMAGE).sum() == 8 and np.array_equal(types, (ids == IMAGE).astype(types.dtype))
+    mask, pix = np.ones_like(ids), np.asarray(out["pixel_values"], np.float32)
+    assert close(ours(model, ids, mask, pix, types), hf_logits(hf, ids, mask, pix, types), mask) < 1e-5

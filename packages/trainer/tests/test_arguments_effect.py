@@ -300,6 +300,7 @@ RUN_LEVEL = {
         name: "test_trl_keys.py::test_the_loss_mask_keys_train_on_what_trl_trains_on"
         for name in ("completion_only_loss", "assistant_only_loss")
     },
+    "max_images_per_row": "test_vlm_sft.py::test_bad_image_records_are_one_error_before_step_1",
     "overwrite_output_dir": (
         "../../../tests/reliability/test_run_directory.py::test_an_earlier_run_is_never_replaced_silently"
     ),

@@ -16,8 +16,8 @@ NOT_RUN = {
     "ray.md": "a Ray cluster's launch templates (`...` in a job); the ray part's tests run the same calls",
     "storage.md": "reads a checkpoint of step 400 of an earlier run; test_storage_snippet runs it on a run of its own",
     "benchmarks.md": "lm-eval's Hub tasks (arc_easy) need the network; test_lm_eval runs the same calls on local tasks",
-    "models.md": "a Qwen2.5-VL checkpoint and its processor from the Hub; test_qwen2_5_vl makes the same calls on a "
-    "shrunk model and transformers' image processor",
+    "models.md": "Qwen2.5-VL and Gemma 3 checkpoints and their processors from the Hub; test_qwen2_5_vl, "
+    "test_gemma3_vl and test_vlm_sft make the same calls on shrunk models and transformers' own processors",
 }
 # Sizes only: what a snippet trains is a real run, made small. (pattern, replacement)
 SHRINK = [

@@ -2,10 +2,6 @@
 prints what transformers' `generate` decodes for the same prompt and image (with `--chat` and without); images for
 a model that reads none, a missing file, a URL and a directory without an image processor are one line each."""
 
-import pathlib
-import runpy
-import types
-
 import numpy as np
 import pytest
 
@@ -14,13 +10,12 @@ transformers = pytest.importorskip("transformers")
 
 import jaxloom.data as jd  # noqa: E402
 from jaxloom.trainer.cli import main  # noqa: E402
+from util import models_tests  # noqa: E402
 
 
 def _vl():
     """jaxloom-models' Qwen2.5-VL test module's names (its shrunk Hub config, tokenizer, prompts: one place)."""
-    return types.SimpleNamespace(
-        **runpy.run_path(str(pathlib.Path(__file__).parents[2] / "models/tests/test_qwen2_5_vl.py"))
-    )
+    return models_tests("test_qwen2_5_vl")
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +104,32 @@ def test_expand_image_tokens_counts_each_images_merged_patches():
     assert out == [1, *[90] * 4, 2, *[90] * 3, 3]
     with pytest.raises(ValueError, match=r"the prompt has 2 image placeholder\(s\) \(token 90\) for 1 image\(s\)"):
         jd.expand_image_tokens(ids, [[1, 4, 4]], 90, 2)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_gemma3_generate_with_an_image_through_its_processor(tmp_path, chat, capsys):
+    """Gemma 3: the directory's own processor (AutoProcessor) makes the prompt's ids and pixels; what is printed is
+    what transformers' `generate` decodes for the processor's outputs."""
+    g3 = models_tests("test_gemma3_vl")
+    path = g3.write_hub_model(tmp_path / "model")
+    processor = g3.write_processor_files(path)
+    from PIL import Image
+
+    image = tmp_path / "square.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (24, 40, 3), dtype=np.uint8)).save(image)
+    args = ["generate", str(path), "--image", str(image), "--prompt", "w5 w6 w7", "--greedy", "--max-new-tokens", "6"]
+    assert main(args + (["--chat"] if chat else [])) == 0
+    printed = capsys.readouterr().out.splitlines()
+    if chat:
+        content = [{"type": "image"}, {"type": "text", "text": "w5 w6 w7"}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+    else:
+        text = "<bos><start_of_image>w5 w6 w7"
+    inputs = processor(text=[text], images=[[Image.open(image).convert("RGB")]], return_tensors="pt",
+                       add_special_tokens=False)  # fmt: skip
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=106)
+    reference = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :].tolist(), skip_special_tokens=True)
+    assert printed[0] == ">>> w5 w6 w7" and printed[1] == reference and reference

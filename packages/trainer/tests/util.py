@@ -80,3 +80,14 @@ def losses(out_dir) -> list[float]:
 
     rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r["train/loss"] for r in rows if "train/loss" in r]
+
+
+def models_tests(name: str):
+    """A jaxloom-models test module's names (`test_qwen2_5_vl`, `test_gemma3_vl`: their shrunk Hub configs, processor
+    files and prompts, one place), loaded by path."""
+    import pathlib
+    import runpy
+    import types
+
+    path = pathlib.Path(__file__).parents[2] / "models" / "tests" / f"{name}.py"
+    return types.SimpleNamespace(**runpy.run_path(str(path)))

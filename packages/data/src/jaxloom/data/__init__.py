@@ -8,7 +8,15 @@ from .collate import (
     process_sample_data,
     to_global,
 )
-from .images import expand_image_tokens, image_prompt, load_image_processor, open_image, process_images
+from .images import (
+    check_image,
+    expand_image_tokens,
+    image_prompt,
+    load_image_processor,
+    load_model_processor,
+    open_image,
+    process_images,
+)
 from .mesh_loader import MeshLoader
 from .pipeline import DataConfig, DataLoader, Mixture, first_bad_record
 from .processor import adds_bos, bundled_corpus_path, bundled_tokenizer_path, load_processor, match_bos
@@ -25,7 +33,7 @@ from .sources import (
 from .store_prepare import prepare
 from .store import TokenStore, is_store, tokenizer_hash
 from .synthetic import addition_records, exact_match
-from .tokenize import tokenize_labelled, tokenize_pair, tokenize_record
+from .tokenize import tokenize_image_pair, tokenize_image_record, tokenize_labelled, tokenize_pair, tokenize_record
 
 __all__ = [
     "DataConfig",
@@ -47,9 +55,11 @@ __all__ = [
     "bundled_tokenizer_path",
     "create_collect_function",
     "exact_match",
+    "check_image",
     "expand_image_tokens",
     "image_prompt",
     "load_image_processor",
+    "load_model_processor",
     "open_image",
     "process_images",
     "extract_column_names",
@@ -62,6 +72,8 @@ __all__ = [
     "prepare",
     "process_sample_data",
     "to_global",
+    "tokenize_image_pair",
+    "tokenize_image_record",
     "tokenize_labelled",
     "tokenize_pair",
     "tokenize_record",

@@ -25,31 +25,68 @@ def open_image(value: Any, where: str) -> Any:
 
     if isinstance(value, Image.Image):
         return value.convert("RGB")
-    if isinstance(value, dict) and (value.get("bytes") is not None or value.get("path")):
-        if value.get("bytes") is not None:
-            try:
-                return Image.open(io.BytesIO(value["bytes"])).convert("RGB")
-            except (UnidentifiedImageError, OSError) as e:
-                raise ValueError(f"{where}: its image bytes are not an image PIL reads ({e})") from None
-        value = value["path"]
-    if isinstance(value, str | Path):
-        text = str(value)
+    check_image(value, where)  # a URL, a missing file, a type it does not read: refused before anything is opened
+    if isinstance(value, dict) and value.get("bytes") is not None:
+        try:
+            return Image.open(io.BytesIO(value["bytes"])).convert("RGB")
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"{where}: its image bytes are not an image PIL reads ({e})") from None
+    text = str(value["path"] if isinstance(value, dict) else value)
+    try:
+        with Image.open(Path(text).expanduser()) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"{where}: {text} is not an image PIL reads ({e})") from None
+
+
+def check_image(value: Any, where: str) -> None:
+    """What `open_image` refuses of `value` without opening anything (a URL, a missing file, a type it does not
+    read): one error naming `where`. Cheap enough to run over every record of a small file before a run starts."""
+    if isinstance(value, dict) and value.get("bytes") is not None:
+        return
+    path = value.get("path") if isinstance(value, dict) else value
+    if isinstance(path, str | Path):
+        text = str(path)
         if text.startswith(("http://", "https://", "ftp://")):
             raise ValueError(
                 f"{where}: image {text!r} is a URL; jaxloom reads images from files (it fetches nothing): download "
                 "it and give its path"
             )
-        path = Path(text).expanduser()
-        if not path.is_file():
+        if not Path(text).expanduser().is_file():
             raise ValueError(f"{where}: image file {text} does not exist")
-        try:
-            with Image.open(path) as image:
-                return image.convert("RGB")
-        except (UnidentifiedImageError, OSError) as e:
-            raise ValueError(f"{where}: {text} is not an image PIL reads ({e})") from None
+        return
+    if type(value).__module__.startswith("PIL."):
+        return
     raise ValueError(
         f"{where}: an image of type {type(value).__name__}; expected a file path, a PIL image or a datasets image"
     )
+
+
+def load_model_processor(path: str | Path) -> Any:
+    """transformers' processor of model directory `path` (`AutoProcessor`: the tokenizer, the image processor and
+    the image placeholders' expansion, as TRL trains vision-language models with it), the tokenizer given the
+    processor's chat template where it has none. One error naming the directory when it has no processor files or
+    transformers cannot build one here (Qwen2.5-VL's needs torchvision for its video half)."""
+    from transformers import AutoProcessor
+
+    path = Path(path)
+    if not any((path / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")):
+        raise ValueError(
+            f"{path}: no processor_config.json or preprocessor_config.json, so no image processor; expected the "
+            "model's files with them (as transformers' processor.save_pretrained writes them)"
+        )
+    try:
+        processor = AutoProcessor.from_pretrained(str(path))
+    except (ImportError, OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: transformers cannot build this model's processor here ({e})") from None
+    if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
+        raise ValueError(
+            f"{path}: AutoProcessor gives a {type(processor).__name__}, not a processor with an image processor and "
+            "a tokenizer; expected a vision-language model's files"
+        )
+    if getattr(processor.tokenizer, "chat_template", None) is None and getattr(processor, "chat_template", None):
+        processor.tokenizer.chat_template = processor.chat_template
+    return processor
 
 
 def load_image_processor(path: str | Path) -> Any:
@@ -115,4 +152,5 @@ def image_prompt(
     return list(tokenizer.encode(f"{start}{image}{end}" * images + text))
 
 
-__all__ = ["expand_image_tokens", "image_prompt", "load_image_processor", "open_image", "process_images"]
+__all__ = ["check_image", "expand_image_tokens", "image_prompt", "load_image_processor", "load_model_processor",
+           "open_image", "process_images"]  # fmt: skip

@@ -111,8 +111,8 @@ class MeshLoader:
             return parts[0]
         a = self.accumulation
         return {
-            k: np.concatenate([p[k].reshape(a, -1, p[k].shape[-1]) for p in parts], axis=1).reshape(
-                -1, parts[0][k].shape[-1]
+            k: np.concatenate([p[k].reshape(a, -1, *p[k].shape[1:]) for p in parts], axis=1).reshape(
+                -1, *parts[0][k].shape[1:]
             )
             for k in parts[0]
         }

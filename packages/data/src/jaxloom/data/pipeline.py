@@ -28,7 +28,15 @@ import numpy as np
 from jaxloom.core.schema import NonNegativeInt, PositiveInt, config
 
 from .sources import JsonlSource, ShardedDataSource, as_source, describe, iter_shard
-from .tokenize import SKIP_HINT, check_record, tokenize_labelled, tokenize_pair, tokenize_record
+from .tokenize import (
+    SKIP_HINT,
+    check_record,
+    tokenize_image_pair,
+    tokenize_image_record,
+    tokenize_labelled,
+    tokenize_pair,
+    tokenize_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,13 @@ class DataConfig:
     - `label_column`: each unpacked row holds one unpaired preference record (TRL's `KTOTrainer` data: `prompt`,
       `completion`, and this boolean column, true for a desirable completion; see `tokenize_labelled`), its label
       read into `label [rows, 1]` float32 (1.0 or 0.0) beside the tokens. None: ordinary records.
+    - `max_images`, `image_shape`, `images_column`: rows of a vision-language model (the loader given a transformers
+      processor in place of the tokenizer): each unpacked row holds one record of TRL's image data (`messages` or
+      `text`, its images in `images_column` or `image`; see `tokenize_image_record`; with `pairs`, a preference
+      record whose prompt shows them, `tokenize_image_pair`) and up to `max_images` images,
+      their pixels in `pixel_values [rows, max_images, *image_shape]` float32 (unused slots zero) and the
+      processor's `token_type_ids [rows, length]` beside the tokens. A record with more images, or longer than a row
+      (its image tokens are never cut), is a bad record. 0: no images read.
     - `bad_records`: a record that cannot be tokenized is an error naming its file and line ('raise'), or
       is skipped and counted (`DataLoader.skipped`) ('skip').
     - `text_column`, `messages_column`, `prompt_column`, `completion_column`: the record fields read for plain
@@ -83,6 +98,9 @@ class DataConfig:
     pairs: bool = False
     margin_column: str | None = None
     label_column: str | None = None
+    max_images: NonNegativeInt = 0
+    image_shape: tuple[int, ...] | None = None
+    images_column: str = "images"
     bad_records: Literal["raise", "skip"] = "raise"
     completion_only_loss: bool = True
     assistant_only_loss: bool = True
@@ -118,6 +136,22 @@ class DataLoader:
             raise ValueError(f"data_rank {data_rank} must be in [0, {data_ranks})")
         self.tokenizer, self.config = tokenizer, config
         self.rank, self.ranks = data_rank, data_ranks
+        self.processor = tokenizer if hasattr(tokenizer, "image_processor") else None  # a vision-language model's
+        if self.processor is not None:
+            self.tokenizer = tokenizer = tokenizer.tokenizer
+        if config.max_images:
+            if self.processor is None:
+                raise ValueError(
+                    f"max_images = {config.max_images}: images are read through transformers' processor "
+                    "(jaxloom.data.load_model_processor); expected one in place of the tokenizer"
+                )
+            if config.packing or config.label_column:
+                raise ValueError(
+                    f"max_images = {config.max_images} needs packing=False (TRL does not pack images either) and "
+                    "ordinary or preference records: each row holds one record and its images"
+                )
+            if not config.image_shape:
+                raise ValueError("max_images given without image_shape (the processor's pixels per image)")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; load it with jaxloom.data.load_processor")
         self.mixture = data if isinstance(data, Mixture) else None
@@ -269,6 +303,9 @@ class DataLoader:
             out["margin"] = np.zeros((b, 1), np.float32)
         if c.label_column:
             out["label"] = np.zeros((b, 1), np.float32)
+        if c.max_images:
+            out["pixel_values"] = np.zeros((b, c.max_images, *(c.image_shape or ())), np.float32)
+            out["token_type_ids"] = np.zeros((b, length), np.int32)
         mixed = self.mixture is not None
         states = state["components"] if mixed else [state]
         cursors = [_Cursor(stream, st) for stream, st in zip(self.streams, states, strict=True)]
@@ -319,6 +356,10 @@ class DataLoader:
             sl = slice(half * length, half * length + n)
             out["input_ids"][r, sl], out["loss_mask"][r, sl] = ids[part], mask[part]
             out["segment_ids"][r, sl], out["positions"][r, sl] = 1, np.arange(n)
+            if "token_type_ids" in out:
+                out["token_type_ids"][r, sl] = cursor.token_types[part]
+        if "pixel_values" in out:
+            out["pixel_values"][r, : len(cursor.pixels)] = cursor.pixels
         if "margin" in out:
             out["margin"][r, 0] = cursor.margin
         cursor.consume(len(ids) - cursor.state["token_offset"])
@@ -351,6 +392,12 @@ class DataLoader:
     def _pad_row(self, cursor, out, r) -> None:
         c, length = self.config, self.config.max_sequence_length
         ids, mask, _ = cursor.current()
+        if len(ids) > length and c.max_images:
+            raise ValueError(
+                f"a record of {len(ids)} tokens with {len(cursor.pixels)} image(s) is longer than max_sequence_length "
+                f"{length} (record {cursor.where()}): its image tokens are never cut; raise max_sequence_length or "
+                "shorten the record"
+            )
         if len(ids) > length:
             if c.long_records == "raise":
                 raise ValueError(
@@ -366,6 +413,9 @@ class DataLoader:
         out["segment_ids"][r, sl], out["positions"][r, sl] = 1, np.arange(n)
         if "label" in out:
             out["label"][r, 0] = cursor.label
+        if "pixel_values" in out:
+            out["token_type_ids"][r, sl] = cursor.token_types
+            out["pixel_values"][r, : len(cursor.pixels)] = cursor.pixels
         cursor.consume(len(cursor.current()[0]) - cursor.state["token_offset"])
 
 
@@ -376,6 +426,7 @@ def batch_tokenize(rows: list[dict], tokenizer, config: DataConfig) -> list[np.n
     if (
         config.pairs
         or config.label_column
+        or config.max_images
         or not rows
         or not all(
             set(r) & {column}
@@ -475,6 +526,7 @@ class _Stream:
 
     def __init__(self, source: ShardedDataSource, loader: DataLoader):
         self.source, self.tokenizer, self.config = source, loader.tokenizer, loader.config
+        self.processor = loader.processor
         self.rank, self.ranks = loader.rank, loader.ranks
         check = getattr(source, "check", None)  # a token store: made with this tokenizer and BOS/EOS?
         if check is not None:
@@ -536,6 +588,8 @@ class _Cursor:
         self.split = 0  # pairs: where the rejected sequence starts in the current record's ids
         self.margin = 0.0  # pairs with a margin column: the current record's margin
         self.label = 0.0  # unpaired preference records: the current record's label
+        self.token_types = np.zeros(0, np.int32)  # a vision-language model's rows: the record's token types
+        self.pixels = np.zeros(0, np.float32)  # and its images' pixels
 
     def check_position(self) -> None:
         """A restored position must still exist: a dataset that shrank since it was saved would otherwise
@@ -653,6 +707,25 @@ class _Cursor:
 
     def _tokenize(self, record: dict) -> tuple[np.ndarray, np.ndarray]:
         tokenizer, config = self.loader.tokenizer, self.loader.config
+        if config.max_images:
+            if not isinstance(record, dict):
+                raise ValueError(f"a record must be an object, got {type(record).__name__}")
+            if config.pairs:
+                ci, cm, ri, rm, ct, rt, self.pixels = tokenize_image_pair(record, self.loader.processor, config)
+                self.split, self.margin = len(ci), _margin(record, config.margin_column)
+                ids, mask, self.token_types = (
+                    np.concatenate([ci, ri]),
+                    np.concatenate([cm, rm]),
+                    np.concatenate([ct, rt]),
+                )
+            else:
+                ids, mask, self.token_types, self.pixels = tokenize_image_record(record, self.loader.processor, config)
+            if len(self.pixels) and tuple(self.pixels.shape[1:]) != tuple(config.image_shape or ()):
+                raise ValueError(
+                    f"the processor made images of shape {list(self.pixels.shape[1:])}; the model reads "
+                    f"{list(config.image_shape or ())} (its image processor's size and the model's disagree)"
+                )
+            return ids, mask
         if config.label_column:
             ids, mask, self.label = tokenize_labelled(record, tokenizer, config)
             return ids, mask

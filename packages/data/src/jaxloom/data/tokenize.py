@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 from typing import Any
 
 import numpy as np
+
+from .images import check_image, open_image
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,169 @@ def tokenize_record(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarr
     return np.asarray(ids, np.int32), np.ones(len(ids), np.int32)
 
 
+def record_images(record: dict[str, Any], column: str) -> list[Any]:
+    """A record's images as TRL reads them: the list in `column` (`images`), or the one image in `image`; none
+    when it has neither."""
+    if record.get(column) is not None:
+        value = record[column]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"column {column!r} holds {type(value).__name__}; expected a list of images")
+        return list(value)
+    return [] if record.get("image") is None else [record["image"]]
+
+
+def multimodal_messages(messages: list[dict], images: int) -> list[dict]:
+    """`messages` with their `images` placed as TRL's `prepare_multimodal_messages` places them: a conversation of
+    plain-text turns gets `images` `{"type": "image"}` blocks before the first user turn's text (every turn's text
+    made a `{"type": "text"}` block); one already in content blocks keeps its image blocks, which must count
+    `images`."""
+    if all(isinstance(m.get("content"), str) for m in messages):
+        out, placed = [], False
+        for m in messages:
+            blocks = [{"type": "text", "text": m["content"]}]
+            if m["role"] == "user" and not placed:
+                blocks, placed = [{"type": "image"} for _ in range(images)] + blocks, True
+            out.append({**m, "content": blocks})
+        if images and not placed:
+            raise ValueError(f"{images} image(s) and no user turn to show them in; expected a user turn")
+        return out
+    blocks = sum(
+        1 for m in messages if isinstance(m.get("content"), list) for b in m["content"] if b.get("type") == "image"
+    )
+    if blocks != images:
+        raise ValueError(
+            f"messages hold {blocks} image block(s) ({{'type': 'image'}}) for {images} image(s) in the record; "
+            "expected one block per image"
+        )
+    return messages
+
+
+def tokenize_image_record(
+    record: dict[str, Any], processor: Any, config
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`(ids, loss_mask, token_type_ids, pixel_values)` of one record of TRL's vision-language data, through
+    `processor` (transformers' processor: its chat template, its image processor, its placeholder expansion — as
+    TRL's `DataCollatorForVisionLanguageModeling` calls it) under `config` (a `DataConfig`: columns, losses).
+    `messages` (image blocks, or plain turns with the images before the first user turn's text) or `text` (holding
+    the processor's image placeholders); the images in `images_column` (or `image`). Targets: every token (TRL's
+    default), or with `config.assistant_only_loss` the assistant turns' (found as for text conversations, carried
+    over the processor's expansion). `token_type_ids` are the processor's (1 on image tokens; zeros for a processor
+    without them). An image or count the processor rejects is one error naming the column."""
+    if isinstance(record, dict) and "input_ids" in record:
+        raise ValueError("a pre-tokenized record (input_ids) has no images to read; expected messages or text")
+    check_record(record, config)
+    _name_unread_columns(record, config)
+    column = config.images_column
+    images = [open_image(v, f"column {column!r} image {i}") for i, v in enumerate(record_images(record, column))]
+    tokenizer = processor.tokenizer
+    kwargs = {"return_tensors": "np", "add_special_tokens": False}
+    if images:
+        kwargs["images"] = [images]
+    if config.messages_column in record:
+        messages = multimodal_messages(record[config.messages_column], len(images))
+        template = _template_inputs(record)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **template)
+    elif config.prompt_column in record or config.completion_column in record:
+        raise ValueError(
+            "prompt/completion records with images are not read yet; expected messages (TRL's conversational "
+            "form) or text"
+        )
+    else:
+        text = record[config.text_column]
+    try:
+        out = processor(text=[text], **kwargs)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"the processor rejected the record's text and {len(images)} image(s) ({e})") from None
+    ids = np.asarray(out["input_ids"][0], np.int32)
+    if config.messages_column in record and getattr(config, "assistant_only_loss", True):
+        plain, plain_mask = _chat(messages, tokenizer, **template)
+        mask = _carried(plain, plain_mask, ids)
+    else:
+        mask = np.ones(len(ids), np.int32)
+    types = np.asarray(out.get("token_type_ids", np.zeros((1, len(ids))))[0], np.int32)
+    pixels = np.asarray(out["pixel_values"], np.float32) if images else np.zeros((0,), np.float32)
+    if images and len(pixels) != len(images):
+        raise ValueError(
+            f"the processor made {len(pixels)} images of the record's {len(images)} (pan-and-scan crops?); "
+            "expected one each"
+        )
+    return ids, mask, types, pixels
+
+
+def tokenize_image_pair(record: dict[str, Any], processor: Any, config) -> tuple[np.ndarray, ...]:
+    """`(chosen_ids, chosen_mask, rejected_ids, rejected_mask, chosen_types, rejected_types, pixel_values)` of one
+    preference record of TRL's vision-language data, as TRL's `DataCollatorForVisionPreference` makes them: the
+    prompt (`messages`, its images placed as `multimodal_messages` places them, rendered with the generation prompt;
+    or text holding the processor's image placeholders) through `processor` with the record's images, then each
+    completion's own tokens (a conversation's: its render after the prompt's) without special tokens; masks 1 on the
+    completions, `token_type_ids` the processor's on the prompt. Too long for `config.max_sequence_length`: the
+    completion's end is cut (`truncation_mode='keep_start'`, TRL's way with images), else one error (image tokens are
+    never cut)."""
+    cc, rc, pc = config.chosen_column, config.rejected_column, config.prompt_column
+    missing = [c for c in (pc, cc, rc) if record.get(c) is None]
+    if missing:
+        raise ValueError(
+            f"preference record with images has no {' or '.join(map(repr, missing))} column; expected {pc!r} (where "
+            f"the images are shown), {cc!r} and {rc!r}; columns present: {sorted(record)}"
+        )
+    column = config.images_column
+    images = [open_image(v, f"column {column!r} image {i}") for i, v in enumerate(record_images(record, column))]
+    tokenizer = processor.tokenizer
+    prompt, completions = record[pc], [record[cc], record[rc]]
+    if isinstance(prompt, list):
+        prompt = multimodal_messages(prompt, len(images))
+        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        texts = []
+        for name, completion in ((cc, completions[0]), (rc, completions[1])):
+            if not isinstance(completion, list):
+                raise ValueError(f"column {name!r} holds {type(completion).__name__}; expected messages like {pc!r}")
+            whole = tokenizer.apply_chat_template(prompt + multimodal_messages(completion, 0), tokenize=False)
+            if not whole.startswith(prompt_text):
+                raise ValueError(
+                    f"the chat template renders the prompt with {name!r} so that it does not start with the prompt "
+                    "rendered alone; expected a template whose prompt is a prefix"
+                )
+            texts.append(whole[len(prompt_text) :])
+    else:
+        prompt_text, texts = prompt, list(completions)
+    try:
+        shown = processor(text=[prompt_text], images=[images] if images else None, return_tensors="np",
+                          add_special_tokens=False)  # fmt: skip
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"the processor rejected the record's prompt and {len(images)} image(s) ({e})") from None
+    p = np.asarray(shown["input_ids"][0], np.int32)
+    p_types = np.asarray(shown.get("token_type_ids", np.zeros((1, len(p))))[0], np.int32)
+    length, out = config.max_sequence_length, []
+    for name, text in zip((cc, rc), texts, strict=True):
+        c = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
+        if not len(c):
+            raise ValueError(f"the {name!r} completion is empty; expected a non-empty completion")
+        if len(p) + len(c) > length:
+            if config.truncation_mode != "keep_start" or len(p) >= length:
+                raise ValueError(
+                    f"prompt ({len(p)} tokens, images included) + {name!r} ({len(c)}) is longer than "
+                    f"max_sequence_length {length}; image tokens are never cut: raise it, or set truncation_mode="
+                    "keep_start to cut the completion's end (TRL's only truncation with images)"
+                )
+            c = c[: length - len(p)]
+        out.append((np.concatenate([p, c]), np.concatenate([np.zeros(len(p), np.int32), np.ones(len(c), np.int32)]),
+                    np.concatenate([p_types, np.zeros(len(c), np.int32)])))  # fmt: skip
+    pixels = np.asarray(shown["pixel_values"], np.float32) if images else np.zeros((0,), np.float32)
+    (ci, cm, ct), (ri, rm, rt) = out
+    return ci, cm, ri, rm, ct, rt, pixels
+
+
+def _carried(plain: np.ndarray, plain_mask: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """`plain_mask` (over `plain`, a conversation's tokens with one placeholder per image) carried over to `ids` (the
+    same with the placeholders expanded): tokens the two share keep their mask, inserted ones (images) get 0."""
+    mask = np.zeros(len(ids), np.int32)
+    matcher = difflib.SequenceMatcher(None, plain.tolist(), ids.tolist(), autojunk=False)
+    for op, a0, a1, b0, b1 in matcher.get_opcodes():
+        if op == "equal":
+            mask[b0:b1] = plain_mask[a0:a1]
+    return mask
+
+
 CHAT_EXTRAS = ("tools", "chat_template_kwargs")
 """TRL's columns beside `messages`: the tool schemas and the keywords the chat template is rendered with."""
 _NAMED: set[tuple[str, ...]] = set()
@@ -83,10 +249,24 @@ def _template_inputs(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _check_images(record: dict[str, Any], config) -> None:
+    """A record's images, checked without reading them: no more than the row holds, each file there (no URL)."""
+    images = record_images(record, config.images_column)
+    if len(images) > config.max_images:
+        raise ValueError(
+            f"column {config.images_column!r} holds {len(images)} images; a row holds at most {config.max_images} "
+            "(max_images_per_row)"
+        )
+    for i, value in enumerate(images):
+        check_image(value, f"column {config.images_column!r} image {i}")
+
+
 def _name_unread_columns(record: dict[str, Any], config) -> None:
     """Columns of `record` that no part of its tokenization reads, named once per set in this process (a log
     warning): a column the user meant to train on is not dropped without a word."""
     read = {config.text_column, config.messages_column, config.prompt_column, config.completion_column, *CHAT_EXTRAS}
+    if getattr(config, "max_images", 0):
+        read |= {config.images_column, "image"}
     unread = tuple(sorted(k for k in record if k not in read))
     if unread and unread not in _NAMED:
         _NAMED.add(unread)
@@ -109,6 +289,8 @@ def check_record(record: Any, config) -> None:
         raise ValueError(f"a record must be an object, got {type(record).__name__}")
     if "input_ids" in record:
         return
+    if getattr(config, "max_images", 0):
+        _check_images(record, config)
     if config.messages_column in record:
         messages = record[config.messages_column]
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):

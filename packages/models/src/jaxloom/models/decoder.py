@@ -461,9 +461,14 @@ def draw_layers(make_layer, n: int, rngs: nnx.Rngs) -> list[nnx.Module]:
 
 
 def merge_features(embeds: jax.Array, is_image: jax.Array, features: jax.Array) -> jax.Array:
-    """`embeds [B, T, D]` with the rows where `is_image [B, T]` replaced by `features [n, D]` in order (row by row),
-    as transformers' `masked_scatter`."""
+    """`embeds [B, T, D]` with the rows where `is_image [B, T]` replaced by `features` in order: `[n, D]`, the whole
+    batch's row by row (transformers' `masked_scatter`), or `[B, n, D]`, each row's own (a training batch's rows,
+    each with its image slots; the slots a row leaves unused are never read)."""
     b, t, d = embeds.shape
+    if features.ndim == 3:
+        index = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, max(features.shape[1] - 1, 0))
+        rows = jnp.take_along_axis(features, index[..., None], axis=1).astype(embeds.dtype)
+        return jnp.where(is_image[..., None], rows, embeds)
     index = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, max(features.shape[0] - 1, 0))
     rows = features[index].reshape(b, t, d).astype(embeds.dtype)
     return jnp.where(is_image[..., None], rows, embeds)

@@ -313,6 +313,12 @@ class Gemma3ForConditionalGeneration(CausalLM):
         """`pixel_values [n, C, S, S]` (the image processor's) → `[n, mm_tokens_per_image, hidden_size]`."""
         return self.multi_modal_projector(self.vision_tower(pixel_values))
 
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """One image's pixels as the image processor gives them, `(C, S, S)`: what a training row's slots hold."""
+        v = self.config.vision_config  # type: ignore[attr-defined]
+        return (v.num_channels, v.image_size, v.image_size)
+
     def __call__(  # type: ignore[override]
         self,
         input_ids,
@@ -326,7 +332,8 @@ class Gemma3ForConditionalGeneration(CausalLM):
         **kwargs: Any,
     ) -> CausalLMOutput:
         """As `CausalLM`, and: `pixel_values [n, C, S, S]`, each image's features put where `input_ids` hold
-        `image_token_index` (`mm_tokens_per_image` of them an image, in order); `token_type_ids [B, T]` (the
+        `image_token_index` (`mm_tokens_per_image` of them an image, in order; `[B, K, C, S, S]`: each row's own
+        `K` image slots, as a training batch holds them, the unused ones never read); `token_type_ids [B, T]` (the
         processor's: 1 on image tokens) let each image's tokens see each other both ways, as transformers' masks do
         (without them attention is causal, as there). An `image_token_index` past the vocabulary embeds as token 0
         (transformers'). `return_hidden` as `CausalLM` (named, so the fused loss and the decoders see it)."""
@@ -334,7 +341,12 @@ class Gemma3ForConditionalGeneration(CausalLM):
         ids = input_ids
         if c.image_token_index >= c.vocab_size:
             ids = jnp.where(input_ids == c.image_token_index, 0, input_ids)
-        if pixel_values is not None:
+        if pixel_values is not None and jnp.ndim(pixel_values) == 5:  # [B, K, C, S, S]: each row's image slots
+            b, k = pixel_values.shape[:2]
+            features = self.image_features(jnp.reshape(pixel_values, (b * k, *pixel_values.shape[2:])))
+            features = features.reshape(b, -1, features.shape[-1])
+            kwargs["inputs_embeds"] = merge_features(self.embed(ids), input_ids == c.image_token_index, features)
+        elif pixel_values is not None:
             features = self.image_features(jnp.asarray(pixel_values))
             features = features.reshape(-1, features.shape[-1])
             is_image = input_ids == c.image_token_index

@@ -321,7 +321,7 @@ def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
 _EXPORT_FILE = re.compile(
     r"(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
     r"|tokenizer(_config)?\.json|special_tokens_map\.json|chat_template\.(jinja|json)|added_tokens\.json"
-    r"|vocab\.json|merges\.txt|tokenizer\.model)$"
+    r"|vocab\.json|merges\.txt|tokenizer\.model|processor_config\.json|preprocessor_config\.json)$"
 )
 
 

@@ -279,6 +279,11 @@ class DataArgs(SettingsGroup):
     shuffle_buffer_size: int = Field(
         8192, description="records read ahead per data stream and shuffled together (memory flat in dataset size)"
     )
+    max_images_per_row: int = Field(
+        1,
+        description="a vision-language model's rows: images one record may hold (each row has that many image slots; "
+        "a record with more is a bad record naming them)",
+    )
 
     @field_validator("completion_only_loss", mode="before")
     @classmethod
@@ -287,7 +292,7 @@ class DataArgs(SettingsGroup):
 
     @model_validator(mode="after")
     def _check(self):
-        check_positive(self, "max_sequence_length", "shuffle_buffer_size")
+        check_positive(self, "max_sequence_length", "shuffle_buffer_size", "max_images_per_row")
         if self.max_sequence_length < 2:  # one token predicts nothing: steps would train on no target at all
             raise ValueError(
                 f"max_sequence_length = {self.max_sequence_length}; expected at least 2 (a row of one token has "

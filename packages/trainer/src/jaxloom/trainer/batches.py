@@ -40,12 +40,15 @@ class DataSpec:
     preference record's `margin`), and `extend(local, batch,
     training) -> batch`, called on every global batch (`local`: this process's rows as numpy arrays;
     `training`: a train batch `[A, B, ...]` rather than an evaluation one `[B, ...]`); the arrays it adds are laid
-    out like the token arrays (`batch["input_ids"].sharding`: rows over the data axes)."""
+    out like the token arrays (`batch["input_ids"].sharding`: rows over the data axes). `processor`: a callable
+    giving transformers' processor that reads the rows' images (a vision-language model's: `with_images`), which
+    the loaders take in place of the tokenizer."""
 
     row_width: int
     settings: dict[str, Any]
     extra: dict[str, tuple[tuple[int, ...], Any]] = dataclasses.field(default_factory=dict)
     extend: Callable[[dict, dict, bool], dict] | None = None
+    processor: Callable[[], Any] | None = None
 
     TOKEN_KEYS = ("input_ids", "segment_ids", "positions", "loss_mask")
 
@@ -67,6 +70,24 @@ class DataSpec:
         )
         settings.update(changes.pop("settings", {}))
         return cls(row_width=changes.pop("row_width", a.max_sequence_length), settings=settings, **changes)
+
+    def with_images(self, model: Any, images: int, processor: Callable[[], Any]) -> DataSpec:
+        """The same spec for `model`, a vision-language model (it has an `image_shape`): each row one record and
+        up to `images` images, read by `processor()` (transformers'); the step's batch gains `pixel_values` and
+        `token_type_ids` (`step.MODEL_INPUTS`)."""
+        if self.settings.get("packing"):
+            raise ValueError(
+                f"packing = true: {type(model).__name__}'s rows hold images, which are not packed (TRL packs none "
+                "either); set packing = false"
+            )
+        shape = tuple(model.image_shape)
+        settings = {**self.settings, "max_images": images, "image_shape": shape}
+        extra = {
+            **self.extra,
+            "pixel_values": ((images, *shape), np.float32),
+            "token_type_ids": ((self.row_width,), np.int32),
+        }
+        return dataclasses.replace(self, settings=settings, extra=extra, processor=processor)
 
     def with_width(self, width: int) -> DataSpec:
         """The same spec for rows of `width` tokens (per-token extras, whose trailing shape is the row's
@@ -120,7 +141,7 @@ class Batches:
         cfg = jd.DataConfig(**{**self.spec.settings, **overrides})
         return jd.MeshLoader(
             data,
-            self.tokenizer(),
+            self.tokenizer() if self.spec.processor is None else self.spec.processor(),
             cfg,
             self.mesh,
             global_rows or a.total_batch_size,
@@ -230,7 +251,7 @@ class Batches:
             local = {**local, STOP_KEY: np.full((len(next(iter(local.values()))), 1), stop_code, np.int32)}
         return {
             k: jax.make_array_from_process_local_data(
-                self.sharding, v.reshape(accum, -1, v.shape[-1]), (accum, a.total_batch_size, v.shape[-1])
+                self.sharding, v.reshape(accum, -1, *v.shape[1:]), (accum, a.total_batch_size, *v.shape[1:])
             )
             for k, v in local.items()
         }
@@ -238,7 +259,7 @@ class Batches:
     def eval_tokens(self, local: dict[str, np.ndarray], rows: int) -> dict[str, jax.Array]:
         """This process's rows of an evaluation batch as one global batch of `rows` rows."""
         return {
-            k: jax.make_array_from_process_local_data(self.eval_sharding, v, (rows, v.shape[-1]))
+            k: jax.make_array_from_process_local_data(self.eval_sharding, v, (rows, *v.shape[1:]))
             for k, v in local.items()
         }
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from jaxloom.core import host, paths
 
+from .image_prompts import PROMPT_MARK
 from .report import versions
 from .compose import DATA_KEYS, DEMO_CONFIG, READ_ONLY, build_run, kind_settings, restored, split_target  # noqa: F401
 
@@ -102,7 +103,9 @@ def _generate(ns) -> int:
         raise ValueError(f"--num-return-sequences {n} with greedy decoding gives {n} equal texts; expected sampling "
                          "(--temperature > 0) or 1")  # fmt: skip
     if ns.image:
-        return _generate_with_images(ns, model, tokenizer, config)
+        from .image_prompts import generate_with_images
+
+        return generate_with_images(ns, model, tokenizer, config)
     for i, prompt in enumerate(ns.prompt):  # streamed: each token is printed as soon as it is decoded
         message = [{"role": "user", "content": prompt}] if ns.chat else prompt
         ids = jg.encode_prompts(tokenizer, message, apply_chat_template=ns.chat)[0]
@@ -119,38 +122,6 @@ def _generate(ns) -> int:
                 print(text[len(shown) :], end="", flush=True)
                 shown = text
             print(flush=True)
-    return 0
-
-
-def _generate_with_images(ns, model, tokenizer, config) -> int:
-    """`jaxloom generate --image PATH ...`: every prompt after the images (the user turn's image blocks with
-    `--chat`), the pixels from the model directory's own image processor, decoded with the images in the prefill
-    (`jaxloom.generation.generate(pixel_values=...)`); each completion printed whole."""
-    import numpy as np
-
-    import jaxloom.data as jd
-    import jaxloom.generation as jg
-
-    if not hasattr(model, "image_inputs"):
-        raise ValueError(
-            f"--image: {type(model).__name__} reads no images; expected a vision-language model (Qwen2.5-VL)"
-        )
-    c = model.config
-    pixels, grid = jd.process_images(jd.load_image_processor(ns.path), ns.image, "--image")
-    tokens = (c.vision_start_token_id, c.image_token_id, c.vision_end_token_id)
-    for i, prompt in enumerate(ns.prompt):
-        ids = jd.image_prompt(tokenizer, prompt, len(ns.image), chat=ns.chat, tokens=tokens)
-        ids = jd.expand_image_tokens(ids, grid, c.image_token_id, c.vision_config.spatial_merge_size, "--prompt")
-        print(f"{PROMPT_MARK}{prompt}", flush=True)
-        for j in range(ns.num_return_sequences):
-            if ns.num_return_sequences > 1:
-                print(f"[{j + 1}] ", end="", flush=True)
-            seed = int(np.random.SeedSequence([ns.seed, i, j]).generate_state(1)[0] >> 1)
-            out = jg.generate(
-                model, np.asarray([ids]), None, config.replace(seed=seed), pixel_values=pixels, image_grid_thw=grid
-            )
-            done = np.asarray(out.completion_ids)[0][np.asarray(out.completion_mask)[0] > 0]
-            print(tokenizer.decode(done.tolist(), skip_special_tokens=True), flush=True)
     return 0
 
 
@@ -184,11 +155,6 @@ def _lm_eval(ns) -> int:
     said = {f"{harness.PREFIX}{k}": v for k, v in harness.scores(results).items()}
     print(json.dumps({"step": step, "results_file": results["jaxloom"].get("results_file"), **said}, indent=2))
     return 0
-
-
-PROMPT_MARK = ">>> "
-"""`jaxloom generate` prints each prompt on its own line after this mark; its completions follow on the next
-lines (numbered `[1] `, `[2] `, ... with `--num-return-sequences`)."""
 
 
 def exit_after_training_error(error: BaseException) -> None:

@@ -426,6 +426,7 @@ def exporter(
     return Exporter(
         current=current,
         tokenizer=tokenizer,
+        files=lambda: setup().tokenizer_slot.files(),
         arguments=lambda: run.arguments,
         directory=lambda: run_directory().folder,
         facts=facts,

@@ -30,7 +30,7 @@ from .batches import DataSpec
 from .pairs import pairs_as_rows
 from . import reference
 from .reference import build_reference
-from .step import Objective, StepConfig, forward_for_loss
+from .step import MODEL_INPUTS, Objective, StepConfig, forward_for_loss
 from .trainer import BaseTrainer
 
 log = logging.getLogger("jaxloom.trainer")
@@ -59,6 +59,11 @@ def forward_logps(model, batch, fuse: tuple[int, int] = (0, 1)):
     mask = pairs_as_rows(batch["loss_mask"])
     weight = (mask[:, 1:] > 0).astype(jnp.float32)
     block_size, data_shards = fuse
+    inputs = {}
+    if "token_type_ids" in batch:  # a vision-language model's pairs: each pair's image shown to both sequences
+        inputs["token_type_ids"] = pairs_as_rows(batch["token_type_ids"])
+    if "pixel_values" in batch:
+        inputs["pixel_values"] = jnp.repeat(batch["pixel_values"], 2, axis=0)
     out, head = forward_for_loss(
         model,
         ids,
@@ -67,6 +72,7 @@ def forward_logps(model, batch, fuse: tuple[int, int] = (0, 1)):
         segment_ids=pairs_as_rows(batch["segment_ids"]),
         block_size=block_size,
         data_shards=data_shards,
+        inputs=inputs,
     )
     if head is None:
         parts = sequence_logps(out.logits, ids, mask)
@@ -175,8 +181,8 @@ def reference_logps(ref: js.TrainState, batch, after=None, fuse: tuple[int, int]
     (`x A 0` adds exactly nothing), so the base is read where it lies, never copied."""
     if adapters_off:
         ref = reference.adapters_off(ref)
-    keys = ("input_ids", "positions", "segment_ids", "loss_mask")
-    rows = {k: batch[k] for k in keys}
+    keys = ("input_ids", "positions", "segment_ids", "loss_mask", *MODEL_INPUTS)  # a VLM's images too
+    rows = {k: batch[k] for k in keys if k in batch}
     if rows["input_ids"].ndim == 3:
         return jax.lax.map(lambda mb: forward_logps(ref.model, mb, fuse)[0][0], rows)
     return forward_logps(ref.model, rows, fuse)[0][0]
@@ -392,15 +398,16 @@ class DPOTrainer(BaseTrainer):
     def data_spec(self) -> DataSpec:
         """Pairs, one per row (chosen and rejected side by side: `2 × max_length` tokens), unpacked; bad
         records skipped and counted when `skip_bad_records`; the reference's log-probs `[rows, 2]` added
-        to every batch."""
+        to every batch. For a vision-language model, TRL's image pairs (`DataSpec.with_images`)."""
         a = self.arguments
-        return DataSpec.tokens(
+        spec = DataSpec.tokens(
             a,
             row_width=2 * a.max_sequence_length,
             settings={"packing": False, "pairs": True},
             extra={REF_KEY: ((2,), np.float32)},
             extend=self.reference.extend,
         )
+        return self.with_images(spec)  # TRL's image pairs: the prompt shows the images to both completions
 
     def prepare(self) -> None:
         """Once the policy exists (built or restored by the core): the frozen reference, before step 1."""

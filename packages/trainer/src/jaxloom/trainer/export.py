@@ -41,17 +41,25 @@ def export_options(
 
 
 def export(
-    state: js.TrainState, directory: str | os.PathLike, *, tokenizer: Any, to_hf: bool, arguments: Any = None, **options
+    state: js.TrainState,
+    directory: str | os.PathLike,
+    *,
+    tokenizer: Any,
+    to_hf: bool,
+    arguments: Any = None,
+    files: Any = None,
+    **options,
 ):
-    """Write `state` to `directory`: an HF directory (`to_hf`: safetensors, config, tokenizer, generation
-    config with the template's end-of-turn token as EOS) or an orbax checkpoint of the whole state, which
-    records the training `arguments` in its metadata (as EasyDeL's checkpoint keeps its arguments)."""
+    """Write `state` to `directory`: an HF directory (`to_hf`: safetensors, config, the tokenizer — or `files`, what
+    is saved in its place: a vision-language run's processor —, generation config with the template's end-of-turn
+    token as EOS) or an orbax checkpoint of the whole state, which records the training `arguments` in its
+    metadata (as EasyDeL's checkpoint keeps its arguments)."""
     metadata = None if to_hf or arguments is None else {"arguments": js.to_jsonable(arguments.to_dict())}
     return js.save_pretrained(
         state,
         os.fspath(directory),
         to_hf=to_hf,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer if files is None else files,
         generation_config=hf_generation_fields(state.model.config, tokenizer),
         metadata=metadata,
         **options,
@@ -103,7 +111,8 @@ class Exporter:
     write by default (setting the run up if needed), `tokenizer()` the run's tokenizer, `arguments()` the
     training arguments, `directory()` the run's `save_directory`, `facts()` what the report shows
     (`write_report`'s fields, with `identity`, `dataset_train` and `dataset_eval`), and `base()` where the
-    run's model came from (a PEFT adapter's `base_model_name_or_path`; None: unknown)."""
+    run's model came from (a PEFT adapter's `base_model_name_or_path`; None: unknown), `files()` what an HF export
+    writes beside the weights (default the tokenizer; a vision-language run's processor)."""
 
     def __init__(
         self,
@@ -114,8 +123,10 @@ class Exporter:
         directory: Callable[[], Path],
         facts: Callable[[], dict[str, Any]],
         base: Callable[[], str | None] = lambda: None,
+        files: Callable[[], Any] | None = None,
     ):
         self.current, self.tokenizer, self.arguments = current, tokenizer, arguments
+        self.files = files or tokenizer
         self.directory, self.facts, self.base = directory, facts, base
 
     def save_pretrained(
@@ -152,7 +163,13 @@ class Exporter:
             options["merge_adapters"] = True
         options["base_model"] = self.base()  # a PEFT adapter names its base, so PEFT's loaders find it
         return export(
-            state, save_directory, tokenizer=self.tokenizer(), to_hf=to_hf, arguments=self.arguments(), **options
+            state,
+            save_directory,
+            tokenizer=self.tokenizer(),
+            to_hf=to_hf,
+            arguments=self.arguments(),
+            files=self.files(),
+            **options,
         )
 
     def save_information(

@@ -49,6 +49,13 @@ class TokenizerSlot:
 
     def __init__(self, given: Any, source: Callable[[], tuple[str | None, Any]], match_bos: bool):
         self.value, self.source, self.match_bos, self.matched = given, source, match_bos, False
+        self.processor: Callable[[], Any] | None = None  # a vision-language run's processor (its tokenizer this one)
+
+    def files(self) -> Any:
+        """What the run's directory and its exports keep of it: the processor of a vision-language run (its
+        tokenizer, image processor and chat template: what transformers' `AutoProcessor` and `jaxloom generate
+        --image` read back), else the tokenizer."""
+        return self.processor() if self.processor is not None else self.get()
 
     def start(self, pool: ThreadPoolExecutor) -> None:
         """Load the default tokenizer on `pool` when none was given (nothing when one is there)."""
@@ -158,7 +165,7 @@ class Setup:
             self.configure_dataloaders()
             self.configure_model()
         if self.is_process_zero:  # what rebuilds the run from its directory, once the run is known to be valid
-            directory.write_run_files(self.run_config(), self.tokenizer_slot.get())
+            directory.write_run_files(self.run_config(), self.tokenizer_slot.files())
         self.done = True
 
     # ---- compiling ------------------------------------------------------------------------------------

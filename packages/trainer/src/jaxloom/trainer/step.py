@@ -54,6 +54,7 @@ def token_loss(state: TrainState, params, batch, cfg: StepConfig):
         segment_ids=seg,
         block_size=cfg.loss_block_size,
         data_shards=cfg.data_shards,
+        inputs={k: batch[k] for k in MODEL_INPUTS if k in batch},
     )
     if head is not None:
         loss_sum, correct = linear_cross_entropy(
@@ -78,6 +79,11 @@ def token_loss(state: TrainState, params, batch, cfg: StepConfig):
     return loss_sum, sums
 
 
+MODEL_INPUTS = ("pixel_values", "token_type_ids")
+"""Batch keys the model reads beside the tokens, under transformers' names: a vision-language model's rows' images
+(`pixel_values [B, K, C, S, S]`, each row's image slots) and the processor's `token_type_ids`."""
+
+
 class FusedHead(NamedTuple):
     """What a fused output layer and loss read: the final `hidden [B, T, D]`, the output `kernel [D, V]`,
     `targets` and `weight [B, T]` (position t predicts `targets[:, t]`; the last position has weight 0),
@@ -98,15 +104,18 @@ class FusedHead(NamedTuple):
         return {"blocks": self.blocks, "dtype": self.dtype, "precision": self.precision, "softcap": self.softcap}
 
 
-def forward_for_loss(model, ids, weight, *, positions, segment_ids, block_size: int, data_shards: int, routing=None):
+def forward_for_loss(
+    model, ids, weight, *, positions, segment_ids, block_size: int, data_shards: int, routing=None, inputs=None
+):
     """Run `model` on `ids [B, T]` for a loss over next-token targets with `weight [B, T-1]`: `(out, head)`.
     When `block_size > 0` and the model can stop before its output layer (jaxloom's causal LMs, and
     subclasses that keep the call signature), `out` has no logits and `head` is the `FusedHead` for a fused
     loss in blocks of at most `block_size` positions per data shard (`data_shards`: how many ways the rows
     are split); otherwise `out` has the logits and `head` is None. `positions` and `segment_ids` go to the
-    model, and `routing` (MoE routing replay, `[L, B, T, k]`) when given."""
+    model, and `routing` (MoE routing replay, `[L, B, T, k]`) and `inputs` (more of the model's arguments by name:
+    `MODEL_INPUTS`) when given."""
     fusable = hasattr(model, "output_projection") and "return_hidden" in inspect.signature(model.__call__).parameters
-    replay = {} if routing is None else {"routing": routing}
+    replay = {**(inputs or {}), **({} if routing is None else {"routing": routing})}
     if block_size <= 0 or not fusable:
         return model(ids, positions=positions, segment_ids=segment_ids, **replay), None
     out = model(ids, positions=positions, segment_ids=segment_ids, return_hidden=True, **replay)

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 
 from flax import nnx
 
+import jaxloom.data as jd
 import jaxloom.models as jmod
 import jaxloom.state as js
 from jaxloom.mesh import MeshConfig
@@ -155,6 +156,10 @@ class BaseTrainer(ReferenceSurface):
         self.parts = components.Parts.of(type(self))  # the components, built on first use
         self._model_given: nnx.Module | str = model if model is not None else model_state.model  # type: ignore[union-attr]
         self._state_in = model_state
+        # a transformers processor (TRL's `processing_class` for a vision-language model): its tokenizer is the run's
+        self._processor = processing_class if hasattr(processing_class, "image_processor") else None
+        if self._processor is not None:
+            processing_class = processing_class.tokenizer
         self._tokenizer = TokenizerSlot(
             processing_class, lambda: (self._model_source, self._model_given), self.MATCH_BOS
         )
@@ -242,8 +247,34 @@ class BaseTrainer(ReferenceSurface):
         return Objective()
 
     def data_spec(self) -> DataSpec:
-        """What this trainer reads and feeds its step: next-token rows of `max_sequence_length` tokens."""
-        return DataSpec.tokens(self.arguments)
+        """What this trainer reads and feeds its step: next-token rows of `max_sequence_length` tokens; for a
+        vision-language model (one with an `image_shape`: Gemma 3), TRL's image records, one a row with its images
+        (`DataSpec.with_images`, `max_images_per_row` of them at most)."""
+        return self.with_images(DataSpec.tokens(self.arguments))
+
+    def with_images(self, spec: DataSpec) -> DataSpec:
+        """`spec` for this run's model: TRL's image records (`DataSpec.with_images`) when it reads images (an
+        `image_shape`: Gemma 3), read by `image_processor()`, which the run's directory and exports then keep;
+        else `spec` as it is."""
+        model = self._model_in
+        if not hasattr(model, "image_shape"):
+            return spec
+        self._tokenizer.processor = self.image_processor
+        return spec.with_images(model, self.arguments.max_images_per_row, self.image_processor)
+
+    def image_processor(self) -> Any:
+        """transformers' processor of a vision-language model's rows: the one given (`processing_class`), else the
+        model directory's own (`jaxloom.data.load_model_processor`), its tokenizer the run's."""
+        if self._processor is None:
+            source = self._model_source or jmod.pretrained_source(self._model_in)
+            if source is None:
+                raise ValueError(
+                    f"{type(self._model_in).__name__} reads images, and no processor was given (processing_class) "
+                    "nor is the model read from a directory holding one; expected transformers' AutoProcessor"
+                )
+            self._processor = jd.load_model_processor(source)
+        self._processor.tokenizer = self.tokenizer
+        return self._processor
 
     def data_metrics(self, step: int | None = None) -> dict[str, float]:
         """Metrics of the data read so far, added to the log row of `step`: a mixture's shares, the bad
