@@ -301,6 +301,9 @@ RUN_LEVEL = {
         for name in ("completion_only_loss", "assistant_only_loss")
     },
     "max_images_per_row": "test_vlm_sft.py::test_bad_image_records_are_one_error_before_step_1",
+    "lora_exclude_modules": (
+        "test_vlm_sft.py::test_lora_on_images_adapts_the_language_model_unless_lora_exclude_modules_says_otherwise"
+    ),
     "overwrite_output_dir": (
         "../../../tests/reliability/test_run_directory.py::test_an_earlier_run_is_never_replaced_silently"
     ),

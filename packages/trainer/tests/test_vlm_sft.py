@@ -190,3 +190,45 @@ def test_dpo_step_one_equals_trls_dpo_trainer_on_image_pairs(g3_dir, tmp_path):
     for k in keys:
         np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-4, atol=1e-6, err_msg=k)
     assert abs(ours["rewards/margins"]) > 1e-3  # the models differ: a non-trivial case
+
+
+def test_an_image_run_stopped_and_resumed_ends_bitwise_equal(g3_dir, tmp_path):
+    """Four steps in one run, or two then two more resumed from the step-2 checkpoint: the same parameters, bit for
+    bit (the data position, images included, is saved with the state; a constant schedule, as the two runs' lengths
+    differ)."""
+    from util import params_of
+
+    _, path = g3_dir
+    train = captions(tmp_path / "img", 24, 4)
+
+    def run(where, steps, **kw):
+        settings = arguments(
+            where, max_training_steps=steps, save_steps=2, learning_rate=1e-2, scheduler="constant", **kw
+        )
+        trainer = Trainer(settings, str(path), dataset_train=train)
+        trainer.train()
+        return params_of(trainer.state)
+
+    whole = run(tmp_path / "whole", 4)
+    run(tmp_path / "parts", 2)
+    resumed = run(tmp_path / "parts", 4, resume_if_possible=True)
+    assert sorted(whole) == sorted(resumed)
+    for k in whole:
+        np.testing.assert_array_equal(whole[k], resumed[k], err_msg=k)
+
+
+@pytest.mark.parametrize("exclude", [None, ()], ids=["language-model-only", "with-the-tower"])
+def test_lora_on_images_adapts_the_language_model_unless_lora_exclude_modules_says_otherwise(g3_dir, tmp_path, exclude):
+    """A LoRA run on image rows: by default (`lora_exclude_modules` None) the adapters go on the language model only,
+    as PEFT's `exclude_modules` default for the model says; `lora_exclude_modules=()` adapts the tower too. Only the
+    adapters move."""
+    from flax import nnx
+
+    _, path = g3_dir
+    settings = arguments(tmp_path / "run", use_peft=True, lora_target_modules="all-linear", learning_rate=1e-2,
+                         lora_exclude_modules=exclude)  # fmt: skip
+    trainer = Trainer(settings, str(path), dataset_train=captions(tmp_path / "img", 8, 5))
+    trainer.train()
+    adapted = {p[0] for p, v in nnx.iter_graph(trainer.state.model) if isinstance(v, nnx.Param) and p[-1] == "lora_a"}
+    # the projector's weight is a bare matrix (as in transformers: no Linear for PEFT to adapt either)
+    assert adapted == ({"model"} if exclude is None else {"model", "vision_tower"})

@@ -478,6 +478,11 @@ class AdapterArgs(SettingsGroup):
         description="LoRA on MoE experts (PEFT's target_parameters): transformers' stacked expert weights, "
         "mlp.experts.gate_up_proj,mlp.experts.down_proj (None: the experts stay frozen)",
     )
+    lora_exclude_modules: tuple[str, ...] | str | None = Field(
+        None,
+        description="LoRA: modules left out (PEFT's exclude_modules: names, or a regular expression on transformers' "
+        "module names); None: the model's default (a vision-language model's tower and projector), () none",
+    )
     use_rslora: bool = Field(False, description="LoRA: rank-stabilised scale lora_alpha / sqrt(lora_r)")
     load_in_8bit: bool = Field(False, description="QLoRA: the frozen base stored int8 (a scale per output column)")
     load_in_4bit: bool = Field(False, description="QLoRA: the frozen base stored 4-bit (bnb_4bit_quant_type)")
@@ -531,6 +536,7 @@ class AdapterArgs(SettingsGroup):
             quantize=quantize,
             target_parameters=self.lora_target_parameters or (),
             dropout=self.lora_dropout,
+            exclude_modules=self.lora_exclude_modules,
         )
 
 
