@@ -232,3 +232,66 @@ def test_lora_on_images_adapts_the_language_model_unless_lora_exclude_modules_sa
     adapted = {p[0] for p, v in nnx.iter_graph(trainer.state.model) if isinstance(v, nnx.Param) and p[-1] == "lora_a"}
     # the projector's weight is a bare matrix (as in transformers: no Linear for PEFT to adapt either)
     assert adapted == ({"model"} if exclude is None else {"model", "vision_tower"})
+
+
+def low_for_red(prompts, completions, colour, **kwargs):
+    """An image-dependent reward: for a red square, the share of a completion's words from the lower half of the
+    vocabulary (`w5` … `w54`); for a blue one, from the upper half. The prompt's text is the same for both: a
+    policy that does not see the image cannot beat 0.5 on average."""
+    import re
+
+    out = []
+    for completion, name in zip(completions, colour, strict=True):
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        words = [int(n) for n in re.findall(r"w(\d+)", text)]
+        low = float(np.mean([n < 55 for n in words])) if words else 0.5
+        out.append(low if name == "red" else 1.0 - low)
+    return out
+
+
+def test_grpo_with_image_prompts_learns_an_image_dependent_reward(g3_dir, tmp_path):
+    """GRPO on chat prompts that show a square (TRL's `images` column): each prompt's group of completions shares one
+    prefill with its image, the train step reads the images too, and the reward — which only the image decides — is
+    learnt."""
+    from jaxloom.trainer import GRPOConfig, GRPOTrainer
+
+    _, path = g3_dir
+    squares = captions(tmp_path / "img", 16, 6)
+    records = [
+        {"prompt": [{"role": "user", "content": "w7 w8"}], "images": r["images"], "colour": r["messages"][1]["content"]}
+        for r in squares
+        if r["messages"][1]["content"] != "green"
+    ]
+    args = GRPOConfig(num_generations=8, total_batch_size=16, max_completion_length=4, learning_rate=5e-3,
+                      max_training_steps=40, warmup_steps=0, **quiet(tmp_path / "run"))  # fmt: skip
+    trainer = GRPOTrainer(args, model=str(path), dataset_train=records, reward_funcs=[low_for_red])
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["train/reward"] for r in rows if "train/reward" in r]
+    assert len(rewards) == 40  # measured (seed 0): steps 1-5 average 0.52, steps 36-40 0.94
+    assert np.mean(rewards[-5:]) > 0.8 and np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.2, rewards
+    # what was learnt follows the image: the trained policy's greedy words are low for a red square, high for blue
+    import jaxloom.data as jd
+    import jaxloom.generation as jg
+
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    shown = {}
+    for record in records:
+        shown.setdefault(record["colour"], jd.shown_prompt(record["prompt"], record["images"], processor)[1])
+    for colour, inputs in shown.items():
+        out = jg.generate(trainer.state.model, np.asarray(inputs["input_ids"]), None,
+                          jg.GenerationConfig(max_new_tokens=4, pad_token_id=0),
+                          pixel_values=np.asarray(inputs["pixel_values"]))  # fmt: skip
+        text = processor.tokenizer.decode(np.asarray(out.completion_ids)[0].tolist(), skip_special_tokens=True)
+        assert low_for_red(None, [text], [colour])[0] >= 0.75, (colour, text)
+    # what the image rollouts do not take yet is one error naming it, before any rollout; a cut would drop image tokens
+    with pytest.raises(
+        ValueError, match="image prompts are rolled out by the static sampler.*generation_backend='paged'"
+    ):
+        paged = GRPOConfig(num_generations=4, total_batch_size=8, generation_backend="paged", **quiet(tmp_path / "p"))
+        GRPOTrainer(paged, model=str(path), dataset_train=records, reward_funcs=[low_for_red]).train()
+    with pytest.raises(ValueError, match=r"dataset_train record \d+: its prompt shows images in \d+ tokens, more than"):
+        short = GRPOConfig(
+            num_generations=4, total_batch_size=8, max_prompt_length=4, max_completion_length=4, **quiet(tmp_path / "s")
+        )
+        GRPOTrainer(short, model=str(path), dataset_train=records, reward_funcs=[low_for_red]).train()

@@ -33,7 +33,16 @@ from .sources import (
 from .store_prepare import prepare
 from .store import TokenStore, is_store, tokenizer_hash
 from .synthetic import addition_records, exact_match
-from .tokenize import tokenize_image_pair, tokenize_image_record, tokenize_labelled, tokenize_pair, tokenize_record
+from .tokenize import (
+    record_images,
+    shown_pixels,
+    shown_prompt,
+    tokenize_image_pair,
+    tokenize_image_record,
+    tokenize_labelled,
+    tokenize_pair,
+    tokenize_record,
+)
 
 __all__ = [
     "DataConfig",
@@ -70,6 +79,9 @@ __all__ = [
     "match_bos",
     "process_messages_data",
     "prepare",
+    "record_images",
+    "shown_pixels",
+    "shown_prompt",
     "process_sample_data",
     "to_global",
     "tokenize_image_pair",

@@ -162,13 +162,11 @@ def tokenize_image_pair(record: dict[str, Any], processor: Any, config) -> tuple
             f"preference record with images has no {' or '.join(map(repr, missing))} column; expected {pc!r} (where "
             f"the images are shown), {cc!r} and {rc!r}; columns present: {sorted(record)}"
         )
-    column = config.images_column
-    images = [open_image(v, f"column {column!r} image {i}") for i, v in enumerate(record_images(record, column))]
     tokenizer = processor.tokenizer
     prompt, completions = record[pc], [record[cc], record[rc]]
+    prompt_text, shown, prompt = shown_prompt(prompt, record_images(record, config.images_column), processor,
+                                              config.images_column)  # fmt: skip
     if isinstance(prompt, list):
-        prompt = multimodal_messages(prompt, len(images))
-        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         texts = []
         for name, completion in ((cc, completions[0]), (rc, completions[1])):
             if not isinstance(completion, list):
@@ -181,12 +179,7 @@ def tokenize_image_pair(record: dict[str, Any], processor: Any, config) -> tuple
                 )
             texts.append(whole[len(prompt_text) :])
     else:
-        prompt_text, texts = prompt, list(completions)
-    try:
-        shown = processor(text=[prompt_text], images=[images] if images else None, return_tensors="np",
-                          add_special_tokens=False)  # fmt: skip
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"the processor rejected the record's prompt and {len(images)} image(s) ({e})") from None
+        texts = list(completions)
     p = np.asarray(shown["input_ids"][0], np.int32)
     p_types = np.asarray(shown.get("token_type_ids", np.zeros((1, len(p))))[0], np.int32)
     length, out = config.max_sequence_length, []
@@ -204,9 +197,37 @@ def tokenize_image_pair(record: dict[str, Any], processor: Any, config) -> tuple
             c = c[: length - len(p)]
         out.append((np.concatenate([p, c]), np.concatenate([np.zeros(len(p), np.int32), np.ones(len(c), np.int32)]),
                     np.concatenate([p_types, np.zeros(len(c), np.int32)])))  # fmt: skip
-    pixels = np.asarray(shown["pixel_values"], np.float32) if images else np.zeros((0,), np.float32)
     (ci, cm, ct), (ri, rm, rt) = out
-    return ci, cm, ri, rm, ct, rt, pixels
+    return ci, cm, ri, rm, ct, rt, shown_pixels(shown)
+
+
+def shown_prompt(prompt: Any, images: list[Any], processor: Any, column: str = "images") -> tuple[str, Any, Any]:
+    """`(text, processed, prompt)`: a prompt showing `images` (messages — the images placed as `multimodal_messages`
+    places them, rendered with the generation prompt — or text holding the processor's placeholders) through
+    transformers' `processor` as TRL's vision collators call it (no special tokens added: the template has them);
+    `processed` its outputs (`input_ids`, `pixel_values`, `token_type_ids` …), `prompt` as rendered. An image or
+    count the processor rejects is one error naming `column`."""
+    opened = [open_image(v, f"column {column!r} image {i}") for i, v in enumerate(images)]
+    if isinstance(prompt, list):
+        prompt = multimodal_messages(prompt, len(opened))
+        text = processor.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        raise ValueError(f"a prompt of type {type(prompt).__name__}; expected text or messages")
+    try:
+        out = processor(text=[text], images=[opened] if opened else None, return_tensors="np", add_special_tokens=False)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"the processor rejected the prompt and its {len(opened)} image(s) ({e})") from None
+    return text, out, prompt
+
+
+def shown_pixels(processed: Any) -> np.ndarray:
+    """The `pixel_values [n, C, S, S]` float32 of `processed`, a processor's outputs (`[0]` when it was shown no
+    image)."""
+    if "pixel_values" not in processed:
+        return np.zeros((0,), np.float32)
+    return np.asarray(processed["pixel_values"], np.float32)
 
 
 def _carried(plain: np.ndarray, plain_mask: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -272,7 +272,13 @@ class BaseTrainer(ReferenceSurface):
                     f"{type(self._model_in).__name__} reads images, and no processor was given (processing_class) "
                     "nor is the model read from a directory holding one; expected transformers' AutoProcessor"
                 )
-            self._processor = jd.load_model_processor(source)
+            try:
+                self._processor = jd.load_model_processor(source)
+            except ValueError as e:
+                raise ValueError(
+                    f"{type(self._model_in).__name__} reads images, so its rows are read through its processor: {e}; "
+                    "or give processing_class=transformers.AutoProcessor.from_pretrained(...)"
+                ) from None
         self._processor.tokenizer = self.tokenizer
         return self._processor
 

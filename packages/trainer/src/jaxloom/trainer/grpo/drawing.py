@@ -69,6 +69,7 @@ class Drawn:
     fields: dict[str, list] | None = None
     versions: np.ndarray | None = None
     seconds: float = 0.0
+    pixels: list[np.ndarray] | None = None  # a vision-language policy's rows: each row's prompt images
 
     def completed(self, completion, completion_mask, sampled, keep, routes=None, versions=None) -> None:
         """The completions (and `routes`, `[rows, prompt + completion columns, layers, k]`; `versions`, per completion
@@ -80,6 +81,16 @@ class Drawn:
         self.keep = None if keep is None else np.asarray(keep)[:, :width]
         self.routes = None if routes is None else np.asarray(routes)[:, : self.width + width]
         self.versions = None if versions is None else np.asarray(versions)[:, :width]
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagePrompts:
+    """A vision-language policy's prompt images: `pixels(records, where)` each prompt record's `[n, C, S, S]`, the
+    model's `image_token()` (whose positions the rows' `token_type_ids` mark), and the image `slots` of a row."""
+
+    pixels: Callable[[list[dict], Sequence[str]], list[np.ndarray]]
+    image_token: Callable[[], int]
+    slots: int
 
 
 def one_at_a_time(method: Callable) -> Callable:
@@ -98,7 +109,8 @@ class Drawer:
     through the `sampler` (or `engine(prompt_ids, prompt_mask, key) -> (completion_ids, completion_mask)`),
     completions ending at `stop_ids()`, decoded with `tokenizer()`, scored by `score(prompts, completions, columns,
     completion, completion_mask, where=)` (the batches component's: GRPO's rewards, RLOO's, none for
-    distillation)."""
+    distillation); `images`: a vision-language policy's prompt images (`ImagePrompts`; its prompts shown their
+    images in the one prefill of each group; None: text prompts)."""
 
     def __init__(
         self,
@@ -109,9 +121,10 @@ class Drawer:
         engine: Callable | None,
         stop_ids: Callable[[], tuple[int, ...]],
         score: Callable[..., tuple[dict[str, np.ndarray], dict[str, float]]],
+        images: ImagePrompts | None = None,
     ):
         self.rl, self.tokenizer, self.policy, self.sampler = rl, tokenizer, policy, sampler
-        self.engine, self.stop_ids, self.score = engine, stop_ids, score
+        self.engine, self.stop_ids, self.score, self.images = engine, stop_ids, score, images
         self.lock = threading.Lock()  # one rollout at a time on the sampler (a drawing thread, an evaluation)
 
     def prompt_rows(self, records: list[dict], encoded: list[np.ndarray], where: Sequence[str] | None) -> Drawn:
@@ -155,6 +168,13 @@ class Drawer:
         """`drawn`'s prompt rows from its rows' prompt tokens, each cut to `max_prompt_length` (its end kept: it
         leads into the reply; the prompts cut counted)."""
         cap, group, row_ids = self.rl.max_prompt_length, self.rl.num_generations, drawn.row_ids
+        if drawn.pixels is not None and cap is not None:  # an image's tokens are never cut
+            for ids, where in zip(row_ids[::group], drawn.where[::group], strict=True):
+                if len(ids) > cap:
+                    raise ValueError(
+                        f"{where}: its prompt shows images in {len(ids)} tokens, more than max_prompt_length {cap}; "
+                        "image tokens are never cut: raise max_prompt_length (or None)"
+                    )
         kept = [ids if cap is None else ids[-cap:] for ids in row_ids]
         self.lay_prompts(drawn, kept, sum(cap is not None and len(ids) > cap for ids in row_ids[::group]))
 
@@ -180,6 +200,8 @@ class Drawer:
         started = time.perf_counter()
         group = rl.num_generations
         drawn = self.prompt_rows(records, encoded, where)
+        if self.images is not None:
+            drawn.pixels = [p for p in self.images.pixels(records, drawn.where[::group]) for _ in range(group)]
         tools, row_tools = self.environment_rows(drawn, records, slot)
         custom = self.policy.rollout()
         keep, routes = None, None
@@ -200,6 +222,12 @@ class Drawer:
         elif self.engine is not None:  # an external engine: the prompt rows as they are trained on, no log-probs
             completion, completion_mask = self.engine(prompt, prompt_mask, key)
             sampled = None
+        elif drawn.pixels is not None:  # images: one prefill per prompt and its images, shared by its group
+            pixels = np.concatenate([p for p in drawn.pixels[::group] if len(p)] or [np.zeros((0,), np.float32)])
+            completion, completion_mask, sampled = self.sampler.generate(
+                prompt[::group], prompt_mask[::group], key, model=model, max_new_tokens=budget,
+                pixel_values=pixels if len(pixels) else None,
+            )  # fmt: skip
         elif _grouped(prompt, prompt_mask, group):  # one prefill per prompt, shared by its group
             self.sampler.keep_pages = tools is not None  # the paged engine then keeps each row's pages for tool turns
             completion, completion_mask, sampled = self.sampler.generate(
@@ -316,6 +344,9 @@ class Drawer:
         }
         if drawn.routes is not None:  # an MoE sampler's experts per token (`routing_replay`)
             rows["routes"] = drawn.routes
+        if drawn.pixels is not None:  # each row's prompt images in its slots, its image tokens' types
+            assert self.images is not None
+            rows.update(image_rows(drawn.pixels, ids, self.images.image_token(), self.images.slots))
         lengths = (completion_mask if keep is None else completion_mask * keep).sum(axis=1)  # the model's tokens (TRL)
         metrics = {
             **score_metrics,
@@ -329,6 +360,19 @@ class Drawer:
             metrics.update(drawn.turns.metrics())
         sampled = drawn.sampled
         return rows, metrics, (None if sampled is None else np.where(completion_mask > 0, sampled, 0.0))
+
+
+def image_rows(pixels: list[np.ndarray], ids: np.ndarray, image_token: int, slots: int) -> dict[str, np.ndarray]:
+    """A rollout's rows' images as the train step reads them: `pixel_values [B, slots, C, S, S]` (each row's
+    prompt images in its first slots) and `token_type_ids [B, L]` (1 on `image_token`, as the processor marks
+    them). A prompt with more images than `slots` is one error."""
+    shape = next((p.shape[1:] for p in pixels if len(p)), None)
+    out = np.zeros((len(pixels), slots, *(shape or (0,))), np.float32)
+    for i, p in enumerate(pixels):
+        if len(p) > slots:
+            raise ValueError(f"a prompt shows {len(p)} images; a row holds at most {slots} (max_images_per_row)")
+        out[i, : len(p)] = p
+    return {"pixel_values": out, "token_type_ids": (ids == image_token).astype(np.int32)}
 
 
 def check_saveable(fields: dict[str, list]) -> None:

@@ -292,7 +292,20 @@ class RewardedRollouts(SamplingKind):
                 "experts; expected a mixture-of-experts model (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS) or "
                 "routing_replay = false"
             )
-        return DataSpec(row_width=width, settings={}, extra=extra)
+        spec = DataSpec(row_width=width, settings={}, extra=extra)
+        if hasattr(self.model, "image_shape"):  # image prompts, shown in each group's one prefill
+            given = {"rollout_engine": self.rollout_engine, "tools": a.rl.tools, "rollout_func": a.rl.rollout_func,
+                     "environment_factory": a.rl.environment_factory}  # fmt: skip
+            unsupported = [n for n, v in given.items() if v]
+            if unsupported or a.rl.max_staleness or a.rl.generation_backend != "static":
+                raise ValueError(
+                    f"{type(self.model).__name__}'s image prompts are rolled out by the static sampler, synchronously "
+                    "and without tools, environments, a rollout_func or a rollout_engine (so far); got "
+                    f"{unsupported + (['max_staleness'] if a.rl.max_staleness else [])} "
+                    f"generation_backend={a.rl.generation_backend!r}"
+                )
+            spec = self.with_images(spec)
+        return spec
 
     def evaluate(self, state: js.TrainState | None = None, metric_calculator=None) -> dict[str, float]:
         """GRPO's evaluation pass (TRL's): completions of the held-out prompts (`dataset_eval`) sampled from

@@ -24,7 +24,7 @@ def token_logps(model, batch, temperature: float, *, block_size: int = 0, data_s
     (`jaxloom.models.linear_token_log_probs`): no `[B, L, V]` logits in the step or the rollout. With `replay`
     and the sampler's experts in the batch (`ROUTES`), the forward sends each token where sampling did (MoE routing
     replay)."""
-    from ..step import forward_for_loss
+    from ..step import MODEL_INPUTS, forward_for_loss
 
     ids = batch["input_ids"]
     weight = jnp.ones((ids.shape[0], ids.shape[1] - 1), jnp.float32)
@@ -37,6 +37,7 @@ def token_logps(model, batch, temperature: float, *, block_size: int = 0, data_s
         block_size=block_size,
         data_shards=data_shards,
         routing=jnp.transpose(batch[ROUTES], (2, 0, 1, 3)).astype(jnp.int32) if replay and ROUTES in batch else None,
+        inputs={k: batch[k] for k in MODEL_INPUTS if k in batch},  # a vision-language policy's images
     )
     if head is not None:
         from jaxloom.models import linear_token_log_probs

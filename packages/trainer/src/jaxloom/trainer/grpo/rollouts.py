@@ -18,10 +18,10 @@ import jaxloom.data as jd
 from jaxloom.mesh import MeshConfig
 
 from ..batches import Batches, DataSpec
-from ..step import STOP_KEY
+from ..step import MODEL_INPUTS, STOP_KEY
 from .loss import ADV, OLD, REF, ROUTES, SAMPLED
 from .rewards import advantages, call_reward, concurrently, is_async, reward_name
-from .drawing import Drawer, Drawn, prompt_of, row_buckets
+from .drawing import Drawer, Drawn, ImagePrompts, prompt_of, row_buckets
 from .ahead import RolloutDraws
 from .pipeline import Pipeline
 from .sampler import Sampler
@@ -168,7 +168,14 @@ class Rollouts(Batches):
         self._stop_ids: tuple[int, ...] | None = None
         layout = MeshConfig(arguments.sharding_axis_dims, arguments.sharding_axis_names)  # a sampling mesh's
         self.sampler = Sampler(self.rl, lambda: policy.state().model, tokenizer, self.stop_ids, mesh, layout)
-        self.drawer = Drawer(self.rl, tokenizer, policy, self.sampler, engine, self.stop_ids, self.score)
+        images = None
+        if spec.processor is not None:  # a vision-language policy (`DataSpec.with_images`)
+            images = ImagePrompts(
+                self.prompt_images,
+                lambda: policy.state().model.config.image_token_index,
+                spec.extra["pixel_values"][0][0],
+            )
+        self.drawer = Drawer(self.rl, tokenizer, policy, self.sampler, engine, self.stop_ids, self.score, images)
         self._eval: tuple[list[dict], list[np.ndarray]] | None = None
         self.draws = RolloutDraws(  # how each rollout is drawn, and drawn ahead (max_staleness >= 1)
             self.rl,
@@ -214,6 +221,8 @@ class Rollouts(Batches):
         prompts = [prompt_of(r) for r in records]
         chat = isinstance(prompts[0], list)
         tools, envs = self.policy.tools(), self.policy.environments()
+        if self.spec.processor is not None:  # a vision-language policy: its prompts as its processor shows them
+            return [list(self.shown(r, f"{source} record {i}")["input_ids"][0]) for i, r in enumerate(records)]
         if tools is None and envs is None:
             return jd_encode(self.tokenizer(), prompts, chat)
         if not chat:
@@ -225,6 +234,20 @@ class Rollouts(Batches):
             return [tools.encode(p) for p in prompts]
         names = envs.names(records, source)
         return [envs.toolset(n).encode(p) for n, p in zip(names, prompts, strict=True)]
+
+    def shown(self, record: dict, where: str) -> Any:
+        """`record`'s prompt and images (TRL's `images` / `image`) through the policy's processor
+        (`jaxloom.data.shown_prompt`); an error names `where`."""
+        processor = self.spec.processor
+        assert processor is not None  # only a vision-language policy's rollouts show images
+        try:
+            return jd.shown_prompt(prompt_of(record), jd.record_images(record, "images"), processor())[1]
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def prompt_images(self, records: list[dict], where: Sequence[str]) -> list[np.ndarray]:
+        """Each prompt record's pixels `[n, C, S, S]` (made again for each rollout: a run holds no dataset's pixels)."""
+        return [jd.shown_pixels(self.shown(r, w)) for r, w in zip(records, where, strict=True)]
 
     def longest_prompt(self) -> int:
         """The widest prompt a step can hold: `max_prompt_length`, or (None) the longest prompt of the data."""
@@ -396,6 +419,9 @@ class Rollouts(Batches):
         batch = {k: self._put(rows[k][None]) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
         for key, (shape, _) in self.spec.extra.items():  # one value per row: the advantage (RLOO: the reward)
             if shape == () and key in rows:
+                batch[key] = self._put(rows[key][None])
+        for key in MODEL_INPUTS:  # a vision-language policy's images, and its image tokens' types
+            if key in rows:
                 batch[key] = self._put(rows[key][None])
         b, length = rows["input_ids"].shape
         zeros = np.zeros((1, b, length), np.float32)

@@ -228,6 +228,7 @@ class Sampler:
         group: int | None = None,
         max_new_tokens: int | None = None,
         model: Any = None,
+        pixel_values: Any = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Generation with the policy's current weights, on the training mesh: `num_generations` (or
         `group`) completions of at most `max_completion_length` (or `max_new_tokens`) tokens of each prompt row (one
@@ -235,7 +236,9 @@ class Sampler:
         completion_logps)` with rows `i * num_generations + j`. `model`: another state's model to sample (an
         evaluation of a given state), default `model()`. The static sampler records an MoE policy's experts per
         token of `[prompt | completion]` in `routes` (`[rows, P + N, layers, k]`, int16; None otherwise): what the
-        training forward replays (`routing_replay`) or measures itself against (`routing/disagreement`)."""
+        training forward replays (`routing_replay`) or measures itself against (`routing/disagreement`).
+        `pixel_values`: the prompts' images, in order (a vision-language policy's: the static sampler shows them in
+        each prompt's one prefill)."""
         import jaxloom.generation as jg
 
         rl, tok = self.rl, self.tokenizer()
@@ -255,6 +258,11 @@ class Sampler:
             key = moved(key, NamedSharding(self.mesh, PartitionSpec()))
         group = rl.num_generations if group is None else group
         self.routes = None
+        if getattr(rl, "generation_backend", "static") == "paged" and pixel_values is not None:
+            raise ValueError(
+                "generation_backend = 'paged' with image prompts: the paged engine reads no images yet; expected "
+                "generation_backend = 'static'"
+            )
         if getattr(rl, "generation_backend", "static") == "paged":
             self.paged = PagedRollout(model, prompt, mask, key, group, config, self.mesh, keep=self.keep_pages)
             self.keep_pages = False
@@ -262,8 +270,17 @@ class Sampler:
             self.routes = self.paged.routes
             return out
         routed = routes_shape(model.config) is not None  # an MoE policy: its experts are recorded
+        images = {} if pixel_values is None else {"pixel_values": pixel_values}
         out = jg.generate(
-            model, prompt, mask, config, mesh=self.mesh, rng=key, num_return_sequences=group, record_routes=routed
+            model,
+            prompt,
+            mask,
+            config,
+            mesh=self.mesh,
+            rng=key,
+            num_return_sequences=group,
+            record_routes=routed,
+            **images,
         )
         self.routes = None if out.routes is None else np.asarray(out.routes)
         return np.asarray(out.completion_ids), np.asarray(out.completion_mask), np.asarray(out.completion_logps)
