@@ -55,3 +55,28 @@ def test_the_image_processor_of_a_model_directory(tmp_path, picture):
     direct = processor(images=[Image.open(picture).convert("RGB")], return_tensors="np")
     assert np.array_equal(pixels, direct["pixel_values"]) and grid.tolist() == direct["image_grid_thw"].tolist()
     assert pixels.shape == (int(grid.prod()), 3 * 2 * 4 * 4)
+
+
+def test_records_with_images_for_rows_that_read_none_are_refused(picture, tmp_path):
+    """A text model's rows (no processor, `max_images` 0) would drop a record's images without a word: SFT, DPO and
+    KTO records that hold images are one error naming the column (TRL refuses such data too); empty lists pass.
+    Small files are checked before a run starts (`first_bad_record`)."""
+    tok = jd.load_processor()
+    config = jd.DataConfig(max_sequence_length=32, packing=False)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    for record, tokenize in (
+        ({"messages": chat, "images": [str(picture)]}, jd.tokenize_record),
+        ({"text": "a cat", "image": str(picture)}, jd.tokenize_record),
+        ({"prompt": "p", "chosen": " a", "rejected": " b", "images": [str(picture)]}, jd.tokenize_pair),
+    ):
+        with pytest.raises(ValueError, match=r"column 'images' holds 1 image\(s\), and this run's model reads none"):
+            tokenize(record, tok, config)
+    labelled = jd.DataConfig(max_sequence_length=32, packing=False, label_column="label")
+    with pytest.raises(ValueError, match="reads none"):
+        jd.tokenize_labelled(
+            {"prompt": "p", "completion": " a", "label": True, "images": [str(picture)]}, tok, labelled
+        )
+    assert len(jd.tokenize_record({"messages": chat, "images": []}, tok, config)[0])  # no images: read as text
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b", "images": ["%s"]}\n' % picture)
+    assert "d.jsonl:2: column 'images' holds 1 image(s)" in jd.first_bad_record(str(path), config)

@@ -745,3 +745,11 @@ def test_the_samplers_correction_takes_effect_in_a_run(tmp_path):
             reward_funcs=[letter_e],
             rollout_engine=lambda prompt, mask, key: (prompt, mask),
         )
+
+
+def test_prompts_with_images_for_a_policy_that_reads_none_are_refused_before_step_1(tmp_path):
+    """A text policy would be shown none of a prompt's images (TRL refuses such data too): one error naming the
+    record, before any rollout."""
+    records = [*RECORDS[:3], {**RECORDS[3], "images": ["cat.png"]}]
+    with pytest.raises(ValueError, match=r"dataset_train record 3: column 'images' holds 1 image\(s\), and this run"):
+        grpo_trainer(tmp_path, records=records, max_training_steps=1).train()

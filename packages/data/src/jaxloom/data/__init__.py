@@ -35,6 +35,7 @@ from .store import TokenStore, is_store, tokenizer_hash
 from .synthetic import addition_records, exact_match
 from .tokenize import (
     record_images,
+    refuse_images,
     shown_pixels,
     shown_prompt,
     tokenize_image_pair,
@@ -80,6 +81,7 @@ __all__ = [
     "process_messages_data",
     "prepare",
     "record_images",
+    "refuse_images",
     "shown_pixels",
     "shown_prompt",
     "process_sample_data",

@@ -68,6 +68,21 @@ def record_images(record: dict[str, Any], column: str) -> list[Any]:
     return [] if record.get("image") is None else [record["image"]]
 
 
+def refuse_images(record: Any, column: str = "images", max_images: int = 0) -> None:
+    """One error when `record` holds images (`column`, or `image`) and its rows read none (`max_images` 0: a text
+    model, or one whose image rows do not train yet): trained on, its images would be dropped without a word (TRL
+    refuses such data for a model that reads no images too)."""
+    if max_images or not isinstance(record, dict):
+        return
+    images = record_images(record, column)
+    if images:
+        raise ValueError(
+            f"column {column!r} holds {len(images)} image(s), and this run's model reads none (a text model, or "
+            "one whose image rows do not train yet: Qwen2.5-VL); expected records without images, or a model that "
+            "reads them (Gemma 3)"
+        )
+
+
 def multimodal_messages(messages: list[dict], images: int) -> list[dict]:
     """`messages` with their `images` placed as TRL's `prepare_multimodal_messages` places them: a conversation of
     plain-text turns gets `images` `{"type": "image"}` blocks before the first user turn's text (every turn's text
@@ -310,6 +325,7 @@ def check_record(record: Any, config) -> None:
         raise ValueError(f"a record must be an object, got {type(record).__name__}")
     if "input_ids" in record:
         return
+    refuse_images(record, getattr(config, "images_column", "images"), getattr(config, "max_images", 0))
     if getattr(config, "max_images", 0):
         _check_images(record, config)
     if config.messages_column in record:
@@ -480,6 +496,7 @@ def tokenize_pair(record: dict[str, Any], tokenizer, config) -> tuple[np.ndarray
     A bad record is a ValueError saying what is wrong: a column missing, text mixed with messages, an
     empty completion, or a prompt that leaves no completion token within the length."""
     cc, rc, pc = config.chosen_column, config.rejected_column, config.prompt_column
+    refuse_images(record, getattr(config, "images_column", "images"))
     missing = [c for c in (cc, rc) if c not in record or record[c] is None]
     if missing:
         raise ValueError(
@@ -546,6 +563,7 @@ def tokenize_labelled(record: dict[str, Any], tokenizer, config) -> tuple[np.nda
     pc, cc, lc = config.prompt_column, config.completion_column, config.label_column
     if not isinstance(record, dict):
         raise ValueError(f"an unpaired preference record must be an object, got {type(record).__name__}")
+    refuse_images(record, getattr(config, "images_column", "images"))
     if config.chosen_column in record and config.rejected_column in record:
         raise ValueError(
             f"a preference pair ({config.chosen_column!r}/{config.rejected_column!r}); expected unpaired records "

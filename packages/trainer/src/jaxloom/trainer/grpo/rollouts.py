@@ -189,9 +189,17 @@ class Rollouts(Batches):
 
     # ---- what the core asks of the batches ----------------------------------------------------------------
     def prompt_records(self) -> list[dict]:
-        """The prompt records, read once and checked: each has a `prompt` (text or chat messages)."""
+        """The prompt records, read once and checked: each has a `prompt` (text or chat messages), and images only
+        for a policy that reads them."""
         if self.records is None:
-            self.records = _prompt_records(self.dataset_train, "dataset_train", self.policy.environments() is not None)
+            records = _prompt_records(self.dataset_train, "dataset_train", self.policy.environments() is not None)
+            if self.spec.processor is None:  # a policy that reads no images: a record's images would be dropped
+                for i, record in enumerate(records):
+                    try:
+                        jd.refuse_images(record)
+                    except ValueError as e:
+                        raise ValueError(f"dataset_train record {i}: {e}") from None
+            self.records = records
         return self.records
 
     def stop_ids(self) -> tuple[int, ...]:
